@@ -1,0 +1,294 @@
+"""The model config: one dataclass, translated from and to HF ``config.json``.
+
+``config.json`` is read as data (``auto_map`` / remote code is never executed). Every field is either understood,
+passed through because it cannot change the numbers (token ids, ``use_cache``...), or an error: a field we do not know
+could change the math, so it is never dropped silently.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+# model_type -> HF architecture written back on export
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+# Fields that are part of PretrainedConfig's generic surface or tokenizer/generation bookkeeping: they never change the
+# forward pass, so they are carried through unchanged.
+_PASSTHROUGH = {
+    "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "torch_dtype", "dtype", "transformers_version", "_name_or_path", "initializer_range", "use_cache",
+    "pretraining_tp", "attention_dropout", "tokenizer_class", "output_attentions", "output_hidden_states",
+    "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
+    "torchscript", "use_return_dict", "prefix", "task_specific_params", "finetuning_task", "max_length",
+    "rope_interleave", "_attn_implementation_autoset", "model_type",
+}
+# Fields we interpret (per family); anything outside these and _PASSTHROUGH is refused.
+_COMMON = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "rope_parameters", "tie_word_embeddings", "head_dim",
+}
+_FAMILY_FIELDS = {
+    "llama": _COMMON | {"attention_bias", "mlp_bias"},
+    "mistral": _COMMON | {"sliding_window"},
+    "qwen2": _COMMON | {"sliding_window", "use_sliding_window", "max_window_layers", "use_mrope", "layer_types"},
+}
+
+# Refuse absurd sizes before anything is allocated (a corrupt or hostile config.json).
+_LIMITS = {
+    "vocab_size": 1 << 24, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 1 << 12,
+    "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "head_dim": 1 << 12,
+    "max_position_embeddings": 1 << 26,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Megatron-Core's view of a decoder-only transformer (names follow TransformerConfig where one exists)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    max_position_embeddings: int
+    norm_epsilon: float
+    rotary_base: float
+    rope_scaling: dict | None = None  # HF rope parameters without rope_theta, e.g. {"rope_type": "llama3", ...}
+    tie_word_embeddings: bool = False
+    add_qkv_bias: bool = False
+    add_proj_bias: bool = False
+    add_mlp_bias: bool = False
+    sliding_window: int | None = None
+    params_dtype: str = "float32"  # torch dtype name of the source weights
+    make_vocab_size_divisible_by: int = 128
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # the source config.json, verbatim
+
+    # -- derived sizes ---------------------------------------------------------------------------------------------
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * tp."""
+        m = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    # -- (de)serialisation for the manifest ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"manifest model config: unknown field(s) {sorted(unknown)}")
+        return cls(**d)
+
+    # -- HF translation ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
+        """Translate an HF config dict. Raises ConfigError naming the field on anything unsupported."""
+        mt = hf.get("model_type")
+        if mt not in ARCHITECTURES:
+            raise ConfigError(f"{source}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        allowed = _FAMILY_FIELDS[mt] | _PASSTHROUGH
+        unknown = sorted(k for k in hf if k not in allowed)
+        if unknown:
+            raise ConfigError(f"{source}: unsupported field(s) {unknown} for model_type {mt!r}; "
+                              "shardkit refuses fields it cannot honour rather than dropping them")
+
+        def req(key: str) -> Any:
+            if key not in hf or hf[key] is None:
+                raise ConfigError(f"{source}: missing required field {key!r}")
+            return hf[key]
+
+        def integer(key: str, value: Any = None) -> int:
+            v = req(key) if value is None else value
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"{source}: {key} must be a positive integer, got {v!r}")
+            if key in _LIMITS and v > _LIMITS[key]:
+                raise ConfigError(f"{source}: {key}={v} exceeds the limit {_LIMITS[key]}; refusing to allocate it")
+            return v
+
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu', SwiGLU)")
+        hidden = integer("hidden_size")
+        heads = integer("num_attention_heads")
+        groups = integer("num_key_value_heads", hf.get("num_key_value_heads") or heads)
+        head_dim = hf.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads} "
+                                  "and no head_dim is given")
+            head_dim = hidden // heads
+        head_dim = integer("head_dim", head_dim)
+        if heads % groups:
+            raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+        if head_dim % 2:
+            raise ConfigError(f"{source}: head_dim {head_dim} must be even for rotary embeddings")
+
+        theta, scaling = _read_rope(hf, source)
+        if mt == "qwen2":
+            if hf.get("use_mrope"):
+                raise ConfigError(f"{source}: use_mrope=true (multimodal RoPE) is not supported")
+            if hf.get("use_sliding_window"):
+                raise ConfigError(f"{source}: use_sliding_window=true is not supported for qwen2")
+            lt = hf.get("layer_types")
+            if lt and any(t != "full_attention" for t in lt):
+                raise ConfigError(f"{source}: layer_types other than 'full_attention' are not supported")
+        window = hf.get("sliding_window") if mt == "mistral" else None
+        if window is not None:
+            window = integer("sliding_window", window)
+        eps = hf.get("rms_norm_eps", 1e-6)
+        if not isinstance(eps, (int, float)) or not (0 < eps < 1):
+            raise ConfigError(f"{source}: rms_norm_eps must be in (0, 1), got {eps!r}")
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"{source}: dtype {dtype!r} is not supported (float32, bfloat16, float16)")
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_type=mt,
+            num_layers=integer("num_hidden_layers"),
+            hidden_size=hidden,
+            ffn_hidden_size=integer("intermediate_size"),
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            kv_channels=head_dim,
+            vocab_size=integer("vocab_size"),
+            max_position_embeddings=integer("max_position_embeddings", hf.get("max_position_embeddings", 2048)),
+            norm_epsilon=float(eps),
+            rotary_base=theta,
+            rope_scaling=scaling,
+            # transformers' default for these families is untied
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            add_qkv_bias=(mt == "qwen2") or attention_bias,
+            add_proj_bias=attention_bias,
+            add_mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=window,
+            params_dtype=dtype,
+            hf_config=dict(hf),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir: str | Path) -> "ModelConfig":
+        path = Path(hf_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: missing config.json; is {hf_dir} a HuggingFace model directory?")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return cls.from_hf(data, source=str(path))
+
+    def to_hf(self, dtype: str | None = None) -> dict:
+        """The HF config.json: the source's own dict with every interpreted field rewritten from this config, in the
+        style the source used (``rope_scaling`` vs ``rope_parameters``, ``torch_dtype`` vs ``dtype``)."""
+        src = dict(self.hf_config)
+        out = dict(src) if src else {"architectures": [ARCHITECTURES[self.model_type]]}
+        out.update({
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.ffn_hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_query_groups,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.norm_epsilon,
+            "hidden_act": "silu",
+            "tie_word_embeddings": self.tie_word_embeddings,
+        })
+        if "head_dim" in src or self.kv_channels * self.num_attention_heads != self.hidden_size:
+            out["head_dim"] = self.kv_channels
+        if self.model_type == "llama":
+            out["attention_bias"] = self.add_proj_bias
+            out["mlp_bias"] = self.add_mlp_bias
+        if self.model_type == "mistral" and ("sliding_window" in src or self.sliding_window is not None):
+            out["sliding_window"] = self.sliding_window
+        # RoPE, in the source's style
+        if "rope_parameters" in src:
+            out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rotary_base}
+        else:
+            if "rope_theta" in src or self.rotary_base != 10000.0 or not src:
+                out["rope_theta"] = self.rotary_base
+            if self.rope_scaling is not None or "rope_scaling" in src:
+                out["rope_scaling"] = _rope_in_source_style(self.rope_scaling, src.get("rope_scaling"))
+        dkey = "dtype" if "dtype" in src and "torch_dtype" not in src else "torch_dtype"
+        out[dkey] = dtype or self.params_dtype
+        return out
+
+    def hf_transformers_config(self):
+        """A transformers config object for this model (used for RoPE tables and the HF oracle)."""
+        import transformers
+
+        d = self.to_hf()
+        cls = transformers.CONFIG_MAPPING[self.model_type]
+        return cls.from_dict(d)
+
+
+def _read_rope(hf: dict, source: str) -> tuple[float, dict | None]:
+    """Return (rope_theta, scaling-params-or-None) from rope_theta / rope_scaling / rope_parameters."""
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"{source}: rope_parameters must be an object")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ConfigError(f"{source}: rope_scaling must be an object or null")
+    theta = hf.get("rope_theta")
+    merged: dict = {}
+    if params:
+        merged.update(params)
+        theta = merged.pop("rope_theta", theta)
+    if scaling:
+        merged.update(scaling)
+    if "type" in merged:  # transformers-4 spelling
+        t = merged.pop("type")
+        merged.setdefault("rope_type", t)
+    rope_type = merged.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if theta is None:
+        theta = 10000.0
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    if rope_type != "default" and "factor" not in merged:
+        raise ConfigError(f"{source}: rope type {rope_type!r} needs a 'factor'")
+    return float(theta), (merged if rope_type != "default" else None)
+
+
+def _rope_in_source_style(scaling: dict | None, src_scaling: dict | None) -> dict | None:
+    """Write the scaling dict with the key the source used for its type (``type`` and/or ``rope_type``)."""
+    if scaling is None:
+        return None
+    out = dict(scaling)
+    rope_type = out.pop("rope_type")
+    src_scaling = src_scaling or {}
+    if "type" in src_scaling:
+        out["type"] = rope_type
+    if "rope_type" in src_scaling or "type" not in src_scaling:
+        out["rope_type"] = rope_type
+    return out

@@ -1,0 +1,73 @@
+"""A parallel layout (TP x PP x VPP) and the checks that it fits a model. Pure functions, no process groups."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+from .config import ModelConfig
+from .errors import LayoutError
+
+
+@dataclass(frozen=True)
+class RankCoord:
+    tp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Model-parallel layout. Data parallel replicas hold identical shards and do not appear here."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
+
+    def __post_init__(self) -> None:
+        for flag, v in (("--tp", self.tp), ("--pp", self.pp), ("--vpp", self.vpp)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise LayoutError(f"{flag} must be a positive integer, got {v!r}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp
+
+    def ranks(self) -> Iterator[RankCoord]:
+        """All model-parallel ranks, Megatron order (tp fastest)."""
+        for pp in range(self.pp):
+            for tp in range(self.tp):
+                yield RankCoord(tp=tp, pp=pp)
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise LayoutError naming the flag and the model field when the layout cannot hold the model."""
+        tp = self.tp
+        if cfg.num_attention_heads % tp:
+            raise LayoutError(f"--tp {tp} does not divide num_attention_heads={cfg.num_attention_heads}")
+        if cfg.num_query_groups % tp:
+            raise LayoutError(f"--tp {tp} does not divide the KV heads (num_key_value_heads={cfg.num_query_groups}); "
+                              "Megatron gives each TP rank whole query groups")
+        if cfg.ffn_hidden_size % tp:
+            raise LayoutError(f"--tp {tp} does not divide intermediate_size={cfg.ffn_hidden_size}")
+        stages = self.pp * self.vpp
+        if stages > cfg.num_layers:
+            raise LayoutError(f"--pp {self.pp} x --vpp {self.vpp} = {stages} pipeline stages exceed "
+                              f"num_hidden_layers={cfg.num_layers}")
+        if cfg.num_layers % stages:
+            raise LayoutError(f"num_hidden_layers={cfg.num_layers} is not divisible by --pp {self.pp} x --vpp "
+                              f"{self.vpp} = {stages}")
+
+    def layers_per_chunk(self, num_layers: int) -> int:
+        return num_layers // (self.pp * self.vpp)
+
+    def layer_range(self, num_layers: int, pp_rank: int, vstage: int) -> tuple[int, int]:
+        """Global layers [start, stop) of model chunk `vstage` on pipeline rank `pp_rank` (Megatron's interleaving:
+        chunk c = vstage * pp + pp_rank)."""
+        n = self.layers_per_chunk(num_layers)
+        c = vstage * self.pp + pp_rank
+        return c * n, (c + 1) * n
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Layout":
+        return cls(tp=int(d["tp"]), pp=int(d["pp"]), vpp=int(d.get("vpp", 1)))

@@ -1,0 +1,128 @@
+"""manifest.json: the written-down contract of one checkpoint iteration (see FORMAT.md).
+
+Strict on read: unknown format or version, tensor names that are not dotted identifiers, paths that leave the
+iteration directory, or a digest that does not match are all errors.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import ModelConfig
+from .errors import FormatError
+from .layout import Layout
+from .sharding import TensorSpec, chunk_shape
+
+FORMAT_NAME = "shardkit"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+_ITER_RE = re.compile(r"^iter_\d{7}$")
+
+
+def iter_dirname(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def valid_iter_dirname(name: str) -> bool:
+    return bool(_ITER_RE.match(name))
+
+
+def tensor_path(name: str) -> str:
+    """Relative path of a tensor's array inside the iteration directory."""
+    if not _NAME_RE.match(name):
+        raise FormatError(f"tensor name {name!r} is not a dotted identifier; refusing it as a path")
+    return f"model/{name}"
+
+
+@dataclass
+class TensorEntry:
+    shape: list[int]
+    dtype: str
+    chunk: list[int]
+    rule: str
+    per_layer: bool
+
+    @classmethod
+    def of(cls, spec: TensorSpec, layout: Layout, dtype: str) -> "TensorEntry":
+        from .store import torch_dtype
+
+        chunk = chunk_shape(spec, layout, torch_dtype(dtype).itemsize)
+        return cls(list(spec.shape), dtype, list(chunk), spec.rule.value, spec.per_layer)
+
+
+@dataclass
+class Manifest:
+    iteration: int
+    model: ModelConfig
+    layout: Layout
+    tensors: dict[str, TensorEntry]
+    provenance: dict = field(default_factory=dict)
+    training: dict | None = None
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def vocab(self) -> dict:
+        return {"size": self.model.vocab_size, "padded_size": self.model.padded_vocab_size(self.layout.tp),
+                "divisible_by": self.model.make_vocab_size_divisible_by}
+
+    def body(self) -> dict:
+        return {
+            "format": self.format,
+            "format_version": self.format_version,
+            "iteration": self.iteration,
+            "model": self.model.to_dict(),
+            "layout": self.layout.to_dict(),
+            "vocab": self.vocab,
+            "tensors": {k: vars(v) for k, v in self.tensors.items()},
+            "provenance": self.provenance,
+            "training": self.training,
+        }
+
+    def to_json(self) -> str:
+        body = self.body()
+        body["digest"] = "sha256:" + _digest(body)
+        return json.dumps(body, indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = MANIFEST) -> "Manifest":
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise FormatError(f"{source}: not valid JSON ({e}); the checkpoint is damaged") from None
+        if not isinstance(d, dict):
+            raise FormatError(f"{source}: expected a JSON object")
+        if d.get("format") != FORMAT_NAME:
+            raise FormatError(f"{source}: format {d.get('format')!r} is not {FORMAT_NAME!r}")
+        if d.get("format_version") != FORMAT_VERSION:
+            raise FormatError(f"{source}: format_version {d.get('format_version')!r} is not supported "
+                              f"(this shardkit reads {FORMAT_VERSION})")
+        digest = d.pop("digest", None)
+        if digest != "sha256:" + _digest(d):
+            raise FormatError(f"{source}: digest mismatch; the manifest was edited or damaged")
+        try:
+            tensors = {}
+            for name, e in d["tensors"].items():
+                tensor_path(name)
+                tensors[name] = TensorEntry(**e)
+            m = cls(iteration=int(d["iteration"]), model=ModelConfig.from_dict(d["model"]),
+                    layout=Layout.from_dict(d["layout"]), tensors=tensors, provenance=d.get("provenance") or {},
+                    training=d.get("training"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from None
+        return m
+
+    @classmethod
+    def load(cls, iter_dir: Path) -> "Manifest":
+        path = Path(iter_dir) / MANIFEST
+        if not path.is_file():
+            raise FormatError(f"{path}: missing; {iter_dir} is not a complete checkpoint iteration")
+        return cls.from_json(path.read_text(), source=str(path))
+
+
+def _digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

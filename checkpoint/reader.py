@@ -1,0 +1,161 @@
+"""Open a checkpoint, read tensors or slices of them, and verify every chunk."""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from . import store
+from .commit import resolve_iteration
+from .config import ModelConfig
+from .errors import CorruptionError, FormatError
+from .layout import Layout
+from .manifest import Manifest, TensorEntry, tensor_path
+from .sharding import Rule, TensorSpec, model_specs
+
+
+class Checkpoint:
+    """A complete checkpoint iteration (resolved through `latest` when given a root)."""
+
+    def __init__(self, path: str | Path):
+        self.path = resolve_iteration(path)
+        self.manifest = Manifest.load(self.path)
+        self._ctx = store.context()
+        self._arrays: dict = {}
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.manifest.model
+
+    @property
+    def layout(self) -> Layout:
+        return self.manifest.layout
+
+    @property
+    def tensors(self) -> dict[str, TensorEntry]:
+        return self.manifest.tensors
+
+    def spec(self, name: str) -> TensorSpec:
+        e = self.entry(name)
+        return TensorSpec(name, tuple(e.shape), Rule(e.rule), e.per_layer)
+
+    def entry(self, name: str) -> TensorEntry:
+        if name not in self.tensors:
+            raise FormatError(f"{self.path}: no tensor {name!r} in the manifest")
+        return self.tensors[name]
+
+    def array(self, name: str):
+        if name not in self._arrays:
+            self.entry(name)
+            self._arrays[name] = store.open_existing(self.path / tensor_path(name), self._ctx, name)
+        return self._arrays[name]
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """A tensor, or a box of it, from disk (only the chunks it touches are read)."""
+        return store.read(self.array(name), index, name)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every canonical tensor, whole (for small models: verify --against, tests)."""
+        return {name: self.read(name) for name in self.tensors}
+
+    def hf_dir(self) -> Path:
+        return self.path / "hf"
+
+    # -- verify -------------------------------------------------------------------------------------------------
+    def verify(self, progress: Callable[[int], None] | None = None) -> dict:
+        """Re-read every chunk (crc32c checked by the codec, missing chunks are errors) and check each array's
+        metadata against the manifest. Raises CorruptionError naming the tensor and the chunk."""
+        expected = {s.name: s for s in model_specs(self.config, self.layout)}
+        if set(expected) != set(self.tensors):
+            missing, extra = sorted(set(expected) - set(self.tensors)), sorted(set(self.tensors) - set(expected))
+            raise FormatError(f"{self.path}: manifest tensors disagree with the model config "
+                              f"(missing {missing}, unexpected {extra})")
+        on_disk = {p.name for p in (self.path / "model").iterdir()} if (self.path / "model").is_dir() else set()
+        stray = sorted(on_disk - set(self.tensors))
+        if stray:
+            raise FormatError(f"{self.path}/model: arrays not in the manifest: {stray[:3]}")
+        total_bytes, chunks = 0, 0
+        for name, e in self.tensors.items():
+            spec = expected[name]
+            if list(spec.shape) != e.shape or spec.rule.value != e.rule or spec.per_layer != e.per_layer:
+                raise FormatError(f"tensor {name}: manifest shape/rule {e.shape}/{e.rule} disagree with the model "
+                                  f"config ({list(spec.shape)}/{spec.rule.value})")
+            arr = self.array(name)
+            md = store.metadata(arr)
+            got = (md["shape"], md["data_type"], md["chunk_grid"]["configuration"]["chunk_shape"])
+            if got != (e.shape, e.dtype, e.chunk):
+                raise CorruptionError(f"tensor {name}: array metadata (shape, dtype, chunk) {got} disagree with the "
+                                      f"manifest {(e.shape, e.dtype, e.chunk)}")
+            if not any(c.get("name") == "crc32c" for c in md.get("codecs", [])):
+                raise CorruptionError(f"tensor {name}: array has no crc32c codec; its values cannot be checked")
+            for idx in _chunk_boxes(e.shape, e.chunk):
+                try:
+                    t = store.read(arr, idx, name)
+                except CorruptionError as err:
+                    chunk = tuple(s.start // c for s, c in zip(idx, e.chunk))
+                    raise CorruptionError(f"tensor {name} chunk {chunk}: {str(err).split(': ', 1)[-1]}") from None
+                nbytes = t.numel() * t.element_size()
+                total_bytes += nbytes
+                chunks += 1
+                if progress:
+                    progress(nbytes)
+        return {"tensors": len(self.tensors), "chunks": chunks, "bytes": total_bytes}
+
+    def nbytes(self) -> int:
+        return sum(entry_nbytes(e) for e in self.tensors.values())
+
+
+def entry_nbytes(e: TensorEntry) -> int:
+    n = 1
+    for s in e.shape:
+        n *= s
+    return n * store.torch_dtype(e.dtype).itemsize
+
+
+def _chunk_boxes(shape: list[int], chunk: list[int]) -> Iterator[tuple[slice, ...]]:
+    """Boxes of whole chunks, several layers' worth at a time is not needed: one chunk each, in order."""
+    ranges = [range(0, s, c) for s, c in zip(shape, chunk)]
+    for offs in itertools.product(*ranges):
+        yield tuple(slice(o, min(o + c, s)) for o, c, s in zip(offs, chunk, shape))
+
+
+@dataclass
+class HFAssets:
+    """Tokenizer and generation files copied from the source into `<iter>/hf/`."""
+
+    files: list[str]
+
+    @staticmethod
+    def list(iter_dir: Path) -> list[str]:
+        d = Path(iter_dir) / "hf"
+        return sorted(p.name for p in d.iterdir() if p.is_file()) if d.is_dir() else []
+
+
+def describe(ckpt: Checkpoint) -> dict:
+    """What `inspect --json` prints."""
+    m = ckpt.manifest
+    rows = []
+    for name, e in m.tensors.items():
+        rows.append({"name": name, "shape": e.shape, "dtype": e.dtype, "chunk": e.chunk, "rule": e.rule,
+                     "bytes": entry_nbytes(e)})
+    return {
+        "path": str(ckpt.path),
+        "iteration": m.iteration,
+        "format": f"{m.format} v{m.format_version}",
+        "layout": m.layout.to_dict(),
+        "vocab": m.vocab,
+        "model": {k: v for k, v in m.model.to_dict().items() if k != "hf_config"},
+        "tensors": rows,
+        "total_bytes": sum(r["bytes"] for r in rows),
+        "total_params": sum(r["bytes"] // store.torch_dtype(r["dtype"]).itemsize for r in rows),
+        "hf_files": HFAssets.list(ckpt.path),
+        "provenance": m.provenance,
+    }
+
+
+def dumps(d: dict) -> str:
+    return json.dumps(d, indent=1)

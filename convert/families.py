@@ -1,0 +1,19 @@
+"""model_type -> the module holding its HF mapping table. Adding a family = adding a module and a line here."""
+from __future__ import annotations
+
+from types import ModuleType
+
+from checkpoint.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from checkpoint.errors import ConfigError
+
+from . import llama
+
+_FAMILIES: dict[str, ModuleType] = {mt: llama for mt in llama.MODEL_TYPES}
+
+
+def for_config(cfg: ModelConfig) -> ModuleType:
+    try:
+        return _FAMILIES[cfg.model_type]
+    except KeyError:
+        raise ConfigError(f"model_type {cfg.model_type!r} has no converter; supported: "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)}") from None

@@ -1,0 +1,150 @@
+"""Lazy, validated access to an HF checkpoint's safetensors (single file or sharded with an index).
+
+Only headers are read up front; tensors are read as row/column slices on demand (safetensors memory-maps the file),
+so memory stays bounded by what one task asks for, whatever the model size.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from checkpoint.errors import FormatError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# tokenizer / generation files carried under <iter>/hf/ and exported back
+ASSET_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt",
+                  "merges.txt", "generation_config.json", "chat_template*", "*.tiktoken", "preprocessor_config.json")
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+              "F8_E5M2": "float8_e5m2"}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class HFTensorInfo:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_header(path: Path) -> tuple[dict, bytes]:
+    """The safetensors JSON header of `path` (validated) and its raw bytes (for provenance hashing)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise FormatError(f"{path}: corrupt safetensors file (shorter than its 8-byte header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or n + 8 > os.fstat(f.fileno()).st_size:
+                raise FormatError(f"{path}: corrupt safetensors header (claims {n} bytes)")
+            raw = f.read(n)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path}: corrupt safetensors header ({e})") from None
+    return header, raw
+
+
+class HFSource:
+    """The tensors of an HF model directory, by name, read lazily."""
+
+    def __init__(self, hf_dir: str | Path):
+        self.dir = Path(hf_dir)
+        if not self.dir.is_dir():
+            raise FormatError(f"{self.dir}: not a directory")
+        self.files, weight_map = self._discover()
+        self.tensors: dict[str, HFTensorInfo] = {}
+        self.file_info: list[dict] = []
+        for fname in self.files:
+            path = self.dir / fname
+            header, raw = read_header(path)
+            size = path.stat().st_size
+            self.file_info.append({"name": fname, "size": size,
+                                   "header_sha256": hashlib.sha256(raw).hexdigest()})
+            data_len = size - 8 - len(raw)
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                try:
+                    dtype = _ST_DTYPES[meta["dtype"]]
+                    shape = tuple(int(x) for x in meta["shape"])
+                    begin, end = (int(x) for x in meta["data_offsets"])
+                except KeyError as e:
+                    raise FormatError(f"{path}: tensor {name}: unsupported dtype or malformed header entry ({e})") \
+                        from None
+                except (TypeError, ValueError) as e:
+                    raise FormatError(f"{path}: tensor {name}: malformed header entry ({e})") from None
+                n = 1
+                for s in shape:
+                    n *= s
+                if not (0 <= begin <= end <= data_len) or end - begin != n * torch.empty(
+                        (), dtype=getattr(torch, dtype)).element_size():
+                    raise FormatError(f"{path}: tensor {name}: data offsets {begin}..{end} do not fit its shape "
+                                      f"{list(shape)} / the file size (truncated or corrupt file)")
+                if weight_map is not None and weight_map.get(name) != fname:
+                    raise FormatError(f"{path}: holds tensor {name} that {INDEX} places in "
+                                      f"{weight_map.get(name)!r}")
+                self.tensors[name] = HFTensorInfo(fname, dtype, shape)
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(self.tensors))
+            if missing:
+                raise FormatError(f"{self.dir / INDEX}: names {missing[0]!r} in {weight_map[missing[0]]}, which "
+                                  f"does not hold it ({len(missing)} such tensor(s))")
+        self._handles: dict[str, object] = {}
+
+    def _discover(self) -> tuple[list[str], dict[str, str] | None]:
+        index = self.dir / INDEX
+        if index.is_file():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+                if not isinstance(wm, dict):
+                    raise ValueError("weight_map is not an object")
+            except (ValueError, KeyError, TypeError) as e:
+                raise FormatError(f"{index}: malformed index ({e})") from None
+            files = sorted(set(wm.values()))
+            for f in files:
+                if not isinstance(f, str) or "/" in f or "\\" in f or f.startswith(".."):
+                    raise FormatError(f"{index}: shard name {f!r} is not a plain file name")
+                if not (self.dir / f).is_file():
+                    raise FormatError(f"{index}: names shard {f!r}, which is missing from {self.dir}")
+            return files, wm
+        if (self.dir / SINGLE).is_file():
+            return [SINGLE], None
+        if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pth")):
+            raise FormatError(f"{self.dir}: only pickle weights (*.bin/*.pth) found; shardkit reads safetensors "
+                              "only (re-save with save_pretrained(safe_serialization=True))")
+        raise FormatError(f"{self.dir}: no {SINGLE} and no {INDEX}")
+
+    def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> torch.Tensor:
+        """Rows [start, stop) (and columns `cols`) of tensor `name`."""
+        info = self.tensors[name]
+        h = self._handles.get(info.file)
+        if h is None:
+            h = safe_open(str(self.dir / info.file), framework="pt")
+            self._handles[info.file] = h
+        sl = h.get_slice(name)
+        if cols is None or len(info.shape) == 1:
+            return sl[start:stop]
+        return sl[start:stop, cols]
+
+    def assets(self) -> list[Path]:
+        found: dict[str, Path] = {}
+        for pat in ASSET_PATTERNS:
+            for p in self.dir.glob(pat):
+                if p.is_file() and not p.is_symlink():
+                    found[p.name] = p
+        return [found[k] for k in sorted(found)]
+
+    def fingerprint(self) -> list[dict]:
+        return self.file_info

@@ -1,0 +1,222 @@
+"""hf-to-mcore: stream HF safetensors into a native shardkit checkpoint, one storage chunk per task.
+
+Plan: validate config, layout and every HF tensor's name and shape before anything is written. Then worker processes
+(spawned: tensorstore threads and fork do not mix) each assemble one chunk from the HF rows it needs and write it;
+the main process records finished chunks so an interrupted run resumes, and commits atomically at the end.
+"""
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ProcessPoolExecutor, as_completed
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from checkpoint import store
+from checkpoint.commit import IterationWriter
+from checkpoint.config import ModelConfig
+from checkpoint.errors import FormatError, ShardkitError, WriteError
+from checkpoint.layout import Layout
+from checkpoint.manifest import Manifest, TensorEntry, tensor_path
+from checkpoint.sharding import TensorSpec, model_specs
+
+from . import families
+from .hf_source import HFSource
+from .mapping import TensorMap, assemble
+from checkpoint.progress import progress_bar
+
+VERSION = "0.1.0"
+WORKER_MIN_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    layer: int | None
+    box: tuple[tuple[int, int], ...]  # [start, stop) per axis of the global array
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}|{self.layer}|" + ",".join(f"{a}:{b}" for a, b in self.box)
+
+
+def expected_hf_shape(tm: TensorMap, spec: TensorSpec, hf_name: str) -> tuple[int, ...]:
+    rows = sum(s.stop - s.start for s in tm.segments if s.hf_name == hf_name)
+    return (rows, *spec.shape[2 if spec.per_layer else 1:])
+
+
+def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None) -> tuple[dict[str, TensorEntry], list[Task]]:
+    """Validate the source against the config and list every chunk to write."""
+    fam = families.for_config(cfg)
+    maps = fam.tensor_maps(cfg, layout)
+    specs = {s.name: s for s in model_specs(cfg, layout)}
+    needed: dict[str, tuple[int, ...]] = {}
+    for tm in maps:
+        for hf_name in tm.hf_names:
+            shape = expected_hf_shape(tm, specs[tm.canonical], hf_name)
+            needed[hf_name] = tuple(max(a, b) for a, b in zip(needed.get(hf_name, shape), shape))
+    for hf_name, shape in needed.items():
+        info = src.tensors.get(hf_name)
+        if info is None:
+            raise FormatError(f"{src.dir}: tensor {hf_name} is missing (required by model_type {cfg.model_type!r})")
+        if info.shape != shape:
+            raise FormatError(f"{src.dir / info.file}: tensor {hf_name} has shape {list(info.shape)}, but config.json "
+                              f"implies {list(shape)}")
+    unmapped = sorted(n for n in src.tensors if n not in needed and not fam.ignorable(cfg, n))
+    if unmapped:
+        raise FormatError(f"{src.dir}: {len(unmapped)} HF tensor(s) are not mapped for model_type "
+                          f"{cfg.model_type!r}, e.g. {unmapped[0]}; refusing to drop them silently")
+    entries: dict[str, TensorEntry] = {}
+    by_name: dict[str, list[TensorMap]] = {}
+    for tm in maps:
+        by_name.setdefault(tm.canonical, []).append(tm)
+    for name, spec in specs.items():
+        first = by_name[name][0]
+        dt = dtype or src.tensors[first.segments[0].hf_name].dtype
+        entries[name] = TensorEntry.of(spec, layout, dt)
+    tasks = []
+    for name, e in entries.items():
+        for offs in itertools.product(*[range(0, s, c) for s, c in zip(e.shape, e.chunk)]):
+            box = tuple((o, o + c) for o, c in zip(offs, e.chunk))
+            tasks.append(Task(name, box[0][0] if e.per_layer else None, box))
+    return entries, tasks
+
+
+# -- worker side ----------------------------------------------------------------------------------------------------
+_W: dict = {}
+
+
+def _init_worker(hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, dtypes: dict[str, str]) -> None:
+    torch.set_num_threads(1)
+    cfg = ModelConfig.from_dict(cfg_dict)
+    layout = Layout.from_dict(layout_dict)
+    fam = families.for_config(cfg)
+    _W.update(src=_LazySource(hf_dir), out=Path(out_dir), dtypes=dtypes, ctx=store.context(), arrays={},
+              maps={(tm.canonical, tm.layer): tm for tm in fam.tensor_maps(cfg, layout)})
+
+
+class _LazySource:
+    """Workers skip header validation (the main process did it) and open files on first use."""
+
+    def __init__(self, hf_dir: str):
+        self.src = None
+        self.hf_dir = hf_dir
+
+    def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> torch.Tensor:
+        if self.src is None:
+            self.src = HFSource(self.hf_dir)
+        return self.src.read(name, start, stop, cols)
+
+
+def _run_task(task: Task) -> tuple[str, int]:
+    w = _W
+    arr = w["arrays"].get(task.name)
+    if arr is None:
+        arr = store.open_existing(w["out"] / tensor_path(task.name), w["ctx"], task.name)
+        w["arrays"][task.name] = arr
+    tm = w["maps"][(task.name, task.layer)]
+    box = task.box[1:] if task.layer is not None else task.box
+    rows = box[0]
+    cols = slice(*box[1]) if len(box) > 1 else None
+    value = assemble(tm, rows[0], rows[1], w["src"].read, cols)
+    value = value.to(store.torch_dtype(w["dtypes"][task.name]))
+    if task.layer is not None:
+        value = value.unsqueeze(0)
+    index = tuple(slice(a, b) for a, b in task.box)
+    try:
+        store.write(arr, index, value).result()
+    except ValueError as e:
+        raise WriteError(f"tensor {task.name}: writing {w['out'] / tensor_path(task.name)} failed: "
+                         f"{store._short(e)}; check free space and permissions") from None
+    return task.id, value.numel() * value.element_size()
+
+
+# -- main side ------------------------------------------------------------------------------------------------------
+
+def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dtype: str | None = None,
+                        workers: int | None = None, overwrite: bool = False, quiet: bool = False) -> Path:
+    """Convert and commit `<out>/iter_0000000`; returns the iteration directory."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    cfg = ModelConfig.from_hf_dir(hf_dir)
+    layout.check(cfg)
+    dtype = store.dtype_name(dtype) if dtype else None
+    src = HFSource(hf_dir)
+    entries, tasks = plan(cfg, layout, src, dtype)
+    job = {"tool": VERSION, "source": str(hf_dir.resolve()), "files": src.fingerprint(), "layout": layout.to_dict(),
+           "dtype": dtype, "model": _jsonable(cfg.to_dict())}
+    started = time.time()
+    with IterationWriter(out, 0, job, overwrite=overwrite) as w:
+        todo = [t for t in tasks if not w.is_done(t.id)]
+        ctx = store.context()
+        for name, e in entries.items():
+            try:
+                store.create(w.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
+            except ValueError as err:
+                raise WriteError(f"tensor {name}: cannot create {w.path(tensor_path(name))}: {store._short(err)}") \
+                    from None
+        total = sum(_task_bytes(t, entries) for t in tasks)
+        done_bytes = total - sum(_task_bytes(t, entries) for t in todo)
+        if len(todo) < len(tasks) and not quiet:
+            print(f"resuming: {len(tasks) - len(todo)} of {len(tasks)} chunks already written", file=sys.stderr)
+        # spawning a worker costs seconds (it imports torch): only use as many as the remaining bytes justify
+        left = total - done_bytes
+        nworkers = workers or max(1, min(os.cpu_count() or 1, left // WORKER_MIN_BYTES))
+        nworkers = max(1, min(nworkers, len(todo) or 1))
+        with progress_bar("hf-to-mcore", total=total, items=len(tasks), disable=quiet) as bar:
+            bar.advance(done_bytes, len(tasks) - len(todo))
+            if nworkers == 1:
+                _init_worker(str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
+                             {n: e.dtype for n, e in entries.items()})
+                results = map(_run_task, todo)
+                _drain(results, w, bar)
+            else:
+                init_args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
+                             {n: e.dtype for n, e in entries.items()})
+                with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                         initargs=init_args) as pool:
+                    futures = [pool.submit(_run_task, t) for t in todo]
+                    try:
+                        _drain((f.result() for f in as_completed(futures)), w, bar)
+                    except BaseException:
+                        for f in futures:
+                            f.cancel()
+                        raise
+        hf_out = w.path("hf")
+        hf_out.mkdir(exist_ok=True)
+        for asset in src.assets():
+            shutil.copyfile(asset, hf_out / asset.name)
+        manifest = Manifest(
+            iteration=0, model=cfg, layout=layout, tensors=entries,
+            provenance={"tool": f"shardkit {VERSION}", "command": "convert hf-to-mcore",
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "source": {"kind": "hf", "path": str(hf_dir.resolve()), "files": src.fingerprint()},
+                        "seconds": round(time.time() - started, 3)})
+        return w.commit(manifest)
+
+
+def _drain(results, w: IterationWriter, bar) -> None:
+    for task_id, nbytes in results:
+        w.mark_done(task_id)
+        bar.advance(nbytes, 1)
+
+
+def _task_bytes(t: Task, entries: dict[str, TensorEntry]) -> int:
+    n = 1
+    for a, b in t.box:
+        n *= b - a
+    return n * store.torch_dtype(entries[t.name].dtype).itemsize
+
+
+def _jsonable(d: dict) -> dict:
+    import json
+
+    return json.loads(json.dumps(d))
+
+
+__all__ = ["convert_hf_to_mcore", "plan", "ShardkitError"]

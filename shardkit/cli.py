@@ -1,0 +1,184 @@
+"""The `shardkit` command line. Megatron's flag names are accepted as aliases (--tensor-model-parallel-size = --tp).
+
+Every user-facing failure is a ShardkitError: printed as one line naming the culprit, exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _layout_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1,
+                   help="pipeline-parallel size (default 1)")
+    p.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int, default=1,
+                   help="virtual pipeline stages (model chunks) per pipeline rank (default 1)")
+
+
+def _dtype_flag(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--dtype", default=None, help=help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="shardkit", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    conv = sub.add_parser("convert", help="convert between HF and Megatron-Core checkpoints")
+    csub = conv.add_subparsers(dest="direction", required=True)
+    h2m = csub.add_parser("hf-to-mcore", help="HF safetensors -> shardkit checkpoint")
+    h2m.add_argument("hf_dir")
+    h2m.add_argument("out")
+    _layout_flags(h2m)
+    _dtype_flag(h2m, "store weights as bf16|fp16|fp32 (default: the source dtype)")
+    h2m.add_argument("--workers", type=int, default=None, help="writer processes (default: CPU count)")
+    h2m.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    h2m.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    m2h = csub.add_parser("mcore-to-hf", help="shardkit checkpoint -> HF safetensors")
+    m2h.add_argument("ckpt")
+    m2h.add_argument("out")
+    _dtype_flag(m2h, "export as bf16|fp16|fp32 (default: the stored dtype)")
+    m2h.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    m2h.add_argument("--overwrite", action="store_true")
+    m2h.add_argument("--quiet", action="store_true")
+
+    ins = sub.add_parser("inspect", help="layout, model config and tensor table of a checkpoint")
+    ins.add_argument("ckpt")
+    ins.add_argument("--json", action="store_true")
+
+    ver = sub.add_parser("verify", help="re-read every chunk; optionally compare logits with an HF model")
+    ver.add_argument("ckpt")
+    ver.add_argument("--against", metavar="HF_DIR", help="HF model directory to compare logits with (fp32)")
+    ver.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference allowed (1e-4)")
+    ver.add_argument("--seq-length", type=int, default=32)
+    ver.add_argument("--json", action="store_true")
+    ver.add_argument("--quiet", action="store_true")
+
+    demo = sub.add_parser("demo", help="build a tiny LLaMA locally and run the whole pipeline on it")
+    demo.add_argument("--out", default=None, help="work directory (default: a temporary one)")
+    demo.add_argument("--keep", action="store_true", help="keep the work directory")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from checkpoint.errors import ShardkitError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ShardkitError as e:
+        print(f"shardkit: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("shardkit: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+def _check_dtype(value: str | None) -> str | None:
+    from checkpoint import store
+    from checkpoint.errors import ShardkitError
+
+    if value is None:
+        return None
+    try:
+        return store.dtype_name(value)
+    except ShardkitError as e:
+        raise ShardkitError(f"--dtype: {e}") from None
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.cmd == "convert" and args.direction == "hf-to-mcore":
+        from checkpoint.layout import Layout
+        from convert.hf_to_mcore import convert_hf_to_mcore
+
+        dtype = _check_dtype(args.dtype)
+        path = convert_hf_to_mcore(args.hf_dir, args.out, Layout(tp=args.tp, pp=args.pp, vpp=args.vpp), dtype=dtype,
+                                   workers=args.workers, overwrite=args.overwrite, quiet=args.quiet)
+        print(f"wrote {path}")
+        return 0
+    if args.cmd == "convert" and args.direction == "mcore-to-hf":
+        from convert.mcore_to_hf import convert_mcore_to_hf
+
+        dtype = _check_dtype(args.dtype)
+        path = convert_mcore_to_hf(args.ckpt, args.out, dtype=dtype, max_shard_size=args.max_shard_size,
+                                   overwrite=args.overwrite, quiet=args.quiet)
+        print(f"wrote {path}")
+        return 0
+    if args.cmd == "inspect":
+        return _inspect(args)
+    if args.cmd == "verify":
+        return _verify(args)
+    if args.cmd == "demo":
+        from shardkit.demo import run_demo
+
+        return run_demo(args.out, keep=args.keep)
+    raise AssertionError(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from checkpoint.reader import Checkpoint, describe
+
+    d = describe(Checkpoint(args.ckpt))
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    lay = d["layout"]
+    con.print(f"[bold]{d['path']}[/]  {d['format']}  iteration {d['iteration']}")
+    con.print(f"layout: tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']}   vocab: {d['vocab']['size']} "
+              f"(padded {d['vocab']['padded_size']})")
+    con.print("model: " + ", ".join(f"{k}={v}" for k, v in d["model"].items()))
+    t = Table(show_lines=False)
+    for col in ("tensor", "global shape", "dtype", "chunk", "rule", "bytes"):
+        t.add_column(col, justify="right" if col == "bytes" else "left")
+    for r in d["tensors"]:
+        t.add_row(r["name"], str(tuple(r["shape"])), r["dtype"], str(tuple(r["chunk"])), r["rule"],
+                  f"{r['bytes']:,}")
+    t.add_row("[bold]total[/]", f"{d['total_params']:,} params", "", "", "", f"[bold]{d['total_bytes']:,}[/]")
+    con.print(t)
+    if d["hf_files"]:
+        con.print("hf files: " + ", ".join(d["hf_files"]))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from checkpoint.progress import progress_bar
+    from checkpoint.reader import Checkpoint
+
+    ckpt = Checkpoint(args.ckpt)
+    with progress_bar("verify", total=ckpt.nbytes(), items=0, disable=args.quiet or args.json) as bar:
+        result = ckpt.verify(progress=lambda n: bar.advance(n))
+    result = {"path": str(ckpt.path), "chunks_ok": True, **result}
+    ok = True
+    if args.against:
+        from convert.parity import logit_parity
+
+        parity = logit_parity(ckpt.config, ckpt.state_dict(), args.against, seq_len=args.seq_length)
+        parity["tolerance"] = args.tolerance
+        parity["ok"] = ok = parity["max_abs_diff"] <= args.tolerance
+        result["parity"] = parity
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"{result['path']}: {result['tensors']} tensors, {result['chunks']} chunks, {result['bytes']:,} bytes: "
+              "all checksums OK, manifest matches the arrays")
+        if args.against:
+            p = result["parity"]
+            print(f"logits vs {args.against} (fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| = "
+                  f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if ok else 'FAIL'}")
+    if not ok:
+        print(f"shardkit: error: logits differ from {args.against} by {result['parity']['max_abs_diff']:.3e} > "
+              f"{args.tolerance:.0e}; the checkpoint does not reproduce that model", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
