@@ -68,7 +68,10 @@ class IterationWriter:
     # -- set-up -------------------------------------------------------------------------------------------------
     def __enter__(self) -> "IterationWriter":
         self._check_root()
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # e.g. a path below a regular file, or no permission
+            raise WriteError(f"{self.root}: cannot create the output directory ({e.strerror or e})") from None
         self._lock()
         job_file = self.partial / "job.json"
         if self.partial.exists():
@@ -111,7 +114,10 @@ class IterationWriter:
                                 f"{', ...' if len(others) > 3 else ''}); pass --overwrite to replace it")
 
     def _lock(self) -> None:
-        self._lock_fd = os.open(self.root / LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            self._lock_fd = os.open(self.root / LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:  # e.g. a read-only output directory
+            raise WriteError(f"{self.root}: cannot write in the output directory ({e.strerror or e})") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -177,7 +177,8 @@ class ModelConfig:
             num_query_groups=groups,
             kv_channels=head_dim,
             vocab_size=integer("vocab_size"),
-            max_position_embeddings=integer("max_position_embeddings", hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=integer("max_position_embeddings", hf.get("max_position_embeddings") or
+                                             _hf_default(mt, "max_position_embeddings")),
             norm_epsilon=float(eps),
             rotary_base=theta,
             rope_scaling=scaling,
@@ -225,8 +226,9 @@ class ModelConfig:
         if "head_dim" in src or self.kv_channels * self.num_attention_heads != self.hidden_size:
             out["head_dim"] = self.kv_channels
         if self.model_type == "llama":
-            out["attention_bias"] = self.add_proj_bias
-            out["mlp_bias"] = self.add_mlp_bias
+            for key, value in (("attention_bias", self.add_proj_bias), ("mlp_bias", self.add_mlp_bias)):
+                if key in src or value:
+                    out[key] = value
         if self.model_type == "mistral" and ("sliding_window" in src or self.sliding_window is not None):
             out["sliding_window"] = self.sliding_window
         # RoPE, in the source's style
@@ -248,6 +250,13 @@ class ModelConfig:
         d = self.to_hf()
         cls = transformers.CONFIG_MAPPING[self.model_type]
         return cls.from_dict(d)
+
+
+def _hf_default(model_type: str, key: str) -> Any:
+    """transformers' own default for a field the config omits (so a missing field means what it means in HF)."""
+    import transformers
+
+    return getattr(transformers.CONFIG_MAPPING[model_type](), key)
 
 
 def _read_rope(hf: dict, source: str) -> tuple[float, dict | None]:

@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .errors import CorruptionError, FormatError
 from .layout import Layout
 from .manifest import Manifest, TensorEntry, tensor_path
-from .sharding import Rule, TensorSpec, model_specs
+from .sharding import Rule, TensorSpec, local_shape, model_specs, regions
 
 
 class Checkpoint:
@@ -57,6 +57,27 @@ class Checkpoint:
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """A tensor, or a box of it, from disk (only the chunks it touches are read)."""
         return store.read(self.array(name), index, name)
+
+    def read_local(self, name: str, layout: Layout, tp_rank: int, pp_rank: int) -> dict[int, torch.Tensor]:
+        """One rank's local tensors of `name` (per model chunk) for any target layout, read through the sharding
+        table. Vocab tensors follow the target's padding: rows past the stored ones read as zeros, stored padding
+        rows past the target's are not read."""
+        layout.check(self.config)
+        target = {s.name: s for s in model_specs(self.config, layout)}[name]
+        stored_rows = self.entry(name).shape[0]
+        out: dict[int, torch.Tensor] = {}
+        for r in regions(target, layout, tp_rank, pp_rank):
+            if r.vstage not in out:
+                out[r.vstage] = torch.zeros(local_shape(target, layout), dtype=store.torch_dtype(self.entry(name).dtype))
+            gs, ls = list(r.global_slices()), list(r.local_slices())
+            if target.rule is Rule.VOCAB and gs[0].stop > stored_rows:
+                keep = max(0, stored_rows - gs[0].start)
+                gs[0] = slice(gs[0].start, gs[0].start + keep)
+                ls[0] = slice(ls[0].start, ls[0].start + keep)
+                if keep == 0:
+                    continue
+            out[r.vstage][tuple(ls)] = self.read(name, tuple(gs))
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every canonical tensor, whole (for small models: verify --against, tests)."""

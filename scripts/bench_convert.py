@@ -1,0 +1,567 @@
+#!/usr/bin/env python3
+"""Benchmark `shardkit convert hf-to-mcore` against a plain `cp -r` of the same HF checkpoint.
+
+For each requested model size this script
+
+1. synthesises a LLaMA-3-shaped bf16 HF checkpoint (random values, untied embeddings, GQA with 8 KV heads,
+   head_dim 128, ffn ~3.5x hidden, vocab 128256) as several safetensors shards plus model.safetensors.index.json and
+   config.json, writing one shard at a time (never more than one shard in memory, no transformers model object);
+2. times `cp -r SRC DST` (the baseline), then `sync` separately (cp leaves its bytes dirty in the page cache while
+   the converter fsyncs everything, so "cp+sync" is reported too);
+3. times `shardkit convert hf-to-mcore SRC OUT --tp 2 --pp 2 --quiet [--workers N]` as a subprocess while a thread
+   polls the process tree (psutil, every --poll seconds) for the summed RSS of the tree, the largest single-process
+   RSS and the summed anonymous RSS (RSS minus file-backed/shared pages, i.e. without the mmapped safetensors pages);
+4. optionally (--export) times `shardkit convert mcore-to-hf` back to HF.
+
+Before every timed step the page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`, needs root). When
+that is not possible the source is read once untimed (an untimed `cp -r`) so every timed step reads from a warm
+cache; the mode used is printed and written to the results.
+
+    .venv/bin/python scripts/bench_convert.py --sizes 1,2 --workers default,1,2 --export
+
+Disk use per size: the source, at most one copy (deleted right after it is timed), one converted checkpoint and
+(--export) one exported copy: about 3-4x the model size at peak. Everything lives under --workdir and is removed at
+the end unless --keep.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GB = 1e9
+MB = 1 << 20
+VOCAB = 128256
+HEAD_DIM = 128
+KV_HEADS = 8
+
+
+# -- model shape ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    vocab: int = VOCAB
+    head_dim: int = HEAD_DIM
+    kv_heads: int = KV_HEADS
+
+    @property
+    def heads(self) -> int:
+        return self.hidden // self.head_dim
+
+    @property
+    def groups(self) -> int:
+        return min(self.kv_heads, self.heads)
+
+    @property
+    def ffn(self) -> int:
+        return ffn_for(self.hidden)
+
+    def layer_tensors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        h, F, hd = self.hidden, self.ffn, self.head_dim
+        p = f"model.layers.{i}."
+        return [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (self.heads * hd, h)),
+            (p + "self_attn.k_proj.weight", (self.groups * hd, h)),
+            (p + "self_attn.v_proj.weight", (self.groups * hd, h)),
+            (p + "self_attn.o_proj.weight", (h, self.heads * hd)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "mlp.gate_proj.weight", (F, h)),
+            (p + "mlp.up_proj.weight", (F, h)),
+            (p + "mlp.down_proj.weight", (h, F)),
+        ]
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every HF tensor, in the order transformers saves them."""
+        out = [("model.embed_tokens.weight", (self.vocab, self.hidden))]
+        for i in range(self.layers):
+            out += self.layer_tensors(i)
+        out += [("model.norm.weight", (self.hidden,)), ("lm_head.weight", (self.vocab, self.hidden))]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(2 * math.prod(s) for _, s in self.tensors())
+
+    def describe(self) -> str:
+        return (f"hidden {self.hidden}, {self.layers} layers, {self.heads} heads / {self.groups} KV heads x "
+                f"{self.head_dim}, ffn {self.ffn}, vocab {self.vocab}, untied, bf16: {self.nbytes / GB:.2f} GB")
+
+
+def ffn_for(hidden: int) -> int:
+    """~3.5x hidden, rounded to a multiple of 256 (Llama-3-8B: 4096 -> 14336)."""
+    return int(round(3.5 * hidden / 256)) * 256
+
+
+def shape_for(size_gb: float, hidden: int, layers: int | None, layer_multiple: int, vocab: int = VOCAB) -> Shape:
+    """The shape closest to `size_gb` at this hidden size (layers a multiple of pp*vpp), unless layers is given."""
+    if layers is None:
+        fixed = Shape(hidden, 0, vocab).nbytes
+        per_layer = Shape(hidden, 1, vocab).nbytes - fixed
+        n = round((size_gb * GB - fixed) / per_layer / layer_multiple) * layer_multiple
+        layers = max(layer_multiple, n)
+    return Shape(hidden, layers, vocab)
+
+
+def hf_config(s: Shape) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": s.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": s.ffn,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "num_attention_heads": s.heads,
+        "num_hidden_layers": s.layers,
+        "num_key_value_heads": s.groups,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0",
+        "use_cache": True,
+        "vocab_size": s.vocab,
+    }
+
+
+def synthesize(out: Path, s: Shape, shard_bytes: int, seed: int = 0) -> int:
+    """Write `s` as random bf16 safetensors shards (one shard in memory at a time); returns the weight bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in s.tensors():
+        n = 2 * math.prod(shape)
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += n
+    total = len(groups)
+    weight_map, total_bytes = {}, 0
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        shard = {name: torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+                 if len(shape) == 1 else torch.randn(shape, generator=g, dtype=torch.bfloat16)
+                 for name, shape in group}
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total_bytes += t.numel() * t.element_size()
+        del shard
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(s), indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 128000, "eos_token_id": 128001, "transformers_version": "4.45.0"}, indent=2) + "\n")
+    return total_bytes
+
+
+def dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+# -- cache control ----------------------------------------------------------------------------------------------------
+
+def try_drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def cached_mb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+class Cache:
+    def __init__(self, mode: str):
+        self.mode = mode  # "cold" (drop before each step) or "warm" (untimed read first)
+
+    @classmethod
+    def detect(cls, force_warm: bool) -> "Cache":
+        if force_warm:
+            return cls("warm")
+        if try_drop_caches():
+            return cls("cold")
+        print("note: cannot drop the page cache (sync; echo 3 > /proc/sys/vm/drop_caches failed); falling back to "
+              "warm-cache mode: the source is read once untimed before the timed steps", file=sys.stderr)
+        return cls("warm")
+
+    def before_step(self) -> None:
+        if self.mode == "cold":
+            if not try_drop_caches():
+                raise SystemExit("dropping the page cache worked once and then failed; rerun with --warm")
+        else:
+            os.sync()
+
+    def describe(self) -> str:
+        return ("cold: `sync; echo 3 > /proc/sys/vm/drop_caches` before every timed step" if self.mode == "cold" else
+                "warm: page cache could not be dropped; the source was read once (untimed `cp -r`) so every timed "
+                "step reads it from the page cache")
+
+
+# -- measuring a process tree -----------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    label: str
+    cmd: list[str]
+    wall_s: float = 0.0
+    rc: int = 0
+    peak_tree_rss: int = 0
+    peak_max_rss: int = 0
+    peak_tree_anon: int = 0
+    peak_procs: int = 0
+    cpu_s: float = 0.0
+    ru_maxrss: int = 0  # kernel's max RSS over reaped descendants (bytes)
+    samples: int = 0
+    stderr_tail: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def run_measured(label: str, cmd: list[str], poll_s: float, log: Path) -> Run:
+    import psutil
+
+    r = Run(label, cmd)
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    stop = threading.Event()
+    with open(log, "wb") as logf:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+        root = psutil.Process(proc.pid)
+
+        def sample() -> None:
+            try:
+                procs = [root] + root.children(recursive=True)
+            except psutil.Error:
+                return
+            tree = anon = biggest = n = 0
+            for p in procs:
+                try:
+                    mi = p.memory_info()
+                except psutil.Error:
+                    continue
+                n += 1
+                tree += mi.rss
+                anon += max(0, mi.rss - getattr(mi, "shared", 0))
+                biggest = max(biggest, mi.rss)
+            r.peak_tree_rss = max(r.peak_tree_rss, tree)
+            r.peak_tree_anon = max(r.peak_tree_anon, anon)
+            r.peak_max_rss = max(r.peak_max_rss, biggest)
+            r.peak_procs = max(r.peak_procs, n)
+            r.samples += 1
+
+        def poll() -> None:
+            while not stop.is_set():
+                sample()
+                stop.wait(poll_s)
+
+        th = threading.Thread(target=poll, daemon=True)
+        th.start()
+        r.rc = proc.wait()
+        r.wall_s = time.perf_counter() - t0
+        stop.set()
+        th.join()
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r.cpu_s = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    r.ru_maxrss = ru1.ru_maxrss * 1024
+    r.stderr_tail = log.read_text(errors="replace")[-2000:]
+    if r.rc != 0:
+        raise SystemExit(f"{label} failed (exit {r.rc}): {' '.join(cmd)}\n{r.stderr_tail}")
+    return r
+
+
+def timed(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - t0
+
+
+# -- one size ---------------------------------------------------------------------------------------------------------
+
+def shardkit_bin() -> str:
+    cand = Path(sys.executable).with_name("shardkit")
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("shardkit")
+    if not found:
+        raise SystemExit("cannot find the shardkit CLI next to this Python or on PATH")
+    return found
+
+
+def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
+    s = shape_for(size_gb, args.hidden, args.layers, args.pp * args.vpp, args.vocab)
+    base = work / f"size{size_gb:g}"
+    if base.exists():
+        shutil.rmtree(base)
+    base.mkdir(parents=True)
+    src = base / "hf"
+    print(f"\n== size {size_gb:g} GB requested: {s.describe()}", flush=True)
+    if abs(s.nbytes / GB - size_gb) > 0.15 * size_gb:
+        print(f"   note: {s.nbytes / GB:.2f} GB is the nearest this hidden size allows (layers are a multiple of "
+              f"pp*vpp, at least one stage each; the untied {s.vocab}-row embeddings alone are "
+              f"{Shape(s.hidden, 0, s.vocab).nbytes / GB:.2f} GB)", flush=True)
+    t0 = time.perf_counter()
+    weights = synthesize(src, s, int(args.shard_gb * GB), seed=args.seed)
+    src_bytes = dir_bytes(src)
+    nshards = len(list(src.glob("*.safetensors")))
+    print(f"   synthesised {src_bytes / GB:.3f} GB in {nshards} shards in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    # (a) baseline: cp -r (and the sync that makes its bytes durable, timed separately)
+    if cache.mode == "warm":
+        dst = base / "cp-warmup"
+        timed(["cp", "-r", str(src), str(dst)])
+        shutil.rmtree(dst)
+    cps = []
+    for rep in range(args.cp_repeats):
+        dst = base / "cp"
+        cache.before_step()
+        cp_s = timed(["cp", "-r", str(src), str(dst)])
+        sync_s = timed(["sync"])
+        cps.append((cp_s, sync_s))
+        shutil.rmtree(dst)
+    cp_s = min(c for c, _ in cps)
+    cp_sync_s = min(c + sy for c, sy in cps)
+    print(f"   cp -r: {cp_s:.2f}s ({src_bytes / GB / cp_s:.2f} GB/s); cp -r + sync: {cp_sync_s:.2f}s "
+          f"({src_bytes / GB / cp_sync_s:.2f} GB/s)   [runs: " +
+          ", ".join(f"{c:.2f}+{sy:.2f}" for c, sy in cps) + "]", flush=True)
+
+    rows = []
+    sk = shardkit_bin()
+    for wi, workers in enumerate(args.workers):
+        out = base / f"mcore-w{workers}"
+        cmd = [sk, "convert", "hf-to-mcore", str(src), str(out), "--tp", str(args.tp), "--pp", str(args.pp),
+               "--quiet"]
+        if args.vpp != 1:
+            cmd += ["--vpp", str(args.vpp)]
+        if workers != "default":
+            cmd += ["--workers", str(workers)]
+        cache.before_step()
+        r = run_measured(f"convert (workers={workers})", cmd, args.poll, base / f"convert-w{workers}.log")
+        out_bytes = dir_bytes(out)
+        manifest = json.loads(next(out.glob("iter_*/manifest.json")).read_text())
+        inner_s = manifest.get("provenance", {}).get("seconds")
+        row = dict(size_req_gb=size_gb, size_gb=src_bytes / GB, layers=s.layers, hidden=s.hidden, shards=nshards,
+                   workers=str(workers), cp_s=cp_s, cp_sync_s=cp_sync_s, convert_s=r.wall_s, convert_inner_s=inner_s,
+                   ratio=r.wall_s / cp_s, ratio_sync=r.wall_s / cp_sync_s, cp_gbs=src_bytes / GB / cp_s,
+                   convert_gbs=src_bytes / GB / r.wall_s, peak_tree_mb=r.peak_tree_rss / MB,
+                   peak_max_mb=r.peak_max_rss / MB, peak_anon_mb=r.peak_tree_anon / MB, procs=r.peak_procs,
+                   cpu_s=r.cpu_s, ru_maxrss_mb=r.ru_maxrss / MB, out_gb=out_bytes / GB, samples=r.samples,
+                   cmd=" ".join(cmd))
+        print(f"   convert workers={workers}: {r.wall_s:.2f}s (inside shardkit {inner_s}s) = {row['ratio']:.2f}x cp, "
+              f"{row['ratio_sync']:.2f}x cp+sync, {row['convert_gbs']:.2f} GB/s; peak RSS tree "
+              f"{row['peak_tree_mb']:.0f} MB (anon {row['peak_anon_mb']:.0f} MB, {r.peak_procs} procs), "
+              f"max process {row['peak_max_mb']:.0f} MB; CPU {r.cpu_s:.1f}s; wrote {out_bytes / GB:.3f} GB",
+              flush=True)
+
+        if args.export:
+            exp = base / f"export-w{workers}"
+            ecmd = [sk, "convert", "mcore-to-hf", str(out), str(exp), "--quiet"]
+            cache.before_step()
+            e = run_measured("export", ecmd, args.poll, base / f"export-w{workers}.log")
+            exp_bytes = dir_bytes(exp)
+            row.update(export_s=e.wall_s, export_ratio=e.wall_s / cp_s, export_ratio_sync=e.wall_s / cp_sync_s,
+                       export_gbs=src_bytes / GB / e.wall_s, export_peak_tree_mb=e.peak_tree_rss / MB,
+                       export_peak_max_mb=e.peak_max_rss / MB, export_cpu_s=e.cpu_s, export_gb=exp_bytes / GB)
+            print(f"   export (mcore-to-hf): {e.wall_s:.2f}s = {row['export_ratio']:.2f}x cp, "
+                  f"{row['export_ratio_sync']:.2f}x cp+sync, {row['export_gbs']:.2f} GB/s; peak RSS tree "
+                  f"{row['export_peak_tree_mb']:.0f} MB, max process {row['export_peak_max_mb']:.0f} MB; "
+                  f"CPU {e.cpu_s:.1f}s", flush=True)
+            if args.check_export:
+                check_export(src, exp)
+            if not args.keep:
+                shutil.rmtree(exp)
+        if not args.keep and wi < len(args.workers) - 1:
+            shutil.rmtree(out)
+        rows.append(row)
+    if not args.keep:
+        shutil.rmtree(base)
+    return rows
+
+
+def check_export(src: Path, exp: Path) -> None:
+    """Every exported tensor equals its source tensor bitwise (one tensor in memory at a time)."""
+    import torch
+    from safetensors import safe_open
+
+    def index(d: Path) -> dict[str, Path]:
+        wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"] \
+            if (d / "model.safetensors.index.json").exists() else None
+        if wm is None:
+            with safe_open(str(d / "model.safetensors"), "pt") as f:
+                return {k: d / "model.safetensors" for k in f.keys()}
+        return {k: d / v for k, v in wm.items()}
+
+    a, b = index(src), index(exp)
+    if set(a) != set(b):
+        raise SystemExit(f"export check: tensor names differ: {sorted(set(a) ^ set(b))[:5]}")
+    for name in a:
+        with safe_open(str(a[name]), "pt") as fa, safe_open(str(b[name]), "pt") as fb:
+            if not torch.equal(fa.get_tensor(name).view(torch.int16), fb.get_tensor(name).view(torch.int16)):
+                raise SystemExit(f"export check: {name} differs")
+    print(f"   export check: all {len(a)} tensors equal bitwise", flush=True)
+
+
+# -- report -----------------------------------------------------------------------------------------------------------
+
+def table(rows: list[dict]) -> str:
+    head = ["size GB", "cp s", "convert s", "ratio", "convert GB/s", "peak RSS tree MB", "peak RSS max-process MB",
+            "workers", "layers", "cp GB/s", "cp+sync s", "ratio vs cp+sync", "peak anon tree MB", "CPU s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
+    for r in rows:
+        vals = [f"{r['size_gb']:.2f}", f"{r['cp_s']:.2f}", f"{r['convert_s']:.2f}", f"{r['ratio']:.2f}",
+                f"{r['convert_gbs']:.2f}", f"{r['peak_tree_mb']:.0f}", f"{r['peak_max_mb']:.0f}", r["workers"],
+                str(r["layers"]), f"{r['cp_gbs']:.2f}", f"{r['cp_sync_s']:.2f}", f"{r['ratio_sync']:.2f}",
+                f"{r['peak_anon_mb']:.0f}", f"{r['cpu_s']:.1f}"]
+        lines.append("| " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def export_table(rows: list[dict]) -> str:
+    rows = [r for r in rows if "export_s" in r]
+    if not rows:
+        return ""
+    head = ["size GB", "cp s", "export s", "ratio", "export GB/s", "peak RSS tree MB", "peak RSS max-process MB",
+            "CPU s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join([f"{r['size_gb']:.2f}", f"{r['cp_s']:.2f}", f"{r['export_s']:.2f}",
+                                         f"{r['export_ratio']:.2f}", f"{r['export_gbs']:.2f}",
+                                         f"{r['export_peak_tree_mb']:.0f}", f"{r['export_peak_max_mb']:.0f}",
+                                         f"{r['export_cpu_s']:.1f}"]) + " |")
+    return "\n".join(lines)
+
+
+def machine_facts() -> str:
+    def sh(cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception as e:  # noqa: BLE001 - facts are best effort
+            return f"({e})"
+
+    return "\n".join([f"nproc: {sh('nproc')}", "free -g:", sh("free -g"), f"df -h workdir: {sh('df -h /tmp | tail -1')}",
+                      f"kernel: {platform.release()}", f"python: {platform.python_version()}"])
+
+
+def parse_args(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-gb", type=float, default=2.0, help="model size in GB (default 2)")
+    ap.add_argument("--sizes", default=None, help="comma-separated sizes in GB, e.g. 1,2 (overrides --size-gb)")
+    ap.add_argument("--hidden", type=int, default=2048, help="hidden size, a multiple of 128 (default 2048)")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help=f"vocab size (default {VOCAB}, Llama 3)")
+    ap.add_argument("--layers", type=int, default=None, help="number of layers (default: from the size)")
+    ap.add_argument("--shard-gb", type=float, default=0.5, help="HF shard size in GB (default 0.5)")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--workers", default="default",
+                    help="comma-separated --workers values to run, 'default' = shardkit's own choice "
+                         "(e.g. default,1,2)")
+    ap.add_argument("--export", action="store_true", help="also time `shardkit convert mcore-to-hf` back")
+    ap.add_argument("--check-export", action="store_true", help="with --export: compare every tensor bitwise")
+    ap.add_argument("--cp-repeats", type=int, default=1, help="timed cp runs per size; the fastest counts")
+    ap.add_argument("--poll", type=float, default=0.05, help="RSS poll interval in seconds (default 0.05)")
+    ap.add_argument("--warm", action="store_true", help="do not drop the page cache even when possible")
+    ap.add_argument("--workdir", default="/tmp/shardkit-bench")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write all measurements to this JSON file")
+    ap.add_argument("--markdown", default=None, help="also write the report (markdown) to this file")
+    args = ap.parse_args(argv)
+    args.size_list = [float(x) for x in args.sizes.split(",")] if args.sizes else [args.size_gb]
+    args.workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+    for w in args.workers:
+        if w != "default" and not (w.isdigit() and int(w) >= 1):
+            ap.error(f"--workers: {w!r} is neither 'default' nor a positive integer")
+    if args.hidden % HEAD_DIM:
+        ap.error(f"--hidden must be a multiple of {HEAD_DIM}")
+    if args.layers is not None and args.layers % (args.pp * args.vpp):
+        ap.error("--layers must be a multiple of pp*vpp")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        raise SystemExit("psutil is required (pip install psutil, or the project's [test] extra)")
+    work = Path(args.workdir)
+    largest = max(shape_for(g, args.hidden, args.layers, args.pp * args.vpp, args.vocab).nbytes for g in args.size_list)
+    need = largest * (4 if args.export else 3) * 1.05
+    free = shutil.disk_usage(work.parent if not work.exists() else work).free
+    if need > free:
+        raise SystemExit(f"need about {need / GB:.1f} GB free under {work}, have {free / GB:.1f} GB")
+    work.mkdir(parents=True, exist_ok=True)
+    cache = Cache.detect(args.warm)
+    started = _dt.datetime.now(_dt.timezone.utc)
+    cmdline = " ".join([sys.executable, sys.argv[0]] +
+                       (argv if argv is not None else sys.argv[1:]))
+    print(f"cache mode: {cache.describe()}", flush=True)
+    rows: list[dict] = []
+    try:
+        for g in args.size_list:
+            rows += bench_size(args, g, cache, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    report = "\n".join([
+        f"Command: `{cmdline}`",
+        f"Date: {started.strftime('%Y-%m-%d %H:%M UTC')}",
+        f"Cache mode: {cache.describe()}",
+        f"Layout: tp={args.tp} pp={args.pp} vpp={args.vpp}; hidden {args.hidden}, ffn {ffn_for(args.hidden)}, "
+        f"{args.hidden // HEAD_DIM} heads / {min(KV_HEADS, args.hidden // HEAD_DIM)} KV heads x {HEAD_DIM}, "
+        f"vocab {args.vocab}, untied, bf16, {args.shard_gb:g} GB HF shards",
+        "",
+        table(rows),
+    ])
+    et = export_table(rows)
+    if et:
+        report += "\n\nmcore-to-hf (export back):\n\n" + et
+    print("\n" + report)
+    if args.markdown:
+        Path(args.markdown).write_text(report + "\n\n```\n" + machine_facts() + "\n```\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": cmdline, "date": started.isoformat(), "cache": cache.mode,
+                                               "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Bad input through the real CLI: every failure is one `shardkit: error:` line naming the culprit, a non-zero exit,
+and nothing left behind that looks like a complete checkpoint.
+
+A few cases run `python -m shardkit` in a subprocess (real exit status and stderr, and RLIMIT_FSIZE for a write
+failure); the rest call `shardkit.cli.main` in-process to keep the file fast.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardkit.cli import main
+
+TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=300)  # 8 heads, 2 KV heads
+CHUNK_TENSOR = "decoder.layers.mlp.linear_fc2.weight"  # one chunk per layer: c/0/0/0 and c/1/0/0
+
+
+# -- fixtures -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> Path:
+    from shardkit.demo import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf", **TINY)
+
+
+@pytest.fixture
+def hf(tiny_hf, tmp_path) -> Path:
+    """A private copy of the tiny HF model, free to damage."""
+    return Path(shutil.copytree(tiny_hf, tmp_path / "hf"))
+
+
+@pytest.fixture
+def out(tmp_path) -> Path:
+    return tmp_path / "out"
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tiny_hf, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt") / "out"
+    assert main(["convert", "hf-to-mcore", str(tiny_hf), str(root), "--quiet"]) == 0
+    return root
+
+
+@pytest.fixture
+def ckpt(tiny_ckpt, tmp_path) -> Path:
+    """A private copy of a good converted checkpoint, free to damage."""
+    return Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+
+def run_inproc(argv: list[str], capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+def run_sub(argv: list[str], **kw) -> tuple[int, str]:
+    r = subprocess.run([sys.executable, "-m", "shardkit", *[str(a) for a in argv]], capture_output=True, text=True,
+                       timeout=120, **kw)
+    return r.returncode, r.stderr
+
+
+def assert_one_line_error(rc: int, stderr: str, *names: str) -> str:
+    assert rc != 0, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected exactly one stderr line, got:\n{stderr}"
+    line = lines[0]
+    assert line.startswith("shardkit: error:"), line
+    for name in names:
+        assert name in line, f"{name!r} not named in: {line}"
+    return line
+
+
+def assert_nothing_complete(root: Path) -> None:
+    """No `latest` and no iteration directory without the .partial suffix."""
+    if not root.is_dir():
+        return
+    assert not (root / "latest").exists(), sorted(os.listdir(root))
+    complete = [p.name for p in root.glob("iter_*") if not p.name.endswith(".partial")]
+    assert complete == [], complete
+
+
+def edit_config(hf: Path, **changes) -> dict:
+    p = hf / "config.json"
+    cfg = json.loads(p.read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    p.write_text(json.dumps(cfg, indent=1))
+    return cfg
+
+
+def convert_argv(hf: Path, out: Path, *extra: str) -> list[str]:
+    return ["convert", "hf-to-mcore", str(hf), str(out), "--quiet", *extra]
+
+
+# -- 1..9: bad sources and bad flags --------------------------------------------------------------------------------
+
+def test_missing_config_json(hf, out):
+    (hf / "config.json").unlink()
+    rc, err = run_sub(convert_argv(hf, out))
+    assert_one_line_error(rc, err, str(hf / "config.json"))
+    assert_nothing_complete(out)
+
+
+def test_unsupported_model_type(hf, out, capsys):
+    edit_config(hf, model_type="gpt2")
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    line = assert_one_line_error(rc, err, "config.json", "'gpt2'")
+    for supported in ("llama", "mistral", "qwen2"):
+        assert supported in line
+    assert_nothing_complete(out)
+
+
+def test_index_names_missing_shard(hf, out, capsys):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(hf / "model.safetensors"))
+    (hf / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    weight_map = {}
+    for fname, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(hf / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (hf / "model-00002-of-00002.safetensors").unlink()
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    assert_one_line_error(rc, err, "model.safetensors.index.json", "model-00002-of-00002.safetensors")
+    assert_nothing_complete(out)
+
+
+@pytest.mark.parametrize("damage", ["header_json", "header_length"])
+def test_corrupt_safetensors_header(hf, out, capsys, damage):
+    p = hf / "model.safetensors"
+    data = bytearray(p.read_bytes())
+    if damage == "header_json":
+        data[8:72] = b"\x00garbage{{{" + b"#" * 53  # same length: the 8-byte header length still fits the file
+    else:
+        data[0:8] = b"\xff" * 8
+    p.write_bytes(bytes(data))
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    line = assert_one_line_error(rc, err, str(p))
+    assert "corrupt" in line
+    assert_nothing_complete(out)
+
+
+def test_config_disagrees_with_tensor_shapes(hf, out, capsys):
+    edit_config(hf, intermediate_size=128)  # the stored MLP weights are 96 wide
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    line = assert_one_line_error(rc, err, "model.safetensors", "mlp.")
+    assert "[96, 64]" in line and "[128, 64]" in line
+    assert_nothing_complete(out)
+
+
+def test_tensor_with_wrong_shape(hf, out, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bad = "model.layers.1.self_attn.o_proj.weight"
+    tensors = load_file(str(hf / "model.safetensors"))
+    tensors[bad] = torch.zeros(64, 56, dtype=tensors[bad].dtype)
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    line = assert_one_line_error(rc, err, bad, "model.safetensors")
+    assert "[64, 56]" in line
+    assert_nothing_complete(out)
+
+
+def test_tp_does_not_divide_kv_heads(hf, out):
+    rc, err = run_sub(convert_argv(hf, out, "--tp", "4"))  # 8 heads (divisible), 2 KV heads (not)
+    assert_one_line_error(rc, err, "--tp 4", "num_key_value_heads=2")
+    assert_nothing_complete(out)
+
+
+def test_pp_exceeds_layers(hf, out, capsys):
+    rc, err = run_inproc(convert_argv(hf, out, "--pp", "4"), capsys)
+    assert_one_line_error(rc, err, "--pp 4", "num_hidden_layers=2")
+    assert_nothing_complete(out)
+
+
+def test_non_empty_output_needs_overwrite(hf, out, capsys):
+    out.mkdir()
+    (out / "unrelated.txt").write_text("keep out")
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    assert_one_line_error(rc, err, str(out), "--overwrite", "unrelated.txt")
+    assert_nothing_complete(out)
+    # and --overwrite then succeeds
+    rc, err = run_inproc(convert_argv(hf, out, "--overwrite"), capsys)
+    assert rc == 0, err
+    assert (out / "latest").read_text().strip() == "iter_0000000"
+    assert (out / "iter_0000000" / "manifest.json").is_file()
+    assert not (out / "iter_0000000.partial").exists()
+
+
+def test_unknown_dtype(hf, out, capsys):
+    rc, err = run_inproc(convert_argv(hf, out, "--dtype", "fp7"), capsys)
+    assert_one_line_error(rc, err, "--dtype", "fp7")
+    assert not out.exists()
+
+
+# -- 10: write failures ---------------------------------------------------------------------------------------------
+
+def _limit_file_size(nbytes: int):
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return preexec
+
+
+def test_write_failure_file_size_limit(hf, out):
+    # Tests run as root, where a read-only directory does not stop writes; a file size limit does. Python ignores
+    # SIGXFSZ, so the over-long chunk write fails with EFBIG. No --quiet: the progress bar must not add stderr lines.
+    rc, err = run_sub(["convert", "hf-to-mcore", hf, out], preexec_fn=_limit_file_size(20000))
+    line = assert_one_line_error(rc, err, str(out))
+    assert "tensor " in line
+    assert_nothing_complete(out)
+    assert list(out.glob("iter_*")) == [], "a failed write must remove its .partial directory"
+
+
+def test_write_failure_output_below_a_file(hf, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    out = blocker / "sub"
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    assert_one_line_error(rc, err, str(out))
+    assert blocker.read_text() == "not a directory"
+
+
+def test_write_failure_output_is_a_file(hf, tmp_path, capsys):
+    out = tmp_path / "a_file"
+    out.write_text("not a directory")
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    assert_one_line_error(rc, err, str(out))
+    assert out.read_text() == "not a directory"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories (see the RLIMIT_FSIZE test)")
+def test_write_failure_read_only_output_dir(hf, out, capsys):
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        rc, err = run_inproc(convert_argv(hf, out), capsys)
+        assert_one_line_error(rc, err, str(out))
+        assert_nothing_complete(out)
+    finally:
+        out.chmod(0o755)
+
+
+# -- config fields ----------------------------------------------------------------------------------------------
+
+def test_unknown_config_field(hf, out, capsys):
+    edit_config(hf, foo_bar=1)
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    assert_one_line_error(rc, err, "config.json", "foo_bar")
+    assert_nothing_complete(out)
+
+
+def test_unsupported_rope_scaling_type(hf, out, capsys):
+    edit_config(hf, rope_parameters=None, rope_theta=10000.0,
+                rope_scaling={"type": "longrope", "factor": 4.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                              "original_max_position_embeddings": 64})
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    assert_one_line_error(rc, err, "config.json", "longrope")
+    assert_nothing_complete(out)
+
+
+# -- reading checkpoints --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify"])
+def test_not_a_checkpoint(tiny_hf, capsys, cmd):
+    rc, err = run_inproc([cmd, tiny_hf], capsys)
+    line = assert_one_line_error(rc, err, str(tiny_hf))
+    assert "not a shardkit checkpoint" in line
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify"])
+def test_missing_checkpoint_path(tmp_path, capsys, cmd):
+    missing = tmp_path / "nowhere"
+    rc, err = run_inproc([cmd, missing], capsys)
+    assert_one_line_error(rc, err, str(missing))
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify"])
+def test_latest_points_to_missing_iteration(ckpt, capsys, cmd):
+    (ckpt / "latest").write_text("iter_0000042\n")
+    rc, err = run_inproc([cmd, ckpt], capsys)
+    assert_one_line_error(rc, err, str(ckpt / "latest"), "iter_0000042")
+
+
+def _chunk_files(ckpt: Path, tensor: str) -> list[Path]:
+    c = ckpt / "iter_0000000" / "model" / tensor / "c"
+    files = sorted(p for p in c.rglob("*") if p.is_file())
+    assert len(files) >= 2, files
+    return files
+
+
+def _chunk_index(ckpt: Path, tensor: str, chunk_file: Path) -> str:
+    rel = chunk_file.relative_to(ckpt / "iter_0000000" / "model" / tensor / "c")
+    return "(" + ", ".join(rel.parts) + ")"
+
+
+def test_verify_good_checkpoint_passes(ckpt, capsys):
+    rc, err = run_inproc(["verify", ckpt, "--quiet"], capsys)
+    assert rc == 0, err
+
+
+def test_verify_missing_chunk(ckpt):
+    victim = _chunk_files(ckpt, CHUNK_TENSOR)[-1]
+    victim.unlink()
+    rc, err = run_sub(["verify", ckpt])  # no --quiet: the progress bar must not add stderr lines
+    line = assert_one_line_error(rc, err, f"tensor {CHUNK_TENSOR}", _chunk_index(ckpt, CHUNK_TENSOR, victim))
+    assert "missing" in line
+
+
+def test_verify_flipped_byte(ckpt, capsys):
+    victim = _chunk_files(ckpt, CHUNK_TENSOR)[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    rc, err = run_inproc(["verify", ckpt, "--quiet"], capsys)
+    assert_one_line_error(rc, err, f"tensor {CHUNK_TENSOR}", _chunk_index(ckpt, CHUNK_TENSOR, victim))
