@@ -1,4 +1,4 @@
-"""manifest.json: the written-down contract of one checkpoint iteration (see FORMAT.md).
+"""manifest.json: the written-down contract of one checkpoint iteration (see docs/FORMAT.md).
 
 Strict on read: unknown format or version, tensor names that are not dotted identifiers, paths that leave the
 iteration directory, or a digest that does not match are all errors.

@@ -31,6 +31,7 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
     ours.load_canonical(tensors)  # copy_ upcasts bf16/fp16 sources exactly
     ours.eval()
 
+    transformers.utils.logging.disable_progress_bar()  # our own output is the report; HF's loading bar is noise
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation=HF_ATTN_IMPLEMENTATION, trust_remote_code=False)
     hf.eval()
