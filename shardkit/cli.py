@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_flags(h2m)
     _dtype_flag(h2m, "store weights as bf16|fp16|fp32 (default: the source dtype)")
     h2m.add_argument("--workers", type=int, default=None, help="writer processes (default: CPU count)")
-    h2m.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    h2m.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory: the iteration written here replaces any earlier one of the same number; other files are left alone")
     h2m.add_argument("--quiet", action="store_true", help="no progress bar")
 
     m2h = csub.add_parser("mcore-to-hf", help="shardkit checkpoint -> HF safetensors")
