@@ -20,6 +20,9 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -32,7 +35,11 @@ _PASSTHROUGH = {
     "pretraining_tp", "attention_dropout", "tokenizer_class", "output_attentions", "output_hidden_states",
     "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
     "torchscript", "use_return_dict", "prefix", "task_specific_params", "finetuning_task", "max_length",
-    "rope_interleave", "_attn_implementation_autoset", "model_type",
+    "_attn_implementation_autoset", "model_type",
+    # read as data, never executed: shardkit never passes trust_remote_code
+    "auto_map",
+    # training-time knobs of the source that do not change the forward pass
+    "output_router_logits", "router_jitter_noise", "ep_size", "seq_aux", "aux_loss_alpha", "router_aux_loss_coef",
 }
 # Fields we interpret (per family); anything outside these and _PASSTHROUGH is refused.
 _COMMON = {
@@ -44,13 +51,26 @@ _FAMILY_FIELDS = {
     "llama": _COMMON | {"attention_bias", "mlp_bias"},
     "mistral": _COMMON | {"sliding_window"},
     "qwen2": _COMMON | {"sliding_window", "use_sliding_window", "max_window_layers", "use_mrope", "layer_types"},
+    "mixtral": _COMMON | {"sliding_window", "num_local_experts", "num_experts_per_tok"},
 }
+_DEEPSEEK = _COMMON | {
+    "attention_bias", "mlp_bias", "first_k_dense_replace", "moe_layer_freq", "n_routed_experts", "n_shared_experts",
+    "moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group", "topk_method", "norm_topk_prob",
+    "routed_scaling_factor", "scoring_func", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "qk_head_dim", "num_nextn_predict_layers", "quantization_config", "rope_interleave",
+}
+_FAMILY_FIELDS["deepseek_v2"] = _DEEPSEEK
+_FAMILY_FIELDS["deepseek_v3"] = _DEEPSEEK
+# DeepSeek routers: HF topk_method -> (score function, group-limited, expert bias)
+TOPK_METHODS = {"greedy": ("softmax", False, False), "group_limited_greedy": ("softmax", True, False),
+                "noaux_tc": ("sigmoid", True, True)}
 
 # Refuse absurd sizes before anything is allocated (a corrupt or hostile config.json).
 _LIMITS = {
     "vocab_size": 1 << 24, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 1 << 12,
     "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "head_dim": 1 << 12,
-    "max_position_embeddings": 1 << 26,
+    "max_position_embeddings": 1 << 26, "num_local_experts": 1 << 14, "n_routed_experts": 1 << 14,
+    "moe_intermediate_size": 1 << 20, "kv_lora_rank": 1 << 16, "q_lora_rank": 1 << 16, "num_nextn_predict_layers": 64,
 }
 
 
@@ -75,6 +95,29 @@ class ModelConfig:
     add_proj_bias: bool = False
     add_mlp_bias: bool = False
     sliding_window: int | None = None
+    # MoE (Megatron TransformerConfig names). moe_layer_freq: one entry per layer, 1 = MoE, 0 = dense MLP.
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: list | None = None
+    moe_router_score_function: str = "softmax"  # "softmax" | "sigmoid"
+    moe_router_norm_topk: bool = True  # renormalise the top-k weights to sum to 1
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_aux_loss_coeff: float = 0.0
+    # multi-latent attention (DeepSeek). q_lora_rank None = plain q projection (V2-Lite).
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rotary_interleaved: bool = False
+    # multi-token prediction layers (DeepSeek-V3), stored after the decoder layers on the HF side
+    mtp_num_layers: int = 0
     params_dtype: str = "float32"  # torch dtype name of the source weights
     make_vocab_size_divisible_by: int = 128
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # the source config.json, verbatim
@@ -83,6 +126,22 @@ class ModelConfig:
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and bool(self.moe_layer_freq[layer])
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Megatron stores a stack with both dense and MoE layers under per-layer keys (`decoder.layers.{i}.`)."""
+        return self.is_moe and len(set(self.moe_layer_freq)) > 1
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
 
     @property
     def qkv_rows(self) -> int:
@@ -136,6 +195,29 @@ class ModelConfig:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu', SwiGLU)")
         hidden = integer("hidden_size")
         heads = integer("num_attention_heads")
+        layers = integer("num_hidden_layers")
+        theta, scaling = _read_rope(hf, source)
+        eps = hf.get("rms_norm_eps", 1e-6)
+        if not isinstance(eps, (int, float)) or not (0 < eps < 1):
+            raise ConfigError(f"{source}: rms_norm_eps must be in (0, 1), got {eps!r}")
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"{source}: dtype {dtype!r} is not supported (float32, bfloat16, float16)")
+        attention_bias = bool(hf.get("attention_bias", False))
+        common = dict(
+            model_type=mt, num_layers=layers, hidden_size=hidden, ffn_hidden_size=integer("intermediate_size"),
+            num_attention_heads=heads, vocab_size=integer("vocab_size"),
+            max_position_embeddings=integer("max_position_embeddings", hf.get("max_position_embeddings") or
+                                             _hf_default(mt, "max_position_embeddings")),
+            norm_epsilon=float(eps), rotary_base=theta, rope_scaling=scaling,
+            # transformers' default for all these families is untied
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            params_dtype=dtype, hf_config=dict(hf))
+        if mt.startswith("deepseek"):
+            if attention_bias or hf.get("mlp_bias"):
+                raise ConfigError(f"{source}: attention_bias / mlp_bias are not supported for {mt}")
+            return cls(**common, **_read_deepseek(hf, source, integer, layers))
+
         groups = integer("num_key_value_heads", hf.get("num_key_value_heads") or heads)
         head_dim = hf.get("head_dim")
         if head_dim is None:
@@ -148,8 +230,6 @@ class ModelConfig:
             raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
         if head_dim % 2:
             raise ConfigError(f"{source}: head_dim {head_dim} must be even for rotary embeddings")
-
-        theta, scaling = _read_rope(hf, source)
         if mt == "qwen2":
             if hf.get("use_mrope"):
                 raise ConfigError(f"{source}: use_mrope=true (multimodal RoPE) is not supported")
@@ -158,38 +238,26 @@ class ModelConfig:
             lt = hf.get("layer_types")
             if lt and any(t != "full_attention" for t in lt):
                 raise ConfigError(f"{source}: layer_types other than 'full_attention' are not supported")
-        window = hf.get("sliding_window") if mt == "mistral" else None
+        window = hf.get("sliding_window") if mt in ("mistral", "mixtral") else None
         if window is not None:
             window = integer("sliding_window", window)
-        eps = hf.get("rms_norm_eps", 1e-6)
-        if not isinstance(eps, (int, float)) or not (0 < eps < 1):
-            raise ConfigError(f"{source}: rms_norm_eps must be in (0, 1), got {eps!r}")
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"{source}: dtype {dtype!r} is not supported (float32, bfloat16, float16)")
-        attention_bias = bool(hf.get("attention_bias", False))
+        moe = {}
+        if mt == "mixtral":
+            moe = dict(num_moe_experts=integer("num_local_experts"), moe_router_topk=integer("num_experts_per_tok"),
+                       moe_ffn_hidden_size=common["ffn_hidden_size"], moe_layer_freq=[1] * layers,
+                       moe_router_score_function="softmax", moe_router_norm_topk=True,
+                       moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef") or 0.0))
+            if moe["moe_router_topk"] > moe["num_moe_experts"]:
+                raise ConfigError(f"{source}: num_experts_per_tok exceeds num_local_experts")
         return cls(
-            model_type=mt,
-            num_layers=integer("num_hidden_layers"),
-            hidden_size=hidden,
-            ffn_hidden_size=integer("intermediate_size"),
-            num_attention_heads=heads,
+            **common,
             num_query_groups=groups,
             kv_channels=head_dim,
-            vocab_size=integer("vocab_size"),
-            max_position_embeddings=integer("max_position_embeddings", hf.get("max_position_embeddings") or
-                                             _hf_default(mt, "max_position_embeddings")),
-            norm_epsilon=float(eps),
-            rotary_base=theta,
-            rope_scaling=scaling,
-            # transformers' default for these families is untied
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             add_qkv_bias=(mt == "qwen2") or attention_bias,
             add_proj_bias=attention_bias,
             add_mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=window,
-            params_dtype=dtype,
-            hf_config=dict(hf),
+            **moe,
         )
 
     @classmethod
@@ -223,8 +291,31 @@ class ModelConfig:
             "hidden_act": "silu",
             "tie_word_embeddings": self.tie_word_embeddings,
         })
-        if "head_dim" in src or self.kv_channels * self.num_attention_heads != self.hidden_size:
+        if not self.multi_latent_attention and ("head_dim" in src or
+                                                self.kv_channels * self.num_attention_heads != self.hidden_size):
             out["head_dim"] = self.kv_channels
+        if self.model_type == "mixtral":
+            out.update(num_local_experts=self.num_moe_experts, num_experts_per_tok=self.moe_router_topk)
+        if self.multi_latent_attention:
+            freq = self.moe_layer_freq
+            method = {"sigmoid": "noaux_tc"}.get(self.moe_router_score_function,
+                                                 "group_limited_greedy" if self.moe_router_num_groups else "greedy")
+            out.update(
+                n_routed_experts=self.num_moe_experts, num_experts_per_tok=self.moe_router_topk,
+                moe_intermediate_size=self.moe_ffn_hidden_size,
+                n_shared_experts=(self.moe_shared_expert_intermediate_size or 0) // self.moe_ffn_hidden_size,
+                first_k_dense_replace=freq.index(1) if 1 in freq else len(freq),
+                norm_topk_prob=self.moe_router_norm_topk, routed_scaling_factor=self.moe_router_topk_scaling_factor,
+                n_group=self.moe_router_num_groups or src.get("n_group", 1),
+                topk_group=self.moe_router_group_topk or src.get("topk_group", 1),
+                q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_head_dim,
+                qk_rope_head_dim=self.qk_pos_emb_head_dim, v_head_dim=self.v_head_dim)
+            if "topk_method" in src or self.model_type == "deepseek_v2":
+                out["topk_method"] = method
+            if "scoring_func" in src:
+                out["scoring_func"] = self.moe_router_score_function
+            if self.mtp_num_layers or "num_nextn_predict_layers" in src:
+                out["num_nextn_predict_layers"] = self.mtp_num_layers
         if self.model_type == "llama":
             for key, value in (("attention_bias", self.add_proj_bias), ("mlp_bias", self.add_mlp_bias)):
                 if key in src or value:
@@ -250,6 +341,58 @@ class ModelConfig:
         d = self.to_hf()
         cls = transformers.CONFIG_MAPPING[self.model_type]
         return cls.from_dict(d)
+
+
+def _read_deepseek(hf: dict, source: str, integer, layers: int) -> dict:
+    """MoE + multi-latent attention + MTP fields of DeepSeek-V2 / V2-Lite / V3."""
+    mt = hf["model_type"]
+    method = hf.get("topk_method") or ("noaux_tc" if mt == "deepseek_v3" else "greedy")
+    if method not in TOPK_METHODS or (mt == "deepseek_v3" and method != "noaux_tc"):
+        raise ConfigError(f"{source}: router topk_method {method!r} is not supported for {mt}; supported: "
+                          f"{'noaux_tc' if mt == 'deepseek_v3' else ', '.join(TOPK_METHODS)}")
+    score, grouped, bias = TOPK_METHODS[method]
+    scoring = hf.get("scoring_func", score)
+    if scoring != score:
+        raise ConfigError(f"{source}: scoring_func {scoring!r} does not match topk_method {method!r} (expects {score!r})")
+    experts = integer("n_routed_experts")
+    topk = integer("num_experts_per_tok")
+    first_dense = hf.get("first_k_dense_replace") or 0
+    freq = hf.get("moe_layer_freq", 1)
+    if not isinstance(first_dense, int) or first_dense < 0 or not isinstance(freq, int) or freq < 1:
+        raise ConfigError(f"{source}: first_k_dense_replace / moe_layer_freq must be non-negative integers")
+    n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if grouped and (experts % n_group or topk_group > n_group):
+        raise ConfigError(f"{source}: n_group={n_group} must divide n_routed_experts={experts} and be >= "
+                          f"topk_group={topk_group}")
+    shared = hf.get("n_shared_experts") or 0
+    moe_ffn = integer("moe_intermediate_size")
+    q_lora = hf.get("q_lora_rank")
+    quant = hf.get("quantization_config")
+    if quant is not None:
+        blocks = quant.get("weight_block_size") if isinstance(quant, dict) else None
+        if not isinstance(quant, dict) or quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3" \
+                or not (isinstance(blocks, list) and len(blocks) == 2 and all(isinstance(b, int) and b > 0
+                                                                              for b in blocks)):
+            raise ConfigError(f"{source}: quantization_config {quant!r} is not supported (only fp8 e4m3 with "
+                              "weight_block_size [r, c])")
+    return dict(
+        num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        kv_channels=integer("v_head_dim"),
+        num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
+        moe_shared_expert_intermediate_size=shared * moe_ffn if shared else None,
+        moe_layer_freq=[int(i >= first_dense and i % freq == 0) for i in range(layers)],
+        moe_router_score_function=score, moe_router_norm_topk=bool(hf.get("norm_topk_prob", False)),
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        moe_router_num_groups=n_group if grouped else None, moe_router_group_topk=topk_group if grouped else None,
+        moe_router_enable_expert_bias=bias,
+        moe_aux_loss_coeff=float(hf.get("aux_loss_alpha") or 0.0),
+        multi_latent_attention=True,
+        q_lora_rank=integer("q_lora_rank", q_lora) if q_lora is not None else None,
+        kv_lora_rank=integer("kv_lora_rank"), qk_head_dim=integer("qk_nope_head_dim"),
+        qk_pos_emb_head_dim=integer("qk_rope_head_dim"), v_head_dim=integer("v_head_dim"),
+        rotary_interleaved=bool(hf.get("rope_interleave", True)),
+        mtp_num_layers=hf.get("num_nextn_predict_layers") or 0,
+    )
 
 
 def _hf_default(model_type: str, key: str) -> Any:

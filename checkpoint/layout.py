@@ -10,8 +10,13 @@ from .errors import LayoutError
 
 @dataclass(frozen=True)
 class RankCoord:
-    tp: int
-    pp: int
+    """A rank's coordinates in the dimensions that split tensors. Dense tensors use (tp, pp); expert tensors use
+    (ep, etp, pp): Megatron lays the expert groups over the same ranks, so one physical rank has both."""
+
+    tp: int = 0
+    pp: int = 0
+    ep: int = 0
+    etp: int = 0
 
 
 @dataclass(frozen=True)
@@ -21,21 +26,33 @@ class Layout:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
+    ep: int = 1  # expert parallel: splits the expert axis
+    etp: int | None = None  # expert tensor parallel; None = same as tp (Megatron's default)
 
     def __post_init__(self) -> None:
-        for flag, v in (("--tp", self.tp), ("--pp", self.pp), ("--vpp", self.vpp)):
+        for flag, v in (("--tp", self.tp), ("--pp", self.pp), ("--vpp", self.vpp), ("--ep", self.ep),
+                        ("--etp", self.etp if self.etp is not None else 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise LayoutError(f"{flag} must be a positive integer, got {v!r}")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp
 
-    def ranks(self) -> Iterator[RankCoord]:
-        """All model-parallel ranks, Megatron order (tp fastest)."""
+    def ranks(self, expert: bool = False) -> Iterator[RankCoord]:
+        """The distinct shard coordinates: (tp, pp) for dense tensors, (ep, etp, pp) for expert tensors."""
         for pp in range(self.pp):
-            for tp in range(self.tp):
-                yield RankCoord(tp=tp, pp=pp)
+            if expert:
+                for ep in range(self.ep):
+                    for etp in range(self.expert_tp):
+                        yield RankCoord(pp=pp, ep=ep, etp=etp)
+            else:
+                for tp in range(self.tp):
+                    yield RankCoord(tp=tp, pp=pp)
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise LayoutError naming the flag and the model field when the layout cannot hold the model."""
@@ -45,8 +62,20 @@ class Layout:
         if cfg.num_query_groups % tp:
             raise LayoutError(f"--tp {tp} does not divide the KV heads (num_key_value_heads={cfg.num_query_groups}); "
                               "Megatron gives each TP rank whole query groups")
-        if cfg.ffn_hidden_size % tp:
+        has_dense_mlp = not cfg.is_moe or 0 in cfg.moe_layer_freq
+        if has_dense_mlp and cfg.ffn_hidden_size % tp:
             raise LayoutError(f"--tp {tp} does not divide intermediate_size={cfg.ffn_hidden_size}")
+        if cfg.is_moe:
+            if cfg.num_moe_experts % self.ep:
+                raise LayoutError(f"--ep {self.ep} does not divide the number of experts ({cfg.num_moe_experts})")
+            if cfg.moe_ffn_hidden_size % self.expert_tp:
+                raise LayoutError(f"--etp {self.expert_tp} does not divide the expert ffn size "
+                                  f"({cfg.moe_ffn_hidden_size})")
+            shared = cfg.moe_shared_expert_intermediate_size
+            if shared and shared % tp:
+                raise LayoutError(f"--tp {tp} does not divide the shared-expert ffn size ({shared})")
+        elif self.ep > 1 or self.etp not in (None, 1):
+            raise LayoutError(f"--ep/--etp apply to MoE models only; {cfg.model_type} has no experts")
         stages = self.pp * self.vpp
         if stages > cfg.num_layers:
             raise LayoutError(f"--pp {self.pp} x --vpp {self.vpp} = {stages} pipeline stages exceed "
@@ -70,4 +99,6 @@ class Layout:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
-        return cls(tp=int(d["tp"]), pp=int(d["pp"]), vpp=int(d.get("vpp", 1)))
+        etp = d.get("etp")
+        return cls(tp=int(d["tp"]), pp=int(d["pp"]), vpp=int(d.get("vpp", 1)), ep=int(d.get("ep", 1)),
+                   etp=None if etp is None else int(etp))

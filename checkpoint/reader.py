@@ -13,7 +13,7 @@ from . import store
 from .commit import resolve_iteration
 from .config import ModelConfig
 from .errors import CorruptionError, FormatError
-from .layout import Layout
+from .layout import Layout, RankCoord
 from .manifest import Manifest, TensorEntry, tensor_path
 from .sharding import Rule, TensorSpec, local_shape, model_specs, regions
 
@@ -58,7 +58,7 @@ class Checkpoint:
         """A tensor, or a box of it, from disk (only the chunks it touches are read)."""
         return store.read(self.array(name), index, name)
 
-    def read_local(self, name: str, layout: Layout, tp_rank: int, pp_rank: int) -> dict[int, torch.Tensor]:
+    def read_local(self, name: str, layout: Layout, coord: RankCoord) -> dict[int, torch.Tensor]:
         """One rank's local tensors of `name` (per model chunk) for any target layout, read through the sharding
         table. Vocab tensors follow the target's padding: rows past the stored ones read as zeros, stored padding
         rows past the target's are not read."""
@@ -66,7 +66,7 @@ class Checkpoint:
         target = {s.name: s for s in model_specs(self.config, layout)}[name]
         stored_rows = self.entry(name).shape[0]
         out: dict[int, torch.Tensor] = {}
-        for r in regions(target, layout, tp_rank, pp_rank):
+        for r in regions(target, layout, coord, self.config.num_layers):
             if r.vstage not in out:
                 out[r.vstage] = torch.zeros(local_shape(target, layout), dtype=store.torch_dtype(self.entry(name).dtype))
             gs, ls = list(r.global_slices()), list(r.local_slices())

@@ -1,8 +1,10 @@
 """The one sharding table: canonical tensors, their global shapes and partition rules, and the regions a rank owns.
 
-Canonical names are Megatron-Core's sharded-state-dict keys (TE naming, homogeneous stack: the layer index is dropped
-and a leading layer axis is prepended). The converter, the trainer and every reader go through `regions()`; nobody
-else computes a slice.
+Canonical names are Megatron-Core's sharded-state-dict keys with Transformer Engine naming. A homogeneous stack drops
+the layer index and prepends a layer axis (`decoder.layers.mlp.linear_fc1.weight`, shape [L, ...]); a stack that mixes
+dense and MoE layers (DeepSeek's first dense layers) uses per-layer keys `decoder.layers.{i}.…`, as megatron-core does.
+Expert tensors carry an expert axis right after the layer axis. The converter, the trainer and every reader go through
+`regions()`; nobody else computes a slice.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .config import ModelConfig
-from .layout import Layout
+from .layout import Layout, RankCoord
 
 
 class Rule(str, Enum):
@@ -28,16 +30,24 @@ _AXIS = {Rule.COLUMN: 0, Rule.VOCAB: 0, Rule.QKV: 0, Rule.GATE_UP: 0, Rule.ROW: 
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    shape: tuple[int, ...]  # global shape; leading axis = layers when per_layer
+    shape: tuple[int, ...]  # global shape; leading axis = layers when per_layer, then experts when expert
     rule: Rule
-    per_layer: bool
+    per_layer: bool  # stacked: leading layer axis, split by PP/VPP
+    expert: bool = False  # expert axis (after the layer axis), split by EP; its TP split uses the expert TP size
+    layer: int | None = None  # per-layer key of a heterogeneous stack: the global layer it belongs to
+    stage: str | None = None  # "first" / "last": the pipeline stage of a tensor outside the decoder layers
+
+    @property
+    def lead(self) -> int:
+        """Number of leading layer/expert axes before the tensor's own axes."""
+        return int(self.per_layer) + int(self.expert)
 
     @property
     def tp_axis(self) -> int | None:
-        """Axis of the global array that TP splits (None when replicated)."""
+        """Axis of the global array that TP (or expert TP) splits (None when replicated)."""
         if self.rule is Rule.REPLICATED:
             return None
-        return _AXIS[self.rule] + (1 if self.per_layer else 0)
+        return _AXIS[self.rule] + self.lead
 
 
 @dataclass(frozen=True)
@@ -59,45 +69,99 @@ class Region:
 
 # -- the table ---------------------------------------------------------------------------------------------------------
 
+def layer_specs(cfg: ModelConfig, prefix: str, lead: tuple[int, ...], moe: bool, **kw) -> list[TensorSpec]:
+    """The tensors of one transformer layer (or of all layers stacked when `lead` = (L,))."""
+    h = cfg.hidden_size
+    out: list[TensorSpec] = []
+
+    def add(name: str, shape: tuple[int, ...], rule: Rule, expert: bool = False) -> None:
+        out.append(TensorSpec(prefix + name, (*lead, *shape), rule, bool(lead), expert, **kw))
+
+    if cfg.multi_latent_attention:
+        nh = cfg.num_attention_heads
+        add("input_layernorm.weight", (h,), Rule.REPLICATED)
+        if cfg.q_lora_rank:
+            add("self_attention.linear_q_down_proj.weight", (cfg.q_lora_rank, h), Rule.REPLICATED)
+            add("self_attention.linear_q_up_proj.layer_norm_weight", (cfg.q_lora_rank,), Rule.REPLICATED)
+            add("self_attention.linear_q_up_proj.weight", (nh * cfg.q_head_dim, cfg.q_lora_rank), Rule.COLUMN)
+        else:
+            add("self_attention.linear_q_proj.weight", (nh * cfg.q_head_dim, h), Rule.COLUMN)
+        add("self_attention.linear_kv_down_proj.weight", (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, h),
+            Rule.REPLICATED)
+        add("self_attention.linear_kv_up_proj.layer_norm_weight", (cfg.kv_lora_rank,), Rule.REPLICATED)
+        add("self_attention.linear_kv_up_proj.weight", (nh * (cfg.qk_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            Rule.COLUMN)
+        add("self_attention.linear_proj.weight", (h, nh * cfg.v_head_dim), Rule.ROW)
+    else:
+        add("self_attention.linear_qkv.layer_norm_weight", (h,), Rule.REPLICATED)
+        add("self_attention.linear_qkv.weight", (cfg.qkv_rows, h), Rule.QKV)
+        if cfg.add_qkv_bias:
+            add("self_attention.linear_qkv.bias", (cfg.qkv_rows,), Rule.QKV)
+        add("self_attention.linear_proj.weight", (h, cfg.num_attention_heads * cfg.kv_channels), Rule.ROW)
+        if cfg.add_proj_bias:
+            add("self_attention.linear_proj.bias", (h,), Rule.REPLICATED)
+    if moe:
+        E, F = cfg.num_moe_experts, cfg.moe_ffn_hidden_size
+        add("pre_mlp_layernorm.weight", (h,), Rule.REPLICATED)
+        add("mlp.router.weight", (E, h), Rule.REPLICATED)
+        if cfg.moe_router_enable_expert_bias:
+            add("mlp.router.expert_bias", (E,), Rule.REPLICATED)
+        add("mlp.experts.experts.linear_fc1.weight", (E, 2 * F, h), Rule.GATE_UP, expert=True)
+        add("mlp.experts.experts.linear_fc2.weight", (E, h, F), Rule.ROW, expert=True)
+        S = cfg.moe_shared_expert_intermediate_size
+        if S:
+            add("mlp.shared_experts.linear_fc1.weight", (2 * S, h), Rule.GATE_UP)
+            add("mlp.shared_experts.linear_fc2.weight", (h, S), Rule.ROW)
+    else:
+        F = cfg.ffn_hidden_size
+        add("mlp.linear_fc1.layer_norm_weight", (h,), Rule.REPLICATED)
+        add("mlp.linear_fc1.weight", (2 * F, h), Rule.GATE_UP)
+        if cfg.add_mlp_bias:
+            add("mlp.linear_fc1.bias", (2 * F,), Rule.GATE_UP)
+        add("mlp.linear_fc2.weight", (h, F), Rule.ROW)
+        if cfg.add_mlp_bias:
+            add("mlp.linear_fc2.bias", (h,), Rule.REPLICATED)
+    return out
+
+
 def model_specs(cfg: ModelConfig, layout: Layout) -> list[TensorSpec]:
     """Every canonical tensor of `cfg` as stored for `layout` (vocab padding depends on layout.tp)."""
-    L, h, F = cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size
+    h, L = cfg.hidden_size, cfg.num_layers
     vocab = cfg.padded_vocab_size(layout.tp)
-    attn_out = cfg.num_attention_heads * cfg.kv_channels
-    specs = [TensorSpec("embedding.word_embeddings.weight", (vocab, h), Rule.VOCAB, False)]
-
-    def layer(name: str, shape: tuple[int, ...], rule: Rule) -> None:
-        specs.append(TensorSpec(f"decoder.layers.{name}", (L, *shape), rule, True))
-
-    layer("self_attention.linear_qkv.layer_norm_weight", (h,), Rule.REPLICATED)
-    layer("self_attention.linear_qkv.weight", (cfg.qkv_rows, h), Rule.QKV)
-    if cfg.add_qkv_bias:
-        layer("self_attention.linear_qkv.bias", (cfg.qkv_rows,), Rule.QKV)
-    layer("self_attention.linear_proj.weight", (h, attn_out), Rule.ROW)
-    if cfg.add_proj_bias:
-        layer("self_attention.linear_proj.bias", (h,), Rule.REPLICATED)
-    layer("mlp.linear_fc1.layer_norm_weight", (h,), Rule.REPLICATED)
-    layer("mlp.linear_fc1.weight", (2 * F, h), Rule.GATE_UP)
-    if cfg.add_mlp_bias:
-        layer("mlp.linear_fc1.bias", (2 * F,), Rule.GATE_UP)
-    layer("mlp.linear_fc2.weight", (h, F), Rule.ROW)
-    if cfg.add_mlp_bias:
-        layer("mlp.linear_fc2.bias", (h,), Rule.REPLICATED)
-    specs.append(TensorSpec("decoder.final_layernorm.weight", (h,), Rule.REPLICATED, False))
+    specs = [TensorSpec("embedding.word_embeddings.weight", (vocab, h), Rule.VOCAB, False, stage="first")]
+    if cfg.heterogeneous:
+        for i in range(L):
+            specs += layer_specs(cfg, f"decoder.layers.{i}.", (), cfg.is_moe_layer(i), layer=i)
+    else:
+        specs += layer_specs(cfg, "decoder.layers.", (L,), cfg.is_moe)
+    specs.append(TensorSpec("decoder.final_layernorm.weight", (h,), Rule.REPLICATED, False, stage="last"))
     if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec("output_layer.weight", (vocab, h), Rule.VOCAB, False))
+        specs.append(TensorSpec("output_layer.weight", (vocab, h), Rule.VOCAB, False, stage="last"))
+    for i in range(cfg.mtp_num_layers):
+        p = f"mtp.layers.{i}."
+        specs += [TensorSpec(p + "enorm.weight", (h,), Rule.REPLICATED, False, stage="last"),
+                  TensorSpec(p + "hnorm.weight", (h,), Rule.REPLICATED, False, stage="last"),
+                  TensorSpec(p + "eh_proj.weight", (h, 2 * h), Rule.COLUMN, False, stage="last"),
+                  TensorSpec(p + "final_layernorm.weight", (h,), Rule.REPLICATED, False, stage="last")]
+        specs += layer_specs(cfg, p + "transformer_layer.", (), cfg.is_moe, stage="last")
     return specs
 
 
 # -- layout math (pure) ------------------------------------------------------------------------------------------------
+
+def _tp_size(spec: TensorSpec, layout: Layout) -> int:
+    return layout.expert_tp if spec.expert else layout.tp
+
 
 def local_shape(spec: TensorSpec, layout: Layout) -> tuple[int, ...]:
     """Shape of one rank's local tensor for one model chunk."""
     shape = list(spec.shape)
     if spec.per_layer:
         shape[0] //= layout.pp * layout.vpp
+    if spec.expert:
+        shape[int(spec.per_layer)] //= layout.ep
     if spec.tp_axis is not None:
-        shape[spec.tp_axis] //= layout.tp
+        shape[spec.tp_axis] //= _tp_size(spec, layout)
     return tuple(shape)
 
 
@@ -106,15 +170,16 @@ CHUNK_MAX_BYTES = 128 << 20
 
 def chunk_shape(spec: TensorSpec, layout: Layout, itemsize: int = 2,
                 max_bytes: int = CHUNK_MAX_BYTES) -> tuple[int, ...]:
-    """Storage chunk: one layer of the saving layout's local shard (a [gate; up] shard is two chunks), split further
-    along its rows into equal parts when larger than `max_bytes`. Every rank of the saving layout still reads whole
-    chunks, and no reader or writer ever holds more than one chunk per task, whatever the model size."""
+    """Storage chunk: one layer (and one expert) of the saving layout's local shard (a [gate; up] shard is two
+    chunks), split further along its rows into equal parts when larger than `max_bytes`. Every rank of the saving
+    layout still reads whole chunks, and no reader or writer ever holds more than one chunk per task, whatever the
+    model size."""
     shape = list(local_shape(spec, layout))
-    if spec.per_layer:
-        shape[0] = 1
+    for i in range(spec.lead):
+        shape[i] = 1
     if spec.rule is Rule.GATE_UP:
         shape[spec.tp_axis] //= 2
-    ax = spec.tp_axis if spec.tp_axis is not None else (1 if spec.per_layer else 0)
+    ax = spec.tp_axis if spec.tp_axis is not None else spec.lead
     if ax < len(shape):
         rest = itemsize
         for i, s in enumerate(shape):
@@ -125,18 +190,43 @@ def chunk_shape(spec: TensorSpec, layout: Layout, itemsize: int = 2,
     return tuple(shape)
 
 
-def regions(spec: TensorSpec, layout: Layout, tp_rank: int, pp_rank: int) -> list[Region]:
-    """The boxes of `spec`'s global array owned by rank (tp_rank, pp_rank), for each of its model chunks."""
+def owner(spec: TensorSpec, layout: Layout, num_layers: int | None = None) -> tuple[int, int] | None:
+    """(pp_rank, vstage) holding a tensor that is not stacked; None for stacked tensors (every stage holds some).
+    Per-layer keys of a heterogeneous stack need the model's `num_layers` to place their layer."""
+    if spec.per_layer:
+        return None
+    if spec.layer is not None:
+        if num_layers is None:
+            raise ValueError(f"{spec.name}: owner of a per-layer key needs num_layers")
+        n = layout.layers_per_chunk(num_layers)
+        chunk = spec.layer // n
+        return chunk % layout.pp, chunk // layout.pp
+    if spec.stage == "first":
+        return 0, 0
+    return layout.pp - 1, layout.vpp - 1
+
+
+def regions(spec: TensorSpec, layout: Layout, coord: RankCoord, num_layers: int | None = None) -> list[Region]:
+    """The boxes of `spec`'s global array owned by the rank at `coord`, for each of its model chunks.
+
+    Dense tensors read coord.tp; expert tensors read coord.ep and coord.etp (see RankCoord)."""
     loc = local_shape(spec, layout)
+    if spec.per_layer:
+        vstages = list(range(layout.vpp))
+    else:
+        pp_rank, vstage = owner(spec, layout, num_layers)
+        if coord.pp != pp_rank:
+            return []
+        vstages = [vstage]
     ax = spec.tp_axis
+    tp_rank = coord.etp if spec.expert else coord.tp
     out: list[Region] = []
-    vstages = range(layout.vpp) if spec.per_layer else [0]
     for v in vstages:
-        if not spec.per_layer and pp_rank != owner_pp_rank(spec, layout):
-            continue
         g_off = [0] * len(spec.shape)
         if spec.per_layer:
-            g_off[0] = layout.layer_range(spec.shape[0], pp_rank, v)[0]
+            g_off[0] = layout.layer_range(spec.shape[0], coord.pp, v)[0]
+        if spec.expert:
+            g_off[int(spec.per_layer)] = coord.ep * loc[int(spec.per_layer)]
         if ax is None:
             out.append(Region(tuple(g_off), loc, (0,) * len(loc), v, primary=(tp_rank == 0)))
         elif spec.rule is Rule.GATE_UP:
@@ -155,15 +245,3 @@ def regions(spec: TensorSpec, layout: Layout, tp_rank: int, pp_rank: int) -> lis
             go[ax] = tp_rank * loc[ax]
             out.append(Region(tuple(go), loc, (0,) * len(loc), v, primary=True))
     return out
-
-
-def owner_pp_rank(spec: TensorSpec, layout: Layout) -> int:
-    """Pipeline rank that holds a non-layer tensor: embedding on the first stage, final norm and output on the last."""
-    if spec.per_layer:
-        raise ValueError(f"{spec.name} is per-layer: every pipeline rank owns some of it")
-    return 0 if spec.name.startswith("embedding.") else layout.pp - 1
-
-
-def chunk_grid(spec: TensorSpec, layout: Layout) -> tuple[int, ...]:
-    """Number of chunks along each axis."""
-    return tuple(s // c for s, c in zip(spec.shape, chunk_shape(spec, layout)))

@@ -209,30 +209,42 @@ def cached_mb() -> float:
     return float("nan")
 
 
+# What the converter imports: re-read untimed after each drop so a timed step pays for reading the model, not for
+# reading torch/tensorstore from disk (cp's own code is a few hundred KB and always cached).
+WARM_CODE = "import convert.hf_to_mcore, convert.mcore_to_hf, checkpoint.reader, shardkit.cli"
+
+
 class Cache:
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, warm_code: bool = True):
         self.mode = mode  # "cold" (drop before each step) or "warm" (untimed read first)
+        self.warm_code = warm_code
 
     @classmethod
-    def detect(cls, force_warm: bool) -> "Cache":
+    def detect(cls, force_warm: bool, warm_code: bool = True) -> "Cache":
         if force_warm:
-            return cls("warm")
+            return cls("warm", warm_code)
         if try_drop_caches():
-            return cls("cold")
+            return cls("cold", warm_code)
         print("note: cannot drop the page cache (sync; echo 3 > /proc/sys/vm/drop_caches failed); falling back to "
               "warm-cache mode: the source is read once untimed before the timed steps", file=sys.stderr)
-        return cls("warm")
+        return cls("warm", warm_code)
 
     def before_step(self) -> None:
         if self.mode == "cold":
             if not try_drop_caches():
                 raise SystemExit("dropping the page cache worked once and then failed; rerun with --warm")
+            if self.warm_code:
+                subprocess.run([sys.executable, "-c", WARM_CODE], check=True)
         else:
             os.sync()
 
     def describe(self) -> str:
-        return ("cold: `sync; echo 3 > /proc/sys/vm/drop_caches` before every timed step" if self.mode == "cold" else
-                "warm: page cache could not be dropped; the source was read once (untimed `cp -r`) so every timed "
+        if self.mode == "cold":
+            return ("cold: `sync; echo 3 > /proc/sys/vm/drop_caches` before every timed step" +
+                    (", then an untimed `python -c 'import convert.hf_to_mcore, ...'` so the Python libraries "
+                     "(torch, tensorstore) are cached again: the model files are read cold, the code warm"
+                     if self.warm_code else " (code cold too: --cold-code)"))
+        return ("warm: page cache could not be dropped; the source was read once (untimed `cp -r`) so every timed "
                 "step reads it from the page cache")
 
 
@@ -332,8 +344,9 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
         shutil.rmtree(base)
     base.mkdir(parents=True)
     src = base / "hf"
-    print(f"\n== size {size_gb:g} GB requested: {s.describe()}", flush=True)
-    if abs(s.nbytes / GB - size_gb) > 0.15 * size_gb:
+    print(f"\n== size {size_gb:g} GB requested: {s.describe()}" if args.layers is None else
+          f"\n== --layers {args.layers}: {s.describe()}", flush=True)
+    if args.layers is None and abs(s.nbytes / GB - size_gb) > 0.15 * size_gb:
         print(f"   note: {s.nbytes / GB:.2f} GB is the nearest this hidden size allows (layers are a multiple of "
               f"pp*vpp, at least one stage each; the untied {s.vocab}-row embeddings alone are "
               f"{Shape(s.hidden, 0, s.vocab).nbytes / GB:.2f} GB)", flush=True)
@@ -498,6 +511,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--cp-repeats", type=int, default=1, help="timed cp runs per size; the fastest counts")
     ap.add_argument("--poll", type=float, default=0.05, help="RSS poll interval in seconds (default 0.05)")
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache even when possible")
+    ap.add_argument("--cold-code", action="store_true",
+                    help="after dropping the cache do not re-warm the Python libraries (torch etc.) either")
     ap.add_argument("--workdir", default="/tmp/shardkit-bench")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--seed", type=int, default=0)
@@ -529,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     if need > free:
         raise SystemExit(f"need about {need / GB:.1f} GB free under {work}, have {free / GB:.1f} GB")
     work.mkdir(parents=True, exist_ok=True)
-    cache = Cache.detect(args.warm)
+    cache = Cache.detect(args.warm, warm_code=not args.cold_code)
     started = _dt.datetime.now(_dt.timezone.utc)
     cmdline = " ".join([sys.executable, sys.argv[0]] +
                        (argv if argv is not None else sys.argv[1:]))

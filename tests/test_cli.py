@@ -27,7 +27,7 @@ def test_inspect_json(converted, capsys):
     _, ck = converted
     assert main(["inspect", str(ck), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["layout"] == {"tp": 2, "pp": 2, "vpp": 1}
+    assert d["layout"] == {"tp": 2, "pp": 2, "vpp": 1, "ep": 1, "etp": None}
     assert d["vocab"] == {"size": 300, "padded_size": 512, "divisible_by": 128}
     rows = {r["name"]: r for r in d["tensors"]}
     qkv = rows["decoder.layers.self_attention.linear_qkv.weight"]

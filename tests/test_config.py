@@ -90,8 +90,8 @@ def test_unsupported_fields_are_errors(patch, match):
         ModelConfig.from_hf({**base, **patch})
 
 
-def test_auto_map_is_refused_not_executed():
-    # remote code is never run; an auto_map the config relies on is an unknown field for these families
-    with pytest.raises(ConfigError, match="auto_map"):
-        ModelConfig.from_hf(dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, vocab_size=100, auto_map={"AutoModel": "evil.Model"}))
+def test_auto_map_is_carried_as_data():
+    # hub configs (DeepSeek) point auto_map at remote code: it is kept as data and written back, never executed
+    src = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               vocab_size=100, auto_map={"AutoModelForCausalLM": "evil.Model"})
+    assert ModelConfig.from_hf(src).to_hf()["auto_map"] == src["auto_map"]

@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from checkpoint.layout import Layout
+from checkpoint.layout import Layout, RankCoord
 from checkpoint.reader import Checkpoint
 from convert import hf_to_mcore
 from convert.hf_to_mcore import convert_hf_to_mcore
@@ -113,11 +113,11 @@ def test_rank_slices_follow_megatron_rules(tmp_path):
     lay = Layout(tp=tp, pp=pp)
     for r in range(tp):
         for p in range(pp):
-            qkv = ckpt.read_local("decoder.layers.self_attention.linear_qkv.weight", lay, r, p)[0]
-            fc1 = ckpt.read_local("decoder.layers.mlp.linear_fc1.weight", lay, r, p)[0]
-            fc1b = ckpt.read_local("decoder.layers.mlp.linear_fc1.bias", lay, r, p)[0]
-            proj = ckpt.read_local("decoder.layers.self_attention.linear_proj.weight", lay, r, p)[0]
-            fc2 = ckpt.read_local("decoder.layers.mlp.linear_fc2.weight", lay, r, p)[0]
+            qkv = ckpt.read_local("decoder.layers.self_attention.linear_qkv.weight", lay, RankCoord(tp=r, pp=p))[0]
+            fc1 = ckpt.read_local("decoder.layers.mlp.linear_fc1.weight", lay, RankCoord(tp=r, pp=p))[0]
+            fc1b = ckpt.read_local("decoder.layers.mlp.linear_fc1.bias", lay, RankCoord(tp=r, pp=p))[0]
+            proj = ckpt.read_local("decoder.layers.self_attention.linear_proj.weight", lay, RankCoord(tp=r, pp=p))[0]
+            fc2 = ckpt.read_local("decoder.layers.mlp.linear_fc2.weight", lay, RankCoord(tp=r, pp=p))[0]
             for j in range(2):  # two layers per stage
                 i = p * 2 + j
                 pre = f"model.layers.{i}."
@@ -133,13 +133,13 @@ def test_rank_slices_follow_megatron_rules(tmp_path):
                 assert torch.equal(fc2[j], sd[pre + "mlp.down_proj.weight"].chunk(tp, dim=1)[r])
     # vocab: padded to 128*tp = 256 rows... 300 -> 512, rank 1 holds rows 256..511 (44 real rows then padding)
     emb = sd["model.embed_tokens.weight"]
-    e1 = ckpt.read_local("embedding.word_embeddings.weight", lay, 1, 0)[0]
+    e1 = ckpt.read_local("embedding.word_embeddings.weight", lay, RankCoord(tp=1))[0]
     assert e1.shape == (256, h)
     assert torch.equal(e1[:44], emb[256:300])
     assert torch.equal(e1[44:], emb[-1:].expand(212, h))  # Megatron fills padding with the last row
-    assert ckpt.read_local("embedding.word_embeddings.weight", lay, 1, 1) == {}  # first stage only
+    assert ckpt.read_local("embedding.word_embeddings.weight", lay, RankCoord(tp=1, pp=1)) == {}  # first stage only
     # read at another layout: tp=1 pads to 384 and sees the stored rows
-    e_tp1 = ckpt.read_local("embedding.word_embeddings.weight", Layout(), 0, 0)[0]
+    e_tp1 = ckpt.read_local("embedding.word_embeddings.weight", Layout(), RankCoord())[0]
     assert e_tp1.shape == (384, h) and torch.equal(e_tp1[:300], emb)
 
 
@@ -203,3 +203,19 @@ def _tensors(d) -> dict[str, torch.Tensor]:
         with safe_open(str(f), "pt") as h:
             out.update({k: h.get_tensor(k) for k in h.keys()})
     return out
+
+
+def test_remote_code_is_never_executed(tmp_path):
+    """A config whose auto_map points at a module that would leave a marker: convert, verify and export never run it."""
+    _, hf_dir = save_hf(tmp_path, "llama_gqa")
+    marker = tmp_path / "pwned"
+    (hf_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nclass Model: pass\n")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "evil.Model", "AutoModelForCausalLM": "evil.Model"}
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    out = convert_hf_to_mcore(hf_dir, tmp_path / "ck", Layout(tp=2), quiet=True)
+    ckpt = Checkpoint(out)
+    assert logit_parity(ckpt.config, ckpt.state_dict(), hf_dir)["max_abs_diff"] <= TOL
+    back = convert_mcore_to_hf(tmp_path / "ck", tmp_path / "back", quiet=True)
+    assert json.loads((back / "config.json").read_text())["auto_map"] == cfg["auto_map"]
+    assert not marker.exists()

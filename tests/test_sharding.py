@@ -13,27 +13,48 @@ from hypothesis import strategies as st
 
 from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
-from checkpoint.layout import Layout
+from checkpoint.layout import Layout, RankCoord
 from checkpoint.sharding import Rule, chunk_shape, local_shape, model_specs, regions
 
 
 @st.composite
 def model_and_layout(draw):
-    tp = draw(st.sampled_from([1, 2, 4, 8]))
-    pp = draw(st.sampled_from([1, 2, 3, 4]))
+    tp = draw(st.sampled_from([1, 2, 4]))
+    pp = draw(st.sampled_from([1, 2, 3]))
     vpp = draw(st.sampled_from([1, 2]))
+    ep = draw(st.sampled_from([1, 2, 4]))
+    etp = draw(st.sampled_from([None, 1, 2]))
     groups = tp * draw(st.integers(1, 2))
     hpg = draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([2, 4, 6]))
     layers = pp * vpp * draw(st.integers(1, 2))
+    kind = draw(st.sampled_from(["dense", "moe", "mla_moe"]))
+    moe = {}
+    if kind != "dense":
+        freq = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
+        moe = dict(num_moe_experts=ep * draw(st.integers(1, 3)), moe_ffn_hidden_size=2 * draw(st.integers(1, 3)),
+                   moe_layer_freq=freq if kind == "mla_moe" else [1] * layers,
+                   moe_shared_expert_intermediate_size=draw(st.sampled_from([None, tp * 2])),
+                   moe_router_enable_expert_bias=draw(st.booleans()))
+    else:
+        ep, etp = 1, None
+    if kind == "mla_moe":
+        moe.update(multi_latent_attention=True, q_lora_rank=draw(st.sampled_from([None, 6])), kv_lora_rank=4,
+                   qk_head_dim=2, qk_pos_emb_head_dim=2, v_head_dim=draw(st.sampled_from([2, 4])),
+                   mtp_num_layers=draw(st.integers(0, 1)))
     cfg = ModelConfig(
         model_type="llama", num_layers=layers, hidden_size=draw(st.sampled_from([4, 8, 12])),
-        ffn_hidden_size=tp * draw(st.integers(1, 3)), num_attention_heads=groups * hpg, num_query_groups=groups,
+        ffn_hidden_size=tp * draw(st.integers(1, 3)), num_attention_heads=groups * hpg,
+        num_query_groups=groups * hpg if kind == "mla_moe" else groups,
         kv_channels=head_dim, vocab_size=draw(st.integers(1, 40)), max_position_embeddings=64, norm_epsilon=1e-5,
         rotary_base=10000.0, tie_word_embeddings=draw(st.booleans()), add_qkv_bias=draw(st.booleans()),
-        add_proj_bias=draw(st.booleans()), add_mlp_bias=draw(st.booleans()),
-        make_vocab_size_divisible_by=draw(st.sampled_from([1, 4, 128])))
-    return cfg, Layout(tp=tp, pp=pp, vpp=vpp)
+        add_proj_bias=draw(st.booleans()), add_mlp_bias=draw(st.booleans()) and kind == "dense",
+        make_vocab_size_divisible_by=draw(st.sampled_from([1, 4, 128])), **moe)
+    if cfg.is_moe and etp is not None and cfg.moe_ffn_hidden_size % etp:
+        etp = 1
+    if cfg.is_moe and etp is None and cfg.moe_ffn_hidden_size % tp:
+        etp = 1
+    return cfg, Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
 
 
 @settings(max_examples=150, deadline=None)
@@ -45,9 +66,9 @@ def test_regions_tile_every_tensor_exactly_once(ml, itemsize, max_bytes):
         cover = np.zeros(spec.shape, dtype=np.int32)
         chunk = chunk_shape(spec, layout, itemsize, max_bytes)
         assert all(s % c == 0 for s, c in zip(spec.shape, chunk)), (spec.name, chunk)
-        for coord in layout.ranks():
+        for coord in layout.ranks(expert=spec.expert):
             local_cover = {v: np.zeros(local_shape(spec, layout), dtype=np.int32) for v in range(layout.vpp)}
-            rs = regions(spec, layout, coord.tp, coord.pp)
+            rs = regions(spec, layout, coord, cfg.num_layers)
             for r in rs:
                 if r.primary:
                     cover[r.global_slices()] += 1
@@ -76,7 +97,7 @@ def test_rules_match_megatron_reference():
     assert specs["embedding.word_embeddings.weight"].shape == (512, 64)  # 300 padded to a multiple of 128*tp
     fc1 = specs["decoder.layers.mlp.linear_fc1.weight"]
     assert fc1.rule is Rule.GATE_UP
-    r = regions(fc1, Layout(tp=2), tp_rank=1, pp_rank=0)
+    r = regions(fc1, Layout(tp=2), RankCoord(tp=1))
     assert [(x.global_offset, x.local_offset) for x in r] == [((0, 64, 0), (0, 0, 0)), ((0, 192, 0), (0, 64, 0))]
 
 
