@@ -273,7 +273,7 @@ class ModelConfig:
             raise ConfigError(f"{path}: expected a JSON object")
         return cls.from_hf(data, source=str(path))
 
-    def to_hf(self, dtype: str | None = None) -> dict:
+    def to_hf(self, dtype: str | None = None, quantized: bool = False) -> dict:
         """The HF config.json: the source's own dict with every interpreted field rewritten from this config, in the
         style the source used (``rope_scaling`` vs ``rope_parameters``, ``torch_dtype`` vs ``dtype``)."""
         src = dict(self.hf_config)
@@ -291,7 +291,7 @@ class ModelConfig:
             "hidden_act": "silu",
             "tie_word_embeddings": self.tie_word_embeddings,
         })
-        if not self.multi_latent_attention and ("head_dim" in src or
+        if not self.multi_latent_attention and (src.get("head_dim") is not None or
                                                 self.kv_channels * self.num_attention_heads != self.hidden_size):
             out["head_dim"] = self.kv_channels
         if self.model_type == "mixtral":
@@ -324,12 +324,15 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
         # RoPE, in the source's style
         if "rope_parameters" in src:
-            out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rotary_base}
+            params = _rope_in_source_style(self.rope_scaling or {"rope_type": "default"}, src["rope_parameters"])
+            out["rope_parameters"] = {**params, "rope_theta": self.rotary_base}
         else:
             if "rope_theta" in src or self.rotary_base != 10000.0 or not src:
                 out["rope_theta"] = self.rotary_base
             if self.rope_scaling is not None or "rope_scaling" in src:
                 out["rope_scaling"] = _rope_in_source_style(self.rope_scaling, src.get("rope_scaling"))
+        if not quantized:  # the weights are written dequantized: a quantization_config would mislead loaders
+            out.pop("quantization_config", None)
         dkey = "dtype" if "dtype" in src and "torch_dtype" not in src else "torch_dtype"
         out[dkey] = dtype or self.params_dtype
         return out

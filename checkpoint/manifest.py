@@ -45,13 +45,19 @@ class TensorEntry:
     chunk: list[int]
     rule: str
     per_layer: bool
+    expert: bool = False
+
+    @property
+    def lead(self) -> int:
+        """Leading layer/expert axes before the tensor's own axes."""
+        return int(self.per_layer) + int(self.expert)
 
     @classmethod
     def of(cls, spec: TensorSpec, layout: Layout, dtype: str) -> "TensorEntry":
         from .store import torch_dtype
 
         chunk = chunk_shape(spec, layout, torch_dtype(dtype).itemsize)
-        return cls(list(spec.shape), dtype, list(chunk), spec.rule.value, spec.per_layer)
+        return cls(list(spec.shape), dtype, list(chunk), spec.rule.value, spec.per_layer, spec.expert)
 
 
 @dataclass

@@ -6,9 +6,9 @@ from types import ModuleType
 from checkpoint.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from checkpoint.errors import ConfigError
 
-from . import llama
+from . import deepseek, llama, mixtral
 
-_FAMILIES: dict[str, ModuleType] = {mt: llama for mt in llama.MODEL_TYPES}
+_FAMILIES: dict[str, ModuleType] = {mt: mod for mod in (llama, mixtral, deepseek) for mt in mod.MODEL_TYPES}
 
 
 def for_config(cfg: ModelConfig) -> ModuleType:

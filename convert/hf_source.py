@@ -25,6 +25,7 @@ ASSET_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", 
 _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
               "F8_E5M2": "float8_e5m2"}
 _MAX_HEADER = 100 * 1024 * 1024
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3: `<weight>_scale_inv`, one fp32 scale per weight block
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class HFSource:
                 raise FormatError(f"{self.dir / INDEX}: names {missing[0]!r} in {weight_map[missing[0]]}, which "
                                   f"does not hold it ({len(missing)} such tensor(s))")
         self._handles: dict[str, object] = {}
+        self.fp8_block: tuple[int, int] | None = None
 
     def _discover(self) -> tuple[list[str], dict[str, str] | None]:
         index = self.dir / INDEX
@@ -127,7 +129,12 @@ class HFSource:
         raise FormatError(f"{self.dir}: no {SINGLE} and no {INDEX}")
 
     def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> torch.Tensor:
-        """Rows [start, stop) (and columns `cols`) of tensor `name`."""
+        """Rows [start, stop) (and columns `cols`) of tensor `name`; block-FP8 weights come back dequantized."""
+        if self.fp8_block is not None and name + SCALE_SUFFIX in self.tensors:
+            return self._dequant(name, start, stop, cols)
+        return self._raw(name, start, stop, cols)
+
+    def _raw(self, name: str, start: int, stop: int, cols: slice | None = None) -> torch.Tensor:
         info = self.tensors[name]
         h = self._handles.get(info.file)
         if h is None:
@@ -137,6 +144,46 @@ class HFSource:
         if cols is None or len(info.shape) == 1:
             return sl[start:stop]
         return sl[start:stop, cols]
+
+    def _dequant(self, name: str, start: int, stop: int, cols: slice | None) -> torch.Tensor:
+        """DeepSeek's reference dequantization on a slice: fp32(weight) * scale_inv of its 128x128 block, in fp32
+        (the caller casts to the target dtype, as the reference kernel stores to the default dtype)."""
+        br, bc = self.fp8_block
+        c0, c1 = (0, self.tensors[name].shape[1]) if cols is None else (cols.start or 0, cols.stop)
+        w = self._raw(name, start, stop, None if cols is None else slice(c0, c1)).float()
+        s = self._raw(name + SCALE_SUFFIX, start // br, -(-stop // br), slice(c0 // bc, -(-c1 // bc))).float()
+        s = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+        r0, q0 = start - (start // br) * br, c0 - (c0 // bc) * bc
+        return w * s[r0:r0 + (stop - start), q0:q0 + (c1 - c0)]
+
+    def check_fp8(self, block: tuple[int, int] | None) -> set[str]:
+        """Validate block-FP8 weights and their scales; returns the names of the scale tensors (consumed here)."""
+        self.fp8_block = block
+        scales = {n for n in self.tensors if n.endswith(SCALE_SUFFIX)}
+        fp8 = {n for n, i in self.tensors.items() if i.dtype.startswith("float8")}
+        if block is None:
+            if fp8 or scales:
+                example = sorted(fp8 or scales)[0]
+                raise FormatError(f"{self.dir}: tensor {example} is FP8 / a block scale, but config.json has no "
+                                  "quantization_config")
+            return set()
+        br, bc = block
+        for sname in sorted(scales):
+            wname = sname[: -len(SCALE_SUFFIX)]
+            w, sc = self.tensors.get(wname), self.tensors[sname]
+            if w is None:
+                raise FormatError(f"{self.dir}: scale tensor {sname} has no weight {wname}")
+            if w.dtype != "float8_e4m3fn" or len(w.shape) != 2:
+                raise FormatError(f"{self.dir / w.file}: {wname} has a block scale but is {w.dtype} "
+                                  f"{list(w.shape)}, not a 2-D float8_e4m3fn weight")
+            grid = (-(-w.shape[0] // br), -(-w.shape[1] // bc))
+            if tuple(sc.shape) != grid:
+                raise FormatError(f"{self.dir / sc.file}: scale tensor {sname} has block grid {list(sc.shape)}, but "
+                                  f"weight {wname} {list(w.shape)} with {br}x{bc} blocks needs {list(grid)}")
+        unscaled = sorted(n for n in fp8 if n + SCALE_SUFFIX not in scales)
+        if unscaled:
+            raise FormatError(f"{self.dir}: FP8 tensor {unscaled[0]} has no {SCALE_SUFFIX} block scale")
+        return scales
 
     def assets(self) -> list[Path]:
         found: dict[str, Path] = {}

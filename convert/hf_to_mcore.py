@@ -38,17 +38,17 @@ WORKER_MIN_BYTES = 64 << 20
 @dataclass(frozen=True)
 class Task:
     name: str
-    layer: int | None
+    lead: tuple[int, ...]  # layer (and expert) index of a stacked tensor's chunk
     box: tuple[tuple[int, int], ...]  # [start, stop) per axis of the global array
 
     @property
     def id(self) -> str:
-        return f"{self.name}|{self.layer}|" + ",".join(f"{a}:{b}" for a, b in self.box)
+        return f"{self.name}|" + ",".join(f"{a}:{b}" for a, b in self.box)
 
 
 def expected_hf_shape(tm: TensorMap, spec: TensorSpec, hf_name: str) -> tuple[int, ...]:
     rows = sum(s.stop - s.start for s in tm.segments if s.hf_name == hf_name)
-    return (rows, *spec.shape[2 if spec.per_layer else 1:])
+    return (rows, *spec.shape[spec.lead + 1:])
 
 
 def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None) -> tuple[dict[str, TensorEntry], list[Task]]:
@@ -68,7 +68,9 @@ def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None) -> 
         if info.shape != shape:
             raise FormatError(f"{src.dir / info.file}: tensor {hf_name} has shape {list(info.shape)}, but config.json "
                               f"implies {list(shape)}")
-    unmapped = sorted(n for n in src.tensors if n not in needed and not fam.ignorable(cfg, n))
+    consumed = src.check_fp8(fp8_block(cfg))
+    consumed |= _check_shared_copies(cfg, fam, src)
+    unmapped = sorted(n for n in src.tensors if n not in needed and n not in consumed and not fam.ignorable(cfg, n))
     if unmapped:
         raise FormatError(f"{src.dir}: {len(unmapped)} HF tensor(s) are not mapped for model_type "
                           f"{cfg.model_type!r}, e.g. {unmapped[0]}; refusing to drop them silently")
@@ -77,15 +79,49 @@ def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None) -> 
     for tm in maps:
         by_name.setdefault(tm.canonical, []).append(tm)
     for name, spec in specs.items():
-        first = by_name[name][0]
-        dt = dtype or src.tensors[first.segments[0].hf_name].dtype
+        first = src.tensors[by_name[name][0].segments[0].hf_name].dtype
+        dt = dtype or (cfg.params_dtype if first.startswith("float8") else first)  # FP8 is dequantized
         entries[name] = TensorEntry.of(spec, layout, dt)
     tasks = []
     for name, e in entries.items():
         for offs in itertools.product(*[range(0, s, c) for s, c in zip(e.shape, e.chunk)]):
             box = tuple((o, o + c) for o, c in zip(offs, e.chunk))
-            tasks.append(Task(name, box[0][0] if e.per_layer else None, box))
+            tasks.append(Task(name, tuple(a for a, _ in box[:e.lead]), box))
     return entries, tasks
+
+
+def fp8_block(cfg: ModelConfig) -> tuple[int, int] | None:
+    q = cfg.hf_config.get("quantization_config")
+    return tuple(q["weight_block_size"]) if q else None
+
+
+def _check_shared_copies(cfg: ModelConfig, fam, src: HFSource) -> set[str]:
+    """HF tensors that duplicate a main-model tensor (DeepSeek MTP's embedding/head): Megatron shares them, so they
+    must be equal to the main one, compared block by block; returns the copies found."""
+    found = set()
+    for copy, main in getattr(fam, "shared_copies", lambda c: {})(cfg).items():
+        if copy not in src.tensors:
+            continue
+        a, b = src.tensors[copy], src.tensors.get(main)
+        if b is None or a.shape != b.shape:
+            raise FormatError(f"{src.dir}: tensor {copy} {list(a.shape)} should be a copy of {main} "
+                              f"{list(b.shape) if b else '(missing)'}")
+        rows = max(1, (64 << 20) // max(1, a.shape[-1] * 4))
+        for r in range(0, a.shape[0], rows):
+            if not torch.equal(src.read(copy, r, r + rows), src.read(main, r, r + rows)):
+                raise FormatError(f"{src.dir}: tensor {copy} differs from {main} (rows from {r}); Megatron shares "
+                                  "them, so this checkpoint cannot be converted without losing one")
+        found.add(copy)
+    return found
+
+
+def fp8_provenance(src: HFSource) -> dict:
+    """Which HF weights were block-FP8 (as name templates, layer/expert indices as {}), so export can re-quantize."""
+    import re
+
+    templates = sorted({re.sub(r"\.\d+\.", ".{}.", re.sub(r"\.\d+\.", ".{}.", n))
+                        for n, i in src.tensors.items() if i.dtype.startswith("float8")})
+    return {"block": list(src.fp8_block), "format": "e4m3", "dequantized": True, "tensors": templates}
 
 
 # -- worker side ----------------------------------------------------------------------------------------------------
@@ -97,20 +133,21 @@ def _init_worker(hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, d
     cfg = ModelConfig.from_dict(cfg_dict)
     layout = Layout.from_dict(layout_dict)
     fam = families.for_config(cfg)
-    _W.update(src=_LazySource(hf_dir), out=Path(out_dir), dtypes=dtypes, ctx=store.context(), arrays={},
-              maps={(tm.canonical, tm.layer): tm for tm in fam.tensor_maps(cfg, layout)})
+    _W.update(src=_LazySource(hf_dir, fp8_block(cfg)), out=Path(out_dir), dtypes=dtypes, ctx=store.context(), arrays={},
+              maps={(tm.canonical, tm.lead): tm for tm in fam.tensor_maps(cfg, layout)})
 
 
 class _LazySource:
     """Workers skip header validation (the main process did it) and open files on first use."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, block: tuple[int, int] | None):
         self.src = None
-        self.hf_dir = hf_dir
+        self.hf_dir, self.block = hf_dir, block
 
     def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> torch.Tensor:
         if self.src is None:
             self.src = HFSource(self.hf_dir)
+            self.src.fp8_block = self.block
         return self.src.read(name, start, stop, cols)
 
 
@@ -120,14 +157,13 @@ def _run_task(task: Task) -> tuple[str, int]:
     if arr is None:
         arr = store.open_existing(w["out"] / tensor_path(task.name), w["ctx"], task.name)
         w["arrays"][task.name] = arr
-    tm = w["maps"][(task.name, task.layer)]
-    box = task.box[1:] if task.layer is not None else task.box
+    tm = w["maps"][(task.name, task.lead)]
+    box = task.box[len(task.lead):]
     rows = box[0]
     cols = slice(*box[1]) if len(box) > 1 else None
     value = assemble(tm, rows[0], rows[1], w["src"].read, cols)
     value = value.to(store.torch_dtype(w["dtypes"][task.name]))
-    if task.layer is not None:
-        value = value.unsqueeze(0)
+    value = value.reshape((1,) * len(task.lead) + tuple(value.shape))
     index = tuple(slice(a, b) for a, b in task.box)
     try:
         store.write(arr, index, value).result()
@@ -196,7 +232,8 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
             provenance={"tool": f"shardkit {VERSION}", "command": "convert hf-to-mcore",
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "source": {"kind": "hf", "path": str(hf_dir.resolve()), "files": src.fingerprint()},
-                        "seconds": round(time.time() - started, 3)})
+                        "seconds": round(time.time() - started, 3),
+                        **({"fp8": fp8_provenance(src)} if src.fp8_block else {})})
         return w.commit(manifest)
 
 

@@ -25,13 +25,14 @@ class Segment:
 
 @dataclass(frozen=True)
 class TensorMap:
-    """One canonical tensor (one layer of it when `layer` is set) as row blocks of HF tensors.
+    """One canonical tensor, or one (layer[, expert]) slice of a stacked one (`lead` = its leading indices), as row
+    blocks of HF tensors.
 
     Rows [pad_start, rows) are vocab padding: filled with the last real row (what Megatron's saver does) and never
     exported."""
 
     canonical: str
-    layer: int | None
+    lead: tuple[int, ...]
     segments: tuple[Segment, ...]
     rows: int
     pad_start: int | None = None
@@ -73,23 +74,23 @@ def hf_sources(maps: Iterable[TensorMap]) -> dict[str, list[tuple[TensorMap, Seg
 
 # -- building blocks for family tables -------------------------------------------------------------------------------
 
-def single(canonical: str, layer: int | None, hf_name: str, rows: int, pad_to: int | None = None) -> TensorMap:
+def single(canonical: str, lead: tuple[int, ...], hf_name: str, rows: int, pad_to: int | None = None) -> TensorMap:
     seg = Segment(hf_name, 0, 0, rows)
     if pad_to is not None and pad_to > rows:
-        return TensorMap(canonical, layer, (seg,), pad_to, pad_start=rows)
-    return TensorMap(canonical, layer, (seg,), rows)
+        return TensorMap(canonical, lead, (seg,), pad_to, pad_start=rows)
+    return TensorMap(canonical, lead, (seg,), rows)
 
 
-def concat(canonical: str, layer: int | None, parts: list[tuple[str, int]]) -> TensorMap:
+def concat(canonical: str, lead: tuple[int, ...], parts: list[tuple[str, int]]) -> TensorMap:
     """[a; b; ...] along rows, e.g. fc1 = [gate; up]."""
     segs, off = [], 0
     for name, n in parts:
         segs.append(Segment(name, 0, off, off + n))
         off += n
-    return TensorMap(canonical, layer, tuple(segs), off)
+    return TensorMap(canonical, lead, tuple(segs), off)
 
 
-def grouped_qkv(canonical: str, layer: int | None, q: str, k: str, v: str, groups: int, heads_per_group: int,
+def grouped_qkv(canonical: str, lead: tuple[int, ...], q: str, k: str, v: str, groups: int, heads_per_group: int,
                 head_dim: int) -> TensorMap:
     """Megatron's fused QKV: for each query group g, [q heads of g; k_g; v_g]."""
     segs, off = [], 0
@@ -98,16 +99,22 @@ def grouped_qkv(canonical: str, layer: int | None, q: str, k: str, v: str, group
         for name, hf_start, n in ((q, g * qn, qn), (k, g * head_dim, head_dim), (v, g * head_dim, head_dim)):
             segs.append(Segment(name, hf_start, off, off + n))
             off += n
-    return TensorMap(canonical, layer, tuple(segs), off)
+    return TensorMap(canonical, lead, tuple(segs), off)
 
 
 def stack_canonical(maps: Iterable[TensorMap], read: HFReader) -> dict[str, torch.Tensor]:
-    """Whole canonical tensors (per-layer ones stacked on a leading layer axis) from an HF reader. In-memory: for
+    """Whole canonical tensors (stacked ones on their leading layer/expert axes) from an HF reader. In-memory: for
     tests and small models only; the converter streams chunk by chunk instead."""
-    per: dict[str, dict[int | None, torch.Tensor]] = {}
+    per: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
     for tm in maps:
-        per.setdefault(tm.canonical, {})[tm.layer] = assemble(tm, 0, tm.rows, read)
-    return {name: (d[None] if None in d else torch.stack([d[i] for i in sorted(d)])) for name, d in per.items()}
+        per.setdefault(tm.canonical, {})[tm.lead] = assemble(tm, 0, tm.rows, read)
+    out = {}
+    for name, d in per.items():
+        keys = sorted(d)
+        dims = tuple(max(k[i] for k in keys) + 1 for i in range(len(keys[0])))
+        t = torch.stack([d[k] for k in keys]) if dims else d[()]
+        out[name] = t.reshape(*dims, *t.shape[1:]) if dims else t
+    return out
 
 
 def dict_reader(state: dict[str, torch.Tensor]) -> HFReader:
@@ -116,3 +123,48 @@ def dict_reader(state: dict[str, torch.Tensor]) -> HFReader:
         t = state[name][start:stop]
         return t if cols is None else t[:, cols]
     return read
+
+
+# -- the model skeleton shared by every family ---------------------------------------------------------------------
+
+LayerMaps = Callable[..., list[TensorMap]]  # (cfg, cprefix, hprefix, lead, moe) -> maps of one layer
+
+
+def model_maps(cfg, layout, layer_maps: LayerMaps, mtp_maps: Callable[..., list[TensorMap]] | None = None
+               ) -> list[TensorMap]:
+    """Embedding, decoder layers (stacked or per-layer keys, as the sharding table names them), final norm, output
+    layer and MTP layers, with `layer_maps` supplying each family's layer. Checked against the sharding table."""
+    from checkpoint.sharding import model_specs
+
+    padded = cfg.padded_vocab_size(layout.tp)
+    h = cfg.hidden_size
+    maps = [single("embedding.word_embeddings.weight", (), "model.embed_tokens.weight", cfg.vocab_size, padded)]
+    for i in range(cfg.num_layers):
+        cprefix, lead = ((f"decoder.layers.{i}.", ()) if cfg.heterogeneous else ("decoder.layers.", (i,)))
+        maps += layer_maps(cfg, cprefix, f"model.layers.{i}.", lead, cfg.is_moe_layer(i))
+    maps.append(single("decoder.final_layernorm.weight", (), "model.norm.weight", h))
+    if not cfg.tie_word_embeddings:
+        maps.append(single("output_layer.weight", (), "lm_head.weight", cfg.vocab_size, padded))
+    for i in range(cfg.mtp_num_layers):
+        maps += mtp_maps(cfg, i)
+    names = {m.canonical for m in maps}
+    specs = {s.name for s in model_specs(cfg, layout)}
+    assert names == specs, f"mapping and sharding table disagree on {sorted(names ^ specs)}"
+    return maps
+
+
+def gated_mlp(cname: str, lead: tuple[int, ...], gate: str, up: str, down: str, ffn: int, hidden: int
+              ) -> list[TensorMap]:
+    """`<cname>.linear_fc1.weight` = [gate; up] and `<cname>.linear_fc2.weight` = down."""
+    return [concat(f"{cname}.linear_fc1.weight", lead, [(gate, ffn), (up, ffn)]),
+            single(f"{cname}.linear_fc2.weight", lead, down, hidden)]
+
+
+def routed_experts(cfg, cprefix: str, lead: tuple[int, ...], names: Callable[[int], tuple[str, str, str]]
+                   ) -> list[TensorMap]:
+    """Experts stacked on the expert axis: `names(e)` gives HF (gate, up, down) of expert e."""
+    out: list[TensorMap] = []
+    for e in range(cfg.num_moe_experts):
+        out += gated_mlp(cprefix + "mlp.experts.experts", (*lead, e), *names(e), cfg.moe_ffn_hidden_size,
+                         cfg.hidden_size)
+    return out

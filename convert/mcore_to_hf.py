@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import time
@@ -24,7 +25,7 @@ from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
 
 from . import families
-from .hf_source import INDEX
+from .hf_source import INDEX, SCALE_SUFFIX
 from .mapping import Segment, TensorMap, hf_sources
 
 _ST_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
@@ -38,26 +39,72 @@ class HFTensorPlan:
     dtype: str
     shape: tuple[int, ...]
     blocks: list[tuple[TensorMap, Segment]]
+    fp8_block: tuple[int, int] | None = None  # re-quantize to e4m3 with one scale per block
 
     @property
     def nbytes(self) -> int:
         n = 1
         for s in self.shape:
             n *= s
-        return n * store.torch_dtype(self.dtype).itemsize
+        return n * store.torch_dtype(self.dtype).itemsize + (4 * self.scale_shape[0] * self.scale_shape[1]
+                                                             if self.fp8_block else 0)
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        br, bc = self.fp8_block
+        return -(-self.shape[0] // br), -(-self.shape[1] // bc)
+
+    def header(self, off: int) -> dict:
+        if not self.fp8_block:
+            return {self.name: {"dtype": _ST_NAMES[self.dtype], "shape": list(self.shape),
+                                "data_offsets": [off, off + self.nbytes]}}
+        wbytes = self.shape[0] * self.shape[1]
+        return {self.name: {"dtype": "F8_E4M3", "shape": list(self.shape), "data_offsets": [off, off + wbytes]},
+                self.name + SCALE_SUFFIX: {"dtype": "F32", "shape": list(self.scale_shape),
+                                           "data_offsets": [off + wbytes, off + self.nbytes]}}
 
 
-def plan_export(ckpt: Checkpoint, dtype: str | None) -> list[HFTensorPlan]:
+def plan_export(ckpt: Checkpoint, dtype: str | None, quantize_fp8: bool = False) -> list[HFTensorPlan]:
+    """Every HF tensor as blocks of canonical rows; MTP's shared copies (DeepSeek) point at the shared tensor."""
     cfg = ckpt.config
-    maps = families.for_config(cfg).tensor_maps(cfg, ckpt.layout)
+    fam = families.for_config(cfg)
+    sources = hf_sources(fam.tensor_maps(cfg, ckpt.layout))
+    for copy, main in getattr(fam, "shared_copies", lambda c: {})(cfg).items():
+        if main in sources:
+            sources[copy] = sources[main]
+    quant = _fp8_selector(ckpt) if quantize_fp8 else (lambda name: None)
     plans = []
-    for hf_name, blocks in hf_sources(maps).items():
-        tm0 = blocks[0][0]
-        e = ckpt.entry(tm0.canonical)
+    for hf_name, blocks in sources.items():
+        e = ckpt.entry(blocks[0][0].canonical)
         rows = sum(seg.stop - seg.start for _, seg in blocks)
-        cols = e.shape[2 if e.per_layer else 1:]
-        plans.append(HFTensorPlan(hf_name, dtype or e.dtype, (rows, *cols), blocks))
+        cols = e.shape[e.lead + 1:]
+        block = quant(hf_name)
+        plans.append(HFTensorPlan(hf_name, "float8_e4m3fn" if block else dtype or e.dtype, (rows, *cols), blocks,
+                                  block))
     return plans
+
+
+def _fp8_selector(ckpt: Checkpoint):
+    """The HF weights that were block-FP8 in the source (provenance templates) -> their block size."""
+    fp8 = ckpt.manifest.provenance.get("fp8")
+    if not fp8:
+        raise ShardkitError(f"{ckpt.path}: --quantize-fp8: the source of this checkpoint was not block-FP8, so there "
+                            "is no block scheme to re-create")
+    pattern = re.compile("^(" + "|".join(re.escape(t).replace(r"\{\}", r"\d+") for t in fp8["tensors"]) + ")$")
+    block = tuple(fp8["block"])
+    return lambda name: block if pattern.match(name) else None
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 (DeepSeek-V3's scheme): scale = amax(|block|) / 448, q = e4m3(w / scale); returns (q, scale)."""
+    br, bc = block
+    r, c = w.shape
+    w32 = w.float()
+    pad = torch.nn.functional.pad(w32.abs(), (0, -c % bc, 0, -r % br))
+    amax = pad.reshape(pad.shape[0] // br, br, pad.shape[1] // bc, bc).amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:r, :c]
+    return (w32 / full).to(torch.float8_e4m3fn), scale
 
 
 def parse_size(s: str | int) -> int:
@@ -90,16 +137,15 @@ def _shards(plans: list[HFTensorPlan], max_bytes: int) -> list[list[HFTensorPlan
 
 
 def _read_block(ckpt: Checkpoint, tm: TensorMap, start: int, stop: int) -> torch.Tensor:
-    e = ckpt.entry(tm.canonical)
-    if e.per_layer:
-        return ckpt.read(tm.canonical, (slice(tm.layer, tm.layer + 1), slice(start, stop)))[0]
-    return ckpt.read(tm.canonical, (slice(start, stop),))
+    index = tuple(slice(i, i + 1) for i in tm.lead) + (slice(start, stop),)
+    t = ckpt.read(tm.canonical, index)
+    return t.reshape(t.shape[len(tm.lead):])
 
 
 def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -> None:
     header, off = {}, 0
     for p in plans:
-        header[p.name] = {"dtype": _ST_NAMES[p.dtype], "shape": list(p.shape), "data_offsets": [off, off + p.nbytes]}
+        header.update(p.header(off))
         off += p.nbytes
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -111,25 +157,36 @@ def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -
             td = store.torch_dtype(p.dtype)
             row_bytes = max(1, p.nbytes // max(1, p.shape[0]))
             step = max(1, BLOCK_BYTES // row_bytes)
+            if p.fp8_block:  # whole row blocks, scales kept (they are small) and written after the weight
+                step = max(p.fp8_block[0], step - step % p.fp8_block[0])
+                scales = []
             for tm, seg in p.blocks:
                 for a in range(seg.start, seg.stop, step):
                     b = min(seg.stop, a + step)
-                    t = _read_block(ckpt, tm, a, b).to(td).contiguous()
-                    f.write(store.to_numpy(t).tobytes())
+                    t = _read_block(ckpt, tm, a, b)
+                    if p.fp8_block:
+                        t, sc = quantize_blocks(t, p.fp8_block)
+                        scales.append(sc)
+                    else:
+                        t = t.to(td)
+                    f.write(store.to_numpy(t.contiguous()).tobytes())
                     bar.advance(t.numel() * t.element_size())
+            if p.fp8_block:
+                f.write(store.to_numpy(torch.cat(scales).contiguous()).tobytes())
             bar.advance(0, 1)
         f.flush()
         os.fsync(f.fileno())
 
 
 def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | None = None,
-                        max_shard_size: str | int = "5GB", overwrite: bool = False, quiet: bool = False) -> Path:
+                        max_shard_size: str | int = "5GB", overwrite: bool = False, quiet: bool = False,
+                        quantize_fp8: bool = False) -> Path:
     ckpt = Checkpoint(ckpt_path)
     out = Path(out)
     dtype = store.dtype_name(dtype) if dtype else None
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ShardkitError(f"{out}: output exists and is not empty; pass --overwrite to replace it")
-    plans = plan_export(ckpt, dtype)
+    plans = plan_export(ckpt, dtype, quantize_fp8)
     shards = _shards(plans, parse_size(max_shard_size))
     tmp = out.with_name(f".{out.name}.partial")
     if tmp.exists():
@@ -146,7 +203,7 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        cfg_out = ckpt.config.to_hf(dtype=dtype or _dominant_dtype(plans))
+        cfg_out = ckpt.config.to_hf(dtype=dtype or _dominant_dtype(plans), quantized=quantize_fp8)
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
         for asset in sorted(ckpt.hf_dir().glob("*")) if ckpt.hf_dir().is_dir() else []:
             if asset.is_file() and not asset.is_symlink():
@@ -174,5 +231,6 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
 def _dominant_dtype(plans: list[HFTensorPlan]) -> str:
     by: dict[str, int] = {}
     for p in plans:
-        by[p.dtype] = by.get(p.dtype, 0) + p.nbytes
+        if not p.fp8_block:
+            by[p.dtype] = by.get(p.dtype, 0) + p.nbytes
     return max(by, key=by.get)

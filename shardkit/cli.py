@@ -17,6 +17,10 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
                    help="pipeline-parallel size (default 1)")
     p.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int, default=1,
                    help="virtual pipeline stages (model chunks) per pipeline rank (default 1)")
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+                   help="expert-parallel size: splits the experts of MoE models (default 1)")
+    p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int, default=None,
+                   help="tensor-parallel size inside each expert (default: same as --tp)")
 
 
 def _dtype_flag(p: argparse.ArgumentParser, help: str) -> None:
@@ -43,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     m2h.add_argument("out")
     _dtype_flag(m2h, "export as bf16|fp16|fp32 (default: the stored dtype)")
     m2h.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    m2h.add_argument("--quantize-fp8", action="store_true",
+                     help="re-quantize the weights that were block-FP8 in the source (DeepSeek-V3) with the same "
+                          "block scheme, and keep quantization_config")
     m2h.add_argument("--overwrite", action="store_true")
     m2h.add_argument("--quiet", action="store_true")
 
@@ -96,7 +103,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from convert.hf_to_mcore import convert_hf_to_mcore
 
         dtype = _check_dtype(args.dtype)
-        path = convert_hf_to_mcore(args.hf_dir, args.out, Layout(tp=args.tp, pp=args.pp, vpp=args.vpp), dtype=dtype,
+        path = convert_hf_to_mcore(args.hf_dir, args.out, Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp), dtype=dtype,
                                    workers=args.workers, overwrite=args.overwrite, quiet=args.quiet)
         print(f"wrote {path}")
         return 0
@@ -105,7 +112,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         dtype = _check_dtype(args.dtype)
         path = convert_mcore_to_hf(args.ckpt, args.out, dtype=dtype, max_shard_size=args.max_shard_size,
-                                   overwrite=args.overwrite, quiet=args.quiet)
+                                   overwrite=args.overwrite, quiet=args.quiet, quantize_fp8=args.quantize_fp8)
         print(f"wrote {path}")
         return 0
     if args.cmd == "inspect":

@@ -1,0 +1,176 @@
+"""Mixtral and DeepSeek-V2/V3 conversion: EP/ETP layouts, MTP, FP8 dequantization, bitwise round trips, bad input."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from checkpoint.errors import FormatError, LayoutError
+from checkpoint.layout import Layout, RankCoord
+from checkpoint.reader import Checkpoint
+from convert.hf_to_mcore import convert_hf_to_mcore
+from convert.mcore_to_hf import convert_mcore_to_hf
+from shardkit.cli import main
+from tests.moe_models import build, hf_tensors, quantize_fp8, reference_dequant
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe")
+    return {k: build(k, d / k) for k in ("mixtral", "deepseek_v2_lite", "deepseek_v3")}
+
+
+@pytest.mark.parametrize("kind,layout", [
+    ("mixtral", Layout(tp=2, pp=2, ep=2)), ("mixtral", Layout(tp=1, ep=4)),
+    ("deepseek_v2_lite", Layout(tp=2, ep=2, etp=1)), ("deepseek_v3", Layout(tp=2, pp=1, ep=4)),
+    ("deepseek_v3", Layout(tp=1, pp=3, ep=2)),
+])
+def test_round_trip_bitwise(models, tmp_path, kind, layout):
+    src = models[kind]
+    convert_hf_to_mcore(src, tmp_path / "ck", layout, quiet=True)
+    ck = Checkpoint(tmp_path / "ck")
+    ck.verify()
+    back = convert_mcore_to_hf(tmp_path / "ck", tmp_path / "back", quiet=True)
+    a, b = hf_tensors(src), hf_tensors(back)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert json.loads((back / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_deepseek_names_follow_megatron(models, tmp_path):
+    """Heterogeneous stack (first layer dense): per-layer keys; MTP under mtp.layers.0; expert axis first."""
+    convert_hf_to_mcore(models["deepseek_v3"], tmp_path / "ck", Layout(tp=2, ep=2), quiet=True)
+    t = Checkpoint(tmp_path / "ck").tensors
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in t and "decoder.layers.0.mlp.router.weight" not in t
+    assert t["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].shape == [8, 64, 64]
+    assert t["decoder.layers.1.mlp.router.expert_bias"].shape == [8]
+    assert t["decoder.layers.1.self_attention.linear_q_up_proj.weight"].shape == [4 * 24, 48]
+    assert t["decoder.layers.1.self_attention.linear_kv_down_proj.weight"].shape == [32 + 8, 64]
+    assert t["mtp.layers.0.eh_proj.weight"].shape == [64, 128]
+    assert "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc2.weight" in t
+    assert not any(re.match(r"decoder\.layers\.[a-z]", n) for n in t)  # nothing stacked in a heterogeneous model
+
+
+def test_expert_shards_per_ep_rank(models, tmp_path):
+    convert_hf_to_mcore(models["mixtral"], tmp_path / "ck", Layout(tp=2, ep=2), quiet=True)
+    ck = Checkpoint(tmp_path / "ck")
+    sd = hf_tensors(models["mixtral"])
+    lay = Layout(tp=2, ep=2, etp=2)
+    for ep in range(2):
+        for etp in range(2):
+            fc1 = ck.read_local("decoder.layers.mlp.experts.experts.linear_fc1.weight", lay,
+                                RankCoord(ep=ep, etp=etp))[0]
+            assert fc1.shape == (2, 2, 96, 64)  # [layers, local experts, 2*F/etp, h]
+            for j in range(2):
+                e = ep * 2 + j
+                w1 = sd[f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight"]
+                w3 = sd[f"model.layers.1.block_sparse_moe.experts.{e}.w3.weight"]
+                assert torch.equal(fc1[1, j], torch.cat([w1.chunk(2)[etp], w3.chunk(2)[etp]]))
+
+
+def test_mtp_copies_must_equal_main(models, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "bad"
+    shutil.copytree(models["deepseek_v3"], d)
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.layers.3.embed_tokens.weight"][5, 3] += 1
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(FormatError, match="model.layers.3.embed_tokens.weight differs from model.embed_tokens"):
+        convert_hf_to_mcore(d, tmp_path / "ck", Layout(), quiet=True)
+    assert not (tmp_path / "ck" / "latest").exists()
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fp8") / "dsv3"
+    # sizes straddle the 128x128 blocks: 160 = 128 + 32 rows, 192 = 128 + 64
+    build("deepseek_v3", d, dtype=torch.bfloat16, hidden_size=256, intermediate_size=384, moe_intermediate_size=160,
+          q_lora_rank=192, kv_lora_rank=144)
+    unquantized = hf_tensors(d)
+    originals = quantize_fp8(d)
+    return d, unquantized, originals
+
+
+def test_fp8_dequantized_equals_reference(fp8_model, tmp_path):
+    d, _, originals = fp8_model
+    convert_hf_to_mcore(d, tmp_path / "ck", Layout(tp=2, ep=2), quiet=True)
+    ck = Checkpoint(tmp_path / "ck")
+    assert ck.manifest.provenance["fp8"]["block"] == [128, 128]
+    back = convert_mcore_to_hf(tmp_path / "ck", tmp_path / "bf16", quiet=True)
+    got, src = hf_tensors(back), hf_tensors(d)
+    assert not any(k.endswith("_scale_inv") for k in got)
+    assert "quantization_config" not in json.loads((back / "config.json").read_text())
+    n = 0
+    for k in originals:
+        ref = reference_dequant(src[k], src[k + "_scale_inv"]).to(torch.bfloat16)
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], ref), k
+        n += 1
+    assert n > 20
+
+
+def test_fp8_requantized_export(fp8_model, tmp_path):
+    d, _, _ = fp8_model
+    convert_hf_to_mcore(d, tmp_path / "ck", Layout(), quiet=True)
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "ck"), str(tmp_path / "q"), "--quantize-fp8", "--quiet"]) == 0
+    got, src = hf_tensors(tmp_path / "q"), hf_tensors(d)
+    assert sorted(got) == sorted(src)
+    assert json.loads((tmp_path / "q" / "config.json").read_text()) == json.loads((d / "config.json").read_text())
+    for k in src:
+        assert got[k].dtype == src[k].dtype and got[k].shape == src[k].shape, k
+        if k.endswith("_scale_inv"):
+            continue
+        if src[k].dtype == torch.float8_e4m3fn:
+            # dequantize(requantize(dequantize(q))) == dequantize(q) up to one e4m3 rounding of a bf16 value
+            a = reference_dequant(got[k], got[k + "_scale_inv"])
+            b = reference_dequant(src[k], src[k + "_scale_inv"])
+            assert torch.allclose(a, b, rtol=0.07, atol=1e-6), k
+        else:
+            assert torch.equal(got[k], src[k]), k
+
+
+@pytest.mark.parametrize("edit,exc,match", [
+    ("ep", LayoutError, "--ep 3 does not divide the number of experts"),
+    ("missing_expert", FormatError, "model.layers.1.block_sparse_moe.experts.2.w3.weight is missing"),
+    ("router", Exception, "topk_method 'mystery'"),
+])
+def test_bad_moe_input(models, tmp_path, edit, exc, match):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    kind = "deepseek_v2_lite" if edit == "router" else "mixtral"
+    d = tmp_path / "src"
+    shutil.copytree(models[kind], d)
+    layout = Layout(ep=3) if edit == "ep" else Layout()
+    if edit == "missing_expert":
+        sd = load_file(str(d / "model.safetensors"))
+        del sd["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+        save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    if edit == "router":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["topk_method"] = "mystery"
+        (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(exc, match=match):
+        convert_hf_to_mcore(d, tmp_path / "ck", layout, quiet=True)
+    assert not (tmp_path / "ck" / "latest").exists()
+
+
+def test_bad_scale_grid(fp8_model, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "src"
+    shutil.copytree(fp8_model[0], d)
+    sd = load_file(str(d / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv"
+    sd[name] = torch.ones(3, 3)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(FormatError, match=re.escape(name) + r" has block grid \[3, 3\].*needs \[2, 2\]"):
+        convert_hf_to_mcore(d, tmp_path / "ck", Layout(), quiet=True)
