@@ -361,8 +361,15 @@ def _read_deepseek(hf: dict, source: str, integer, layers: int) -> dict:
     topk = integer("num_experts_per_tok")
     first_dense = hf.get("first_k_dense_replace") or 0
     freq = hf.get("moe_layer_freq", 1)
-    if not isinstance(first_dense, int) or first_dense < 0 or not isinstance(freq, int) or freq < 1:
-        raise ConfigError(f"{source}: first_k_dense_replace / moe_layer_freq must be non-negative integers")
+    if not isinstance(first_dense, int) or first_dense < 0:
+        raise ConfigError(f"{source}: first_k_dense_replace must be a non-negative integer, got {first_dense!r}")
+    if freq != 1:  # transformers ignores it; DeepSeek's own code skips layers: refuse rather than guess
+        raise ConfigError(f"{source}: moe_layer_freq={freq!r} is not supported (only 1)")
+    if mt == "deepseek_v2" and hf.get("norm_topk_prob"):
+        # transformers' V2 router never renormalises, DeepSeek's renormalises instead of scaling: ambiguous
+        raise ConfigError(f"{source}: norm_topk_prob=true is not supported for deepseek_v2")
+    if mt == "deepseek_v2" and hf.get("rope_interleave") is False:
+        raise ConfigError(f"{source}: rope_interleave=false is not supported for deepseek_v2 (always interleaved)")
     n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
     if grouped and (experts % n_group or topk_group > n_group):
         raise ConfigError(f"{source}: n_group={n_group} must divide n_routed_experts={experts} and be >= "
@@ -393,7 +400,7 @@ def _read_deepseek(hf: dict, source: str, integer, layers: int) -> dict:
         q_lora_rank=integer("q_lora_rank", q_lora) if q_lora is not None else None,
         kv_lora_rank=integer("kv_lora_rank"), qk_head_dim=integer("qk_nope_head_dim"),
         qk_pos_emb_head_dim=integer("qk_rope_head_dim"), v_head_dim=integer("v_head_dim"),
-        rotary_interleaved=bool(hf.get("rope_interleave", True)),
+        rotary_interleaved=mt == "deepseek_v2" or bool(hf.get("rope_interleave", True)),
         mtp_num_layers=hf.get("num_nextn_predict_layers") or 0,
     )
 

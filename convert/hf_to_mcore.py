@@ -6,6 +6,7 @@ the main process records finished chunks so an interrupted run resumes, and comm
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from concurrent.futures import ProcessPoolExecutor, as_completed
 import multiprocessing as mp
@@ -88,6 +89,21 @@ def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None) -> 
             box = tuple((o, o + c) for o, c in zip(offs, e.chunk))
             tasks.append(Task(name, tuple(a for a, _ in box[:e.lead]), box))
     return entries, tasks
+
+
+def _without_absent_mtp(cfg: ModelConfig, src: HFSource, quiet: bool) -> ModelConfig:
+    """transformers' DeepseekV3 defaults num_nextn_predict_layers=1 but never saves MTP weights: a checkpoint written
+    by save_pretrained claims an MTP layer it does not have. With no tensor of it at all, convert without MTP (and
+    say so); a partly present MTP layer is still an error (a missing tensor)."""
+    if not cfg.mtp_num_layers:
+        return cfg
+    prefix = f"model.layers.{cfg.num_layers}."
+    if any(n.startswith(prefix) for n in src.tensors):
+        return cfg
+    if not quiet:
+        print(f"shardkit: note: config.json says num_nextn_predict_layers={cfg.mtp_num_layers} but {src.dir} holds "
+              f"no MTP weights ({prefix}*); converting without MTP layers", file=sys.stderr)
+    return dataclasses.replace(cfg, mtp_num_layers=0)
 
 
 def fp8_block(cfg: ModelConfig) -> tuple[int, int] | None:
@@ -183,6 +199,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
     layout.check(cfg)
     dtype = store.dtype_name(dtype) if dtype else None
     src = HFSource(hf_dir)
+    cfg = _without_absent_mtp(cfg, src, quiet)
     entries, tasks = plan(cfg, layout, src, dtype)
     job = {"tool": VERSION, "source": str(hf_dir.resolve()), "files": src.fingerprint(), "layout": layout.to_dict(),
            "dtype": dtype, "model": _jsonable(cfg.to_dict())}

@@ -1,7 +1,9 @@
-"""A plain-PyTorch decoder-only transformer for the LLaMA family (Llama 2/3/3.1/3.2, Mistral, Qwen2).
+"""A plain-PyTorch decoder-only transformer: the LLaMA family (Llama 2/3/3.1/3.2, Mistral, Qwen2), Mixtral (MoE) and
+DeepSeek-V2/V2-Lite/V3 (multi-latent attention, routed + shared experts, multi-token prediction).
 
 The parameters live in Megatron-Core's canonical layout, so a checkpoint written by the converter loads with no
-reshuffling, and a parameter's name is its canonical name with the layer index in it:
+reshuffling, and a parameter's name is its canonical name with the layer index in it (checkpoint.sharding.layer_specs
+is the reference for every name and shape):
 
     embedding.word_embeddings.weight                         [padded_vocab, h]
     decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight   input RMSNorm, fused into the QKV linear
@@ -13,16 +15,34 @@ reshuffling, and a parameter's name is its canonical name with the layer index i
     decoder.final_layernorm.weight
     output_layer.weight                                      [padded_vocab, h] (absent when embeddings are tied)
 
+  MoE layers (cfg.is_moe_layer(i)): the post-attention norm is a separate module, then router and experts
+    decoder.layers.{i}.pre_mlp_layernorm.weight
+    decoder.layers.{i}.mlp.router.weight [E, h]  (+ mlp.router.expert_bias [E], DeepSeek-V3)
+    decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight [E, 2F, h] ([gate; up] per expert), linear_fc2 [E, h, F]
+    decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight [2S, h], linear_fc2.weight [h, S]  (DeepSeek)
+  Multi-latent attention (DeepSeek): a separate input norm, then
+    decoder.layers.{i}.input_layernorm.weight
+    self_attention.linear_q_down_proj.weight [q_lora, h], linear_q_up_proj.layer_norm_weight / .weight
+        [nh*(nope+rope), q_lora]   (or self_attention.linear_q_proj.weight [nh*(nope+rope), h] without q_lora)
+    self_attention.linear_kv_down_proj.weight [kv_lora + rope, h] = [compressed kv; shared k_pe]
+    self_attention.linear_kv_up_proj.layer_norm_weight [kv_lora] / .weight [nh*(nope+v), kv_lora], per head [k; v]
+    self_attention.linear_proj.weight [h, nh*v]
+  Multi-token prediction (DeepSeek-V3): mtp.layers.{j}.enorm / hnorm / eh_proj [h, 2h] / final_layernorm and a
+    full MoE transformer layer mtp.layers.{j}.transformer_layer.… (not used by forward(), see `mtp_forward`).
+
 Canonical tensors (``checkpoint.sharding.model_specs``) drop the ``{i}`` and stack the layers on a leading axis;
+a stack that mixes dense and MoE layers (DeepSeek's first_k_dense_replace) keeps the per-layer keys instead.
 `GPTModel.load_canonical` / `GPTModel.canonical_state_dict` convert between the two forms.
 
-The math follows HF transformers (the oracle in tests/test_model_parity.py): RMSNorm in fp32, rotate-half RoPE with
-the frequency tables taken from transformers' own functions, SwiGLU, causal SDPA (with Mistral's sliding window).
-No parallelism here: tensor/pipeline parallelism replace the four linears of `SelfAttention` and `MLP` and split
-`TransformerBlock.layers`, so those are kept as plain, separate modules.
+The math follows HF transformers (the oracle in tests/test_model_parity*.py): RMSNorm in fp32, rotate-half RoPE (or
+DeepSeek's interleaved pairs) with the frequency tables taken from transformers' own functions, SwiGLU, causal SDPA
+(with Mistral's sliding window), dropless top-k routing with each family's router exactly as HF computes it.
+No parallelism here: tensor/pipeline/expert parallelism replace the linears of the attention and MLP modules, split
+`TransformerBlock.layers` and the expert axis, so those are kept as plain, separate modules.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
@@ -90,6 +110,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [b, heads, s, d]; cos/sin: [b, s, d]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """DeepSeek's RoPE: dims (x0, x1), (x2, x3), ... are the pairs rotated by one frequency each (HF V3's
+    `apply_rotary_pos_emb_interleave`; HF V2 rotates the same pairs as complex numbers). The output is de-interleaved,
+    [rotated evens; rotated odds]: a fixed permutation, harmless because q and k get the same one.
+    x: [b, heads, s, d]; cos/sin: [b, s, d] as RotaryEmbedding makes them (both halves equal)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def rope_init(hf_config: Any, rope_type: str, device: torch.device, seq_len: Tensor | None = None
@@ -190,42 +221,258 @@ class SelfAttention(nn.Module):
         return (j <= i) & (i - j < self.sliding_window)
 
 
-class MLP(nn.Module):
-    """SwiGLU: fc2(silu(gate) * up), with linear_fc1 = [gate; up] (post-attention RMSNorm fused in)."""
+# Multi-latent attention's two latent norms (q_a_layernorm, kv_a_layernorm) are built with RMSNorm's default eps in
+# both DeepSeek's reference code and HF, whatever rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(nope + rope head dim), times yarn's mscale(factor, mscale_all_dim)^2 when the RoPE is scaled and
+    mscale_all_dim is set: HF's `yarn_apply_mscale` (the attention-logit part of yarn; the cos/sin part,
+    mscale/mscale_all_dim, comes with the RoPE tables)."""
+    scale = cfg.q_head_dim ** -0.5
+    rope = cfg.rope_scaling or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
+class MLASelfAttention(nn.Module):
+    """DeepSeek's multi-latent attention (MLA).
+
+    q = up(norm(down(x))) (or one q projection without q_lora), per head [q_nope; q_pe]. The KV down-projection gives
+    [compressed kv; k_pe]: the compressed part is normed and up-projected to per-head [k_nope; v], k_pe is a single
+    head shared by all heads. RoPE only touches q_pe and k_pe. The input norm is the layer's `input_layernorm`."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.linear_fc1 = NormLinear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, cfg.add_mlp_bias, cfg.norm_epsilon)
-        self.linear_fc2 = linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_mlp_bias)
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = nh
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.q_lora = bool(cfg.q_lora_rank)
+        if self.q_lora:
+            self.linear_q_down_proj = linear(h, cfg.q_lora_rank, False)
+            self.linear_q_up_proj = NormLinear(cfg.q_lora_rank, nh * cfg.q_head_dim, False, LATENT_NORM_EPS)
+        else:
+            self.linear_q_proj = linear(h, nh * cfg.q_head_dim, False)
+        self.linear_kv_down_proj = linear(h, cfg.kv_lora_rank + self.rope_dim, False)
+        self.linear_kv_up_proj = NormLinear(cfg.kv_lora_rank, nh * (self.nope_dim + self.v_dim), False,
+                                            LATENT_NORM_EPS)
+        self.linear_proj = linear(nh * self.v_dim, h, False)
+        # HF V2 always rotates interleaved pairs (as complex numbers); V3 does when rope_interleave (its default)
+        interleaved = cfg.rotary_interleaved or cfg.model_type == "deepseek_v2"
+        self.rope = apply_rope_interleaved if interleaved else apply_rope
+        self.softmax_scale = mla_softmax_scale(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        nh = self.num_heads
+        q = self.linear_q_up_proj(self.linear_q_down_proj(x)) if self.q_lora else self.linear_q_proj(x)
+        q_nope, q_pe = q.view(b, s, nh, -1).transpose(1, 2).split([self.nope_dim, self.rope_dim], dim=-1)
+        kv, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.linear_kv_up_proj(kv).view(b, s, nh, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [b, nh, s, *]
+        q_pe, k_pe = self.rope(q_pe, cos, sin), self.rope(k_pe.view(b, 1, s, self.rope_dim), cos, sin)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        k = torch.cat((k_nope, k_pe.expand(-1, nh, -1, -1)), dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, nh * self.v_dim))
+
+
+# -- MLPs and mixture of experts ---------------------------------------------------------------------------------------
+
+class MLP(nn.Module):
+    """SwiGLU: fc2(silu(gate) * up), with linear_fc1 = [gate; up]. A dense layer's post-attention RMSNorm is fused
+    into linear_fc1 (`norm_eps` given); DeepSeek's shared experts have none (they read the MoE layer's normed input)."""
+
+    def __init__(self, hidden: int, ffn: int, bias: bool, norm_eps: float | None) -> None:
+        super().__init__()
+        self.linear_fc1 = (linear(hidden, 2 * ffn, bias) if norm_eps is None
+                           else NormLinear(hidden, 2 * ffn, bias, norm_eps))
+        self.linear_fc2 = linear(ffn, hidden, bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.linear_fc1(x).chunk(2, dim=-1)
         return self.linear_fc2(F.silu(gate) * up)
 
 
-class TransformerLayer(nn.Module):
-    """Pre-norm residual block (the norms live inside linear_qkv and linear_fc1)."""
+class Router(nn.Module):
+    """Top-k router: (weights [T, k] fp32, expert indices [T, k]) for tokens [T, h]. One code path, configured per
+    family exactly as HF computes it:
+
+    Mixtral      softmax over all experts, top-k, renormalised (moe_router_norm_topk), no scaling
+    DeepSeek-V2  softmax; top-k ("greedy"), or group-limited: a group scores its best expert and only the
+                 moe_router_group_topk best groups compete; times routed_scaling_factor (HF's V2 router never
+                 renormalises, and the hub configs say norm_topk_prob=false)
+    DeepSeek-V3  sigmoid; experts are *selected* on score + expert_bias, a group scoring the sum of its two best;
+                 the weights are the unbiased scores, renormalised, times routed_scaling_factor
+
+    expert_bias is a parameter so that it loads and saves with the rest; it gets no gradient (DeepSeek-V3 updates it
+    from the expert load, outside the optimizer)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.self_attention = SelfAttention(cfg)
-        self.mlp = MLP(cfg)
+        self.num_experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
+        self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))
+        nn.init.normal_(self.weight, std=INIT_STD)
+        self.expert_bias = (nn.Parameter(torch.zeros(cfg.num_moe_experts), requires_grad=False)
+                            if cfg.moe_router_enable_expert_bias else None)
+        self.score_function = cfg.moe_router_score_function
+        self.norm_topk = cfg.moe_router_norm_topk
+        self.scaling_factor = cfg.moe_router_topk_scaling_factor
+        self.num_groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+        # DeepSeek keeps its gate in fp32 and computes the logits there; Mixtral's are in the activations' dtype
+        self.fp32_logits = cfg.model_type != "mixtral"
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.fp32_logits:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight).float()
+        scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if self.num_groups:
+            per_group = self.num_experts // self.num_groups
+            grouped = choice.view(-1, self.num_groups, per_group)
+            group_scores = (grouped.topk(2, dim=-1)[0].sum(dim=-1) if self.score_function == "sigmoid"
+                            else grouped.max(dim=-1).values)
+            best = torch.topk(group_scores, self.group_topk, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+        indices = torch.topk(choice, self.topk, dim=-1)[1]
+        weights = scores.gather(1, indices)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scaling_factor is not None:
+            weights = weights * self.scaling_factor
+        return weights, indices
+
+
+class ExpertLinear(nn.Module):
+    """The same linear layer for each of E experts, one [E, out, in] weight (no bias)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        nn.init.normal_(self.weight, std=INIT_STD)
+
+
+class GroupedMLP(nn.Module):
+    """E SwiGLU experts with stacked weights: linear_fc1 [E, 2F, h] ([gate; up] per expert), linear_fc2 [E, h, F]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, h, ffn = cfg.num_moe_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+        self.linear_fc1 = ExpertLinear(E, h, 2 * ffn)
+        self.linear_fc2 = ExpertLinear(E, ffn, h)
+
+    def forward(self, x: Tensor, expert: int) -> Tensor:
+        gate, up = F.linear(x, self.linear_fc1.weight[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.linear_fc2.weight[expert])
+
+
+class Experts(nn.Module):
+    """Dropless token dispatch: every token goes to each of its top-k experts (no capacity, nothing dropped), and the
+    expert outputs come back weighted by the router. Experts are visited in index order, as HF does. Expert
+    parallelism splits `experts` (the weights) on the expert axis and replaces this loop with an all-to-all."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_moe_experts
+        self.experts = GroupedMLP(cfg)
+
+    def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token, slot = torch.where(indices == e)
+            if token.numel() == 0:
+                continue
+            y = self.experts(x.index_select(0, token), e) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class MoELayer(nn.Module):
+    """Routed experts (+ DeepSeek's shared experts, a plain SwiGLU every token goes through)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        shared = cfg.moe_shared_expert_intermediate_size
+        self.shared_experts = MLP(cfg.hidden_size, shared, False, None) if shared else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, indices = self.router(tokens)
+        out = self.experts(tokens, weights, indices).view(x.shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+# -- the transformer layer -------------------------------------------------------------------------------------------
+
+class TransformerLayer(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)).
+
+    In the LLaMA-style layer both norms live inside linear_qkv and linear_fc1 (Transformer Engine's fused
+    LayerNormLinear), so `input_layernorm` / `pre_mlp_layernorm` are identities there; multi-latent attention has
+    its own input norm (two down-projections read it), and an MoE MLP its own pre-MLP norm (router, experts and shared
+    experts all read it)."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.norm_epsilon
+        mla = cfg.multi_latent_attention
+        self.input_layernorm = RMSNorm(h, eps) if mla else nn.Identity()
+        self.self_attention = MLASelfAttention(cfg) if mla else SelfAttention(cfg)
+        self.pre_mlp_layernorm = RMSNorm(h, eps) if moe else nn.Identity()
+        self.mlp = MoELayer(cfg) if moe else MLP(h, cfg.ffn_hidden_size, cfg.add_mlp_bias, eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attention(x, cos, sin)
-        return x + self.mlp(x)
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, final_norm: bool = True) -> Tensor:
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.final_layernorm(x)
+        return self.final_layernorm(x) if final_norm else x
+
+
+class MTPLayer(nn.Module):
+    """One DeepSeek-V3 multi-token-prediction depth: eh_proj([enorm(embedding of the next token); hnorm(hidden)]),
+    a full transformer layer, then its own final norm before the shared output head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.norm_epsilon
+        self.enorm = RMSNorm(h, eps)
+        self.hnorm = RMSNorm(h, eps)
+        self.eh_proj = linear(2 * h, h, False)
+        self.final_layernorm = RMSNorm(h, eps)
+        self.transformer_layer = TransformerLayer(cfg, cfg.is_moe)
+
+    def forward(self, hidden: Tensor, next_embedded: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """-> this depth's hidden states before final_layernorm (the next depth's input)."""
+        x = self.eh_proj(torch.cat((self.enorm(next_embedded), self.hnorm(hidden)), dim=-1))
+        return self.transformer_layer(x, cos, sin)
+
+
+class MultiTokenPrediction(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.mtp_num_layers))
 
 
 class Embedding(nn.Module):
@@ -243,9 +490,11 @@ class Embedding(nn.Module):
 _LAYER_PREFIX = "decoder.layers."
 
 
-def canonical_name(param_name: str) -> tuple[str, int | None]:
-    """'decoder.layers.3.mlp.linear_fc2.weight' -> ('decoder.layers.mlp.linear_fc2.weight', 3); others unchanged."""
-    if param_name.startswith(_LAYER_PREFIX):
+def canonical_name(param_name: str, stacked: bool = True) -> tuple[str, int | None]:
+    """'decoder.layers.3.mlp.linear_fc2.weight' -> ('decoder.layers.mlp.linear_fc2.weight', 3) when the decoder
+    layers are stacked; everything else, and every name of a heterogeneous stack (`stacked=False`: per-layer keys),
+    is its own canonical name: (name, None)."""
+    if stacked and param_name.startswith(_LAYER_PREFIX):
         index, rest = param_name[len(_LAYER_PREFIX):].split(".", 1)
         return _LAYER_PREFIX + rest, int(index)
     return param_name, None
@@ -265,41 +514,72 @@ class GPTModel(nn.Module):
         self.rotary_pos_emb = RotaryEmbedding(cfg)
         self.decoder = TransformerBlock(cfg)
         self.output_layer = None if cfg.tie_word_embeddings else linear(cfg.hidden_size, padded_vocab_size, False)
+        self.mtp = MultiTokenPrediction(cfg) if cfg.mtp_num_layers else None
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        """input_ids [b, s] -> logits [b, s, cfg.vocab_size].
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, return_hidden: bool = False
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        """input_ids [b, s] -> logits [b, s, cfg.vocab_size] (and, with return_hidden, the decoder's output before
+        its final norm, the input of `mtp_forward`).
 
         position_ids (default 0..s-1) only feed RoPE; attention is causal over token order, as in HF when no
-        attention mask is given."""
+        attention mask is given. The MTP layers take no part (HF's forward ignores them too)."""
+        x = self.embedding(input_ids)
+        cos, sin = self._rope(input_ids, position_ids, x.dtype)
+        hidden = self.decoder(x, cos, sin, final_norm=False)
+        logits = self._logits(self.decoder.final_layernorm(hidden))
+        return (logits, hidden) if return_hidden else logits
+
+    def mtp_forward(self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor | None = None) -> list[Tensor]:
+        """DeepSeek-V3 multi-token prediction (for training): one logits tensor [b, s, vocab] per MTP depth.
+
+        `hidden` is `forward(..., return_hidden=True)[1]`. Depth d (0-based) reads the previous depth's hidden
+        states (the main decoder's for d = 0) and the embedding of token t+d+1 at position t, and predicts token
+        t+d+2. Positions s-d-1.. see no real next token (the ids are shifted with zero fill, like Megatron's
+        roll_tensor) and must be left out of the loss."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP layers (cfg.mtp_num_layers == 0)")
+        cos, sin = self._rope(input_ids, position_ids, hidden.dtype)
+        out, ids = [], input_ids
+        for layer in self.mtp.layers:
+            ids = F.pad(ids[:, 1:], (0, 1))  # token t+1 at position t
+            hidden = layer(hidden, self.embedding(ids), cos, sin)
+            out.append(self._logits(layer.final_layernorm(hidden)))
+        return out
+
+    def _rope(self, input_ids: Tensor, position_ids: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device)[None, :]
-        position_ids = position_ids.expand(b, s)
-        x = self.embedding(input_ids)
-        cos, sin = self.rotary_pos_emb(position_ids, x.dtype)
-        x = self.decoder(x, cos, sin)
+        return self.rotary_pos_emb(position_ids.expand(b, s), dtype)
+
+    def _logits(self, x: Tensor) -> Tensor:
         weight = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         return F.linear(x, weight[: self.cfg.vocab_size])  # padding rows never become logits
 
     # -- canonical (stacked) form ---------------------------------------------------------------------------------
 
+    def _is_stacked(self, cname: str) -> bool:
+        """Stacked on a leading layer axis: decoder-layer tensors of a homogeneous stack (a heterogeneous one, dense
+        and MoE layers mixed, keeps per-layer keys; MTP layers always do)."""
+        return not self.cfg.heterogeneous and cname.startswith(_LAYER_PREFIX)
+
     def _canonical_params(self) -> dict[str, list[nn.Parameter]]:
         """Canonical name -> the parameters it stacks (one per layer for per-layer tensors, in layer order)."""
         out: dict[str, list[nn.Parameter]] = {}
+        stacked = not self.cfg.heterogeneous
         for name, p in self.named_parameters():  # layers come in order, so appending stacks them in order
-            out.setdefault(canonical_name(name)[0], []).append(p)
+            out.setdefault(canonical_name(name, stacked)[0], []).append(p)
         return out
 
-    @staticmethod
-    def _stacked_shape(cname: str, params: list[nn.Parameter]) -> tuple[int, ...]:
+    def _stacked_shape(self, cname: str, params: list[nn.Parameter]) -> tuple[int, ...]:
         shape = tuple(params[0].shape)
-        return (len(params), *shape) if cname.startswith(_LAYER_PREFIX) else shape
+        return (len(params), *shape) if self._is_stacked(cname) else shape
 
     def canonical_state_dict(self) -> dict[str, Tensor]:
         """The parameters as canonical tensors (names as in model_specs; per-layer ones stacked on axis 0)."""
         out = {}
         for cname, params in self._canonical_params().items():
-            if cname.startswith(_LAYER_PREFIX):
+            if self._is_stacked(cname):
                 out[cname] = torch.stack([p.detach() for p in params])
             else:
                 out[cname] = params[0].detach().clone()
@@ -320,7 +600,7 @@ class GPTModel(nn.Module):
                 raise ValueError(f"{cname}: expected shape {want}, got {got}")
         for cname, ps in params.items():
             t = tensors[cname]
-            if cname.startswith(_LAYER_PREFIX):
+            if self._is_stacked(cname):
                 for i, p in enumerate(ps):
                     p.copy_(t[i])
             else:
