@@ -14,7 +14,7 @@ from pathlib import Path
 from .config import ModelConfig
 from .errors import FormatError
 from .layout import Layout
-from .sharding import TensorSpec, chunk_shape
+from .sharding import TensorSpec, chunk_shape, fp8_scale_specs, model_specs
 
 FORMAT_NAME = "shardkit"
 FORMAT_VERSION = 1
@@ -68,6 +68,7 @@ class Manifest:
     tensors: dict[str, TensorEntry]
     provenance: dict = field(default_factory=dict)
     training: dict | None = None
+    fp8: dict | None = None  # {"block": [br, bc], "tensors": [canonical names kept as e4m3 with <name>_scale_inv]}
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
 
@@ -87,6 +88,7 @@ class Manifest:
             "tensors": {k: vars(v) for k, v in self.tensors.items()},
             "provenance": self.provenance,
             "training": self.training,
+            "fp8": self.fp8,
         }
 
     def to_json(self) -> str:
@@ -117,10 +119,15 @@ class Manifest:
                 tensors[name] = TensorEntry(**e)
             m = cls(iteration=int(d["iteration"]), model=ModelConfig.from_dict(d["model"]),
                     layout=Layout.from_dict(d["layout"]), tensors=tensors, provenance=d.get("provenance") or {},
-                    training=d.get("training"))
+                    training=d.get("training"), fp8=d.get("fp8"))
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from None
         return m
+
+    def specs(self) -> list[TensorSpec]:
+        """The sharding table's tensors for this checkpoint: the model's, plus kept-FP8 block scales."""
+        base = model_specs(self.model, self.layout)
+        return base + fp8_scale_specs(base, self.fp8)
 
     @classmethod
     def load(cls, iter_dir: Path) -> "Manifest":

@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .errors import CorruptionError, FormatError
 from .layout import Layout, RankCoord
 from .manifest import Manifest, TensorEntry, tensor_path
-from .sharding import Rule, TensorSpec, local_shape, model_specs, regions
+from .sharding import SCALE_SUFFIX, Rule, TensorSpec, local_shape, regions
 
 
 class Checkpoint:
@@ -63,7 +63,7 @@ class Checkpoint:
         table. Vocab tensors follow the target's padding: rows past the stored ones read as zeros, stored padding
         rows past the target's are not read."""
         layout.check(self.config)
-        target = {s.name: s for s in model_specs(self.config, layout)}[name]
+        target = {s.name: s for s in Manifest(0, self.config, layout, {}, fp8=self.manifest.fp8).specs()}[name]
         stored_rows = self.entry(name).shape[0]
         out: dict[int, torch.Tensor] = {}
         for r in regions(target, layout, coord, self.config.num_layers):
@@ -79,9 +79,19 @@ class Checkpoint:
             out[r.vstage][tuple(ls)] = self.read(name, tuple(gs))
         return out
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every canonical tensor, whole (for small models: verify --against, tests)."""
-        return {name: self.read(name) for name in self.tensors}
+    def state_dict(self, dequantize: bool = False) -> dict[str, torch.Tensor]:
+        """Every canonical tensor, whole (for small models: verify --against, tests). With `dequantize`, kept-FP8
+        weights come back as fp32(weight) * block scale, in the model's dtype, and the scales are left out."""
+        out = {name: self.read(name) for name in self.tensors}
+        if dequantize and self.manifest.fp8:
+            br, bc = self.manifest.fp8["block"]
+            dtype = store.torch_dtype(self.config.params_dtype)
+            for name in self.manifest.fp8["tensors"]:
+                w, s = out[name].float(), out.pop(name + SCALE_SUFFIX)
+                r, c = w.shape[-2:]
+                full = s.repeat_interleave(br, -2).repeat_interleave(bc, -1)[..., :r, :c]
+                out[name] = (w * full).to(dtype)
+        return out
 
     def hf_dir(self) -> Path:
         return self.path / "hf"
@@ -90,7 +100,7 @@ class Checkpoint:
     def verify(self, progress: Callable[[int], None] | None = None) -> dict:
         """Re-read every chunk (crc32c checked by the codec, missing chunks are errors) and check each array's
         metadata against the manifest. Raises CorruptionError naming the tensor and the chunk."""
-        expected = {s.name: s for s in model_specs(self.config, self.layout)}
+        expected = {s.name: s for s in self.manifest.specs()}
         if set(expected) != set(self.tensors):
             missing, extra = sorted(set(expected) - set(self.tensors)), sorted(set(self.tensors) - set(expected))
             raise FormatError(f"{self.path}: manifest tensors disagree with the model config "

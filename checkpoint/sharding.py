@@ -147,6 +147,48 @@ def model_specs(cfg: ModelConfig, layout: Layout) -> list[TensorSpec]:
     return specs
 
 
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_scale_specs(specs: list[TensorSpec], fp8: dict | None) -> list[TensorSpec]:
+    """Block-FP8 weights kept as FP8 (`--keep-fp8`): each listed weight gets `<name>_scale_inv`, one fp32 scale per
+    [br, bc] block, with the weight's own partition rule in block units (so a rank's scales sit beside its weights)."""
+    if not fp8:
+        return []
+    br, bc = fp8["block"]
+    by = {s.name: s for s in specs}
+    out = []
+    for name in fp8["tensors"]:
+        w = by[name]
+        r, c = w.shape[w.lead:]
+        out.append(TensorSpec(name + SCALE_SUFFIX, (*w.shape[:w.lead], -(-r // br), -(-c // bc)), w.rule, w.per_layer,
+                              w.expert, w.layer, w.stage))
+    return out
+
+
+def check_fp8_layout(specs: list[TensorSpec], fp8: dict | None, layout: Layout) -> None:
+    """Kept FP8 weights must split on block boundaries, so every rank holds whole blocks and their scales."""
+    if not fp8:
+        return
+    from .errors import LayoutError
+
+    br, bc = fp8["block"]
+    by = {s.name: s for s in specs}
+    for name in fp8["tensors"]:
+        w = by[name]
+        if w.tp_axis is None:
+            continue
+        parts = _tp_size(w, layout) * (2 if w.rule is Rule.GATE_UP else 1)
+        if parts == 1:
+            continue
+        n = w.shape[w.tp_axis] // parts
+        b = br if w.tp_axis == w.lead else bc
+        if n % b:
+            raise LayoutError(f"--keep-fp8: {name} splits into {n}-wide pieces at this layout (tp/etp "
+                              f"{_tp_size(w, layout)}), not a multiple of the {b}-wide FP8 block; use a smaller tp or "
+                              "dequantize (--dtype bf16 without --keep-fp8)")
+
+
 # -- layout math (pure) ------------------------------------------------------------------------------------------------
 
 def _tp_size(spec: TensorSpec, layout: Layout) -> int:

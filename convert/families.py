@@ -17,3 +17,23 @@ def for_config(cfg: ModelConfig) -> ModuleType:
     except KeyError:
         raise ConfigError(f"model_type {cfg.model_type!r} has no converter; supported: "
                           f"{', '.join(SUPPORTED_MODEL_TYPES)}") from None
+
+
+def tensor_maps(cfg: ModelConfig, layout, fp8: dict | None = None) -> list:
+    """The family's table, plus the block-scale maps of kept-FP8 weights (`<name>_scale_inv`, rows in blocks)."""
+    from checkpoint.sharding import SCALE_SUFFIX
+
+    from .mapping import Segment, TensorMap
+
+    maps = for_config(cfg).tensor_maps(cfg, layout)
+    if not fp8:
+        return maps
+    br = fp8["block"][0]
+    kept = set(fp8["tensors"])
+    scales = []
+    for tm in maps:
+        if tm.canonical in kept:
+            segs = tuple(Segment(s.hf_name + SCALE_SUFFIX, s.hf_start // br, s.start // br, -(-s.stop // br))
+                         for s in tm.segments)
+            scales.append(TensorMap(tm.canonical + SCALE_SUFFIX, tm.lead, segs, -(-tm.rows // br)))
+    return maps + scales

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from checkpoint.errors import FormatError
+from checkpoint.sharding import SCALE_SUFFIX  # DeepSeek-V3: `<weight>_scale_inv`, one fp32 scale per block
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -25,7 +26,6 @@ ASSET_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", 
 _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
               "F8_E5M2": "float8_e5m2"}
 _MAX_HEADER = 100 * 1024 * 1024
-SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3: `<weight>_scale_inv`, one fp32 scale per weight block
 
 
 @dataclass(frozen=True)

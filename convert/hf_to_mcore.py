@@ -25,7 +25,7 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError, WriteError
 from checkpoint.layout import Layout
 from checkpoint.manifest import Manifest, TensorEntry, tensor_path
-from checkpoint.sharding import TensorSpec, model_specs
+from checkpoint.sharding import SCALE_SUFFIX, TensorSpec, check_fp8_layout, fp8_scale_specs, model_specs
 
 from . import families
 from .hf_source import HFSource
@@ -52,11 +52,14 @@ def expected_hf_shape(tm: TensorMap, spec: TensorSpec, hf_name: str) -> tuple[in
     return (rows, *spec.shape[spec.lead + 1:])
 
 
-def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None) -> tuple[dict[str, TensorEntry], list[Task]]:
-    """Validate the source against the config and list every chunk to write."""
+def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None, keep_fp8: bool = False
+         ) -> tuple[dict[str, TensorEntry], list[Task], dict | None]:
+    """Validate the source against the config and list every chunk to write. Returns (entries, tasks, fp8) where
+    fp8 lists the weights kept as block-FP8 (`keep_fp8`); otherwise FP8 sources are dequantized."""
     fam = families.for_config(cfg)
     maps = fam.tensor_maps(cfg, layout)
-    specs = {s.name: s for s in model_specs(cfg, layout)}
+    base = model_specs(cfg, layout)
+    specs = {s.name: s for s in base}
     needed: dict[str, tuple[int, ...]] = {}
     for tm in maps:
         for hf_name in tm.hf_names:
@@ -69,26 +72,50 @@ def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None) -> 
         if info.shape != shape:
             raise FormatError(f"{src.dir / info.file}: tensor {hf_name} has shape {list(info.shape)}, but config.json "
                               f"implies {list(shape)}")
-    consumed = src.check_fp8(fp8_block(cfg))
+    block = fp8_block(cfg)
+    consumed = src.check_fp8(block)
     consumed |= _check_shared_copies(cfg, fam, src)
     unmapped = sorted(n for n in src.tensors if n not in needed and n not in consumed and not fam.ignorable(cfg, n))
     if unmapped:
         raise FormatError(f"{src.dir}: {len(unmapped)} HF tensor(s) are not mapped for model_type "
                           f"{cfg.model_type!r}, e.g. {unmapped[0]}; refusing to drop them silently")
+    fp8 = _kept_fp8(maps, src, block) if keep_fp8 else None
+    if fp8:
+        src.fp8_block = None  # read the e4m3 bytes and their scales as they are
+        check_fp8_layout(base, fp8, layout)
+        specs.update({s.name: s for s in fp8_scale_specs(base, fp8)})
     entries: dict[str, TensorEntry] = {}
-    by_name: dict[str, list[TensorMap]] = {}
-    for tm in maps:
-        by_name.setdefault(tm.canonical, []).append(tm)
+    first_source = {}
+    for tm in families.tensor_maps(cfg, layout, fp8):
+        first_source.setdefault(tm.canonical, src.tensors[tm.segments[0].hf_name].dtype)
     for name, spec in specs.items():
-        first = src.tensors[by_name[name][0].segments[0].hf_name].dtype
-        dt = dtype or (cfg.params_dtype if first.startswith("float8") else first)  # FP8 is dequantized
+        first = first_source[name]
+        if fp8 and (name in fp8["tensors"] or name.endswith(SCALE_SUFFIX)):
+            dt = first  # kept as stored: e4m3 weights, fp32 scales
+        else:
+            dt = dtype or (cfg.params_dtype if first.startswith("float8") else first)  # FP8 is dequantized
         entries[name] = TensorEntry.of(spec, layout, dt)
     tasks = []
     for name, e in entries.items():
         for offs in itertools.product(*[range(0, s, c) for s, c in zip(e.shape, e.chunk)]):
             box = tuple((o, o + c) for o, c in zip(offs, e.chunk))
             tasks.append(Task(name, tuple(a for a, _ in box[:e.lead]), box))
-    return entries, tasks
+    return entries, tasks, fp8
+
+
+def _kept_fp8(maps: list[TensorMap], src: HFSource, block: tuple[int, int] | None) -> dict:
+    """The canonical weights whose HF sources are all block-FP8; a canonical tensor mixing FP8 and other sources
+    cannot be kept as FP8."""
+    if block is None:
+        raise FormatError(f"{src.dir}: --keep-fp8: config.json has no quantization_config; the weights are not FP8")
+    kinds: dict[str, set[bool]] = {}
+    for tm in maps:
+        for hf_name in tm.hf_names:
+            kinds.setdefault(tm.canonical, set()).add(src.tensors[hf_name].dtype == "float8_e4m3fn")
+    mixed = sorted(n for n, k in kinds.items() if k == {True, False})
+    if mixed:
+        raise FormatError(f"{src.dir}: --keep-fp8: {mixed[0]} combines FP8 and non-FP8 HF tensors")
+    return {"block": list(block), "tensors": sorted(n for n, k in kinds.items() if k == {True})}
 
 
 def _without_absent_mtp(cfg: ModelConfig, src: HFSource, quiet: bool) -> ModelConfig:
@@ -131,26 +158,27 @@ def _check_shared_copies(cfg: ModelConfig, fam, src: HFSource) -> set[str]:
     return found
 
 
-def fp8_provenance(src: HFSource) -> dict:
+def fp8_provenance(src: HFSource, block: tuple[int, int], kept: bool) -> dict:
     """Which HF weights were block-FP8 (as name templates, layer/expert indices as {}), so export can re-quantize."""
     import re
 
     templates = sorted({re.sub(r"\.\d+\.", ".{}.", re.sub(r"\.\d+\.", ".{}.", n))
                         for n, i in src.tensors.items() if i.dtype.startswith("float8")})
-    return {"block": list(src.fp8_block), "format": "e4m3", "dequantized": True, "tensors": templates}
+    return {"block": list(block), "format": "e4m3", "dequantized": not kept, "tensors": templates}
 
 
 # -- worker side ----------------------------------------------------------------------------------------------------
 _W: dict = {}
 
 
-def _init_worker(hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, dtypes: dict[str, str]) -> None:
+def _init_worker(hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, dtypes: dict[str, str],
+                 fp8: dict | None) -> None:
     torch.set_num_threads(1)
     cfg = ModelConfig.from_dict(cfg_dict)
     layout = Layout.from_dict(layout_dict)
-    fam = families.for_config(cfg)
-    _W.update(src=_LazySource(hf_dir, fp8_block(cfg)), out=Path(out_dir), dtypes=dtypes, ctx=store.context(), arrays={},
-              maps={(tm.canonical, tm.lead): tm for tm in fam.tensor_maps(cfg, layout)})
+    _W.update(src=_LazySource(hf_dir, None if fp8 else fp8_block(cfg)), out=Path(out_dir), dtypes=dtypes,
+              ctx=store.context(), arrays={},
+              maps={(tm.canonical, tm.lead): tm for tm in families.tensor_maps(cfg, layout, fp8)})
 
 
 class _LazySource:
@@ -192,7 +220,8 @@ def _run_task(task: Task) -> tuple[str, int]:
 # -- main side ------------------------------------------------------------------------------------------------------
 
 def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dtype: str | None = None,
-                        workers: int | None = None, overwrite: bool = False, quiet: bool = False) -> Path:
+                        workers: int | None = None, overwrite: bool = False, quiet: bool = False,
+                        keep_fp8: bool = False) -> Path:
     """Convert and commit `<out>/iter_0000000`; returns the iteration directory."""
     hf_dir, out = Path(hf_dir), Path(out)
     cfg = ModelConfig.from_hf_dir(hf_dir)
@@ -200,9 +229,9 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
     dtype = store.dtype_name(dtype) if dtype else None
     src = HFSource(hf_dir)
     cfg = _without_absent_mtp(cfg, src, quiet)
-    entries, tasks = plan(cfg, layout, src, dtype)
+    entries, tasks, fp8 = plan(cfg, layout, src, dtype, keep_fp8)
     job = {"tool": VERSION, "source": str(hf_dir.resolve()), "files": src.fingerprint(), "layout": layout.to_dict(),
-           "dtype": dtype, "model": _jsonable(cfg.to_dict())}
+           "dtype": dtype, "fp8": fp8, "model": _jsonable(cfg.to_dict())}
     started = time.time()
     with IterationWriter(out, 0, job, overwrite=overwrite) as w:
         todo = [t for t in tasks if not w.is_done(t.id)]
@@ -225,12 +254,12 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
             bar.advance(done_bytes, len(tasks) - len(todo))
             if nworkers == 1:
                 _init_worker(str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
-                             {n: e.dtype for n, e in entries.items()})
+                             {n: e.dtype for n, e in entries.items()}, fp8)
                 results = map(_run_task, todo)
                 _drain(results, w, bar)
             else:
                 init_args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
-                             {n: e.dtype for n, e in entries.items()})
+                             {n: e.dtype for n, e in entries.items()}, fp8)
                 with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
                                          initargs=init_args) as pool:
                     futures = [pool.submit(_run_task, t) for t in todo]
@@ -245,12 +274,12 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
         for asset in src.assets():
             shutil.copyfile(asset, hf_out / asset.name)
         manifest = Manifest(
-            iteration=0, model=cfg, layout=layout, tensors=entries,
+            iteration=0, model=cfg, layout=layout, tensors=entries, fp8=fp8,
             provenance={"tool": f"shardkit {VERSION}", "command": "convert hf-to-mcore",
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "source": {"kind": "hf", "path": str(hf_dir.resolve()), "files": src.fingerprint()},
                         "seconds": round(time.time() - started, 3),
-                        **({"fp8": fp8_provenance(src)} if src.fp8_block else {})})
+                        **({"fp8": fp8_provenance(src, fp8_block(cfg), bool(fp8))} if fp8_block(cfg) else {})})
         return w.commit(manifest)
 
 

@@ -25,7 +25,9 @@ from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
 
 from . import families
-from .hf_source import INDEX, SCALE_SUFFIX
+from checkpoint.sharding import SCALE_SUFFIX
+
+from .hf_source import INDEX
 from .mapping import Segment, TensorMap, hf_sources
 
 _ST_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
@@ -40,6 +42,7 @@ class HFTensorPlan:
     shape: tuple[int, ...]
     blocks: list[tuple[TensorMap, Segment]]
     fp8_block: tuple[int, int] | None = None  # re-quantize to e4m3 with one scale per block
+    dequant_block: tuple[int, int] | None = None  # stored as kept FP8: dequantize with its block scales
 
     @property
     def nbytes(self) -> int:
@@ -65,22 +68,28 @@ class HFTensorPlan:
 
 
 def plan_export(ckpt: Checkpoint, dtype: str | None, quantize_fp8: bool = False) -> list[HFTensorPlan]:
-    """Every HF tensor as blocks of canonical rows; MTP's shared copies (DeepSeek) point at the shared tensor."""
+    """Every HF tensor as blocks of canonical rows; MTP's shared copies (DeepSeek) point at the shared tensor.
+    A checkpoint that kept FP8 weights exports them as they are (with their scales) unless a --dtype is asked for,
+    which dequantizes them."""
     cfg = ckpt.config
     fam = families.for_config(cfg)
-    sources = hf_sources(fam.tensor_maps(cfg, ckpt.layout))
+    kept = ckpt.manifest.fp8
+    dequant = bool(kept) and dtype is not None
+    sources = hf_sources(families.tensor_maps(cfg, ckpt.layout, None if dequant else kept))
     for copy, main in getattr(fam, "shared_copies", lambda c: {})(cfg).items():
         if main in sources:
             sources[copy] = sources[main]
-    quant = _fp8_selector(ckpt) if quantize_fp8 else (lambda name: None)
+    quant = _fp8_selector(ckpt) if quantize_fp8 and not kept else (lambda name: None)
+    kept_names = set(kept["tensors"]) if dequant else set()
     plans = []
     for hf_name, blocks in sources.items():
         e = ckpt.entry(blocks[0][0].canonical)
         rows = sum(seg.stop - seg.start for _, seg in blocks)
         cols = e.shape[e.lead + 1:]
         block = quant(hf_name)
+        deq = tuple(kept["block"]) if blocks[0][0].canonical in kept_names else None
         plans.append(HFTensorPlan(hf_name, "float8_e4m3fn" if block else dtype or e.dtype, (rows, *cols), blocks,
-                                  block))
+                                  block, deq))
     return plans
 
 
@@ -157,13 +166,20 @@ def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -
             td = store.torch_dtype(p.dtype)
             row_bytes = max(1, p.nbytes // max(1, p.shape[0]))
             step = max(1, BLOCK_BYTES // row_bytes)
-            if p.fp8_block:  # whole row blocks, scales kept (they are small) and written after the weight
-                step = max(p.fp8_block[0], step - step % p.fp8_block[0])
+            align = (p.fp8_block or p.dequant_block or (1,))[0]
+            step = max(align, step - step % align)  # whole FP8 row blocks
+            if p.fp8_block:  # scales kept (they are small) and written after the weight
                 scales = []
             for tm, seg in p.blocks:
                 for a in range(seg.start, seg.stop, step):
                     b = min(seg.stop, a + step)
                     t = _read_block(ckpt, tm, a, b)
+                    if p.dequant_block:
+                        br, bc = p.dequant_block
+                        sc = _read_block(ckpt, TensorMap(tm.canonical + SCALE_SUFFIX, tm.lead, (), 0), a // br,
+                                         -(-b // br))
+                        full = sc.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+                        t = t.float() * full[a - (a // br) * br:][: b - a, : t.shape[1]]
                     if p.fp8_block:
                         t, sc = quantize_blocks(t, p.fp8_block)
                         scales.append(sc)
@@ -203,7 +219,8 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        cfg_out = ckpt.config.to_hf(dtype=dtype or _dominant_dtype(plans), quantized=quantize_fp8)
+        quantized = quantize_fp8 or (bool(ckpt.manifest.fp8) and dtype is None)
+        cfg_out = ckpt.config.to_hf(dtype=dtype or _dominant_dtype(plans), quantized=quantized)
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
         for asset in sorted(ckpt.hf_dir().glob("*")) if ckpt.hf_dir().is_dir() else []:
             if asset.is_file() and not asset.is_symlink():
@@ -231,6 +248,6 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
 def _dominant_dtype(plans: list[HFTensorPlan]) -> str:
     by: dict[str, int] = {}
     for p in plans:
-        if not p.fp8_block:
+        if not p.fp8_block and not p.dtype.startswith("float8") and not p.name.endswith(SCALE_SUFFIX):
             by[p.dtype] = by.get(p.dtype, 0) + p.nbytes
     return max(by, key=by.get)

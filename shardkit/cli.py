@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("out")
     _layout_flags(h2m)
     _dtype_flag(h2m, "store weights as bf16|fp16|fp32 (default: the source dtype)")
+    h2m.add_argument("--keep-fp8", action="store_true",
+                     help="block-FP8 sources (DeepSeek-V3): keep the e4m3 weights and their block scales for FP8 "
+                          "training instead of dequantizing (recorded in the manifest)")
     h2m.add_argument("--workers", type=int, default=None, help="writer processes (default: CPU count)")
     h2m.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory: the iteration written here replaces any earlier one of the same number; other files are left alone")
     h2m.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -104,7 +107,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         dtype = _check_dtype(args.dtype)
         path = convert_hf_to_mcore(args.hf_dir, args.out, Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp), dtype=dtype,
-                                   workers=args.workers, overwrite=args.overwrite, quiet=args.quiet)
+                                   workers=args.workers, overwrite=args.overwrite, quiet=args.quiet,
+                                   keep_fp8=args.keep_fp8)
         print(f"wrote {path}")
         return 0
     if args.cmd == "convert" and args.direction == "mcore-to-hf":
@@ -167,7 +171,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.against:
         from convert.parity import logit_parity
 
-        parity = logit_parity(ckpt.config, ckpt.state_dict(), args.against, seq_len=args.seq_length)
+        parity = logit_parity(ckpt.config, ckpt.state_dict(dequantize=True), args.against, seq_len=args.seq_length)
         parity["tolerance"] = args.tolerance
         parity["ok"] = ok = parity["max_abs_diff"] <= args.tolerance
         result["parity"] = parity

@@ -231,3 +231,52 @@ def test_fp8_parity_within_fp8_error(fp8_model, tmp_path):
     assert exact["max_abs_diff"] <= 1e-4, exact
     ours_vs_unq = logit_parity(ck.config, tensors, hf_dir("unquantized", unquantized), seq_len=40)
     assert ours_vs_unq["max_abs_diff"] > 1e-3  # the FP8 error is really there (the test is not vacuous)
+
+
+@pytest.fixture(scope="module")
+def fp8_aligned(tmp_path_factory):
+    """Sizes on 128-row blocks (what --keep-fp8 needs at tp=1), FP8 like the hub checkpoint."""
+    d = tmp_path_factory.mktemp("fp8a") / "dsv3"
+    build("deepseek_v3", d, dtype=torch.bfloat16, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+          q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=16, v_head_dim=16, num_attention_heads=8,
+          num_key_value_heads=8)
+    quantize_fp8(d)
+    return d
+
+
+def test_keep_fp8_round_trip_bitwise(fp8_aligned, tmp_path):
+    d = fp8_aligned
+    assert main(["convert", "hf-to-mcore", str(d), str(tmp_path / "ck"), "--ep", "2", "--keep-fp8", "--quiet"]) == 0
+    ck = Checkpoint(tmp_path / "ck")
+    ck.verify()
+    kept = ck.manifest.fp8
+    assert kept["block"] == [128, 128] and "decoder.layers.1.mlp.experts.experts.linear_fc1.weight" in kept["tensors"]
+    assert ck.tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].dtype == "float8_e4m3fn"
+    assert ck.tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.weight_scale_inv"].shape == [8, 2, 2]
+    back = convert_mcore_to_hf(tmp_path / "ck", tmp_path / "back", quiet=True)
+    a, b = hf_tensors(d), hf_tensors(back)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert json.loads((back / "config.json").read_text()) == json.loads((d / "config.json").read_text())
+    # --dtype bf16 dequantizes on export: the same bytes as converting with dequantization
+    deq = convert_mcore_to_hf(tmp_path / "ck", tmp_path / "deq", dtype="bf16", quiet=True)
+    convert_hf_to_mcore(d, tmp_path / "ck2", Layout(), quiet=True)
+    ref = convert_mcore_to_hf(tmp_path / "ck2", tmp_path / "ref", quiet=True)
+    x, y = hf_tensors(deq), hf_tensors(ref)
+    assert sorted(x) == sorted(y)
+    for k in x:
+        assert torch.equal(x[k], y[k]), k
+    # and the model reads the kept checkpoint dequantized: same tensors as the dequantized conversion
+    sd_kept, sd_ref = ck.state_dict(dequantize=True), Checkpoint(tmp_path / "ck2").state_dict()
+    assert sorted(sd_kept) == sorted(sd_ref)
+    for k in sd_ref:
+        assert torch.equal(sd_kept[k], sd_ref[k]), k
+
+
+def test_keep_fp8_needs_block_aligned_split(fp8_aligned, fp8_model, tmp_path):
+    with pytest.raises(LayoutError, match="--keep-fp8: decoder.layers.0.self_attention.linear_proj.weight splits into 64-wide pieces"):
+        convert_hf_to_mcore(fp8_aligned, tmp_path / "a", Layout(tp=2), keep_fp8=True, quiet=True)
+    with pytest.raises(LayoutError, match="not a multiple of the 128-wide FP8 block"):
+        convert_hf_to_mcore(fp8_model[0], tmp_path / "b", Layout(), keep_fp8=True, quiet=True)
+    assert not (tmp_path / "a" / "latest").exists() and not (tmp_path / "b" / "latest").exists()
