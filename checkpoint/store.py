@@ -99,7 +99,7 @@ def open_existing(path: str | Path, ctx: ts.Context | None = None, name: str | N
     try:
         return ts.open(array_spec(path), open=True, context=ctx or context()).result()
     except ValueError as e:
-        raise CorruptionError(f"tensor {name or path}: cannot open its array at {path}: {_short(e)}") from None
+        raise CorruptionError(f"tensor {name or path}: cannot open its array at {path}: {short_error(e)}") from None
 
 
 def metadata(arr: ts.TensorStore) -> dict:
@@ -116,9 +116,10 @@ def read(arr: ts.TensorStore, index: tuple[slice, ...] | None = None, name: str 
     try:
         return from_numpy(view.read().result())
     except ValueError as e:
-        raise CorruptionError(f"tensor {name}: {_short(e)}") from None
+        raise CorruptionError(f"tensor {name}: {short_error(e)}") from None
 
 
-def _short(e: Exception) -> str:
+def short_error(e: Exception) -> str:
+    """The first line of a tensorstore error, without its source locations."""
     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
     return msg.split(" [source locations=")[0]

@@ -7,14 +7,9 @@ the main process records finished chunks so an interrupted run resumes, and comm
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from concurrent.futures import ProcessPoolExecutor, as_completed
-import multiprocessing as mp
-import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,29 +17,17 @@ import torch
 from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.config import ModelConfig
-from checkpoint.errors import FormatError, ShardkitError, WriteError
+from checkpoint.errors import FormatError, ShardkitError
 from checkpoint.layout import Layout
-from checkpoint.manifest import Manifest, TensorEntry, tensor_path
+from checkpoint.manifest import Manifest, TensorEntry
 from checkpoint.sharding import SCALE_SUFFIX, TensorSpec, check_fp8_layout, fp8_scale_specs, model_specs
 
 from . import families
 from .hf_source import HFSource
 from .mapping import TensorMap, assemble
-from checkpoint.progress import progress_bar
+from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
 VERSION = "0.1.0"
-WORKER_MIN_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class Task:
-    name: str
-    lead: tuple[int, ...]  # layer (and expert) index of a stacked tensor's chunk
-    box: tuple[tuple[int, int], ...]  # [start, stop) per axis of the global array
-
-    @property
-    def id(self) -> str:
-        return f"{self.name}|" + ",".join(f"{a}:{b}" for a, b in self.box)
 
 
 def expected_hf_shape(tm: TensorMap, spec: TensorSpec, hf_name: str) -> tuple[int, ...]:
@@ -95,12 +78,7 @@ def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None, kee
         else:
             dt = dtype or (cfg.params_dtype if first.startswith("float8") else first)  # FP8 is dequantized
         entries[name] = TensorEntry.of(spec, layout, dt)
-    tasks = []
-    for name, e in entries.items():
-        for offs in itertools.product(*[range(0, s, c) for s, c in zip(e.shape, e.chunk)]):
-            box = tuple((o, o + c) for o, c in zip(offs, e.chunk))
-            tasks.append(Task(name, tuple(a for a, _ in box[:e.lead]), box))
-    return entries, tasks, fp8
+    return entries, chunk_tasks(entries), fp8
 
 
 def _kept_fp8(maps: list[TensorMap], src: HFSource, block: tuple[int, int] | None) -> dict:
@@ -176,8 +154,7 @@ def _init_worker(hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, d
     torch.set_num_threads(1)
     cfg = ModelConfig.from_dict(cfg_dict)
     layout = Layout.from_dict(layout_dict)
-    _W.update(src=_LazySource(hf_dir, None if fp8 else fp8_block(cfg)), out=Path(out_dir), dtypes=dtypes,
-              ctx=store.context(), arrays={},
+    _W.update(src=_LazySource(hf_dir, None if fp8 else fp8_block(cfg)), sink=ChunkSink(out_dir, dtypes),
               maps={(tm.canonical, tm.lead): tm for tm in families.tensor_maps(cfg, layout, fp8)})
 
 
@@ -196,25 +173,11 @@ class _LazySource:
 
 
 def _run_task(task: Task) -> tuple[str, int]:
-    w = _W
-    arr = w["arrays"].get(task.name)
-    if arr is None:
-        arr = store.open_existing(w["out"] / tensor_path(task.name), w["ctx"], task.name)
-        w["arrays"][task.name] = arr
-    tm = w["maps"][(task.name, task.lead)]
-    box = task.box[len(task.lead):]
-    rows = box[0]
-    cols = slice(*box[1]) if len(box) > 1 else None
-    value = assemble(tm, rows[0], rows[1], w["src"].read, cols)
-    value = value.to(store.torch_dtype(w["dtypes"][task.name]))
-    value = value.reshape((1,) * len(task.lead) + tuple(value.shape))
-    index = tuple(slice(a, b) for a, b in task.box)
-    try:
-        store.write(arr, index, value).result()
-    except ValueError as e:
-        raise WriteError(f"tensor {task.name}: writing {w['out'] / tensor_path(task.name)} failed: "
-                         f"{store._short(e)}; check free space and permissions") from None
-    return task.id, value.numel() * value.element_size()
+    """Assemble one chunk from the HF rows (and columns) it needs and write it."""
+    tm = _W["maps"][(task.name, task.lead)]
+    rows, *rest = task.box[len(task.lead):]
+    value = assemble(tm, rows[0], rows[1], _W["src"].read, slice(*rest[0]) if rest else None)
+    return _W["sink"].write(task, value.reshape((1,) * len(task.lead) + tuple(value.shape)))
 
 
 # -- main side ------------------------------------------------------------------------------------------------------
@@ -234,41 +197,9 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
            "dtype": dtype, "fp8": fp8, "model": _jsonable(cfg.to_dict())}
     started = time.time()
     with IterationWriter(out, 0, job, overwrite=overwrite) as w:
-        todo = [t for t in tasks if not w.is_done(t.id)]
-        ctx = store.context()
-        for name, e in entries.items():
-            try:
-                store.create(w.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
-            except ValueError as err:
-                raise WriteError(f"tensor {name}: cannot create {w.path(tensor_path(name))}: {store._short(err)}") \
-                    from None
-        total = sum(_task_bytes(t, entries) for t in tasks)
-        done_bytes = total - sum(_task_bytes(t, entries) for t in todo)
-        if len(todo) < len(tasks) and not quiet:
-            print(f"resuming: {len(tasks) - len(todo)} of {len(tasks)} chunks already written", file=sys.stderr)
-        # spawning a worker costs seconds (it imports torch): only use as many as the remaining bytes justify
-        left = total - done_bytes
-        nworkers = workers or max(1, min(os.cpu_count() or 1, left // WORKER_MIN_BYTES))
-        nworkers = max(1, min(nworkers, len(todo) or 1))
-        with progress_bar("hf-to-mcore", total=total, items=len(tasks), disable=quiet) as bar:
-            bar.advance(done_bytes, len(tasks) - len(todo))
-            if nworkers == 1:
-                _init_worker(str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
-                             {n: e.dtype for n, e in entries.items()}, fp8)
-                results = map(_run_task, todo)
-                _drain(results, w, bar)
-            else:
-                init_args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
-                             {n: e.dtype for n, e in entries.items()}, fp8)
-                with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                         initargs=init_args) as pool:
-                    futures = [pool.submit(_run_task, t) for t in todo]
-                    try:
-                        _drain((f.result() for f in as_completed(futures)), w, bar)
-                    except BaseException:
-                        for f in futures:
-                            f.cancel()
-                        raise
+        init_args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
+                     {n: e.dtype for n, e in entries.items()}, fp8)
+        write_chunks(w, entries, "hf-to-mcore", _init_worker, init_args, _run_task, workers, quiet)
         hf_out = w.path("hf")
         hf_out.mkdir(exist_ok=True)
         for asset in src.assets():
@@ -281,19 +212,6 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
                         "seconds": round(time.time() - started, 3),
                         **({"fp8": fp8_provenance(src, fp8_block(cfg), bool(fp8))} if fp8_block(cfg) else {})})
         return w.commit(manifest)
-
-
-def _drain(results, w: IterationWriter, bar) -> None:
-    for task_id, nbytes in results:
-        w.mark_done(task_id)
-        bar.advance(nbytes, 1)
-
-
-def _task_bytes(t: Task, entries: dict[str, TensorEntry]) -> int:
-    n = 1
-    for a, b in t.box:
-        n *= b - a
-    return n * store.torch_dtype(entries[t.name].dtype).itemsize
 
 
 def _jsonable(d: dict) -> dict:

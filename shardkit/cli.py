@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
@@ -55,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "block scheme, and keep quantization_config")
     m2h.add_argument("--overwrite", action="store_true")
     m2h.add_argument("--quiet", action="store_true")
+
+    rs = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP/VPP/EP layout (offline)")
+    rs.add_argument("src")
+    rs.add_argument("dst")
+    _layout_flags(rs)
+    _dtype_flag(rs, "cast weights to bf16|fp16|fp32 (default: keep; kept-FP8 weights stay FP8)")
+    rs.add_argument("--workers", type=int, default=None, help="writer processes (default: CPU count)")
+    rs.add_argument("--overwrite", action="store_true", help="allow a non-empty destination directory")
+    rs.add_argument("--quiet", action="store_true", help="no progress bar")
 
     ins = sub.add_parser("inspect", help="layout, model config and tensor table of a checkpoint")
     ins.add_argument("ckpt")
@@ -117,6 +125,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         dtype = _check_dtype(args.dtype)
         path = convert_mcore_to_hf(args.ckpt, args.out, dtype=dtype, max_shard_size=args.max_shard_size,
                                    overwrite=args.overwrite, quiet=args.quiet, quantize_fp8=args.quantize_fp8)
+        print(f"wrote {path}")
+        return 0
+    if args.cmd == "reshard":
+        from checkpoint.layout import Layout
+        from convert.reshard import reshard
+
+        path = reshard(args.src, args.dst, Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp),
+                       dtype=_check_dtype(args.dtype), workers=args.workers, overwrite=args.overwrite,
+                       quiet=args.quiet)
         print(f"wrote {path}")
         return 0
     if args.cmd == "inspect":

@@ -1,0 +1,98 @@
+"""reshard: rewrite a native checkpoint for another parallel layout, offline, with bounded memory.
+
+Arrays are global, so resharding is re-chunking: every destination chunk reads exactly the source box it covers
+(tensorstore fetches only the source chunks that box touches). Vocab padding is recomputed for the destination TP
+the way hf-to-mcore pads (the last real row repeated), so reshard(convert(hf, A), B) equals convert(hf, B) byte for
+byte, and the true vocabulary never changes.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from checkpoint import store
+from checkpoint.commit import IterationWriter
+from checkpoint.errors import ShardkitError
+from checkpoint.layout import Layout
+from checkpoint.manifest import Manifest, TensorEntry
+from checkpoint.reader import Checkpoint
+from checkpoint.sharding import Rule, check_fp8_layout, model_specs
+
+from .hf_to_mcore import VERSION
+from .writer import ChunkSink, Task, write_chunks
+
+
+def plan_reshard(ck: Checkpoint, layout: Layout, dtype: str | None) -> dict[str, TensorEntry]:
+    cfg, fp8 = ck.config, ck.manifest.fp8
+    layout.check(cfg)
+    check_fp8_layout(model_specs(cfg, layout), fp8, layout)
+    kept = set(fp8["tensors"]) if fp8 else set()
+    entries = {}
+    for spec in Manifest(ck.manifest.iteration, cfg, layout, {}, fp8=fp8).specs():
+        src = ck.entry(spec.name)
+        if spec.rule is not Rule.VOCAB and list(spec.shape) != src.shape:
+            raise ShardkitError(f"tensor {spec.name}: source shape {src.shape} disagrees with the model config "
+                                f"({list(spec.shape)}); the source checkpoint is inconsistent")
+        fp8_part = spec.name in kept or spec.name.removesuffix("_scale_inv") in kept
+        entries[spec.name] = TensorEntry.of(spec, layout, src.dtype if fp8_part else dtype or src.dtype)
+    return entries
+
+
+# -- worker side ----------------------------------------------------------------------------------------------------
+_W: dict = {}
+
+
+def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, int]) -> None:
+    torch.set_num_threads(1)
+    _W.update(src=Checkpoint(src_dir), sink=ChunkSink(out_dir, dtypes), vocab=vocab)
+
+
+def _run_task(task: Task) -> tuple[str, int]:
+    src: Checkpoint = _W["src"]
+    true_rows = _W["vocab"].get(task.name)
+    (a, b), *rest = task.box
+    if true_rows is None or b <= true_rows:
+        value = src.read(task.name, task.index)
+    else:  # vocab padding of the destination: real rows, then the last real row repeated (as hf-to-mcore pads)
+        cols = tuple(slice(x, y) for x, y in rest)
+        parts = [src.read(task.name, (slice(a, true_rows), *cols))] if a < true_rows else []
+        last = src.read(task.name, (slice(true_rows - 1, true_rows), *cols))
+        parts.append(last.expand(b - max(a, true_rows), *last.shape[1:]))
+        value = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return _W["sink"].write(task, value)
+
+
+# -- main side ------------------------------------------------------------------------------------------------------
+
+def reshard(src_path: str | Path, out: str | Path, layout: Layout, dtype: str | None = None,
+            workers: int | None = None, overwrite: bool = False, quiet: bool = False) -> Path:
+    """Write `<out>/iter_N` (N = the source's iteration) for `layout`; returns the iteration directory."""
+    ck = Checkpoint(src_path)
+    out = Path(out)
+    if out.resolve() == ck.path.parent.resolve():
+        raise ShardkitError(f"{out}: the destination is the source's own root; write the resharded checkpoint "
+                            "elsewhere")
+    dtype = store.dtype_name(dtype) if dtype else None
+    entries = plan_reshard(ck, layout, dtype)
+    vocab = {s.name: ck.config.vocab_size for s in model_specs(ck.config, layout) if s.rule is Rule.VOCAB}
+    digest = ck.manifest.to_json()
+    job = {"tool": VERSION, "source": str(ck.path.resolve()), "source_manifest": digest, "layout": layout.to_dict(),
+           "dtype": dtype}
+    started = time.time()
+    with IterationWriter(out, ck.manifest.iteration, job, overwrite=overwrite) as w:
+        init_args = (str(ck.path), str(w.partial), {n: e.dtype for n, e in entries.items()}, vocab)
+        write_chunks(w, entries, "reshard", _init_worker, init_args, _run_task, workers, quiet)
+        if ck.hf_dir().is_dir():
+            shutil.copytree(ck.hf_dir(), w.path("hf"), dirs_exist_ok=True)
+        m = ck.manifest
+        manifest = Manifest(
+            iteration=m.iteration, model=m.model, layout=layout, tensors=entries, fp8=m.fp8, training=m.training,
+            provenance={**m.provenance, "tool": f"shardkit {VERSION}", "command": "reshard",
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "seconds": round(time.time() - started, 3),
+                        "resharded_from": {"path": str(ck.path.resolve()), "layout": m.layout.to_dict(),
+                                           "source": m.provenance.get("source")}})
+        return w.commit(manifest)

@@ -1,0 +1,122 @@
+"""Writing a native checkpoint chunk by chunk, shared by hf-to-mcore and reshard.
+
+A producer supplies a worker initialiser and a task function that computes one storage chunk; this module plans the
+chunks, creates the arrays, skips chunks a previous run finished, runs the tasks in spawned worker processes (fork
+after tensorstore's threads start can hang) or in-process when the work is small, records each finished chunk for
+resume, and shows progress.
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from checkpoint import store
+from checkpoint.commit import IterationWriter
+from checkpoint.errors import WriteError
+from checkpoint.manifest import TensorEntry, tensor_path
+from checkpoint.progress import progress_bar
+
+WORKER_MIN_BYTES = 64 << 20  # spawning a worker costs seconds (it imports torch): one per this much work
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    lead: tuple[int, ...]  # layer (and expert) index of a stacked tensor's chunk
+    box: tuple[tuple[int, int], ...]  # [start, stop) per axis of the global array
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}|" + ",".join(f"{a}:{b}" for a, b in self.box)
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in self.box)
+
+    def nbytes(self, entry: TensorEntry) -> int:
+        n = 1
+        for a, b in self.box:
+            n *= b - a
+        return n * store.torch_dtype(entry.dtype).itemsize
+
+
+def chunk_tasks(entries: dict[str, TensorEntry]) -> list[Task]:
+    """One task per storage chunk of every tensor."""
+    tasks = []
+    for name, e in entries.items():
+        for offs in itertools.product(*[range(0, s, c) for s, c in zip(e.shape, e.chunk)]):
+            box = tuple((o, o + c) for o, c in zip(offs, e.chunk))
+            tasks.append(Task(name, tuple(a for a, _ in box[:e.lead]), box))
+    return tasks
+
+
+class ChunkSink:
+    """Worker-side: open arrays once, write whole chunks, turn tensorstore write failures into WriteError."""
+
+    def __init__(self, out_dir: str | Path, dtypes: dict[str, str]):
+        self.out, self.dtypes = Path(out_dir), dtypes
+        self.ctx = store.context()
+        self.arrays: dict = {}
+
+    def write(self, task: Task, value: torch.Tensor) -> tuple[str, int]:
+        arr = self.arrays.get(task.name)
+        if arr is None:
+            arr = self.arrays[task.name] = store.open_existing(self.out / tensor_path(task.name), self.ctx, task.name)
+        value = value.to(store.torch_dtype(self.dtypes[task.name]))
+        try:
+            store.write(arr, task.index, value).result()
+        except ValueError as e:
+            raise WriteError(f"tensor {task.name}: writing {self.out / tensor_path(task.name)} failed: "
+                             f"{store.short_error(e)}; check free space and permissions") from None
+        return task.id, value.numel() * value.element_size()
+
+
+def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str,
+                 init: Callable, init_args: tuple, run: Callable[[Task], tuple[str, int]],
+                 workers: int | None = None, quiet: bool = False) -> None:
+    """Create every array under `w`, then run `run(task)` for each chunk not already done (after `init(*init_args)`
+    in each worker process)."""
+    tasks = chunk_tasks(entries)
+    todo = [t for t in tasks if not w.is_done(t.id)]
+    ctx = store.context()
+    for name, e in entries.items():
+        try:
+            store.create(w.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
+        except ValueError as err:
+            raise WriteError(f"tensor {name}: cannot create {w.path(tensor_path(name))}: {store.short_error(err)}") \
+                from None
+    total = sum(t.nbytes(entries[t.name]) for t in tasks)
+    left = sum(t.nbytes(entries[t.name]) for t in todo)
+    if len(todo) < len(tasks) and not quiet:
+        print(f"resuming: {len(tasks) - len(todo)} of {len(tasks)} chunks already written", file=sys.stderr)
+    nworkers = workers or max(1, min(os.cpu_count() or 1, left // WORKER_MIN_BYTES))
+    nworkers = max(1, min(nworkers, len(todo) or 1))
+    with progress_bar(label, total=total, items=len(tasks), disable=quiet) as bar:
+        bar.advance(total - left, len(tasks) - len(todo))
+
+        def drain(results) -> None:
+            for task_id, nbytes in results:
+                w.mark_done(task_id)
+                bar.advance(nbytes, 1)
+
+        if nworkers == 1:
+            init(*init_args)
+            drain(map(run, todo))
+            return
+        with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn"), initializer=init,
+                                 initargs=init_args) as pool:
+            futures = [pool.submit(run, t) for t in todo]
+            try:
+                drain(f.result() for f in as_completed(futures))
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
