@@ -1,7 +1,8 @@
 """`shardkit demo`: the whole pipeline on a tiny LLaMA built locally (no hub access needed).
 
 HF model (random weights, save_pretrained) -> convert tp=2 pp=2 -> inspect -> verify (checksums + logits against
-HF transformers) -> export back to HF -> reload with transformers and compare every tensor bitwise.
+HF transformers) -> reshard to tp=1 pp=1 -> export back to HF -> reload with transformers and compare every tensor
+bitwise.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def run_demo(out: str | None = None, keep: bool = False) -> int:
     con = Console()
     work = Path(out) if out else Path(tempfile.mkdtemp(prefix="shardkit-demo-"))
     work.mkdir(parents=True, exist_ok=True)
-    hf, ckpt, back = work / "hf", work / "mcore", work / "hf-export"
+    hf, ckpt, resharded, back = work / "hf", work / "mcore", work / "mcore-tp1", work / "hf-export"
     rows = []
 
     def step(label: str, argv: list[str]) -> None:
@@ -76,7 +77,8 @@ def run_demo(out: str | None = None, keep: bool = False) -> int:
         step("convert", ["convert", "hf-to-mcore", str(hf), str(ckpt), "--tp", "2", "--pp", "2", "--overwrite"])
         step("inspect", ["inspect", str(ckpt)])
         step("verify", ["verify", str(ckpt), "--against", str(hf)])
-        step("export", ["convert", "mcore-to-hf", str(ckpt), str(back), "--overwrite"])
+        step("reshard", ["reshard", str(ckpt), str(resharded), "--tp", "1", "--pp", "1", "--overwrite"])
+        step("export", ["convert", "mcore-to-hf", str(resharded), str(back), "--overwrite"])
         # the exported model loads in transformers and equals the source bit for bit
         t = time.time()
         from transformers import AutoModelForCausalLM
@@ -85,7 +87,7 @@ def run_demo(out: str | None = None, keep: bool = False) -> int:
         with safe_open(str(hf / "model.safetensors"), "pt") as a, safe_open(str(back / "model.safetensors"), "pt") as b:
             names = sorted(a.keys())
             same = names == sorted(b.keys()) and all(torch.equal(a.get_tensor(n), b.get_tensor(n)) for n in names)
-        rows.append(("round trip HF -> mcore -> HF", f"bitwise equal ({len(names)} tensors)" if same else "DIFFERS",
+        rows.append(("HF -> tp2pp2 -> tp1pp1 -> HF", f"bitwise equal ({len(names)} tensors)" if same else "DIFFERS",
                      f"{time.time() - t:.1f}s"))
         table = Table(title="shardkit demo")
         for col in ("step", "result", "time"):

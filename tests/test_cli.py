@@ -77,4 +77,4 @@ def test_demo_runs(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shardkit", "demo", "--out", str(tmp_path / "demo")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "bitwise equal" in r.stdout
+    assert "bitwise equal" in r.stdout and "reshard" in r.stdout
