@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
@@ -20,6 +21,20 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel size: splits the experts of MoE models (default 1)")
     p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int, default=None,
                    help="tensor-parallel size inside each expert (default: same as --tp)")
+
+
+def _format_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=("native", "torch_dist"), default="native",
+                   help="output format: shardkit's native tensorstore checkpoint, or Megatron-LM's torch_dist "
+                        "(--ckpt-format torch_dist)")
+    p.add_argument("--key-naming", choices=("te", "local"), default="te",
+                   help="torch_dist keys as megatron-core's Transformer Engine spec names them (default) or as its "
+                        "local spec does (MoE pre-MLP norm: mlp.linear_fc1.layer_norm_weight)")
+
+
+def _hf_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf-config", metavar="HF_DIR", default=None,
+                   help="for a torch_dist source: the HF model directory whose config.json describes the model")
 
 
 def _dtype_flag(p: argparse.ArgumentParser, help: str) -> None:
@@ -41,12 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="block-FP8 sources (DeepSeek-V3): keep the e4m3 weights and their block scales for FP8 "
                           "training instead of dequantizing (recorded in the manifest)")
     h2m.add_argument("--workers", type=int, default=None, help="writer processes (default: CPU count)")
+    _format_flags(h2m)
     h2m.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory: the iteration written here replaces any earlier one of the same number; other files are left alone")
     h2m.add_argument("--quiet", action="store_true", help="no progress bar")
 
     m2h = csub.add_parser("mcore-to-hf", help="shardkit checkpoint -> HF safetensors")
-    m2h.add_argument("ckpt")
+    m2h.add_argument("ckpt", help="a native checkpoint, or a torch_dist one (with --hf-config)")
     m2h.add_argument("out")
+    _hf_config_flag(m2h)
     _dtype_flag(m2h, "export as bf16|fp16|fp32 (default: the stored dtype)")
     m2h.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     m2h.add_argument("--quantize-fp8", action="store_true",
@@ -56,9 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     m2h.add_argument("--quiet", action="store_true")
 
     rs = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP/VPP/EP layout (offline)")
-    rs.add_argument("src")
+    rs.add_argument("src", help="a native checkpoint, or a torch_dist one (with --hf-config)")
     rs.add_argument("dst")
     _layout_flags(rs)
+    _format_flags(rs)
+    _hf_config_flag(rs)
     _dtype_flag(rs, "cast weights to bf16|fp16|fp32 (default: keep; kept-FP8 weights stay FP8)")
     rs.add_argument("--workers", type=int, default=None, help="writer processes (default: CPU count)")
     rs.add_argument("--overwrite", action="store_true", help="allow a non-empty destination directory")
@@ -109,31 +128,43 @@ def _check_dtype(value: str | None) -> str | None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    from checkpoint.errors import ShardkitError
+
     if args.cmd == "convert" and args.direction == "hf-to-mcore":
         from checkpoint.layout import Layout
         from convert.hf_to_mcore import convert_hf_to_mcore
 
         dtype = _check_dtype(args.dtype)
-        path = convert_hf_to_mcore(args.hf_dir, args.out, Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp), dtype=dtype,
-                                   workers=args.workers, overwrite=args.overwrite, quiet=args.quiet,
-                                   keep_fp8=args.keep_fp8)
+        layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+        if args.format == "torch_dist" and args.keep_fp8:
+            raise ShardkitError("--keep-fp8 with --format torch_dist: Megatron's torch_dist has no block-FP8 "
+                                "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
+        path = _write(args, args.out, lambda out: convert_hf_to_mcore(
+            args.hf_dir, out, layout, dtype=dtype, workers=args.workers, overwrite=args.overwrite, quiet=args.quiet,
+            keep_fp8=args.keep_fp8))
         print(f"wrote {path}")
         return 0
     if args.cmd == "convert" and args.direction == "mcore-to-hf":
         from convert.mcore_to_hf import convert_mcore_to_hf
 
         dtype = _check_dtype(args.dtype)
-        path = convert_mcore_to_hf(args.ckpt, args.out, dtype=dtype, max_shard_size=args.max_shard_size,
-                                   overwrite=args.overwrite, quiet=args.quiet, quantize_fp8=args.quantize_fp8)
+        path = _from_native_source(args, args.ckpt, args.out, lambda ckpt: convert_mcore_to_hf(
+            ckpt, args.out, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+            quiet=args.quiet, quantize_fp8=args.quantize_fp8))
         print(f"wrote {path}")
         return 0
     if args.cmd == "reshard":
         from checkpoint.layout import Layout
         from convert.reshard import reshard
 
-        path = reshard(args.src, args.dst, Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp),
-                       dtype=_check_dtype(args.dtype), workers=args.workers, overwrite=args.overwrite,
-                       quiet=args.quiet)
+        layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+        dtype = _check_dtype(args.dtype)
+        if _is_torch_dist(args.src):  # torch_dist -> native (-> torch_dist): the import already re-chunks
+            path = _write(args, args.dst, lambda out: _import_torch_dist(args, args.src, out, layout, dtype))
+        else:
+            path = _write(args, args.dst, lambda out: reshard(args.src, out, layout, dtype=dtype,
+                                                              workers=args.workers, overwrite=args.overwrite,
+                                                              quiet=args.quiet))
         print(f"wrote {path}")
         return 0
     if args.cmd == "inspect":
@@ -145,6 +176,54 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_demo(args.out, keep=args.keep)
     raise AssertionError(args)
+
+
+def _is_torch_dist(path: str) -> bool:
+    """A Megatron torch_dist checkpoint (root with latest_checkpointed_iteration.txt, or an iteration directory)."""
+    p = Path(path)
+    return (p / "latest_checkpointed_iteration.txt").is_file() or (p / "metadata.json").is_file() or \
+        (p / ".metadata").is_file()
+
+
+def _import_torch_dist(args: argparse.Namespace, src: str, out, layout, dtype):
+    from checkpoint.config import ModelConfig
+    from checkpoint.errors import ShardkitError
+    from convert.torch_dist_io import torch_dist_to_native
+
+    if not args.hf_config:
+        raise ShardkitError(f"{src} is a torch_dist checkpoint: pass --hf-config HF_DIR (the HF model directory whose "
+                            "config.json describes it) so shardkit knows the model")
+    return torch_dist_to_native(src, out, ModelConfig.from_hf_dir(args.hf_config), layout, dtype=dtype,
+                                hf_dir=args.hf_config, workers=getattr(args, "workers", None),
+                                overwrite=args.overwrite, quiet=args.quiet)
+
+
+def _write(args: argparse.Namespace, out: str, produce):
+    """Run a producer of a native checkpoint at `out`, or through a staging native checkpoint into torch_dist."""
+    if args.format == "native":
+        return produce(out)
+    from convert.torch_dist_io import via_native
+
+    return via_native(produce, out, key_naming=args.key_naming, overwrite=args.overwrite, quiet=args.quiet,
+                      workers=args.workers)
+
+
+def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):
+    """Run a consumer of a native checkpoint on `src`, importing a torch_dist source into a staging copy first."""
+    if not _is_torch_dist(src):
+        return consume(src)
+    import shutil
+    import tempfile
+
+
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.native-", dir=target.parent))
+    try:
+        native = _import_torch_dist(args, src, staging, None, None)
+        return consume(native)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _inspect(args: argparse.Namespace) -> int:

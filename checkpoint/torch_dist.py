@@ -1,0 +1,639 @@
+"""Megatron-LM `--ckpt-format torch_dist` checkpoints (PyTorch DCP underneath), read and written without Megatron.
+
+    <root>/latest_checkpointed_iteration.txt     "N" (or "release")
+    <root>/iter_000000N/metadata.json            {"sharded_backend": "torch_dist", ...}
+    <root>/iter_000000N/common.pt                torch.save of the non-sharded state (iteration, args, ...)
+    <root>/iter_000000N/.metadata                pickled torch.distributed.checkpoint.metadata.Metadata
+    <root>/iter_000000N/__<rank>_<k>.distcp      items: each a torch.save(tensor) blob at an offset
+
+Reading never runs pickle code it does not know: `.metadata` goes through an unpickler that resolves only DCP's own
+metadata classes (anything else is refused, naming the file and the global); items and `common.pt` go through
+`torch.load(weights_only=True)`, `common.pt` with `argparse.Namespace` as the only extra allowed class. File names in
+the metadata are checked before any file is opened (plain names inside the iteration directory), and every item's
+byte range must lie inside its file.
+
+Writing is the inverse with bounded memory: `DCPWriter` appends one item at a time to the file of the rank that owns
+it and keeps only the small metadata in memory; `commit_iteration_dir` publishes the iteration atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pickle
+import pickletools
+import re
+import shutil
+import tempfile
+import uuid
+import zipfile
+from bisect import bisect_left, bisect_right
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch.distributed.checkpoint import filesystem as _dcp_fs
+from torch.distributed.checkpoint import metadata as _dcp_md
+from torch.distributed.checkpoint import planner as _dcp_planner
+
+from .commit import fsync_path, fsync_tree, write_file_atomic
+from .errors import FormatError, ShardkitError, WriteError
+
+METADATA_JSON = "metadata.json"
+DCP_METADATA = ".metadata"
+COMMON_PT = "common.pt"
+TRACKER = "latest_checkpointed_iteration.txt"
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+           "common_backend_version": 1}
+DCP_VERSION = "1.0.0"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's checkpoint_version for the current QKV layout
+# Items larger than this are spooled to a temporary file and memory-mapped instead of read into memory.
+ITEM_MMAP_BYTES = 256 << 20
+_ITER_RE = re.compile(r"^iter_\d{7}$")
+_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+def iter_dirname(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+# -- safe unpickling --------------------------------------------------------------------------------------------------
+
+class _MCoreMetadata(_dcp_md.Metadata):
+    """Stand-in for megatron-core's pickled `MCoreMetadata` (a DCP Metadata with `mcore_data`): data only."""
+
+
+class _MCoreSavePlan(_dcp_planner.SavePlan):
+    """Stand-in for megatron-core's pickled `MCoreSavePlan`: data only."""
+
+
+def _layout(name: str) -> torch.layout:
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if not isinstance(name, str) or name not in layouts:
+        raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
+    return layouts[name]
+
+
+_MD = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **{(_MD, n): getattr(_dcp_md, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                               "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                               "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _dcp_fs._StorageInfo,
+    # megatron-core keeps its save plans in the metadata (`all_local_plans`) to reuse them: data classes too
+    **{(_PLANNER, n): getattr(_dcp_planner, n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                                                         "LoadPlan", "ReadItem", "LoadItemType")},
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): _MCoreMetadata,
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): _MCoreSavePlan,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _layout,
+    ("collections", "OrderedDict"): OrderedDict,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only DCP metadata classes, torch.Size, torch dtypes and layouts; every other global is refused."""
+
+    def __init__(self, f, source: str):
+        super().__init__(f)
+        self.source = source
+
+    def find_class(self, module: str, name: str):
+        obj = _ALLOWED.get((module, name))
+        if obj is not None:
+            return obj
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise FormatError(f"{self.source}: refusing to unpickle {module}.{name}: not a DCP metadata class (the file "
+                          "is damaged or was not written by torch.distributed.checkpoint)")
+
+    def persistent_load(self, pid):
+        raise FormatError(f"{self.source}: unexpected persistent id in DCP metadata")
+
+
+def load_dcp_metadata(path: Path) -> _dcp_md.Metadata:
+    """Parse a DCP `.metadata` file without running anything but DCP's own data classes."""
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f, str(path)).load()
+    except FormatError:
+        raise
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing; {path.parent} is not a complete torch_dist checkpoint (DCP writes "
+                          ".metadata last)") from None
+    except Exception as e:  # truncated or garbage bytes
+        raise FormatError(f"{path}: cannot parse DCP metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(md, _dcp_md.Metadata):
+        raise FormatError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+# Globals a Megatron-LM common.pt legitimately references besides plain data (megatron-core's own enums and configs,
+# numpy RNG state, paths). When the weights-only load fails on these, common.pt is ignored with a note (it is never
+# unpickled); a pickle referencing any other global (os.system, builtins.eval, ...) is refused as hostile.
+_BENIGN_GLOBALS = re.compile(
+    r"^(megatron\.[\w.]+ \w+"
+    r"|argparse Namespace|types SimpleNamespace|pathlib (Posix|Windows|PurePosix|PureWindows)?Path|signal Signals"
+    r"|io BytesIO|collections OrderedDict|builtins (set|frozenset|slice|complex|bytearray)|_codecs encode"
+    r"|numpy(\._core|\.core)?(\.multiarray)? (_reconstruct|scalar|ndarray|dtype)|numpy\.dtypes \w+DType"
+    r"|torch\._utils _rebuild_\w+|torch\._tensor _rebuild_from_type(_v2)?|torch\.serialization _get_layout"
+    r"|torch\.nn\.parameter Parameter|torch (Size|device|\w*Storage|u?int\d*|float\w*|bfloat16|half|bool"
+    r"|complex\w*))$")
+
+
+def _pickle_globals(data: bytes) -> list[str]:
+    """The globals a pickle references ("module name"), found by scanning its opcodes: nothing is executed."""
+    out: list[str] = []
+    recent: list = []  # strings pushed (directly or from the memo), for STACK_GLOBAL
+    memo: dict = {}
+    top = None
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING",
+                        "STRING"):
+                recent.append(arg)
+                top = arg
+                continue
+            if name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                memo[len(memo) if name == "MEMOIZE" else arg] = top
+                continue
+            if name in ("GET", "BINGET", "LONG_BINGET"):
+                top = memo.get(arg)
+                recent.append(top)
+                continue
+            top = None
+            if name == "GLOBAL":
+                out.append(str(arg).replace("\n", " "))
+            elif name == "INST":
+                out.append(str(arg))
+            elif name == "STACK_GLOBAL":
+                mod, attr = (recent[-2], recent[-1]) if len(recent) >= 2 else (None, None)
+                out.append(f"{mod} {attr}" if isinstance(mod, str) and isinstance(attr, str) else "<unknown global>")
+    except Exception:
+        out.append("<unparseable pickle>")
+    return out
+
+
+def _torch_save_pickle(path: Path) -> bytes:
+    """The data.pkl record of a torch.save zip file (read as bytes, never unpickled)."""
+    with zipfile.ZipFile(path) as z:
+        names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        if not names:
+            raise FormatError(f"{path}: not a torch.save archive (no data.pkl)")
+        return z.read(names[0])
+
+
+def load_common(path: Path) -> tuple[dict | None, str | None]:
+    """common.pt as (dict, None), or (None, note) when it cannot be loaded as plain data but references only benign
+    Megatron data classes. Raises FormatError naming the file when it references anything that could run code."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        return None, f"{path.name} is missing"
+    except Exception as e:
+        try:
+            globs = _pickle_globals(_torch_save_pickle(path))
+        except (zipfile.BadZipFile, OSError, KeyError, FormatError) as z:
+            raise FormatError(f"{path}: not a readable torch.save file ({type(z).__name__}: {z})") from None
+        bad = [g for g in globs if not _BENIGN_GLOBALS.match(g)]
+        if bad:
+            raise FormatError(f"{path}: refusing to unpickle: it references {bad[0].replace(' ', '.')}, which is not "
+                              "plain data (a pickle that would run code); the file was not loaded") from None
+        return None, (f"{path.name} ignored: it holds Megatron objects shardkit does not unpickle "
+                      f"({type(e).__name__}); iteration and args are taken from elsewhere")
+    if not isinstance(obj, dict):
+        return None, f"{path.name} ignored: it holds a {type(obj).__name__}, not a dict"
+    return obj, None
+
+
+# -- reading ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class TDTensor:
+    """One tensor of a torch_dist checkpoint: global shape, dtype and its stored chunks (offsets, sizes)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    _grid: dict | None = field(default=None, repr=False)
+    _bounds: list | None = field(default=None, repr=False)
+    _sizes: dict | None = field(default=None, repr=False)
+
+    def chunk_size(self, offsets: tuple[int, ...]) -> tuple[int, ...]:
+        if self._sizes is None:
+            self._sizes = dict(self.chunks)
+        return self._sizes[offsets]
+
+    def overlapping(self, box: tuple[tuple[int, int], ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The chunks that intersect a box ([start, stop) per axis)."""
+        if self._grid is None:
+            self._index()
+        if self._grid is False:
+            return [c for c in self.chunks if _intersect(c, box) is not None]
+        ranges = []
+        for (a, b), bounds in zip(box, self._bounds):
+            lo = max(0, bisect_right(bounds, a) - 1)
+            hi = bisect_left(bounds, b)
+            ranges.append(range(lo, max(lo, hi)))
+        out = []
+        for cell in product(*ranges):
+            c = self._grid.get(cell)
+            if c is not None and _intersect(c, box) is not None:
+                out.append(c)
+        return out
+
+    def _index(self) -> None:
+        """A cell index when the chunks form a regular grid (Megatron's always do); else linear search."""
+        nd = len(self.shape)
+        live = [(o, s) for o, s in self.chunks if all(s)]
+        bounds = [sorted({0, self.shape[a]} | {o[a] for o, _ in live} | {o[a] + s[a] for o, s in live})
+                  for a in range(nd)]
+        grid = {}
+        for o, s in live:
+            cell = []
+            for a in range(nd):
+                i = bisect_left(bounds[a], o[a])
+                if bisect_left(bounds[a], o[a] + s[a]) != i + 1:
+                    self._grid = False
+                    return
+                cell.append(i)
+            grid[tuple(cell)] = (o, s)
+        self._grid, self._bounds = grid, bounds
+
+
+def _intersect(chunk, box):
+    (off, size) = chunk
+    out = []
+    for o, s, (a, b) in zip(off, size, box):
+        lo, hi = max(o, a), min(o + s, b)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def _volume(box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+class TorchDistCheckpoint:
+    """A parsed torch_dist iteration: tensors (name -> TDTensor), bytes objects, common.pt, item reads."""
+
+    def __init__(self, path: str | Path):
+        self.path = resolve_torch_dist(path)
+        self.notes: list[str] = []
+        self._check_backend()
+        md = load_dcp_metadata(self.path / DCP_METADATA)
+        self.tensors: dict[str, TDTensor] = {}
+        self.objects: list[str] = []
+        self._storage: dict[tuple[str, tuple[int, ...] | None], _dcp_fs._StorageInfo] = {}
+        try:
+            self._validate(md)
+        except (TypeError, ValueError, AttributeError) as e:
+            raise FormatError(f"{self.path / DCP_METADATA}: malformed DCP metadata ({type(e).__name__}: {e})") from None
+        self.common, note = load_common(self.path / COMMON_PT)
+        if note:
+            self.notes.append(note)
+        self._cache: tuple | None = None
+        self.spool_dir: Path | None = None  # where items > ITEM_MMAP_BYTES are copied to be memory-mapped
+
+    # -- basic facts ----------------------------------------------------------------------------------------------
+    @property
+    def iteration(self) -> int:
+        it = (self.common or {}).get("iteration")
+        if isinstance(it, int) and not isinstance(it, bool) and it >= 0:
+            return it
+        m = re.match(r"^iter_(\d{7})$", self.path.name)
+        return int(m.group(1)) if m else 0
+
+    @property
+    def args(self) -> argparse.Namespace | None:
+        a = (self.common or {}).get("args")
+        return a if isinstance(a, argparse.Namespace) else None
+
+    def _check_backend(self) -> None:
+        p = self.path / METADATA_JSON
+        if not p.is_file():
+            raise FormatError(f"{p}: missing; {self.path} is not a Megatron torch_dist checkpoint")
+        try:
+            d = json.loads(p.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise FormatError(f"{p}: not valid JSON ({e})") from None
+        if not isinstance(d, dict) or d.get("sharded_backend") != "torch_dist":
+            got = d.get("sharded_backend") if isinstance(d, dict) else d
+            raise FormatError(f"{p}: sharded_backend {got!r} is not 'torch_dist'; only torch_dist is supported")
+
+    def _validate(self, md: _dcp_md.Metadata) -> None:
+        src = self.path / DCP_METADATA
+        sdm = md.state_dict_metadata
+        if not isinstance(sdm, dict):
+            raise FormatError(f"{src}: state_dict_metadata is not a dict")
+        for name, m in sdm.items():
+            if not isinstance(name, str):
+                raise FormatError(f"{src}: key {name!r} is not a string")
+            if isinstance(m, _dcp_md.BytesStorageMetadata):
+                self.objects.append(name)
+                continue
+            if not isinstance(m, _dcp_md.TensorStorageMetadata):
+                raise FormatError(f"{src}: {name}: unexpected metadata type {type(m).__name__}")
+            shape = tuple(int(s) for s in m.size)
+            dtype = getattr(m.properties, "dtype", None)
+            if not isinstance(dtype, torch.dtype) or any(s < 0 for s in shape):
+                raise FormatError(f"{src}: {name}: bad size {shape} or dtype {dtype!r}")
+            chunks, vol = [], 0
+            for c in m.chunks:
+                off, size = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+                if len(off) != len(shape) or len(size) != len(shape) or any(
+                        o < 0 or s < 0 or o + s > g for o, s, g in zip(off, size, shape)):
+                    raise FormatError(f"{src}: {name}: chunk at {list(off)} of size {list(size)} lies outside the "
+                                      f"tensor's shape {list(shape)}")
+                chunks.append((off, size))
+                vol += _volume([(0, s) for s in size])
+            if vol != _volume([(0, s) for s in shape]):
+                raise FormatError(f"{src}: {name}: stored chunks cover {vol} elements of {list(shape)}; the checkpoint "
+                                  "is incomplete")
+            self.tensors[name] = TDTensor(name, shape, dtype, chunks)
+        sd = md.storage_data
+        if not isinstance(sd, dict):
+            raise FormatError(f"{src}: storage_data is not a dict")
+        sizes: dict[str, int] = {}
+        for idx, info in sd.items():
+            if not isinstance(idx, _dcp_md.MetadataIndex) or not isinstance(info, _dcp_fs._StorageInfo):
+                raise FormatError(f"{src}: storage_data entry {idx!r} is malformed")
+            rel = info.relative_path
+            if not isinstance(rel, str) or not _FILE_RE.match(rel) or rel in (".", "..") or rel.startswith("."):
+                raise FormatError(f"{src}: item {idx.fqn} points to {rel!r}, which is not a plain file name in the "
+                                  "checkpoint directory; refusing it")
+            if getattr(info, "transform_descriptors", None):
+                raise FormatError(f"{src}: item {idx.fqn} is stored with transforms {info.transform_descriptors}; "
+                                  "only plain torch.save items are supported")
+            if rel not in sizes:
+                p = self.path / rel
+                if p.is_symlink() or not p.is_file():
+                    raise FormatError(f"{p}: missing (item {idx.fqn} is stored there); the checkpoint is incomplete")
+                sizes[rel] = p.stat().st_size
+            off, length = int(info.offset), int(info.length)
+            if off < 0 or length <= 0 or off + length > sizes[rel]:
+                raise FormatError(f"{self.path / rel}: item {idx.fqn} needs bytes [{off}, {off + length}) but the file "
+                                  f"has {sizes[rel]}; the file is truncated")
+            key = (idx.fqn, None if idx.offset is None else tuple(int(x) for x in idx.offset))
+            self._storage[key] = info
+        for name, t in self.tensors.items():
+            for off, _ in t.chunks:
+                if (name, off) not in self._storage:
+                    raise FormatError(f"{src}: tensor {name} chunk at {list(off)} has no storage entry")
+
+    # -- items ----------------------------------------------------------------------------------------------------
+    def item_info(self, name: str, offsets: tuple[int, ...] | None):
+        return self._storage[(name, offsets)]
+
+    def read_item(self, name: str, offsets: tuple[int, ...]) -> torch.Tensor:
+        """One stored chunk of a tensor, loaded with torch.load(weights_only=True) (memory-mapped when large)."""
+        key = (name, offsets)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        self._cache = None
+        t = self.tensors[name]
+        size = t.chunk_size(offsets)
+        info = self._storage[key]
+        path = self.path / info.relative_path
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                if info.length > ITEM_MMAP_BYTES:
+                    value = _load_spooled(f, info.length, self.spool_dir)
+                else:
+                    data = f.read(info.length)
+                    if len(data) != info.length:
+                        raise EOFError("short read")
+                    value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated / garbage bytes: torch raises RuntimeError, UnpicklingError, ...
+            raise FormatError(f"{path}: item {name} at {list(offsets)} (bytes {info.offset}+{info.length}) cannot be "
+                              f"loaded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != size or value.dtype != t.dtype:
+            got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise FormatError(f"{path}: item {name} at {list(offsets)} holds {got}, expected {size} {t.dtype}")
+        self._cache = (key, value)
+        return value
+
+    def read(self, name: str, box: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
+        """A box ([start, stop) per axis) of a tensor, gathered from the stored chunks that overlap it."""
+        if name not in self.tensors:
+            raise FormatError(f"{self.path}: no tensor {name!r}")
+        t = self.tensors[name]
+        box = tuple((0, s) for s in t.shape) if box is None else tuple(box)
+        if len(box) != len(t.shape) or any(not 0 <= a <= b <= s for (a, b), s in zip(box, t.shape)):
+            raise ValueError(f"tensor {name}: box {list(box)} is not inside its shape {list(t.shape)}")
+        out = torch.empty([b - a for a, b in box], dtype=t.dtype)
+        covered = 0
+        for off, size in t.overlapping(box):
+            inter = _intersect((off, size), box)
+            item = self.read_item(name, off)
+            src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, off))
+            dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, box))
+            out[dst] = item[src]
+            covered += _volume(inter)
+        if covered != out.numel():
+            raise FormatError(f"{self.path}: tensor {name}: stored chunks cover {covered} of the {out.numel()} "
+                              f"elements of box {list(box)}")
+        return out
+
+
+def _load_spooled(f, length: int, directory: Path | None) -> torch.Tensor:
+    """A large item: copy its bytes to a temporary file in blocks and memory-map it (bounded memory). `directory`
+    should be on disk (a tmpfs /tmp would hold the copy in memory)."""
+    with tempfile.NamedTemporaryFile(prefix=".shardkit-item-", suffix=".pt", dir=directory) as tmp:
+        left = length
+        while left:
+            block = f.read(min(left, 64 << 20))
+            if not block:
+                raise EOFError("short read")
+            tmp.write(block)
+            left -= len(block)
+        tmp.flush()
+        # the mapping stays valid after the name is unlinked
+        return torch.load(tmp.name, map_location="cpu", weights_only=True, mmap=True)
+
+
+def resolve_torch_dist(path: str | Path) -> Path:
+    """An iteration directory from a Megatron checkpoint root (through latest_checkpointed_iteration.txt) or the
+    iteration directory itself."""
+    p = Path(path)
+    if not p.exists():
+        raise FormatError(f"{p}: no such checkpoint")
+    if (p / DCP_METADATA).exists() or (p / METADATA_JSON).exists():
+        return p
+    tracker = p / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            name = "release"
+        elif text.isdigit():
+            name = iter_dirname(int(text))
+        else:
+            raise FormatError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'")
+        it = p / name
+        if not it.is_dir():
+            raise FormatError(f"{tracker}: points to {name}, which is missing")
+        return it
+    iters = sorted(x.name for x in p.iterdir() if x.is_dir() and _ITER_RE.match(x.name)) if p.is_dir() else []
+    hint = f" (found {', '.join(iters[-3:])}: pass one of them)" if iters else ""
+    raise FormatError(f"{p}: not a torch_dist checkpoint: no {TRACKER}, no {DCP_METADATA}{hint}")
+
+
+def read_torch_dist(path: str | Path) -> TorchDistCheckpoint:
+    return TorchDistCheckpoint(path)
+
+
+# -- writing ----------------------------------------------------------------------------------------------------------
+
+class DCPWriter:
+    """Append items to `__<rank>_<part>.distcp` files and build DCP's Metadata. Each file is written whole through
+    one `RankFile` (one file open at a time per process)."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.state_dict_metadata: dict[str, Any] = {}
+        self.storage_data: dict = {}
+
+    def declare_tensor(self, name: str, shape: Iterable[int], dtype: torch.dtype,
+                       chunks: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        self.state_dict_metadata[name] = _dcp_md.TensorStorageMetadata(
+            properties=_dcp_md.TensorProperties(dtype=dtype), size=torch.Size(list(shape)),
+            chunks=[_dcp_md.ChunkStorageMetadata(offsets=torch.Size(list(o)), sizes=torch.Size(list(s)))
+                    for o, s in chunks])
+
+    def declare_object(self, name: str) -> None:
+        self.state_dict_metadata[name] = _dcp_md.BytesStorageMetadata()
+
+    def rank_file(self, rank: int, part: int = 0) -> "RankFile":
+        return RankFile(self, f"__{rank}_{part}.distcp")
+
+    def metadata(self, checkpoint_id: str) -> _dcp_md.Metadata:
+        return _dcp_md.Metadata(state_dict_metadata=self.state_dict_metadata, planner_data=None,
+                                storage_data=self.storage_data,
+                                storage_meta=_dcp_md.StorageMeta(checkpoint_id=checkpoint_id,
+                                                                 save_id=str(uuid.uuid4())),
+                                version=DCP_VERSION)
+
+    def write_metadata(self, checkpoint_id: str) -> None:
+        buf = io.BytesIO()
+        pickle.dump(self.metadata(checkpoint_id), buf)
+        write_file_atomic(self.dir / DCP_METADATA, buf.getvalue())
+
+
+class RankFile:
+    """One `.distcp` file: items are appended; the storage entries go to the writer's metadata on close."""
+
+    def __init__(self, writer: DCPWriter, name: str):
+        self.writer, self.name = writer, name
+        self.entries: dict = {}
+        self.f = open(writer.dir / name, "wb")
+
+    def add_tensor(self, name: str, offsets: tuple[int, ...], value: torch.Tensor) -> int:
+        value = value.detach().contiguous()
+        if value.untyped_storage().nbytes() != value.numel() * value.element_size():
+            value = value.clone()  # torch.save writes whole storages: never a view into a bigger one
+        start = self.f.tell()
+        torch.save(value, self.f)
+        length = self.f.tell() - start
+        self.entries[_dcp_md.MetadataIndex(name, offsets)] = _dcp_fs._StorageInfo(self.name, start, length)
+        return length
+
+    def add_bytes(self, name: str, data: bytes) -> int:
+        start = self.f.tell()
+        self.f.write(data)
+        self.entries[_dcp_md.MetadataIndex(name)] = _dcp_fs._StorageInfo(self.name, start, len(data))
+        return len(data)
+
+    def close(self) -> dict:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        self.writer.storage_data.update(self.entries)
+        return self.entries
+
+    def __enter__(self) -> "RankFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.f.close()
+
+
+def none_object_bytes() -> bytes:
+    """The item megatron-core writes for a ShardedObject whose data is None (e.g. a linear layer's _extra_state
+    without FP8): torch.save of the list of local objects."""
+    buf = io.BytesIO()
+    torch.save([None], buf)
+    return buf.getvalue()
+
+
+def check_output_root(root: Path, overwrite: bool, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse an output root that is a file, or a non-empty directory without `overwrite`."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ShardkitError(f"{root}: output path exists and is not a directory")
+    if root.exists() and not overwrite:
+        others = sorted(p.name for p in root.iterdir() if p.name not in ignore)
+        if others:
+            raise ShardkitError(f"{root}: output directory is not empty ({', '.join(others[:3])}"
+                                f"{', ...' if len(others) > 3 else ''}); pass --overwrite to replace it")
+
+
+def prepare_iteration_dir(root: Path, iteration: int, overwrite: bool) -> tuple[Path, Path]:
+    """Check the output root and create `<root>/.iter_N.partial` (returned with the final path)."""
+    root = Path(root)
+    final = root / iter_dirname(iteration)
+    tmp = root / f".{final.name}.partial"
+    check_output_root(root, overwrite, ignore=(tmp.name,))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as e:
+        raise WriteError(f"{root}: cannot create the output directory ({e.strerror or e})") from None
+    return tmp, final
+
+
+def commit_iteration_dir(tmp: Path, final: Path, iteration: int) -> Path:
+    """fsync everything, rename `.iter_N.partial` to `iter_N` (replacing an old one), then write the tracker file."""
+    fsync_tree(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    write_file_atomic(final.parent / TRACKER, f"{iteration}\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_common(directory: Path, common: dict) -> None:
+    buf = io.BytesIO()
+    torch.save(common, buf)
+    write_file_atomic(Path(directory) / COMMON_PT, buf.getvalue())
+    write_file_atomic(Path(directory) / METADATA_JSON, json.dumps(BACKEND))
+
+
+__all__ = ["TorchDistCheckpoint", "TDTensor", "read_torch_dist", "resolve_torch_dist", "load_dcp_metadata",
+           "load_common", "DCPWriter", "RankFile", "check_output_root", "prepare_iteration_dir", "commit_iteration_dir", "write_common",
+           "none_object_bytes", "BACKEND", "TRACKER", "CHECKPOINT_VERSION"]

@@ -1,0 +1,947 @@
+"""Megatron-LM legacy `--ckpt-format torch` checkpoints -> native shardkit checkpoints, with bounded memory.
+
+    <root>/latest_checkpointed_iteration.txt            "N" or "release"
+    <root>/iter_000000N/mp_rank_TT/model_optim_rng.pt              pp == 1 and ep == 1
+    <root>/iter_000000N/mp_rank_TT_PPP/model_optim_rng.pt          pp > 1 (or ep > 1 with pp == 1: mp_rank_TT_EEE)
+    <root>/iter_000000N/mp_rank_TT_PPP_EEE/model_optim_rng.pt      pp > 1 and ep > 1
+
+(Megatron-LM's `get_checkpoint_name`: the pipeline rank is added when pp > 1, the expert rank when ep > 1; release
+checkpoints made with the distributed optimizer name the model file `model_rng.pt`.) Each file holds the rank's local
+megatron-core `GPTModel.state_dict()` under `model` (`model0`, `model1`, ... per virtual pipeline stage), with layer
+indices local to the stage and expert indices local to the expert rank, plus `args`, `iteration`, RNG, optimizer and
+scheduler state that are not model weights and are not converted.
+
+Every file is loaded with `torch.load(weights_only=True, mmap=True)` under a short explicit allowlist (see
+`SAFE_GLOBALS`); anything else in the pickle is refused with one line naming the file, and nothing is executed. Tensor
+bytes stay memory-mapped: a worker holds one rank file at a time and writes one storage chunk at a time.
+
+The destination uses the source's own layout, so every rank's local tensor is a whole number of storage chunks: each
+chunk is written once, from the rank that Megatron itself would save it from (TP rank 0 for replicated tensors,
+expert rank 0 for dense tensors), after every file has been checked for missing, unexpected and misshapen keys. The
+other ranks' copies (replicated norms and routers, dense weights on expert ranks > 0, the tied output layer on the
+last pipeline stage) are then compared bit for bit with what was written; any difference is an error and nothing is
+committed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import pathlib
+import pickle
+import re
+import shutil
+import signal
+import sys
+import time
+import types
+import zipfile
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from checkpoint import store
+from checkpoint.commit import IterationWriter
+from checkpoint.config import ModelConfig
+from checkpoint.errors import ConfigError, FormatError, LayoutError, ShardkitError, WriteError
+from checkpoint.layout import Layout, RankCoord
+from checkpoint.manifest import Manifest, TensorEntry, tensor_path
+from checkpoint.progress import progress_bar
+from checkpoint.sharding import TensorSpec, local_shape, model_specs, regions
+
+from .hf_to_mcore import VERSION
+from .writer import WORKER_MIN_BYTES, ChunkSink, Task, chunk_tasks
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
+CHECKPOINT_VERSION = 3.0  # megatron-core models: QKV grouped by query group
+BATCH_BYTES = 256 << 20  # a write job covers at most this much of one rank file (progress, parallelism, resume)
+
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+_MODEL_CHUNK = re.compile(r"^model(\d*)$")
+
+
+# -- safe loading -------------------------------------------------------------------------------------------------------
+
+class MegatronObject:
+    """Inert stand-in for a Megatron class that a checkpoint names outside the model weights (enums in `args`, the
+    rerun state machine, the optimizer config). Its pickled value / state is kept as data; Megatron's code is never
+    imported or run, and nothing of it is converted."""
+
+    qualname = "?"
+
+    def __init__(self, *args: Any):  # enum members unpickle as Class(value)
+        self.args = args
+
+    def __repr__(self) -> str:
+        shown = self.args if self.args else vars(self)
+        return f"<{self.qualname} {shown!r}>"
+
+
+def _stub(path: str) -> tuple[type, str]:
+    cls = type(path.rsplit(".", 1)[1], (MegatronObject,), {"qualname": path, "__module__": __name__})
+    return cls, path
+
+
+def _numpy_reconstruct() -> Callable:
+    core = getattr(np, "_core", None)  # numpy 2 (numpy.core is a deprecated alias there)
+    return (core if core is not None else np.core).multiarray._reconstruct
+
+
+_reconstruct = _numpy_reconstruct()
+
+# The allowlist, on top of torch's own weights-only set (tensors, storages, dtypes, OrderedDict, set, ...). It follows
+# what Megatron-LM itself registers for its checkpoints (megatron/core/safe_globals.py), item by item:
+SAFE_GLOBALS: list = [
+    # `args`: the argparse.Namespace of the run's command line (plain attributes)
+    argparse.Namespace,
+    # `rng_state[i]["np_rng_state"]` = numpy.random.get_state(): a uint32 ndarray, rebuilt by numpy's array
+    # reconstructor and dtype (the dtype class name appears in numpy >= 1.25 pickles). Array construction only.
+    (_reconstruct, "numpy.core.multiarray._reconstruct"),
+    (_reconstruct, "numpy._core.multiarray._reconstruct"),
+    np.ndarray,
+    np.dtype,
+    (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType"),
+    # `_extra_state` of Transformer Engine modules saved by older TE versions: an io.BytesIO of bytes (skipped)
+    io.BytesIO,
+    # plain value classes Megatron-LM's args can hold: --exit-signal (signal.Signals enum), paths, SimpleNamespace
+    signal.Signals,
+    (pathlib.PosixPath, "pathlib.PosixPath"),
+    (pathlib.PosixPath, "pathlib._local.PosixPath"),
+    types.SimpleNamespace,
+    # Megatron's own classes in args / rerun_state_machine / optimizer state: inert stand-ins (MegatronObject)
+    *(_stub(p) for p in (
+        "megatron.core.enums.ModelType", "megatron.core.transformer.enums.ModelType",
+        "megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphScope",
+        "megatron.core.enums.Fp8Recipe", "megatron.core.enums.Fp4Recipe",
+        "megatron.core.rerun_state_machine.RerunMode", "megatron.core.rerun_state_machine.RerunState",
+        "megatron.core.rerun_state_machine.RerunDiagnostic",
+        "megatron.core.optimizer.OptimizerConfig", "megatron.core.optimizer.optimizer_config.OptimizerConfig")),
+]
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _py3_name(path: str) -> str:
+    """A pickled global as Python 3 resolves it (torch.save writes protocol 2, with Python 2 module names)."""
+    import _compat_pickle
+
+    module, _, name = path.rpartition(".")
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    else:
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+    return f"{module}.{name}"
+
+
+def load_rank_file(path: str | Path) -> dict:
+    """One legacy rank file as plain data (tensors memory-mapped). Raises FormatError naming the file for anything
+    that is not plain data under the allowlist, or not a torch.save file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FormatError(f"{path}: missing")
+    mmap = zipfile.is_zipfile(path)  # torch.save's zip format maps; the pre-1.6 format is read whole
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        m = _GLOBAL_RE.search(str(e))
+        what = _py3_name(m.group(1)) if m else str(e).strip().splitlines()[0][:200]
+        raise FormatError(f"{path}: refusing to unpickle {what}: not plain data (a pickle that could run code); the "
+                          "file was not loaded") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise FormatError(f"{path}: not a readable torch.save file ({type(e).__name__}: {first})") from None
+    if not isinstance(obj, dict):
+        raise FormatError(f"{path}: holds a {type(obj).__name__}, not a Megatron checkpoint dict")
+    return obj
+
+
+def model_chunks(state: dict, label: str) -> list[str]:
+    """The state-dict entries holding model weights: ["model"], or ["model0", "model1", ...] with virtual stages."""
+    keys = [k for k in state if isinstance(k, str) and _MODEL_CHUNK.match(k)]
+    if keys == ["model"]:
+        return keys
+    numbered = sorted((k for k in keys if k != "model"), key=lambda k: int(k[5:]))
+    if "model" in keys or not numbered or numbered != [f"model{i}" for i in range(len(numbered))]:
+        raise FormatError(f"{label}: expected a 'model' entry (or model0, model1, ... with virtual pipeline stages), "
+                          f"found {sorted(keys) or 'none'}")
+    return numbered
+
+
+# -- discovery ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankFile:
+    tp: int
+    pp: int
+    ep: int
+    path: Path
+
+    @property
+    def coord(self) -> RankCoord:
+        # the expert tensor-parallel rank equals the TP rank: only etp == tp is supported (see open_legacy)
+        return RankCoord(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.tp)
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.parent.name}/{self.path.name}"
+
+
+@dataclass
+class LegacySource:
+    root: Path
+    iter_dir: Path
+    iteration: int
+    layout: Layout
+    files: list[RankFile]
+    args: argparse.Namespace | None
+    cfg: ModelConfig  # the caller's config, with Megatron's vocab divisor when args give one
+    checkpoint_version: float | None
+
+    def fingerprint(self) -> list:
+        out = []
+        for f in self.files:
+            st = f.path.stat()
+            out.append([f.label, st.st_size, st.st_mtime_ns])
+        return out
+
+
+def _find_iteration(src: Path) -> tuple[Path, int | None]:
+    if not src.is_dir():
+        raise FormatError(f"{src}: no such checkpoint directory")
+    if any(_RANK_DIR.match(p.name) for p in src.iterdir()):  # an iteration directory itself
+        m = _ITER_DIR.match(src.name)
+        return src, int(m.group(1)) if m else (0 if src.name == "release" else None)
+    tracker = src / TRACKER
+    if not tracker.is_file():
+        raise FormatError(f"{src}: not a Megatron-LM torch checkpoint: no {TRACKER} and no mp_rank_* directories")
+    text = tracker.read_text(errors="replace").strip()
+    if text == "release":
+        name, iteration = "release", 0
+    else:
+        try:
+            iteration = int(text)
+        except ValueError:
+            raise FormatError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'") from None
+        if iteration < 0:
+            raise FormatError(f"{tracker}: negative iteration {iteration}")
+        name = f"iter_{iteration:07d}"
+    d = src / name
+    if not d.is_dir():
+        raise FormatError(f"{tracker}: names iteration {text!r}, but {d} is missing")
+    return d, iteration
+
+
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    v = getattr(args, name, None) if args is not None else None
+    return default if v is None else v
+
+
+def _int_arg(args: Any, name: str, label: str) -> int | None:
+    v = _arg(args, name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise FormatError(f"{label}: args.{name}={v!r} is not a positive integer")
+    return v
+
+
+def _dir_name(arity: int, tp: int, pp: int, ep: int, second_is_ep: bool) -> str:
+    if arity == 1:
+        return f"mp_rank_{tp:02d}"
+    if arity == 2:
+        return f"mp_rank_{tp:02d}_{ep if second_is_ep else pp:03d}"
+    return f"mp_rank_{tp:02d}_{pp:03d}_{ep:03d}"
+
+
+def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
+    """Find the iteration and its rank files, work out the layout (tp, pp, ep from the directory names and args;
+    vpp from the model chunks) and check it against `cfg`."""
+    root = Path(src_root)
+    iter_dir, iteration = _find_iteration(root)
+    found: dict[tuple[int, ...], Path] = {}
+    for p in iter_dir.iterdir():
+        m = _RANK_DIR.match(p.name)
+        if m and p.is_dir():
+            found[tuple(int(g) for g in m.groups() if g is not None)] = p
+    arities = {len(k) for k in found}
+    if not found:
+        raise FormatError(f"{iter_dir}: no mp_rank_* directories; not a Megatron-LM torch checkpoint")
+    if len(arities) > 1:
+        raise FormatError(f"{iter_dir}: rank directories mix naming schemes ({', '.join(sorted(p.name for p in found.values())[:4])})")
+    arity = arities.pop()
+
+    def model_file(d: Path) -> Path:
+        for name in MODEL_FILES:
+            if (d / name).is_file():
+                return d / name
+        raise FormatError(f"{d}: no {' or '.join(MODEL_FILES)}")
+
+    first_dir = found.get(min(found))
+    if min(found) != (0,) * arity:
+        raise FormatError(f"{iter_dir}: missing rank directory {'mp_rank_00' + '_000' * (arity - 1)}")
+    first = model_file(first_dir)
+    label0 = f"{first_dir.name}/{first.name}"
+    state = load_rank_file(first)
+    args = state.get("args")
+    if args is not None and not isinstance(args, argparse.Namespace):
+        raise FormatError(f"{label0}: 'args' is a {type(args).__name__}, not an argparse.Namespace")
+    version = state.get("checkpoint_version")
+    vpp = len(model_chunks(state, label0))
+    if iteration is None:
+        it = state.get("iteration")
+        iteration = it if isinstance(it, int) and not isinstance(it, bool) and it >= 0 else 0
+
+    # which dimension a two-part name carries: Megatron adds the pipeline rank when pp > 1, the expert rank when ep > 1
+    pp_a, ep_a = _int_arg(args, "pipeline_model_parallel_size", label0), _int_arg(args, "expert_model_parallel_size",
+                                                                                 label0)
+    second_is_ep = False
+    if arity == 2:
+        if pp_a is not None or ep_a is not None:
+            second_is_ep = (ep_a or 1) > 1 and (pp_a or 1) == 1
+        elif cfg.is_moe and (0, 1) in found:  # no args: expert ranks all hold the embedding, later stages do not
+            peek = load_rank_file(model_file(found[(0, 1)]))
+            chunks = model_chunks(peek, str(found[(0, 1)]))
+            second_is_ep = "embedding.word_embeddings.weight" in peek[chunks[0]]
+            del peek
+    detected = [max(k[i] for k in found) + 1 for i in range(arity)]
+    tp = detected[0]
+    pp = detected[1] if arity == 3 or (arity == 2 and not second_is_ep) else 1
+    ep = detected[2] if arity == 3 else (detected[1] if arity == 2 and second_is_ep else 1)
+    tp_a = _int_arg(args, "tensor_model_parallel_size", label0)
+    want = {"tensor_model_parallel_size": (tp_a, tp), "pipeline_model_parallel_size": (pp_a, pp),
+            "expert_model_parallel_size": (ep_a, ep)}
+    for name, (a, d) in want.items():
+        if a is not None and a < d:
+            raise FormatError(f"{iter_dir}: rank directories go up to {name.split('_')[0]} rank {d - 1}, but "
+                              f"{label0} args say {name}={a}")
+    tp, pp, ep = tp_a or tp, pp_a or pp, ep_a or ep
+    if arity == 1 and (pp > 1 or ep > 1) or arity == 2 and pp > 1 and ep > 1:
+        raise FormatError(f"{iter_dir}: directory names {first_dir.name}... do not carry the pipeline/expert rank, but "
+                          f"{label0} args say pp={pp}, ep={ep}")
+    def dir_key(t: int, p: int, e: int) -> tuple[int, ...]:
+        return (t,) if arity == 1 else ((t, e if second_is_ep else p) if arity == 2 else (t, p, e))
+
+    files = []
+    for t, p, e in itertools.product(range(tp), range(pp), range(ep)):
+        d = found.get(dir_key(t, p, e))
+        if d is None:
+            raise FormatError(f"{iter_dir}: missing rank directory {_dir_name(arity, t, p, e, second_is_ep)} "
+                              f"(tp={tp}, pp={pp}, ep={ep}; found {len(found)} of {tp * pp * ep})")
+        files.append(RankFile(t, p, e, model_file(d)))
+    extra = sorted(found[k].name for k in set(found) - {dir_key(f.tp, f.pp, f.ep) for f in files})
+    if extra:
+        raise FormatError(f"{iter_dir}: unexpected rank directory {extra[0]} for tp={tp}, pp={pp}, ep={ep}")
+
+    vpp_a = _int_arg(args, "virtual_pipeline_model_parallel_size", label0)
+    if vpp_a is not None and vpp_a != vpp:
+        raise FormatError(f"{label0}: args say virtual_pipeline_model_parallel_size={vpp_a}, but the file holds "
+                          f"{vpp} model chunk(s)")
+    etp = _int_arg(args, "expert_tensor_parallel_size", label0)
+    if cfg.is_moe and etp is not None and etp != tp:
+        raise LayoutError(f"{label0}: expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; "
+                          "legacy rank files do not say which expert-TP rank they hold, so only etp == tp is "
+                          "supported (convert from --ckpt-format torch_dist instead)")
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split"):
+        if _arg(args, name):
+            raise LayoutError(f"{label0}: args.{name}={_arg(args, name)!r}: uneven pipeline stages are not supported "
+                              "(every stage must hold num_layers / (pp x vpp) layers)")
+    if version is not None and (not isinstance(version, (int, float)) or version < CHECKPOINT_VERSION):
+        raise FormatError(f"{label0}: checkpoint_version {version!r}: only megatron-core checkpoints (version "
+                          f"{CHECKPOINT_VERSION}, QKV grouped by query group) are supported")
+    cfg = _with_megatron_vocab(cfg, args, tp, label0)
+    _check_args_against_config(args, cfg, label0)
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep)
+    layout.check(cfg)
+    return LegacySource(root, iter_dir, iteration, layout, files, args, cfg, version)
+
+
+def _with_megatron_vocab(cfg: ModelConfig, args: Any, tp: int, label: str) -> ModelConfig:
+    div = _arg(args, "make_vocab_size_divisible_by")
+    if isinstance(div, int) and not isinstance(div, bool) and div > 0 and div != cfg.make_vocab_size_divisible_by:
+        cfg = dataclasses.replace(cfg, make_vocab_size_divisible_by=div)
+    padded = _arg(args, "padded_vocab_size")
+    if isinstance(padded, int) and padded != cfg.padded_vocab_size(tp):
+        raise ConfigError(f"{label}: args say padded_vocab_size={padded}, but the model config's vocab_size "
+                          f"{cfg.vocab_size} pads to {cfg.padded_vocab_size(tp)} at tp={tp} (make_vocab_size_divisible_by="
+                          f"{cfg.make_vocab_size_divisible_by}); is the model config for this checkpoint?")
+    return cfg
+
+
+def _check_args_against_config(args: Any, cfg: ModelConfig, label: str) -> None:
+    if args is None:
+        return
+    pairs = [("num_layers", cfg.num_layers), ("hidden_size", cfg.hidden_size),
+             ("num_attention_heads", cfg.num_attention_heads)]
+    if not cfg.multi_latent_attention:
+        pairs.append(("kv_channels", cfg.kv_channels))
+        if _arg(args, "group_query_attention"):
+            pairs.append(("num_query_groups", cfg.num_query_groups))
+    if cfg.is_moe:
+        pairs += [("num_experts", cfg.num_moe_experts), ("moe_router_topk", cfg.moe_router_topk)]
+    untie = _arg(args, "untie_embeddings_and_output_weights")
+    if untie is not None and bool(untie) == cfg.tie_word_embeddings:
+        raise ConfigError(f"{label}: args say untie_embeddings_and_output_weights={untie}, but the model config has "
+                          f"tie_word_embeddings={cfg.tie_word_embeddings}; is the model config for this checkpoint?")
+    for name, want in pairs:
+        got = _arg(args, name)
+        if got is not None and got != want:
+            raise ConfigError(f"{label}: args say {name}={got!r}, but the model config has {want!r}; is the model "
+                              "config for this checkpoint?")
+
+
+# -- module keys -> canonical tensors -----------------------------------------------------------------------------------
+
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_SEQ_EXPERT = re.compile(r"^(.*)mlp\.experts\.local_experts\.(\d+)\.(.+)$")  # SequentialMLP
+_TE_EXPERT = re.compile(r"^(.*)mlp\.experts\.(linear_fc[12]\.(?:weight|bias))(\d+)$")  # TEGroupedMLP
+_EXPERTS = "mlp.experts.experts."
+# megatron-core's local spec (and separate norms) name these where the canonical (TE) names fuse the norm into the
+# following linear; which one applies depends on the layer (a MoE layer keeps pre_mlp_layernorm).
+_ALIASES = (
+    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+    ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
+    ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
+)
+
+
+def _expert(rest: str) -> tuple[str, int | None]:
+    m = _SEQ_EXPERT.match(rest)
+    if m:
+        return m.group(1) + _EXPERTS + m.group(3), int(m.group(2))
+    m = _TE_EXPERT.match(rest)
+    if m:
+        return m.group(1) + _EXPERTS + m.group(2), int(m.group(3))
+    return rest, None
+
+
+def _candidates(base: str, rest: str) -> list[str]:
+    out = [base + rest]
+    for local, canon in _ALIASES:
+        if rest == local or rest.endswith("." + local):
+            out.append(base + rest[: len(rest) - len(local)] + canon)
+    return out
+
+
+def resolve_key(key: str, layer_start: int, cfg: ModelConfig, names: set[str]) -> tuple[str, tuple[int, ...]] | None:
+    """(canonical name, index into the rank's local lead axes) of one module state-dict key, or None when the key is
+    not a tensor of this model. Layer indices in `key` are local to the model chunk starting at global layer
+    `layer_start`; expert indices are local to the expert rank."""
+    m = _LAYER_KEY.match(key)
+    if m:
+        j, rest = int(m.group(1)), m.group(2)
+        rest, e = _expert(rest)
+        if cfg.heterogeneous:
+            base, lead = f"decoder.layers.{layer_start + j}.", ()
+        else:
+            base, lead = "decoder.layers.", (j,)
+    else:
+        m = _MTP_KEY.match(key)
+        if m:
+            rest = m.group(2).replace("mtp_model_layer.", "transformer_layer.")
+            rest, e = _expert(rest)
+            base, lead = f"mtp.layers.{m.group(1)}.", ()
+        else:
+            return (key, ()) if key in names and not key.startswith(("decoder.layers.", "mtp.")) else None
+    if e is not None:
+        lead += (e,)
+    for name in _candidates(base, rest):
+        if name in names:
+            return name, lead
+    return None
+
+
+def _display_key(spec: TensorSpec, lead: tuple[int, ...], layer_start: int) -> str:
+    """A module state-dict key for an expected (tensor, lead index) slot, for messages (canonical TE naming)."""
+    name = spec.name
+    rest_lead = list(lead)
+    if spec.per_layer:
+        j = rest_lead.pop(0)
+        name = f"decoder.layers.{j}." + name[len("decoder.layers."):]
+    elif spec.layer is not None:
+        name = f"decoder.layers.{spec.layer - layer_start}." + name[len(f"decoder.layers.{spec.layer}."):]
+    if spec.expert:
+        e = rest_lead.pop(0)
+        name = name.replace(_EXPERTS, f"mlp.experts.local_experts.{e}.")
+    return name
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One storage chunk of a canonical tensor and where it lies in one rank file."""
+
+    chunk: str  # "model" / "model0", ...
+    key: str  # module state-dict key
+    task: Task  # canonical tensor and the chunk's global box (lead axes of size 1)
+    local: tuple[slice, ...]  # the chunk's box in the file tensor
+    write: bool  # written from this file; otherwise a copy checked against what was written
+
+
+def _lead_boxes(r, spec: TensorSpec, lead: tuple[int, ...]) -> list[tuple[int, int]] | None:
+    boxes = []
+    for a in range(spec.lead):
+        i = lead[a]
+        if not r.local_offset[a] <= i < r.local_offset[a] + r.shape[a]:
+            return None
+        g = r.global_offset[a] + i - r.local_offset[a]
+        boxes.append((g, g + 1))
+    return boxes
+
+
+def _chunk_pieces(spec: TensorSpec, entry: TensorEntry, r, lead: tuple[int, ...], chunk_key: str, key: str,
+                  write: bool) -> list[Piece]:
+    boxes = _lead_boxes(r, spec, lead)
+    if boxes is None:
+        return []
+    nl = spec.lead
+    ranges = []
+    for a in range(nl, len(spec.shape)):
+        lo, n, c = r.global_offset[a], r.shape[a], entry.chunk[a]
+        if lo % c or n % c:  # the destination layout is the source's, so regions are whole chunks
+            raise ShardkitError(f"internal: tensor {spec.name}: region {lo}+{n} on axis {a} is not whole chunks of {c}")
+        ranges.append(range(lo, lo + n, c))
+    out = []
+    for offs in itertools.product(*ranges):
+        box, local = list(boxes), []
+        for k, o in enumerate(offs):
+            a = nl + k
+            c = entry.chunk[a]
+            box.append((o, o + c))
+            lo = r.local_offset[a] + o - r.global_offset[a]
+            local.append(slice(lo, lo + c))
+        out.append(Piece(chunk_key, key, Task(spec.name, tuple(b[0] for b in boxes), tuple(box)), tuple(local), write))
+    return out
+
+
+def plan_rank_file(state: dict, rf: RankFile, cfg: ModelConfig, layout: Layout, specs: dict[str, TensorSpec],
+                   entries: dict[str, TensorEntry], vpp_keys: list[str] | None = None) -> list[Piece]:
+    """Map every model tensor of one rank file to the storage chunks it holds. Entries of canonical tensors seen for
+    the first time are added to `entries` (dtype from the file). Raises FormatError naming the file and the keys for
+    missing, unexpected, duplicate or misshapen tensors, or a dtype that differs between ranks."""
+    label = rf.label
+    chunks = model_chunks(state, label)
+    if len(chunks) != layout.vpp:
+        raise FormatError(f"{label}: holds {len(chunks)} model chunk(s) ({', '.join(chunks)}), but the checkpoint "
+                          f"has {layout.vpp} virtual pipeline stage(s)")
+    L = cfg.num_layers
+    names = set(specs)
+    coord = rf.coord
+    pieces: list[Piece] = []
+    for v, ck in enumerate(chunks):
+        sd = state[ck]
+        if not isinstance(sd, Mapping):
+            raise FormatError(f"{label}: '{ck}' is a {type(sd).__name__}, not a module state dict")
+        if any(isinstance(k, str) and k.startswith("language_model.") for k in sd):
+            raise FormatError(f"{label}: '{ck}' holds a legacy Megatron-LM model (language_model.* keys), not a "
+                              "megatron-core GPTModel; only megatron-core models are supported")
+        start = layout.layer_range(L, rf.pp, v)[0]
+        last_chunk = rf.pp == layout.pp - 1 and v == layout.vpp - 1
+        first_chunk = rf.pp == 0 and v == 0
+        expected: dict[tuple[str, tuple[int, ...]], str] = {}
+        regs: dict[str, list] = {}
+        for spec in specs.values():
+            rs = [r for r in regions(spec, layout, coord, L) if r.vstage == v]
+            if not rs:
+                continue
+            regs[spec.name] = rs
+            for r in rs:
+                for lead in itertools.product(*[range(r.local_offset[a], r.local_offset[a] + r.shape[a])
+                                                for a in range(spec.lead)]):
+                    expected.setdefault((spec.name, lead), _display_key(spec, lead, start))
+        seen: dict[tuple[str, tuple[int, ...]], str] = {}
+        unexpected: list[str] = []
+        for key, value in sd.items():
+            if not isinstance(key, str):
+                unexpected.append(repr(key))
+                continue
+            if key.endswith("_extra_state"):  # Transformer Engine / FP8 metadata: not weights
+                continue
+            tied = False
+            res = resolve_key(key, start, cfg, names)
+            if res is None and key == "output_layer.weight" and cfg.tie_word_embeddings and last_chunk \
+                    and not first_chunk:
+                # tied embeddings with pipeline stages: the last stage keeps its own copy of the word embeddings
+                res, tied = ("embedding.word_embeddings.weight", ()), True
+            if res is None or (not tied and res not in expected):
+                unexpected.append(key)
+                continue
+            name, lead = res
+            slot = (name, lead, tied)
+            if slot in seen:
+                raise FormatError(f"{label}: '{ck}': keys {seen[slot]} and {key} hold the same tensor ({name})")
+            seen[slot] = key
+            spec = specs[name]
+            if not isinstance(value, torch.Tensor):
+                raise FormatError(f"{label}: '{ck}': {key} is a {type(value).__name__}, not a tensor")
+            want = local_shape(spec, layout)[spec.lead:]
+            if tuple(value.shape) != tuple(want):
+                raise FormatError(f"{label}: '{ck}': {key} has shape {list(value.shape)}, but the model config and "
+                                  f"layout (tp={layout.tp}, pp={layout.pp}, ep={layout.ep}) imply {list(want)}")
+            try:
+                dt = store.dtype_name(value.dtype)
+            except ShardkitError:
+                raise FormatError(f"{label}: '{ck}': {key} has dtype {value.dtype}, not a supported float type") \
+                    from None
+            entry = entries.get(name)
+            if entry is None:
+                entry = entries[name] = TensorEntry.of(spec, layout, dt)
+            elif entry.dtype != dt:
+                raise FormatError(f"{label}: '{ck}': {key} is {dt}, but other ranks hold {name} as {entry.dtype}")
+            if tied:
+                src = RankCoord(tp=coord.tp, pp=0, ep=coord.ep, etp=coord.etp)
+                for r in regions(spec, layout, src, L):
+                    pieces += _chunk_pieces(spec, entry, r, lead, ck, key, write=False)
+                continue
+            for r in regs[name]:
+                write = r.primary and (spec.expert or coord.ep == 0)
+                pieces += _chunk_pieces(spec, entry, r, lead, ck, key, write)
+        missing = [shown for slot, shown in expected.items() if (*slot, False) not in seen]
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} key(s) the model config needs are missing, e.g. {', '.join(missing[:3])}")
+            if unexpected:
+                hint = ""
+                if "output_layer.weight" in unexpected and cfg.tie_word_embeddings:
+                    hint = " (the model config ties the embeddings; was the model trained untied?)"
+                elif any(".experts.weight1" in k or ".experts.weight2" in k for k in unexpected):
+                    hint = " (legacy GroupedMLP expert weights are not supported; use SequentialMLP or TEGroupedMLP)"
+                parts.append(f"{len(unexpected)} key(s) are not part of the model config, e.g. "
+                             f"{', '.join(unexpected[:3])}{hint}; refusing to drop them silently")
+            raise FormatError(f"{label}: '{ck}': " + "; ".join(parts))
+    return pieces
+
+
+# -- worker side ----------------------------------------------------------------------------------------------------
+_W: dict = {}
+
+
+def _init_worker(cfg_dict: dict, layout_dict: dict, out_dir: str, entries: dict[str, dict]) -> None:
+    torch.set_num_threads(1)
+    cfg = ModelConfig.from_dict(cfg_dict)
+    layout = Layout.from_dict(layout_dict)
+    ents = {n: TensorEntry(**e) for n, e in entries.items()}
+    _W.clear()
+    _W.update(cfg=cfg, layout=layout, specs={s.name: s for s in model_specs(cfg, layout)}, entries=ents,
+              out=Path(out_dir), sink=ChunkSink(out_dir, {n: e.dtype for n, e in ents.items()}), cache=None,
+              arrays={}, ctx=store.context())
+
+
+def _open(rf: RankFile) -> tuple[dict, dict[str, Piece]]:
+    """The rank file and its pieces by chunk id; one file is held at a time."""
+    cached = _W["cache"]
+    if cached is not None and cached[0] == rf:
+        return cached[1], cached[2]
+    _W["cache"] = None
+    state = load_rank_file(rf.path)
+    pieces = plan_rank_file(state, rf, _W["cfg"], _W["layout"], _W["specs"], dict(_W["entries"]))
+    by_id: dict[str, Piece] = {}
+    for p in pieces:
+        by_id.setdefault(p.task.id + ("" if p.write else "|copy"), p)
+    _W["cache"] = (rf, state, by_id)
+    return state, by_id
+
+
+def _value(state: dict, p: Piece) -> torch.Tensor:
+    t = state[p.chunk][p.key][p.local]
+    return t.reshape((1,) * len(p.task.lead) + tuple(t.shape))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def _run_job(job: tuple, report: Callable | None = None) -> tuple[str, list[tuple[str, int]]]:
+    """Write (or check) some chunks of one rank file. Returns the written chunk ids, or reports each one as soon as
+    it is durable when run in-process (`report`)."""
+    kind, rf, ids, writers = job
+    state, by_id = _open(rf)
+    done = []
+    if kind == "write":
+        for i in ids:
+            result = _W["sink"].write(by_id[i].task, _value(state, by_id[i]))
+            if report is not None:
+                report((kind, [result]))
+            else:
+                done.append(result)
+        return kind, done
+    for i in ids:  # a copy: compare bit for bit with the chunk written from its owner's file
+        p = by_id[i + "|copy"]
+        name = p.task.name
+        arr = _W["arrays"].get(name)
+        if arr is None:
+            arr = _W["arrays"][name] = store.open_existing(_W["out"] / tensor_path(name), _W["ctx"], name)
+        stored = store.read(arr, p.task.index, name)
+        value = _value(state, p).to(stored.dtype)
+        if not _same_bits(value, stored):
+            box = ", ".join(f"{a}:{b}" for a, b in p.task.box)
+            raise FormatError(f"{rf.label}: '{p.chunk}': {p.key} differs from the copy in {writers.get(i, '?')} "
+                              f"(tensor {name}[{box}]); Megatron keeps these copies identical, so the checkpoint is "
+                              "inconsistent")
+    return kind, done
+
+
+def _run_rounds(rounds: list[list[tuple]], init_args: tuple, nworkers: int, on_result: Callable) -> None:
+    if nworkers <= 1:
+        _init_worker(*init_args)
+        try:
+            for jobs in rounds:
+                for job in jobs:
+                    on_result(_run_job(job, on_result))
+        finally:
+            _W.clear()
+        return
+    with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                             initargs=init_args) as pool:
+        for jobs in rounds:  # every chunk is written before any copy is compared with it
+            futures = [pool.submit(_run_job, j) for j in jobs]
+            try:
+                for f in as_completed(futures):
+                    on_result(f.result())
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+
+# -- main side ------------------------------------------------------------------------------------------------------
+
+def _jsonable(d: dict) -> dict:
+    return json.loads(json.dumps(d, default=str))
+
+
+def legacy_to_native(src_root: str | Path, out: str | Path, cfg: ModelConfig, *, overwrite: bool = False,
+                     quiet: bool = False, workers: int | None = None, hf_dir: str | Path | None = None) -> Path:
+    """Convert the model weights of a Megatron-LM `--ckpt-format torch` checkpoint (a root with
+    latest_checkpointed_iteration.txt, or one iter_N / release directory) into a native checkpoint `<out>/iter_N` with
+    the same layout. `cfg` describes the model (ModelConfig.from_hf_dir, or config_from_megatron_args); `hf_dir`
+    optionally supplies tokenizer files to carry along. Returns the iteration directory."""
+    src = open_legacy(src_root, cfg)
+    cfg, layout = src.cfg, src.layout
+    dest = Path(out).resolve()
+    if dest in (src.root.resolve(), src.iter_dir.resolve()) or src.iter_dir.resolve() in dest.parents:
+        raise ShardkitError(f"{out}: the destination is the legacy checkpoint itself; write the native checkpoint "
+                            "elsewhere")
+    specs = {s.name: s for s in model_specs(cfg, layout)}
+    entries: dict[str, TensorEntry] = {}
+    plans: dict[RankFile, list[Piece]] = {}
+    writers: dict[str, str] = {}
+    for rf in src.files:  # validate every file before anything is written; tensor bytes are not read here
+        state = load_rank_file(rf.path)
+        pieces = plan_rank_file(state, rf, cfg, layout, specs, entries)
+        del state
+        plans[rf] = pieces
+        for p in pieces:
+            if p.write:
+                if p.task.id in writers:
+                    raise ShardkitError(f"internal: chunk {p.task.id} written from {writers[p.task.id]} and {rf.label}")
+                writers[p.task.id] = rf.label
+    tasks = chunk_tasks({n: entries[n] for n in specs if n in entries})
+    uncovered = [t.id for t in tasks if t.id not in writers]
+    if set(entries) != set(specs) or uncovered:
+        raise ShardkitError(f"internal: chunks without a source rank, e.g. {(uncovered or sorted(set(specs) - set(entries)))[0]}")
+    entries = {n: entries[n] for n in specs}
+    nbytes = {t.id: t.nbytes(entries[t.name]) for t in tasks}
+    job = {"tool": VERSION, "command": "megatron-to-mcore", "source": str(src.iter_dir.resolve()),
+           "files": src.fingerprint(), "layout": layout.to_dict(), "model": _jsonable(cfg.to_dict())}
+    started = time.time()
+    with IterationWriter(out, src.iteration, job, overwrite=overwrite) as w:
+        ctx = store.context()
+        for name, e in entries.items():
+            try:
+                store.create(w.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
+            except ValueError as err:
+                raise WriteError(f"tensor {name}: cannot create {w.path(tensor_path(name))}: "
+                                 f"{store.short_error(err)}") from None
+        write_jobs, check_jobs = [], []
+        for rf, pieces in plans.items():
+            batch, size = [], 0
+            for p in pieces:
+                if p.write and not w.is_done(p.task.id):
+                    batch.append(p.task.id)
+                    size += nbytes[p.task.id]
+                    if size >= BATCH_BYTES:
+                        write_jobs.append(("write", rf, batch, {}))
+                        batch, size = [], 0
+            if batch:
+                write_jobs.append(("write", rf, batch, {}))
+            copies = [p.task.id for p in pieces if not p.write]
+            if copies:
+                check_jobs.append(("check", rf, copies, {i: writers[i] for i in copies}))
+        total = sum(nbytes.values())
+        left = sum(nbytes[i] for _, _, ids, _ in write_jobs for i in ids)
+        if left < total and not quiet:
+            print(f"resuming: {len(tasks) - sum(len(j[2]) for j in write_jobs)} of {len(tasks)} chunks already "
+                  "written", file=sys.stderr)
+        nworkers = workers or max(1, min(os.cpu_count() or 1, left // WORKER_MIN_BYTES))
+        nworkers = max(1, min(nworkers, max(len(write_jobs), len(check_jobs), 1)))
+        init_args = (cfg.to_dict(), layout.to_dict(), str(w.partial), {n: vars(e) for n, e in entries.items()})
+        with progress_bar("megatron-to-mcore", total=total, items=len(tasks), disable=quiet) as bar:
+            bar.advance(total - left, len(tasks) - sum(len(j[2]) for j in write_jobs))
+
+            def on_result(result: tuple[str, list[tuple[str, int]]]) -> None:
+                for task_id, n in result[1]:
+                    w.mark_done(task_id)
+                    bar.advance(n, 1)
+
+            _run_rounds([write_jobs, check_jobs], init_args, nworkers, on_result)
+        if hf_dir is not None:
+            from .hf_source import ASSET_PATTERNS
+
+            hf_out = w.path("hf")
+            hf_out.mkdir(exist_ok=True)
+            for pat in ASSET_PATTERNS:
+                for p in Path(hf_dir).glob(pat):
+                    if p.is_file() and not p.is_symlink():
+                        shutil.copyfile(p, hf_out / p.name)
+        manifest = Manifest(
+            iteration=src.iteration, model=cfg, layout=layout, tensors=entries,
+            provenance={"tool": f"shardkit {VERSION}", "command": "convert megatron-to-mcore",
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "source": {"kind": "megatron_legacy", "path": str(src.iter_dir.resolve()),
+                                   "iteration": src.iteration, "checkpoint_version": src.checkpoint_version,
+                                   "layout": layout.to_dict(), "files": src.fingerprint()},
+                        "seconds": round(time.time() - started, 3)})
+        return w.commit(manifest)
+
+
+# -- model config from Megatron-LM args --------------------------------------------------------------------------------
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "llama", *,
+                              vocab_size: int | None = None) -> ModelConfig:
+    """The model config of a Megatron-LM run from its `args` (dense LLaMA / Mistral / Qwen2-style, or Mixtral-style
+    MoE; `hf_model_type` "llama" becomes "mixtral" when the args have experts). Megatron's args usually carry only
+    the padded vocabulary size: pass the true `vocab_size` (tokenizer / HF config) unless `args.vocab_size` is set.
+    Raises ConfigError naming the argument for anything the HF families cannot express."""
+    if not isinstance(args, argparse.Namespace):
+        raise ConfigError(f"Megatron args must be an argparse.Namespace, got {type(args).__name__}")
+    src = "Megatron args"
+
+    def get(name: str, default: Any = None) -> Any:
+        return _arg(args, name, default)
+
+    def refuse(cond: bool, name: str, why: str) -> None:
+        if cond:
+            raise ConfigError(f"{src}: {name}={get(name)!r}: {why}")
+
+    experts = get("num_experts") or get("num_moe_experts")
+    mt = "mixtral" if experts and hf_model_type == "llama" else hf_model_type
+    if mt not in ("llama", "mistral", "qwen2", "mixtral"):
+        raise ConfigError(f"{src}: hf_model_type {hf_model_type!r} is not supported here (llama, mistral, qwen2, "
+                          "mixtral); for DeepSeek pass the model config from its HF config.json")
+    refuse(bool(get("multi_latent_attention")), "multi_latent_attention",
+           "pass the model config from the HF config.json (DeepSeek)")
+    refuse(get("normalization", "LayerNorm") != "RMSNorm", "normalization", "only RMSNorm is supported")
+    refuse(not get("swiglu", False), "swiglu", "only SwiGLU MLPs are supported")
+    refuse(bool(get("apply_layernorm_1p")), "apply_layernorm_1p", "zero-centred norms are not supported")
+    refuse(bool(get("qk_layernorm")), "qk_layernorm", "QK norms are not supported for these families")
+    refuse(get("position_embedding_type", "rope") != "rope", "position_embedding_type", "only rope is supported")
+    refuse(get("rotary_percent", 1.0) != 1.0, "rotary_percent", "partial rotary embeddings are not supported")
+    refuse(bool(get("rotary_interleaved")), "rotary_interleaved", "interleaved RoPE is not supported for " + mt)
+    refuse(bool(get("mtp_num_layers")), "mtp_num_layers", "multi-token prediction is not supported for " + mt)
+    refuse(get("window_size") is not None, "window_size", "sliding-window attention: pass the model config from "
+                                                          "the HF config.json")
+    refuse(bool(get("add_bias_linear")) and mt == "qwen2", "add_bias_linear", "qwen2 has no output/MLP biases")
+    refuse(bool(get("add_qkv_bias")) and not get("add_bias_linear") and mt != "qwen2", "add_qkv_bias",
+           "a QKV bias without output/MLP biases is Qwen2's layout; pass hf_model_type='qwen2'")
+    refuse(mt == "qwen2" and not get("add_qkv_bias"), "add_qkv_bias", "qwen2 needs add_qkv_bias=True")
+    refuse(bool(get("add_bias_linear")) and mt in ("mistral", "mixtral"), "add_bias_linear",
+           f"{mt} has no linear biases")
+
+    def integer(name: str, *alts: str) -> int:
+        for n in (name, *alts):
+            v = get(n)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise ConfigError(f"{src}: {n}={v!r} is not a positive integer")
+                return v
+        raise ConfigError(f"{src}: missing {name}")
+
+    layers, hidden, heads = integer("num_layers"), integer("hidden_size"), integer("num_attention_heads")
+    groups = integer("num_query_groups") if get("group_query_attention") or (
+        get("group_query_attention") is None and get("num_query_groups")) else heads
+    head_dim = get("kv_channels") or (hidden // heads if hidden % heads == 0 else None)
+    if head_dim is None:
+        raise ConfigError(f"{src}: kv_channels is missing and hidden_size {hidden} is not divisible by "
+                          f"num_attention_heads {heads}")
+    vocab = vocab_size if vocab_size is not None else get("vocab_size")
+    if vocab is None:
+        raise ConfigError(f"{src}: the true vocabulary size is unknown (args hold only padded_vocab_size="
+                          f"{get('padded_vocab_size')}); pass vocab_size (from the tokenizer or the HF config.json)")
+    eps = get("norm_epsilon", get("layernorm_epsilon", 1e-5))
+    dtype = _DTYPES.get(get("params_dtype")) or ("bfloat16" if get("bf16") else "float16" if get("fp16") else "float32")
+    hf: dict[str, Any] = dict(
+        model_type=mt, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=groups, head_dim=head_dim,
+        max_position_embeddings=integer("max_position_embeddings", "seq_length"), rms_norm_eps=float(eps),
+        rope_theta=float(get("rotary_base", 10000)), hidden_act="silu",
+        tie_word_embeddings=not get("untie_embeddings_and_output_weights", False), torch_dtype=dtype)
+    interp = get("rotary_seq_len_interpolation_factor")
+    if get("use_rope_scaling") and interp:
+        raise ConfigError(f"{src}: use_rope_scaling and rotary_seq_len_interpolation_factor are both set")
+    if get("use_rope_scaling"):  # Megatron's llama3 scaling (RotaryEmbedding._apply_scaling defaults)
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": float(get("rope_scaling_factor", 8.0)),
+                              **MEGATRON_LLAMA3_ROPE}
+    elif interp:  # positions divided by the factor = linear scaling
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": float(interp)}
+    if mt == "llama":
+        bias = bool(get("add_bias_linear"))
+        hf.update(attention_bias=bias, mlp_bias=bias)
+    if mt == "mixtral":
+        if not experts:
+            raise ConfigError(f"{src}: hf_model_type 'mixtral' but num_experts is not set")
+        freq = get("moe_layer_freq", 1)
+        refuse(not (freq == 1 or (isinstance(freq, (list, tuple)) and set(freq) == {1})), "moe_layer_freq",
+               "Mixtral has an MoE MLP in every layer")
+        refuse(bool(get("moe_shared_expert_intermediate_size")), "moe_shared_expert_intermediate_size",
+               "Mixtral has no shared experts")
+        refuse(get("moe_router_score_function", "softmax") != "softmax", "moe_router_score_function",
+               "Mixtral routes with softmax")
+        refuse(bool(get("moe_router_pre_softmax")), "moe_router_pre_softmax",
+               "Mixtral renormalises the top-k probabilities")
+        refuse(get("moe_router_topk_scaling_factor") not in (None, 1, 1.0), "moe_router_topk_scaling_factor",
+               "Mixtral does not scale routing weights")
+        refuse(bool(get("moe_router_num_groups")), "moe_router_num_groups", "Mixtral routes without groups")
+        refuse(bool(get("moe_router_enable_expert_bias")), "moe_router_enable_expert_bias", "Mixtral has no expert bias")
+        refuse(bool(get("add_bias_linear")), "add_bias_linear", "Mixtral has no biases")
+        hf.update(intermediate_size=integer("moe_ffn_hidden_size", "ffn_hidden_size"), num_local_experts=experts,
+                  num_experts_per_tok=integer("moe_router_topk"),
+                  router_aux_loss_coef=float(get("moe_aux_loss_coeff", 0.0)))
+    else:
+        hf["intermediate_size"] = integer("ffn_hidden_size")
+    cfg = ModelConfig.from_hf(hf, source=src)
+    div = get("make_vocab_size_divisible_by")
+    if isinstance(div, int) and not isinstance(div, bool) and div > 0:
+        cfg = dataclasses.replace(cfg, make_vocab_size_divisible_by=div)
+    padded, tp = get("padded_vocab_size"), get("tensor_model_parallel_size", 1)
+    if isinstance(padded, int) and isinstance(tp, int) and padded != cfg.padded_vocab_size(tp):
+        raise ConfigError(f"{src}: vocab_size {vocab} pads to {cfg.padded_vocab_size(tp)} at tp={tp} "
+                          f"(make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}), but the args say "
+                          f"padded_vocab_size={padded}; is vocab_size right?")
+    return cfg
+
+
+__all__ = ["legacy_to_native", "config_from_megatron_args", "load_rank_file", "open_legacy", "plan_rank_file",
+           "resolve_key", "SAFE_GLOBALS"]

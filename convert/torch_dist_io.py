@@ -1,0 +1,447 @@
+"""Native shardkit checkpoints <-> Megatron-LM `--ckpt-format torch_dist` checkpoints, with bounded memory.
+
+write_torch_dist: every stored chunk of the native checkpoint becomes one DCP item in the `.distcp` file of the
+Megatron rank that owns it (TP fastest, then the expert ranks, then PP; replicated tensors once, by TP rank 0), plus
+the `_extra_state` objects megatron-core's GPTModel asks for on load (None: no FP8 state), `common.pt` (iteration,
+checkpoint_version, Megatron-LM `args`) and `metadata.json`. Keys and global shapes are GPTModel.sharded_state_dict()'s
+(= the canonical names, Transformer Engine spec); `key_naming="local"` renames the few keys megatron-core's local
+spec names differently. Peak memory: one chunk per writer process, plus the metadata.
+
+torch_dist_to_native: every destination chunk is gathered from the stored items that overlap it (one item in memory
+at a time, large ones memory-mapped), so any torch_dist checkpoint - Megatron's own per-rank shards included - converts
+to any native layout. Optimizer state, RNG state and `_extra_state` objects are not model weights and are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from checkpoint import store
+from checkpoint.commit import IterationWriter
+from checkpoint.config import ModelConfig
+from checkpoint.errors import FormatError, ShardkitError, WriteError
+from checkpoint.layout import Layout
+from checkpoint.manifest import Manifest, TensorEntry
+from checkpoint.progress import progress_bar
+from checkpoint.reader import Checkpoint
+from checkpoint.sharding import Rule, TensorSpec, model_specs, owner
+from checkpoint.torch_dist import (CHECKPOINT_VERSION, DCPWriter, TorchDistCheckpoint, check_output_root,
+                                   commit_iteration_dir, none_object_bytes, prepare_iteration_dir, read_torch_dist,
+                                   write_common)
+
+from .hf_to_mcore import VERSION
+from .writer import WORKER_MIN_BYTES, ChunkSink, Task, chunk_tasks, write_chunks
+
+KEY_NAMINGS = ("te", "local")
+# megatron-core's local layer spec names these differently from the TE spec (through its sharded-state-dict key map)
+_LOCAL_SUFFIXES = {
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+}
+SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
+
+
+def stored_key(name: str, key_naming: str) -> str:
+    """The torch_dist key of canonical tensor `name` under a layer-spec naming."""
+    if key_naming == "local":
+        for te, local in _LOCAL_SUFFIXES.items():
+            if name.endswith("." + te) or name == te:
+                return name[: len(name) - len(te)] + local
+    return name
+
+
+def source_keys(name: str) -> list[str]:
+    """torch_dist keys accepted for canonical tensor `name`: TE naming first, then the local spec's."""
+    keys = [name]
+    local = stored_key(name, "local")
+    if local != name:
+        keys.append(local)
+    return keys
+
+
+# -- Megatron rank numbering ------------------------------------------------------------------------------------------
+
+def _stage_size(layout: Layout) -> int:
+    """Ranks per pipeline stage: enough for TP x DP to hold the expert grid ETP x EP (Megatron's default order)."""
+    return math.lcm(layout.tp, layout.expert_tp * layout.ep)
+
+
+def world_size(layout: Layout) -> int:
+    return _stage_size(layout) * layout.pp
+
+
+def chunk_rank(spec: TensorSpec, layout: Layout, box: tuple[tuple[int, int], ...], num_layers: int) -> int:
+    """The (data-parallel rank 0) Megatron rank that owns a box of `spec` lying inside one rank's shard."""
+    if spec.per_layer:
+        chunk = box[0][0] // layout.layers_per_chunk(spec.shape[0])
+        pp = chunk % layout.pp
+    else:
+        pp = owner(spec, layout, num_layers)[0]
+    ax = spec.tp_axis
+    r = 0
+    if ax is not None:
+        n = layout.expert_tp if spec.expert else layout.tp
+        if spec.rule is Rule.GATE_UP:
+            half = spec.shape[ax] // 2
+            r = (box[ax][0] % half) // (half // n)
+        else:
+            r = box[ax][0] // (spec.shape[ax] // n)
+    stage = _stage_size(layout) * pp
+    if spec.expert:
+        e_axis = int(spec.per_layer)
+        ep = box[e_axis][0] // (spec.shape[e_axis] // layout.ep)
+        return stage + r + layout.expert_tp * ep
+    return stage + r
+
+
+def extra_state_objects(spec: TensorSpec, layout: Layout, num_layers: int) -> list[tuple[str, int]]:
+    """The `<module>._extra_state/shard_<offsets>_<shape>` objects megatron-core's GPTModel has for the linear layer
+    whose weight is `spec` (one per layer, and per expert), with the rank that writes each (TP rank 0)."""
+    if not spec.name.endswith(".weight"):
+        return []
+    module = spec.name[: -len("weight")]
+    last = module.rstrip(".").rsplit(".", 1)[-1]
+    if not (last.startswith("linear_") or last == "eh_proj"):
+        return []
+    axes = spec.shape[: spec.lead]
+    if not axes:
+        axes = (1,)  # megatron-core: an object outside any stack gets offset (0,) of shape (1,)
+    out = []
+    for idx in itertools.product(*[range(n) for n in axes]):
+        key = f"{module}_extra_state/shard_{'.'.join(map(str, idx))}_{'.'.join(map(str, axes))}"
+        box = [(i, i + 1) for i in idx] if spec.lead else []
+        box += [(0, s) for s in spec.shape[spec.lead:]]
+        out.append((key, chunk_rank(spec, layout, tuple(box), num_layers)))
+    return out
+
+
+# -- Megatron-LM args -----------------------------------------------------------------------------------------------
+
+def megatron_args(cfg: ModelConfig, layout: Layout, key_naming: str = "te", dtype: str | None = None
+                  ) -> argparse.Namespace:
+    """The Megatron-LM arguments describing this model and layout (the names `--use-checkpoint-args` reads)."""
+    dtype = dtype or cfg.params_dtype
+    moe = cfg.is_moe
+    bias = bool(cfg.add_proj_bias or cfg.add_mlp_bias)
+    a = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+        group_query_attention=cfg.num_query_groups != cfg.num_attention_heads, kv_channels=cfg.kv_channels,
+        max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=cfg.padded_vocab_size(layout.tp),
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        position_embedding_type="rope", use_rotary_position_embeddings=True, rotary_base=cfg.rotary_base,
+        rotary_percent=1.0, rotary_interleaved=cfg.rotary_interleaved,
+        use_rope_scaling=bool(cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "llama3"),
+        rope_scaling_factor=float((cfg.rope_scaling or {}).get("factor", 8.0)),
+        normalization="RMSNorm", norm_epsilon=cfg.norm_epsilon, swiglu=True, apply_layernorm_1p=False,
+        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+        add_bias_linear=bias, disable_bias_linear=not bias, add_qkv_bias=cfg.add_qkv_bias,
+        attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=(layout.layers_per_chunk(cfg.num_layers) if layout.vpp > 1 else None),
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
+        world_size=world_size(layout), data_parallel_size=_stage_size(layout) // layout.tp,
+        num_experts=cfg.num_moe_experts if moe else None,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size if moe else None,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_layer_freq=list(cfg.moe_layer_freq) if moe else 1,
+        moe_router_score_function=cfg.moe_router_score_function,
+        moe_router_pre_softmax=moe and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_norm_topk,
+        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+        moe_router_num_groups=cfg.moe_router_num_groups, moe_router_group_topk=cfg.moe_router_group_topk,
+        moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_grouped_gemm=False,
+        multi_latent_attention=cfg.multi_latent_attention, q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
+        v_head_dim=cfg.v_head_dim, mtp_num_layers=cfg.mtp_num_layers or None,
+        params_dtype=store.torch_dtype(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16",
+        transformer_impl="transformer_engine" if key_naming == "te" else "local",
+        ckpt_format="torch_dist", use_dist_ckpt=True, data_parallel_random_init=False,
+        consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
+        # no optimizer or RNG state is written: Megatron-LM must not try to restore them
+        no_save_optim=True, no_save_rng=True,
+    )
+    return argparse.Namespace(**a)
+
+
+def layout_from_args(args: argparse.Namespace | None) -> Layout | None:
+    """The layout a torch_dist checkpoint was saved with, from its Megatron-LM args (None if absent or odd)."""
+    if args is None:
+        return None
+    try:
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+        etp = getattr(args, "expert_tensor_parallel_size", None)
+        etp = int(etp) if etp is not None and int(etp) != tp else None
+        return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    except (TypeError, ValueError, ShardkitError):
+        return None
+
+
+# -- native -> torch_dist ---------------------------------------------------------------------------------------------
+
+def _write_rank(args: tuple) -> tuple[dict, int]:
+    """Write one rank file: its tensor chunks (read one at a time from the native checkpoint) and objects."""
+    ckpt_path, tmp_dir, (rank, part), items, objects, key_naming = args
+    torch.set_num_threads(1)
+    ck = Checkpoint(ckpt_path)
+    w = DCPWriter(Path(tmp_dir))
+    nbytes = 0
+    blob = none_object_bytes() if objects else b""
+    with w.rank_file(rank, part) as f:
+        for name, box in items:
+            value = ck.read(name, tuple(slice(a, b) for a, b in box))
+            nbytes += f.add_tensor(stored_key(name, key_naming), tuple(a for a, _ in box), value)
+        for key in objects:
+            f.add_bytes(key, blob)
+    return w.storage_data, nbytes
+
+
+def _split_files(per_rank: dict[int, tuple[list, list]], entries: dict[str, TensorEntry], parts: int
+                 ) -> list[tuple[tuple[int, int], list, list]]:
+    """Each rank's items in up to `parts` files of similar size (so one rank's shard can be written in parallel)."""
+    out = []
+    order = {name: i for i, name in enumerate(entries)}
+    for rank, (items, objs) in sorted(per_rank.items()):
+        n = max(1, min(parts, len(items)))
+        bins: list[list] = [[] for _ in range(n)]
+        sizes = [0] * n
+        for name, box in sorted(items, key=lambda it: -Task(it[0], (), it[1]).nbytes(entries[it[0]])):
+            i = sizes.index(min(sizes))
+            bins[i].append((name, box))
+            sizes[i] += Task(name, (), box).nbytes(entries[name])
+        for k, b in enumerate(bins):
+            b.sort(key=lambda it: (order[it[0]], it[1]))
+            out.append(((rank, k), b, objs if k == 0 else []))
+    return out
+
+
+def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key_naming: str = "te",
+                     overwrite: bool = False, quiet: bool = False, workers: int | None = None) -> Path:
+    """Write `<out_root>/iter_N` (N = the native checkpoint's iteration) as a Megatron-LM torch_dist checkpoint and
+    point `latest_checkpointed_iteration.txt` at it; returns the iteration directory."""
+    ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
+    if key_naming not in KEY_NAMINGS:
+        raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' (Transformer Engine spec, Megatron-LM's default) "
+                            "or 'local' (megatron-core's local spec)")
+    if ck.manifest.fp8:
+        raise ShardkitError(f"{ck.path}: keeps block-FP8 weights with separate scales, which torch_dist has no key "
+                            "for; dequantize first (convert hf-to-mcore without --keep-fp8)")
+    cfg, layout = ck.config, ck.layout
+    specs = {s.name: s for s in model_specs(cfg, layout)}
+    if set(specs) != set(ck.tensors):
+        missing, extra = sorted(set(specs) - set(ck.tensors)), sorted(set(ck.tensors) - set(specs))
+        raise FormatError(f"{ck.path}: tensors disagree with the model config (missing {missing[:3]}, unexpected "
+                          f"{extra[:3]})")
+    entries = ck.tensors
+    tasks = chunk_tasks(entries)
+    dtypes = {n: e.dtype for n, e in entries.items()}
+    L = cfg.num_layers
+
+    per_rank: dict[int, tuple[list, list]] = {}
+    declared: list[tuple] = []
+    chunks: dict[str, list] = {n: [] for n in entries}
+    total = 0
+    for t in tasks:
+        r = chunk_rank(specs[t.name], layout, t.box, L)
+        per_rank.setdefault(r, ([], []))[0].append((t.name, t.box))
+        chunks[t.name].append((tuple(a for a, _ in t.box), tuple(b - a for a, b in t.box)))
+        total += t.nbytes(entries[t.name])
+    for name, spec in specs.items():
+        declared.append((stored_key(name, key_naming), spec.shape, store.torch_dtype(dtypes[name]), chunks[name]))
+        for key, r in extra_state_objects(spec, layout, L):
+            declared.append((key,))
+            per_rank.setdefault(r, ([], []))[1].append(key)
+
+    tmp, final = prepare_iteration_dir(Path(out_root), ck.manifest.iteration, overwrite)
+    try:
+        w_meta = DCPWriter(tmp)
+        for d in declared:
+            if len(d) > 1:
+                w_meta.declare_tensor(*d)
+            else:
+                w_meta.declare_object(d[0])
+        nworkers = workers or max(1, min(os.cpu_count() or 1, total // WORKER_MIN_BYTES))
+        jobs = [(str(ck.path), str(tmp), file, items, objs, key_naming)
+                for file, items, objs in _split_files(per_rank, entries, -(-nworkers // len(per_rank)))]
+        nworkers = min(nworkers, len(jobs))
+        with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar:
+            if nworkers == 1:
+                results = map(_write_rank, jobs)
+                for (storage, nbytes), job in zip(results, jobs):
+                    w_meta.storage_data.update(storage)
+                    bar.advance(nbytes, len(job[3]))
+            else:
+                with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn")) as pool:
+                    futures = {pool.submit(_write_rank, j): j for j in jobs}
+                    for fut in as_completed(futures):
+                        storage, nbytes = fut.result()
+                        w_meta.storage_data.update(storage)
+                        bar.advance(nbytes, len(futures[fut][3]))
+        w_meta.write_metadata(str(final))
+        common = {"iteration": ck.manifest.iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                  "args": megatron_args(cfg, layout, key_naming), "num_floating_point_operations_so_far": 0,
+                  "content_metadata": {"singleton_local_shards": False}}
+        write_common(tmp, common)
+        return commit_iteration_dir(tmp, final, ck.manifest.iteration)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise WriteError(f"{out_root}: writing the torch_dist checkpoint failed ({e.strerror or e}); nothing was "
+                         "left behind") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: str = "te", overwrite: bool = False,
+               quiet: bool = False, workers: int | None = None) -> Path:
+    """`--format torch_dist` for a command that writes a native checkpoint: `produce(staging_root)` writes it into a
+    staging directory next to `out` (same filesystem; needs the model's size in free space once more), which is
+    exported to `out` and then removed. Returns the torch_dist iteration directory."""
+    out = Path(out)
+    if key_naming not in KEY_NAMINGS:
+        raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' or 'local'")
+    check_output_root(out, overwrite)  # fail before the expensive part
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.native-", dir=out.parent))
+    try:
+        native = produce(staging)
+        return write_torch_dist(native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+# -- torch_dist -> native ---------------------------------------------------------------------------------------------
+
+def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype: str | None
+                ) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Match every canonical tensor to its torch_dist key and check shapes. Returns (entries, canonical -> key)."""
+    specs = model_specs(cfg, layout)
+    keys, missing = {}, []
+    for s in specs:
+        k = next((k for k in source_keys(s.name) if k in td.tensors), None)
+        if k is None:
+            missing.append(s.name)
+        else:
+            keys[s.name] = k
+    if missing:
+        raise FormatError(f"{td.path}: {len(missing)} tensor(s) the model config needs are missing, e.g. "
+                          f"{', '.join(missing[:3])}; is the model config right for this checkpoint?")
+    used = set(keys.values())
+    unexpected = sorted(k for k in td.tensors if k not in used and not k.startswith(SKIPPED_PREFIXES))
+    if unexpected:
+        raise FormatError(f"{td.path}: {len(unexpected)} tensor(s) are not part of the model config, e.g. "
+                          f"{', '.join(unexpected[:3])}; refusing to drop them silently")
+    entries = {}
+    for s in specs:
+        src = td.tensors[keys[s.name]]
+        want = tuple(s.shape)
+        if s.rule is Rule.VOCAB:
+            ok = src.shape[1:] == want[1:] and src.shape[0] >= cfg.vocab_size
+        else:
+            ok = src.shape == want
+        if not ok:
+            raise FormatError(f"{td.path}: tensor {keys[s.name]} has global shape {list(src.shape)}, but the model "
+                              f"config implies {list(want)}" + (f" (at least {cfg.vocab_size} rows)"
+                                                                 if s.rule is Rule.VOCAB else ""))
+        dt = dtype or store.dtype_name(src.dtype)
+        entries[s.name] = TensorEntry.of(s, layout, dt)
+    return entries, keys
+
+
+_W: dict = {}
+
+
+def _init_worker(td_path: str, keys: dict[str, str], vocab: dict[str, int], out_dir: str,
+                 dtypes: dict[str, str]) -> None:
+    torch.set_num_threads(1)
+    td = TorchDistCheckpoint(td_path)
+    td.spool_dir = Path(out_dir)  # large items are memory-mapped from a copy on the output's disk
+    _W.update(td=td, keys=keys, vocab=vocab, sink=ChunkSink(out_dir, dtypes))
+
+
+def _run_task(task: Task) -> tuple[str, int]:
+    td: TorchDistCheckpoint = _W["td"]
+    key = _W["keys"][task.name]
+    true_rows = _W["vocab"].get(task.name)
+    (a, b), *rest = task.box
+    if true_rows is None or b <= true_rows:
+        value = td.read(key, task.box)
+    else:  # destination padding: real rows, then the last real row repeated (as hf-to-mcore and reshard pad)
+        parts = [td.read(key, ((a, true_rows), *rest))] if a < true_rows else []
+        last = td.read(key, ((true_rows - 1, true_rows), *rest))
+        parts.append(last.expand(b - max(a, true_rows), *last.shape[1:]))
+        value = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return _W["sink"].write(task, value)
+
+
+def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, layout: Layout | None = None, *,
+                         dtype: str | None = None, hf_dir: str | Path | None = None, workers: int | None = None,
+                         overwrite: bool = False, quiet: bool = False) -> Path:
+    """Convert the model weights of a torch_dist checkpoint into a native checkpoint `<out>/iter_N` for `layout`
+    (default: the layout in its Megatron-LM args, else tp=pp=1). `cfg` describes the model (e.g.
+    ModelConfig.from_hf_dir); `hf_dir` optionally supplies tokenizer files to carry along."""
+    td = read_torch_dist(path)
+    if not quiet:
+        for note in td.notes:
+            print(f"shardkit: note: {note}", file=sys.stderr)
+    layout = layout or layout_from_args(td.args) or Layout()
+    try:
+        layout.check(cfg)
+    except ShardkitError:
+        if layout == layout_from_args(td.args):  # the source's layout does not fit as a default: fall back
+            layout = Layout()
+            layout.check(cfg)
+        else:
+            raise
+    dtype = store.dtype_name(dtype) if dtype else None
+    entries, keys = plan_import(td, cfg, layout, dtype)
+    vocab = {s.name: cfg.vocab_size for s in model_specs(cfg, layout) if s.rule is Rule.VOCAB}
+    md = td.path / ".metadata"
+    st = md.stat()
+    job = {"tool": VERSION, "source": str(td.path.resolve()), "metadata": [st.st_size, st.st_mtime_ns],
+           "layout": layout.to_dict(), "dtype": dtype, "model": json.loads(json.dumps(cfg.to_dict()))}
+    started = time.time()
+    iteration = td.iteration
+    with IterationWriter(out, iteration, job, overwrite=overwrite) as w:
+        init_args = (str(td.path), keys, vocab, str(w.partial), {n: e.dtype for n, e in entries.items()})
+        write_chunks(w, entries, "torch_dist-to-mcore", _init_worker, init_args, _run_task, workers, quiet)
+        if hf_dir is not None:
+            from .hf_source import ASSET_PATTERNS
+
+            hf_out = w.path("hf")
+            hf_out.mkdir(exist_ok=True)
+            for pat in ASSET_PATTERNS:
+                for p in Path(hf_dir).glob(pat):
+                    if p.is_file() and not p.is_symlink():
+                        shutil.copyfile(p, hf_out / p.name)
+        manifest = Manifest(
+            iteration=iteration, model=cfg, layout=layout, tensors=entries,
+            provenance={"tool": f"shardkit {VERSION}", "command": "convert torch-dist-to-mcore",
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "source": {"kind": "torch_dist", "path": str(td.path.resolve()), "iteration": iteration,
+                                   "notes": td.notes},
+                        "seconds": round(time.time() - started, 3)})
+        return w.commit(manifest)
+
+
+__all__ = ["write_torch_dist", "via_native", "torch_dist_to_native", "read_torch_dist", "megatron_args", "stored_key",
+           "source_keys", "chunk_rank", "extra_state_objects", "KEY_NAMINGS"]

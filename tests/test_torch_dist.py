@@ -1,0 +1,378 @@
+"""Megatron-LM torch_dist interop, checked against megatron-core itself (CPU, in a subprocess).
+
+- our export loads into megatron-core's own GPTModel with dist_checkpointing.load (dense GQA LLaMA; Mixtral-style MoE
+  with the local spec's key naming), every tensor equals the native one, and its logits equal HF transformers';
+- a checkpoint megatron-core saved itself converts to native and then to HF, and HF's logits equal megatron's;
+- damaged or hostile checkpoints are refused with one line naming the file, and no pickle payload ever runs.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import torch_dist as tdmod
+from checkpoint.config import ModelConfig
+from checkpoint.errors import FormatError, ShardkitError
+from checkpoint.layout import Layout
+from checkpoint.reader import Checkpoint
+from checkpoint.sharding import model_specs, regions
+from checkpoint.torch_dist import load_dcp_metadata, read_torch_dist
+from convert.hf_to_mcore import convert_hf_to_mcore
+from convert.mcore_to_hf import convert_mcore_to_hf
+from convert.torch_dist_io import (chunk_rank, extra_state_objects, stored_key, torch_dist_to_native, via_native,
+                                   write_torch_dist)
+
+# megatron-core runs only in the oracle subprocess: importing it here would also register its safe globals in this
+# process and make the weights-only loads under test more permissive than in real use
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
+ORACLE = Path(__file__).with_name("megatron_torch_dist_oracle.py")
+TOL = 1e-4
+SEQ = 16
+
+
+def megatron_model(cfg: ModelConfig, padded_vocab: int) -> dict:
+    m = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+             num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels, ffn_hidden_size=cfg.ffn_hidden_size,
+             add_bias_linear=cfg.add_proj_bias, add_qkv_bias=cfg.add_qkv_bias, layernorm_epsilon=cfg.norm_epsilon,
+             padded_vocab_size=padded_vocab, max_sequence_length=cfg.max_position_embeddings,
+             rotary_base=cfg.rotary_base, tied=cfg.tie_word_embeddings)
+    if cfg.is_moe:
+        m.update(num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
+                 moe_ffn_hidden_size=cfg.moe_ffn_hidden_size)
+    return m
+
+
+@torch.no_grad()
+def hf_logits(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+    return model.eval()(input_ids=ids, use_cache=False).logits.float()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """Build the sources, write our exports, and run every megatron-core job in one subprocess."""
+    from shardkit.demo import build_tiny_llama
+    from tests.moe_models import build as build_moe
+
+    w = tmp_path_factory.mktemp("torch_dist")
+    torch.manual_seed(0)
+    jobs, out = [], {"dir": w}
+
+    # dense LLaMA with GQA (8 heads, 2 groups), no RoPE scaling; native at tp=2 pp=2 -> torch_dist (TE naming)
+    llama = build_tiny_llama(w / "llama", dtype=torch.float32, rope_scaling=None, rope_theta=10000.0)
+    nat = convert_hf_to_mcore(llama, w / "llama_nat", Layout(tp=2, pp=2), quiet=True)
+    td = write_torch_dist(nat, w / "llama_td", quiet=True)
+    out["llama"] = dict(hf=llama, nat=nat, td=td)
+
+    # Mixtral-style MoE, native at tp=2 ep=2 -> torch_dist with the local spec's key naming
+    mixtral = build_moe("mixtral", w / "mixtral")
+    nat_m = convert_hf_to_mcore(mixtral, w / "mixtral_nat", Layout(tp=2, ep=2), quiet=True)
+    td_m = write_torch_dist(nat_m, w / "mixtral_td", key_naming="local", quiet=True)
+    out["mixtral"] = dict(hf=mixtral, nat=nat_m, td=td_m)
+
+    for kind in ("llama", "mixtral"):
+        d = out[kind]
+        ck = Checkpoint(d["nat"])
+        d["cfg"] = ck.config
+        ids = torch.randint(0, ck.config.vocab_size, (2, SEQ))
+        torch.save(ids, w / f"{kind}_ids.pt")
+        d["ids"] = ids
+        jobs.append({"mode": "load", "ckpt": str(d["td"]), "input_ids": str(w / f"{kind}_ids.pt"),
+                     "out": str(w / f"{kind}_meg.pt"),
+                     "model": megatron_model(ck.config, ck.tensors["embedding.word_embeddings.weight"].shape[0])})
+
+    # megatron-core saves its own randomly initialised dense GQA model
+    cfg = ModelConfig(model_type="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_query_groups=2, kv_channels=16, vocab_size=300, max_position_embeddings=64,
+                      norm_epsilon=1e-5, rotary_base=10000.0)
+    ids = torch.randint(0, cfg.vocab_size, (2, SEQ))
+    torch.save(ids, w / "saved_ids.pt")
+    out["saved"] = dict(cfg=cfg, ids=ids, root=w / "meg_saved")
+    jobs.append({"mode": "save", "root": str(w / "meg_saved"), "iteration": 3, "seed": 1,
+                 "input_ids": str(w / "saved_ids.pt"), "out": str(w / "saved_meg.pt"),
+                 "model": megatron_model(cfg, cfg.padded_vocab_size(1))})
+
+    (w / "jobs.json").write_text(json.dumps(jobs))
+    r = subprocess.run([sys.executable, str(ORACLE), str(w / "jobs.json")], capture_output=True, text=True,
+                       timeout=300, cwd=str(w))
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    for kind in ("llama", "mixtral", "saved"):
+        out[kind]["meg"] = torch.load(w / f"{kind}_meg.pt")
+    return out
+
+
+# -- our export, loaded by megatron-core ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,naming", [("llama", "te"), ("mixtral", "local")])
+def test_megatron_loads_our_export(work, kind, naming):
+    d = work[kind]
+    ck = Checkpoint(d["nat"])
+    meg = d["meg"]["tensors"]
+    assert set(meg) == {stored_key(n, naming) for n in ck.tensors}
+    for name in ck.tensors:
+        got, want = meg[stored_key(name, naming)], ck.read(name)
+        assert got.shape == want.shape and torch.equal(got, want), name  # padding rows included
+    if kind == "mixtral":
+        assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in meg  # the local spec's name for pre-MLP norm
+    vocab = d["cfg"].vocab_size
+    ours = d["meg"]["logits"][..., :vocab]
+    ref = hf_logits(d["hf"], d["ids"])
+    assert ours.shape == ref.shape and ref.std() > 0.1
+    diff = (ours - ref).abs().max().item()
+    print(f"{kind}: megatron-core (our torch_dist) vs HF: max |diff| = {diff:.3g}")
+    assert diff <= TOL
+
+
+def test_export_layout_on_disk(work):
+    """Megatron-LM's files; one item per stored chunk in its owner's rank file; Megatron args in common.pt."""
+    d = work["llama"]
+    root = d["td"].parent
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+    assert json.loads((d["td"] / "metadata.json").read_text()) == tdmod.BACKEND
+    assert sorted(p.name for p in d["td"].glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]  # tp2 x pp2
+    assert not list(root.glob(".*partial*"))
+    td = read_torch_dist(root)
+    assert td.notes == [] and td.iteration == 0
+    a = td.args
+    assert (a.num_layers, a.num_query_groups, a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+            a.padded_vocab_size, a.swiglu, a.normalization) == (4, 2, 2, 2, 1024, True, "RMSNorm")
+    ck = Checkpoint(d["nat"])
+    md = load_dcp_metadata(d["td"] / ".metadata")
+    for name, e in ck.tensors.items():
+        m = md.state_dict_metadata[name]
+        assert list(m.size) == e.shape and m.properties.dtype == torch.float32
+    assert "decoder.layers.mlp.linear_fc2._extra_state/shard_3_4" in md.state_dict_metadata
+    specs = {s.name: s for s in model_specs(ck.config, ck.layout)}
+    for idx, info in md.storage_data.items():  # each chunk sits in the file of the rank that owns it
+        if idx.offset is not None:
+            size = dict((tuple(c.offsets), tuple(c.sizes)) for c in md.state_dict_metadata[idx.fqn].chunks)
+            box = tuple((o, o + n) for o, n in zip(idx.offset, size[tuple(idx.offset)]))
+            rank = chunk_rank(specs[idx.fqn], ck.layout, box, ck.config.num_layers)
+            assert info.relative_path == f"__{rank}_0.distcp", idx
+    # plain PyTorch DCP reads it too (any box: here the whole embedding, stored as two TP chunks)
+    import torch.distributed.checkpoint as dcp
+
+    emb = torch.empty(ck.tensors["embedding.word_embeddings.weight"].shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed ... uninitialized, assuming ... a single process"
+        dcp.load({"embedding.word_embeddings.weight": emb}, checkpoint_id=str(d["td"]), no_dist=True)
+    assert torch.equal(emb, ck.read("embedding.word_embeddings.weight"))
+
+
+def test_chunk_rank_matches_regions():
+    """Each chunk goes to the file of the rank whose shard holds it (tp fastest, then ep, then pp)."""
+    cfg = ModelConfig.from_hf(dict(model_type="mixtral", vocab_size=300, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   num_local_experts=4, num_experts_per_tok=2))
+    layout = Layout(tp=2, pp=2, ep=2, etp=1)
+    stage = 2  # lcm(tp=2, etp*ep=2)
+    for spec in model_specs(cfg, layout):
+        for coord in layout.ranks(spec.expert):
+            want = stage * coord.pp + (coord.etp + layout.expert_tp * coord.ep if spec.expert else coord.tp)
+            for reg in regions(spec, layout, coord, cfg.num_layers):
+                if reg.primary:
+                    box = tuple((o, o + s) for o, s in zip(reg.global_offset, reg.shape))
+                    assert chunk_rank(spec, layout, box, cfg.num_layers) == want, (spec.name, coord)
+    qkv = next(s for s in model_specs(cfg, layout) if s.name.endswith("linear_qkv.weight"))
+    objs = extra_state_objects(qkv, layout, cfg.num_layers)
+    assert [k for k, _ in objs] == [f"decoder.layers.self_attention.linear_qkv._extra_state/shard_{i}_4"
+                                    for i in range(4)]
+    assert [r for _, r in objs] == [0, 0, 2, 2]
+
+
+# -- megatron-core's own checkpoint -> native -> HF ---------------------------------------------------------------------
+
+def test_megatron_saved_checkpoint_to_native_to_hf(work):
+    d = work["saved"]
+    cfg, w = d["cfg"], work["dir"]
+    td = read_torch_dist(d["root"])
+    assert td.iteration == 3 and td.args.num_layers == 2 and td.notes == []  # common.pt with a Namespace
+    assert any(k.endswith("_extra_state/shard_0_2") for k in td.objects)
+    nat = torch_dist_to_native(d["root"], w / "saved_nat", cfg, Layout(tp=2, pp=2), quiet=True)
+    assert nat.name == "iter_0000003"
+    ck = Checkpoint(nat)
+    assert ck.tensors["embedding.word_embeddings.weight"].shape == [512, 64]  # re-padded for tp=2 (was 384)
+    meg = d["meg"]["tensors"]
+    for name in ck.tensors:
+        got, want = ck.read(name), meg[name]
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            got, want = got[: cfg.vocab_size], want[: cfg.vocab_size]
+        assert torch.equal(got, want), name
+    hf = convert_mcore_to_hf(nat, w / "saved_hf", quiet=True)
+    ref = d["meg"]["logits"][..., : cfg.vocab_size]
+    ours = hf_logits(hf, d["ids"])
+    diff = (ours - ref).abs().max().item()
+    print(f"megatron-core saved -> native -> HF: max |diff| = {diff:.3g}")
+    assert ref.std() > 0.1 and diff <= TOL
+
+
+def test_import_accepts_local_naming_and_checks_keys(work, tmp_path):
+    d = work["mixtral"]
+    cfg = d["cfg"]
+    nat = torch_dist_to_native(d["td"].parent, tmp_path / "nat", cfg, Layout(ep=4), quiet=True)
+    src, back = Checkpoint(d["nat"]), Checkpoint(nat)
+    for name in src.tensors:
+        a, b = src.read(name), back.read(name)
+        if a.shape != b.shape:  # vocab padding differs between tp=2 and tp=1
+            a, b = a[: cfg.vocab_size], b[: cfg.vocab_size]
+        assert torch.equal(a, b), name
+    dense = work["llama"]["cfg"]
+    with pytest.raises(FormatError, match="missing"):
+        torch_dist_to_native(d["td"].parent, tmp_path / "bad", dense, Layout(), quiet=True)
+
+
+def test_large_items_are_memory_mapped(work, monkeypatch):
+    monkeypatch.setattr(tdmod, "ITEM_MMAP_BYTES", 0)
+    td = read_torch_dist(work["llama"]["td"].parent)
+    ck = Checkpoint(work["llama"]["nat"])
+    name = "decoder.layers.mlp.linear_fc1.weight"
+    assert torch.equal(td.read(name), ck.read(name))
+
+
+# -- refusals ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def td_copy(work, tmp_path):
+    root = tmp_path / "td"
+    shutil.copytree(work["llama"]["td"].parent, root)
+    return root / "iter_0000000"
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and isinstance(e.value, ShardkitError)
+    return msg
+
+
+def test_missing_metadata_refused(td_copy):
+    (td_copy / ".metadata").unlink()
+    with pytest.raises(FormatError) as e:
+        read_torch_dist(td_copy.parent)
+    assert ".metadata" in _one_line(e)
+
+
+def test_missing_distcp_refused(td_copy, tmp_path, work):
+    (td_copy / "__2_0.distcp").unlink()
+    with pytest.raises(FormatError) as e:
+        torch_dist_to_native(td_copy.parent, tmp_path / "nat", work["llama"]["cfg"], quiet=True)
+    assert "__2_0.distcp" in _one_line(e) and "missing" in str(e.value)
+    assert not (tmp_path / "nat").exists()
+
+
+def test_truncated_item_refused(td_copy):
+    f = td_copy / "__3_0.distcp"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(FormatError) as e:
+        read_torch_dist(td_copy)
+    assert "__3_0.distcp" in _one_line(e) and "truncated" in str(e.value)
+
+
+def test_corrupt_item_refused(td_copy):
+    f = td_copy / "__0_0.distcp"
+    raw = bytearray(f.read_bytes())
+    raw[10:400] = b"\0" * 390  # inside the first item's zip headers
+    f.write_bytes(bytes(raw))
+    td = read_torch_dist(td_copy)
+    with pytest.raises(FormatError) as e:
+        for name in td.tensors:
+            td.read(name)
+    assert "__0_0.distcp" in _one_line(e)
+
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_common_pt_with_code_refused(td_copy, tmp_path):
+    marker = tmp_path / "MARKER"
+    torch.save({"iteration": 0, "args": _Payload(marker)}, td_copy / "common.pt")
+    with pytest.raises(FormatError) as e:
+        read_torch_dist(td_copy.parent)
+    msg = _one_line(e)
+    assert "common.pt" in msg and "system" in msg
+    assert not marker.exists()
+
+
+def test_common_pt_with_megatron_objects_is_ignored_with_a_note(td_copy):
+    """A real Megatron-LM common.pt references megatron-core classes (enums, configs): not loaded, not fatal."""
+    mod = types.ModuleType("megatron.shardkit_test_fake")
+
+    class AttnBackend:
+        pass
+
+    AttnBackend.__module__ = mod.__name__
+    AttnBackend.__qualname__ = "AttnBackend"
+    mod.AttnBackend = AttnBackend
+    sys.modules[mod.__name__] = mod
+    try:
+        torch.save({"iteration": 7, "args": argparse.Namespace(attention_backend=AttnBackend())},
+                   td_copy / "common.pt")
+    finally:
+        del sys.modules[mod.__name__]
+    td = read_torch_dist(td_copy)
+    assert td.common is None and td.args is None and td.iteration == 0  # from the directory name
+    assert len(td.notes) == 1 and "common.pt ignored" in td.notes[0]
+
+
+def test_metadata_with_code_refused(td_copy, tmp_path):
+    marker = tmp_path / "MARKER"
+    (td_copy / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(FormatError) as e:
+        read_torch_dist(td_copy)
+    assert ".metadata" in _one_line(e) and "system" in str(e.value)
+    assert not marker.exists()
+
+
+def test_storage_path_outside_checkpoint_refused(td_copy, tmp_path):
+    md = load_dcp_metadata(td_copy / ".metadata")
+    idx = next(iter(md.storage_data))
+    md.storage_data[idx].relative_path = "../../outside.distcp"
+    buf = io.BytesIO()
+    pickle.dump(md, buf)
+    (td_copy / ".metadata").write_bytes(buf.getvalue())
+    with pytest.raises(FormatError) as e:
+        read_torch_dist(td_copy)
+    assert "outside.distcp" in _one_line(e) and "refusing" in str(e.value)
+
+
+def test_via_native_staging(work, tmp_path):
+    """`--format torch_dist`: a native checkpoint staged next to the output, exported, then removed."""
+    d = work["llama"]
+    td = via_native(lambda staging: convert_hf_to_mcore(d["hf"], staging, Layout(tp=2), quiet=True),
+                    tmp_path / "out", quiet=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in td.parent.iterdir()) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+    a, b = read_torch_dist(td), read_torch_dist(d["td"])
+    for name in a.tensors:
+        assert torch.equal(a.read(name), b.read(name)), name
+    with pytest.raises(ShardkitError, match="not empty"):
+        via_native(lambda staging: pytest.fail("must not run"), tmp_path / "out", quiet=True)
+
+
+def test_export_refuses_non_empty_output(work, tmp_path):
+    (tmp_path / "junk").write_text("x")
+    with pytest.raises(ShardkitError, match="not empty"):
+        write_torch_dist(work["llama"]["nat"], tmp_path, quiet=True)
+    with pytest.raises(ShardkitError, match="key-naming"):
+        write_torch_dist(work["llama"]["nat"], tmp_path / "x", key_naming="apex", quiet=True)
