@@ -29,7 +29,6 @@ import dataclasses
 import io
 import itertools
 import json
-import math
 import multiprocessing as mp
 import os
 import pathlib
@@ -71,7 +70,7 @@ _ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _MODEL_CHUNK = re.compile(r"^model(\d*)$")
 
 
-# -- safe loading -------------------------------------------------------------------------------------------------------
+# -- safe loading ------------------------------------------------------------------------------------------------------
 
 class MegatronObject:
     """Inert stand-in for a Megatron class that a checkpoint names outside the model weights (enums in `args`, the
@@ -129,6 +128,7 @@ SAFE_GLOBALS: list = [
         "megatron.core.optimizer.OptimizerConfig", "megatron.core.optimizer.optimizer_config.OptimizerConfig")),
 ]
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+_WO_DETAIL = re.compile(r"WeightsUnpickler error: ([^\n]+)")
 
 
 def _py3_name(path: str) -> str:
@@ -154,11 +154,15 @@ def load_rank_file(path: str | Path) -> dict:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        m = _GLOBAL_RE.search(str(e))
-        what = _py3_name(m.group(1)) if m else str(e).strip().splitlines()[0][:200]
-        raise FormatError(f"{path}: refusing to unpickle {what}: not plain data (a pickle that could run code); the "
-                          "file was not loaded") from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError) as e:
+        text = str(e)
+        m = _GLOBAL_RE.search(text)
+        if m:
+            raise FormatError(f"{path}: refusing to unpickle {_py3_name(m.group(1))}: not plain data (a pickle that "
+                              "could run code); the file was not loaded") from None
+        d = _WO_DETAIL.search(text)
+        detail = (d.group(1) if d else (text.strip().splitlines() or ["?"])[0])[:200]
+        raise FormatError(f"{path}: refusing to unpickle it: {detail}; the file was not loaded") from None
+    except Exception as e:  # not a torch.save file, truncated, unreadable (the weights-only unpickler runs no code)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise FormatError(f"{path}: not a readable torch.save file ({type(e).__name__}: {first})") from None
     if not isinstance(obj, dict):
@@ -194,6 +198,10 @@ class RankFile:
 
     @property
     def label(self) -> str:
+        return str(self.path)
+
+    @property
+    def short(self) -> str:
         return f"{self.path.parent.name}/{self.path.name}"
 
 
@@ -264,6 +272,30 @@ def _dir_name(arity: int, tp: int, pp: int, ep: int, second_is_ep: bool) -> str:
     return f"mp_rank_{tp:02d}_{pp:03d}_{ep:03d}"
 
 
+def is_legacy_checkpoint(path: str | Path) -> bool:
+    """Whether `path` looks like a Megatron-LM `--ckpt-format torch` checkpoint (root or iteration directory): for
+    a CLI that picks the reader by looking (torch_dist iterations have metadata.json and .distcp files instead)."""
+    try:
+        d, _ = _find_iteration(Path(path))
+    except FormatError:
+        return False
+    return any(_RANK_DIR.match(p.name) and p.is_dir() for p in d.iterdir())
+
+
+def read_legacy_args(src_root: str | Path) -> argparse.Namespace:
+    """The Megatron-LM `args` saved in the first rank file (for config_from_megatron_args)."""
+    d, _ = _find_iteration(Path(src_root))
+    for rank0 in [p for p in d.iterdir() if re.match(r"^mp_rank_00(_000){0,2}$", p.name) and p.is_dir()][:1]:
+        for name in MODEL_FILES:
+            if (rank0 / name).is_file():
+                args = load_rank_file(rank0 / name).get("args")
+                if not isinstance(args, argparse.Namespace):
+                    raise FormatError(f"{rank0 / name}: holds no Megatron-LM args; pass the model config "
+                                      "(e.g. --hf-config)")
+                return args
+    raise FormatError(f"{d}: no mp_rank_00* directory with {' or '.join(MODEL_FILES)}")
+
+
 def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
     """Find the iteration and its rank files, work out the layout (tp, pp, ep from the directory names and args;
     vpp from the model chunks) and check it against `cfg`."""
@@ -278,7 +310,8 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
     if not found:
         raise FormatError(f"{iter_dir}: no mp_rank_* directories; not a Megatron-LM torch checkpoint")
     if len(arities) > 1:
-        raise FormatError(f"{iter_dir}: rank directories mix naming schemes ({', '.join(sorted(p.name for p in found.values())[:4])})")
+        names = ", ".join(sorted(p.name for p in found.values())[:4])
+        raise FormatError(f"{iter_dir}: rank directories mix naming schemes ({names})")
     arity = arities.pop()
 
     def model_file(d: Path) -> Path:
@@ -291,7 +324,7 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
     if min(found) != (0,) * arity:
         raise FormatError(f"{iter_dir}: missing rank directory {'mp_rank_00' + '_000' * (arity - 1)}")
     first = model_file(first_dir)
-    label0 = f"{first_dir.name}/{first.name}"
+    label0 = str(first)
     state = load_rank_file(first)
     args = state.get("args")
     if args is not None and not isinstance(args, argparse.Namespace):
@@ -312,8 +345,9 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
         elif cfg.is_moe and (0, 1) in found:  # no args: expert ranks all hold the embedding, later stages do not
             peek = load_rank_file(model_file(found[(0, 1)]))
             chunks = model_chunks(peek, str(found[(0, 1)]))
-            second_is_ep = "embedding.word_embeddings.weight" in peek[chunks[0]]
-            del peek
+            sd = peek[chunks[0]]
+            second_is_ep = isinstance(sd, Mapping) and "embedding.word_embeddings.weight" in sd
+            del peek, sd
     detected = [max(k[i] for k in found) + 1 for i in range(arity)]
     tp = detected[0]
     pp = detected[1] if arity == 3 or (arity == 2 and not second_is_ep) else 1
@@ -329,6 +363,7 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
     if arity == 1 and (pp > 1 or ep > 1) or arity == 2 and pp > 1 and ep > 1:
         raise FormatError(f"{iter_dir}: directory names {first_dir.name}... do not carry the pipeline/expert rank, but "
                           f"{label0} args say pp={pp}, ep={ep}")
+
     def dir_key(t: int, p: int, e: int) -> tuple[int, ...]:
         return (t,) if arity == 1 else ((t, e if second_is_ep else p) if arity == 2 else (t, p, e))
 
@@ -365,7 +400,11 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
     cfg = _with_megatron_vocab(cfg, args, tp, label0)
     _check_args_against_config(args, cfg, label0)
     layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep)
-    layout.check(cfg)
+    try:
+        layout.check(cfg)
+    except LayoutError as e:
+        raise LayoutError(f"{iter_dir}: the checkpoint's layout (tp={tp}, pp={pp}, vpp={vpp}, ep={ep}) does not fit "
+                          f"the model config: {e}") from None
     return LegacySource(root, iter_dir, iteration, layout, files, args, cfg, version)
 
 
@@ -376,8 +415,9 @@ def _with_megatron_vocab(cfg: ModelConfig, args: Any, tp: int, label: str) -> Mo
     padded = _arg(args, "padded_vocab_size")
     if isinstance(padded, int) and padded != cfg.padded_vocab_size(tp):
         raise ConfigError(f"{label}: args say padded_vocab_size={padded}, but the model config's vocab_size "
-                          f"{cfg.vocab_size} pads to {cfg.padded_vocab_size(tp)} at tp={tp} (make_vocab_size_divisible_by="
-                          f"{cfg.make_vocab_size_divisible_by}); is the model config for this checkpoint?")
+                          f"{cfg.vocab_size} pads to {cfg.padded_vocab_size(tp)} at tp={tp} "
+                          f"(make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}); is the model config "
+                          "for this checkpoint?")
     return cfg
 
 
@@ -390,8 +430,9 @@ def _check_args_against_config(args: Any, cfg: ModelConfig, label: str) -> None:
         pairs.append(("kv_channels", cfg.kv_channels))
         if _arg(args, "group_query_attention"):
             pairs.append(("num_query_groups", cfg.num_query_groups))
+    pairs.append(("num_experts", cfg.num_moe_experts))
     if cfg.is_moe:
-        pairs += [("num_experts", cfg.num_moe_experts), ("moe_router_topk", cfg.moe_router_topk)]
+        pairs.append(("moe_router_topk", cfg.moe_router_topk))
     untie = _arg(args, "untie_embeddings_and_output_weights")
     if untie is not None and bool(untie) == cfg.tie_word_embeddings:
         raise ConfigError(f"{label}: args say untie_embeddings_and_output_weights={untie}, but the model config has "
@@ -403,7 +444,7 @@ def _check_args_against_config(args: Any, cfg: ModelConfig, label: str) -> None:
                               "config for this checkpoint?")
 
 
-# -- module keys -> canonical tensors -----------------------------------------------------------------------------------
+# -- module keys -> canonical tensors ----------------------------------------------------------------------------------
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
@@ -529,7 +570,7 @@ def _chunk_pieces(spec: TensorSpec, entry: TensorEntry, r, lead: tuple[int, ...]
 
 
 def plan_rank_file(state: dict, rf: RankFile, cfg: ModelConfig, layout: Layout, specs: dict[str, TensorSpec],
-                   entries: dict[str, TensorEntry], vpp_keys: list[str] | None = None) -> list[Piece]:
+                   entries: dict[str, TensorEntry]) -> list[Piece]:
     """Map every model tensor of one rank file to the storage chunks it holds. Entries of canonical tensors seen for
     the first time are added to `entries` (dtype from the file). Raises FormatError naming the file and the keys for
     missing, unexpected, duplicate or misshapen tensors, or a dtype that differs between ranks."""
@@ -753,11 +794,12 @@ def legacy_to_native(src_root: str | Path, out: str | Path, cfg: ModelConfig, *,
             if p.write:
                 if p.task.id in writers:
                     raise ShardkitError(f"internal: chunk {p.task.id} written from {writers[p.task.id]} and {rf.label}")
-                writers[p.task.id] = rf.label
+                writers[p.task.id] = rf.short
     tasks = chunk_tasks({n: entries[n] for n in specs if n in entries})
     uncovered = [t.id for t in tasks if t.id not in writers]
     if set(entries) != set(specs) or uncovered:
-        raise ShardkitError(f"internal: chunks without a source rank, e.g. {(uncovered or sorted(set(specs) - set(entries)))[0]}")
+        example = (uncovered or sorted(set(specs) - set(entries)))[0]
+        raise ShardkitError(f"internal: chunks without a source rank, e.g. {example}")
     entries = {n: entries[n] for n in specs}
     nbytes = {t.id: t.nbytes(entries[t.name]) for t in tasks}
     job = {"tool": VERSION, "command": "megatron-to-mcore", "source": str(src.iter_dir.resolve()),
@@ -924,7 +966,8 @@ def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "ll
         refuse(get("moe_router_topk_scaling_factor") not in (None, 1, 1.0), "moe_router_topk_scaling_factor",
                "Mixtral does not scale routing weights")
         refuse(bool(get("moe_router_num_groups")), "moe_router_num_groups", "Mixtral routes without groups")
-        refuse(bool(get("moe_router_enable_expert_bias")), "moe_router_enable_expert_bias", "Mixtral has no expert bias")
+        refuse(bool(get("moe_router_enable_expert_bias")), "moe_router_enable_expert_bias",
+               "Mixtral has no expert bias")
         refuse(bool(get("add_bias_linear")), "add_bias_linear", "Mixtral has no biases")
         hf.update(intermediate_size=integer("moe_ffn_hidden_size", "ffn_hidden_size"), num_local_experts=experts,
                   num_experts_per_tok=integer("moe_router_topk"),
@@ -943,5 +986,5 @@ def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "ll
     return cfg
 
 
-__all__ = ["legacy_to_native", "config_from_megatron_args", "load_rank_file", "open_legacy", "plan_rank_file",
-           "resolve_key", "SAFE_GLOBALS"]
+__all__ = ["legacy_to_native", "config_from_megatron_args", "read_legacy_args", "is_legacy_checkpoint",
+           "load_rank_file", "open_legacy", "plan_rank_file", "resolve_key", "SAFE_GLOBALS"]

@@ -72,6 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     m2h.add_argument("--overwrite", action="store_true")
     m2h.add_argument("--quiet", action="store_true")
 
+    m2m = csub.add_parser("megatron-to-mcore", help="Megatron-LM --ckpt-format torch (mp_rank_* files) -> shardkit "
+                          "checkpoint at the same TP/PP/VPP/EP layout (reshard afterwards for another)")
+    m2m.add_argument("src", help="checkpoint root (latest_checkpointed_iteration.txt) or an iter_N / release directory")
+    m2m.add_argument("out")
+    src_cfg = m2m.add_mutually_exclusive_group(required=True)
+    src_cfg.add_argument("--hf-config", metavar="HF_DIR", help="HF directory whose config.json describes the model "
+                         "(its tokenizer files are carried along)")
+    src_cfg.add_argument("--from-args", action="store_true", help="derive the model config from the checkpoint's "
+                         "Megatron-LM args (needs --vocab-size)")
+    m2m.add_argument("--vocab-size", type=int, default=None, help="true vocabulary size (args hold the padded one)")
+    m2m.add_argument("--model-type", default="llama", choices=["llama", "mistral", "qwen2", "mixtral"])
+    m2m.add_argument("--workers", type=int, default=None)
+    m2m.add_argument("--overwrite", action="store_true")
+    m2m.add_argument("--quiet", action="store_true")
+
     rs = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP/VPP/EP layout (offline)")
     rs.add_argument("src", help="a native checkpoint, or a torch_dist one (with --hf-config)")
     rs.add_argument("dst")
@@ -151,6 +166,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         path = _from_native_source(args, args.ckpt, args.out, lambda ckpt: convert_mcore_to_hf(
             ckpt, args.out, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
             quiet=args.quiet, quantize_fp8=args.quantize_fp8))
+        print(f"wrote {path}")
+        return 0
+    if args.cmd == "convert" and args.direction == "megatron-to-mcore":
+        from checkpoint.config import ModelConfig
+        from convert.megatron_legacy import config_from_megatron_args, legacy_to_native, read_legacy_args
+
+        cfg = (ModelConfig.from_hf_dir(args.hf_config) if args.hf_config else
+               config_from_megatron_args(read_legacy_args(args.src), args.model_type, vocab_size=args.vocab_size))
+        path = legacy_to_native(args.src, args.out, cfg, overwrite=args.overwrite, quiet=args.quiet,
+                                workers=args.workers, hf_dir=args.hf_config)
         print(f"wrote {path}")
         return 0
     if args.cmd == "reshard":

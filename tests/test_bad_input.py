@@ -339,3 +339,10 @@ def test_verify_flipped_byte(ckpt, capsys):
     victim.write_bytes(bytes(data))
     rc, err = run_inproc(["verify", ckpt, "--quiet"], capsys)
     assert_one_line_error(rc, err, f"tensor {CHUNK_TENSOR}", _chunk_index(ckpt, CHUNK_TENSOR, victim))
+
+
+def test_megatron_is_not_imported_by_the_test_process():
+    """megatron-core registers pickle safe globals when imported; the allowlist tests must run without them."""
+    import sys
+
+    assert "megatron.core" not in sys.modules

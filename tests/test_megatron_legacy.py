@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import importlib.util
+
 import argparse
 import io
 import json
@@ -34,7 +36,8 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError, FormatError, LayoutError, ShardkitError
 from checkpoint.reader import Checkpoint
 from convert.mcore_to_hf import convert_mcore_to_hf
-from convert.megatron_legacy import config_from_megatron_args, legacy_to_native, load_rank_file
+from convert.megatron_legacy import (config_from_megatron_args, is_legacy_checkpoint, legacy_to_native,
+                                     load_rank_file, read_legacy_args)
 
 ORACLE = Path(__file__).with_name("megatron_legacy_oracle.py")
 TOL = 1e-4
@@ -75,7 +78,8 @@ def _only_our_allowlist(monkeypatch):
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-    pytest.importorskip("megatron.core", reason="megatron-core is the oracle")
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is the oracle")  # never imported here: it widens the pickle allowlist
     w = tmp_path_factory.mktemp("legacy")
     torch.manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, SEQ))
@@ -244,6 +248,8 @@ def test_megatron_own_checkpoint(oracle, tmp_path, kind):
 def test_config_from_megatron_args(oracle, kind):
     state = load_rank_file(oracle[kind]["root"] / "iter_0000100" / "mp_rank_00" / "model_optim_rng.pt")
     args = state["args"]
+    assert is_legacy_checkpoint(oracle[kind]["root"]) and not is_legacy_checkpoint(oracle["dir"])
+    assert vars(read_legacy_args(oracle[kind]["root"])).keys() == vars(args).keys()
     assert type(args.model_type).__name__ == "ModelType" and args.model_type.args == (1,)  # inert stand-in
     assert isinstance(state["rng_state"][0]["np_rng_state"][1], np.ndarray)
     with pytest.raises(ConfigError, match="vocab_size"):
@@ -443,7 +449,7 @@ def test_config_and_layout_mismatch(oracle, tmp_path):
     msg = _refused(root, tmp_path, ConfigError, dataclasses.replace(cfg, vocab_size=2000))
     assert "padded_vocab_size=1024" in msg
     msg = _refused(root, tmp_path, LayoutError, dataclasses.replace(cfg, ffn_hidden_size=97))
-    assert "--tp 2" in msg
+    assert "tp=2" in msg and "intermediate_size=97" in msg
 
 
 def test_tied_embeddings_copy_on_last_stage(oracle, tmp_path):
@@ -498,3 +504,26 @@ def test_resolve_keys_of_other_families():
     assert resolve_key("mtp.layers.0.enorm.weight", 0, cfg, names) == ("mtp.layers.0.enorm.weight", ())
     assert resolve_key("decoder.layers.0.mlp.experts.weight1", 0, cfg, names) is None
     assert resolve_key("decoder.final_layernorm.weight", 0, cfg, names) == ("decoder.final_layernorm.weight", ())
+
+
+def test_release_and_iteration_directory(oracle, tmp_path):
+    """`release` checkpoints (iteration 0), an iteration directory given directly, tokenizer files carried along."""
+    parts = split_legacy(oracle["dense"]["sd"], DENSE["num_layers"])
+    root = write_legacy(tmp_path / "legacy", parts, 1, 1, 1, 1, "dense")
+    os.rename(root / "iter_0000007", root / "release")
+    (root / "latest_checkpointed_iteration.txt").write_text("release\n")
+    hf = tmp_path / "tok"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_text("{}")
+    cfg = model_config("dense")
+    nat = legacy_to_native(root, tmp_path / "a", cfg, quiet=True, workers=1, hf_dir=hf)
+    assert nat.name == "iter_0000000" and (nat / "hf" / "tokenizer.json").is_file()
+    os.rename(root / "release", root / "iter_0000042")
+    nat = legacy_to_native(root / "iter_0000042", tmp_path / "b", cfg, quiet=True, workers=1)
+    assert nat.name == "iter_0000042"
+    (root / "latest_checkpointed_iteration.txt").write_text("42")
+    with pytest.raises(ShardkitError, match="destination is the legacy checkpoint"):
+        legacy_to_native(root, root, cfg, quiet=True, overwrite=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("12x")
+    with pytest.raises(FormatError, match="latest_checkpointed_iteration.txt"):
+        legacy_to_native(root, tmp_path / "c", cfg, quiet=True)
