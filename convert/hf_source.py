@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,12 +187,24 @@ class HFSource:
         return scales
 
     def assets(self) -> list[Path]:
-        found: dict[str, Path] = {}
-        for pat in ASSET_PATTERNS:
-            for p in self.dir.glob(pat):
-                if p.is_file() and not p.is_symlink():
-                    found[p.name] = p
-        return [found[k] for k in sorted(found)]
+        return find_assets(self.dir)
 
     def fingerprint(self) -> list[dict]:
         return self.file_info
+
+
+def find_assets(hf_dir: str | Path) -> list[Path]:
+    """Tokenizer / generation files of an HF directory (regular files only, never symlinks)."""
+    found: dict[str, Path] = {}
+    for pat in ASSET_PATTERNS:
+        for p in Path(hf_dir).glob(pat):
+            if p.is_file() and not p.is_symlink():
+                found[p.name] = p
+    return [found[k] for k in sorted(found)]
+
+
+def copy_assets(hf_dir: str | Path, dest: Path) -> None:
+    """Carry the tokenizer / generation files under a checkpoint's `hf/`."""
+    dest.mkdir(exist_ok=True)
+    for asset in find_assets(hf_dir):
+        shutil.copyfile(asset, dest / asset.name)

@@ -7,7 +7,6 @@ the main process records finished chunks so an interrupted run resumes, and comm
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from checkpoint.manifest import Manifest, TensorEntry
 from checkpoint.sharding import SCALE_SUFFIX, TensorSpec, check_fp8_layout, fp8_scale_specs, model_specs
 
 from . import families
-from .hf_source import HFSource
+from .hf_source import HFSource, copy_assets
 from .mapping import TensorMap, assemble
 from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
@@ -200,10 +199,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
         init_args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
                      {n: e.dtype for n, e in entries.items()}, fp8)
         write_chunks(w, entries, "hf-to-mcore", _init_worker, init_args, _run_task, workers, quiet)
-        hf_out = w.path("hf")
-        hf_out.mkdir(exist_ok=True)
-        for asset in src.assets():
-            shutil.copyfile(asset, hf_out / asset.name)
+        copy_assets(hf_dir, w.path("hf"))
         manifest = Manifest(
             iteration=0, model=cfg, layout=layout, tensors=entries, fp8=fp8,
             provenance={"tool": f"shardkit {VERSION}", "command": "convert hf-to-mcore",

@@ -34,7 +34,6 @@ import os
 import pathlib
 import pickle
 import re
-import shutil
 import signal
 import sys
 import time
@@ -846,14 +845,9 @@ def legacy_to_native(src_root: str | Path, out: str | Path, cfg: ModelConfig, *,
 
             _run_rounds([write_jobs, check_jobs], init_args, nworkers, on_result)
         if hf_dir is not None:
-            from .hf_source import ASSET_PATTERNS
+            from .hf_source import copy_assets
 
-            hf_out = w.path("hf")
-            hf_out.mkdir(exist_ok=True)
-            for pat in ASSET_PATTERNS:
-                for p in Path(hf_dir).glob(pat):
-                    if p.is_file() and not p.is_symlink():
-                        shutil.copyfile(p, hf_out / p.name)
+            copy_assets(hf_dir, w.path("hf"))
         manifest = Manifest(
             iteration=src.iteration, model=cfg, layout=layout, tensors=entries,
             provenance={"tool": f"shardkit {VERSION}", "command": "convert megatron-to-mcore",

@@ -425,14 +425,9 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, la
         init_args = (str(td.path), keys, vocab, str(w.partial), {n: e.dtype for n, e in entries.items()})
         write_chunks(w, entries, "torch_dist-to-mcore", _init_worker, init_args, _run_task, workers, quiet)
         if hf_dir is not None:
-            from .hf_source import ASSET_PATTERNS
+            from .hf_source import copy_assets
 
-            hf_out = w.path("hf")
-            hf_out.mkdir(exist_ok=True)
-            for pat in ASSET_PATTERNS:
-                for p in Path(hf_dir).glob(pat):
-                    if p.is_file() and not p.is_symlink():
-                        shutil.copyfile(p, hf_out / p.name)
+            copy_assets(hf_dir, w.path("hf"))
         manifest = Manifest(
             iteration=iteration, model=cfg, layout=layout, tensors=entries,
             provenance={"tool": f"shardkit {VERSION}", "command": "convert torch-dist-to-mcore",
