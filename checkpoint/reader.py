@@ -21,10 +21,10 @@ from .sharding import SCALE_SUFFIX, Rule, TensorSpec, local_shape, regions
 class Checkpoint:
     """A complete checkpoint iteration (resolved through `latest` when given a root)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, cache_bytes: int = 0):
         self.path = resolve_iteration(path)
         self.manifest = Manifest.load(self.path)
-        self._ctx = store.context()
+        self._ctx = store.context(cache_bytes=cache_bytes)
         self._arrays: dict = {}
 
     @property

@@ -83,9 +83,12 @@ def array_spec(path: str | Path, shape: Sequence[int] | None = None, dtype: str 
     return spec
 
 
-def context(io_concurrency: int = 16) -> ts.Context:
-    return ts.Context({"file_io_concurrency": {"limit": io_concurrency},
-                       "data_copy_concurrency": {"limit": 2}})
+def context(io_concurrency: int = 16, cache_bytes: int = 0) -> ts.Context:
+    """`cache_bytes` > 0 keeps that many bytes of decoded chunks, for readers that read one chunk in several slices."""
+    spec: dict = {"file_io_concurrency": {"limit": io_concurrency}, "data_copy_concurrency": {"limit": 2}}
+    if cache_bytes:
+        spec["cache_pool"] = {"total_bytes_limit": cache_bytes}
+    return ts.Context(spec)
 
 
 def create(path: str | Path, shape: Sequence[int], dtype: str, chunk: Sequence[int],

@@ -146,6 +146,12 @@ class HFSource:
             return sl[start:stop]
         return sl[start:stop, cols]
 
+    def close(self) -> None:
+        """Unmap the shards. _raw() returns zero-copy views of safetensors' mmap, and every page a read touched
+        stays resident (and counted in this process's RSS) while the mapping lives: kept open for a whole run, RSS
+        grows to the size of the source. Views still alive keep their mapping; the next read reopens the file."""
+        self._handles.clear()
+
     def _dequant(self, name: str, start: int, stop: int, cols: slice | None) -> torch.Tensor:
         """DeepSeek's reference dequantization on a slice: fp32(weight) * scale_inv of its 128x128 block, in fp32
         (the caller casts to the target dtype, as the reference kernel stores to the default dtype)."""

@@ -170,13 +170,20 @@ class _LazySource:
             self.src.fp8_block = self.block
         return self.src.read(name, start, stop, cols)
 
+    def close(self) -> None:
+        if self.src is not None:
+            self.src.close()
+
 
 def _run_task(task: Task) -> tuple[str, int]:
     """Assemble one chunk from the HF rows (and columns) it needs and write it."""
     tm = _W["maps"][(task.name, task.lead)]
     rows, *rest = task.box[len(task.lead):]
     value = assemble(tm, rows[0], rows[1], _W["src"].read, slice(*rest[0]) if rest else None)
-    return _W["sink"].write(task, value.reshape((1,) * len(task.lead) + tuple(value.shape)))
+    try:
+        return _W["sink"].write(task, value.reshape((1,) * len(task.lead) + tuple(value.shape)))
+    finally:
+        _W["src"].close()  # the sink has copied the value: unmap the shards so the pages read leave our RSS
 
 
 # -- main side ------------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from .mapping import Segment, TensorMap, hf_sources
 _ST_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
              "float8_e5m2": "F8_E5M2"}
 BLOCK_BYTES = 64 << 20
+EXPORT_CACHE_BYTES = 320 << 20  # > 2 of the largest chunks (CHUNK_MAX_BYTES)
 
 
 @dataclass
@@ -197,7 +198,9 @@ def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -
 def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | None = None,
                         max_shard_size: str | int = "5GB", overwrite: bool = False, quiet: bool = False,
                         quantize_fp8: bool = False) -> Path:
-    ckpt = Checkpoint(ckpt_path)
+    # blocks are row slices of chunks (a QKV chunk is sliced once per query group for each of q, k and v; a 125 MB
+    # vocab chunk is read in 64 MB blocks): keep decoded chunks so each is read and checksummed once
+    ckpt = Checkpoint(ckpt_path, cache_bytes=EXPORT_CACHE_BYTES)
     out = Path(out)
     dtype = store.dtype_name(dtype) if dtype else None
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:

@@ -7,9 +7,9 @@ resume, and shows progress.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import multiprocessing as mp
-import os
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -21,10 +21,15 @@ import torch
 from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.errors import WriteError
+from checkpoint.malloc import tune_malloc
 from checkpoint.manifest import TensorEntry, tensor_path
 from checkpoint.progress import progress_bar
 
 WORKER_MIN_BYTES = 64 << 20  # spawning a worker costs seconds (it imports torch): one per this much work
+# In-process runs keep up to this many bytes of chunk writes in flight (tensorstore encodes, writes and fsyncs them
+# while the next chunk is read and assembled); a chunk is recorded as done only once its write is durable.
+INFLIGHT_BYTES = 128 << 20
+_RECORDER: "_Recorder | None" = None  # set by write_chunks while it runs tasks in this process
 
 
 @dataclass(frozen=True)
@@ -65,18 +70,69 @@ class ChunkSink:
         self.out, self.dtypes = Path(out_dir), dtypes
         self.ctx = store.context()
         self.arrays: dict = {}
+        self._pending: collections.deque = collections.deque()  # (task, nbytes, commit future), oldest first
+        self._pending_bytes = 0
 
     def write(self, task: Task, value: torch.Tensor) -> tuple[str, int]:
+        """Write one chunk. In a worker process it is durable on return (the parent records it). In-process
+        (write_chunks set a recorder) it returns once tensorstore has copied `value`, and the recorder marks the chunk
+        done when its write is durable, keeping at most INFLIGHT_BYTES in flight."""
         arr = self.arrays.get(task.name)
         if arr is None:
             arr = self.arrays[task.name] = store.open_existing(self.out / tensor_path(task.name), self.ctx, task.name)
         value = value.to(store.torch_dtype(self.dtypes[task.name]))
+        nbytes = value.numel() * value.element_size()
+        rec = _RECORDER
         try:
-            store.write(arr, task.index, value).result()
+            fut = store.write(arr, task.index, value)
+            if rec is None:
+                fut.result()
+                return task.id, nbytes
+            fut.copy.result()  # `value` (and the source pages it views) is no longer needed
         except ValueError as e:
-            raise WriteError(f"tensor {task.name}: writing {self.out / tensor_path(task.name)} failed: "
-                             f"{store.short_error(e)}; check free space and permissions") from None
-        return task.id, value.numel() * value.element_size()
+            raise self._error(task, e) from None
+        rec.sinks.add(self)
+        self._pending.append((task, nbytes, fut.commit))
+        self._pending_bytes += nbytes
+        while self._pending and self._pending_bytes > INFLIGHT_BYTES:
+            self._retire(rec)
+        return task.id, nbytes
+
+    def flush(self, rec: "_Recorder", raise_errors: bool = True) -> None:
+        """Wait for every write in flight and record it; after a failure elsewhere, record what succeeded."""
+        while self._pending:
+            try:
+                self._retire(rec)
+            except WriteError:
+                if raise_errors:
+                    raise
+
+    def _retire(self, rec: "_Recorder") -> None:
+        task, nbytes, commit = self._pending.popleft()
+        self._pending_bytes -= nbytes
+        try:
+            commit.result()
+        except ValueError as e:
+            raise self._error(task, e) from None
+        rec.durable(task.id, nbytes)
+
+    def _error(self, task: Task, e: Exception) -> WriteError:
+        return WriteError(f"tensor {task.name}: writing {self.out / tensor_path(task.name)} failed: "
+                          f"{store.short_error(e)}; check free space and permissions")
+
+
+class _Recorder:
+    def __init__(self, w: IterationWriter, bar):
+        self.w, self.bar, self.sinks = w, bar, set()
+
+    def durable(self, task_id: str, nbytes: int) -> None:
+        self.w.mark_done(task_id)
+        self.bar.advance(nbytes, 1)
+
+
+def _init_spawned(init: Callable, *args) -> None:
+    tune_malloc()
+    init(*args)
 
 
 def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str,
@@ -97,8 +153,9 @@ def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str
     left = sum(t.nbytes(entries[t.name]) for t in todo)
     if len(todo) < len(tasks) and not quiet:
         print(f"resuming: {len(tasks) - len(todo)} of {len(tasks)} chunks already written", file=sys.stderr)
-    nworkers = workers or max(1, min(os.cpu_count() or 1, left // WORKER_MIN_BYTES))
-    nworkers = max(1, min(nworkers, len(todo) or 1))
+    # One process with pipelined writes keeps the disk busy; every spawned worker first spends seconds of CPU
+    # importing torch and maps the sources again, so more only pay off for CPU-heavy chunks: opt in with --workers.
+    nworkers = max(1, min(workers or 1, len(todo) or 1))
     with progress_bar(label, total=total, items=len(tasks), disable=quiet) as bar:
         bar.advance(total - left, len(tasks) - len(todo))
 
@@ -108,11 +165,21 @@ def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str
                 bar.advance(nbytes, 1)
 
         if nworkers == 1:
-            init(*init_args)
-            drain(map(run, todo))
+            global _RECORDER
+            rec = _RECORDER = _Recorder(w, bar)
+            ok = False
+            try:
+                init(*init_args)
+                for _ in map(run, todo):  # chunks are recorded by rec as their writes become durable
+                    pass
+                ok = True
+            finally:
+                _RECORDER = None
+                for sink in rec.sinks:  # also when interrupted: what is in flight gets recorded, a rerun skips it
+                    sink.flush(rec, raise_errors=ok)
             return
-        with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn"), initializer=init,
-                                 initargs=init_args) as pool:
+        with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn"), initializer=_init_spawned,
+                                 initargs=(init, *init_args)) as pool:
             futures = [pool.submit(run, t) for t in todo]
             try:
                 drain(f.result() for f in as_completed(futures))

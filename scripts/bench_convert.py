@@ -17,10 +17,11 @@ Before every timed step the page cache is dropped (`sync; echo 3 > /proc/sys/vm/
 that is not possible the source is read once untimed (an untimed `cp -r`) so every timed step reads from a warm
 cache; the mode used is printed and written to the results.
 
-    .venv/bin/python scripts/bench_convert.py --sizes 1,2 --workers default,1,2 --export
+    .venv/bin/python scripts/bench_convert.py --sizes 1,2 --workers default,1,2 --export --repeats 3
+    .venv/bin/python scripts/bench_convert.py --src /path/to/patched/tree ...   # A/B a patch without installing it
 
-Disk use per size: the source, at most one copy (deleted right after it is timed), one converted checkpoint and
-(--export) one exported copy: about 3-4x the model size at peak. Everything lives under --workdir and is removed at
+Disk use per size: the source, at most one copy (deleted right after it is timed), at most two converted checkpoints
+and (--export) one exported copy: about 3-4x the model size at peak (more with --keep). Everything lives under --workdir and is removed at
 the end unless --keep.
 """
 from __future__ import annotations
@@ -42,6 +43,10 @@ from pathlib import Path
 
 GB = 1e9
 MB = 1 << 20
+REPO = Path(__file__).resolve().parent.parent
+# environment of every shardkit subprocess; --src prepends a source tree to PYTHONPATH (A/B runs of a patch)
+ENV: dict[str, str] = dict(os.environ)
+SRC_ROOT = REPO
 VOCAB = 128256
 HEAD_DIM = 128
 KV_HEADS = 8
@@ -234,7 +239,7 @@ class Cache:
             if not try_drop_caches():
                 raise SystemExit("dropping the page cache worked once and then failed; rerun with --warm")
             if self.warm_code:
-                subprocess.run([sys.executable, "-c", WARM_CODE], check=True)
+                subprocess.run([sys.executable, "-c", WARM_CODE], check=True, env=ENV)
         else:
             os.sync()
 
@@ -275,7 +280,7 @@ def run_measured(label: str, cmd: list[str], poll_s: float, log: Path) -> Run:
     stop = threading.Event()
     with open(log, "wb") as logf:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=ENV)
         root = psutil.Process(proc.pid)
 
         def sample() -> None:
@@ -351,81 +356,119 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
               f"pp*vpp, at least one stage each; the untied {s.vocab}-row embeddings alone are "
               f"{Shape(s.hidden, 0, s.vocab).nbytes / GB:.2f} GB)", flush=True)
     t0 = time.perf_counter()
-    weights = synthesize(src, s, int(args.shard_gb * GB), seed=args.seed)
+    synthesize(src, s, int(args.shard_gb * GB), seed=args.seed)
     src_bytes = dir_bytes(src)
     nshards = len(list(src.glob("*.safetensors")))
     print(f"   synthesised {src_bytes / GB:.3f} GB in {nshards} shards in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    # (a) baseline: cp -r (and the sync that makes its bytes durable, timed separately)
     if cache.mode == "warm":
         dst = base / "cp-warmup"
         timed(["cp", "-r", str(src), str(dst)])
         shutil.rmtree(dst)
-    cps = []
-    for rep in range(args.cp_repeats):
+    sk = shardkit_bin()
+    cps: list[tuple[float, float]] = []
+    convs: dict[str, list[Run]] = {w: [] for w in args.workers}
+    exports: list[Run] = []
+    out_bytes = exp_bytes = 0
+    # repeats are interleaved (cp, convert per workers value, export, cp, ...) so drift on a shared disk hits all
+    for rep in range(args.repeats):
+        tag = f"   [{rep + 1}/{args.repeats}]"
+        # (a) baseline: cp -r, and the sync that makes its bytes durable (timed separately)
         dst = base / "cp"
         cache.before_step()
         cp_s = timed(["cp", "-r", str(src), str(dst)])
         sync_s = timed(["sync"])
         cps.append((cp_s, sync_s))
         shutil.rmtree(dst)
-    cp_s = min(c for c, _ in cps)
-    cp_sync_s = min(c + sy for c, sy in cps)
-    print(f"   cp -r: {cp_s:.2f}s ({src_bytes / GB / cp_s:.2f} GB/s); cp -r + sync: {cp_sync_s:.2f}s "
-          f"({src_bytes / GB / cp_sync_s:.2f} GB/s)   [runs: " +
-          ", ".join(f"{c:.2f}+{sy:.2f}" for c, sy in cps) + "]", flush=True)
-
-    rows = []
-    sk = shardkit_bin()
-    for wi, workers in enumerate(args.workers):
-        out = base / f"mcore-w{workers}"
-        cmd = [sk, "convert", "hf-to-mcore", str(src), str(out), "--tp", str(args.tp), "--pp", str(args.pp),
-               "--quiet"]
-        if args.vpp != 1:
-            cmd += ["--vpp", str(args.vpp)]
-        if workers != "default":
-            cmd += ["--workers", str(workers)]
-        cache.before_step()
-        r = run_measured(f"convert (workers={workers})", cmd, args.poll, base / f"convert-w{workers}.log")
-        out_bytes = dir_bytes(out)
-        manifest = json.loads(next(out.glob("iter_*/manifest.json")).read_text())
-        inner_s = manifest.get("provenance", {}).get("seconds")
-        row = dict(size_req_gb=size_gb, size_gb=src_bytes / GB, layers=s.layers, hidden=s.hidden, shards=nshards,
-                   workers=str(workers), cp_s=cp_s, cp_sync_s=cp_sync_s, convert_s=r.wall_s, convert_inner_s=inner_s,
-                   ratio=r.wall_s / cp_s, ratio_sync=r.wall_s / cp_sync_s, cp_gbs=src_bytes / GB / cp_s,
-                   convert_gbs=src_bytes / GB / r.wall_s, peak_tree_mb=r.peak_tree_rss / MB,
-                   peak_max_mb=r.peak_max_rss / MB, peak_anon_mb=r.peak_tree_anon / MB, procs=r.peak_procs,
-                   cpu_s=r.cpu_s, ru_maxrss_mb=r.ru_maxrss / MB, out_gb=out_bytes / GB, samples=r.samples,
-                   cmd=" ".join(cmd))
-        print(f"   convert workers={workers}: {r.wall_s:.2f}s (inside shardkit {inner_s}s) = {row['ratio']:.2f}x cp, "
-              f"{row['ratio_sync']:.2f}x cp+sync, {row['convert_gbs']:.2f} GB/s; peak RSS tree "
-              f"{row['peak_tree_mb']:.0f} MB (anon {row['peak_anon_mb']:.0f} MB, {r.peak_procs} procs), "
-              f"max process {row['peak_max_mb']:.0f} MB; CPU {r.cpu_s:.1f}s; wrote {out_bytes / GB:.3f} GB",
-              flush=True)
-
-        if args.export:
-            exp = base / f"export-w{workers}"
-            ecmd = [sk, "convert", "mcore-to-hf", str(out), str(exp), "--quiet"]
+        print(f"{tag} cp -r {cp_s:.2f}s ({src_bytes / GB / cp_s:.2f} GB/s), + sync {sync_s:.2f}s", flush=True)
+        # (b) the converter
+        for workers in args.workers:
+            out = base / f"mcore-w{workers}"
+            if out.exists():
+                shutil.rmtree(out)
+            cmd = [sk, "convert", "hf-to-mcore", str(src), str(out), "--tp", str(args.tp), "--pp", str(args.pp),
+                   "--quiet"]
+            if args.vpp != 1:
+                cmd += ["--vpp", str(args.vpp)]
+            if workers != "default":
+                cmd += ["--workers", str(workers)]
             cache.before_step()
-            e = run_measured("export", ecmd, args.poll, base / f"export-w{workers}.log")
+            r = run_measured(f"convert (workers={workers})", cmd, args.poll, base / f"convert-w{workers}.log")
+            out_bytes = dir_bytes(out)
+            manifest = json.loads(next(out.glob("iter_*/manifest.json")).read_text())
+            r.extra["inner_s"] = manifest.get("provenance", {}).get("seconds")
+            convs[workers].append(r)
+            print(f"{tag} convert workers={workers}: {r.wall_s:.2f}s (inside shardkit {r.extra['inner_s']}s), "
+                  f"{src_bytes / GB / r.wall_s:.2f} GB/s; peak RSS tree {r.peak_tree_rss / MB:.0f} MB "
+                  f"(anon {r.peak_tree_anon / MB:.0f} MB, {r.peak_procs} procs), max process "
+                  f"{r.peak_max_rss / MB:.0f} MB; CPU {r.cpu_s:.1f}s; wrote {out_bytes / GB:.3f} GB", flush=True)
+            # disk: keep at most the checkpoint the export reads (the first --workers value) and this one
+            if not args.keep and (workers != args.workers[0] or not args.export):
+                shutil.rmtree(out)
+        # (c) optionally back to HF, from the checkpoint of the first --workers value
+        if args.export:
+            ckpt = base / f"mcore-w{args.workers[0]}"
+            exp = base / "export"
+            if exp.exists():
+                shutil.rmtree(exp)
+            cache.before_step()
+            e = run_measured("export", [sk, "convert", "mcore-to-hf", str(ckpt), str(exp), "--quiet"], args.poll,
+                             base / "export.log")
             exp_bytes = dir_bytes(exp)
-            row.update(export_s=e.wall_s, export_ratio=e.wall_s / cp_s, export_ratio_sync=e.wall_s / cp_sync_s,
-                       export_gbs=src_bytes / GB / e.wall_s, export_peak_tree_mb=e.peak_tree_rss / MB,
-                       export_peak_max_mb=e.peak_max_rss / MB, export_cpu_s=e.cpu_s, export_gb=exp_bytes / GB)
-            print(f"   export (mcore-to-hf): {e.wall_s:.2f}s = {row['export_ratio']:.2f}x cp, "
-                  f"{row['export_ratio_sync']:.2f}x cp+sync, {row['export_gbs']:.2f} GB/s; peak RSS tree "
-                  f"{row['export_peak_tree_mb']:.0f} MB, max process {row['export_peak_max_mb']:.0f} MB; "
-                  f"CPU {e.cpu_s:.1f}s", flush=True)
-            if args.check_export:
+            exports.append(e)
+            print(f"{tag} export (mcore-to-hf): {e.wall_s:.2f}s, {src_bytes / GB / e.wall_s:.2f} GB/s; peak RSS "
+                  f"tree {e.peak_tree_rss / MB:.0f} MB, max process {e.peak_max_rss / MB:.0f} MB; CPU {e.cpu_s:.1f}s",
+                  flush=True)
+            if args.check_export and rep == 0:
                 check_export(src, exp)
             if not args.keep:
                 shutil.rmtree(exp)
-        if not args.keep and wi < len(args.workers) - 1:
-            shutil.rmtree(out)
-        rows.append(row)
+        if not args.keep:
+            shutil.rmtree(base / f"mcore-w{args.workers[0]}", ignore_errors=True)
+
+    cp_s = median([c for c, _ in cps])
+    cp_sync_s = median([c + sy for c, sy in cps])
+    common = dict(size_req_gb=size_gb, size_gb=src_bytes / GB, layers=s.layers, hidden=s.hidden, shards=nshards,
+                  cp_s=cp_s, cp_sync_s=cp_sync_s, cp_gbs=src_bytes / GB / cp_s, cp_runs=cps, repeats=args.repeats)
+    rows = []
+    for workers, runs in convs.items():
+        wall = median([r.wall_s for r in runs])
+        inner = [r.extra["inner_s"] for r in runs]
+        rows.append(dict(common, kind="convert", workers=str(workers), convert_s=wall,
+                         convert_inner_s=median(inner) if None not in inner else None,
+                         ratio=wall / cp_s, ratio_sync=wall / cp_sync_s, convert_gbs=src_bytes / GB / wall,
+                         peak_tree_mb=max(r.peak_tree_rss for r in runs) / MB,
+                         peak_max_mb=max(r.peak_max_rss for r in runs) / MB,
+                         peak_anon_mb=max(r.peak_tree_anon for r in runs) / MB,
+                         procs=max(r.peak_procs for r in runs), cpu_s=median([r.cpu_s for r in runs]),
+                         out_gb=out_bytes / GB, runs_s=[round(r.wall_s, 2) for r in runs],
+                         cmd=" ".join(runs[-1].cmd)))
+    if exports:
+        wall = median([e.wall_s for e in exports])
+        rows.append(dict(common, kind="export", workers="-", export_s=wall, export_ratio=wall / cp_s,
+                         export_ratio_sync=wall / cp_sync_s, export_gbs=src_bytes / GB / wall,
+                         export_peak_tree_mb=max(e.peak_tree_rss for e in exports) / MB,
+                         export_peak_max_mb=max(e.peak_max_rss for e in exports) / MB,
+                         export_cpu_s=median([e.cpu_s for e in exports]), export_gb=exp_bytes / GB,
+                         runs_s=[round(e.wall_s, 2) for e in exports], cmd=" ".join(exports[-1].cmd)))
+    for r in rows:
+        if r["kind"] == "convert":
+            print(f"   => convert workers={r['workers']}: median {r['convert_s']:.2f}s = {r['ratio']:.2f}x cp "
+                  f"({cp_s:.2f}s), {r['ratio_sync']:.2f}x cp+sync ({cp_sync_s:.2f}s); peak RSS tree "
+                  f"{r['peak_tree_mb']:.0f} MB, max process {r['peak_max_mb']:.0f} MB", flush=True)
+        else:
+            print(f"   => export: median {r['export_s']:.2f}s = {r['export_ratio']:.2f}x cp, "
+                  f"{r['export_ratio_sync']:.2f}x cp+sync; peak RSS tree {r['export_peak_tree_mb']:.0f} MB",
+                  flush=True)
     if not args.keep:
         shutil.rmtree(base)
     return rows
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def check_export(src: Path, exp: Path) -> None:
@@ -458,6 +501,8 @@ def table(rows: list[dict]) -> str:
             "workers", "layers", "cp GB/s", "cp+sync s", "ratio vs cp+sync", "peak anon tree MB", "CPU s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     for r in rows:
+        if r["kind"] != "convert":
+            continue
         vals = [f"{r['size_gb']:.2f}", f"{r['cp_s']:.2f}", f"{r['convert_s']:.2f}", f"{r['ratio']:.2f}",
                 f"{r['convert_gbs']:.2f}", f"{r['peak_tree_mb']:.0f}", f"{r['peak_max_mb']:.0f}", r["workers"],
                 str(r["layers"]), f"{r['cp_gbs']:.2f}", f"{r['cp_sync_s']:.2f}", f"{r['ratio_sync']:.2f}",
@@ -467,7 +512,7 @@ def table(rows: list[dict]) -> str:
 
 
 def export_table(rows: list[dict]) -> str:
-    rows = [r for r in rows if "export_s" in r]
+    rows = [r for r in rows if r["kind"] == "export"]
     if not rows:
         return ""
     head = ["size GB", "cp s", "export s", "ratio", "export GB/s", "peak RSS tree MB", "peak RSS max-process MB",
@@ -481,15 +526,41 @@ def export_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine_facts() -> str:
-    def sh(cmd: str) -> str:
+def machine_facts(workdir: Path) -> str:
+    def sh(cmd: list[str]) -> str:
         try:
-            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.rstrip()
         except Exception as e:  # noqa: BLE001 - facts are best effort
             return f"({e})"
 
-    return "\n".join([f"nproc: {sh('nproc')}", "free -g:", sh("free -g"), f"df -h workdir: {sh('df -h /tmp | tail -1')}",
-                      f"kernel: {platform.release()}", f"python: {platform.python_version()}"])
+    probe = workdir if workdir.exists() else workdir.parent
+    return "\n".join([f"$ nproc\n{sh(['nproc'])}", f"$ free -g\n{sh(['free', '-g'])}",
+                      f"$ df -h {probe}\n{sh(['df', '-h', str(probe)])}",
+                      f"kernel {platform.release()}, python {platform.python_version()}, cpu: {cpu_model()}"])
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def code_fingerprint() -> dict[str, str]:
+    """sha256 per converter source file, to notice when they change during a run (shared working trees)."""
+    import hashlib
+
+    return {f"{pkg}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()[:12]
+            for pkg in ("convert", "checkpoint", "shardkit") for f in sorted((SRC_ROOT / pkg).glob("*.py"))}
+
+
+def code_digest(fp: dict[str, str]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def parse_args(argv: list[str] | None = None):
@@ -506,9 +577,13 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--workers", default="default",
                     help="comma-separated --workers values to run, 'default' = shardkit's own choice "
                          "(e.g. default,1,2)")
+    ap.add_argument("--src", default=None, metavar="DIR",
+                    help="benchmark the convert/, checkpoint/, shardkit/ packages in DIR instead of the installed ones "
+                         "(prepended to PYTHONPATH of every shardkit subprocess), e.g. a patched copy of the tree")
     ap.add_argument("--export", action="store_true", help="also time `shardkit convert mcore-to-hf` back")
     ap.add_argument("--check-export", action="store_true", help="with --export: compare every tensor bitwise")
-    ap.add_argument("--cp-repeats", type=int, default=1, help="timed cp runs per size; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs of every step per size, interleaved; medians are reported (RSS: the maximum)")
     ap.add_argument("--poll", type=float, default=0.05, help="RSS poll interval in seconds (default 0.05)")
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache even when possible")
     ap.add_argument("--cold-code", action="store_true",
@@ -533,9 +608,15 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        import psutil  # noqa: F401
-    except ImportError:
+    global SRC_ROOT
+    if args.src:
+        SRC_ROOT = Path(args.src).resolve()
+        if not (SRC_ROOT / "convert" / "hf_to_mcore.py").is_file():
+            raise SystemExit(f"--src {args.src}: no convert/hf_to_mcore.py there")
+        ENV["PYTHONPATH"] = os.pathsep.join([str(SRC_ROOT)] + ([ENV["PYTHONPATH"]] if ENV.get("PYTHONPATH") else []))
+    import importlib.util
+
+    if importlib.util.find_spec("psutil") is None:
         raise SystemExit("psutil is required (pip install psutil, or the project's [test] extra)")
     work = Path(args.workdir)
     largest = max(shape_for(g, args.hidden, args.layers, args.pp * args.vpp, args.vocab).nbytes for g in args.size_list)
@@ -543,8 +624,11 @@ def main(argv: list[str] | None = None) -> int:
     free = shutil.disk_usage(work.parent if not work.exists() else work).free
     if need > free:
         raise SystemExit(f"need about {need / GB:.1f} GB free under {work}, have {free / GB:.1f} GB")
+    created = not work.exists()  # only a directory we created is removed whole; otherwise only our size*/ folders
     work.mkdir(parents=True, exist_ok=True)
     cache = Cache.detect(args.warm, warm_code=not args.cold_code)
+    facts = machine_facts(work)
+    code_before = code_fingerprint()
     started = _dt.datetime.now(_dt.timezone.utc)
     cmdline = " ".join([sys.executable, sys.argv[0]] +
                        (argv if argv is not None else sys.argv[1:]))
@@ -555,9 +639,20 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_size(args, g, cache, work)
     finally:
         if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+            if created:
+                shutil.rmtree(work, ignore_errors=True)
+            else:
+                for g in args.size_list:
+                    shutil.rmtree(work / f"size{g:g}", ignore_errors=True)
+    code_after = code_fingerprint()
+    changed = sorted(k for k in set(code_before) | set(code_after) if code_before.get(k) != code_after.get(k))
+    code_note = (f"converter sources ({SRC_ROOT}: convert/, checkpoint/, shardkit/) sha256 {code_digest(code_before)}"
+                 if not changed else
+                 f"WARNING: sources changed during this run ({code_digest(code_before)} -> {code_digest(code_after)}): "
+                 f"{', '.join(changed)}; rerun for clean numbers if any of them is on the measured path")
     report = "\n".join([
         f"Command: `{cmdline}`",
+        f"Code: {code_note}",
         f"Date: {started.strftime('%Y-%m-%d %H:%M UTC')}",
         f"Cache mode: {cache.describe()}",
         f"Layout: tp={args.tp} pp={args.pp} vpp={args.vpp}; hidden {args.hidden}, ffn {ffn_for(args.hidden)}, "
@@ -571,9 +666,10 @@ def main(argv: list[str] | None = None) -> int:
         report += "\n\nmcore-to-hf (export back):\n\n" + et
     print("\n" + report)
     if args.markdown:
-        Path(args.markdown).write_text(report + "\n\n```\n" + machine_facts() + "\n```\n")
+        Path(args.markdown).write_text(report + "\n\n```\n" + facts + "\n```\n")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": cmdline, "date": started.isoformat(), "cache": cache.mode,
+                                               "code": [code_digest(code_before), code_digest(code_after)],
                                                "rows": rows}, indent=1) + "\n")
     return 0
 

@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoint.errors import ShardkitError
 
     args = build_parser().parse_args(argv)
+    from checkpoint.malloc import tune_malloc
+
+    tune_malloc()
     try:
         return _dispatch(args)
     except ShardkitError as e:
