@@ -14,11 +14,15 @@ from pathlib import Path
 from .config import ModelConfig
 from .errors import FormatError
 from .layout import Layout
-from .sharding import TensorSpec, chunk_shape, fp8_scale_specs, model_specs
+from .sharding import (OPTIMIZER_PREFIX, OPTIMIZER_STATES, TensorSpec, chunk_shape, fp8_scale_specs, model_specs,
+                       optimizer_specs)
 
 FORMAT_NAME = "shardkit"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# Scalar training state (iteration, optimizer step and param groups, scheduler, RNG, data position...), written by the
+# trainer as JSON beside the manifest; shardkit carries it verbatim (reshard, torch_dist) and never interprets it.
+TRAIN_STATE = "train_state.json"
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 _ITER_RE = re.compile(r"^iter_\d{7}$")
 
@@ -32,10 +36,11 @@ def valid_iter_dirname(name: str) -> bool:
 
 
 def tensor_path(name: str) -> str:
-    """Relative path of a tensor's array inside the iteration directory."""
+    """Relative path of a tensor's array inside the iteration directory: `model/<name>`, or `optim/<name>` for
+    optimizer state (`optimizer.state.*`)."""
     if not _NAME_RE.match(name):
         raise FormatError(f"tensor name {name!r} is not a dotted identifier; refusing it as a path")
-    return f"model/{name}"
+    return f"optim/{name}" if name.startswith(OPTIMIZER_PREFIX) else f"model/{name}"
 
 
 @dataclass
@@ -69,8 +74,17 @@ class Manifest:
     provenance: dict = field(default_factory=dict)
     training: dict | None = None
     fp8: dict | None = None  # {"block": [br, bc], "tensors": [canonical names kept as e4m3 with <name>_scale_inv]}
+    # optimizer states present (a subset of sharding.OPTIMIZER_STATES, in that order): each model tensor <name> then
+    # has fp32 arrays optimizer.state.<state>.<name> with the same shape and rule. None: a weights-only checkpoint.
+    optimizer: list[str] | None = None
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        try:
+            self.optimizer = _optimizer_states(self.optimizer)
+        except ValueError as e:
+            raise FormatError(f"manifest: {e}") from None
 
     @property
     def vocab(self) -> dict:
@@ -89,6 +103,8 @@ class Manifest:
             "provenance": self.provenance,
             "training": self.training,
             "fp8": self.fp8,
+            # only when present, so weights-only manifests (and their digests) stay as they were
+            **({"optimizer": list(self.optimizer)} if self.optimizer else {}),
         }
 
     def to_json(self) -> str:
@@ -119,15 +135,18 @@ class Manifest:
                 tensors[name] = TensorEntry(**e)
             m = cls(iteration=int(d["iteration"]), model=ModelConfig.from_dict(d["model"]),
                     layout=Layout.from_dict(d["layout"]), tensors=tensors, provenance=d.get("provenance") or {},
-                    training=d.get("training"), fp8=d.get("fp8"))
+                    training=d.get("training"), fp8=d.get("fp8"), optimizer=d.get("optimizer"))
+        except FormatError as e:
+            raise FormatError(f"{source}: {str(e).removeprefix('manifest: ')}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from None
         return m
 
     def specs(self) -> list[TensorSpec]:
-        """The sharding table's tensors for this checkpoint: the model's, plus kept-FP8 block scales."""
+        """The sharding table's tensors for this checkpoint: the model's, plus kept-FP8 block scales, then the
+        optimizer state of every model tensor when the checkpoint carries it."""
         base = model_specs(self.model, self.layout)
-        return base + fp8_scale_specs(base, self.fp8)
+        return base + fp8_scale_specs(base, self.fp8) + optimizer_specs(base, self.optimizer or ())
 
     @classmethod
     def load(cls, iter_dir: Path) -> "Manifest":
@@ -135,6 +154,16 @@ class Manifest:
         if not path.is_file():
             raise FormatError(f"{path}: missing; {iter_dir} is not a complete checkpoint iteration")
         return cls.from_json(path.read_text(), source=str(path))
+
+
+def _optimizer_states(value) -> list[str] | None:
+    """The manifest's `optimizer` field: absent/null, or known states in OPTIMIZER_STATES order, each once."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or any(v not in OPTIMIZER_STATES for v in value) \
+            or len(set(value)) != len(value):
+        raise ValueError(f"optimizer states {value!r} are not a list of distinct states of {list(OPTIMIZER_STATES)}")
+    return sorted(value, key=OPTIMIZER_STATES.index) or None
 
 
 def _digest(body: dict) -> str:

@@ -14,7 +14,7 @@ from .commit import resolve_iteration
 from .config import ModelConfig
 from .errors import CorruptionError, FormatError
 from .layout import Layout, RankCoord
-from .manifest import Manifest, TensorEntry, tensor_path
+from .manifest import TRAIN_STATE, Manifest, TensorEntry, tensor_path
 from .sharding import SCALE_SUFFIX, Rule, TensorSpec, local_shape, regions
 
 
@@ -38,6 +38,20 @@ class Checkpoint:
     @property
     def tensors(self) -> dict[str, TensorEntry]:
         return self.manifest.tensors
+
+    @property
+    def has_optimizer(self) -> bool:
+        """True for a training checkpoint carrying optimizer state (optimizer.state.<state>.<name> arrays)."""
+        return bool(self.manifest.optimizer)
+
+    @property
+    def optimizer_states(self) -> list[str]:
+        return list(self.manifest.optimizer or [])
+
+    def train_state_path(self) -> Path | None:
+        """The trainer's train_state.json in this iteration, if any (shardkit carries it, never interprets it)."""
+        p = self.path / TRAIN_STATE
+        return p if p.is_file() else None
 
     def spec(self, name: str) -> TensorSpec:
         e = self.entry(name)
@@ -63,7 +77,10 @@ class Checkpoint:
         table. Vocab tensors follow the target's padding: rows past the stored ones read as zeros, stored padding
         rows past the target's are not read."""
         layout.check(self.config)
-        target = {s.name: s for s in Manifest(0, self.config, layout, {}, fp8=self.manifest.fp8).specs()}[name]
+        target = {s.name: s for s in Manifest(0, self.config, layout, {}, fp8=self.manifest.fp8,
+                                              optimizer=self.manifest.optimizer).specs()}.get(name)
+        if target is None:
+            raise FormatError(f"{self.path}: no tensor {name!r} in the sharding table of this checkpoint")
         stored_rows = self.entry(name).shape[0]
         out: dict[int, torch.Tensor] = {}
         for r in regions(target, layout, coord, self.config.num_layers):
@@ -105,10 +122,18 @@ class Checkpoint:
             missing, extra = sorted(set(expected) - set(self.tensors)), sorted(set(self.tensors) - set(expected))
             raise FormatError(f"{self.path}: manifest tensors disagree with the model config "
                               f"(missing {missing}, unexpected {extra})")
-        on_disk = {p.name for p in (self.path / "model").iterdir()} if (self.path / "model").is_dir() else set()
-        stray = sorted(on_disk - set(self.tensors))
-        if stray:
-            raise FormatError(f"{self.path}/model: arrays not in the manifest: {stray[:3]}")
+        for sub in ("model", "optim"):
+            d = self.path / sub
+            on_disk = {f"{sub}/{p.name}" for p in d.iterdir()} if d.is_dir() else set()
+            stray = sorted(p.split("/", 1)[1] for p in on_disk - {tensor_path(n) for n in self.tensors})
+            if stray:
+                raise FormatError(f"{d}: arrays not in the manifest: {stray[:3]}")
+        ts_path = self.train_state_path()
+        if ts_path is not None:
+            try:
+                json.loads(ts_path.read_text())
+            except (ValueError, UnicodeDecodeError) as err:
+                raise CorruptionError(f"{ts_path}: not valid JSON ({err})") from None
         total_bytes, chunks = 0, 0
         for name, e in self.tensors.items():
             spec = expected[name]

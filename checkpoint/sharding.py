@@ -8,7 +8,7 @@ Expert tensors carry an expert axis right after the layer axis. The converter, t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from .config import ModelConfig
@@ -164,6 +164,34 @@ def fp8_scale_specs(specs: list[TensorSpec], fp8: dict | None) -> list[TensorSpe
         out.append(TensorSpec(name + SCALE_SUFFIX, (*w.shape[:w.lead], -(-r // br), -(-c // bc)), w.rule, w.per_layer,
                               w.expert, w.layer, w.stage))
     return out
+
+
+# Optimizer state of a training checkpoint: one fp32 array per state and model tensor, with the model tensor's global
+# shape and partition rule, so it reshards like the weights. Keys are megatron-core's distributed-optimizer
+# model-space keys (`optimizer.state.<state>.<model key>`, DistributedOptimizer.sharded_param_state_fs_model_space).
+OPTIMIZER_STATES = ("fp32_param", "exp_avg", "exp_avg_sq")
+OPTIMIZER_PREFIX = "optimizer.state."
+
+
+def optimizer_key(state: str, name: str) -> str:
+    """The key of optimizer state `state` (one of OPTIMIZER_STATES) of model tensor `name`."""
+    if state not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer state {state!r}; expected one of {OPTIMIZER_STATES}")
+    return f"{OPTIMIZER_PREFIX}{state}.{name}"
+
+
+def split_optimizer_key(key: str) -> tuple[str, str] | None:
+    """(state, model tensor name) of an optimizer key; None for a model tensor."""
+    if not key.startswith(OPTIMIZER_PREFIX):
+        return None
+    state, _, name = key[len(OPTIMIZER_PREFIX):].partition(".")
+    return (state, name) if state in OPTIMIZER_STATES and name else None
+
+
+def optimizer_specs(specs: list[TensorSpec], states: tuple[str, ...] | list[str] = OPTIMIZER_STATES
+                    ) -> list[TensorSpec]:
+    """The optimizer-state tensors of `specs` (model tensors): the same specs renamed, state by state."""
+    return [replace(s, name=optimizer_key(st, s.name)) for st in states for s in specs]
 
 
 def check_fp8_layout(specs: list[TensorSpec], fp8: dict | None, layout: Layout) -> None:

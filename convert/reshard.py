@@ -4,6 +4,10 @@ Arrays are global, so resharding is re-chunking: every destination chunk reads e
 (tensorstore fetches only the source chunks that box touches). Vocab padding is recomputed for the destination TP
 the way hf-to-mcore pads (the last real row repeated), so reshard(convert(hf, A), B) equals convert(hf, B) byte for
 byte, and the true vocabulary never changes.
+
+A training checkpoint's optimizer state (`optimizer.state.<state>.<name>`, fp32, same specs as the weights) moves the
+same way; `dtype` casts model weights only. New vocab padding rows of `fp32_param` repeat the last real row like the
+weight; those of `exp_avg` / `exp_avg_sq` are zeros (no update history). `train_state.json` is copied verbatim.
 """
 from __future__ import annotations
 
@@ -17,9 +21,9 @@ from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.errors import ShardkitError
 from checkpoint.layout import Layout
-from checkpoint.manifest import Manifest, TensorEntry
+from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.reader import Checkpoint
-from checkpoint.sharding import Rule, check_fp8_layout, model_specs
+from checkpoint.sharding import Rule, check_fp8_layout, model_specs, optimizer_specs, split_optimizer_key
 
 from .hf_to_mcore import VERSION
 from .writer import ChunkSink, Task, write_chunks
@@ -31,28 +35,39 @@ def plan_reshard(ck: Checkpoint, layout: Layout, dtype: str | None) -> dict[str,
     check_fp8_layout(model_specs(cfg, layout), fp8, layout)
     kept = set(fp8["tensors"]) if fp8 else set()
     entries = {}
-    for spec in Manifest(ck.manifest.iteration, cfg, layout, {}, fp8=fp8).specs():
+    for spec in Manifest(ck.manifest.iteration, cfg, layout, {}, fp8=fp8, optimizer=ck.manifest.optimizer).specs():
         src = ck.entry(spec.name)
         if spec.rule is not Rule.VOCAB and list(spec.shape) != src.shape:
             raise ShardkitError(f"tensor {spec.name}: source shape {src.shape} disagrees with the model config "
                                 f"({list(spec.shape)}); the source checkpoint is inconsistent")
         fp8_part = spec.name in kept or spec.name.removesuffix("_scale_inv") in kept
-        entries[spec.name] = TensorEntry.of(spec, layout, src.dtype if fp8_part else dtype or src.dtype)
+        keep = fp8_part or split_optimizer_key(spec.name) is not None  # optimizer state stays as stored (fp32)
+        entries[spec.name] = TensorEntry.of(spec, layout, src.dtype if keep else dtype or src.dtype)
     return entries
+
+
+def vocab_padding(cfg, layout: Layout, optimizer: list[str] | None) -> dict[str, tuple[int, bool]]:
+    """Vocab tensors of the destination: name -> (true rows, whether padding rows are zeros rather than the last
+    real row repeated). Moments (exp_avg, exp_avg_sq) of padding rows are zeros; weights and fp32_param repeat."""
+    base = [s for s in model_specs(cfg, layout) if s.rule is Rule.VOCAB]
+    out = {s.name: (cfg.vocab_size, False) for s in base}
+    for s in optimizer_specs(base, optimizer or ()):
+        out[s.name] = (cfg.vocab_size, split_optimizer_key(s.name)[0] != "fp32_param")
+    return out
 
 
 # -- worker side ----------------------------------------------------------------------------------------------------
 _W: dict = {}
 
 
-def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, int]) -> None:
+def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, tuple[int, bool]]) -> None:
     torch.set_num_threads(1)
     _W.update(src=Checkpoint(src_dir), sink=ChunkSink(out_dir, dtypes), vocab=vocab)
 
 
 def _run_task(task: Task) -> tuple[str, int]:
     src: Checkpoint = _W["src"]
-    true_rows = _W["vocab"].get(task.name)
+    true_rows, zeros = _W["vocab"].get(task.name, (None, False))
     (a, b), *rest = task.box
     if true_rows is None or b <= true_rows:
         value = src.read(task.name, task.index)
@@ -60,6 +75,8 @@ def _run_task(task: Task) -> tuple[str, int]:
         cols = tuple(slice(x, y) for x, y in rest)
         parts = [src.read(task.name, (slice(a, true_rows), *cols))] if a < true_rows else []
         last = src.read(task.name, (slice(true_rows - 1, true_rows), *cols))
+        if zeros:  # optimizer moments: padding rows have no update history
+            last = torch.zeros_like(last)
         parts.append(last.expand(b - max(a, true_rows), *last.shape[1:]))
         value = torch.cat(parts) if len(parts) > 1 else parts[0]
     return _W["sink"].write(task, value)
@@ -77,7 +94,7 @@ def reshard(src_path: str | Path, out: str | Path, layout: Layout, dtype: str | 
                             "elsewhere")
     dtype = store.dtype_name(dtype) if dtype else None
     entries = plan_reshard(ck, layout, dtype)
-    vocab = {s.name: ck.config.vocab_size for s in model_specs(ck.config, layout) if s.rule is Rule.VOCAB}
+    vocab = vocab_padding(ck.config, layout, ck.manifest.optimizer)
     digest = ck.manifest.to_json()
     job = {"tool": VERSION, "source": str(ck.path.resolve()), "source_manifest": digest, "layout": layout.to_dict(),
            "dtype": dtype}
@@ -87,9 +104,12 @@ def reshard(src_path: str | Path, out: str | Path, layout: Layout, dtype: str | 
         write_chunks(w, entries, "reshard", _init_worker, init_args, _run_task, workers, quiet)
         if ck.hf_dir().is_dir():
             shutil.copytree(ck.hf_dir(), w.path("hf"), dirs_exist_ok=True)
+        if ck.train_state_path() is not None:  # carried verbatim; committed (fsynced, renamed) with the rest
+            shutil.copyfile(ck.train_state_path(), w.path(TRAIN_STATE))
         m = ck.manifest
         manifest = Manifest(
             iteration=m.iteration, model=m.model, layout=layout, tensors=entries, fp8=m.fp8, training=m.training,
+            optimizer=m.optimizer,
             provenance={**m.provenance, "tool": f"shardkit {VERSION}", "command": "reshard",
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "seconds": round(time.time() - started, 3),

@@ -1,0 +1,171 @@
+"""Optimizer state in checkpoints: the manifest records it, verify covers it, reshard moves it like the weights
+(bitwise), torch_dist carries it both ways, and megatron-core's own distributed-optimizer checkpoints map onto it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import store
+from checkpoint.commit import IterationWriter
+from checkpoint.errors import CorruptionError, FormatError
+from checkpoint.layout import Layout, RankCoord
+from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry, tensor_path
+from checkpoint.reader import Checkpoint
+from checkpoint.sharding import (OPTIMIZER_STATES, Rule, model_specs, optimizer_key, optimizer_specs,
+                                 split_optimizer_key)
+from convert.hf_to_mcore import convert_hf_to_mcore
+from convert.reshard import reshard
+from shardkit.demo import build_tiny_llama
+
+TRAIN_STATE_DOC = {"iteration": 7, "consumed_samples": 224, "optimizer": {"step": 7, "param_groups": [
+    {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "wd_mult": 1.0, "lr_mult": 1.0,
+     "is_expert_parallel": False, "is_decoupled_lr": False}]}, "scheduler": {"num_steps": 7, "max_lr": 3e-4},
+    "rng": {"seed": 1234}, "data": {"fingerprint": "sha256:00"}}
+
+
+def _dp_chunk(e: TensorEntry) -> list[int]:
+    """A trainer-style chunk for an optimizer array: one layer (and expert) of the whole tensor, its first own axis
+    split in two (as a sharded optimizer over 2 data-parallel ranks would write it): not the converter's chunk."""
+    chunk = list(e.shape)
+    for i in range(e.lead):
+        chunk[i] = 1
+    ax = e.lead
+    if ax < len(chunk) and chunk[ax] % 2 == 0:
+        chunk[ax] //= 2
+    return chunk
+
+
+def add_optimizer_state(src: Path, out: Path, seed: int = 0, iteration: int | None = None) -> Path:
+    """A training checkpoint built from a converted one: the same weights, fp32_param = weight.float(), exp_avg and
+    exp_avg_sq random (exp_avg_sq >= 0), the trainer's chunking, and a train_state.json."""
+    ck = Checkpoint(src)
+    m = ck.manifest
+    it = m.iteration if iteration is None else iteration
+    g = torch.Generator().manual_seed(seed)
+    entries = dict(m.tensors)
+    with IterationWriter(out, it, {"test": "optimizer", "seed": seed}) as w:
+        for name, e in m.tensors.items():
+            value = ck.read(name)
+            store.create(w.path(tensor_path(name)), e.shape, e.dtype, e.chunk).write(store.to_numpy(value)).result()
+            for state in OPTIMIZER_STATES:
+                key = optimizer_key(state, name)
+                if state == "fp32_param":
+                    v = value.float()
+                else:
+                    v = torch.randn(value.shape, generator=g)
+                    v = v.abs() * 1e-4 if state == "exp_avg_sq" else v * 1e-3
+                oe = TensorEntry(e.shape, "float32", _dp_chunk(e), e.rule, e.per_layer, e.expert)
+                store.create(w.path(tensor_path(key)), oe.shape, oe.dtype, oe.chunk).write(store.to_numpy(v)).result()
+                entries[key] = oe
+        (w.path(TRAIN_STATE)).write_text(json.dumps(TRAIN_STATE_DOC))
+        if ck.hf_dir().is_dir():
+            import shutil
+
+            shutil.copytree(ck.hf_dir(), w.path("hf"))
+        return w.commit(Manifest(it, m.model, m.layout, entries, provenance=m.provenance,
+                                 optimizer=list(OPTIMIZER_STATES)))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("opt")
+    hf = build_tiny_llama(tmp / "hf", dtype=torch.bfloat16, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
+                          vocab_size=300, num_key_value_heads=4)
+    convert_hf_to_mcore(hf, tmp / "w", Layout(), quiet=True)
+    return add_optimizer_state(tmp / "w", tmp / "t", seed=1)
+
+
+def test_keys_and_specs():
+    assert OPTIMIZER_STATES == ("fp32_param", "exp_avg", "exp_avg_sq")
+    name = "decoder.layers.self_attention.linear_qkv.weight"
+    assert optimizer_key("exp_avg", name) == "optimizer.state.exp_avg." + name
+    assert split_optimizer_key(optimizer_key("fp32_param", name)) == ("fp32_param", name)
+    assert split_optimizer_key(name) is None
+    with pytest.raises(ValueError):
+        optimizer_key("momentum", name)
+    assert tensor_path(optimizer_key("exp_avg", name)) == "optim/optimizer.state.exp_avg." + name
+    from checkpoint.config import ModelConfig  # noqa: F401 (the specs only need a config from a converted ckpt)
+
+
+def test_manifest_records_optimizer(trained):
+    ck = Checkpoint(trained)
+    assert ck.has_optimizer and ck.optimizer_states == list(OPTIMIZER_STATES)
+    base = model_specs(ck.config, ck.layout)
+    specs = ck.manifest.specs()
+    assert specs[: len(base)] == base and specs[len(base):] == optimizer_specs(base)
+    assert len(ck.tensors) == 4 * len(base)
+    for s in optimizer_specs(base):
+        e = ck.tensors[s.name]
+        assert e.dtype == "float32" and e.shape == list(s.shape) and e.rule == s.rule.value
+    text = (ck.path / "manifest.json").read_text()
+    d = json.loads(text)
+    assert d["optimizer"] == list(OPTIMIZER_STATES)
+    # the field is covered by the digest
+    edited = text.replace('"optimizer": [\n  "fp32_param",\n', '"optimizer": [\n')
+    assert edited != text
+    with pytest.raises(FormatError, match="digest mismatch"):
+        Manifest.from_json(edited)
+    # old manifests without the field still load, as weights-only checkpoints
+    w = Checkpoint(trained.parent.parent / "w")
+    assert not w.has_optimizer and "optimizer" not in json.loads((w.path / "manifest.json").read_text())
+    assert ck.verify()["tensors"] == len(ck.tensors)
+
+
+def test_read_local_optimizer_key(trained):
+    ck = Checkpoint(trained)
+    name = "decoder.layers.mlp.linear_fc1.weight"
+    key = optimizer_key("exp_avg", name)
+    layout = Layout(tp=2, pp=2)
+    full = ck.read(key)
+    for tp in range(2):
+        got = ck.read_local(key, layout, RankCoord(tp=tp, pp=1))[0]
+        F = full.shape[1] // 2
+        want = torch.cat([full[2:4, tp * F // 2:(tp + 1) * F // 2], full[2:4, F + tp * F // 2:F + (tp + 1) * F // 2]], 1)
+        assert torch.equal(got, want)
+    emb = ck.read_local(optimizer_key("fp32_param", "embedding.word_embeddings.weight"), Layout(tp=4), RankCoord(tp=3))
+    assert emb[0].shape == (128, 64) and emb[0].dtype == torch.float32
+
+
+def test_verify_detects_damaged_optimizer_chunk(trained, tmp_path):
+    import shutil
+
+    dst = tmp_path / "t"
+    shutil.copytree(trained.parent, dst)
+    ck = Checkpoint(dst)
+    arr_dir = ck.path / tensor_path(optimizer_key("exp_avg_sq", "decoder.final_layernorm.weight"))
+    chunk = next(p for p in sorted((arr_dir / "c").rglob("*")) if p.is_file())
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CorruptionError, match="exp_avg_sq.decoder.final_layernorm.weight"):
+        Checkpoint(dst).verify()
+
+
+def test_reshard_chain_bitwise_with_optimizer(trained, tmp_path):
+    src = Checkpoint(trained)
+    reshard(trained, tmp_path / "b", Layout(tp=2, pp=2), dtype="fp32", quiet=True)
+    b = Checkpoint(tmp_path / "b")
+    assert b.has_optimizer and b.manifest.vocab["padded_size"] == 512
+    emb = "embedding.word_embeddings.weight"
+    assert b.tensors[emb].dtype == "float32"  # --dtype applies to weights
+    assert all(b.tensors[k].dtype == "float32" for k in b.tensors if split_optimizer_key(k))
+    # new padding rows: fp32_param repeats the last real row, the moments are zeros
+    fp = b.read(optimizer_key("fp32_param", emb))
+    assert torch.equal(fp[300:], fp[299:300].expand(212, -1))
+    for st in ("exp_avg", "exp_avg_sq"):
+        assert not b.read(optimizer_key(st, emb))[300:].any()
+    assert json.loads((b.path / TRAIN_STATE).read_text()) == TRAIN_STATE_DOC
+    b.verify()
+    reshard(tmp_path / "b", tmp_path / "c", Layout(), dtype="bf16", workers=2, quiet=True)
+    c = Checkpoint(tmp_path / "c")
+    assert sorted(c.tensors) == sorted(src.tensors) and c.manifest.optimizer == src.manifest.optimizer
+    for name, e in src.tensors.items():
+        x, y = src.read(name), c.read(name)
+        assert c.tensors[name].dtype == e.dtype
+        if e.rule == Rule.VOCAB.value:
+            x, y = x[:300], y[:300]
+        assert torch.equal(x, y), name
+    assert (c.path / TRAIN_STATE).read_bytes() == (src.path / TRAIN_STATE).read_bytes()
