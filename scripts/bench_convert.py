@@ -18,7 +18,8 @@ that is not possible the source is read once untimed (an untimed `cp -r`) so eve
 cache; the mode used is printed and written to the results.
 
     .venv/bin/python scripts/bench_convert.py --sizes 1,2 --workers default,1,2 --export --repeats 3
-    .venv/bin/python scripts/bench_convert.py --src /path/to/patched/tree ...   # A/B a patch without installing it
+    # A/B a patch without installing it, interleaved in one run (same cache state, same load):
+    .venv/bin/python scripts/bench_convert.py --src installed --src patched=/path/to/patched/tree ...
 
 Disk use per size: the source, at most one copy (deleted right after it is timed), at most two converted checkpoints
 and (--export) one exported copy: about 3-4x the model size at peak (more with --keep). Everything lives under --workdir and is removed at
@@ -44,9 +45,29 @@ from pathlib import Path
 GB = 1e9
 MB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
-# environment of every shardkit subprocess; --src prepends a source tree to PYTHONPATH (A/B runs of a patch)
-ENV: dict[str, str] = dict(os.environ)
-SRC_ROOT = REPO
+
+
+@dataclass(frozen=True)
+class Code:
+    """A tree of the converter to run: the installed one, or --src DIR (prepended to PYTHONPATH)."""
+
+    label: str
+    root: Path
+    env: dict = field(hash=False, compare=False)
+
+    @classmethod
+    def parse(cls, spec: str) -> "Code":
+        label, _, path = spec.rpartition("=")
+        if spec == "installed":
+            return cls("installed", REPO, dict(os.environ))
+        root = Path(path).resolve()
+        if not (root / "convert" / "hf_to_mcore.py").is_file():
+            raise SystemExit(f"--src {spec}: no convert/hf_to_mcore.py under {root}")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        return cls(label or root.name, root, env)
+
+
 VOCAB = 128256
 HEAD_DIM = 128
 KV_HEADS = 8
@@ -223,6 +244,7 @@ class Cache:
     def __init__(self, mode: str, warm_code: bool = True):
         self.mode = mode  # "cold" (drop before each step) or "warm" (untimed read first)
         self.warm_code = warm_code
+        self.codes: list[Code] = []
 
     @classmethod
     def detect(cls, force_warm: bool, warm_code: bool = True) -> "Cache":
@@ -239,7 +261,8 @@ class Cache:
             if not try_drop_caches():
                 raise SystemExit("dropping the page cache worked once and then failed; rerun with --warm")
             if self.warm_code:
-                subprocess.run([sys.executable, "-c", WARM_CODE], check=True, env=ENV)
+                for code in self.codes:
+                    subprocess.run([sys.executable, "-c", WARM_CODE], check=True, env=code.env)
         else:
             os.sync()
 
@@ -272,7 +295,7 @@ class Run:
     extra: dict = field(default_factory=dict)
 
 
-def run_measured(label: str, cmd: list[str], poll_s: float, log: Path) -> Run:
+def run_measured(label: str, cmd: list[str], poll_s: float, log: Path, env: dict | None = None) -> Run:
     import psutil
 
     r = Run(label, cmd)
@@ -280,7 +303,7 @@ def run_measured(label: str, cmd: list[str], poll_s: float, log: Path) -> Run:
     stop = threading.Event()
     with open(log, "wb") as logf:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=ENV)
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
         root = psutil.Process(proc.pid)
 
         def sample() -> None:
@@ -367,10 +390,11 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
         shutil.rmtree(dst)
     sk = shardkit_bin()
     cps: list[tuple[float, float]] = []
-    convs: dict[str, list[Run]] = {w: [] for w in args.workers}
-    exports: list[Run] = []
+    codes: list[Code] = args.codes
+    convs: dict[tuple[str, str], list[Run]] = {(c.label, w): [] for c in codes for w in args.workers}
+    exports: dict[str, list[Run]] = {c.label: [] for c in codes}
     out_bytes = exp_bytes = 0
-    # repeats are interleaved (cp, convert per workers value, export, cp, ...) so drift on a shared disk hits all
+    # repeats are interleaved (cp, convert per tree and workers value, export, cp, ...): drift on a shared disk hits all
     for rep in range(args.repeats):
         tag = f"   [{rep + 1}/{args.repeats}]"
         # (a) baseline: cp -r, and the sync that makes its bytes durable (timed separately)
@@ -381,60 +405,64 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
         cps.append((cp_s, sync_s))
         shutil.rmtree(dst)
         print(f"{tag} cp -r {cp_s:.2f}s ({src_bytes / GB / cp_s:.2f} GB/s), + sync {sync_s:.2f}s", flush=True)
-        # (b) the converter
-        for workers in args.workers:
-            out = base / f"mcore-w{workers}"
-            if out.exists():
-                shutil.rmtree(out)
-            cmd = [sk, "convert", "hf-to-mcore", str(src), str(out), "--tp", str(args.tp), "--pp", str(args.pp),
-                   "--quiet"]
-            if args.vpp != 1:
-                cmd += ["--vpp", str(args.vpp)]
-            if workers != "default":
-                cmd += ["--workers", str(workers)]
-            cache.before_step()
-            r = run_measured(f"convert (workers={workers})", cmd, args.poll, base / f"convert-w{workers}.log")
-            out_bytes = dir_bytes(out)
-            manifest = json.loads(next(out.glob("iter_*/manifest.json")).read_text())
-            r.extra["inner_s"] = manifest.get("provenance", {}).get("seconds")
-            convs[workers].append(r)
-            print(f"{tag} convert workers={workers}: {r.wall_s:.2f}s (inside shardkit {r.extra['inner_s']}s), "
-                  f"{src_bytes / GB / r.wall_s:.2f} GB/s; peak RSS tree {r.peak_tree_rss / MB:.0f} MB "
-                  f"(anon {r.peak_tree_anon / MB:.0f} MB, {r.peak_procs} procs), max process "
-                  f"{r.peak_max_rss / MB:.0f} MB; CPU {r.cpu_s:.1f}s; wrote {out_bytes / GB:.3f} GB", flush=True)
-            # disk: keep at most the checkpoint the export reads (the first --workers value) and this one
-            if not args.keep and (workers != args.workers[0] or not args.export):
-                shutil.rmtree(out)
-        # (c) optionally back to HF, from the checkpoint of the first --workers value
-        if args.export:
-            ckpt = base / f"mcore-w{args.workers[0]}"
-            exp = base / "export"
-            if exp.exists():
-                shutil.rmtree(exp)
-            cache.before_step()
-            e = run_measured("export", [sk, "convert", "mcore-to-hf", str(ckpt), str(exp), "--quiet"], args.poll,
-                             base / "export.log")
-            exp_bytes = dir_bytes(exp)
-            exports.append(e)
-            print(f"{tag} export (mcore-to-hf): {e.wall_s:.2f}s, {src_bytes / GB / e.wall_s:.2f} GB/s; peak RSS "
-                  f"tree {e.peak_tree_rss / MB:.0f} MB, max process {e.peak_max_rss / MB:.0f} MB; CPU {e.cpu_s:.1f}s",
-                  flush=True)
-            if args.check_export and rep == 0:
-                check_export(src, exp)
+        for code in codes:
+            # (b) the converter
+            who = f"[{code.label}] " if len(codes) > 1 else ""
+            ck0 = base / f"mcore-{code.label}-w{args.workers[0]}"  # the checkpoint the export reads
+            for workers in args.workers:
+                out = base / f"mcore-{code.label}-w{workers}"
+                if out.exists():
+                    shutil.rmtree(out)
+                cmd = [sk, "convert", "hf-to-mcore", str(src), str(out), "--tp", str(args.tp), "--pp", str(args.pp),
+                       "--quiet"]
+                if args.vpp != 1:
+                    cmd += ["--vpp", str(args.vpp)]
+                if workers != "default":
+                    cmd += ["--workers", str(workers)]
+                cache.before_step()
+                r = run_measured(f"{who}convert (workers={workers})", cmd, args.poll,
+                                 base / f"convert-{code.label}-w{workers}.log", code.env)
+                out_bytes = dir_bytes(out)
+                manifest = json.loads(next(out.glob("iter_*/manifest.json")).read_text())
+                r.extra["inner_s"] = manifest.get("provenance", {}).get("seconds")
+                convs[(code.label, workers)].append(r)
+                print(f"{tag} {who}convert workers={workers}: {r.wall_s:.2f}s (inside shardkit "
+                      f"{r.extra['inner_s']}s), {src_bytes / GB / r.wall_s:.2f} GB/s; peak RSS tree "
+                      f"{r.peak_tree_rss / MB:.0f} MB (anon {r.peak_tree_anon / MB:.0f} MB, {r.peak_procs} procs), max "
+                      f"process {r.peak_max_rss / MB:.0f} MB; CPU {r.cpu_s:.1f}s; wrote {out_bytes / GB:.3f} GB",
+                      flush=True)
+                # disk: keep at most the checkpoint the export reads and this one
+                if not args.keep and (out != ck0 or not args.export):
+                    shutil.rmtree(out)
+            # (c) optionally back to HF, from the checkpoint of the first --workers value
+            if args.export:
+                exp = base / f"export-{code.label}"
+                if exp.exists():
+                    shutil.rmtree(exp)
+                cache.before_step()
+                e = run_measured(f"{who}export", [sk, "convert", "mcore-to-hf", str(ck0), str(exp), "--quiet"],
+                                 args.poll, base / f"export-{code.label}.log", code.env)
+                exp_bytes = dir_bytes(exp)
+                exports[code.label].append(e)
+                print(f"{tag} {who}export (mcore-to-hf): {e.wall_s:.2f}s, {src_bytes / GB / e.wall_s:.2f} GB/s; peak "
+                      f"RSS tree {e.peak_tree_rss / MB:.0f} MB, max process {e.peak_max_rss / MB:.0f} MB; CPU "
+                      f"{e.cpu_s:.1f}s", flush=True)
+                if args.check_export and rep == 0:
+                    check_export(src, exp)
+                if not args.keep:
+                    shutil.rmtree(exp)
             if not args.keep:
-                shutil.rmtree(exp)
-        if not args.keep:
-            shutil.rmtree(base / f"mcore-w{args.workers[0]}", ignore_errors=True)
+                shutil.rmtree(ck0, ignore_errors=True)
 
     cp_s = median([c for c, _ in cps])
     cp_sync_s = median([c + sy for c, sy in cps])
     common = dict(size_req_gb=size_gb, size_gb=src_bytes / GB, layers=s.layers, hidden=s.hidden, shards=nshards,
                   cp_s=cp_s, cp_sync_s=cp_sync_s, cp_gbs=src_bytes / GB / cp_s, cp_runs=cps, repeats=args.repeats)
     rows = []
-    for workers, runs in convs.items():
+    for (label, workers), runs in convs.items():
         wall = median([r.wall_s for r in runs])
         inner = [r.extra["inner_s"] for r in runs]
-        rows.append(dict(common, kind="convert", workers=str(workers), convert_s=wall,
+        rows.append(dict(common, kind="convert", code=label, workers=str(workers), convert_s=wall,
                          convert_inner_s=median(inner) if None not in inner else None,
                          ratio=wall / cp_s, ratio_sync=wall / cp_sync_s, convert_gbs=src_bytes / GB / wall,
                          peak_tree_mb=max(r.peak_tree_rss for r in runs) / MB,
@@ -443,21 +471,24 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                          procs=max(r.peak_procs for r in runs), cpu_s=median([r.cpu_s for r in runs]),
                          out_gb=out_bytes / GB, runs_s=[round(r.wall_s, 2) for r in runs],
                          cmd=" ".join(runs[-1].cmd)))
-    if exports:
-        wall = median([e.wall_s for e in exports])
-        rows.append(dict(common, kind="export", workers="-", export_s=wall, export_ratio=wall / cp_s,
+    for label, runs_e in exports.items():
+        if not runs_e:
+            continue
+        wall = median([e.wall_s for e in runs_e])
+        rows.append(dict(common, kind="export", code=label, workers="-", export_s=wall, export_ratio=wall / cp_s,
                          export_ratio_sync=wall / cp_sync_s, export_gbs=src_bytes / GB / wall,
-                         export_peak_tree_mb=max(e.peak_tree_rss for e in exports) / MB,
-                         export_peak_max_mb=max(e.peak_max_rss for e in exports) / MB,
-                         export_cpu_s=median([e.cpu_s for e in exports]), export_gb=exp_bytes / GB,
-                         runs_s=[round(e.wall_s, 2) for e in exports], cmd=" ".join(exports[-1].cmd)))
+                         export_peak_tree_mb=max(e.peak_tree_rss for e in runs_e) / MB,
+                         export_peak_max_mb=max(e.peak_max_rss for e in runs_e) / MB,
+                         export_cpu_s=median([e.cpu_s for e in runs_e]), export_gb=exp_bytes / GB,
+                         runs_s=[round(e.wall_s, 2) for e in runs_e], cmd=" ".join(runs_e[-1].cmd)))
     for r in rows:
+        who = f"[{r['code']}] " if len(codes) > 1 else ""
         if r["kind"] == "convert":
-            print(f"   => convert workers={r['workers']}: median {r['convert_s']:.2f}s = {r['ratio']:.2f}x cp "
+            print(f"   => {who}convert workers={r['workers']}: median {r['convert_s']:.2f}s = {r['ratio']:.2f}x cp "
                   f"({cp_s:.2f}s), {r['ratio_sync']:.2f}x cp+sync ({cp_sync_s:.2f}s); peak RSS tree "
                   f"{r['peak_tree_mb']:.0f} MB, max process {r['peak_max_mb']:.0f} MB", flush=True)
         else:
-            print(f"   => export: median {r['export_s']:.2f}s = {r['export_ratio']:.2f}x cp, "
+            print(f"   => {who}export: median {r['export_s']:.2f}s = {r['export_ratio']:.2f}x cp, "
                   f"{r['export_ratio_sync']:.2f}x cp+sync; peak RSS tree {r['export_peak_tree_mb']:.0f} MB",
                   flush=True)
     if not args.keep:
@@ -497,8 +528,10 @@ def check_export(src: Path, exp: Path) -> None:
 # -- report -----------------------------------------------------------------------------------------------------------
 
 def table(rows: list[dict]) -> str:
+    multi = len({r["code"] for r in rows}) > 1
     head = ["size GB", "cp s", "convert s", "ratio", "convert GB/s", "peak RSS tree MB", "peak RSS max-process MB",
             "workers", "layers", "cp GB/s", "cp+sync s", "ratio vs cp+sync", "peak anon tree MB", "CPU s"]
+    head += ["code"] if multi else []
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     for r in rows:
         if r["kind"] != "convert":
@@ -506,7 +539,7 @@ def table(rows: list[dict]) -> str:
         vals = [f"{r['size_gb']:.2f}", f"{r['cp_s']:.2f}", f"{r['convert_s']:.2f}", f"{r['ratio']:.2f}",
                 f"{r['convert_gbs']:.2f}", f"{r['peak_tree_mb']:.0f}", f"{r['peak_max_mb']:.0f}", r["workers"],
                 str(r["layers"]), f"{r['cp_gbs']:.2f}", f"{r['cp_sync_s']:.2f}", f"{r['ratio_sync']:.2f}",
-                f"{r['peak_anon_mb']:.0f}", f"{r['cpu_s']:.1f}"]
+                f"{r['peak_anon_mb']:.0f}", f"{r['cpu_s']:.1f}"] + ([r["code"]] if multi else [])
         lines.append("| " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
@@ -515,14 +548,16 @@ def export_table(rows: list[dict]) -> str:
     rows = [r for r in rows if r["kind"] == "export"]
     if not rows:
         return ""
+    multi = len({r["code"] for r in rows}) > 1
     head = ["size GB", "cp s", "export s", "ratio", "export GB/s", "peak RSS tree MB", "peak RSS max-process MB",
-            "CPU s"]
+            "CPU s", "ratio vs cp+sync"] + (["code"] if multi else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     for r in rows:
         lines.append("| " + " | ".join([f"{r['size_gb']:.2f}", f"{r['cp_s']:.2f}", f"{r['export_s']:.2f}",
                                          f"{r['export_ratio']:.2f}", f"{r['export_gbs']:.2f}",
                                          f"{r['export_peak_tree_mb']:.0f}", f"{r['export_peak_max_mb']:.0f}",
-                                         f"{r['export_cpu_s']:.1f}"]) + " |")
+                                         f"{r['export_cpu_s']:.1f}", f"{r['export_ratio_sync']:.2f}"] +
+                                        ([r["code"]] if multi else [])) + " |")
     return "\n".join(lines)
 
 
@@ -549,12 +584,12 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
-def code_fingerprint() -> dict[str, str]:
+def code_fingerprint(root: Path = REPO) -> dict[str, str]:
     """sha256 per converter source file, to notice when they change during a run (shared working trees)."""
     import hashlib
 
     return {f"{pkg}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()[:12]
-            for pkg in ("convert", "checkpoint", "shardkit") for f in sorted((SRC_ROOT / pkg).glob("*.py"))}
+            for pkg in ("convert", "checkpoint", "shardkit") for f in sorted((root / pkg).glob("*.py"))}
 
 
 def code_digest(fp: dict[str, str]) -> str:
@@ -577,9 +612,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--workers", default="default",
                     help="comma-separated --workers values to run, 'default' = shardkit's own choice "
                          "(e.g. default,1,2)")
-    ap.add_argument("--src", default=None, metavar="DIR",
-                    help="benchmark the convert/, checkpoint/, shardkit/ packages in DIR instead of the installed ones "
-                         "(prepended to PYTHONPATH of every shardkit subprocess), e.g. a patched copy of the tree")
+    ap.add_argument("--src", action="append", default=None, metavar="[LABEL=]DIR",
+                    help="benchmark the convert/, checkpoint/, shardkit/ packages in DIR (prepended to PYTHONPATH of "
+                         "every shardkit subprocess) instead of the installed ones; repeat for an interleaved A/B, "
+                         "'installed' names the installed tree, e.g. --src installed --src patched=/tmp/tree")
     ap.add_argument("--export", action="store_true", help="also time `shardkit convert mcore-to-hf` back")
     ap.add_argument("--check-export", action="store_true", help="with --export: compare every tensor bitwise")
     ap.add_argument("--repeats", type=int, default=1,
@@ -608,27 +644,25 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    global SRC_ROOT
-    if args.src:
-        SRC_ROOT = Path(args.src).resolve()
-        if not (SRC_ROOT / "convert" / "hf_to_mcore.py").is_file():
-            raise SystemExit(f"--src {args.src}: no convert/hf_to_mcore.py there")
-        ENV["PYTHONPATH"] = os.pathsep.join([str(SRC_ROOT)] + ([ENV["PYTHONPATH"]] if ENV.get("PYTHONPATH") else []))
+    args.codes = [Code.parse(x) for x in (args.src or ["installed"])]
+    if len({c.label for c in args.codes}) != len(args.codes):
+        raise SystemExit("--src: give every tree its own label (LABEL=DIR)")
     import importlib.util
 
     if importlib.util.find_spec("psutil") is None:
         raise SystemExit("psutil is required (pip install psutil, or the project's [test] extra)")
     work = Path(args.workdir)
     largest = max(shape_for(g, args.hidden, args.layers, args.pp * args.vpp, args.vocab).nbytes for g in args.size_list)
-    need = largest * (4 if args.export else 3) * 1.05
+    need = largest * (4 if args.export else 3) * 1.05  # source + 2 checkpoints + export (the cp copy goes first)
     free = shutil.disk_usage(work.parent if not work.exists() else work).free
     if need > free:
         raise SystemExit(f"need about {need / GB:.1f} GB free under {work}, have {free / GB:.1f} GB")
     created = not work.exists()  # only a directory we created is removed whole; otherwise only our size*/ folders
     work.mkdir(parents=True, exist_ok=True)
     cache = Cache.detect(args.warm, warm_code=not args.cold_code)
+    cache.codes = args.codes
     facts = machine_facts(work)
-    code_before = code_fingerprint()
+    code_before = {c.label: code_fingerprint(c.root) for c in args.codes}
     started = _dt.datetime.now(_dt.timezone.utc)
     cmdline = " ".join([sys.executable, sys.argv[0]] +
                        (argv if argv is not None else sys.argv[1:]))
@@ -644,15 +678,18 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for g in args.size_list:
                     shutil.rmtree(work / f"size{g:g}", ignore_errors=True)
-    code_after = code_fingerprint()
-    changed = sorted(k for k in set(code_before) | set(code_after) if code_before.get(k) != code_after.get(k))
-    code_note = (f"converter sources ({SRC_ROOT}: convert/, checkpoint/, shardkit/) sha256 {code_digest(code_before)}"
-                 if not changed else
-                 f"WARNING: sources changed during this run ({code_digest(code_before)} -> {code_digest(code_after)}): "
-                 f"{', '.join(changed)}; rerun for clean numbers if any of them is on the measured path")
+    code_after = {c.label: code_fingerprint(c.root) for c in args.codes}
+    notes = []
+    for c in args.codes:
+        b, a = code_before[c.label], code_after[c.label]
+        changed = sorted(k for k in set(b) | set(a) if b.get(k) != a.get(k))
+        notes.append(f"{c.label} = {c.root} (convert/, checkpoint/, shardkit/ sha256 {code_digest(b)})" if not changed
+                     else f"{c.label} = {c.root}: WARNING, sources changed during this run ({code_digest(b)} -> "
+                          f"{code_digest(a)}): {', '.join(changed)}; rerun for clean numbers if any of them is on the "
+                          "measured path")
     report = "\n".join([
         f"Command: `{cmdline}`",
-        f"Code: {code_note}",
+        f"Code: {'; '.join(notes)}",
         f"Date: {started.strftime('%Y-%m-%d %H:%M UTC')}",
         f"Cache mode: {cache.describe()}",
         f"Layout: tp={args.tp} pp={args.pp} vpp={args.vpp}; hidden {args.hidden}, ffn {ffn_for(args.hidden)}, "
@@ -669,7 +706,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.markdown).write_text(report + "\n\n```\n" + facts + "\n```\n")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": cmdline, "date": started.isoformat(), "cache": cache.mode,
-                                               "code": [code_digest(code_before), code_digest(code_after)],
+                                               "code": {c.label: [str(c.root), code_digest(code_before[c.label]),
+                                                                  code_digest(code_after[c.label])]
+                                                        for c in args.codes},
                                                "rows": rows}, indent=1) + "\n")
     return 0
 
