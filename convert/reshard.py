@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -67,19 +68,27 @@ def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict
 
 def _run_task(task: Task) -> tuple[str, int]:
     src: Checkpoint = _W["src"]
-    true_rows, zeros = _W["vocab"].get(task.name, (None, False))
-    (a, b), *rest = task.box
-    if true_rows is None or b <= true_rows:
-        value = src.read(task.name, task.index)
-    else:  # vocab padding of the destination: real rows, then the last real row repeated (as hf-to-mcore pads)
-        cols = tuple(slice(x, y) for x, y in rest)
-        parts = [src.read(task.name, (slice(a, true_rows), *cols))] if a < true_rows else []
-        last = src.read(task.name, (slice(true_rows - 1, true_rows), *cols))
-        if zeros:  # optimizer moments: padding rows have no update history
-            last = torch.zeros_like(last)
-        parts.append(last.expand(b - max(a, true_rows), *last.shape[1:]))
-        value = torch.cat(parts) if len(parts) > 1 else parts[0]
+    value = read_padded(lambda idx: src.read(task.name, idx), task.box, _W["vocab"].get(task.name))
     return _W["sink"].write(task, value)
+
+
+def read_padded(read: Callable[[tuple[slice, ...]], torch.Tensor], box: tuple[tuple[int, int], ...],
+                pad: tuple[int, bool] | None) -> torch.Tensor:
+    """A box of a destination tensor, from `read(index)` of the source tensor. `pad` = (true rows, zeros) for a vocab
+    tensor: rows past the true vocabulary are the last real row repeated (as hf-to-mcore pads), or zeros for
+    optimizer moments."""
+    (a, b), *rest = box
+    index = tuple(slice(x, y) for x, y in box)
+    if pad is None or b <= pad[0]:
+        return read(index)
+    true_rows, zeros = pad
+    cols = index[1:]
+    parts = [read((slice(a, true_rows), *cols))] if a < true_rows else []
+    last = read((slice(true_rows - 1, true_rows), *cols))
+    if zeros:  # optimizer moments: padding rows have no update history
+        last = torch.zeros_like(last)
+    parts.append(last.expand(b - max(a, true_rows), *last.shape[1:]))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 # -- main side ------------------------------------------------------------------------------------------------------

@@ -5,11 +5,17 @@ Megatron rank that owns it (TP fastest, then the expert ranks, then PP; replicat
 the `_extra_state` objects megatron-core's GPTModel asks for on load (None: no FP8 state), `common.pt` (iteration,
 checkpoint_version, Megatron-LM `args`) and `metadata.json`. Keys and global shapes are GPTModel.sharded_state_dict()'s
 (= the canonical names, Transformer Engine spec); `key_naming="local"` renames the few keys megatron-core's local
-spec names differently. Peak memory: one chunk per writer process, plus the metadata.
+spec names differently. Peak memory: one chunk per writer process, plus the metadata. Given another layout (or
+dtype), it writes the destination's chunks straight from the source boxes (vocab padding recomputed): reshard and
+export in one pass. A training checkpoint's optimizer state goes under megatron-core's distributed-optimizer keys
+(`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`, sharding type `fully_reshardable`) and train_state.json into
+common.pt.
 
 torch_dist_to_native: every destination chunk is gathered from the stored items that overlap it (one item in memory
 at a time, large ones memory-mapped), so any torch_dist checkpoint - Megatron's own per-rank shards included - converts
-to any native layout. Optimizer state, RNG state and `_extra_state` objects are not model weights and are skipped.
+to any native layout. Model-space optimizer state (`optimizer.state.{param|fp32_param,exp_avg,exp_avg_sq}.<key>`, as
+megatron-core's distributed optimizer saves it with `fully_reshardable` or `fully_sharded_model_space`) becomes the
+native optimizer entries; other optimizer objects, RNG state and `_extra_state` objects are skipped.
 """
 from __future__ import annotations
 
@@ -34,15 +40,17 @@ from checkpoint.commit import IterationWriter
 from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError, WriteError
 from checkpoint.layout import Layout
-from checkpoint.manifest import Manifest, TensorEntry
+from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
-from checkpoint.sharding import Rule, TensorSpec, model_specs, owner
+from checkpoint.sharding import (OPTIMIZER_STATES, Rule, TensorSpec, model_specs, optimizer_key, optimizer_specs, owner,
+                                 split_optimizer_key)
 from checkpoint.torch_dist import (CHECKPOINT_VERSION, DCPWriter, TorchDistCheckpoint, check_output_root,
                                    commit_iteration_dir, none_object_bytes, prepare_iteration_dir, read_torch_dist,
                                    write_common)
 
 from .hf_to_mcore import VERSION
+from .reshard import plan_reshard, read_padded, vocab_padding
 from .writer import WORKER_MIN_BYTES, ChunkSink, Task, chunk_tasks, write_chunks
 
 KEY_NAMINGS = ("te", "local")
@@ -55,8 +63,19 @@ _LOCAL_SUFFIXES = {
 SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
 
 
+# megatron-core's distributed optimizer (`fully_reshardable`, the model-space format megatron-core 0.16 can load) names
+# the fp32 main parameters `param`; its `fully_sharded_model_space` and the non-distributed mixed-precision optimizer
+# name them `fp32_param`, as shardkit does. We write `param` and read either.
+MEGATRON_OPTIM_STATE = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+MEGATRON_OPTIM_SHARDING = "fully_reshardable"
+TRAIN_STATE_KEY = "shardkit_train_state"  # common.pt: train_state.json carried verbatim as a string
+
+
 def stored_key(name: str, key_naming: str) -> str:
-    """The torch_dist key of canonical tensor `name` under a layer-spec naming."""
+    """The torch_dist key of canonical tensor `name` (or of its optimizer state) under a layer-spec naming."""
+    opt = split_optimizer_key(name)
+    if opt is not None:
+        return f"optimizer.state.{MEGATRON_OPTIM_STATE[opt[0]]}.{stored_key(opt[1], key_naming)}"
     if key_naming == "local":
         for te, local in _LOCAL_SUFFIXES.items():
             if name.endswith("." + te) or name == te:
@@ -65,7 +84,13 @@ def stored_key(name: str, key_naming: str) -> str:
 
 
 def source_keys(name: str) -> list[str]:
-    """torch_dist keys accepted for canonical tensor `name`: TE naming first, then the local spec's."""
+    """torch_dist keys accepted for canonical tensor `name`: TE naming first, then the local spec's; for optimizer
+    state, Megatron's `param` and `fp32_param` spellings of the fp32 main parameters."""
+    opt = split_optimizer_key(name)
+    if opt is not None:
+        state, model = opt
+        spellings = ["param", "fp32_param"] if state == "fp32_param" else [state]
+        return [f"optimizer.state.{sp}.{k}" for k in source_keys(model) for sp in spellings]
     keys = [name]
     local = stored_key(name, "local")
     if local != name:
@@ -174,7 +199,8 @@ def megatron_args(cfg: ModelConfig, layout: Layout, key_naming: str = "te", dtyp
         transformer_impl="transformer_engine" if key_naming == "te" else "local",
         ckpt_format="torch_dist", use_dist_ckpt=True, data_parallel_random_init=False,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
-        # no optimizer or RNG state is written: Megatron-LM must not try to restore them
+        # no RNG state is written, nor optimizer state for a weights-only checkpoint (_common clears no_save_optim
+        # when there is): Megatron-LM must not try to restore them
         no_save_optim=True, no_save_rng=True,
     )
     return argparse.Namespace(**a)
@@ -199,8 +225,9 @@ def layout_from_args(args: argparse.Namespace | None) -> Layout | None:
 # -- native -> torch_dist ---------------------------------------------------------------------------------------------
 
 def _write_rank(args: tuple) -> tuple[dict, int]:
-    """Write one rank file: its tensor chunks (read one at a time from the native checkpoint) and objects."""
-    ckpt_path, tmp_dir, (rank, part), items, objects, key_naming = args
+    """Write one rank file: its tensor chunks (read one at a time from the native checkpoint, vocab padding and dtype
+    of the destination applied) and objects."""
+    ckpt_path, tmp_dir, (rank, part), items, objects, key_naming, pads, dtypes = args
     torch.set_num_threads(1)
     ck = Checkpoint(ckpt_path)
     w = DCPWriter(Path(tmp_dir))
@@ -208,7 +235,8 @@ def _write_rank(args: tuple) -> tuple[dict, int]:
     blob = none_object_bytes() if objects else b""
     with w.rank_file(rank, part) as f:
         for name, box in items:
-            value = ck.read(name, tuple(slice(a, b) for a, b in box))
+            value = read_padded(lambda idx: ck.read(name, idx), box, pads.get(name))
+            value = value.to(store.torch_dtype(dtypes[name]))
             nbytes += f.add_tensor(stored_key(name, key_naming), tuple(a for a, _ in box), value)
         for key in objects:
             f.add_bytes(key, blob)
@@ -235,9 +263,15 @@ def _split_files(per_rank: dict[int, tuple[list, list]], entries: dict[str, Tens
 
 
 def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key_naming: str = "te",
-                     overwrite: bool = False, quiet: bool = False, workers: int | None = None) -> Path:
+                     overwrite: bool = False, quiet: bool = False, workers: int | None = None,
+                     layout: Layout | None = None, dtype: str | None = None) -> Path:
     """Write `<out_root>/iter_N` (N = the native checkpoint's iteration) as a Megatron-LM torch_dist checkpoint and
-    point `latest_checkpointed_iteration.txt` at it; returns the iteration directory."""
+    point `latest_checkpointed_iteration.txt` at it; returns the iteration directory.
+
+    At the checkpoint's own layout each stored chunk becomes one item; for another `layout` (or `dtype`, which casts
+    model weights only) the items are the destination's chunks, read from the source boxes they cover with the vocab
+    padding recomputed, in one pass. Optimizer state goes under megatron-core's distributed-optimizer keys, and
+    train_state.json into common.pt (see _common)."""
     ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
     if key_naming not in KEY_NAMINGS:
         raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' (Transformer Engine spec, Megatron-LM's default) "
@@ -245,13 +279,20 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
     if ck.manifest.fp8:
         raise ShardkitError(f"{ck.path}: keeps block-FP8 weights with separate scales, which torch_dist has no key "
                             "for; dequantize first (convert hf-to-mcore without --keep-fp8)")
-    cfg, layout = ck.config, ck.layout
-    specs = {s.name: s for s in model_specs(cfg, layout)}
-    if set(specs) != set(ck.tensors):
-        missing, extra = sorted(set(specs) - set(ck.tensors)), sorted(set(ck.tensors) - set(specs))
+    cfg, optim = ck.config, ck.manifest.optimizer
+    src_specs = Manifest(0, cfg, ck.layout, {}, optimizer=optim).specs()
+    if {s.name for s in src_specs} != set(ck.tensors):
+        names = {s.name for s in src_specs}
+        missing, extra = sorted(names - set(ck.tensors)), sorted(set(ck.tensors) - names)
         raise FormatError(f"{ck.path}: tensors disagree with the model config (missing {missing[:3]}, unexpected "
                           f"{extra[:3]})")
-    entries = ck.tensors
+    dtype = store.dtype_name(dtype) if dtype else None
+    if layout is None or (layout == ck.layout and dtype is None):
+        layout, entries, pads = ck.layout, ck.tensors, {}  # the stored chunks as they are
+    else:
+        entries = plan_reshard(ck, layout, dtype)
+        pads = vocab_padding(cfg, layout, optim)
+    specs = {s.name: s for s in Manifest(0, cfg, layout, {}, optimizer=optim).specs()}
     tasks = chunk_tasks(entries)
     dtypes = {n: e.dtype for n, e in entries.items()}
     L = cfg.num_layers
@@ -267,9 +308,10 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
         total += t.nbytes(entries[t.name])
     for name, spec in specs.items():
         declared.append((stored_key(name, key_naming), spec.shape, store.torch_dtype(dtypes[name]), chunks[name]))
-        for key, r in extra_state_objects(spec, layout, L):
-            declared.append((key,))
-            per_rank.setdefault(r, ([], []))[1].append(key)
+        if split_optimizer_key(name) is None:
+            for key, r in extra_state_objects(spec, layout, L):
+                declared.append((key,))
+                per_rank.setdefault(r, ([], []))[1].append(key)
 
     tmp, final = prepare_iteration_dir(Path(out_root), ck.manifest.iteration, overwrite)
     try:
@@ -280,7 +322,7 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
             else:
                 w_meta.declare_object(d[0])
         nworkers = workers or max(1, min(os.cpu_count() or 1, total // WORKER_MIN_BYTES))
-        jobs = [(str(ck.path), str(tmp), file, items, objs, key_naming)
+        jobs = [(str(ck.path), str(tmp), file, items, objs, key_naming, pads, dtypes)
                 for file, items, objs in _split_files(per_rank, entries, -(-nworkers // len(per_rank)))]
         nworkers = min(nworkers, len(jobs))
         with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar:
@@ -297,10 +339,7 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
                         w_meta.storage_data.update(storage)
                         bar.advance(nbytes, len(futures[fut][3]))
         w_meta.write_metadata(str(final))
-        common = {"iteration": ck.manifest.iteration, "checkpoint_version": CHECKPOINT_VERSION,
-                  "args": megatron_args(cfg, layout, key_naming), "num_floating_point_operations_so_far": 0,
-                  "content_metadata": {"singleton_local_shards": False}}
-        write_common(tmp, common)
+        write_common(tmp, _common(ck, layout, key_naming, dtype))
         return commit_iteration_dir(tmp, final, ck.manifest.iteration)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -309,6 +348,48 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _common(ck: Checkpoint, layout: Layout, key_naming: str, dtype: str | None) -> dict:
+    """common.pt: what Megatron-LM keeps outside the sharded tensors. With optimizer state, Megatron's own entries
+    are filled from train_state.json where it has them (`optimizer.param_groups` (+ `optimizer.step`), `scheduler`,
+    `consumed_samples`), and the file itself rides along verbatim under `shardkit_train_state`. The iteration is the
+    manifest's."""
+    m = ck.manifest
+    args = megatron_args(ck.config, layout, key_naming, dtype)
+    common: dict = {"iteration": m.iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                    "num_floating_point_operations_so_far": 0,
+                    "content_metadata": {"singleton_local_shards": False}}
+    ts_path = ck.train_state_path()
+    state = None
+    if ts_path is not None:
+        text = ts_path.read_text()
+        common[TRAIN_STATE_KEY] = text
+        try:
+            state = json.loads(text)
+        except ValueError:
+            raise FormatError(f"{ts_path}: not valid JSON; the checkpoint is damaged") from None
+    if m.optimizer:
+        args.no_save_optim = None  # Megatron-LM restores the optimizer state from this checkpoint
+        common["content_metadata"]["distrib_optim_sharding_type"] = MEGATRON_OPTIM_SHARDING
+        common["optimizer"] = {"param_state_sharding_type": MEGATRON_OPTIM_SHARDING}
+    if isinstance(state, dict):
+        opt = state.get("optimizer")
+        if m.optimizer and isinstance(opt, dict) and isinstance(opt.get("param_groups"), list):
+            groups = [dict(g) for g in opt["param_groups"] if isinstance(g, dict)]
+            step = opt.get("step")
+            for g in groups:
+                g.pop("params", None)
+                if step is not None:
+                    g.setdefault("step", step)
+            common["optimizer"]["optimizer"] = {"param_groups": groups}
+        if isinstance(state.get("scheduler"), dict):
+            common["opt_param_scheduler"] = state["scheduler"]
+        consumed = state.get("consumed_samples")
+        if isinstance(consumed, int):
+            args.consumed_train_samples = consumed
+    common["args"] = args
+    return common
 
 
 def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: str = "te", overwrite: bool = False,
@@ -331,10 +412,21 @@ def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: 
 
 # -- torch_dist -> native ---------------------------------------------------------------------------------------------
 
-def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype: str | None
-                ) -> tuple[dict[str, TensorEntry], dict[str, str]]:
-    """Match every canonical tensor to its torch_dist key and check shapes. Returns (entries, canonical -> key)."""
-    specs = model_specs(cfg, layout)
+def import_optimizer_states(td: TorchDistCheckpoint) -> list[str]:
+    """The optimizer states a torch_dist checkpoint holds in model space (optimizer.state.<state>.<key>)."""
+    states = []
+    for st in OPTIMIZER_STATES:
+        spellings = ("param", "fp32_param") if st == "fp32_param" else (st,)
+        if any(k.startswith(tuple(f"optimizer.state.{sp}." for sp in spellings)) for k in td.tensors):
+            states.append(st)
+    return states
+
+
+def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype: str | None,
+                optimizer: list[str] | None = None) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Match every canonical tensor (and, with `optimizer`, its optimizer state) to its torch_dist key and check
+    shapes. Returns (entries, canonical -> key). Optimizer state is stored as fp32 whatever `dtype` says."""
+    specs = Manifest(0, cfg, layout, {}, optimizer=optimizer).specs()
     keys, missing = {}, []
     for s in specs:
         k = next((k for k in source_keys(s.name) if k in td.tensors), None)
@@ -343,7 +435,8 @@ def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype
         else:
             keys[s.name] = k
     if missing:
-        raise FormatError(f"{td.path}: {len(missing)} tensor(s) the model config needs are missing, e.g. "
+        what = "optimizer state" if all(split_optimizer_key(n) for n in missing) else "tensor(s) the model config needs"
+        raise FormatError(f"{td.path}: {len(missing)} {what} are missing, e.g. "
                           f"{', '.join(missing[:3])}; is the model config right for this checkpoint?")
     used = set(keys.values())
     unexpected = sorted(k for k in td.tensors if k not in used and not k.startswith(SKIPPED_PREFIXES))
@@ -362,7 +455,7 @@ def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype
             raise FormatError(f"{td.path}: tensor {keys[s.name]} has global shape {list(src.shape)}, but the model "
                               f"config implies {list(want)}" + (f" (at least {cfg.vocab_size} rows)"
                                                                  if s.rule is Rule.VOCAB else ""))
-        dt = dtype or store.dtype_name(src.dtype)
+        dt = "float32" if split_optimizer_key(s.name) else dtype or store.dtype_name(src.dtype)
         entries[s.name] = TensorEntry.of(s, layout, dt)
     return entries, keys
 
@@ -370,7 +463,7 @@ def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype
 _W: dict = {}
 
 
-def _init_worker(td_path: str, keys: dict[str, str], vocab: dict[str, int], out_dir: str,
+def _init_worker(td_path: str, keys: dict[str, str], vocab: dict[str, tuple[int, bool]], out_dir: str,
                  dtypes: dict[str, str]) -> None:
     torch.set_num_threads(1)
     td = TorchDistCheckpoint(td_path)
@@ -381,15 +474,8 @@ def _init_worker(td_path: str, keys: dict[str, str], vocab: dict[str, int], out_
 def _run_task(task: Task) -> tuple[str, int]:
     td: TorchDistCheckpoint = _W["td"]
     key = _W["keys"][task.name]
-    true_rows = _W["vocab"].get(task.name)
-    (a, b), *rest = task.box
-    if true_rows is None or b <= true_rows:
-        value = td.read(key, task.box)
-    else:  # destination padding: real rows, then the last real row repeated (as hf-to-mcore and reshard pad)
-        parts = [td.read(key, ((a, true_rows), *rest))] if a < true_rows else []
-        last = td.read(key, ((true_rows - 1, true_rows), *rest))
-        parts.append(last.expand(b - max(a, true_rows), *last.shape[1:]))
-        value = torch.cat(parts) if len(parts) > 1 else parts[0]
+    value = read_padded(lambda idx: td.read(key, tuple((s.start, s.stop) for s in idx)), task.box,
+                        _W["vocab"].get(task.name))
     return _W["sink"].write(task, value)
 
 
@@ -413,8 +499,9 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, la
         else:
             raise
     dtype = store.dtype_name(dtype) if dtype else None
-    entries, keys = plan_import(td, cfg, layout, dtype)
-    vocab = {s.name: cfg.vocab_size for s in model_specs(cfg, layout) if s.rule is Rule.VOCAB}
+    optimizer = import_optimizer_states(td) or None
+    entries, keys = plan_import(td, cfg, layout, dtype, optimizer)
+    vocab = vocab_padding(cfg, layout, optimizer)
     md = td.path / ".metadata"
     st = md.stat()
     job = {"tool": VERSION, "source": str(td.path.resolve()), "metadata": [st.st_size, st.st_mtime_ns],
@@ -428,8 +515,11 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, la
             from .hf_source import copy_assets
 
             copy_assets(hf_dir, w.path("hf"))
+        carried = (td.common or {}).get(TRAIN_STATE_KEY)
+        if isinstance(carried, str):  # written by shardkit's export: back verbatim
+            w.path(TRAIN_STATE).write_text(carried)
         manifest = Manifest(
-            iteration=iteration, model=cfg, layout=layout, tensors=entries,
+            iteration=iteration, model=cfg, layout=layout, tensors=entries, optimizer=optimizer,
             provenance={"tool": f"shardkit {VERSION}", "command": "convert torch-dist-to-mcore",
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "source": {"kind": "torch_dist", "path": str(td.path.resolve()), "iteration": iteration,

@@ -75,7 +75,7 @@ def trained(tmp_path_factory) -> Path:
     hf = build_tiny_llama(tmp / "hf", dtype=torch.bfloat16, num_hidden_layers=4, hidden_size=64, intermediate_size=96,
                           vocab_size=300, num_key_value_heads=4)
     convert_hf_to_mcore(hf, tmp / "w", Layout(), quiet=True)
-    return add_optimizer_state(tmp / "w", tmp / "t", seed=1)
+    return add_optimizer_state(tmp / "w", tmp / "t", seed=1, iteration=7)
 
 
 def test_keys_and_specs():
@@ -169,3 +169,34 @@ def test_reshard_chain_bitwise_with_optimizer(trained, tmp_path):
             x, y = x[:300], y[:300]
         assert torch.equal(x, y), name
     assert (c.path / TRAIN_STATE).read_bytes() == (src.path / TRAIN_STATE).read_bytes()
+
+
+def test_torch_dist_round_trip_with_optimizer(trained, tmp_path):
+    from checkpoint.torch_dist import TorchDistCheckpoint
+    from convert.torch_dist_io import TRAIN_STATE_KEY, torch_dist_to_native, write_torch_dist
+
+    src = Checkpoint(trained)
+    # export at another layout in one pass (reshard + export), then back at the source's layout
+    td_dir = write_torch_dist(src, tmp_path / "td", layout=Layout(tp=2, pp=2), quiet=True)
+    td = TorchDistCheckpoint(td_dir)
+    emb = "embedding.word_embeddings.weight"
+    for st in ("param", "exp_avg", "exp_avg_sq"):
+        t = td.tensors[f"optimizer.state.{st}.{emb}"]
+        assert t.shape == (512, 64) and t.dtype == torch.float32 and len(t.chunks) == 2
+    assert td.tensors[emb].dtype == torch.bfloat16
+    assert json.loads(td.common[TRAIN_STATE_KEY]) == TRAIN_STATE_DOC
+    assert td.common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert td.common["optimizer"]["optimizer"]["param_groups"][0]["step"] == 7
+    assert td.common["opt_param_scheduler"] == TRAIN_STATE_DOC["scheduler"]
+    assert td.args.consumed_train_samples == 224 and td.args.tensor_model_parallel_size == 2
+    assert not td.read(f"optimizer.state.exp_avg.{emb}", ((300, 512), (0, 64))).any()
+    back = Checkpoint(torch_dist_to_native(td_dir.parent, tmp_path / "back", src.config, Layout(), quiet=True))
+    assert back.manifest.optimizer == list(OPTIMIZER_STATES) and sorted(back.tensors) == sorted(src.tensors)
+    for name, e in src.tensors.items():
+        assert back.tensors[name].dtype == e.dtype
+        x, y = src.read(name), back.read(name)
+        if e.rule == Rule.VOCAB.value:
+            x, y = x[:300], y[:300]
+        assert torch.equal(x, y), name
+    assert (back.path / TRAIN_STATE).read_bytes() == (src.path / TRAIN_STATE).read_bytes()
+    back.verify()
