@@ -189,6 +189,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         dtype = _check_dtype(args.dtype)
         if _is_torch_dist(args.src):  # torch_dist -> native (-> torch_dist): the import already re-chunks
             path = _write(args, args.dst, lambda out: _import_torch_dist(args, args.src, out, layout, dtype))
+        elif args.format == "torch_dist":  # native -> torch_dist: reshard and export in one pass, no staging copy
+            from convert.torch_dist_io import write_torch_dist
+
+            path = write_torch_dist(args.src, args.dst, layout=layout, dtype=dtype, key_naming=args.key_naming,
+                                    overwrite=args.overwrite, quiet=args.quiet, workers=args.workers)
         else:
             path = _write(args, args.dst, lambda out: reshard(args.src, out, layout, dtype=dtype,
                                                               workers=args.workers, overwrite=args.overwrite,
