@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="build a tiny LLaMA locally and run the whole pipeline on it")
     demo.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     demo.add_argument("--keep", action="store_true", help="keep the work directory")
+
+    from plan.commands import add_parsers as add_plan_parsers  # plan, launch
+
+    add_plan_parsers(sub)
     return ap
 
 
@@ -204,6 +208,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _inspect(args)
     if args.cmd == "verify":
         return _verify(args)
+    if args.cmd in ("plan", "launch"):
+        from plan.commands import run as run_plan
+
+        return run_plan(args)
     if args.cmd == "demo":
         from shardkit.demo import run_demo
 

@@ -1,0 +1,155 @@
+"""The `shardkit plan` and `shardkit launch` subcommands (registered by shardkit/cli.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from checkpoint.config import ModelConfig
+from checkpoint.errors import ConfigError
+
+from .units import PlanError, parse_bytes
+
+
+def add_parsers(sub) -> None:
+    pl = sub.add_parser("plan", help="per-GPU memory and step time of every TP/PP/VPP/CP/EP/DP layout; ranked")
+    pl.add_argument("--model", required=True, metavar="PRESET|HF_DIR|CKPT",
+                    help="a preset name (llama3-70b, deepseek-v3, ...), an HF model directory or a shardkit checkpoint")
+    pl.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    pl.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB (default 80GiB)")
+    pl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; TP stays inside one (default 8)")
+    pl.add_argument("--seq-length", type=int, default=4096)
+    pl.add_argument("--global-batch-size", type=int, default=1024, help="sequences per optimizer step (default 1024)")
+    pl.add_argument("--micro-batch-size", type=int, default=1)
+    pl.add_argument("--fp8", action="store_true", help="FP8 GEMMs (Transformer Engine)")
+    pl.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
+                    help="activation recompute; auto tries all three (default)")
+    pl.add_argument("--optimizer-sharding", "--use-distributed-optimizer", dest="optimizer_sharding",
+                    action="store_true", help="distributed optimizer: Adam state split over DP x CP (ZeRO-1)")
+    pl.add_argument("--layout", action="append", default=None, metavar="tp=4,pp=4,dp=4",
+                    help="estimate this layout only (repeatable); otherwise every layout is enumerated")
+    pl.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    pl.add_argument("--plot", metavar="FILE.png", help="bar chart of the memory breakdown of the top layouts")
+    hw = pl.add_argument_group("hardware model (defaults: H100/H200 SXM, NVLink 4, 400 Gb/s per GPU)")
+    hw.add_argument("--peak-tflops", type=float, default=989.0, help="dense BF16 peak per GPU (default 989)")
+    hw.add_argument("--nvlink-bandwidth", type=float, default=450.0, help="GB/s per GPU inside a node (default 450)")
+    hw.add_argument("--network-bandwidth", type=float, default=50.0, help="GB/s per GPU between nodes (default 50)")
+    hw.add_argument("--compute-efficiency", type=float, default=0.6,
+                    help="fraction of peak the kernels reach (default 0.6)")
+    hw.add_argument("--reserved-memory", default="2GiB",
+                    help="per-GPU memory taken by CUDA context, NCCL, workspaces (default 2GiB)")
+
+    la = sub.add_parser("launch", help="render torchrun / sbatch scripts for continue-pretrain at a layout")
+    la.add_argument("--layout", required=True, metavar="tp=4,pp=4,dp=4")
+    la.add_argument("--nodes", type=int, required=True)
+    la.add_argument("--gpus-per-node", type=int, default=8)
+    la.add_argument("--slurm", action="store_true", help="print / submit-ready sbatch script (default: torchrun)")
+    la.add_argument("--dry-run", action="store_true", help="print the scripts instead of writing them")
+    la.add_argument("--out", default="launch", help="directory for torchrun.sh and job.sbatch (default ./launch)")
+    la.add_argument("--master-addr", default="127.0.0.1", help="rank-0 host for torchrun (SLURM sets its own)")
+    la.add_argument("--master-port", type=int, default=29500)
+    la.add_argument("--job-name", default="shardkit-pretrain")
+    la.add_argument("--time", default="24:00:00", help="SLURM time limit")
+    la.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                    help="extra #SBATCH option, e.g. --partition=gpu (repeatable)")
+    la.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment (repeatable)")
+    la.add_argument("trainer_args", nargs=argparse.REMAINDER,
+                    help="after `--`: continue-pretrain arguments (--load, --save, --data, batch sizes, ...)")
+
+
+def resolve_model(model: str) -> tuple[str, ModelConfig]:
+    """A preset name, an HF directory (config.json) or a shardkit checkpoint (its manifest's config)."""
+    from checkpoint import presets
+
+    path = Path(model)
+    if path.exists():
+        if (path / "config.json").is_file():
+            return str(path), ModelConfig.from_hf_dir(path)
+        from checkpoint.reader import Checkpoint
+
+        return str(path), Checkpoint(path).config
+    if model.lower() in presets.PRESETS:
+        return model.lower(), presets.model_config(model)
+    raise ConfigError(f"--model {model!r}: not a file or directory, and not a known preset; known presets: "
+                      f"{', '.join(presets.preset_names())}")
+
+
+def run(args: argparse.Namespace) -> int:
+    return _plan(args) if args.cmd == "plan" else _launch(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from . import report
+    from .memory import ParallelLayout, TrainSettings
+    from .perf import Hardware
+    from .search import check_gpus, plan
+
+    gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory")
+    reserved = parse_bytes(args.reserved_memory, "--reserved-memory")
+    for flag, v in (("--peak-tflops", args.peak_tflops), ("--nvlink-bandwidth", args.nvlink_bandwidth),
+                    ("--network-bandwidth", args.network_bandwidth), ("--compute-efficiency", args.compute_efficiency)):
+        if not v > 0:
+            raise PlanError(f"{flag} must be positive, got {v}")
+    if args.compute_efficiency > 1:
+        raise PlanError(f"--compute-efficiency is a fraction of peak (0, 1], got {args.compute_efficiency}")
+    if args.top < 1:
+        raise PlanError(f"--top must be positive, got {args.top}")
+    hw = Hardware(peak_tflops=args.peak_tflops, nvlink_gbps=args.nvlink_bandwidth,
+                  network_gbps=args.network_bandwidth, compute_efficiency=args.compute_efficiency,
+                  gpus_per_node=args.gpus_per_node)
+    check_gpus(args.gpus, args.gpus_per_node)
+    name, cfg = resolve_model(args.model)
+    s = TrainSettings(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                      global_batch_size=args.global_batch_size, recompute="none" if args.recompute == "auto" else
+                      args.recompute, distributed_optimizer=args.optimizer_sharding, fp8=args.fp8,
+                      reserved_bytes=reserved)
+    modes = ["none", "selective", "full"] if args.recompute == "auto" else [args.recompute]
+    cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes)
+    requested = []
+    if args.layout:
+        layouts = [ParallelLayout.parse(x) for x in args.layout]
+        requested = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, layouts=layouts)
+    title = (f"{name}: {args.gpus} GPUs x {gpu_memory / 2**30:.1f} GiB, seq {s.seq_length}, micro batch "
+             f"{s.micro_batch_size}, global batch {s.global_batch_size}"
+             f"{', FP8' if s.fp8 else ''}{', distributed optimizer' if s.distributed_optimizer else ''}")
+    if args.json:
+        out = report.to_json(cands, name, args.gpus, gpu_memory, s, hw, limit=args.top)
+        if requested:
+            out["requested"] = [c.to_dict() for c in requested]
+        print(json.dumps(out, indent=1))
+    else:
+        report.print_table(cands, title, gpu_memory, top=args.top, requested=requested)
+    if args.plot:
+        shown = requested + [c for c in cands if c.fits][:args.top] or cands[:args.top]
+        path = report.plot(shown, args.plot, gpu_memory, title)
+        if not args.json:
+            print(f"wrote {path}")
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from .launch import LaunchSpec, render_scripts, write_scripts
+    from .memory import ParallelLayout
+
+    extra = list(args.trainer_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    spec = LaunchSpec(layout=ParallelLayout.parse(args.layout), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                      args=tuple(extra), master_addr=args.master_addr, master_port=args.master_port,
+                      job_name=args.job_name, time=args.time, sbatch_extra=tuple(args.sbatch), env=tuple(args.env))
+    if args.dry_run:
+        out = Path(args.out).resolve()
+        scripts = render_scripts(spec, torchrun_path=str(out / "torchrun.sh"))
+        order = ["job.sbatch", "torchrun.sh"] if args.slurm else ["torchrun.sh", "job.sbatch"]
+        for name in order:
+            print(f"# ---- {out / name} ----")
+            print(scripts[name], end="" if scripts[name].endswith("\n") else "\n")
+        return 0
+    paths = write_scripts(spec, args.out)
+    if args.slurm:
+        print(f"wrote {paths['job.sbatch']} and {paths['torchrun.sh']}; submit with: sbatch {paths['job.sbatch']}")
+    else:
+        print(f"wrote {paths['torchrun.sh']} and {paths['job.sbatch']}; run on each node with NODE_RANK=0..{args.nodes - 1}"
+              f": bash {paths['torchrun.sh']}")
+    return 0

@@ -1,0 +1,448 @@
+"""Per-GPU memory of a training run at a parallel layout: weights, gradients, optimizer state, activations,
+communication buffers. Every number is a formula over the model config; the assumptions are written next to it.
+
+Parameters come from the one sharding table (``checkpoint.sharding``): a rank holds exactly the local shards the
+table gives it, so the estimate is the trainer's byte count, not an approximation of it.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Table 2)
+term by term, written for the modern layer instead of GPT-3's: RMSNorm inputs, linear inputs, the core-attention
+inputs Q, K, V (whatever their widths: GQA, MLA), SwiGLU's fc1 output and fc2 input, no dropout masks (none of these
+models has dropout), flash attention (no s^2 score matrix; one fp32 log-sum-exp per head and token) unless
+``flash_attention=False``. With sequence parallelism (always on when tp > 1, as in Megatron) every term is divided by
+tp. For GPT-3's layer the same terms give the paper's 34*s*b*h (see tests/test_plan.py).
+
+Recompute (Megatron's --recompute-granularity): ``selective`` recomputes the core attention, dropping its s^2 or
+log-sum-exp term; ``full`` keeps only each layer's input (2 bytes per token and hidden unit) plus one layer's full
+activations while it is recomputed.
+
+Pipeline: stage r holds the activations of its in-flight micro-batches: min(pp - r, m) under 1F1B, and
+min(m*vpp, 2*(pp - r - 1) + (vpp - 1)*pp + 1) model chunks under the interleaved schedule (Megatron's warm-up count
+plus the one in progress), m = global batch / (micro batch * dp). The first stage is usually the largest; the last
+stage adds the logits of one micro-batch. The estimate is the largest stage.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+
+from checkpoint.config import ModelConfig
+from checkpoint.errors import LayoutError
+from checkpoint.layout import Layout
+from checkpoint.sharding import local_shape, model_specs
+
+from .units import GiB, PlanError
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A whole training layout: the model-parallel part (checkpoint.layout.Layout) plus context and data parallel.
+    Megatron's rank order tp-cp-ep-dp-pp: TP innermost (inside a node), PP outermost."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None = tp
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for k in ("tp", "pp", "vpp", "cp", "ep", "dp"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise LayoutError(f"layout: {k} must be a positive integer, got {v!r}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard: the ranks of one pipeline stage over the expert-model-parallel size."""
+        return max(1, self.tp * self.cp * self.dp // (self.expert_tp * self.ep))
+
+    @property
+    def model(self) -> Layout:
+        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp)
+
+    def label(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.etp is not None and self.etp != self.tp:
+            parts.append(f"etp{self.etp}")
+        parts.append(f"dp{self.dp}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "etp": self.expert_tp, "world": self.world}
+
+    @classmethod
+    def parse(cls, text: str, flag: str = "--layout") -> "ParallelLayout":
+        """'tp=4,pp=4,dp=4' (any of tp pp vpp cp ep etp dp; missing ones are 1)."""
+        out: dict[str, int] = {}
+        for item in filter(None, re.split(r"[,\s]+", text.strip())):
+            m = re.fullmatch(r"(tp|pp|vpp|cp|ep|etp|dp)=([0-9]+)", item)
+            if not m:
+                raise PlanError(f"{flag}: cannot parse {item!r} in {text!r}; write e.g. tp=4,pp=4,dp=4 "
+                                "(keys: tp pp vpp cp ep etp dp)")
+            if m.group(1) in out:
+                raise PlanError(f"{flag}: {m.group(1)} given twice in {text!r}")
+            out[m.group(1)] = int(m.group(2))
+        if not out:
+            raise PlanError(f"{flag}: empty layout; write e.g. tp=4,pp=4,dp=4")
+        return cls(**out)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What besides the layout decides memory: sequence, batch, precision, recompute, optimizer sharding."""
+
+    seq_length: int = 4096
+    micro_batch_size: int = 1
+    global_batch_size: int = 1024
+    recompute: str = "none"  # none | selective | full
+    distributed_optimizer: bool = False  # Megatron --use-distributed-optimizer (ZeRO-1 over DP x CP)
+    fp8: bool = False  # FP8 GEMMs (Transformer Engine): linear inputs saved in 1 byte, an FP8 copy of the weights
+    params_dtype: str = "bfloat16"
+    grad_dtype: str = "float32"  # Megatron's main-grad buffer (accumulate and reduce in fp32)
+    flash_attention: bool = True
+    reserved_bytes: int = 2 * GiB  # CUDA context, NCCL communicators, cuBLAS workspaces, allocator slack
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        for k in ("seq_length", "micro_batch_size", "global_batch_size"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"--{k.replace('_', '-')} must be a positive integer, got {v!r}")
+        for k in ("params_dtype", "grad_dtype"):
+            if getattr(self, k) not in DTYPE_BYTES:
+                raise PlanError(f"{k}: unknown dtype {getattr(self, k)!r}; one of {', '.join(DTYPE_BYTES)}")
+
+    def microbatches(self, dp: int) -> int:
+        """Micro-batches per pipeline per step (at least 1 even when the batch does not divide: that is flagged)."""
+        return max(1, self.global_batch_size // (self.micro_batch_size * dp))
+
+
+# -- parameters: the sharding table ------------------------------------------------------------------------------------
+
+def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[int]]:
+    """Global layer indices held by each pipeline rank (Megatron's interleaving: chunk c = v*pp + r). A stack that
+    does not divide is dealt out with the larger chunks first, so an invalid layout still gets an estimate."""
+    chunks = pp * vpp
+    base, extra = divmod(num_layers, chunks)
+    sizes = [base + (c < extra) for c in range(chunks)]
+    starts = [sum(sizes[:c]) for c in range(chunks)]
+    return [[i for v in range(vpp) for i in range(starts[v * pp + r], starts[v * pp + r] + sizes[v * pp + r])]
+            for r in range(pp)]
+
+
+@dataclass(frozen=True)
+class _ParamTable:
+    """Elements one rank holds, split into dense and expert parts: per decoder layer, and outside the layers."""
+
+    layer_dense: tuple[int, ...]
+    layer_expert: tuple[int, ...]
+    first: int  # embedding (first stage)
+    last_dense: int  # final norm, output layer, MTP dense parts (last stage)
+    last_expert: int  # MTP routed experts (last stage)
+
+
+_TABLES: dict[tuple, _ParamTable] = {}
+
+
+def _param_table(cfg: ModelConfig, tp: int, ep: int, etp: int | None) -> _ParamTable:
+    """Local element counts from the sharding table at pp=1 (per-layer = the stacked shard over the layer axis).
+    Cached: the planner asks for the same (model, tp, ep, etp) for many pp/cp/dp."""
+    key = (repr(cfg), tp, ep, etp)
+    if key not in _TABLES:
+        _TABLES[key] = _param_table_uncached(cfg, tp, ep, etp)
+    return _TABLES[key]
+
+
+def _param_table_uncached(cfg: ModelConfig, tp: int, ep: int, etp: int | None) -> _ParamTable:
+    lay = Layout(tp=tp, pp=1, vpp=1, ep=ep, etp=etp)
+    L = cfg.num_layers
+    dense, expert = [0] * L, [0] * L
+    first = last_dense = last_expert = 0
+    for spec in model_specs(cfg, lay):
+        n = math.prod(local_shape(spec, lay))
+        if spec.per_layer:
+            for i in range(L):
+                (expert if spec.expert else dense)[i] += n // L
+        elif spec.layer is not None:
+            (expert if spec.expert else dense)[spec.layer] += n
+        elif spec.stage == "first":
+            first += n
+        elif spec.expert:
+            last_expert += n
+        else:
+            last_dense += n
+    return _ParamTable(tuple(dense), tuple(expert), first, last_dense, last_expert)
+
+
+def param_counts_per_stage(cfg: ModelConfig, layout: ParallelLayout) -> list[dict[str, int]]:
+    """Elements held by one rank of each pipeline stage: {"dense": ..., "expert": ...} (dense = replicated over
+    DP x CP, expert = replicated over the expert-DP group). Every TP/EP rank of a stage holds the same count."""
+    t = _param_table(cfg, layout.tp, layout.ep, layout.etp)
+    out = []
+    for r, layers in enumerate(stage_layers(cfg.num_layers, layout.pp, layout.vpp)):
+        d = sum(t.layer_dense[i] for i in layers)
+        e = sum(t.layer_expert[i] for i in layers)
+        if r == 0:
+            d += t.first
+        if r == layout.pp - 1:
+            d += t.last_dense
+            e += t.last_expert
+        out.append({"dense": d, "expert": e})
+    return out
+
+
+def _shard(n: int, parts: int) -> int:
+    """Elements of one rank when a flat buffer of n is cut into `parts` equal pieces (the last padded)."""
+    return -(-n // parts)
+
+
+def param_bytes_per_rank(cfg: ModelConfig, layout: ParallelLayout | Layout, dp: int = 1,
+                         distributed_optimizer: bool = False, dtype: str = "bfloat16", *, cp: int = 1,
+                         grad_dtype: str = "float32", pp_rank: int | None = None) -> dict:
+    """Bytes of parameters, gradients and Adam state on one rank of pipeline stage `pp_rank` (default: the stage
+    with the most parameters).
+
+    weights: `dtype`; grads: `grad_dtype` (Megatron's fp32 main-grad buffer); optimizer: fp32 main params (none when
+    the weights are already fp32), exp_avg and exp_avg_sq. With the distributed optimizer the optimizer state of
+    dense parameters is split over DP x CP and that of expert parameters over the expert-DP group, each as a flat
+    buffer cut into equal pieces. This is what the trainer's shards must add up to, exactly."""
+    if isinstance(layout, Layout):
+        layout = ParallelLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, etp=layout.etp, dp=dp,
+                                cp=cp)
+    stages = param_counts_per_stage(cfg, layout)
+    r = max(range(len(stages)), key=lambda i: stages[i]["dense"] + stages[i]["expert"]) if pp_rank is None \
+        else pp_rank
+    return {"pp_rank": r, **_bytes(stages[r]["dense"], stages[r]["expert"], layout, distributed_optimizer, dtype,
+                                   grad_dtype)}
+
+
+def _bytes(dense: int, expert: int, layout: ParallelLayout, distributed_optimizer: bool, dtype: str,
+           grad_dtype: str) -> dict:
+    if dtype not in DTYPE_BYTES or grad_dtype not in DTYPE_BYTES:
+        raise PlanError(f"unknown dtype {dtype!r} / {grad_dtype!r}; one of {', '.join(DTYPE_BYTES)}")
+    n = dense + expert
+    w, g = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_dtype]
+    main = 0 if w == 4 else 4
+    if distributed_optimizer:
+        opt_elems = _shard(dense, layout.dp * layout.cp) + (_shard(expert, layout.expert_dp) if expert else 0)
+    else:
+        opt_elems = n
+    return {
+        "params": n, "dense_params": dense, "expert_params": expert, "optimizer_params": opt_elems,
+        "weights": n * w, "grads": n * g,
+        "main_params": opt_elems * main, "exp_avg": opt_elems * 4, "exp_avg_sq": opt_elems * 4,
+        "optimizer": opt_elems * (main + 8),
+    }
+
+
+def total_params(cfg: ModelConfig) -> dict[str, int]:
+    """Whole-model parameter counts (true vocab): total, and active per token (top-k of the routed experts)."""
+    t = _param_table(cfg, 1, 1, 1)
+    vocab_pad = cfg.padded_vocab_size(1) - cfg.vocab_size
+    pad = vocab_pad * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    total = sum(t.layer_dense) + sum(t.layer_expert) + t.first + t.last_dense + t.last_expert - pad
+    active = total
+    if cfg.is_moe:
+        routed = sum(t.layer_expert) + t.last_expert
+        active = total - routed + routed * cfg.moe_router_topk // cfg.num_moe_experts
+    return {"total": total, "active": active}
+
+
+# -- activations: Korthikanti et al., term by term ---------------------------------------------------------------------
+
+def layer_activation_terms(cfg: ModelConfig, moe: bool, s: TrainSettings, layout: ParallelLayout) -> dict[str, float]:
+    """Bytes one rank stores for one layer and one micro-batch with no recompute, by term. Tokens per rank:
+    T = seq/cp * micro_batch; every term is divided by tp (sequence parallel)."""
+    T = s.seq_length // layout.cp * s.micro_batch_size
+    t = layout.tp
+    a = 2  # bf16 activations
+    lin = 1 if s.fp8 else 2  # linear-layer inputs are kept in FP8 by Transformer Engine
+    h = cfg.hidden_size
+    nh = cfg.num_attention_heads
+    terms: dict[str, float] = {}
+    if cfg.multi_latent_attention:
+        terms["attn_norm_in"] = a * h
+        terms["attn_down_in"] = lin * h
+        if cfg.q_lora_rank:
+            terms["q_latent"] = (a + lin) * cfg.q_lora_rank  # q norm input + q_up input
+        terms["kv_latent"] = (a + lin) * cfg.kv_lora_rank  # kv norm input + kv_up input
+        terms["qkv"] = a * nh * (2 * cfg.q_head_dim + cfg.v_head_dim)
+        v_width = nh * cfg.v_head_dim
+    else:
+        terms["attn_norm_in"] = a * h
+        terms["qkv_in"] = lin * h
+        terms["qkv"] = a * (nh + 2 * cfg.num_query_groups) * cfg.kv_channels
+        v_width = nh * cfg.kv_channels
+    if s.flash_attention:
+        terms["core_attn"] = 4 * nh  # fp32 log-sum-exp per head
+    else:
+        terms["core_attn"] = a * nh * s.seq_length  # softmax output [nh, s/cp, s] per query token (no dropout)
+    terms["proj_in"] = lin * v_width
+    terms["mlp_norm_in"] = a * h
+    if moe:
+        k, F, E = cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.num_moe_experts
+        g = layout.expert_tp  # tokens are gathered over the expert-TP group before the experts
+        terms["router_in"] = lin * h
+        terms["router_probs"] = 4 * E  # fp32 scores
+        terms["expert_in"] = lin * h * k * g  # permuted tokens, k copies
+        terms["expert_fc1_out"] = a * 2 * F * k  # [gate; up] per routed copy (F/etp wide, etp x the tokens)
+        terms["expert_fc2_in"] = lin * F * k
+        terms["expert_out"] = a * h * k * g  # kept for the gradient of the routing weights
+        S = cfg.moe_shared_expert_intermediate_size
+        if S:
+            terms["shared_fc1_out"] = a * 2 * S
+            terms["shared_fc2_in"] = lin * S
+    else:
+        F = cfg.ffn_hidden_size
+        terms["fc1_in"] = lin * h
+        terms["fc1_out"] = a * 2 * F  # SwiGLU input [gate; up]
+        terms["fc2_in"] = lin * F  # SwiGLU output
+    return {k: v * T / t for k, v in terms.items()}
+
+
+def layer_activation_bytes(cfg: ModelConfig, moe: bool, s: TrainSettings, layout: ParallelLayout) -> float:
+    """Bytes stored per layer and micro-batch under the chosen recompute (what stays resident in the pipeline)."""
+    terms = layer_activation_terms(cfg, moe, s, layout)
+    if s.recompute == "none":
+        return sum(terms.values())
+    if s.recompute == "selective":
+        return sum(v for k, v in terms.items() if k != "core_attn")
+    T = s.seq_length // layout.cp * s.micro_batch_size
+    return 2 * cfg.hidden_size * T / layout.tp  # full: the layer's input only
+
+
+def in_flight(layout: ParallelLayout, microbatches: int, pp_rank: int) -> int:
+    """Model chunks whose activations pipeline rank `pp_rank` holds at its peak (1F1B / interleaved warm-up + 1)."""
+    pp, v = layout.pp, layout.vpp
+    if v == 1:
+        return min(pp - pp_rank, microbatches)
+    return min(microbatches * v, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1)
+
+
+def stage_activation_bytes(cfg: ModelConfig, s: TrainSettings, layout: ParallelLayout, pp_rank: int,
+                           layers: list[int] | None = None) -> dict[str, float]:
+    """Activations of one pipeline stage at its peak: the layers' stored activations times the chunks in flight, the
+    recompute working set (full recompute), token ids on the first stage, logits (and MTP) on the last."""
+    if layers is None:
+        layers = stage_layers(cfg.num_layers, layout.pp, layout.vpp)[pp_rank]
+    m = s.microbatches(layout.dp)
+    chunks = in_flight(layout, m, pp_rank)
+    per_chunk = len(layers) / layout.vpp  # layers per model chunk
+    kinds = {moe: layer_activation_bytes(cfg, moe, s, layout) for moe in {cfg.is_moe_layer(i) for i in layers}}
+    mean = sum(kinds[cfg.is_moe_layer(i)] for i in layers) / len(layers) if layers else 0.0
+    out = {"layers": mean * per_chunk * chunks}
+    T = s.seq_length // layout.cp * s.micro_batch_size
+    if s.recompute == "full" and layers:
+        out["recompute_working_set"] = max(sum(layer_activation_terms(cfg, moe, s, layout).values()) for moe in kinds)
+    if pp_rank == 0:
+        out["token_ids"] = 8 * T * min(layout.pp, m)  # int64 ids of the micro-batches in flight (replicated)
+    if pp_rank == layout.pp - 1:
+        vocab = cfg.padded_vocab_size(layout.tp)
+        h = cfg.hidden_size
+        # final norm input + output-layer input (bf16) + the fp32 softmax of vocab-parallel cross entropy, one micro-batch
+        out["logits"] = (2 * h + 2 * h + 4 * vocab) * T / layout.tp
+        if cfg.mtp_num_layers:
+            mtp = sum(layer_activation_terms(cfg, cfg.is_moe, s, layout).values()) + (8 * h + 4 * h + 4 * vocab) * T \
+                / layout.tp
+            out["mtp"] = mtp * cfg.mtp_num_layers
+    return out
+
+
+def comm_buffer_bytes(cfg: ModelConfig, s: TrainSettings, layout: ParallelLayout) -> dict[str, float]:
+    """Transient communication buffers: the sequence-parallel all-gather of one layer input (full sequence), the
+    pipeline send/recv buffers (activation and gradient, each way), the MoE all-to-all send/recv buffers."""
+    T = s.seq_length // layout.cp * s.micro_batch_size
+    h = cfg.hidden_size
+    out: dict[str, float] = {}
+    if layout.tp > 1:
+        out["tp_all_gather"] = 2 * T * h
+    if layout.pp > 1:
+        out["pp_p2p"] = 4 * 2 * T * h / layout.tp
+    if cfg.is_moe:
+        out["ep_all_to_all"] = 2 * 2 * h * cfg.moe_router_topk * T * layout.expert_tp / layout.tp
+    return out
+
+
+# -- the whole breakdown ----------------------------------------------------------------------------------------------
+
+@dataclass
+class MemoryEstimate:
+    """Per-GPU bytes on the largest pipeline stage, by component (``stages`` has every stage's total)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    optimizer_unsharded: int  # the same state without the distributed optimizer
+    optimizer_sharded: int  # ... and with it
+    activations: float
+    comm_buffers: float
+    fp8_weights: int
+    reserved: int
+    pp_rank: int
+    activation_terms: dict = field(default_factory=dict)
+    stages: list = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.activations + self.comm_buffers + self.fp8_weights
+                + self.reserved)
+
+    def breakdown(self) -> dict[str, float]:
+        return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "comm_buffers": self.comm_buffers, "fp8_weights": self.fp8_weights,
+                "reserved": self.reserved}
+
+    def to_dict(self) -> dict:
+        return {**self.breakdown(), "total": self.total, "pp_rank": self.pp_rank,
+                "optimizer_unsharded": self.optimizer_unsharded, "optimizer_sharded": self.optimizer_sharded,
+                "activation_terms": self.activation_terms, "stages": self.stages}
+
+
+def estimate_memory(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings) -> MemoryEstimate:
+    """Every stage's memory; the estimate is the stage with the largest total."""
+    best: MemoryEstimate | None = None
+    totals = []
+    layers_by_stage = stage_layers(cfg.num_layers, layout.pp, layout.vpp)
+    comm = comm_buffer_bytes(cfg, s, layout)
+    counts = param_counts_per_stage(cfg, layout)
+    for r in range(layout.pp):
+        args = (counts[r]["dense"], counts[r]["expert"], layout)
+        p = _bytes(*args, s.distributed_optimizer, s.params_dtype, s.grad_dtype)
+        alt = _bytes(*args, not s.distributed_optimizer, s.params_dtype, s.grad_dtype)
+        acts = stage_activation_bytes(cfg, s, layout, r, layers_by_stage[r])
+        e = MemoryEstimate(
+            weights=p["weights"], grads=p["grads"], optimizer=p["optimizer"],
+            optimizer_unsharded=alt["optimizer"] if s.distributed_optimizer else p["optimizer"],
+            optimizer_sharded=p["optimizer"] if s.distributed_optimizer else alt["optimizer"],
+            activations=sum(acts.values()), comm_buffers=sum(comm.values()),
+            fp8_weights=p["params"] if s.fp8 else 0, reserved=s.reserved_bytes, pp_rank=r,
+            activation_terms=acts)
+        totals.append(e.total)
+        if best is None or e.total > best.total:
+            best = e
+    best.stages = totals
+    return best
+
+
+def with_recompute(s: TrainSettings, recompute: str) -> TrainSettings:
+    return replace(s, recompute=recompute)

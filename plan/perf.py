@@ -1,0 +1,154 @@
+"""Step time and MFU from a simple, stated compute/communication model.
+
+Compute: model FLOPs per token = 6 x (GEMM parameters active per token, output layer included) plus causal attention
+3 x s x heads x (d_qk + d_v) per layer (Megatron's convention: causal-halved; torchtitan's does not halve), spread
+evenly over all GPUs, run at `compute_efficiency` x peak (FP8 doubles the peak of the GEMMs, not of attention).
+Recompute adds its forward passes: core attention (selective) or the whole layer forward (full).
+
+Pipeline: compute x (1 + (pp - 1) / (vpp x m)), the 1F1B/interleaved bubble.
+
+Communication, per micro-batch, ring algorithms at the bandwidth of the link the group spans (NVLink when every
+member sits in one node under Megatron's rank order tp-cp-ep-dp-pp, else the network, per GPU):
+- TP with sequence parallelism: 4 all-gathers/reduce-scatters per layer forward, 4 backward (+4 under full
+  recompute), of (tp - 1)/tp x the layer input; on the critical path.
+- CP (ring attention): (cp - 1) K/V blocks forward, twice that backward; overlapped with the attention compute, only
+  the excess counts; attention under CP runs at 90% (published zigzag ring-attention figure).
+- EP: an all-to-all dispatch and combine per MoE layer, forward and backward, of (ep - 1)/ep x the routed tokens.
+- PP: one activation and one gradient per model chunk and micro-batch; not overlapped.
+- DP (and CP) gradients: reduce-scatter (distributed optimizer) or all-reduce, and the parameter all-gather;
+  overlapped with the last micro-batch's backward and the first one's forward, only the excess counts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from checkpoint.config import ModelConfig
+from checkpoint.layout import Layout
+from checkpoint.sharding import Rule, model_specs
+
+from .memory import DTYPE_BYTES, ParallelLayout, TrainSettings, param_bytes_per_rank, stage_layers, total_params
+
+
+CP_ATTENTION_EFFICIENCY = 0.9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Defaults: H100/H200 SXM, 8 GPUs per node on NVLink 4, one 400 Gb/s NIC per GPU."""
+
+    peak_tflops: float = 989.0  # dense BF16; FP8 is 2x
+    nvlink_gbps: float = 450.0  # GB/s per GPU per direction inside a node
+    network_gbps: float = 50.0  # GB/s per GPU across nodes (400 Gb/s)
+    compute_efficiency: float = 0.6  # fraction of peak the GEMM/attention kernels reach
+    gpus_per_node: int = 8
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_CACHE: dict[tuple, dict] = {}
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: int, padded_vocab: int) -> dict[str, float]:
+    key = (repr(cfg), seq_length, padded_vocab)
+    if key not in _CACHE:
+        _CACHE[key] = _flops_per_token(cfg, seq_length, padded_vocab)
+    return _CACHE[key]
+
+
+def _flops_per_token(cfg: ModelConfig, seq_length: int, padded_vocab: int) -> dict[str, float]:
+    """Training FLOPs per token (forward + backward), Megatron's convention: GEMMs 6 x active GEMM parameters
+    (norm weights, router biases and the embedding lookup are not GEMMs), attention causal-halved."""
+    p = total_params(cfg)
+    h = cfg.hidden_size
+    norms = _norm_params(cfg)
+    embed = cfg.vocab_size * h  # the lookup; the output layer is a GEMM (tied or not)
+    # a tied matrix is counted once: as the output GEMM (its lookup is free); the output GEMM runs on the padded vocab
+    gemm = p["active"] - norms - (0 if cfg.tie_word_embeddings else embed) + (padded_vocab - cfg.vocab_size) * h
+    if cfg.multi_latent_attention:
+        d = cfg.q_head_dim + cfg.v_head_dim
+    else:
+        d = 2 * cfg.kv_channels
+    layers = cfg.num_layers + cfg.mtp_num_layers
+    attn = 3 * seq_length * cfg.num_attention_heads * d * layers
+    return {"gemm": 6.0 * gemm, "attention": float(attn), "layer_forward": 2.0 * (gemm - padded_vocab * h),
+            "attention_forward": attn / 3.0}
+
+
+def _norm_params(cfg: ModelConfig) -> int:
+    """Non-GEMM elementwise parameters (RMSNorm weights, expert biases)."""
+    n = 0
+    for spec in model_specs(cfg, Layout()):
+        if spec.rule is Rule.REPLICATED and len(spec.shape) - spec.lead == 1:
+            n += math.prod(spec.shape)
+    return n
+
+
+def _bandwidth(span: int, hw: Hardware) -> float:
+    return (hw.nvlink_gbps if span <= hw.gpus_per_node else hw.network_gbps) * 1e9
+
+
+def _ring(volume: float, n: int, span: int, hw: Hardware) -> float:
+    """Seconds for a ring all-gather or reduce-scatter of `volume` bytes (the full buffer) over n ranks."""
+    return 0.0 if n <= 1 else volume * (n - 1) / n / _bandwidth(span, hw)
+
+
+def step_time(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Hardware) -> dict:
+    """Seconds per optimizer step by component, tokens/s per GPU and MFU (Megatron's FLOP convention)."""
+    tp, pp, v, cp, dp = layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp
+    m = s.microbatches(dp)
+    tokens_step = m * dp * s.micro_batch_size * s.seq_length
+    f = flops_per_token(cfg, s.seq_length, cfg.padded_vocab_size(tp))
+    model_flops = (f["gemm"] + f["attention"]) * tokens_step
+    gemm_peak = hw.peak_tflops * 1e12 * hw.compute_efficiency * (2 if s.fp8 else 1)
+    # zigzag ring attention reaches ~90% of ideal fwd+bwd (ring-flash-attention README, 8xH800)
+    attn_peak = hw.peak_tflops * 1e12 * hw.compute_efficiency * (CP_ATTENTION_EFFICIENCY if cp > 1 else 1.0)
+    gemm_flops = f["gemm"] + (f["layer_forward"] if s.recompute == "full" else 0.0)
+    attn_flops = f["attention"] + (f["attention_forward"] if s.recompute != "none" else 0.0)
+    world = layout.world
+    compute = tokens_step * (gemm_flops / gemm_peak + attn_flops / attn_peak) / world
+    bubble = compute * (pp - 1) / (v * m)
+
+    T = s.seq_length // cp * s.micro_batch_size  # tokens per rank per micro-batch (before the TP split)
+    h = cfg.hidden_size
+    a = 2
+    layers_rank = max(len(x) for x in stage_layers(cfg.num_layers, pp, v))
+    passes = 12 if s.recompute == "full" else 8
+    t_tp = m * layers_rank * passes * _ring(a * T * h, tp, tp, hw)
+    # CP: K and V of this rank's tokens go round the ring; dK, dV come back in the backward
+    if cfg.multi_latent_attention:
+        kv_width = cfg.num_attention_heads * (cfg.q_head_dim + cfg.v_head_dim)
+    else:
+        kv_width = 2 * cfg.num_query_groups * cfg.kv_channels
+    t_cp = 0.0
+    if cp > 1:
+        per_layer = 3 * (cp - 1) * a * T * kv_width / tp / _bandwidth(tp * cp, hw)
+        attn_layer = T * f["attention"] / (cfg.num_layers + cfg.mtp_num_layers) / (tp * attn_peak)
+        t_cp = m * layers_rank * max(0.0, per_layer - attn_layer)
+    t_ep = 0.0
+    if cfg.is_moe and layout.ep > 1:
+        moe_layers = sum(cfg.is_moe_layer(i) for i in stage_layers(cfg.num_layers, pp, v)[0])
+        vol = a * h * cfg.moe_router_topk * T * layout.expert_tp / tp
+        t_ep = m * moe_layers * 4 * vol * (layout.ep - 1) / layout.ep / _bandwidth(layout.expert_tp * layout.ep, hw)
+    t_pp = 0.0
+    if pp > 1:
+        t_pp = 2 * m * v * a * T * h / tp / _bandwidth(tp * cp * dp * pp, hw)
+    # DP: gradients out, parameters back (distributed optimizer); all-reduce = both directions of grads
+    p = param_bytes_per_rank(cfg, layout, dtype=s.params_dtype, grad_dtype=s.grad_dtype)
+    g, w = DTYPE_BYTES[s.grad_dtype], DTYPE_BYTES[s.params_dtype]
+    span = tp * cp * dp
+    t_dp_grads = (_ring(p["dense_params"] * g, dp * cp, span, hw) + _ring(p["expert_params"] * g, layout.expert_dp,
+                                                                          span, hw))
+    if s.distributed_optimizer:
+        t_dp_params = (_ring(p["dense_params"] * w, dp * cp, span, hw)
+                       + _ring(p["expert_params"] * w, layout.expert_dp, span, hw))
+    else:
+        t_dp_grads, t_dp_params = 2 * t_dp_grads, 0.0
+    per_mb = compute / m
+    t_dp = max(0.0, t_dp_grads - per_mb * 2 / 3) + max(0.0, t_dp_params - per_mb / 3)
+    total = compute + bubble + t_tp + t_cp + t_ep + t_pp + t_dp
+    mfu = model_flops / (total * world * hw.peak_tflops * 1e12)
+    return {"step_s": total, "compute_s": compute, "bubble_s": bubble, "tp_comm_s": t_tp, "cp_comm_s": t_cp,
+            "ep_comm_s": t_ep, "pp_comm_s": t_pp, "dp_comm_s": t_dp, "microbatches": m, "tokens_per_step": tokens_step,
+            "tokens_per_s_per_gpu": tokens_step / total / world, "model_flops_per_step": model_flops, "mfu": mfu}

@@ -1,0 +1,123 @@
+"""Show a plan: a ranked rich table, JSON, and a PNG bar chart of the memory breakdown of the top layouts."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+from checkpoint.errors import WriteError
+
+from .memory import TrainSettings
+from .perf import Hardware
+from .search import Candidate
+from .units import GiB
+
+COMPONENTS = ("weights", "grads", "optimizer", "activations", "comm_buffers", "fp8_weights", "reserved")
+
+# a violation message -> the constraint's short name (for the summary of skipped layouts)
+_KINDS = [(r"num_attention_heads", "heads % tp"), (r"KV heads", "kv groups % tp"), (r"intermediate_size", "ffn % tp"),
+          (r"shared-expert", "shared ffn % tp"), (r"expert ffn", "expert ffn % etp"),
+          (r"number of experts", "experts % ep"), (r"exceed num_hidden_layers", "pp x vpp > layers"),
+          (r"num_hidden_layers", "layers % (pp x vpp)"), (r"seq-length", "seq % 2cp"),
+          (r"global-batch-size", "batch % (mbs x dp)"), (r"etp x ep", "etp x ep vs stage ranks"),
+          (r"inside a node", "tp > gpus per node"), (r"--gpus", "world size")]
+
+
+def constraint_name(message: str) -> str:
+    for pattern, name in _KINDS:
+        if re.search(pattern, message):
+            return name
+    return message
+
+
+def to_json(cands: list[Candidate], cfg_name: str, gpus: int, gpu_memory: int, s: TrainSettings,
+            hw: Hardware, limit: int | None = None) -> dict:
+    shown = cands if limit is None else cands[:limit]
+    return {"model": cfg_name, "gpus": gpus, "gpu_memory_bytes": gpu_memory, "settings": _settings(s),
+            "hardware": hw.to_dict(), "candidates": len(cands), "fitting": sum(c.fits for c in cands),
+            "invalid": sum(not c.valid for c in cands), "layouts": [c.to_dict() for c in shown]}
+
+
+def _settings(s: TrainSettings) -> dict:
+    from dataclasses import asdict
+
+    return asdict(s)
+
+
+def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 10,
+                requested: list[Candidate] | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    if not con.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+        con = Console(width=220)
+    fitting = [c for c in cands if c.fits]
+    valid_misfit = [c for c in cands if c.valid and not c.fits]
+    rows = (requested or []) + fitting[:top]
+    if not fitting:
+        rows += valid_misfit[:max(3, top // 2)]
+    t = Table(title=title, title_justify="left")
+    for col in ("#", "layout", "recompute", "weights", "grads", "optim", "activ", "comm", "other", "total GiB", "step s",
+                "tok/s/GPU", "MFU", "note"):
+        t.add_column(col, justify="left" if col in ("layout", "recompute", "note") else "right",
+                     no_wrap=col != "note")
+    for i, c in enumerate(rows):
+        m = c.memory
+        tag = "req" if requested and i < len(requested) else str(cands.index(c) + 1)
+        note = "fits" if c.fits else c.reason
+        style = None if c.fits else ("red" if not c.valid else "yellow")
+        t.add_row(tag, c.layout.label(), c.settings.recompute, *(f"{x / GiB:.1f}" for x in (
+            m.weights, m.grads, m.optimizer, m.activations, m.comm_buffers, m.fp8_weights + m.reserved, m.total)),
+            f"{c.perf['step_s']:.2f}", f"{c.perf['tokens_per_s_per_gpu']:,.0f}", f"{100 * c.perf['mfu']:.1f}%",
+            note, style=style)
+    con.print(t)
+    invalid = [c for c in cands if not c.valid]
+    if invalid:
+        kinds = Counter(constraint_name(v) for c in invalid for v in c.violations)
+        con.print(f"{len(invalid)} layout(s) break a constraint: " +
+                  ", ".join(f"{k} ({n})" for k, n in kinds.most_common()))
+    if not fitting:
+        best = min(valid_misfit or cands, key=lambda c: c.memory.total)
+        con.print(f"[bold red]nothing fits in {gpu_memory / GiB:.1f} GiB per GPU[/]; the smallest is "
+                  f"{best.layout.label()} ({best.settings.recompute} recompute) at {best.memory.total / GiB:.1f} GiB")
+    else:
+        b = fitting[0]
+        con.print(f"fastest that fits: [bold]{b.layout.label()}[/], {b.settings.recompute} recompute: "
+                  f"{b.memory.total / GiB:.1f} GiB per GPU, {b.perf['step_s']:.2f} s/step, MFU "
+                  f"{100 * b.perf['mfu']:.1f}%")
+
+
+def plot(cands: list[Candidate], path: str, gpu_memory: int, title: str, top: int = 8) -> Path:
+    """Stacked horizontal bars of the memory components of the first `top` layouts, the GPU memory as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = cands[:top]
+    if not shown:
+        raise WriteError(f"--plot {path}: no layout to plot")
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.5 * len(shown)))
+    labels = [f"{c.layout.label()} [{c.settings.recompute}]" for c in shown][::-1]
+    left = [0.0] * len(shown)
+    for comp in COMPONENTS:
+        vals = [c.memory.breakdown()[comp] / GiB for c in shown][::-1]
+        if not any(vals):
+            continue
+        ax.barh(labels, vals, left=left, label=comp.replace("_", " "))
+        left = [a + b for a, b in zip(left, vals)]
+    ax.axvline(gpu_memory / GiB, color="black", linestyle="--", label=f"GPU memory {gpu_memory / GiB:.0f} GiB")
+    ax.set_xlabel("GiB per GPU (largest pipeline stage)")
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        raise WriteError(f"--plot {path}: cannot write ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
+    return out

@@ -1,0 +1,140 @@
+"""Enumerate the parallel layouts of N GPUs, check each against the model, estimate memory and step time, rank.
+
+Model-parallel constraints are checkpoint.layout.Layout.check's (heads % tp, KV groups % tp, ffn % tp, experts % ep,
+layers % (pp x vpp)); the planner adds what only a training run has: seq % 2cp (zigzag context parallelism), the
+global batch divisible by micro batch x dp, the expert layout fitting the ranks of a stage, TP inside a node.
+A layout that breaks one is still estimated (layers dealt out unevenly) so the table can say what it would cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from checkpoint.config import ModelConfig
+from checkpoint.errors import LayoutError
+
+from .memory import RECOMPUTE, MemoryEstimate, ParallelLayout, TrainSettings, estimate_memory
+from .perf import Hardware, step_time
+from .units import PlanError
+
+
+@dataclass
+class Candidate:
+    layout: ParallelLayout
+    settings: TrainSettings
+    memory: MemoryEstimate
+    perf: dict
+    violations: list[str] = field(default_factory=list)
+    fits: bool = False
+    reason: str = ""  # why it does not fit / is invalid, one line
+
+    @property
+    def valid(self) -> bool:
+        return not self.violations
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "label": self.layout.label(), "recompute": self.settings.recompute,
+                "distributed_optimizer": self.settings.distributed_optimizer, "valid": self.valid,
+                "violations": self.violations, "fits": self.fits, "reason": self.reason,
+                "memory": self.memory.to_dict(), "perf": self.perf}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_gpus(gpus: int, gpus_per_node: int) -> None:
+    if gpus < 1 or gpus_per_node < 1:
+        raise PlanError(f"--gpus {gpus} and --gpus-per-node {gpus_per_node} must be positive")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise PlanError(f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}: nodes are used whole")
+
+
+def violations(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, gpus: int, gpus_per_node: int) -> list[str]:
+    """Every constraint the layout breaks, each named (empty = valid)."""
+    out = []
+    if layout.world != gpus:
+        out.append(f"tp x pp x cp x dp = {layout.world} != --gpus {gpus}")
+    if layout.tp > gpus_per_node:
+        out.append(f"tp {layout.tp} > --gpus-per-node {gpus_per_node}: TP must stay inside a node")
+    try:
+        layout.model.check(cfg)
+    except LayoutError as e:
+        out.append(str(e))
+    if layout.cp > 1 and s.seq_length % (2 * layout.cp):
+        out.append(f"--seq-length {s.seq_length} is not divisible by 2 x cp = {2 * layout.cp} (zigzag context "
+                   "parallelism splits each sequence into 2 x cp chunks)")
+    if s.global_batch_size % (s.micro_batch_size * layout.dp):
+        out.append(f"--global-batch-size {s.global_batch_size} is not divisible by micro batch x dp = "
+                   f"{s.micro_batch_size} x {layout.dp}")
+    if cfg.is_moe and (layout.tp * layout.cp * layout.dp) % (layout.expert_tp * layout.ep):
+        out.append(f"etp x ep = {layout.expert_tp} x {layout.ep} does not divide the {layout.tp * layout.cp * layout.dp}"
+                   " ranks of a pipeline stage (tp x cp x dp)")
+    if layout.vpp > 1 and layout.pp == 1:
+        out.append("--vpp > 1 needs --pp > 1")
+    return out
+
+
+def evaluate(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Hardware, gpus: int,
+             gpu_memory: int) -> Candidate:
+    mem = estimate_memory(cfg, layout, s)
+    perf = step_time(cfg, layout, s, hw)
+    bad = violations(cfg, layout, s, gpus, hw.gpus_per_node)
+    c = Candidate(layout, s, mem, perf, bad)
+    c.fits = not bad and mem.total <= gpu_memory
+    if bad:
+        c.reason = "; ".join(bad)
+    elif not c.fits:
+        c.reason = f"needs {mem.total / 2**30:.1f} GiB > {gpu_memory / 2**30:.1f} GiB (largest: stage {mem.pp_rank})"
+        if not s.distributed_optimizer:
+            sharded = mem.total - mem.optimizer + mem.optimizer_sharded
+            if sharded <= gpu_memory:
+                c.reason += f"; fits with --optimizer-sharding ({sharded / 2**30:.1f} GiB)"
+    return c
+
+
+def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_length: int,
+                      max_vpp: int = 8) -> list[ParallelLayout]:
+    """TP dividing the node, then PP, CP, DP over the rest; VPP for pp > 1; EP (and ETP in {1, tp}) for MoE.
+    Combinations that break a model constraint are kept (and named later); those that cannot be built at all are
+    not generated."""
+    out = []
+    for tp in divisors(min(gpus, gpus_per_node)):
+        if gpus % tp:
+            continue
+        for pp in divisors(gpus // tp):
+            if pp > cfg.num_layers:
+                continue
+            for cp in divisors(gpus // (tp * pp)):
+                if cp > 1 and cp * 2 > seq_length:
+                    continue
+                dp = gpus // (tp * pp * cp)
+                vpps = [1] if pp == 1 else [v for v in divisors(max(1, cfg.num_layers // pp)) if v <= max_vpp]
+                eps = [1] if not cfg.is_moe else [e for e in divisors(tp * cp * dp) if e <= cfg.num_moe_experts]
+                for vpp in vpps:
+                    for ep in eps:
+                        for etp in ([None, 1] if cfg.is_moe and tp > 1 else [None]):
+                            if cfg.is_moe and (tp * cp * dp) % ((tp if etp is None else etp) * ep):
+                                continue
+                            out.append(ParallelLayout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=dp))
+    return out
+
+
+def plan(cfg: ModelConfig, gpus: int, gpu_memory: int, s: TrainSettings, hw: Hardware,
+         recompute: list[str] | None = None, layouts: list[ParallelLayout] | None = None) -> list[Candidate]:
+    """All candidates, ranked: fitting ones by step time, then valid ones that do not fit by memory, then invalid.
+    `recompute` lists the recompute modes to try (default: the one in `s`)."""
+    check_gpus(gpus, hw.gpus_per_node)
+    modes = recompute or [s.recompute]
+    for r in modes:
+        if r not in RECOMPUTE:
+            raise PlanError(f"--recompute must be one of {', '.join(RECOMPUTE)} or auto, got {r!r}")
+    layouts = layouts if layouts is not None else enumerate_layouts(cfg, gpus, hw.gpus_per_node, s.seq_length)
+    cands = [evaluate(cfg, lay, replace(s, recompute=r), hw, gpus, gpu_memory) for lay in layouts for r in modes]
+    return rank(cands)
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    def key(c: Candidate):
+        group = 0 if c.fits else (1 if c.valid else 2)
+        return (group, c.perf["step_s"] if group == 0 else c.memory.total, c.layout.label())
+    return sorted(cands, key=key)

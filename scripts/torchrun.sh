@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# shardkit continue-pretrain under torchrun: {{LAYOUT}} ({{WORLD}} GPUs: {{NODES}} node(s) x {{GPUS_PER_NODE}}).
+# Template: `shardkit launch` fills the {{...}} fields (scripts/torchrun.sh in the shardkit repository).
+# Run the rendered script once per node with NODE_RANK=0..NNODES-1 and MASTER_ADDR set to node 0, or submit the
+# sbatch script rendered beside it, which does that on every node of the allocation. Environment variables override
+# the rendered defaults.
+set -euo pipefail
+
+NNODES=${NNODES:-{{NODES}}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-{{GPUS_PER_NODE}}}
+NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+MASTER_ADDR=${MASTER_ADDR:-{{MASTER_ADDR}}}
+MASTER_PORT=${MASTER_PORT:-{{MASTER_PORT}}}
+
+# NCCL and CUDA settings Megatron-style training expects
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # keeps TP/SP collectives ordered with compute
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # a failed rank stops the job, no hang
+export TORCH_NCCL_AVOID_RECORD_STREAMS=${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}
+export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
+export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-10}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+{{ENV}}
+exec {{PYTHON}} -m torch.distributed.run \
+    --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --node-rank "$NODE_RANK" \
+    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+    -m shardkit continue-pretrain \
+{{ARGS}}
