@@ -59,9 +59,9 @@ class TensorEntry:
 
     @classmethod
     def of(cls, spec: TensorSpec, layout: Layout, dtype: str) -> "TensorEntry":
-        from .store import torch_dtype
+        from .store import itemsize
 
-        chunk = chunk_shape(spec, layout, torch_dtype(dtype).itemsize)
+        chunk = chunk_shape(spec, layout, itemsize(dtype))
         return cls(list(spec.shape), dtype, list(chunk), spec.rule.value, spec.per_layer, spec.expert)
 
 

@@ -1,63 +1,105 @@
 """Tensorstore zarr3 arrays: one per canonical tensor, crc32c on every chunk, missing chunks are errors.
 
-Also the torch <-> numpy bridge for bf16/fp8 through ml_dtypes views (no copies).
+Also the torch <-> numpy bridge for bf16/fp8 through ml_dtypes views (no copies). torch is imported only when a
+torch tensor or dtype is asked for: a same-dtype conversion moves numpy views end to end and never pays the ~1.4 s
+(CPU) of importing torch.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import ml_dtypes
 import numpy as np
 import tensorstore as ts
-import torch
 
 from .errors import CorruptionError, FormatError
 
-# dtype name (torch's, without the prefix) -> (torch dtype, numpy dtype, same-width integer view for torch<->numpy)
-DTYPES: dict[str, tuple[torch.dtype, np.dtype, torch.dtype | None]] = {
-    "float32": (torch.float32, np.dtype(np.float32), None),
-    "float16": (torch.float16, np.dtype(np.float16), None),
-    "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16), torch.int16),
-    "float8_e4m3fn": (torch.float8_e4m3fn, np.dtype(ml_dtypes.float8_e4m3fn), torch.uint8),
-    "float8_e5m2": (torch.float8_e5m2, np.dtype(ml_dtypes.float8_e5m2), torch.uint8),
+if TYPE_CHECKING:
+    import torch
+
+# dtype name (torch's, without the prefix) -> (numpy dtype, same-width integer numpy view for torch<->numpy or None)
+NP_DTYPES: dict[str, tuple[np.dtype, type | None]] = {
+    "float32": (np.dtype(np.float32), None),
+    "float16": (np.dtype(np.float16), None),
+    "bfloat16": (np.dtype(ml_dtypes.bfloat16), np.int16),
+    "float8_e4m3fn": (np.dtype(ml_dtypes.float8_e4m3fn), np.uint8),
+    "float8_e5m2": (np.dtype(ml_dtypes.float8_e5m2), np.uint8),
 }
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16", "float": "float32"}
 
 
-def dtype_name(d: torch.dtype | str) -> str:
-    """Canonical dtype name for a torch dtype or a user string (bf16, fp16, fp32...)."""
-    if isinstance(d, torch.dtype):
-        for name, (td, _, _) in DTYPES.items():
-            if td == d:
+def dtype_name(d: "torch.dtype | np.dtype | str") -> str:
+    """Canonical dtype name for a torch or numpy dtype or a user string (bf16, fp16, fp32...)."""
+    if isinstance(d, np.dtype):
+        for name, (nd, _) in NP_DTYPES.items():
+            if nd == d:
                 return name
-        raise FormatError(f"dtype {d} is not supported; supported: {', '.join(DTYPES)}")
+        raise FormatError(f"dtype {d} is not supported; supported: {', '.join(NP_DTYPES)}")
+    if not isinstance(d, str):  # a torch.dtype: str(torch.bfloat16) == "torch.bfloat16"
+        name = str(d).removeprefix("torch.")
+        if name in NP_DTYPES:
+            return name
+        raise FormatError(f"dtype {d} is not supported; supported: {', '.join(NP_DTYPES)}")
     name = DTYPE_ALIASES.get(d, d)
-    if name not in DTYPES:
+    if name not in NP_DTYPES:
         raise FormatError(f"unknown dtype {d!r}; use one of bf16, fp16, fp32")
     return name
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[dtype_name(name)][0]
+def numpy_dtype(name: str) -> np.dtype:
+    return NP_DTYPES[dtype_name(name)][0]
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor (bf16/fp8 through ml_dtypes)."""
-    _, nd, view = DTYPES[dtype_name(t.dtype)]
+def itemsize(name: str) -> int:
+    return numpy_dtype(name).itemsize
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return getattr(torch, dtype_name(name))
+
+
+def to_numpy(t: "torch.Tensor | np.ndarray") -> np.ndarray:
+    """A numpy view of a CPU tensor (bf16/fp8 through ml_dtypes); numpy arrays pass through."""
+    if isinstance(t, np.ndarray):
+        return t
+    nd, view = NP_DTYPES[dtype_name(t.dtype)]
     t = t.detach().contiguous()
-    return (t.view(view).numpy() if view is not None else t.numpy()).view(nd)
+    if view is None:
+        return t.numpy()
+    import torch
+
+    return t.view({np.int16: torch.int16, np.uint8: torch.uint8}[view]).numpy().view(nd)
 
 
-def from_numpy(a: np.ndarray) -> torch.Tensor:
-    for _, (td, nd, view) in DTYPES.items():
-        if a.dtype == nd:
-            a = np.ascontiguousarray(a)
-            if view is None:
-                return torch.from_numpy(a)
-            int_np = {torch.int16: np.int16, torch.uint8: np.uint8}[view]
-            return torch.from_numpy(a.view(int_np)).view(td)
-    raise FormatError(f"array dtype {a.dtype} is not supported")
+def from_numpy(a: np.ndarray) -> "torch.Tensor":
+    """A torch view of a numpy array (a read-only one, e.g. a view of a memory-mapped file, stays unwritten: torch's
+    warning about it is silenced here)."""
+    import warnings
+
+    import torch
+
+    name = dtype_name(a.dtype)
+    view = NP_DTYPES[name][1]
+    a = np.ascontiguousarray(a)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        if view is None:
+            return torch.from_numpy(a)
+        return torch.from_numpy(a.view(view)).view(torch_dtype(name))
+
+
+def cast(a: "torch.Tensor | np.ndarray", dtype: str) -> "torch.Tensor | np.ndarray":
+    """`a` in `dtype`: as it is when it already is (no copy, no torch import); otherwise through torch's `.to`, so
+    every cast rounds exactly as torch does (the same bytes whichever type came in)."""
+    name = dtype_name(dtype)
+    if isinstance(a, np.ndarray):
+        if a.dtype == NP_DTYPES[name][0]:
+            return a
+        a = from_numpy(a)
+    return a.to(torch_dtype(name))
 
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
@@ -109,12 +151,17 @@ def metadata(arr: ts.TensorStore) -> dict:
     return arr.spec().to_json()["metadata"]
 
 
-def write(arr: ts.TensorStore, index: tuple[slice, ...], value: torch.Tensor) -> ts.WriteFutures:
-    """Start writing `value` at `index` (align with chunks: partial chunks are read-modify-write)."""
-    return arr[index].write(to_numpy(value))
+def write(arr: ts.TensorStore, index: tuple[slice, ...], value: "torch.Tensor | np.ndarray",
+          immutable: bool = False) -> ts.WriteFutures:
+    """Start writing `value` at `index` (align with chunks: partial chunks are read-modify-write).
+
+    `immutable`: the caller never modifies `value` (nor what it views) again, so tensorstore may encode it in place
+    instead of first copying it into its own buffer: one full pass over the bytes (and the page faults of a fresh
+    buffer) less per chunk."""
+    return arr[index].write(to_numpy(value), can_reference_source_data_indefinitely=immutable)
 
 
-def read(arr: ts.TensorStore, index: tuple[slice, ...] | None = None, name: str = "?") -> torch.Tensor:
+def read(arr: ts.TensorStore, index: tuple[slice, ...] | None = None, name: str = "?") -> "torch.Tensor":
     view = arr if index is None else arr[index]
     try:
         return from_numpy(view.read().result())

@@ -1,21 +1,23 @@
 """Lazy, validated access to an HF checkpoint's safetensors (single file or sharded with an index).
 
-Only headers are read up front; tensors are read as row/column slices on demand (safetensors memory-maps the file),
-so memory stays bounded by what one task asks for, whatever the model size.
+Only headers are read up front; tensors are read as row/column slices on demand, as numpy views of the memory-mapped
+file (the header gives every tensor's byte range, checked against the file size), so memory stays bounded by what
+one task asks for, whatever the model size, and nothing is copied before the writer encodes it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
+import numpy as np
 
+from checkpoint import store
 from checkpoint.errors import FormatError
 from checkpoint.sharding import SCALE_SUFFIX  # DeepSeek-V3: `<weight>_scale_inv`, one fp32 scale per block
 
@@ -34,6 +36,7 @@ class HFTensorInfo:
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0  # of the tensor's first byte in the file
 
 
 def read_header(path: Path) -> tuple[dict, bytes]:
@@ -90,14 +93,13 @@ class HFSource:
                 n = 1
                 for s in shape:
                     n *= s
-                if not (0 <= begin <= end <= data_len) or end - begin != n * torch.empty(
-                        (), dtype=getattr(torch, dtype)).element_size():
+                if not (0 <= begin <= end <= data_len) or end - begin != n * store.itemsize(dtype):
                     raise FormatError(f"{path}: tensor {name}: data offsets {begin}..{end} do not fit its shape "
                                       f"{list(shape)} / the file size (truncated or corrupt file)")
                 if weight_map is not None and weight_map.get(name) != fname:
                     raise FormatError(f"{path}: holds tensor {name} that {INDEX} places in "
                                       f"{weight_map.get(name)!r}")
-                self.tensors[name] = HFTensorInfo(fname, dtype, shape)
+                self.tensors[name] = HFTensorInfo(fname, dtype, shape, 8 + len(raw) + begin)
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self.tensors))
             if missing:
@@ -129,39 +131,59 @@ class HFSource:
                               "only (re-save with save_pretrained(safe_serialization=True))")
         raise FormatError(f"{self.dir}: no {SINGLE} and no {INDEX}")
 
-    def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> torch.Tensor:
-        """Rows [start, stop) (and columns `cols`) of tensor `name`; block-FP8 weights come back dequantized."""
+    def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> np.ndarray:
+        """Rows [start, stop) (and columns `cols`) of tensor `name`; block-FP8 weights come back dequantized (fp32)."""
         if self.fp8_block is not None and name + SCALE_SUFFIX in self.tensors:
             return self._dequant(name, start, stop, cols)
         return self._raw(name, start, stop, cols)
 
-    def _raw(self, name: str, start: int, stop: int, cols: slice | None = None) -> torch.Tensor:
+    def _raw(self, name: str, start: int, stop: int, cols: slice | None = None) -> np.ndarray:
+        """A read-only numpy view of the mapped file (a copy only where a tensor's bytes are not aligned to its
+        element size, which safetensors' writer never produces)."""
         info = self.tensors[name]
-        h = self._handles.get(info.file)
-        if h is None:
-            h = safe_open(str(self.dir / info.file), framework="pt")
-            self._handles[info.file] = h
-        sl = h.get_slice(name)
+        m = self._handles.get(info.file)
+        if m is None:
+            path = self.dir / info.file
+            try:
+                with open(path, "rb") as f:
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise FormatError(f"{path}: cannot map ({e})") from None
+            self._handles[info.file] = m
+        dt = store.numpy_dtype(info.dtype)
+        row = dt.itemsize
+        for s in info.shape[1:]:
+            row *= s
+        start, stop = max(0, start), min(stop, info.shape[0] if info.shape else 1)
+        rows = max(0, stop - start)
+        off = info.offset + start * row
+        if off % dt.itemsize:
+            a = np.frombuffer(m[off:off + rows * row], dtype=dt)
+        else:
+            a = np.frombuffer(m, dtype=dt, count=rows * row // dt.itemsize, offset=off)
+        a = a.reshape((rows, *info.shape[1:]) if info.shape else ())
         if cols is None or len(info.shape) == 1:
-            return sl[start:stop]
-        return sl[start:stop, cols]
+            return a
+        return a[:, cols]
 
     def close(self) -> None:
-        """Unmap the shards. _raw() returns zero-copy views of safetensors' mmap, and every page a read touched
-        stays resident (and counted in this process's RSS) while the mapping lives: kept open for a whole run, RSS
-        grows to the size of the source. Views still alive keep their mapping; the next read reopens the file."""
+        """Drop the mappings. _raw() returns zero-copy views of them, and every page a read touched stays resident
+        (and counted in this process's RSS) while a mapping lives: kept for a whole run, RSS grows to the size of the
+        source. A mapping is unmapped once the last view of it is gone; the next read maps the file again."""
         self._handles.clear()
 
-    def _dequant(self, name: str, start: int, stop: int, cols: slice | None) -> torch.Tensor:
+    def _dequant(self, name: str, start: int, stop: int, cols: slice | None) -> np.ndarray:
         """DeepSeek's reference dequantization on a slice: fp32(weight) * scale_inv of its 128x128 block, in fp32
-        (the caller casts to the target dtype, as the reference kernel stores to the default dtype)."""
+        (the caller casts to the target dtype, as the reference kernel stores to the default dtype). Done in torch,
+        so the result is the reference's bit for bit."""
         br, bc = self.fp8_block
         c0, c1 = (0, self.tensors[name].shape[1]) if cols is None else (cols.start or 0, cols.stop)
-        w = self._raw(name, start, stop, None if cols is None else slice(c0, c1)).float()
-        s = self._raw(name + SCALE_SUFFIX, start // br, -(-stop // br), slice(c0 // bc, -(-c1 // bc))).float()
+        w = store.from_numpy(self._raw(name, start, stop, None if cols is None else slice(c0, c1))).float()
+        s = store.from_numpy(self._raw(name + SCALE_SUFFIX, start // br, -(-stop // br),
+                                       slice(c0 // bc, -(-c1 // bc)))).float()
         s = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)
         r0, q0 = start - (start // br) * br, c0 - (c0 // bc) * bc
-        return w * s[r0:r0 + (stop - start), q0:q0 + (c1 - c0)]
+        return (w * s[r0:r0 + (stop - start), q0:q0 + (c1 - c0)]).numpy()
 
     def check_fp8(self, block: tuple[int, int] | None) -> set[str]:
         """Validate block-FP8 weights and their scales; returns the names of the scale tensors (consumed here)."""

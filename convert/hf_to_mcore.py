@@ -7,11 +7,12 @@ the main process records finished chunks so an interrupted run resumes, and comm
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from checkpoint import store
 from checkpoint.commit import IterationWriter
@@ -128,7 +129,8 @@ def _check_shared_copies(cfg: ModelConfig, fam, src: HFSource) -> set[str]:
                               f"{list(b.shape) if b else '(missing)'}")
         rows = max(1, (64 << 20) // max(1, a.shape[-1] * 4))
         for r in range(0, a.shape[0], rows):
-            if not torch.equal(src.read(copy, r, r + rows), src.read(main, r, r + rows)):
+            x, y = src.read(copy, r, r + rows), src.read(main, r, r + rows)
+            if x.dtype != y.dtype or not np.array_equal(x, y):
                 raise FormatError(f"{src.dir}: tensor {copy} differs from {main} (rows from {r}); Megatron shares "
                                   "them, so this checkpoint cannot be converted without losing one")
         found.add(copy)
@@ -150,7 +152,11 @@ _W: dict = {}
 
 def _init_worker(hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, dtypes: dict[str, str],
                  fp8: dict | None) -> None:
-    torch.set_num_threads(1)
+    # one thread for the torch casts, if any (a same-dtype conversion never imports torch)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+    else:
+        os.environ["OMP_NUM_THREADS"] = "1"
     cfg = ModelConfig.from_dict(cfg_dict)
     layout = Layout.from_dict(layout_dict)
     _W.update(src=_LazySource(hf_dir, None if fp8 else fp8_block(cfg)), sink=ChunkSink(out_dir, dtypes),
@@ -164,7 +170,7 @@ class _LazySource:
         self.src = None
         self.hf_dir, self.block = hf_dir, block
 
-    def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> torch.Tensor:
+    def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> np.ndarray:
         if self.src is None:
             self.src = HFSource(self.hf_dir)
             self.src.fp8_block = self.block

@@ -8,9 +8,12 @@ needs, mcore-to-hf reads exactly the canonical rows an HF tensor needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,14 @@ class TensorMap:
         return list(dict.fromkeys(s.hf_name for s in self.segments))
 
 
-# Reads rows [start, stop) (and optionally columns) of an HF tensor.
-HFReader = Callable[[str, int, int, "slice | None"], torch.Tensor]
+# Reads rows [start, stop) (and optionally columns) of an HF tensor, as a torch tensor or a numpy array.
+HFReader = Callable[[str, int, int, "slice | None"], "torch.Tensor | np.ndarray"]
 
 
-def assemble(tm: TensorMap, start: int, stop: int, read: HFReader, cols: slice | None = None) -> torch.Tensor:
-    """Canonical rows [start, stop) of `tm`, reading only the HF rows they need."""
+def assemble(tm: TensorMap, start: int, stop: int, read: HFReader, cols: slice | None = None
+             ) -> "torch.Tensor | np.ndarray":
+    """Canonical rows [start, stop) of `tm`, reading only the HF rows they need (numpy in, numpy out: the converter
+    reads numpy views of the mapped files and never imports torch)."""
     parts = []
     real_stop = min(stop, tm.pad_start) if tm.pad_start is not None else stop
     for seg in tm.segments:
@@ -57,8 +62,15 @@ def assemble(tm: TensorMap, start: int, stop: int, read: HFReader, cols: slice |
     if tm.pad_start is not None and stop > tm.pad_start:
         last = tm.segments[-1]
         row = read(last.hf_name, last.hf_start + last.stop - last.start - 1, last.hf_start + last.stop - last.start, cols)
-        parts.append(row.expand(stop - max(start, tm.pad_start), *row.shape[1:]))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        shape = (stop - max(start, tm.pad_start), *row.shape[1:])
+        parts.append(np.broadcast_to(row, shape) if isinstance(row, np.ndarray) else row.expand(*shape))
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts, axis=0)
+    import torch
+
+    return torch.cat(parts, dim=0)
 
 
 def hf_sources(maps: Iterable[TensorMap]) -> dict[str, list[tuple[TensorMap, Segment]]]:
@@ -102,9 +114,11 @@ def grouped_qkv(canonical: str, lead: tuple[int, ...], q: str, k: str, v: str, g
     return TensorMap(canonical, lead, tuple(segs), off)
 
 
-def stack_canonical(maps: Iterable[TensorMap], read: HFReader) -> dict[str, torch.Tensor]:
+def stack_canonical(maps: Iterable[TensorMap], read: HFReader) -> "dict[str, torch.Tensor]":
     """Whole canonical tensors (stacked ones on their leading layer/expert axes) from an HF reader. In-memory: for
     tests and small models only; the converter streams chunk by chunk instead."""
+    import torch
+
     per: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
     for tm in maps:
         per.setdefault(tm.canonical, {})[tm.lead] = assemble(tm, 0, tm.rows, read)
@@ -117,7 +131,7 @@ def stack_canonical(maps: Iterable[TensorMap], read: HFReader) -> dict[str, torc
     return out
 
 
-def dict_reader(state: dict[str, torch.Tensor]) -> HFReader:
+def dict_reader(state: "dict[str, torch.Tensor]") -> HFReader:
     """An HFReader over an in-memory HF state dict."""
     def read(name: str, start: int, stop: int, cols: slice | None = None) -> torch.Tensor:
         t = state[name][start:stop]

@@ -14,9 +14,9 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+import numpy as np
 
 from checkpoint import store
 from checkpoint.commit import IterationWriter
@@ -24,6 +24,9 @@ from checkpoint.errors import WriteError
 from checkpoint.malloc import tune_malloc
 from checkpoint.manifest import TensorEntry, tensor_path
 from checkpoint.progress import progress_bar
+
+if TYPE_CHECKING:
+    import torch
 
 WORKER_MIN_BYTES = 64 << 20  # spawning a worker costs seconds (it imports torch): one per this much work
 # In-process runs keep up to this many bytes of chunk writes in flight (tensorstore encodes, writes and fsyncs them
@@ -50,7 +53,7 @@ class Task:
         n = 1
         for a, b in self.box:
             n *= b - a
-        return n * store.torch_dtype(entry.dtype).itemsize
+        return n * store.itemsize(entry.dtype)
 
 
 def chunk_tasks(entries: dict[str, TensorEntry]) -> list[Task]:
@@ -73,22 +76,25 @@ class ChunkSink:
         self._pending: collections.deque = collections.deque()  # (task, nbytes, commit future), oldest first
         self._pending_bytes = 0
 
-    def write(self, task: Task, value: torch.Tensor) -> tuple[str, int]:
+    def write(self, task: Task, value: "torch.Tensor | np.ndarray") -> tuple[str, int]:
         """Write one chunk. In a worker process it is durable on return (the parent records it). In-process
-        (write_chunks set a recorder) it returns once tensorstore has copied `value`, and the recorder marks the chunk
-        done when its write is durable, keeping at most INFLIGHT_BYTES in flight."""
+        (write_chunks set a recorder) it returns once tensorstore holds `value`, and the recorder marks the chunk
+        done when its write is durable, keeping at most INFLIGHT_BYTES in flight.
+
+        `value` is handed over: producers pass fresh tensors or read-only views of their sources and never modify
+        them afterwards, so tensorstore encodes it where it lies instead of copying it first."""
         arr = self.arrays.get(task.name)
         if arr is None:
             arr = self.arrays[task.name] = store.open_existing(self.out / tensor_path(task.name), self.ctx, task.name)
-        value = value.to(store.torch_dtype(self.dtypes[task.name]))
-        nbytes = value.numel() * value.element_size()
+        value = store.cast(value, self.dtypes[task.name])
+        nbytes = value.nbytes if isinstance(value, np.ndarray) else value.numel() * value.element_size()
         rec = _RECORDER
         try:
-            fut = store.write(arr, task.index, value)
+            fut = store.write(arr, task.index, value, immutable=True)
             if rec is None:
                 fut.result()
                 return task.id, nbytes
-            fut.copy.result()  # `value` (and the source pages it views) is no longer needed
+            fut.copy.result()  # `value` is taken (referenced until its write completes)
         except ValueError as e:
             raise self._error(task, e) from None
         rec.sinks.add(self)
