@@ -52,7 +52,7 @@ def add_parsers(sub) -> None:
     la.add_argument("--job-name", default="shardkit-pretrain")
     la.add_argument("--time", default="24:00:00", help="SLURM time limit")
     la.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                    help="extra #SBATCH option, e.g. --partition=gpu (repeatable)")
+                    help="extra #SBATCH option: partition=gpu or --sbatch=--partition=gpu (repeatable)")
     la.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment (repeatable)")
     la.add_argument("trainer_args", nargs=argparse.REMAINDER,
                     help="after `--`: continue-pretrain arguments (--load, --save, --data, batch sizes, ...)")
@@ -137,7 +137,7 @@ def _launch(args: argparse.Namespace) -> int:
         extra = extra[1:]
     spec = LaunchSpec(layout=ParallelLayout.parse(args.layout), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                       args=tuple(extra), master_addr=args.master_addr, master_port=args.master_port,
-                      job_name=args.job_name, time=args.time, sbatch_extra=tuple(args.sbatch), env=tuple(args.env))
+                      job_name=args.job_name, time=args.time, sbatch_extra=tuple(x if x.startswith("-") else "--" + x for x in args.sbatch), env=tuple(args.env))
     if args.dry_run:
         out = Path(args.out).resolve()
         scripts = render_scripts(spec, torchrun_path=str(out / "torchrun.sh"))

@@ -9,7 +9,9 @@ term by term, written for the modern layer instead of GPT-3's: RMSNorm inputs, l
 inputs Q, K, V (whatever their widths: GQA, MLA), SwiGLU's fc1 output and fc2 input, no dropout masks (none of these
 models has dropout), flash attention (no s^2 score matrix; one fp32 log-sum-exp per head and token) unless
 ``flash_attention=False``. With sequence parallelism (always on when tp > 1, as in Megatron) every term is divided by
-tp. For GPT-3's layer the same terms give the paper's 34*s*b*h (see tests/test_plan.py).
+tp. The paper's 34*s*b*h for GPT-3's layer is the same list: 4sbh of LayerNorm inputs, 2sbh QKV input, 6sbh Q/K/V,
+2sbh projection input, 2sbh MLP input, 16sbh GeLU input and output, 2sbh of dropout masks (here: no dropout, SwiGLU's
+[gate; up] and output, GQA's narrower K/V).
 
 Recompute (Megatron's --recompute-granularity): ``selective`` recomputes the core attention, dropping its s^2 or
 log-sum-exp term; ``full`` keeps only each layer's input (2 bytes per token and hidden unit) plus one layer's full
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
@@ -443,6 +445,3 @@ def estimate_memory(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings) 
     best.stages = totals
     return best
 
-
-def with_recompute(s: TrainSettings, recompute: str) -> TrainSettings:
-    return replace(s, recompute=recompute)

@@ -98,7 +98,7 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, title: str, top: in
     shown = cands[:top]
     if not shown:
         raise WriteError(f"--plot {path}: no layout to plot")
-    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.5 * len(shown)))
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len(shown)))
     labels = [f"{c.layout.label()} [{c.settings.recompute}]" for c in shown][::-1]
     left = [0.0] * len(shown)
     for comp in COMPONENTS:
@@ -109,8 +109,8 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, title: str, top: in
         left = [a + b for a, b in zip(left, vals)]
     ax.axvline(gpu_memory / GiB, color="black", linestyle="--", label=f"GPU memory {gpu_memory / GiB:.0f} GiB")
     ax.set_xlabel("GiB per GPU (largest pipeline stage)")
-    ax.set_title(title)
-    ax.legend(loc="lower right", fontsize="small")
+    ax.set_title(title, fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     out = Path(path)
     try:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # shardkit continue-pretrain under torchrun: {{LAYOUT}} ({{WORLD}} GPUs: {{NODES}} node(s) x {{GPUS_PER_NODE}}).
-# Template: `shardkit launch` fills the {{...}} fields (scripts/torchrun.sh in the shardkit repository).
+# Template: `shardkit launch` fills in the double-brace fields (scripts/torchrun.sh in the shardkit repository).
 # Run the rendered script once per node with NODE_RANK=0..NNODES-1 and MASTER_ADDR set to node 0, or submit the
 # sbatch script rendered beside it, which does that on every node of the allocation. Environment variables override
 # the rendered defaults.

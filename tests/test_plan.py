@@ -1,0 +1,328 @@
+"""shardkit plan / launch: presets equal the hub configs, the memory estimate equals hand computations from the
+formulas (written out below as arithmetic, not pasted from the estimator), parameter counts equal the sharding table's
+regions, bad input, and the rendered launch scripts."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from checkpoint import presets
+from checkpoint.config import ModelConfig
+from checkpoint.errors import ConfigError, ShardkitError
+from checkpoint.layout import Layout, RankCoord
+from checkpoint.sharding import model_specs, regions
+from plan.launch import LaunchSpec, render_scripts
+from plan.memory import (ParallelLayout, TrainSettings, estimate_memory, in_flight, param_bytes_per_rank,
+                         stage_layers, total_params)
+from plan.perf import Hardware, flops_per_token, step_time
+from plan.search import plan
+from plan.units import GiB, PlanError, parse_bytes
+from shardkit.cli import main
+
+HUB = Path(__file__).resolve().parents[2] / "shared" / "hf-configs"
+HUB_FILE = {
+    "llama2-7b": "meta-llama--Llama-2-7b-hf.json", "llama2-70b": "meta-llama--Llama-2-70b-hf.json",
+    "llama3-8b": "meta-llama--Meta-Llama-3-8B.json", "llama3-70b": "meta-llama--Meta-Llama-3-70B.json",
+    "llama3.1-8b": "meta-llama--Llama-3.1-8B.json", "llama3.1-405b": "meta-llama--Llama-3.1-405B.json",
+    "llama3.2-1b": "meta-llama--Llama-3.2-1B.json", "mistral-7b": "mistralai--Mistral-7B-v0.1.json",
+    "qwen2.5-7b": "Qwen--Qwen2.5-7B.json", "mixtral-8x7b": "mistralai--Mixtral-8x7B-v0.1.json",
+    "mixtral-8x22b": "mistralai--Mixtral-8x22B-v0.1.json", "deepseek-v2-lite": "deepseek-ai--DeepSeek-V2-Lite.json",
+    "deepseek-v3": "deepseek-ai--DeepSeek-V3.json",
+}
+REQUIRED = ["llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3.1-405b", "mixtral-8x7b",
+            "mixtral-8x22b", "deepseek-v2-lite", "deepseek-v3"]
+
+
+# -- presets -----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(HUB_FILE))
+def test_preset_equals_hub_config(name):
+    path = HUB / HUB_FILE[name]
+    if not path.is_file():
+        pytest.skip("shared/hf-configs not present")
+    assert presets.hf_config(name) == json.loads(path.read_text())
+
+
+def test_presets_translate_with_published_sizes():
+    assert set(REQUIRED) <= set(presets.preset_names())
+    cfgs = {n: presets.model_config(n) for n in REQUIRED}
+    l13 = cfgs["llama2-13b"]  # the one preset without a vendored copy: its published shape
+    assert (l13.num_layers, l13.hidden_size, l13.ffn_hidden_size, l13.num_attention_heads, l13.num_query_groups,
+            l13.vocab_size, l13.max_position_embeddings) == (40, 5120, 13824, 40, 40, 32000, 4096)
+    assert cfgs["llama3.1-405b"].num_layers == 126 and cfgs["llama3.1-405b"].rope_scaling["rope_type"] == "llama3"
+    assert cfgs["deepseek-v3"].moe_layer_freq == [0, 0, 0] + [1] * 58 and cfgs["deepseek-v3"].mtp_num_layers == 1
+    assert cfgs["mixtral-8x22b"].num_moe_experts == 8 and cfgs["mixtral-8x22b"].moe_router_topk == 2
+    # presets are copies: callers may change them
+    d = presets.hf_config("llama3-8b")
+    d["num_hidden_layers"] = 1
+    assert presets.hf_config("llama3-8b")["num_hidden_layers"] == 32
+
+
+def test_published_parameter_counts():
+    """Total parameters, by hand from the published shapes (untied embedding + output, 2 norms per layer)."""
+    h, L, nh, ng, hd, F, V = 8192, 80, 64, 8, 128, 28672, 128256  # Llama 3 70B
+    layer = 2 * h + (nh + 2 * ng) * hd * h + h * nh * hd + 3 * h * F
+    assert total_params(presets.model_config("llama3-70b"))["total"] == 2 * V * h + L * layer + h  # 70,553,706,496
+    mix = total_params(presets.model_config("mixtral-8x7b"))
+    h, L, nh, ng, hd, F, V, E = 4096, 32, 32, 8, 128, 14336, 32000, 8
+    attn = (nh + 2 * ng) * hd * h + h * nh * hd
+    assert mix["total"] == 2 * V * h + L * (2 * h + attn + E * h + E * 3 * h * F) + h  # 46.7 B
+    assert mix["active"] == 2 * V * h + L * (2 * h + attn + E * h + 2 * 3 * h * F) + h  # 12.9 B
+
+
+# -- parameters: the estimator equals the sharding table's regions -----------------------------------------------------
+
+TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
+TINY_DSV3 = dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                 num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                 q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                 num_nextn_predict_layers=1, vocab_size=300, max_position_embeddings=128)
+
+
+def _owned(cfg: ModelConfig, layout: Layout, coord: RankCoord) -> int:
+    n = 0
+    for spec in model_specs(cfg, layout):
+        c = RankCoord(pp=coord.pp, ep=coord.ep, etp=coord.tp) if spec.expert else RankCoord(tp=coord.tp, pp=coord.pp)
+        n += sum(math.prod(r.shape) for r in regions(spec, layout, c, cfg.num_layers))
+    return n
+
+
+@pytest.mark.parametrize("hf,layouts", [
+    (TINY_LLAMA, [Layout(), Layout(tp=2, pp=2), Layout(tp=4, pp=1), Layout(tp=2, pp=2, vpp=2), Layout(tp=1, pp=4)]),
+    (TINY_DSV3, [Layout(), Layout(tp=2, ep=2), Layout(tp=2, pp=2, ep=4, etp=1), Layout(pp=2, vpp=2, ep=2)]),
+])
+def test_param_bytes_equal_sharding_table(hf, layouts):
+    cfg = ModelConfig.from_hf(hf)
+    for lay in layouts:
+        for pp_rank in range(lay.pp):
+            owned = _owned(cfg, lay, RankCoord(tp=0, pp=pp_rank, ep=0))
+            for dist in (False, True):
+                b = param_bytes_per_rank(cfg, lay, dp=2, distributed_optimizer=dist, dtype="bfloat16",
+                                         pp_rank=pp_rank)
+                assert b["params"] == owned, (lay, pp_rank)
+                assert b["weights"] == 2 * owned and b["grads"] == 4 * owned
+            b32 = param_bytes_per_rank(cfg, lay, dp=1, distributed_optimizer=False, dtype="float32", pp_rank=pp_rank)
+            assert b32["optimizer"] == 8 * owned  # fp32 weights are the main params: exp_avg + exp_avg_sq only
+
+
+def test_distributed_optimizer_shards_dense_over_dp_cp_and_experts_over_expert_dp():
+    cfg = ModelConfig.from_hf(TINY_DSV3)
+    lay = ParallelLayout(tp=2, ep=4, etp=1, dp=4, cp=1)  # 8 ranks per stage; experts replicated 8/(1*4) = 2 times
+    b = param_bytes_per_rank(cfg, lay, distributed_optimizer=True, dtype="bfloat16")
+    assert lay.expert_dp == 2
+    dense, expert = b["dense_params"], b["expert_params"]
+    assert expert > 0 and b["optimizer"] == 12 * (-(-dense // 4) + -(-expert // 2))
+
+
+# -- activations and the pipeline ----------------------------------------------------------------------------------
+
+def test_in_flight_microbatches():
+    lay = ParallelLayout(tp=1, pp=4, dp=1)
+    assert [in_flight(lay, 256, r) for r in range(4)] == [4, 3, 2, 1]  # 1F1B: pp - r
+    assert in_flight(lay, 2, 0) == 2  # fewer micro-batches than stages
+    v = ParallelLayout(tp=1, pp=4, vpp=2, dp=1)
+    # interleaved warm-up 2*(pp-1) + (vpp-1)*pp, plus the chunk in progress: Megatron's
+    # L*(1 + (pp-1)/(pp*vpp)) on the first stage = (L/8) * 11 chunks
+    assert in_flight(v, 256, 0) == 2 * 3 + 1 * 4 + 1 == 11
+    assert stage_layers(126, 8)[0] == list(range(16)) and len(stage_layers(126, 8)[7]) == 15
+
+
+LLAMA3_70B = dict(h=8192, nh=64, ng=8, hd=128, F=28672, V=128256, L=80)
+
+
+def _llama_layer_params_per_rank(h, nh, ng, hd, F, t, **_):
+    return 2 * h + ((nh + 2 * ng) * hd * h + h * nh * hd + 3 * h * F) // t
+
+
+def test_folklore_llama3_70b_64_gpus_tp4_pp4_dp4():
+    """"70B on 64 GPUs: TP4 PP4 DP4", seq 4096, micro batch 1, global batch 1024, distributed optimizer."""
+    m = LLAMA3_70B
+    h, nh, ng, hd, F = m["h"], m["nh"], m["ng"], m["hd"], m["F"]
+    cfg = presets.model_config("llama3-70b")
+    lay = ParallelLayout(tp=4, pp=4, dp=4)
+    s = TrainSettings(seq_length=4096, micro_batch_size=1, global_batch_size=1024, recompute="selective",
+                      distributed_optimizer=True)
+    e = estimate_memory(cfg, lay, s)
+    assert e.pp_rank == 0  # the first stage: most micro-batches in flight
+    padded_vocab = 128512  # 128256 up to a multiple of 128 x tp = 512
+    n = 20 * _llama_layer_params_per_rank(t=4, **m) + padded_vocab * h // 4  # 20 layers + the embedding shard
+    assert e.weights == 2 * n  # 8.46 GiB
+    assert e.grads == 4 * n  # fp32 main grads
+    assert e.optimizer == 12 * -(-n // 4)  # fp32 main params + exp_avg + exp_avg_sq over dp 4
+    assert e.optimizer_unsharded == 12 * n
+    # selective recompute, per token and layer: norms 2h + 2h, QKV input 2h, Q/K/V, projection input, fc1 input 2h,
+    # [gate; up] 2*2F, fc2 input 2F; all over tp (sequence parallel)
+    per_token = 2 * h + 2 * h + 2 * h + 2 * (nh + 2 * ng) * hd + 2 * nh * hd + 2 * h + 2 * 2 * F + 2 * F
+    per_layer = per_token * 4096 / 4
+    layers_in_flight = 20 * 4  # 20 layers x 4 micro-batches (1F1B, first stage)
+    token_ids = 8 * 4096 * 4
+    assert e.activations == pytest.approx(layers_in_flight * per_layer + token_ids, rel=1e-12)
+    comm = 2 * 4096 * h + 4 * 2 * 4096 * h / 4  # SP all-gather + PP send/recv
+    assert e.comm_buffers == pytest.approx(comm)
+    total = 2 * n + 4 * n + 12 * -(-n // 4) + layers_in_flight * per_layer + token_ids + comm + 2 * GiB
+    assert e.total == pytest.approx(total)
+    assert 60 * GiB < e.total < 62 * GiB  # fits in 80 GiB, as the folklore says
+    c = plan(cfg, 64, 80 * GiB, s, Hardware(), layouts=[lay])[0]
+    assert c.fits and c.valid
+    # without the distributed optimizer it does not: 12 bytes/param of Adam state on every rank
+    c = plan(cfg, 64, 80 * GiB, TrainSettings(seq_length=4096, recompute="selective"), Hardware(), layouts=[lay])[0]
+    assert not c.fits and "fits with --optimizer-sharding" in c.reason
+
+
+def test_folklore_llama31_405b_128_gpus_tp8_pp8_cp2():
+    """"405B on 128 H100: TP8 PP8 CP2": 126 layers do not split into 8 equal stages, and even dealt out 16/15 the
+    first stage needs more than 80 GiB."""
+    h, nh, ng, hd, F = 16384, 128, 8, 128, 53248
+    cfg = presets.model_config("llama3.1-405b")
+    lay = ParallelLayout(tp=8, pp=8, cp=2, dp=1)
+    s = TrainSettings(seq_length=8192, global_batch_size=1024, recompute="selective", distributed_optimizer=True)
+    c = plan(cfg, 128, 80 * GiB, s, Hardware(), layouts=[lay])[0]
+    assert not c.valid and any("num_hidden_layers=126 is not divisible by --pp 8" in v for v in c.violations)
+    e = c.memory
+    n = 16 * _llama_layer_params_per_rank(h, nh, ng, hd, F, 8) + 129024 * h // 8  # 16 layers + embedding shard
+    assert e.weights == 2 * n and e.grads == 4 * n
+    assert e.optimizer == 12 * -(-n // 2)  # sharded over dp x cp = 2
+    T = 8192 // 2  # tokens per CP rank
+    per_token = 8 * h + 2 * (nh + 2 * ng) * hd + 2 * nh * hd + 6 * F
+    assert e.activations == pytest.approx(16 * 8 * per_token * T / 8 + 8 * T * 8)
+    assert e.total > 100 * GiB and not c.fits
+
+
+def test_folklore_70b_at_tp4_needs_80gb():
+    """"70B at TP4 needs ~80 GB per GPU": a quarter of 70.6 B params is 17.6 B; 4 bytes each (bf16 weights and bf16
+    grads) is 70.6 GB, which with activations is the folklore's ~80 GB. Megatron keeps fp32 main grads: 6 bytes per
+    param is 106 GB before any optimizer state, so TP4 alone does not train a 70B model on 80 GB GPUs."""
+    m = LLAMA3_70B
+    cfg = presets.model_config("llama3-70b")
+    lay = ParallelLayout(tp=4, pp=1, dp=16)
+    n = 80 * _llama_layer_params_per_rank(t=4, **m) + 2 * 128512 * m["h"] // 4 + m["h"]  # all layers, emb, out, norm
+    b = param_bytes_per_rank(cfg, lay, distributed_optimizer=True, dtype="bfloat16", grad_dtype="bfloat16")
+    assert b["weights"] + b["grads"] == 4 * n
+    assert 70e9 < 4 * n < 71e9
+    s = TrainSettings(seq_length=4096, global_batch_size=1024, recompute="full", distributed_optimizer=True)
+    e = estimate_memory(cfg, lay, s)
+    assert e.weights + e.grads == 6 * n and e.optimizer == 12 * -(-n // 16)
+    assert e.total > 80 * GiB
+
+
+def test_plan_ranks_fitting_layouts_by_step_time():
+    cfg = presets.model_config("llama2-13b")  # 40 layers: pp 16 is not a split
+    cands = plan(cfg, 16, 80 * GiB, TrainSettings(seq_length=4096, global_batch_size=256), Hardware(),
+                 recompute=["none", "full"])
+    fits = [c for c in cands if c.fits]
+    assert fits and all(c.valid for c in fits)
+    times = [c.perf["step_s"] for c in fits]
+    assert times == sorted(times)
+    assert cands.index(fits[-1]) < min(cands.index(c) for c in cands if not c.fits)
+    bad = [c for c in cands if not c.valid]
+    assert bad and all(any("--pp 16" in v for v in c.violations) for c in bad)
+
+
+def test_step_time_model_by_hand():
+    """One GPU, no parallelism: step = model FLOPs / (peak x efficiency); MFU = the efficiency."""
+    cfg = presets.model_config("llama3-8b")
+    hw = Hardware(peak_tflops=1000.0, compute_efficiency=0.5)
+    s = TrainSettings(seq_length=4096, global_batch_size=8)
+    r = step_time(cfg, ParallelLayout(), s, hw)
+    h, L, nh, ng, hd, F, V = 4096, 32, 32, 8, 128, 14336, 128256
+    gemm = L * ((nh + 2 * ng) * hd * h + h * nh * hd + 3 * h * F) + V * h  # layers + output layer (no lookup, norms)
+    # attention: QK^T and AV, 2 * 2 * s * (nh*hd) per token forward, x3 with backward, halved for causal masking
+    per_token = 6 * gemm + 3 * 2 * 2 * L * nh * hd * 4096 // 2
+    assert flops_per_token(cfg, 4096, 128256)["gemm"] == 6 * gemm
+    assert r["model_flops_per_step"] == pytest.approx(per_token * 8 * 4096)
+    assert r["step_s"] == pytest.approx(per_token * 8 * 4096 / (1000e12 * 0.5))
+    assert r["mfu"] == pytest.approx(0.5)
+
+
+# -- CLI: plan, launch, bad input ------------------------------------------------------------------------------------
+
+def test_cli_plan_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu-memory", "80GB", "--json", "--top", "3",
+                 "--layout", "tp=2,pp=2,dp=4", "--recompute", "selective", "--plot", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpu_memory_bytes"] == 80 * 10**9 and len(out["layouts"]) == 3
+    assert out["requested"][0]["label"] == "tp2 pp2 dp4" and out["requested"][0]["fits"]
+    assert out["layouts"][0]["fits"] and set(out["layouts"][0]["memory"]) >= {"weights", "grads", "optimizer",
+                                                                               "activations", "comm_buffers", "total"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plan_table(capsys):
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--optimizer-sharding", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "fastest that fits:" in out and "ep" in out
+
+
+def test_cli_plan_from_hf_dir(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert main(["plan", "--model", str(tmp_path), "--gpus", "4", "--gpus-per-node", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fitting"] > 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "--model", "llama9-1t", "--gpus", "8"], "known presets: llama2-7b"),
+    (["plan", "--model", "llama3-8b", "--gpus", "12"], "--gpus 12 is not a multiple of --gpus-per-node 8"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-memory", "eighty gigs"], "--gpu-memory: cannot parse"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "tp=4,pp=two"], "--layout: cannot parse"),
+    (["launch", "--layout", "tp=4,pp=4,dp=4", "--nodes", "1", "--dry-run"], "uses tp x pp x cp x dp = 64 GPUs"),
+    (["launch", "--layout", "tp=8,dp=2", "--nodes", "4", "--gpus-per-node", "4", "--dry-run"], "must divide"),
+    (["launch", "--layout", "tp=2,dp=4", "--nodes", "1", "--dry-run", "--", "--tp", "4"], "contradicts --layout"),
+])
+def test_bad_input(argv, needle, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shardkit: error: ") and needle in err and err.count("\n") == 1
+
+
+def test_unknown_preset_lists_known_ones():
+    with pytest.raises(ConfigError, match="known presets: .*deepseek-v3"):
+        presets.model_config("gpt5")
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("141 GB") == 141 * 10**9 and parse_bytes("1.5TiB") == int(1.5 * 2**40)
+    for bad in ("", "GB", "80XB", "-1GB", "0GB"):
+        with pytest.raises(PlanError):
+            parse_bytes(bad)
+    assert issubclass(PlanError, ShardkitError)
+
+
+def test_launch_dry_run(capsys, tmp_path):
+    out = tmp_path / "run"
+    assert main(["launch", "--layout", "tp=4,pp=2,cp=2,dp=2", "--nodes", "4", "--gpus-per-node", "8", "--slurm",
+                 "--dry-run", "--out", str(out), "--sbatch", "partition=gpu", "--sbatch=--account=llm", "--",
+                 "--load", "/ckpt/llama", "--save", "/ckpt/run 1", "--data", "/d/a", "/d/b",
+                 "--micro-batch-size", "1", "--global-batch-size", "512", "--seq-length", "8192"]) == 0
+    text = capsys.readouterr().out
+    sbatch, torchrun = text.split(f"# ---- {out / 'torchrun.sh'} ----\n")
+    assert sbatch.startswith(f"# ---- {out / 'job.sbatch'} ----")
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --account=llm",
+                 f"exec bash {out / 'torchrun.sh'}"):
+        assert line in sbatch
+    assert "NNODES=${NNODES:-4}" in torchrun and "GPUS_PER_NODE=${GPUS_PER_NODE:-8}" in torchrun
+    assert "-m shardkit continue-pretrain" in torchrun
+    joined = " ".join(torchrun.replace("\\\n", " ").split())
+    assert ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --context-parallel-size 2 "
+            "--load /ckpt/llama --save '/ckpt/run 1' --data /d/a /d/b") in joined
+    assert "{{" not in text
+    assert not out.exists()  # dry run writes nothing
+
+
+def test_launch_writes_valid_shell(tmp_path, capsys):
+    assert main(["launch", "--layout", "tp=2,pp=2,dp=2", "--nodes", "1", "--out", str(tmp_path), "--env",
+                 "NCCL_SOCKET_IFNAME=eth0", "--", "--load", "ck", "--save", "out", "--data", "d"]) == 0
+    for name in ("torchrun.sh", "job.sbatch"):
+        p = tmp_path / name
+        assert p.stat().st_mode & 0o111
+        subprocess.run(["bash", "-n", str(p)], check=True)  # syntax only
+    assert "export NCCL_SOCKET_IFNAME=eth0" in (tmp_path / "torchrun.sh").read_text()
+    scripts = render_scripts(LaunchSpec(ParallelLayout(tp=8, ep=8, etp=1, dp=1), 1, 8, ("--save", "x")))
+    assert "--expert-model-parallel-size 8 \\\n    --expert-tensor-parallel-size 1" in scripts["torchrun.sh"]
