@@ -240,6 +240,16 @@ def test_step_time_model_by_hand():
     assert r["mfu"] == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("name,layout,published", [
+    ("llama2-7b", ParallelLayout(tp=2, dp=4), 0.47),  # Megatron-Core, H100 BF16, seq 4096: 7.1B TP2 47% MFU
+    ("llama2-70b", ParallelLayout(tp=8, pp=2, dp=4), 0.42),  # 70B TP8 PP2 42%
+])
+def test_step_time_model_near_published_mfu(name, layout, published):
+    """The default compute efficiency (0.52) puts the stated model within 2 points of the published anchors."""
+    s = TrainSettings(seq_length=4096, global_batch_size=128, recompute="selective", distributed_optimizer=True)
+    assert step_time(presets.model_config(name), layout, s, Hardware())["mfu"] == pytest.approx(published, abs=0.02)
+
+
 # -- CLI: plan, launch, bad input ------------------------------------------------------------------------------------
 
 def test_cli_plan_json_and_plot(tmp_path, capsys):
