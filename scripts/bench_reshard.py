@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""Benchmark `shardkit reshard` (native tp1pp1 -> tp4pp2) and native -> torch_dist against `cp -r` of the same
+checkpoint, timed in the same run, with the peak RSS of each process tree (issue 4, "What must be measured").
+
+The source is a synthetic LLaMA-shaped HF model (bench_convert's `synthesize` / `shape_for`) converted once, untimed,
+to a native tp1pp1 checkpoint. Then, per repeat (interleaved, so drift on a shared disk hits all):
+  (a) `cp -r` of that checkpoint, and the `sync` that makes its bytes durable (timed separately);
+  (b) `shardkit reshard SRC DST --tp 4 --pp 2`;
+  (c) `shardkit reshard SRC DST --tp 1 --pp 1 --format torch_dist` (native -> torch_dist at the same layout);
+  (d) with --torch-dist-resharded: `... --tp 4 --pp 2 --format torch_dist` (reshard + export in one pass).
+shardkit fsyncs what it writes, so compare with cp+sync too. Cache mode as in bench_convert (cold when the page cache
+can be dropped). Goal: within 1.5x cp, peak RSS under 1.5 GB.
+
+    .venv/bin/python scripts/bench_reshard.py --size 2 --markdown /tmp/reshard.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_convert import (GB, MB, Cache, Code, Run, dir_bytes, machine_facts, median, run_measured,  # noqa: E402
+                           shape_for, shardkit_bin, synthesize, timed)
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", type=float, default=2.0, help="synthetic model size in GB (bf16 weights)")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--tp", type=int, default=4, help="target TP of the reshard")
+    p.add_argument("--pp", type=int, default=2, help="target PP of the reshard")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--workers", default=None, help="--workers passed to shardkit (default: its own)")
+    p.add_argument("--torch-dist-resharded", action="store_true",
+                   help="also time native tp1pp1 -> torch_dist at the target layout in one pass")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/shardkit-bench-reshard"))
+    p.add_argument("--warm", action="store_true", help="do not drop the page cache (read the source warm)")
+    p.add_argument("--poll", type=float, default=0.05, help="RSS sampling period, seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--src", default="installed",
+                   help="the shardkit tree to run: 'installed' (this checkout) or a directory (e.g. a `git archive` "
+                        "snapshot), prepended to PYTHONPATH")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--markdown", type=Path)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = args.workdir
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    cache = Cache.detect(args.warm)
+    code = Code.parse(args.src)
+    cache.codes = [code]  # re-read the code untimed after each cache drop
+    sk = shardkit_bin()
+    s = shape_for(args.size, args.hidden, None, args.pp, args.vocab)
+    print(f"== {s.describe()}", flush=True)
+    hf = work / "hf"
+    synthesize(hf, s, int(0.5 * GB), seed=args.seed)
+    src = work / "src"
+    t0 = time.perf_counter()
+    subprocess.run([sk, "convert", "hf-to-mcore", str(hf), str(src), "--quiet"], check=True, env=code.env)
+    shutil.rmtree(hf)
+    src_bytes = dir_bytes(src)
+    print(f"   source checkpoint tp1pp1: {src_bytes / GB:.3f} GB (converted untimed in {time.perf_counter() - t0:.1f}s)",
+          flush=True)
+    extra = ["--workers", args.workers] if args.workers else []
+    steps = [("reshard tp1pp1->tp%dpp%d" % (args.tp, args.pp), ["--tp", str(args.tp), "--pp", str(args.pp)]),
+             ("native->torch_dist tp1pp1", ["--tp", "1", "--pp", "1", "--format", "torch_dist"])]
+    if args.torch_dist_resharded:
+        steps.append((f"native tp1pp1->torch_dist tp{args.tp}pp{args.pp}",
+                      ["--tp", str(args.tp), "--pp", str(args.pp), "--format", "torch_dist"]))
+    cps: list[tuple[float, float]] = []
+    runs: dict[str, list[Run]] = {label: [] for label, _ in steps}
+    out_bytes: dict[str, int] = {}
+    loads: list[str] = []
+    for rep in range(args.repeats):
+        tag = f"   [{rep + 1}/{args.repeats}]"
+        loads.append(uptime())
+        dst = work / "cp"
+        cache.before_step()
+        cp_s = timed(["cp", "-r", str(src), str(dst)])
+        sync_s = timed(["sync"])
+        cps.append((cp_s, sync_s))
+        shutil.rmtree(dst)
+        print(f"{tag} cp -r {cp_s:.2f}s ({src_bytes / GB / cp_s:.2f} GB/s), + sync {sync_s:.2f}s", flush=True)
+        for i, (label, flags) in enumerate(steps):
+            out = work / f"out{i}"
+            cache.before_step()
+            r = run_measured(label, [sk, "reshard", str(src), str(out), "--quiet", *flags, *extra], args.poll,
+                             work / f"step{i}.log", code.env)
+            out_bytes[label] = dir_bytes(out)
+            runs[label].append(r)
+            print(f"{tag} {label}: {r.wall_s:.2f}s ({r.wall_s / cp_s:.2f}x cp); peak RSS tree "
+                  f"{r.peak_tree_rss / MB:.0f} MB (max process {r.peak_max_rss / MB:.0f} MB, {r.peak_procs} procs); "
+                  f"CPU {r.cpu_s:.1f}s; wrote {out_bytes[label] / GB:.3f} GB", flush=True)
+            shutil.rmtree(out)
+        loads.append(uptime())
+    cp_s = median([c for c, _ in cps])
+    cp_sync_s = median([c + y for c, y in cps])
+    rows = []
+    for label, rs in runs.items():
+        wall = median([r.wall_s for r in rs])
+        rows.append(dict(step=label, size_gb=src_bytes / GB, cp_s=cp_s, cp_sync_s=cp_sync_s, wall_s=wall,
+                         ratio=wall / cp_s, ratio_sync=wall / cp_sync_s,
+                         peak_tree_mb=max(r.peak_tree_rss for r in rs) / MB,
+                         peak_max_mb=max(r.peak_max_rss for r in rs) / MB, cpu_s=median([r.cpu_s for r in rs]),
+                         out_gb=out_bytes[label] / GB, runs_s=[round(r.wall_s, 2) for r in rs], cmd=" ".join(rs[-1].cmd)))
+    cmd = "python scripts/bench_reshard.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    md = [f"Command: `{cmd}`", f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+          f"Code: {code.root}", f"Cache mode: {cache.describe()}",
+          f"Source: native tp1pp1 checkpoint of a synthetic model, {s.describe()}, {src_bytes / GB:.2f} GB",
+          "Load (`uptime`, before/after each repeat): " + " | ".join(f"`{u}`" for u in loads), "",
+          "| step | size GB | cp s | cp+sync s | step s | ratio vs cp | ratio vs cp+sync | peak RSS tree MB | "
+          "peak RSS max-process MB | CPU s | wrote GB |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        md.append(f"| {r['step']} | {r['size_gb']:.2f} | {r['cp_s']:.2f} | {r['cp_sync_s']:.2f} | {r['wall_s']:.2f} | "
+                  f"{r['ratio']:.2f} | {r['ratio_sync']:.2f} | {r['peak_tree_mb']:.0f} | {r['peak_max_mb']:.0f} | "
+                  f"{r['cpu_s']:.1f} | {r['out_gb']:.2f} |")
+    md += ["", "```", machine_facts(work), "```"]
+    text = "\n".join(md) + "\n"
+    print("\n" + text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "uptime": loads, "cache": cache.mode}, indent=1))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
