@@ -28,6 +28,9 @@ def add_parsers(sub) -> None:
                     action="store_true", help="distributed optimizer: Adam state split over DP x CP (ZeRO-1)")
     pl.add_argument("--layout", action="append", default=None, metavar="tp=4,pp=4,dp=4",
                     help="estimate this layout only (repeatable); otherwise every layout is enumerated")
+    pl.add_argument("--max-cp", type=int, default=None,
+                    help="largest context-parallel size to enumerate (the model does not charge CP for smaller "
+                         "kernels at short per-GPU sequences; cap it at short sequences)")
     pl.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
     pl.add_argument("--plot", metavar="FILE.png", help="bar chart of the memory breakdown of the top layouts")
@@ -106,7 +109,9 @@ def _plan(args: argparse.Namespace) -> int:
                       args.recompute, distributed_optimizer=args.optimizer_sharding, fp8=args.fp8,
                       reserved_bytes=reserved)
     modes = ["none", "selective", "full"] if args.recompute == "auto" else [args.recompute]
-    cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes)
+    if args.max_cp is not None and args.max_cp < 1:
+        raise PlanError(f"--max-cp must be positive, got {args.max_cp}")
+    cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, max_cp=args.max_cp)
     requested = []
     if args.layout:
         layouts = [ParallelLayout.parse(x) for x in args.layout]

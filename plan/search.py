@@ -93,7 +93,7 @@ def evaluate(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Har
 
 
 def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_length: int,
-                      max_vpp: int = 8) -> list[ParallelLayout]:
+                      max_vpp: int = 8, max_cp: int | None = None) -> list[ParallelLayout]:
     """TP dividing the node, then PP, CP, DP over the rest; VPP for pp > 1; EP (and ETP in {1, tp}) for MoE.
     Combinations that break a model constraint are kept (and named later); those that cannot be built at all are
     not generated."""
@@ -105,7 +105,7 @@ def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_lengt
             if pp > cfg.num_layers:
                 continue
             for cp in divisors(gpus // (tp * pp)):
-                if cp > 1 and cp * 2 > seq_length:
+                if cp > 1 and (cp * 2 > seq_length or (max_cp is not None and cp > max_cp)):
                     continue
                 dp = gpus // (tp * pp * cp)
                 vpps = [1] if pp == 1 else [v for v in divisors(max(1, cfg.num_layers // pp)) if v <= max_vpp]
@@ -120,7 +120,8 @@ def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_lengt
 
 
 def plan(cfg: ModelConfig, gpus: int, gpu_memory: int, s: TrainSettings, hw: Hardware,
-         recompute: list[str] | None = None, layouts: list[ParallelLayout] | None = None) -> list[Candidate]:
+         recompute: list[str] | None = None, layouts: list[ParallelLayout] | None = None,
+         max_cp: int | None = None) -> list[Candidate]:
     """All candidates, ranked: fitting ones by step time, then valid ones that do not fit by memory, then invalid.
     `recompute` lists the recompute modes to try (default: the one in `s`)."""
     check_gpus(gpus, hw.gpus_per_node)
@@ -128,7 +129,8 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory: int, s: TrainSettings, hw: Har
     for r in modes:
         if r not in RECOMPUTE:
             raise PlanError(f"--recompute must be one of {', '.join(RECOMPUTE)} or auto, got {r!r}")
-    layouts = layouts if layouts is not None else enumerate_layouts(cfg, gpus, hw.gpus_per_node, s.seq_length)
+    if layouts is None:
+        layouts = enumerate_layouts(cfg, gpus, hw.gpus_per_node, s.seq_length, max_cp=max_cp)
     cands = [evaluate(cfg, lay, replace(s, recompute=r), hw, gpus, gpu_memory) for lay in layouts for r in modes]
     return rank(cands)
 

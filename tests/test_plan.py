@@ -222,6 +222,9 @@ def test_plan_ranks_fitting_layouts_by_step_time():
     assert cands.index(fits[-1]) < min(cands.index(c) for c in cands if not c.fits)
     bad = [c for c in cands if not c.valid]
     assert bad and all(any("--pp 16" in v for v in c.violations) for c in bad)
+    assert any(c.layout.cp > 1 for c in cands)
+    capped = plan(cfg, 16, 80 * GiB, TrainSettings(seq_length=4096, global_batch_size=256), Hardware(), max_cp=1)
+    assert capped and all(c.layout.cp == 1 for c in capped)
 
 
 def test_step_time_model_by_hand():
