@@ -1,0 +1,545 @@
+"""Training data: Megatron's indexed dataset (`.bin`/`.idx`), its GPT sample order, blends, splits and micro-batches.
+
+Everything here reproduces megatron-core's algorithms (GPTDataset, BlendedDataset, BlendedMegatronDatasetBuilder,
+Megatron-LM's MegatronPretrainingSampler) so that a run that switches between Megatron-LM and shardkit sees the same
+samples in the same order for the same seed, sequence length, blend, split and sample count. The order is rebuilt with
+numpy on every rank (no index cache files), deterministically, in well under a second for corpora of millions of
+documents.
+
+File format (`.idx`, little-endian): magic `MMIDIDX\\0\\0`, `<Q` version 1, `<B` dtype code, `<Q` sequence count,
+`<Q` document count, int32 sequence lengths, int64 sequence byte pointers into `.bin`, int64 document indices (the
+sequence index at which each document starts, then the total). `.bin` is the concatenated tokens.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from checkpoint.errors import ShardkitError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # 34
+DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+                                7: np.float32, 8: np.uint16}
+_CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+ORDER_VERSION = 1  # bump when anything that changes the sample order changes; part of every fingerprint
+BLEND_SURPLUS = 0.005  # megatron-core's mid_level_dataset_surplus default
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+class DataError(ShardkitError):
+    """A data file, prefix, blend or split cannot be used; the message names the file or flag."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Megatron's choice (DType.optimal_dtype): uint16 below 65,500 tokens, else int32."""
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+# -- writing ----------------------------------------------------------------------------------------------------------
+
+class IndexedWriter:
+    """Streams documents into `<prefix>.bin`/`.idx` under temporary names; `commit()` renames both into place.
+
+    One document = one sequence (empty documents have none), as Megatron's preprocess_data writes without
+    --split-sentences. Use as a context manager: leaving it on an exception removes the temporary files.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type):
+        self.prefix = Path(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _CODE_OF:
+            raise DataError(f"{self.prefix}: token dtype {self.dtype} has no Megatron dtype code")
+        self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd, self._tmp_bin = tempfile.mkstemp(prefix=f".{self.prefix.name}.", suffix=".bin.tmp",
+                                                 dir=self.prefix.parent)
+        except OSError as e:
+            raise DataError(f"{self.prefix}.bin: cannot write ({e.strerror})") from None
+        self._bin = os.fdopen(fd, "wb")
+        self._lengths: list[int] = []
+        self._doc_starts: list[int] = [0]
+        self.tokens = 0
+
+    def add(self, tokens: np.ndarray | Sequence[int]) -> None:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise DataError(f"{self.prefix}: a document must be a 1-D token array, got shape {arr.shape}")
+        if arr.size:
+            if self._info is not None and (arr.min() < self._info.min or arr.max() > self._info.max):
+                raise DataError(f"{self.prefix}: token id {int(arr.max())} does not fit {self.dtype} "
+                                f"(use int32 for vocabularies of 65,500 or more)")
+            if arr.size > np.iinfo(np.int32).max:
+                raise DataError(f"{self.prefix}: a document of {arr.size} tokens exceeds int32 sequence lengths")
+            self._bin.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes())
+            self._lengths.append(int(arr.size))
+            self.tokens += int(arr.size)
+        self._doc_starts.append(len(self._lengths))
+
+    def commit(self) -> Path:
+        """fsync and rename: `.bin` first, then `.idx`, so a present `.idx` always describes a complete `.bin`."""
+        lengths = np.asarray(self._lengths, dtype=np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        if len(lengths) > 1:
+            np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        tmp_idx = None
+        try:
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+            fd, tmp_idx = tempfile.mkstemp(prefix=f".{self.prefix.name}.", suffix=".idx.tmp", dir=self.prefix.parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", _CODE_OF[self.dtype]))
+                f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(self._doc_starts)))
+                f.write(lengths.tobytes())
+                f.write(pointers.tobytes())
+                f.write(np.asarray(self._doc_starts, dtype=np.int64).tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(self._tmp_bin, f"{self.prefix}.bin")
+            os.replace(tmp_idx, f"{self.prefix}.idx")
+        except OSError as e:
+            self.abort()
+            if tmp_idx:
+                Path(tmp_idx).unlink(missing_ok=True)
+            raise DataError(f"{self.prefix}.idx: cannot write ({e.strerror})") from None
+        return self.prefix
+
+    def abort(self) -> None:
+        if not self._bin.closed:
+            self._bin.close()
+        Path(self._tmp_bin).unlink(missing_ok=True)
+
+    def __enter__(self) -> "IndexedWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def write_indexed(prefix: str | os.PathLike, docs: Iterable[np.ndarray], dtype: np.dtype | type) -> Path:
+    """Write `docs` (one 1-D token array per document) as Megatron's `<prefix>.bin`/`.idx`, atomically."""
+    with IndexedWriter(prefix, dtype) as w:
+        for d in docs:
+            w.add(d)
+        return w.commit()
+
+
+# -- reading ----------------------------------------------------------------------------------------------------------
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of `<prefix>.bin`/`.idx`; every inconsistency is a one-line DataError."""
+
+    def __init__(self, prefix: str | os.PathLike):
+        self.prefix = str(prefix)
+        idx, bin_ = Path(f"{self.prefix}.idx"), Path(f"{self.prefix}.bin")
+        for p in (idx, bin_):
+            if not p.is_file():
+                raise DataError(f"data prefix {self.prefix}: {p} does not exist"
+                                + (" (pass the prefix without .bin/.idx)" if self.prefix.endswith((".bin", ".idx"))
+                                   else ""))
+        self.idx_path, self.bin_path = idx, bin_
+        size = idx.stat().st_size
+        with open(idx, "rb") as f:
+            head = f.read(HEADER_BYTES)
+        if len(head) < HEADER_BYTES:
+            raise DataError(f"{idx}: truncated header ({size} bytes, need {HEADER_BYTES})")
+        if head[:9] != MAGIC:
+            raise DataError(f"{idx}: not a Megatron indexed dataset (magic {head[:9]!r}, expected {MAGIC!r})")
+        version, = struct.unpack_from("<Q", head, 9)
+        if version != VERSION:
+            raise DataError(f"{idx}: unsupported .idx version {version} (expected {VERSION})")
+        code = head[17]
+        if code not in DTYPE_CODES:
+            raise DataError(f"{idx}: unknown token dtype code {code} (known: {sorted(DTYPE_CODES)})")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        n_seq, n_doc = struct.unpack_from("<QQ", head, 18)
+        expected = HEADER_BYTES + 12 * n_seq + 8 * n_doc
+        if size == expected + n_seq:
+            raise DataError(f"{idx}: has per-sequence modes (a multimodal dataset); only text datasets are supported")
+        if size != expected:
+            raise DataError(f"{idx}: {size} bytes, but its header ({n_seq} sequences, {n_doc} documents) "
+                            f"needs {expected}: truncated or corrupt")
+        mm = np.memmap(idx, dtype=np.uint8, mode="r")
+        self.sequence_lengths = np.frombuffer(mm, np.int32, n_seq, HEADER_BYTES)
+        self.sequence_pointers = np.frombuffer(mm, np.int64, n_seq, HEADER_BYTES + 4 * n_seq)
+        self.document_indices = np.frombuffer(mm, np.int64, n_doc, HEADER_BYTES + 12 * n_seq)
+        self._check(idx, bin_, n_seq)
+        bin_size = bin_.stat().st_size
+        self._tokens = (np.memmap(bin_, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype))
+
+    def _check(self, idx: Path, bin_: Path, n_seq: int) -> None:
+        lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
+        if n_seq and lengths.min() < 0:
+            raise DataError(f"{idx}: negative sequence length at sequence {int(np.argmin(lengths))}")
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != n_seq or (len(docs) > 1 and np.any(np.diff(docs) < 0)):
+            raise DataError(f"{idx}: document indices must rise from 0 to the sequence count {n_seq}")
+        bin_size = bin_.stat().st_size
+        if bin_size % self.dtype.itemsize:
+            raise DataError(f"{bin_}: {bin_size} bytes is not a whole number of {self.dtype} tokens")
+        if n_seq:
+            ends = pointers + lengths.astype(np.int64) * self.dtype.itemsize
+            bad = np.flatnonzero((pointers < 0) | (ends > bin_size) | (pointers % self.dtype.itemsize != 0))
+            if bad.size:
+                i = int(bad[0])
+                raise DataError(f"{bin_}: {bin_size} bytes, but {idx} places sequence {i} at bytes "
+                                f"[{int(pointers[i])}, {int(ends[i])}): truncated or mismatched .bin/.idx")
+
+    def __len__(self) -> int:
+        """Number of sequences (Megatron's GPT "documents")."""
+        return len(self.sequence_lengths)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens of sequence `i` from `offset` (a view into the memory-mapped .bin)."""
+        start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
+        n = int(self.sequence_lengths[i]) - offset if length is None else length
+        return self._tokens[start:start + n]
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+    def digest(self) -> str:
+        """sha256 of the .idx bytes plus the .bin size: changes whenever the documents or their lengths do."""
+        st = self.idx_path.stat()
+        return _file_digest(str(self.idx_path.resolve()), st.st_size, st.st_mtime_ns) + \
+            f":{self.bin_path.stat().st_size}"
+
+
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- the GPT sample order (megatron-core GPTDataset) -------------------------------------------------------------------
+
+def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int | None) -> int:
+    """Fewest epochs whose tokens cover num_samples samples of seq_length (+1 extra token)."""
+    if num_samples is None:
+        return 1
+    need = num_samples * seq_length + 1
+    return max(1, -(-need // tokens_per_epoch))
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final_epoch: bool) -> np.ndarray:
+    """Documents tiled over the epochs and shuffled (the last epoch shuffled on its own when separate)."""
+    if not separate_final_epoch or num_epochs == 1:
+        index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+        rng.shuffle(index)
+        return index
+    first = build_document_index(documents, num_epochs - 1, rng, False)
+    last = build_document_index(documents, 1, rng, False)
+    return np.concatenate((first, last))
+
+
+def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int, num_epochs: int,
+                       tokens_per_epoch: int) -> np.ndarray:
+    """[num_samples+1, 2] (position in document_index, token offset) where each sample starts.
+
+    Sample i covers tokens [i*seq, i*seq + seq + 1) of the documents concatenated in document_index order, so
+    consecutive samples share one token; the partial last sample is dropped. Vectorised equivalent of megatron-core's
+    helpers.cpp build_sample_idx (a start that falls on the end of a document stays on its last token, as there).
+    """
+    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    lengths = sizes[document_index].astype(np.int64)
+    ends = np.cumsum(lengths)
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    pos = np.searchsorted(ends, starts, side="right")
+    out = np.empty((num_samples + 1, 2), dtype=np.int64)
+    out[:, 0] = pos
+    out[:, 1] = starts - (ends[pos] - lengths[pos])
+    out[0] = (0, 0)
+    dtype = np.int32 if max(len(document_index), int(sizes.max(initial=0))) <= np.iinfo(np.int32).max else np.int64
+    return out.astype(dtype)
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """A permutation of [0, num_samples) followed by a separate permutation of [num_samples, total_size)."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+class Dataset(Protocol):
+    fingerprint: str
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> np.ndarray: ...
+
+
+class GPTDataset:
+    """Samples of seq_length+1 tokens from the sequences `indices` of one indexed dataset, in Megatron's order."""
+
+    def __init__(self, indexed: IndexedDataset, indices: np.ndarray, num_samples: int | None, seq_length: int,
+                 seed: int, split: str = "train"):
+        self.indexed, self.seq_length, self.num_samples, self.seed = indexed, seq_length, num_samples, seed
+        self.indices = np.asarray(indices, dtype=np.int32)
+        what = f"data prefix {indexed.prefix} ({split} split, {len(self.indices)} of {len(indexed)} documents)"
+        tokens_per_epoch = int(indexed.sequence_lengths[self.indices].sum(dtype=np.int64))
+        if tokens_per_epoch == 0:
+            raise DataError(f"{what}: no tokens")
+        if tokens_per_epoch < seq_length + 1:
+            raise DataError(f"{what}: {tokens_per_epoch} tokens, fewer than one sample of --seq-length {seq_length} "
+                            "+ 1; use a shorter --seq-length or more data")
+        epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+        separate_final_epoch = False
+        if epochs > 1:
+            sans_final = ((epochs - 1) * tokens_per_epoch - 1) // seq_length
+            per_epoch = (tokens_per_epoch - 1) // seq_length
+            separate_final_epoch = (num_samples - sans_final) < int(0.80 * per_epoch)
+        rng = np.random.RandomState(seed)
+        self.document_index = build_document_index(self.indices, epochs, rng, separate_final_epoch)
+        self.sample_index = build_sample_index(indexed.sequence_lengths, self.document_index, seq_length, epochs,
+                                               tokens_per_epoch)
+        n = self.sample_index.shape[0] - 1
+        self.shuffle_index = build_shuffle_index(sans_final if separate_final_epoch else n, n, rng)
+        self.num_epochs = epochs
+        beg, end = (int(self.indices[0]), int(self.indices[-1]) + 1) if len(self.indices) else (0, 0)
+        self.fingerprint = _digest({"kind": "gpt", "order_version": ORDER_VERSION, "data": indexed.digest(),
+                                    "documents": [beg, end, len(self.indices)], "num_samples": num_samples,
+                                    "seq_length": seq_length, "seed": seed, "split": split})
+
+    def __len__(self) -> int:
+        return self.shuffle_index.shape[0]
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """int64 tokens [seq_length + 1] of sample i (after the shuffle)."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range [0, {len(self)})")
+        j = int(self.shuffle_index[i])
+        (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
+        docs = self.document_index
+        if d0 == d1:
+            return self.indexed.get(int(docs[d0]), int(o0), int(o1 - o0 + 1)).astype(np.int64)
+        parts = [self.indexed.get(int(docs[d0]), int(o0))]
+        parts += [self.indexed.get(int(docs[k])) for k in range(d0 + 1, d1)]
+        parts.append(self.indexed.get(int(docs[d1]), 0, int(o1) + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+
+def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset id, sample within that dataset) for each blended sample: greedily the dataset furthest behind its
+    weight, ties to the lowest id (megatron-core helpers.cpp build_blending_indices, same double arithmetic)."""
+    w = [float(x) for x in weights]
+    counts = [0] * len(w)
+    dataset_index = np.zeros(size, dtype=np.int16)
+    sample_index = np.zeros(size, dtype=np.int64)
+    for i in range(size):
+        x = max(float(i), 1.0)
+        best, best_err = 0, w[0] * x - counts[0]
+        for d in range(1, len(w)):
+            err = w[d] * x - counts[d]
+            if err > best_err:
+                best, best_err = d, err
+        dataset_index[i] = best
+        sample_index[i] = counts[best]
+        counts[best] += 1
+    return dataset_index, sample_index
+
+
+def normalize(weights: Sequence[float]) -> list[float]:
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / w.sum()).tolist()
+
+
+class BlendedDataset:
+    """`size` samples drawn from several GPTDatasets in proportion to `weights` (megatron-core BlendedDataset)."""
+
+    def __init__(self, datasets: list[GPTDataset], weights: Sequence[float], size: int, split: str = "train"):
+        self.datasets, self.weights, self.size = datasets, normalize(weights), size
+        self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
+        counts = np.bincount(self.dataset_index, minlength=len(datasets))
+        for d, (ds, n) in enumerate(zip(datasets, counts)):
+            if n > len(ds):
+                raise DataError(f"{split} blend draws {n} samples from data prefix {ds.indexed.prefix}, which has "
+                                f"only {len(ds)}: raise its share of the data or lower its weight")
+        self.fingerprint = _digest({"kind": "blend", "order_version": ORDER_VERSION, "weights": self.weights,
+                                    "size": size, "datasets": [ds.fingerprint for ds in datasets]})
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.size:
+            raise IndexError(f"sample {i} out of range [0, {self.size})")
+        return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+
+# -- configuration: blend, split, build --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What determines the samples: `paths` is Megatron's --data-path (prefixes, or weight prefix pairs)."""
+
+    paths: tuple[str, ...]
+    seq_length: int
+    seed: int = 1234
+    split: str = "969,30,1"
+
+
+def parse_blend(paths: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """Megatron's --data-path: `A B C` (unweighted) or `0.3 A 0.7 B` (weights, normalised later)."""
+    paths = [str(p) for p in paths]
+    if not paths:
+        raise DataError("--data-path: no data prefix given")
+    if len(paths) % 2 == 0:
+        try:
+            weights = [float(paths[i]) for i in range(0, len(paths), 2)]
+        except ValueError:
+            weights = None
+        if weights is not None:
+            prefixes = [paths[i + 1].strip() for i in range(0, len(paths), 2)]
+            bad = [(w, p) for w, p in zip(weights, prefixes) if not (w > 0 and math.isfinite(w))]
+            if bad:
+                raise DataError(f"--data-path: weight {bad[0][0]} of {bad[0][1]} must be a positive number")
+            return prefixes, weights
+    numeric = [p for p in paths if _is_number(p)]
+    if numeric:
+        raise DataError(f"--data-path: {' '.join(paths)}: give either prefixes or weight/prefix pairs "
+                        f"('{numeric[0]}' looks like a weight)")
+    return [p.strip() for p in paths], None
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def split_matrix(split: str) -> list[tuple[float, float] | None]:
+    """`--split 969,30,1` -> [(0, .969), (.969, .999), (.999, 1.0)]; an empty share is None."""
+    parts = [s.strip() for s in re.split(r"[,/]", split)]
+    if not 1 <= len(parts) <= 3 or not all(re.fullmatch(r"[0-9]*\.?[0-9]+", p) for p in parts):
+        raise DataError(f"--split {split!r}: expected up to three non-negative numbers, e.g. 969,30,1")
+    vec = [float(p) for p in parts] + [0.0] * (3 - len(parts))
+    if sum(vec) <= 0:
+        raise DataError(f"--split {split!r}: the shares add up to zero")
+    vec = normalize(vec)
+    bounds = [0.0]
+    for v in vec:
+        bounds.append(bounds[-1] + v)
+    return [(a, b) if b > a else None for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def split_indices(num_sequences: int, bookend: tuple[float, float]) -> np.ndarray:
+    beg = int(round(bookend[0] * float(num_sequences)))
+    end = int(round(bookend[1] * float(num_sequences)))
+    return np.arange(beg, end, dtype=np.int32)
+
+
+def build_datasets(cfg: DataConfig, train_samples: int, valid_samples: int) -> tuple[Dataset, Dataset | None]:
+    """The train dataset (at least train_samples long) and the valid one (None when not asked for or split to 0).
+
+    Same construction as megatron-core's BlendedMegatronDatasetBuilder: one prefix -> a GPTDataset; weighted
+    prefixes -> GPTDatasets of ceil(ceil(n*w)*1.005) samples blended to sum(ceil(n*w)); unweighted prefixes -> one
+    epoch each, blended by their sizes.
+    """
+    if cfg.seq_length < 1:
+        raise DataError(f"--seq-length {cfg.seq_length}: must be positive")
+    if train_samples < 1:
+        raise DataError(f"train samples {train_samples}: must be positive (--train-iters x --global-batch-size)")
+    prefixes, weights = parse_blend(cfg.paths)
+    bookends = split_matrix(cfg.split)
+    indexed = {p: IndexedDataset(p) for p in dict.fromkeys(prefixes)}
+    for p, ds in indexed.items():
+        if ds.num_tokens == 0:
+            raise DataError(f"data prefix {p}: empty dataset ({len(ds)} sequences, 0 tokens)")
+    if bookends[0] is None:
+        raise DataError(f"--split {cfg.split}: the train share is zero")
+    train = _build_split(cfg, prefixes, weights, indexed, 0, bookends[0], train_samples)
+    valid = None
+    if valid_samples > 0 and bookends[1] is not None:
+        valid = _build_split(cfg, prefixes, weights, indexed, 1, bookends[1], valid_samples)
+    return train, valid
+
+
+def _build_split(cfg: DataConfig, prefixes: list[str], weights: list[float] | None,
+                 indexed: dict[str, IndexedDataset], split: int, bookend: tuple[float, float],
+                 size: int) -> Dataset:
+    name = SPLIT_NAMES[split]
+
+    def gpt(prefix: str, n: int | None) -> GPTDataset:
+        idx = split_indices(len(indexed[prefix]), bookend)
+        if len(idx) == 0:
+            raise DataError(f"data prefix {prefix}: --split {cfg.split} leaves the {name} split no documents "
+                            f"(of {len(indexed[prefix])}); give it a larger share or more documents")
+        return GPTDataset(indexed[prefix], idx, n, cfg.seq_length, cfg.seed, name)
+
+    if len(prefixes) == 1 and weights is None:
+        return gpt(prefixes[0], size)
+    if weights is not None:
+        w = normalize(weights)
+        target = [int(math.ceil(size * x)) for x in w]
+        buffered = [int(math.ceil(math.ceil(size * x) * (1 + BLEND_SURPLUS))) for x in w]
+        return BlendedDataset([gpt(p, n) for p, n in zip(prefixes, buffered)], w, sum(target), name)
+    mids = [gpt(p, None) for p in prefixes]
+    lengths = [len(m) for m in mids]
+    return BlendedDataset(mids, lengths, min(size, sum(lengths)), name)
+
+
+def _digest(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
+
+
+# -- micro-batches (Megatron-LM MegatronPretrainingSampler) ------------------------------------------------------------
+
+def micro_batches(dataset: Dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
+                  dp_size: int) -> Iterator["torch.Tensor"]:
+    """int64 [mbs, seq+1] batches for one DP rank, in order from consumed_samples.
+
+    Each step of mbs*dp consecutive samples gives rank r the slice [r*mbs, (r+1)*mbs); a partial last step is
+    dropped. Resuming at consumed_samples=k therefore yields exactly what an uninterrupted run sees after k samples,
+    whatever the DP size was before.
+    """
+    total = len(dataset)
+    if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise DataError(f"micro_batches: micro batch size {micro_batch_size}, DP rank {dp_rank} of {dp_size}: "
+                        "need mbs >= 1 and 0 <= rank < size")
+    if not 0 <= consumed_samples < total:
+        raise DataError(f"consumed samples {consumed_samples}: the dataset holds {total} samples; it was built for "
+                        "fewer samples than the run needs (raise --train-iters before building, or "
+                        "--override-data-state)")
+    return _iterate(dataset, consumed_samples, micro_batch_size, dp_rank, dp_size)
+
+
+def _iterate(dataset: Dataset, consumed: int, mbs: int, rank: int, dp: int) -> Iterator["torch.Tensor"]:
+    import torch
+
+    step = mbs * dp
+    for start in range(consumed, len(dataset) - step + 1, step):
+        lo = start + rank * mbs
+        yield torch.from_numpy(np.stack([dataset[i] for i in range(lo, lo + mbs)]))
