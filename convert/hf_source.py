@@ -166,6 +166,26 @@ class HFSource:
             return a
         return a[:, cols]
 
+    def willneed(self, name: str, start: int, stop: int) -> None:
+        """Ask the kernel to start reading rows [start, stop) of `name` into the page cache, without waiting: the
+        converter calls it for the next chunk while the current one is encoded and written, so a cold source is read
+        while the disk writes. Uses no state of this object (safe from another thread); a hint, so errors are
+        ignored (the read that follows reports them)."""
+        info = self.tensors.get(name)
+        if info is None or not hasattr(os, "posix_fadvise"):
+            return
+        row = store.itemsize(info.dtype)
+        for s in info.shape[1:]:
+            row *= s
+        try:
+            fd = os.open(self.dir / info.file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, info.offset + start * row, max(0, stop - start) * row, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
     def close(self) -> None:
         """Drop the mappings. _raw() returns zero-copy views of them, and every page a read touched stays resident
         (and counted in this process's RSS) while a mapping lives: kept for a whole run, RSS grows to the size of the

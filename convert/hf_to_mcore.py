@@ -181,6 +181,19 @@ class _LazySource:
             self.src.close()
 
 
+def _prefetch_task(task: Task) -> None:
+    """Read-ahead hint for the HF rows one chunk will read (whole rows; column-split chunks need the rest soon)."""
+    tm = _W["maps"][(task.name, task.lead)]
+    src = _W["src"].src
+    a, b = task.box[len(task.lead)]
+    if src is None:
+        return
+    for seg in tm.segments:
+        lo, hi = max(a, seg.start), min(b, seg.stop)
+        if lo < hi:
+            src.willneed(seg.hf_name, seg.hf_start + lo - seg.start, seg.hf_start + hi - seg.start)
+
+
 def _run_task(task: Task) -> tuple[str, int]:
     """Assemble one chunk from the HF rows (and columns) it needs and write it."""
     tm = _W["maps"][(task.name, task.lead)]
@@ -211,7 +224,8 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
     with IterationWriter(out, 0, job, overwrite=overwrite) as w:
         init_args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
                      {n: e.dtype for n, e in entries.items()}, fp8)
-        write_chunks(w, entries, "hf-to-mcore", _init_worker, init_args, _run_task, workers, quiet)
+        write_chunks(w, entries, "hf-to-mcore", _init_worker, init_args, _run_task, workers, quiet,
+                     prefetch=_prefetch_task)
         copy_assets(hf_dir, w.path("hf"))
         manifest = Manifest(
             iteration=0, model=cfg, layout=layout, tensors=entries, fp8=fp8,

@@ -11,7 +11,7 @@ import collections
 import itertools
 import multiprocessing as mp
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -143,9 +143,11 @@ def _init_spawned(init: Callable, *args) -> None:
 
 def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str,
                  init: Callable, init_args: tuple, run: Callable[[Task], tuple[str, int]],
-                 workers: int | None = None, quiet: bool = False) -> None:
+                 workers: int | None = None, quiet: bool = False,
+                 prefetch: Callable[[Task], None] | None = None) -> None:
     """Create every array under `w`, then run `run(task)` for each chunk not already done (after `init(*init_args)`
-    in each worker process)."""
+    in each worker process). In-process, `prefetch(next_task)` (a read-ahead hint, run on a helper thread) is called
+    before each task runs, so the next chunk's source is read while this one is encoded and written."""
     tasks = chunk_tasks(entries)
     todo = [t for t in tasks if not w.is_done(t.id)]
     ctx = store.context()
@@ -174,12 +176,17 @@ def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str
             global _RECORDER
             rec = _RECORDER = _Recorder(w, bar)
             ok = False
+            hints = ThreadPoolExecutor(1, thread_name_prefix="shardkit-prefetch") if prefetch else None
             try:
                 init(*init_args)
-                for _ in map(run, todo):  # chunks are recorded by rec as their writes become durable
-                    pass
+                for i, task in enumerate(todo):  # chunks are recorded by rec as their writes become durable
+                    if hints is not None and i + 1 < len(todo):
+                        hints.submit(prefetch, todo[i + 1])
+                    run(task)
                 ok = True
             finally:
+                if hints is not None:
+                    hints.shutdown(wait=True, cancel_futures=True)
                 _RECORDER = None
                 for sink in rec.sinks:  # also when interrupted: what is in flight gets recorded, a rerun skips it
                     sink.flush(rec, raise_errors=ok)
