@@ -59,11 +59,14 @@ def vocab_padding(cfg, layout: Layout, optimizer: list[str] | None) -> dict[str,
 
 # -- worker side ----------------------------------------------------------------------------------------------------
 _W: dict = {}
+SOURCE_CACHE_BYTES = 256 << 20  # > one source chunk (chunks are at most CHUNK_MAX_BYTES = 128 MiB)
 
 
 def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, tuple[int, bool]]) -> None:
     torch.set_num_threads(1)
-    _W.update(src=Checkpoint(src_dir), sink=ChunkSink(out_dir, dtypes), vocab=vocab)
+    # A destination chunk is often a part of a source chunk (a higher TP splits it): keep decoded source chunks so
+    # each is read and checksummed once, not once per destination chunk it feeds.
+    _W.update(src=Checkpoint(src_dir, cache_bytes=SOURCE_CACHE_BYTES), sink=ChunkSink(out_dir, dtypes), vocab=vocab)
 
 
 def _run_task(task: Task) -> tuple[str, int]:

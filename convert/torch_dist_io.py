@@ -38,7 +38,7 @@ import torch
 from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.config import ModelConfig
-from checkpoint.errors import FormatError, ShardkitError, WriteError
+from checkpoint.errors import CorruptionError, FormatError, ShardkitError, WriteError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.progress import progress_bar
@@ -51,7 +51,7 @@ from checkpoint.torch_dist import (CHECKPOINT_VERSION, DCPWriter, TorchDistCheck
 
 from .hf_to_mcore import VERSION
 from .reshard import plan_reshard, read_padded, vocab_padding
-from .writer import WORKER_MIN_BYTES, ChunkSink, Task, chunk_tasks, write_chunks
+from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
 KEY_NAMINGS = ("te", "local")
 # megatron-core's local layer spec names these differently from the TE spec (through its sharded-state-dict key map)
@@ -234,13 +234,41 @@ def _write_rank(args: tuple) -> tuple[dict, int]:
     nbytes = 0
     blob = none_object_bytes() if objects else b""
     with w.rank_file(rank, part) as f:
-        for name, box in items:
-            value = read_padded(lambda idx: ck.read(name, idx), box, pads.get(name))
+        for (name, box), value in zip(items, _prefetched(ck, items, pads)):
             value = value.to(store.torch_dtype(dtypes[name]))
             nbytes += f.add_tensor(stored_key(name, key_naming), tuple(a for a, _ in box), value)
         for key in objects:
             f.add_bytes(key, blob)
     return w.storage_data, nbytes
+
+
+def _prefetched(ck: Checkpoint, items: list, pads: dict, ahead: int = 1):
+    """The items' values in order, the next `ahead` reads already in flight in tensorstore's threads while the
+    current one is being written (boxes needing new vocab padding rows are read synchronously)."""
+    from collections import deque
+
+    def start(name: str, box):
+        pad = pads.get(name)
+        if pad is None or box[0][1] <= pad[0]:
+            return ck.array(name)[tuple(slice(a, b) for a, b in box)].read()
+        return read_padded(lambda idx: ck.read(name, idx), box, pad)
+
+    queue: deque = deque()
+    it = iter(items)
+    for item in itertools.islice(it, ahead + 1):
+        queue.append((item[0], start(*item)))
+    while queue:
+        name, pending = queue.popleft()
+        nxt = next(it, None)
+        if nxt is not None:
+            queue.append((nxt[0], start(*nxt)))
+        if isinstance(pending, torch.Tensor):
+            yield pending
+            continue
+        try:
+            yield store.from_numpy(pending.result())
+        except ValueError as e:
+            raise CorruptionError(f"tensor {name}: {store.short_error(e)}") from None
 
 
 def _split_files(per_rank: dict[int, tuple[list, list]], entries: dict[str, TensorEntry], parts: int
@@ -321,7 +349,9 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
                 w_meta.declare_tensor(*d)
             else:
                 w_meta.declare_object(d[0])
-        nworkers = workers or max(1, min(os.cpu_count() or 1, total // WORKER_MIN_BYTES))
+        # One process with reads prefetched keeps the disk busy; each spawned worker first spends seconds importing
+        # torch, which only pays off with idle cores: opt in with --workers (as for the native writers).
+        nworkers = max(1, workers or 1)
         jobs = [(str(ck.path), str(tmp), file, items, objs, key_naming, pads, dtypes)
                 for file, items, objs in _split_files(per_rank, entries, -(-nworkers // len(per_rank)))]
         nworkers = min(nworkers, len(jobs))
