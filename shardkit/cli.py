@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--json", action="store_true")
     ver.add_argument("--quiet", action="store_true")
 
+    cpt = sub.add_parser("continue-pretrain", help="train from a checkpoint (torchrun for several processes); "
+                         "Megatron-LM's flag names")
+    from train.config import add_arguments
+
+    add_arguments(cpt)
+
     demo = sub.add_parser("demo", help="build a tiny LLaMA locally and run the whole pipeline on it")
     demo.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     demo.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -208,6 +214,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _inspect(args)
     if args.cmd == "verify":
         return _verify(args)
+    if args.cmd == "continue-pretrain":
+        from train.config import from_namespace
+        from train.loop import main as train_main
+
+        train_main(from_namespace(args))
+        return 0
     if args.cmd in ("plan", "launch"):
         from plan.commands import run as run_plan
 

@@ -203,4 +203,4 @@ def test_mtp_forward_shapes_and_gradients() -> None:
     assert logits.shape == mtp_logits.shape == (2, 12, VOCAB)
     mtp_logits.sum().backward()
     assert model.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0
-    assert model.decoder.layers[0].input_layernorm.weight.grad is not None  # through `hidden` into the decoder
+    assert model.decoder.layers['0'].input_layernorm.weight.grad is not None  # through `hidden` into the decoder

@@ -37,8 +37,11 @@ a stack that mixes dense and MoE layers (DeepSeek's first_k_dense_replace) keeps
 The math follows HF transformers (the oracle in tests/test_model_parity*.py): RMSNorm in fp32, rotate-half RoPE (or
 DeepSeek's interleaved pairs) with the frequency tables taken from transformers' own functions, SwiGLU, causal SDPA
 (with Mistral's sliding window), dropless top-k routing with each family's router exactly as HF computes it.
-No parallelism here: tensor/pipeline/expert parallelism replace the linears of the attention and MLP modules, split
-`TransformerBlock.layers` and the expert axis, so those are kept as plain, separate modules.
+No parallelism here: train/parallel applies it from outside (torchtitan's habit). Tensor parallelism builds the model
+from a per-rank config (`local_config`: heads, groups and ffn divided by tp) and hooks collectives onto the linears
+(`NormLinear.parallel_input` is the one hook point a forward hook cannot reach: between the fused norm and its
+linear); pipeline parallelism deletes the layers a stage does not own from `TransformerBlock.layers`, a ModuleDict
+keyed by the global layer index so that parameter names stay global.
 """
 from __future__ import annotations
 
@@ -86,8 +89,14 @@ class NormLinear(nn.Module):
         self.eps = eps
         nn.init.normal_(self.weight, std=INIT_STD)
 
+    @staticmethod
+    def parallel_input(x: Tensor) -> Tensor:
+        """Applied to the normed input before the linear; tensor parallelism sets it to its copy/all-gather."""
+        return x
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias)
+        x = self.parallel_input(rms_norm(x, self.layer_norm_weight, self.eps))
+        return F.linear(x, self.weight, self.bias)
 
 
 def linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
@@ -207,9 +216,12 @@ class SelfAttention(nn.Module):
         # GQA: each KV head serves heads_per_group consecutive query heads
         k = k.repeat_interleave(self.heads_per_group, dim=1)
         v = v.repeat_interleave(self.heads_per_group, dim=1)
-        mask = self._sliding_window_mask(s, x.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        out = self.core_attention(q, k, v, self._sliding_window_mask(s, x.device))
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+    def core_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """softmax(q k^T) v: the part selective recompute re-runs in the backward pass."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
     def _sliding_window_mask(self, s: int, device: torch.device) -> Tensor | None:
         """Mistral's window, as HF's `sliding_window_causal_mask_function`: query i sees key j iff
@@ -278,8 +290,11 @@ class MLASelfAttention(nn.Module):
         q_pe, k_pe = self.rope(q_pe, cos, sin), self.rope(k_pe.view(b, 1, s, self.rope_dim), cos, sin)
         q = torch.cat((q_nope, q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe.expand(-1, nh, -1, -1)), dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        out = self.core_attention(q, k, v, None)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, nh * self.v_dim))
+
+    def core_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
 
 
 # -- MLPs and mixture of experts ---------------------------------------------------------------------------------------
@@ -441,11 +456,12 @@ class TransformerLayer(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_layers))
+        # keyed by the global layer index: a pipeline stage keeps its own layers and their global names
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_layers)})
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, final_norm: bool = True) -> Tensor:
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x, cos, sin)
         return self.final_layernorm(x) if final_norm else x
 

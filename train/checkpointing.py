@@ -1,0 +1,262 @@
+"""Training checkpoints in the native format: every rank reads and writes only its own regions, through the sharding
+table, so a checkpoint saved at one layout loads at any other (after `shardkit reshard`, or directly: reading is by
+region, not by file).
+
+Saving is parallel and atomic: rank 0 opens `<root>/iter_N.partial` (checkpoint.commit.IterationWriter) and creates
+every array with chunks aligned to the rank regions (a chunk never has two writers); each parameter's owner (the DP
+rank whose optimizer shard holds it; TP rank 0 for TP-replicated tensors) writes the weight and its optimizer state;
+after a barrier rank 0 writes train_state.json and the manifest and renames the directory into place, `latest` last.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from checkpoint import store
+from checkpoint.commit import PARTIAL_SUFFIX, IterationWriter
+from checkpoint.config import ModelConfig
+from checkpoint.errors import FormatError
+from checkpoint.layout import Layout, RankCoord
+from checkpoint.manifest import Manifest, TensorEntry, iter_dirname, tensor_path
+from checkpoint.reader import Checkpoint
+from checkpoint.sharding import OPTIMIZER_STATES, TensorSpec, model_specs, optimizer_key, regions
+from train.model import canonical_name
+from train.optim import DistributedOptimizer
+from train.parallel.groups import Groups
+
+TRAIN_STATE = "train_state.json"
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    """A parameter of this rank and where it sits in its canonical tensor."""
+
+    name: str  # the module's parameter name (global layer index inside)
+    param: nn.Parameter
+    spec: TensorSpec
+    index: int | None  # position on the stacked layer axis of this rank's local tensor (None: not stacked)
+    tied_copy: bool = False  # the last stage's copy of a tied embedding: read, never written
+
+
+def param_table(model: nn.Module, cfg: ModelConfig, layout: Layout, groups: Groups) -> list[LocalParam]:
+    specs = {s.name: s for s in model_specs(cfg, layout)}
+    stacked = not cfg.heterogeneous
+    start = layout.layer_range(cfg.num_layers, groups.pp_rank, 0)[0]
+    out = []
+    for name, p in model.named_parameters():
+        cname, layer = canonical_name(name, stacked)
+        if cname not in specs:
+            raise FormatError(f"parameter {name}: no canonical tensor {cname} in the sharding table")
+        spec = specs[cname]
+        tied_copy = spec.stage == "first" and not groups.first_stage
+        out.append(LocalParam(name, p, spec, None if layer is None else layer - start, tied_copy))
+    return out
+
+
+def _coord(lp: LocalParam, groups: Groups) -> RankCoord:
+    # the tied embedding's copy on the last stage reads the first stage's regions
+    return RankCoord(tp=groups.tp_rank, pp=0) if lp.tied_copy else groups.coord
+
+
+def _by_tensor(table: list[LocalParam]) -> dict[str, list[LocalParam]]:
+    out: dict[str, list[LocalParam]] = {}
+    for lp in table:
+        out.setdefault(lp.spec.name, []).append(lp)
+    return out
+
+
+def _local(ck: Checkpoint, key: str, layout: Layout, coord: RankCoord) -> torch.Tensor:
+    return ck.read_local(key, layout, coord)[0]
+
+
+@torch.no_grad()
+def load_model(ck: Checkpoint, table: list[LocalParam], layout: Layout, groups: Groups) -> None:
+    for cname, lps in _by_tensor(table).items():
+        local = _local(ck, cname, layout, _coord(lps[0], groups))
+        for lp in lps:
+            lp.param.copy_(local if lp.index is None else local[lp.index])
+
+
+def load_optimizer(ck: Checkpoint, table: list[LocalParam], opt: DistributedOptimizer, layout: Layout,
+                   groups: Groups, step: int) -> None:
+    """Owned parameters' fp32 main copies and moments from the checkpoint's optimizer state."""
+    missing = [s for s in OPTIMIZER_STATES if s not in ck.optimizer_states]
+    if missing:
+        raise FormatError(f"{ck.path}: optimizer state {missing} missing; cannot resume the optimizer "
+                          "(pass --no-load-optim to start it fresh)")
+    index = {n: i for i, n in enumerate(opt.names)}
+    by_t = _by_tensor([lp for lp in table if lp.name in index and opt.owner[index[lp.name]] == groups.dp_rank])
+    for cname, lps in by_t.items():
+        coord = _coord(lps[0], groups)
+        states = {s: _local(ck, optimizer_key(s, cname), layout, coord) for s in OPTIMIZER_STATES}
+        for lp in lps:
+            vals = {s: (t if lp.index is None else t[lp.index]) for s, t in states.items()}
+            opt.load_state(index[lp.name], vals, step)
+
+
+def aligned_chunk(spec: TensorSpec, layout: Layout, num_layers: int) -> list[int]:
+    """One chunk per layer, expert and rank region: ranks never write into the same chunk."""
+    for coord in layout.ranks(expert=spec.expert):
+        rs = regions(spec, layout, coord, num_layers)
+        if rs:
+            return [1] * spec.lead + list(rs[0].shape[spec.lead:])
+    raise AssertionError(f"{spec.name}: no rank holds it")
+
+
+def _entries(cfg: ModelConfig, layout: Layout, dtypes: dict[str, str], optimizer: bool) -> dict[str, TensorEntry]:
+    out = {}
+    specs = model_specs(cfg, layout)
+    for spec in specs:
+        chunk = aligned_chunk(spec, layout, cfg.num_layers)
+        out[spec.name] = TensorEntry(list(spec.shape), dtypes[spec.name], chunk, spec.rule.value, spec.per_layer,
+                                     spec.expert)
+        if optimizer:
+            for s in OPTIMIZER_STATES:
+                out[optimizer_key(s, spec.name)] = TensorEntry(list(spec.shape), "float32", chunk, spec.rule.value,
+                                                               spec.per_layer, spec.expert)
+    return out
+
+
+def _write_param(arrays: dict, key: str, lp: LocalParam, value: torch.Tensor, layout: Layout, groups: Groups,
+                 num_layers: int) -> list:
+    futures = []
+    for r in regions(lp.spec, layout, groups.coord, num_layers):
+        if not r.primary:
+            continue
+        gs, ls = list(r.global_slices()), list(r.local_slices())
+        if lp.index is not None:  # one layer of a stacked tensor
+            gs[0] = slice(gs[0].start + lp.index, gs[0].start + lp.index + 1)
+            part = value[tuple(ls[1:])].unsqueeze(0)
+        else:
+            part = value[tuple(ls)]
+        futures.append(store.write(arrays[key], tuple(gs), part.detach().contiguous()))
+    return futures
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch RNG states as JSON (no pickle: lists and base64 of the torch state bytes)."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+
+
+def set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+
+
+def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: list[LocalParam],
+         opt: DistributedOptimizer, groups: Groups, train_state: dict, assets_from: Path | None,
+         provenance: dict) -> Path | None:
+    """Write one training checkpoint with all ranks; returns the committed iteration dir on rank 0."""
+    root = Path(root)
+    dtype = {lp.spec.name: store.dtype_name(lp.param.dtype) for lp in table}
+    if dist.get_world_size() > 1:  # every rank knows its own tensors' dtypes; the model dtype is uniform
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, dtype)
+        for d in names:
+            dtype.update(d)
+    entries = _entries(cfg, layout, dtype, optimizer=True)
+    writer = None
+    err: list = [None]
+    if groups.rank == 0:
+        try:
+            writer = IterationWriter(root, iteration, {"kind": "train-save", "nonce": time.time_ns()},
+                                     overwrite=True).__enter__()
+            ctx = store.context()
+            for name, e in entries.items():
+                store.create(writer.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
+        except Exception as e:  # tell the other ranks instead of leaving them at the barrier
+            err = [f"{type(e).__name__}: {e}"]
+    _broadcast_error(err)
+    partial = root / f"{iter_dirname(iteration)}{PARTIAL_SUFFIX}"
+    ctx = store.context()
+    index = {n: i for i, n in enumerate(opt.names)}
+    futures = []
+    arrays: dict = {}
+    try:
+        for lp in table:
+            if lp.tied_copy:
+                continue
+            i = index.get(lp.name)
+            mine = opt.owner[i] == groups.dp_rank if i is not None else groups.dp_rank == 0
+            if not mine:
+                continue
+            values = {lp.spec.name: lp.param}
+            if i is not None:
+                values.update({optimizer_key(s, lp.spec.name): t for s, t in opt.state_of(i).items()})
+            else:  # not trained (e.g. DeepSeek's expert bias): its fp32 copy, zero moments
+                values.update({optimizer_key("fp32_param", lp.spec.name): lp.param.float(),
+                               optimizer_key("exp_avg", lp.spec.name): torch.zeros_like(lp.param, dtype=torch.float32),
+                               optimizer_key("exp_avg_sq", lp.spec.name):
+                                   torch.zeros_like(lp.param, dtype=torch.float32)})
+            for key, value in values.items():
+                if key not in arrays:
+                    arrays[key] = store.open_existing(partial / tensor_path(key), ctx, key)
+                futures += _write_param(arrays, key, lp, value, layout, groups, cfg.num_layers)
+        for f in futures:
+            f.result()
+        err = [None]
+    except Exception as e:
+        err = [f"rank {groups.rank}: {type(e).__name__}: {e}"]
+    _gather_errors(err)
+    out = None
+    if groups.rank == 0:
+        try:
+            store_state = dict(train_state, optimizer_steps=opt.steps)
+            (writer.partial / TRAIN_STATE).write_text(json.dumps(store_state, indent=1) + "\n")
+            if assets_from is not None and assets_from.is_dir():
+                shutil.copytree(assets_from, writer.partial / "hf")
+            manifest = Manifest(iteration, cfg, layout, entries, provenance=provenance,
+                                training={"iteration": iteration,
+                                          "consumed_samples": train_state.get("consumed_samples")},
+                                optimizer=list(OPTIMIZER_STATES))
+            out = writer.commit(manifest)
+        finally:
+            writer.__exit__(None, None, None)
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    return out
+
+
+def _broadcast_error(err: list) -> None:
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(err, src=0)
+    if err[0]:
+        raise RuntimeError(f"checkpoint save failed on rank 0: {err[0]}")
+
+
+def _gather_errors(err: list) -> None:
+    errs = [err[0]]
+    if dist.get_world_size() > 1:
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, err[0])
+    bad = [e for e in errs if e]
+    if bad:
+        raise RuntimeError(f"checkpoint save failed: {bad[0]}")
+
+
+def read_train_state(iter_dir: Path) -> dict | None:
+    p = Path(iter_dir) / TRAIN_STATE
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{p}: unreadable training state ({e})") from None
+

@@ -1,0 +1,185 @@
+"""continue-pretrain's configuration: one dataclass per concern, filled from Megatron-LM's flag names, a TOML file
+with the same keys (flag names with underscores, e.g. `tensor_model_parallel_size = 2` or `lr = 3e-4`), and the
+command line, which wins over the file."""
+from __future__ import annotations
+
+import argparse
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from checkpoint.errors import ConfigError
+
+from .optim import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    data_path: tuple[str, ...] = ()
+    split: str = "969,30,1"
+    seq_length: int = 1024
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    seed: int = 1234
+    override_data_state: bool = False
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    train_iters: int = 100
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    lr_decay_style: str = "cosine"
+    lr_wsd_decay_iters: int = 0
+    exit_interval: int = 0  # stop (saving first) after an iteration divisible by this; the schedule is unchanged
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    load: str = ""
+    save: str = ""
+    save_interval: int = 0  # 0: save at the end only
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    bf16: bool = False
+    recompute_granularity: str | None = None
+    log_interval: int = 1
+    eval_interval: int = 0
+    eval_iters: int = 0
+    peak_tflops: float | None = None
+    distributed_timeout_minutes: float = 10.0
+    # checks against the checkpoint's model config (Megatron passes the architecture as flags; ours come from it)
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    parallel: ParallelConfig
+    data: DataArgs
+    optimizer: OptimizerConfig
+    schedule: ScheduleConfig
+    checkpoint: CheckpointConfig
+    run: RunConfig
+
+
+_SECTIONS = {"parallel": ParallelConfig, "data": DataArgs, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
+             "checkpoint": CheckpointConfig, "run": RunConfig}
+# Megatron flag dest -> (section, field) where the names differ
+_RENAMES = {"tensor_model_parallel_size": ("parallel", "tp"), "pipeline_model_parallel_size": ("parallel", "pp"),
+            "virtual_pipeline_model_parallel_size": ("parallel", "vpp")}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flag names (short aliases where users know them). Defaults are None so that a TOML value is
+    only overridden by flags actually given."""
+    a = p.add_argument
+    a("--config", help="TOML file with the same keys as the flags (underscores); flags win")
+    a("--load", help="checkpoint to start from: a converted model (weights only) or a training checkpoint")
+    a("--save", help="directory for training checkpoints")
+    a("--data-path", "--data", dest="data_path", nargs="+", help="dataset prefixes, optionally weighted: 0.3 A 0.7 B")
+    a("--split", help="train,valid,test proportions (default 969,30,1)")
+    a("--tensor-model-parallel-size", "--tp", dest="tensor_model_parallel_size", type=int)
+    a("--pipeline-model-parallel-size", "--pp", dest="pipeline_model_parallel_size", type=int)
+    a("--virtual-pipeline-model-parallel-size", "--vpp", dest="virtual_pipeline_model_parallel_size", type=int)
+    a("--sequence-parallel", action="store_true", default=None)
+    a("--micro-batch-size", type=int)
+    a("--global-batch-size", type=int)
+    a("--seq-length", type=int)
+    a("--train-iters", type=int)
+    a("--lr", type=float)
+    a("--min-lr", type=float)
+    a("--lr-warmup-iters", type=int)
+    a("--lr-decay-iters", type=int)
+    a("--lr-decay-style", choices=["cosine", "linear", "constant", "wsd"])
+    a("--lr-wsd-decay-iters", type=int)
+    a("--weight-decay", type=float)
+    a("--clip-grad", type=float)
+    a("--adam-beta1", type=float)
+    a("--adam-beta2", type=float)
+    a("--adam-eps", type=float)
+    a("--bf16", action="store_true", default=None)
+    a("--recompute-granularity", choices=["full", "selective"])
+    a("--save-interval", type=int)
+    a("--exit-interval", type=int, help="stop after an iteration divisible by N (saving first); the run resumes "
+                                        "later with the same schedule and data order")
+    a("--eval-interval", type=int)
+    a("--eval-iters", type=int)
+    a("--log-interval", type=int)
+    a("--seed", type=int)
+    a("--no-load-optim", action="store_true", default=None)
+    a("--no-load-rng", action="store_true", default=None)
+    a("--override-data-state", action="store_true", default=None,
+      help="accept a dataset that differs from the one recorded in the checkpoint")
+    a("--peak-tflops", type=float, help="peak FLOP/s per device for MFU (default: known devices)")
+    a("--distributed-timeout-minutes", type=float)
+    a("--num-layers", type=int, help="check: must equal the checkpoint's")
+    a("--hidden-size", type=int, help="check: must equal the checkpoint's")
+    a("--num-attention-heads", type=int, help="check: must equal the checkpoint's")
+
+
+def _field_of(key: str) -> tuple[str, str]:
+    if key in _RENAMES:
+        return _RENAMES[key]
+    for sec, cls in _SECTIONS.items():
+        if key in {f.name for f in fields(cls)}:
+            return sec, key
+    raise KeyError(key)
+
+
+def from_namespace(ns: argparse.Namespace) -> TrainConfig:
+    values: dict[str, dict] = {s: {} for s in _SECTIONS}
+    if ns.config:
+        path = Path(ns.config)
+        try:
+            toml = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"--config {path}: {e}") from None
+        for key, v in toml.items():
+            try:
+                sec, name = _field_of(key.replace("-", "_"))
+            except KeyError:
+                raise ConfigError(f"--config {path}: unknown key {key!r}") from None
+            values[sec][name] = v
+    for key, v in vars(ns).items():
+        if v is None or key in ("config", "command", "func"):
+            continue
+        try:
+            sec, name = _field_of(key)
+        except KeyError:
+            continue
+        values[sec][name] = v
+    if "data_path" in values["data"]:
+        values["data"]["data_path"] = tuple(str(x) for x in values["data"]["data_path"])
+    try:
+        return TrainConfig(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()})
+    except TypeError as e:
+        raise ConfigError(f"continue-pretrain: {e}") from None
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Errors that need no checkpoint and no process group."""
+    d, s, c = cfg.data, cfg.schedule, cfg.checkpoint
+    if not c.load:
+        raise ConfigError("continue-pretrain: --load is required (a converted model or a training checkpoint)")
+    if not d.data_path:
+        raise ConfigError("continue-pretrain: --data-path is required (prefixes of .bin/.idx files)")
+    for flag, v in (("--micro-batch-size", d.micro_batch_size), ("--global-batch-size", d.global_batch_size),
+                    ("--seq-length", d.seq_length), ("--train-iters", s.train_iters)):
+        if v < 1:
+            raise ConfigError(f"continue-pretrain: {flag} must be >= 1, got {v}")
+    if cfg.optimizer.lr < 0 or cfg.optimizer.min_lr < 0:
+        raise ConfigError("continue-pretrain: --lr and --min-lr must be >= 0")

@@ -1,0 +1,223 @@
+"""continue-pretrain: the training loop. Launched by torchrun (or SLURM through scripts/), or as one process.
+
+    set up process groups -> load the checkpoint's model config -> build this rank's stage -> load its regions
+    -> per iteration: 1F1B over the micro-batches, reduce gradients, clip, AdamW step, log
+    -> save (weights + optimizer state + train_state.json) every --save-interval and at the end
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from checkpoint.commit import resolve_iteration
+from checkpoint.config import ModelConfig
+from checkpoint.errors import ConfigError, ShardkitError
+from checkpoint.reader import Checkpoint
+from checkpoint.sharding import Rule
+from train import checkpointing as ckpt_io
+from train.config import TrainConfig, validate
+from train.data import DataConfig, build_datasets, micro_batches
+from train.optim import DistributedOptimizer, SchedulerConfig, lr_at
+from train.parallel.groups import Groups, ParallelDims, build_groups
+from train.parallel.pipeline import StageStep, build_stage, forward_backward, forward_only
+
+
+def init_distributed(timeout_minutes: float) -> None:
+    """torchrun / SLURM env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) or a single process; gloo on CPU, NCCL on GPU."""
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+        os.environ.setdefault("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        store = dist.FileStore(tempfile.mktemp(prefix="shardkit-store-"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def check_model_flags(cfg: TrainConfig, m: ModelConfig, source: Path) -> None:
+    r = cfg.run
+    for flag, given, have in (("--num-layers", r.num_layers, m.num_layers), ("--hidden-size", r.hidden_size,
+                              m.hidden_size), ("--num-attention-heads", r.num_attention_heads,
+                                               m.num_attention_heads)):
+        if given is not None and given != have:
+            raise ConfigError(f"{flag} {given} disagrees with the checkpoint {source} ({have}); drop the flag or "
+                              "load the right checkpoint")
+    if cfg.data.seq_length > m.max_position_embeddings:
+        raise ConfigError(f"--seq-length {cfg.data.seq_length} exceeds the model's max_position_embeddings "
+                          f"({m.max_position_embeddings}) in {source}")
+
+
+def _split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        validate(cfg)
+        self.cfg = cfg
+        p, d = cfg.parallel, cfg.data
+        world = dist.get_world_size()
+        dims = ParallelDims.from_world(world, p.tp, p.pp, vpp=p.vpp)
+        if d.global_batch_size % (d.micro_batch_size * dims.dp):
+            raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
+                              f"{d.micro_batch_size} x data-parallel size {dims.dp}")
+        self.dims = dims
+        self.groups: Groups = build_groups(dims)
+        self.layout = dims.layout()
+        self.src = resolve_iteration(cfg.checkpoint.load)
+        self.ck = Checkpoint(self.src)
+        self.model_cfg = self.ck.config
+        check_model_flags(cfg, self.model_cfg, self.src)
+        self.state = ckpt_io.read_train_state(self.src)
+        self.dtype = torch.bfloat16 if cfg.run.bf16 else torch.float32
+        self.sp = p.sequence_parallel and dims.tp > 1
+        if self.sp and d.seq_length % dims.tp:
+            raise ConfigError(f"--sequence-parallel: --seq-length {d.seq_length} is not divisible by --tp {dims.tp}")
+        self.model = build_stage(self.model_cfg, self.groups, self.dtype, torch.device("cpu"), self.sp,
+                                 cfg.run.recompute_granularity)
+        self.table = ckpt_io.param_table(self.model, self.model_cfg, self.layout, self.groups)
+        ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
+        trainable = [(lp.name, lp.param) for lp in self.table if lp.param.requires_grad]
+        replicated = {lp.name for lp in self.table if lp.spec.rule is Rule.REPLICATED}
+        tied = {lp.name for lp in self.table if lp.tied_copy}
+        self.opt = DistributedOptimizer(trainable, self.groups, cfg.optimizer, replicated, tied,
+                                        self.model_cfg.tie_word_embeddings)
+        self.iteration, self.consumed = 0, 0
+        if self.state is not None:
+            self.iteration = int(self.state["iteration"])
+            self.consumed = int(self.state["consumed_samples"])
+            if not cfg.checkpoint.no_load_optim:
+                ckpt_io.load_optimizer(self.ck, self.table, self.opt, self.layout, self.groups,
+                                       int(self.state.get("optimizer_steps", self.iteration)))
+            if not cfg.checkpoint.no_load_rng and self.state.get("rng"):
+                ckpt_io.set_rng_state(self.state["rng"])
+        self.num_micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
+        s = cfg.schedule
+        self.schedule = SchedulerConfig(lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
+                                        warmup_iters=s.lr_warmup_iters, decay_iters=s.lr_decay_iters or s.train_iters,
+                                        style=s.lr_decay_style, wsd_decay_iters=s.lr_wsd_decay_iters)
+        self._data()
+        self.step = StageStep(self.model, self.groups, self.model_cfg, self.sp, cfg.run.recompute_granularity)
+        seq = d.seq_length // dims.tp if self.sp else d.seq_length
+        self.act_shape = (d.micro_batch_size, seq, self.model_cfg.hidden_size)
+
+    def _data(self) -> None:
+        d, s = self.cfg.data, self.cfg.schedule
+        dc = DataConfig(paths=d.data_path, seq_length=d.seq_length, seed=d.seed, split=d.split)
+        evals = (s.train_iters // self.cfg.run.eval_interval + 1) * self.cfg.run.eval_iters \
+            if self.cfg.run.eval_interval and self.cfg.run.eval_iters else 0
+        self.train_ds, self.valid_ds = build_datasets(dc, s.train_iters * d.global_batch_size,
+                                                      evals * d.global_batch_size)
+        self.fingerprint = self.train_ds.fingerprint
+        if self.state is not None and not d.override_data_state:
+            old = self.state.get("data_fingerprint")
+            if old is not None and old != self.fingerprint:
+                raise ConfigError(f"the dataset differs from the one {self.src} was trained on (fingerprint "
+                                  f"{old[:12]} vs {self.fingerprint[:12]}: data files, blend, split, seed, seq length "
+                                  "or train iters changed); pass --override-data-state to continue anyway")
+
+    # -- one iteration ----------------------------------------------------------------------------------------------
+    def train_step(self, batches) -> dict:
+        g = self.groups
+        mbs = [_split(next(batches)) for _ in range(self.num_micro)]
+        self.opt.zero_grad()
+        loss_sum = forward_backward(self.step, mbs, self.act_shape, self.dtype)
+        self.opt.reduce_grads()
+        norm = self.opt.clip()
+        lr = lr_at(self.iteration, self.schedule)
+        self.opt.step(lr)
+        return {"loss": self._global_mean(loss_sum), "lr": lr, "grad_norm": norm}
+
+    def _global_mean(self, loss_sum: torch.Tensor) -> float:
+        """Mean micro-batch loss over the global batch: summed on the last stages, averaged over DP."""
+        t = loss_sum.detach().double().reshape(1)
+        if self.dims.world > 1:
+            dist.all_reduce(t)  # only last-stage ranks contribute; each DP x TP replica once
+        return float(t) / (self.num_micro * self.dims.dp * self.dims.tp)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.valid_ds is None or not self.cfg.run.eval_iters:
+            return None
+        d = self.cfg.data
+        it = micro_batches(self.valid_ds, 0, d.micro_batch_size, self.groups.dp_rank, self.dims.dp)
+        total = torch.zeros((), dtype=torch.float64)
+        for _ in range(self.cfg.run.eval_iters):
+            mbs = [_split(next(it)) for _ in range(self.num_micro)]
+            total += forward_only(self.step, mbs, self.act_shape, self.dtype)
+        t = total.reshape(1)
+        if self.dims.world > 1:
+            dist.all_reduce(t)
+        return float(t) / (self.cfg.run.eval_iters * self.num_micro * self.dims.dp * self.dims.tp)
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    def save(self) -> None:
+        if not self.cfg.checkpoint.save:
+            return
+        state = {"iteration": self.iteration, "consumed_samples": self.consumed, "data_fingerprint": self.fingerprint,
+                 "rng": ckpt_io.rng_state(), "scheduler": asdict(self.schedule),
+                 "optimizer": asdict(self.cfg.optimizer),
+                 "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in _flat(self.cfg).items()},
+                 "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp}}
+        ckpt_io.save(Path(self.cfg.checkpoint.save), self.iteration, self.model_cfg, self.layout, self.table,
+                     self.opt, self.groups, state, self.ck.hf_dir(), {"tool": "shardkit continue-pretrain",
+                                                                     "source": str(self.src)})
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    def run(self, log=print) -> list[dict]:
+        c, d = self.cfg, self.cfg.data
+        history = []
+        batches = micro_batches(self.train_ds, self.consumed, d.micro_batch_size, self.groups.dp_rank, self.dims.dp)
+        tokens_per_iter = d.global_batch_size * d.seq_length
+        while self.iteration < c.schedule.train_iters:
+            t0 = time.perf_counter()
+            m = self.train_step(batches)
+            self.iteration += 1
+            self.consumed += d.global_batch_size
+            dt = time.perf_counter() - t0
+            m.update(iteration=self.iteration, consumed_samples=self.consumed, step_seconds=dt,
+                     tokens_per_second=tokens_per_iter / dt)
+            if c.run.eval_interval and self.iteration % c.run.eval_interval == 0:
+                m["valid_loss"] = self.evaluate()
+            history.append(m)
+            if self.groups.rank == 0 and c.run.log_interval and self.iteration % c.run.log_interval == 0:
+                log(m)
+            last = self.iteration == c.schedule.train_iters
+            exiting = c.schedule.exit_interval and self.iteration % c.schedule.exit_interval == 0
+            if last or exiting or (c.checkpoint.save_interval and self.iteration % c.checkpoint.save_interval == 0):
+                self.save()
+            if exiting:
+                break
+        return history
+
+
+def _flat(cfg: TrainConfig) -> dict:
+    out = {}
+    for sec, v in asdict(cfg).items():
+        for k, x in v.items():
+            out[f"{sec}.{k}"] = x
+    return out
+
+
+def main(cfg: TrainConfig, log=print) -> list[dict]:
+    """Run on this process (one rank of the job); returns the metrics history on every rank."""
+    init_distributed(cfg.run.distributed_timeout_minutes)
+    try:
+        trainer = Trainer(cfg)
+        return trainer.run(log)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

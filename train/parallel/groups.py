@@ -1,0 +1,118 @@
+"""The parallel dimensions of a run and their process groups, built explicitly (no module-level globals).
+
+Ranks are laid out as Megatron does by default (order tp-cp-dp-pp, tp fastest):
+    rank = tp + TP * (cp + CP * (dp + DP * pp))
+so a tensor-parallel group is a block of consecutive ranks (one node with TP <= 8) and pipeline stages are furthest
+apart. Everything that needs a group takes a `Groups` object.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from checkpoint.errors import LayoutError
+from checkpoint.layout import Layout, RankCoord
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """TP x CP x DP x PP; DP is what is left of the world size."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+    vpp: int = 1
+
+    @classmethod
+    def from_world(cls, world: int, tp: int, pp: int, cp: int = 1, vpp: int = 1) -> "ParallelDims":
+        mp = tp * pp * cp
+        if world % mp:
+            raise LayoutError(f"world size {world} is not divisible by --tp {tp} x --pp {pp} x --cp {cp} = {mp}")
+        return cls(tp=tp, pp=pp, dp=world // mp, cp=cp, vpp=vpp)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+
+    def rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def layout(self) -> Layout:
+        """The model-parallel layout (what the checkpoint's sharding table sees)."""
+        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp)
+
+
+@dataclass
+class Groups:
+    """This rank's coordinates and the groups it belongs to (None where the dimension has size 1)."""
+
+    dims: ParallelDims
+    rank: int
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+    pp_rank: int
+    tp: dist.ProcessGroup | None = None
+    dp: dist.ProcessGroup | None = None
+    pp: dist.ProcessGroup | None = None
+    embedding: dist.ProcessGroup | None = None  # first and last pipeline stage (tied embeddings)
+    pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+    @property
+    def coord(self) -> RankCoord:
+        return RankCoord(tp=self.tp_rank, pp=self.pp_rank)
+
+    @property
+    def next_rank(self) -> int:
+        return self.pp_ranks[self.pp_rank + 1]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.pp_ranks[self.pp_rank - 1]
+
+
+def build_groups(dims: ParallelDims) -> Groups:
+    """Create every group on every rank (torch.distributed requires all ranks to take part in each new_group)."""
+    rank = dist.get_rank()
+    if dist.get_world_size() != dims.world:
+        raise LayoutError(f"world size {dist.get_world_size()} != tp*cp*dp*pp = {dims.world}")
+    c = dims.coords(rank)
+    g = Groups(dims, rank, c["tp"], c["cp"], c["dp"], c["pp"])
+
+    def each(vary: str, fixed: list[str]):
+        sizes = {"tp": dims.tp, "cp": dims.cp, "dp": dims.dp, "pp": dims.pp}
+        for combo in itertools.product(*(range(sizes[f]) for f in fixed)):
+            at = dict(zip(fixed, combo))
+            yield [dims.rank(**{**at, vary: i}) for i in range(sizes[vary])]
+
+    for vary, attr in (("tp", "tp"), ("dp", "dp"), ("pp", "pp")):
+        fixed = [d for d in ("tp", "cp", "dp", "pp") if d != vary]
+        for ranks in each(vary, fixed):
+            grp = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                setattr(g, attr, grp)
+                if vary == "pp":
+                    g.pp_ranks = ranks
+    for ranks in each("pp", ["tp", "cp", "dp"]):
+        emb = sorted({ranks[0], ranks[-1]})
+        grp = dist.new_group(emb) if len(emb) > 1 else None
+        if rank in emb:
+            g.embedding = grp
+    return g

@@ -1,0 +1,196 @@
+"""Pipeline parallelism: each stage builds only its layers, and micro-batches run in Megatron's 1F1B order.
+
+A stage is the plain GPTModel with the parts it does not own removed: other stages' layers (the layer dict is keyed
+by global index, so names stay global), the embedding (kept on the last stage too when the embeddings are tied: its
+gradient is then all-reduced between the first and last stage), the final norm and the output layer. The model is
+built on the meta device and materialised after pruning, so a rank never allocates another stage's weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from checkpoint.config import ModelConfig
+from checkpoint.errors import LayoutError
+from train.model import GPTModel
+
+from .groups import Groups
+from .tensor import apply_tensor_parallel, embed, head_loss, local_config
+
+
+def build_stage(cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device,
+                sequence_parallel: bool, recompute: str | None = None) -> GPTModel:
+    """This rank's part of the model, uninitialised (every parameter is then loaded from a checkpoint)."""
+    dims = groups.dims
+    if dims.vpp != 1:
+        raise LayoutError(f"--vpp {dims.vpp}: the interleaved pipeline schedule is not implemented yet; use --vpp 1")
+    if cfg.mtp_num_layers:
+        raise LayoutError(f"{cfg.model_type} has {cfg.mtp_num_layers} MTP layer(s); training with the MTP loss is not "
+                          "implemented yet")
+    layout = dims.layout()
+    layout.check(cfg)
+    padded = cfg.padded_vocab_size(dims.tp)
+    with torch.device("meta"):
+        model = GPTModel(local_config(cfg, dims.tp, padded), padded // dims.tp)
+    start, stop = layout.layer_range(cfg.num_layers, groups.pp_rank, 0)
+    for key in list(model.decoder.layers.keys()):
+        if not start <= int(key) < stop:
+            del model.decoder.layers[key]
+    tied_last = cfg.tie_word_embeddings and groups.last_stage
+    if not groups.first_stage and not tied_last:
+        model.embedding = None
+    if not groups.last_stage:
+        model.decoder.final_layernorm = None
+        model.output_layer = None
+    model.mtp = None
+    model = model.to_empty(device=device).to(dtype)
+    apply_tensor_parallel(model, groups.tp, sequence_parallel)
+    if recompute == "selective":
+        for layer in model.decoder.layers.values():
+            att = layer.self_attention
+            att.core_attention = _recomputed(att.core_attention)
+    return model
+
+
+def _recomputed(fn: Callable) -> Callable:
+    def run(*args):
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    return run
+
+
+@dataclass
+class StageStep:
+    """How one stage runs a micro-batch: (input ids or received activations, labels) -> activations or loss."""
+
+    model: GPTModel
+    groups: Groups
+    cfg: ModelConfig
+    sequence_parallel: bool
+    recompute: str | None = None
+
+    @property
+    def vocab_start(self) -> int:
+        return self.groups.tp_rank * (self.cfg.padded_vocab_size(self.groups.dims.tp) // self.groups.dims.tp)
+
+    def __call__(self, inp: Tensor, ids: Tensor, labels: Tensor) -> Tensor:
+        m, g = self.model, self.groups
+        dtype = next(m.parameters()).dtype
+        if g.first_stage:
+            h = embed(m, ids, g.tp, self.vocab_start, self.sequence_parallel)
+        else:
+            h = inp
+        b, s = ids.shape
+        pos = torch.arange(s, device=ids.device)[None, :].expand(b, s)
+        cos, sin = m.rotary_pos_emb(pos, dtype)
+        for layer in m.decoder.layers.values():
+            if self.recompute == "full":
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        if not g.last_stage:
+            return h
+        h = m.decoder.final_layernorm(h)
+        return head_loss(m, h, labels, g.tp, self.vocab_start, self.cfg.vocab_size, self.sequence_parallel)
+
+
+def _p2p(sends: list[tuple[Tensor, int]], recvs: list[tuple[tuple[int, ...], torch.dtype, int]]) -> list[Tensor]:
+    """Post all sends and receives, then wait: a stage that sends forward while its neighbour sends backward can
+    never deadlock."""
+    reqs, out = [], []
+    for t, dst in sends:
+        reqs.append(dist.isend(t.contiguous(), dst))
+    for shape, dtype, src in recvs:
+        buf = torch.empty(shape, dtype=dtype)
+        reqs.append(dist.irecv(buf, src))
+        out.append(buf)
+    for r in reqs:
+        r.wait()
+    return out
+
+
+def forward_backward(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]], act_shape: tuple[int, ...],
+                     act_dtype: torch.dtype) -> Tensor:
+    """Run forward and backward over `micro_batches` ((ids, labels) pairs, the same on every stage of a pipeline) in
+    the 1F1B order; gradients accumulate into the parameters. Returns the summed (unscaled) loss of the
+    micro-batches on the last stage, 0 elsewhere. Each micro-batch loss is divided by their count before backward."""
+    g = step.groups
+    n = len(micro_batches)
+    pp, rank = g.dims.pp, g.pp_rank
+    first, last = g.first_stage, g.last_stage
+    total = torch.zeros((), dtype=torch.float32)
+
+    def recv_forward() -> Tensor | None:
+        if first:
+            return None
+        (t,) = _p2p([], [(act_shape, act_dtype, g.prev_rank)])
+        return t.requires_grad_()
+
+    def fwd(inp: Tensor | None, i: int) -> Tensor:
+        nonlocal total
+        ids, labels = micro_batches[i]
+        out = step(inp, ids, labels)
+        if last:
+            total = total + out.detach().float()
+            out = out / n
+        return out
+
+    def bwd(inp: Tensor | None, out: Tensor, grad: Tensor | None) -> Tensor | None:
+        torch.autograd.backward(out, grad_tensors=None if last else grad)
+        return None if inp is None else inp.grad
+
+    warmup = min(pp - rank - 1, n)
+    remaining = n - warmup
+    saved: list[tuple[Tensor | None, Tensor]] = []
+    for i in range(warmup):
+        inp = recv_forward()
+        out = fwd(inp, i)
+        _p2p([(out.detach(), g.next_rank)], [])
+        saved.append((inp, out))
+    inp = recv_forward() if remaining else None
+    for i in range(remaining):
+        out = fwd(inp, warmup + i)
+        if last:
+            grad = None
+        else:
+            (grad,) = _p2p([(out.detach(), g.next_rank)], [(act_shape, act_dtype, g.next_rank)])
+        saved.append((inp, out))
+        inp0, out0 = saved.pop(0)
+        grad_in = bwd(inp0, out0, grad)
+        if i == remaining - 1:
+            inp = None
+            if not first:
+                _p2p([(grad_in, g.prev_rank)], [])
+        elif first:
+            inp = None
+        else:
+            (inp,) = _p2p([(grad_in, g.prev_rank)], [(act_shape, act_dtype, g.prev_rank)])
+            inp.requires_grad_()
+    for _ in range(warmup):
+        inp0, out0 = saved.pop(0)
+        (grad,) = _p2p([], [(act_shape, act_dtype, g.next_rank)])
+        grad_in = bwd(inp0, out0, grad)
+        if not first:
+            _p2p([(grad_in, g.prev_rank)], [])
+    return total
+
+
+@torch.no_grad()
+def forward_only(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]], act_shape: tuple[int, ...],
+                 act_dtype: torch.dtype) -> Tensor:
+    """Evaluation: forward through the pipeline, micro-batch by micro-batch; the summed loss on the last stage."""
+    g = step.groups
+    total = torch.zeros((), dtype=torch.float64)
+    for ids, labels in micro_batches:
+        inp = None if g.first_stage else _p2p([], [(act_shape, act_dtype, g.prev_rank)])[0]
+        out = step(inp, ids, labels)
+        if g.last_stage:
+            total += out.double()
+        else:
+            _p2p([(out, g.next_rank)], [])
+    return total
