@@ -141,7 +141,7 @@ def _launch(args: argparse.Namespace) -> int:
     extra = list(args.trainer_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    spec = LaunchSpec(layout=ParallelLayout.parse(args.layout), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+    spec = LaunchSpec(layout=ParallelLayout.parse(args.layout), log_dir=str(Path(args.out).resolve() / "logs"), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                       args=tuple(extra), master_addr=args.master_addr, master_port=args.master_port,
                       job_name=args.job_name, time=args.time, sbatch_extra=tuple(x if x.startswith("-") else "--" + x for x in args.sbatch), env=tuple(args.env))
     if args.dry_run:

@@ -40,7 +40,7 @@ class LaunchSpec:
     master_port: int = 29500
     job_name: str = "shardkit-pretrain"
     time: str = "24:00:00"
-    log_dir: str = "logs"
+    log_dir: str = "logs"  # SLURM does not create it: write_scripts does
     python: str = sys.executable
     sbatch_extra: tuple[str, ...] = ()  # extra '#SBATCH ...' lines, e.g. --partition=gpu
     env: tuple[str, ...] = ()  # extra KEY=VALUE exports
@@ -105,9 +105,12 @@ def render_scripts(spec: LaunchSpec, torchrun_path: str = "torchrun.sh",
     """{"torchrun.sh": ..., "job.sbatch": ...}: the rendered launch scripts."""
     check(spec)
     args = trainer_args(spec)
-    lines = []
-    for i in range(0, len(args), 2):  # one flag (and its value) per line
-        lines.append("    " + " ".join(shlex.quote(a) for a in args[i:i + 2]))
+    groups: list[list[str]] = []
+    for a in args:  # one flag and its values per line
+        if not groups or (a.startswith("-") and not re.fullmatch(r"-[0-9.e+-]+", a)):
+            groups.append([])
+        groups[-1].append(a)
+    lines = ["    " + " ".join(shlex.quote(a) for a in g) for g in groups]
     common = {"LAYOUT": spec.layout.label(), "WORLD": str(spec.layout.world), "NODES": str(spec.nodes),
               "GPUS_PER_NODE": str(spec.gpus_per_node), "MASTER_PORT": str(spec.master_port)}
     torchrun = render(_read_template(TORCHRUN_TEMPLATE, template_dir), {
@@ -127,6 +130,7 @@ def write_scripts(spec: LaunchSpec, out_dir: str | Path) -> dict[str, Path]:
     paths = {}
     try:
         out.mkdir(parents=True, exist_ok=True)
+        Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
         for name, text in scripts.items():
             p = out / name
             p.write_text(text)

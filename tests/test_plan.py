@@ -326,6 +326,7 @@ def test_launch_dry_run(capsys, tmp_path):
     assert ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --context-parallel-size 2 "
             "--load /ckpt/llama --save '/ckpt/run 1' --data /d/a /d/b") in joined
     assert "{{" not in text
+    assert "    --data /d/a /d/b\n" in torchrun and f"#SBATCH --output={out / 'logs'}/%x-%j.out" in sbatch
     assert not out.exists()  # dry run writes nothing
 
 
@@ -337,5 +338,6 @@ def test_launch_writes_valid_shell(tmp_path, capsys):
         assert p.stat().st_mode & 0o111
         subprocess.run(["bash", "-n", str(p)], check=True)  # syntax only
     assert "export NCCL_SOCKET_IFNAME=eth0" in (tmp_path / "torchrun.sh").read_text()
+    assert (tmp_path / "logs").is_dir()
     scripts = render_scripts(LaunchSpec(ParallelLayout(tp=8, ep=8, etp=1, dp=1), 1, 8, ("--save", "x")))
     assert "--expert-model-parallel-size 8 \\\n    --expert-tensor-parallel-size 1" in scripts["torchrun.sh"]
