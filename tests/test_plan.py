@@ -326,7 +326,8 @@ def test_launch_dry_run(capsys, tmp_path):
     assert ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --context-parallel-size 2 "
             "--load /ckpt/llama --save '/ckpt/run 1' --data /d/a /d/b") in joined
     assert "{{" not in text
-    assert "    --data /d/a /d/b\n" in torchrun and f"#SBATCH --output={out / 'logs'}/%x-%j.out" in sbatch
+    assert "    --data /d/a /d/b \\\n" in torchrun  # one flag and its values per line
+    assert f"#SBATCH --output={out / 'logs'}/%x-%j.out" in sbatch
     assert not out.exists()  # dry run writes nothing
 
 
