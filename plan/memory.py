@@ -277,8 +277,8 @@ def layer_activation_terms(cfg: ModelConfig, moe: bool, s: TrainSettings, layout
     T = seq/cp * micro_batch; every term is divided by tp (sequence parallel)."""
     T = s.seq_length // layout.cp * s.micro_batch_size
     t = layout.tp
-    a = 2  # bf16 activations
-    lin = 1 if s.fp8 else 2  # linear-layer inputs are kept in FP8 by Transformer Engine
+    a = DTYPE_BYTES[s.params_dtype]  # activations in the training dtype (bf16: 2)
+    lin = 1 if s.fp8 else a  # linear-layer inputs are kept in FP8 by Transformer Engine
     h = cfg.hidden_size
     nh = cfg.num_attention_heads
     terms: dict[str, float] = {}
@@ -330,7 +330,7 @@ def layer_activation_bytes(cfg: ModelConfig, moe: bool, s: TrainSettings, layout
     if s.recompute == "selective":
         return sum(v for k, v in terms.items() if k != "core_attn")
     T = s.seq_length // layout.cp * s.micro_batch_size
-    return 2 * cfg.hidden_size * T / layout.tp  # full: the layer's input only
+    return DTYPE_BYTES[s.params_dtype] * cfg.hidden_size * T / layout.tp  # full: the layer's input only
 
 
 def in_flight(layout: ParallelLayout, microbatches: int, pp_rank: int) -> int:
@@ -362,10 +362,11 @@ def stage_activation_bytes(cfg: ModelConfig, s: TrainSettings, layout: ParallelL
         vocab = cfg.padded_vocab_size(layout.tp)
         h = cfg.hidden_size
         # final norm input + output-layer input (bf16) + the fp32 softmax of vocab-parallel cross entropy, one micro-batch
-        out["logits"] = (2 * h + 2 * h + 4 * vocab) * T / layout.tp
+        a = DTYPE_BYTES[s.params_dtype]
+        out["logits"] = (2 * a * h + 4 * vocab) * T / layout.tp
         if cfg.mtp_num_layers:
-            mtp = sum(layer_activation_terms(cfg, cfg.is_moe, s, layout).values()) + (8 * h + 4 * h + 4 * vocab) * T \
-                / layout.tp
+            mtp = sum(layer_activation_terms(cfg, cfg.is_moe, s, layout).values()) + (6 * a * h + 4 * vocab) * T \
+                / layout.tp  # enorm, hnorm inputs, eh_proj input [2h], own logits
             out["mtp"] = mtp * cfg.mtp_num_layers
     return out
 
@@ -375,13 +376,14 @@ def comm_buffer_bytes(cfg: ModelConfig, s: TrainSettings, layout: ParallelLayout
     pipeline send/recv buffers (activation and gradient, each way), the MoE all-to-all send/recv buffers."""
     T = s.seq_length // layout.cp * s.micro_batch_size
     h = cfg.hidden_size
+    a = DTYPE_BYTES[s.params_dtype]
     out: dict[str, float] = {}
     if layout.tp > 1:
-        out["tp_all_gather"] = 2 * T * h
+        out["tp_all_gather"] = a * T * h
     if layout.pp > 1:
-        out["pp_p2p"] = 4 * 2 * T * h / layout.tp
+        out["pp_p2p"] = 4 * a * T * h / layout.tp
     if cfg.is_moe:
-        out["ep_all_to_all"] = 2 * 2 * h * cfg.moe_router_topk * T * layout.expert_tp / layout.tp
+        out["ep_all_to_all"] = 2 * a * h * cfg.moe_router_topk * T * layout.expert_tp / layout.tp
     return out
 
 

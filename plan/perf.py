@@ -114,7 +114,7 @@ def step_time(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Ha
 
     T = s.seq_length // cp * s.micro_batch_size  # tokens per rank per micro-batch (before the TP split)
     h = cfg.hidden_size
-    a = 2
+    a = DTYPE_BYTES[s.params_dtype]
     layers_rank = max(len(x) for x in stage_layers(cfg.num_layers, pp, v))
     passes = 12 if s.recompute == "full" else 8
     t_tp = m * layers_rank * passes * _ring(a * T * h, tp, tp, hw)
