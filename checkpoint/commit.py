@@ -42,12 +42,21 @@ def write_file_atomic(path: Path, data: str | bytes) -> None:
     fsync_path(path.parent)
 
 
-def fsync_tree(path: Path) -> None:
-    """fsync every file and directory below `path` (tensorstore syncs its files; directories need it too)."""
+def fsync_tree(path: Path, threads: int = 16) -> None:
+    """fsync every file and directory below `path` (tensorstore syncs its files; directories need it too).
+
+    The fsyncs run concurrently: one after another, each waits for its own journal commit (~2-5 ms here, 17 s for
+    the 3,400 files and directories of a 64-expert MoE checkpoint); in flight together, the filesystem commits them
+    in groups (0.2-2.7 s). Every fsync still completes before this returns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths: list[Path] = []
     for dirpath, _dirnames, filenames in os.walk(path):
-        for fn in filenames:
-            fsync_path(Path(dirpath) / fn)
-        fsync_path(Path(dirpath))
+        paths += [Path(dirpath) / fn for fn in filenames]
+        paths.append(Path(dirpath))
+    with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
+        for _ in pool.map(fsync_path, paths):  # re-raises the first error
+            pass
 
 
 class IterationWriter:
@@ -141,10 +150,17 @@ class IterationWriter:
 
     def mark_done(self, task: str) -> None:
         """Record a task whose data is already durable (tensorstore fsyncs its chunk files)."""
-        self._log.write(task + "\n")
+        self.mark_done_many([task])
+
+    def mark_done_many(self, tasks: list[str]) -> None:
+        """Record several durable tasks with one fsync of the log (thousands of small chunks: one fsync each cost
+        seconds)."""
+        if not tasks:
+            return
+        self._log.write("".join(t + "\n" for t in tasks))
         self._log.flush()
         os.fsync(self._log.fileno())
-        self.done.add(task)
+        self.done.update(tasks)
 
     # -- commit -------------------------------------------------------------------------------------------------
     def commit(self, manifest: Manifest) -> Path:

@@ -100,7 +100,7 @@ class ChunkSink:
         rec.sinks.add(self)
         self._pending.append((task, nbytes, fut.commit))
         self._pending_bytes += nbytes
-        while self._pending and self._pending_bytes > INFLIGHT_BYTES:
+        if self._pending_bytes > INFLIGHT_BYTES:
             self._retire(rec)
         return task.id, nbytes
 
@@ -108,19 +108,26 @@ class ChunkSink:
         """Wait for every write in flight and record it; after a failure elsewhere, record what succeeded."""
         while self._pending:
             try:
-                self._retire(rec)
+                self._retire(rec, everything=True)
             except WriteError:
                 if raise_errors:
                     raise
 
-    def _retire(self, rec: "_Recorder") -> None:
-        task, nbytes, commit = self._pending.popleft()
-        self._pending_bytes -= nbytes
+    def _retire(self, rec: "_Recorder", everything: bool = False) -> None:
+        """Wait for the oldest writes until under INFLIGHT_BYTES (or for all), take along the following ones that
+        have already finished, and record them together: one fsync of the resume log per batch, not per chunk."""
+        done: list[tuple[str, int]] = []
         try:
-            commit.result()
-        except ValueError as e:
-            raise self._error(task, e) from None
-        rec.durable(task.id, nbytes)
+            while self._pending and (everything or self._pending_bytes > INFLIGHT_BYTES or self._pending[0][2].done()):
+                task, nbytes, commit = self._pending.popleft()
+                self._pending_bytes -= nbytes
+                try:
+                    commit.result()
+                except ValueError as e:
+                    raise self._error(task, e) from None
+                done.append((task.id, nbytes))
+        finally:
+            rec.durable(done)
 
     def _error(self, task: Task, e: Exception) -> WriteError:
         return WriteError(f"tensor {task.name}: writing {self.out / tensor_path(task.name)} failed: "
@@ -131,9 +138,11 @@ class _Recorder:
     def __init__(self, w: IterationWriter, bar):
         self.w, self.bar, self.sinks = w, bar, set()
 
-    def durable(self, task_id: str, nbytes: int) -> None:
-        self.w.mark_done(task_id)
-        self.bar.advance(nbytes, 1)
+    def durable(self, chunks: list[tuple[str, int]]) -> None:
+        """Record chunks (task id, bytes) whose writes are durable."""
+        if chunks:
+            self.w.mark_done_many([task_id for task_id, _ in chunks])
+            self.bar.advance(sum(n for _, n in chunks), len(chunks))
 
 
 def _init_spawned(init: Callable, *args) -> None:
