@@ -6,6 +6,8 @@ For each requested model size this script
 1. synthesises a LLaMA-3-shaped bf16 HF checkpoint (random values, untied embeddings, GQA with 8 KV heads,
    head_dim 128, ffn ~3.5x hidden, vocab 128256) as several safetensors shards plus model.safetensors.index.json and
    config.json, writing one shard at a time (never more than one shard in memory, no transformers model object);
+   with --experts N a Mixtral-style MoE instead (every layer N routed experts of --expert-ffn, a router), converted
+   with --ep;
 2. times `cp -r SRC DST` (the baseline), then `sync` separately (cp leaves its bytes dirty in the page cache while
    the converter fsyncs everything, so "cp+sync" is reported too);
 3. times `shardkit convert hf-to-mcore SRC OUT --tp 2 --pp 2 --quiet [--workers N]` as a subprocess while a thread
@@ -18,6 +20,9 @@ that is not possible the source is read once untimed (an untimed `cp -r`) so eve
 cache; the mode used is printed and written to the results.
 
     .venv/bin/python scripts/bench_convert.py --sizes 1,2 --workers default,1,2 --export --repeats 3
+    # MoE (issue 3): 64 experts with a small expert ffn, expert parallel
+    .venv/bin/python scripts/bench_convert.py --experts 64 --expert-ffn 704 --hidden 1024 --vocab 32000 --ep 4 \
+        --sizes 1,2 --repeats 3
     # A/B a patch without installing it, interleaved in one run (same cache state, same load):
     .venv/bin/python scripts/bench_convert.py --src installed --src patched=/path/to/patched/tree ...
 
@@ -82,6 +87,9 @@ class Shape:
     vocab: int = VOCAB
     head_dim: int = HEAD_DIM
     kv_heads: int = KV_HEADS
+    experts: int = 0  # > 0: Mixtral-style MoE, every layer `experts` routed experts of `expert_ffn`
+    expert_ffn: int = 0
+    topk: int = 2
 
     @property
     def heads(self) -> int:
@@ -98,13 +106,21 @@ class Shape:
     def layer_tensors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
         h, F, hd = self.hidden, self.ffn, self.head_dim
         p = f"model.layers.{i}."
-        return [
+        attn = [
             (p + "input_layernorm.weight", (h,)),
             (p + "self_attn.q_proj.weight", (self.heads * hd, h)),
             (p + "self_attn.k_proj.weight", (self.groups * hd, h)),
             (p + "self_attn.v_proj.weight", (self.groups * hd, h)),
             (p + "self_attn.o_proj.weight", (h, self.heads * hd)),
             (p + "post_attention_layernorm.weight", (h,)),
+        ]
+        if self.experts:
+            m, E = p + "block_sparse_moe.", self.expert_ffn
+            return attn + [(m + "gate.weight", (self.experts, h))] + [
+                t for e in range(self.experts)
+                for t in ((f"{m}experts.{e}.w1.weight", (E, h)), (f"{m}experts.{e}.w2.weight", (h, E)),
+                          (f"{m}experts.{e}.w3.weight", (E, h)))]
+        return attn + [
             (p + "mlp.gate_proj.weight", (F, h)),
             (p + "mlp.up_proj.weight", (F, h)),
             (p + "mlp.down_proj.weight", (h, F)),
@@ -123,8 +139,10 @@ class Shape:
         return sum(2 * math.prod(s) for _, s in self.tensors())
 
     def describe(self) -> str:
+        mlp = (f"MoE {self.experts} experts (top-{self.topk}) x ffn {self.expert_ffn}" if self.experts else
+               f"ffn {self.ffn}")
         return (f"hidden {self.hidden}, {self.layers} layers, {self.heads} heads / {self.groups} KV heads x "
-                f"{self.head_dim}, ffn {self.ffn}, vocab {self.vocab}, untied, bf16: {self.nbytes / GB:.2f} GB")
+                f"{self.head_dim}, {mlp}, vocab {self.vocab}, untied, bf16: {self.nbytes / GB:.2f} GB")
 
 
 def ffn_for(hidden: int) -> int:
@@ -132,17 +150,30 @@ def ffn_for(hidden: int) -> int:
     return int(round(3.5 * hidden / 256)) * 256
 
 
-def shape_for(size_gb: float, hidden: int, layers: int | None, layer_multiple: int, vocab: int = VOCAB) -> Shape:
+def shape_for(size_gb: float, hidden: int, layers: int | None, layer_multiple: int, vocab: int = VOCAB,
+              experts: int = 0, expert_ffn: int = 0) -> Shape:
     """The shape closest to `size_gb` at this hidden size (layers a multiple of pp*vpp), unless layers is given."""
+    moe = dict(experts=experts, expert_ffn=expert_ffn)
     if layers is None:
-        fixed = Shape(hidden, 0, vocab).nbytes
-        per_layer = Shape(hidden, 1, vocab).nbytes - fixed
+        fixed = Shape(hidden, 0, vocab, **moe).nbytes
+        per_layer = Shape(hidden, 1, vocab, **moe).nbytes - fixed
         n = round((size_gb * GB - fixed) / per_layer / layer_multiple) * layer_multiple
         layers = max(layer_multiple, n)
-    return Shape(hidden, layers, vocab)
+    return Shape(hidden, layers, vocab, **moe)
 
 
 def hf_config(s: Shape) -> dict:
+    if s.experts:  # Mixtral's config.json keys (mistralai/Mixtral-8x7B-v0.1), sizes from the shape
+        return {
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0,
+            "bos_token_id": 1, "eos_token_id": 2, "head_dim": s.head_dim, "hidden_act": "silu",
+            "hidden_size": s.hidden, "initializer_range": 0.02, "intermediate_size": s.expert_ffn,
+            "max_position_embeddings": 32768, "num_attention_heads": s.heads, "num_experts_per_tok": s.topk,
+            "num_hidden_layers": s.layers, "num_key_value_heads": s.groups, "num_local_experts": s.experts,
+            "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "transformers_version": "4.45.0", "use_cache": True, "vocab_size": s.vocab,
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -366,7 +397,7 @@ def shardkit_bin() -> str:
 
 
 def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
-    s = shape_for(size_gb, args.hidden, args.layers, args.pp * args.vpp, args.vocab)
+    s = shape_for(size_gb, args.hidden, args.layers, args.pp * args.vpp, args.vocab, args.experts, args.expert_ffn)
     base = work / f"size{size_gb:g}"
     if base.exists():
         shutil.rmtree(base)
@@ -378,6 +409,8 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
         print(f"   note: {s.nbytes / GB:.2f} GB is the nearest this hidden size allows (layers are a multiple of "
               f"pp*vpp, at least one stage each; the untied {s.vocab}-row embeddings alone are "
               f"{Shape(s.hidden, 0, s.vocab).nbytes / GB:.2f} GB)", flush=True)
+    if s.experts and s.experts % args.ep:
+        raise SystemExit(f"--experts {s.experts} is not divisible by --ep {args.ep}")
     t0 = time.perf_counter()
     synthesize(src, s, int(args.shard_gb * GB), seed=args.seed)
     src_bytes = dir_bytes(src)
@@ -393,7 +426,7 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
     codes: list[Code] = args.codes
     convs: dict[tuple[str, str], list[Run]] = {(c.label, w): [] for c in codes for w in args.workers}
     exports: dict[str, list[Run]] = {c.label: [] for c in codes}
-    out_bytes = exp_bytes = 0
+    out_bytes = exp_bytes = out_chunks = 0
     # repeats are interleaved (cp, convert per tree and workers value, export, cp, ...): drift on a shared disk hits all
     for rep in range(args.repeats):
         tag = f"   [{rep + 1}/{args.repeats}]"
@@ -417,12 +450,17 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                        "--quiet"]
                 if args.vpp != 1:
                     cmd += ["--vpp", str(args.vpp)]
+                if args.ep != 1:
+                    cmd += ["--ep", str(args.ep)]
+                if args.etp is not None:
+                    cmd += ["--etp", str(args.etp)]
                 if workers != "default":
                     cmd += ["--workers", str(workers)]
                 cache.before_step()
                 r = run_measured(f"{who}convert (workers={workers})", cmd, args.poll,
                                  base / f"convert-{code.label}-w{workers}.log", code.env)
                 out_bytes = dir_bytes(out)
+                out_chunks = sum(1 for f in out.glob("iter_*/model/*/c/**/*") if f.is_file())
                 manifest = json.loads(next(out.glob("iter_*/manifest.json")).read_text())
                 r.extra["inner_s"] = manifest.get("provenance", {}).get("seconds")
                 convs[(code.label, workers)].append(r)
@@ -457,6 +495,7 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
     cp_s = median([c for c, _ in cps])
     cp_sync_s = median([c + sy for c, sy in cps])
     common = dict(size_req_gb=size_gb, size_gb=src_bytes / GB, layers=s.layers, hidden=s.hidden, shards=nshards,
+                  experts=s.experts, expert_ffn=s.expert_ffn, hf_tensors=len(s.tensors()), out_chunks=out_chunks,
                   cp_s=cp_s, cp_sync_s=cp_sync_s, cp_gbs=src_bytes / GB / cp_s, cp_runs=cps, repeats=args.repeats)
     rows = []
     for (label, workers), runs in convs.items():
@@ -530,7 +569,8 @@ def check_export(src: Path, exp: Path) -> None:
 def table(rows: list[dict]) -> str:
     multi = len({r["code"] for r in rows}) > 1
     head = ["size GB", "cp s", "convert s", "ratio", "convert GB/s", "peak RSS tree MB", "peak RSS max-process MB",
-            "workers", "layers", "cp GB/s", "cp+sync s", "ratio vs cp+sync", "peak anon tree MB", "CPU s"]
+            "workers", "layers", "cp GB/s", "cp+sync s", "ratio vs cp+sync", "peak anon tree MB", "CPU s",
+            "chunks written"]
     head += ["code"] if multi else []
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     for r in rows:
@@ -539,7 +579,7 @@ def table(rows: list[dict]) -> str:
         vals = [f"{r['size_gb']:.2f}", f"{r['cp_s']:.2f}", f"{r['convert_s']:.2f}", f"{r['ratio']:.2f}",
                 f"{r['convert_gbs']:.2f}", f"{r['peak_tree_mb']:.0f}", f"{r['peak_max_mb']:.0f}", r["workers"],
                 str(r["layers"]), f"{r['cp_gbs']:.2f}", f"{r['cp_sync_s']:.2f}", f"{r['ratio_sync']:.2f}",
-                f"{r['peak_anon_mb']:.0f}", f"{r['cpu_s']:.1f}"] + ([r["code"]] if multi else [])
+                f"{r['peak_anon_mb']:.0f}", f"{r['cpu_s']:.1f}", str(r["out_chunks"])] + ([r["code"]] if multi else [])
         lines.append("| " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
@@ -569,7 +609,8 @@ def machine_facts(workdir: Path) -> str:
             return f"({e})"
 
     probe = workdir if workdir.exists() else workdir.parent
-    return "\n".join([f"$ nproc\n{sh(['nproc'])}", f"$ free -g\n{sh(['free', '-g'])}",
+    return "\n".join([f"$ nproc\n{sh(['nproc'])}", f"$ uptime  # load from other users of this machine\n{sh(['uptime'])}",
+                      f"$ free -g\n{sh(['free', '-g'])}",
                       f"$ df -h {probe}\n{sh(['df', '-h', str(probe)])}",
                       f"kernel {platform.release()}, python {platform.python_version()}, cpu: {cpu_model()}"])
 
@@ -609,6 +650,13 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel size (with --experts)")
+    ap.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: as --tp)")
+    ap.add_argument("--experts", type=int, default=0,
+                    help="> 0: a Mixtral-style MoE with this many routed experts per layer (e.g. 64)")
+    ap.add_argument("--expert-ffn", type=int, default=None,
+                    help="expert ffn size with --experts (default: 11/16 x hidden, DeepSeek-V2-Lite's 1408/2048)")
+    ap.add_argument("--topk", type=int, default=2, help="experts per token with --experts (config only)")
     ap.add_argument("--workers", default="default",
                     help="comma-separated --workers values to run, 'default' = shardkit's own choice "
                          "(e.g. default,1,2)")
@@ -639,6 +687,11 @@ def parse_args(argv: list[str] | None = None):
         ap.error(f"--hidden must be a multiple of {HEAD_DIM}")
     if args.layers is not None and args.layers % (args.pp * args.vpp):
         ap.error("--layers must be a multiple of pp*vpp")
+    if args.experts < 0 or (args.experts and args.experts % args.ep):
+        ap.error(f"--experts {args.experts} must be >= 0 and divisible by --ep {args.ep}")
+    if args.ep != 1 and not args.experts:
+        ap.error("--ep needs --experts (a MoE shape)")
+    args.expert_ffn = (args.expert_ffn or (args.hidden * 11 // 16 // 64) * 64) if args.experts else 0
     return args
 
 
@@ -652,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("psutil") is None:
         raise SystemExit("psutil is required (pip install psutil, or the project's [test] extra)")
     work = Path(args.workdir)
-    largest = max(shape_for(g, args.hidden, args.layers, args.pp * args.vpp, args.vocab).nbytes for g in args.size_list)
+    largest = max(shape_for(g, args.hidden, args.layers, args.pp * args.vpp, args.vocab, args.experts,
+                            args.expert_ffn).nbytes for g in args.size_list)
     need = largest * (4 if args.export else 3) * 1.05  # source + 2 checkpoints + export (the cp copy goes first)
     free = shutil.disk_usage(work.parent if not work.exists() else work).free
     if need > free:
@@ -679,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
                 for g in args.size_list:
                     shutil.rmtree(work / f"size{g:g}", ignore_errors=True)
     code_after = {c.label: code_fingerprint(c.root) for c in args.codes}
+    load_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     notes = []
     for c in args.codes:
         b, a = code_before[c.label], code_after[c.label]
@@ -692,7 +747,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Code: {'; '.join(notes)}",
         f"Date: {started.strftime('%Y-%m-%d %H:%M UTC')}",
         f"Cache mode: {cache.describe()}",
-        f"Layout: tp={args.tp} pp={args.pp} vpp={args.vpp}; hidden {args.hidden}, ffn {ffn_for(args.hidden)}, "
+        f"Layout: tp={args.tp} pp={args.pp} vpp={args.vpp}"
+        + (f" ep={args.ep} etp={args.etp or args.tp}; Mixtral-style MoE: {args.experts} experts (top-{args.topk}) x "
+           f"ffn {args.expert_ffn}, hidden {args.hidden}, " if args.experts else
+           f"; hidden {args.hidden}, ffn {ffn_for(args.hidden)}, ") +
         f"{args.hidden // HEAD_DIM} heads / {min(KV_HEADS, args.hidden // HEAD_DIM)} KV heads x {HEAD_DIM}, "
         f"vocab {args.vocab}, untied, bf16, {args.shard_gb:g} GB HF shards",
         "",
@@ -703,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         report += "\n\nmcore-to-hf (export back):\n\n" + et
     print("\n" + report)
     if args.markdown:
-        Path(args.markdown).write_text(report + "\n\n```\n" + facts + "\n```\n")
+        Path(args.markdown).write_text(report + "\n\n```\n" + facts + f"\n$ uptime  # at the end\n{load_after}\n```\n")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": cmdline, "date": started.isoformat(), "cache": cache.mode,
                                                "code": {c.label: [str(c.root), code_digest(code_before[c.label]),
