@@ -38,7 +38,8 @@ def _dp_chunk(e: TensorEntry) -> list[int]:
     return chunk
 
 
-def add_optimizer_state(src: Path, out: Path, seed: int = 0, iteration: int | None = None) -> Path:
+def add_optimizer_state(src: Path, out: Path, seed: int = 0, iteration: int | None = None,
+                        train_state: dict = TRAIN_STATE_DOC) -> Path:
     """A training checkpoint built from a converted one: the same weights, fp32_param = weight.float(), exp_avg and
     exp_avg_sq random (exp_avg_sq >= 0), the trainer's chunking, and a train_state.json."""
     ck = Checkpoint(src)
@@ -60,7 +61,7 @@ def add_optimizer_state(src: Path, out: Path, seed: int = 0, iteration: int | No
                 oe = TensorEntry(e.shape, "float32", _dp_chunk(e), e.rule, e.per_layer, e.expert)
                 store.create(w.path(tensor_path(key)), oe.shape, oe.dtype, oe.chunk).write(store.to_numpy(v)).result()
                 entries[key] = oe
-        (w.path(TRAIN_STATE)).write_text(json.dumps(TRAIN_STATE_DOC))
+        (w.path(TRAIN_STATE)).write_text(json.dumps(train_state))
         if ck.hf_dir().is_dir():
             import shutil
 
@@ -202,9 +203,22 @@ def test_torch_dist_round_trip_with_optimizer(trained, tmp_path):
     back.verify()
 
 
-def test_megatron_distributed_optimizer_checkpoint_to_native(tmp_path):
-    """megatron-core trains 2 steps with DDP + DistributedOptimizer (CPU, subprocess) and saves torch_dist with its
-    optimizer state; we map it onto native optimizer entries at another layout: values equal megatron's."""
+def _megatron_groups(step: int) -> dict:
+    """train_state.json's optimizer entry with the param groups megatron-core's optimizer has for a GPTModel (decayed
+    and not decayed), so that Megatron can match them on load."""
+    base = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False, "default_config": True,
+            "lr": 1e-3, "max_lr": 1e-3, "min_lr": None, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
+            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+            "fused": None, "decoupled_weight_decay": True}
+    return {"step": step, "param_groups": [dict(base, wd_mult=1.0), dict(base, wd_mult=0.0)]}
+
+
+def test_megatron_distributed_optimizer_both_ways(tmp_path):
+    """megatron-core on CPU (subprocess), with its DistributedDataParallel + DistributedOptimizer:
+    (1) trains 2 steps and saves torch_dist with its optimizer state; we map it onto native optimizer entries at
+        another layout: values equal megatron's;
+    (2) loads our export of a native training checkpoint, optimizer state included, as Megatron-LM does (and trains
+        one more step): every optimizer tensor equals ours, the param groups and step come from train_state.json."""
     import importlib.util
     import subprocess
     import sys
@@ -212,25 +226,33 @@ def test_megatron_distributed_optimizer_checkpoint_to_native(tmp_path):
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("megatron-core is not installed")
     from checkpoint.config import ModelConfig
-    from convert.torch_dist_io import torch_dist_to_native
+    from convert.torch_dist_io import torch_dist_to_native, write_torch_dist
     from tests.test_torch_dist import megatron_model
 
     hf = build_tiny_llama(tmp_path / "hf", dtype=torch.float32, num_hidden_layers=2, hidden_size=64,
                           intermediate_size=96, vocab_size=300, num_key_value_heads=2, rope_scaling=None,
                           rope_theta=10000.0)
     cfg = ModelConfig.from_hf_dir(hf)
-    job = {"root": str(tmp_path / "meg"), "iteration": 2, "seed": 3, "steps": 2, "out": str(tmp_path / "meg.pt"),
-           "model": megatron_model(cfg, cfg.padded_vocab_size(1))}
-    (tmp_path / "job.json").write_text(json.dumps(job))
+    model = megatron_model(cfg, cfg.padded_vocab_size(1))
+    convert_hf_to_mcore(hf, tmp_path / "w", Layout(), quiet=True)
+    ours = add_optimizer_state(tmp_path / "w", tmp_path / "t", seed=5, iteration=7,
+                               train_state=dict(TRAIN_STATE_DOC, optimizer=_megatron_groups(7)))
+    export = write_torch_dist(ours, tmp_path / "td", quiet=True)
+    jobs = [{"mode": "save", "root": str(tmp_path / "meg"), "iteration": 2, "seed": 3, "steps": 2,
+             "out": str(tmp_path / "meg.pt"), "model": model},
+            {"mode": "load", "ckpt": str(export), "out": str(tmp_path / "loaded.pt"), "model": model}]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     oracle = Path(__file__).with_name("megatron_optimizer_oracle.py")
-    r = subprocess.run([sys.executable, str(oracle), str(tmp_path / "job.json")], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(oracle), str(tmp_path / "jobs.json")], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    spellings = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+    # (1) megatron-core's checkpoint -> native at tp=2
     meg = torch.load(tmp_path / "meg.pt", weights_only=True)
     assert "flattened_range is not supported" in meg["fs_model_space_error"]  # why fully_reshardable is used
     ck = Checkpoint(torch_dist_to_native(tmp_path / "meg", tmp_path / "nat", cfg, Layout(tp=2), quiet=True))
     assert ck.has_optimizer and ck.manifest.iteration == 2 and ck.manifest.vocab["padded_size"] == 512
-    spellings = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
     for s in model_specs(cfg, ck.layout):
         rows = slice(0, cfg.vocab_size) if s.rule is Rule.VOCAB else slice(None)
         w = meg["tensors"][s.name][rows]
@@ -238,7 +260,17 @@ def test_megatron_distributed_optimizer_checkpoint_to_native(tmp_path):
         for st, meg_st in spellings.items():
             want = meg["optimizer"][meg_st][s.name][rows]
             assert torch.equal(ck.read(optimizer_key(st, s.name))[rows], want), (st, s.name)
-        # fp32 training: the main parameters are the weights; the moments moved after 2 steps
+        # fp32 training: the main parameters are the weights
         assert torch.equal(ck.read(optimizer_key("fp32_param", s.name))[rows], w)
     assert ck.read(optimizer_key("exp_avg_sq", "decoder.layers.mlp.linear_fc1.weight")).abs().sum() > 0
     ck.verify()
+
+    # (2) our export -> megatron-core's distributed optimizer
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    src = Checkpoint(ours)
+    for s in model_specs(cfg, src.layout):
+        assert torch.equal(loaded["tensors"][s.name], src.read(s.name)), s.name
+        for st, meg_st in spellings.items():
+            assert torch.equal(loaded["optimizer"][meg_st][s.name], src.read(optimizer_key(st, s.name))), (st, s.name)
+    assert [g["wd_mult"] for g in loaded["param_groups"]] == [1.0, 0.0]
+    assert all(g["step"] == 7 for g in loaded["param_groups"])
