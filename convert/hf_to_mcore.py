@@ -163,22 +163,35 @@ def _init_worker(hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, d
               maps={(tm.canonical, tm.lead): tm for tm in families.tensor_maps(cfg, layout, fp8)})
 
 
+# Shards are unmapped (their touched pages leave our RSS) once this many bytes were read through the mappings; not
+# after every chunk: mapping a shard again for each of thousands of small expert chunks costs more than the copy.
+UNMAP_BYTES = 64 << 20
+
+
 class _LazySource:
     """Workers skip header validation (the main process did it) and open files on first use."""
 
     def __init__(self, hf_dir: str, block: tuple[int, int] | None):
         self.src = None
         self.hf_dir, self.block = hf_dir, block
+        self.mapped = 0  # bytes read since the shards were last unmapped
 
     def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> np.ndarray:
         if self.src is None:
             self.src = HFSource(self.hf_dir)
             self.src.fp8_block = self.block
-        return self.src.read(name, start, stop, cols)
+        out = self.src.read(name, start, stop, cols)
+        self.mapped += out.nbytes
+        return out
+
+    def release(self, limit: int = UNMAP_BYTES) -> None:
+        """Unmap the shards if more than `limit` bytes were read through them since the last time."""
+        if self.src is not None and self.mapped > limit:
+            self.src.close()
+            self.mapped = 0
 
     def close(self) -> None:
-        if self.src is not None:
-            self.src.close()
+        self.release(-1)
 
 
 def _prefetch_task(task: Task) -> None:
@@ -202,7 +215,7 @@ def _run_task(task: Task) -> tuple[str, int]:
     try:
         return _W["sink"].write(task, value.reshape((1,) * len(task.lead) + tuple(value.shape)))
     finally:
-        _W["src"].close()  # the sink has copied the value: unmap the shards so the pages read leave our RSS
+        _W["src"].release()  # the sink holds the value: unmap the shards now and then so the pages leave our RSS
 
 
 # -- main side ------------------------------------------------------------------------------------------------------
