@@ -20,6 +20,7 @@ native optimizer entries; other optimizer objects, RNG state and `_extra_state` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -224,21 +225,31 @@ def layout_from_args(args: argparse.Namespace | None) -> Layout | None:
 
 # -- native -> torch_dist ---------------------------------------------------------------------------------------------
 
-def _write_rank(args: tuple) -> tuple[dict, int]:
-    """Write one rank file: its tensor chunks (read one at a time from the native checkpoint, vocab padding and dtype
-    of the destination applied) and objects."""
-    ckpt_path, tmp_dir, (rank, part), items, objects, key_naming, pads, dtypes = args
+def _write_rank(args: tuple, advance: Callable[[int], None] | None = None) -> tuple[dict, int]:
+    """Write rank files: their tensor chunks (read one at a time from the native checkpoint, vocab padding and dtype
+    of the destination applied) and objects. Several files are written together, their items in the order of the
+    source's chunks, so that a source chunk feeding several ranks (a higher TP) is decoded once (chunk cache)."""
+    ckpt_path, tmp_dir, files, key_naming, pads, dtypes = args
     torch.set_num_threads(1)
-    ck = Checkpoint(ckpt_path)
+    from .reshard import SOURCE_CACHE_BYTES
+
+    ck = Checkpoint(ckpt_path, cache_bytes=SOURCE_CACHE_BYTES if pads else 0)
     w = DCPWriter(Path(tmp_dir))
     nbytes = 0
-    blob = none_object_bytes() if objects else b""
-    with w.rank_file(rank, part) as f:
-        for (name, box), value in zip(items, _prefetched(ck, items, pads)):
+    order = sorted(((name, box), i) for i, (_, items, _) in enumerate(files) for name, box in items)
+    merged = [item for item, _ in order]
+    with contextlib.ExitStack() as stack:
+        out = [stack.enter_context(w.rank_file(rank, part)) for (rank, part), _, _ in files]
+        for ((name, box), i), value in zip(order, _prefetched(ck, merged, pads)):
             value = value.to(store.torch_dtype(dtypes[name]))
-            nbytes += f.add_tensor(stored_key(name, key_naming), tuple(a for a, _ in box), value)
-        for key in objects:
-            f.add_bytes(key, blob)
+            n = out[i].add_tensor(stored_key(name, key_naming), tuple(a for a, _ in box), value)
+            nbytes += n
+            if advance:
+                advance(n)
+        blob = none_object_bytes()
+        for f, (_, _, objects) in zip(out, files):
+            for key in objects:
+                f.add_bytes(key, blob)
     return w.storage_data, nbytes
 
 
@@ -352,22 +363,21 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
         # One process with reads prefetched keeps the disk busy; each spawned worker first spends seconds importing
         # torch, which only pays off with idle cores: opt in with --workers (as for the native writers).
         nworkers = max(1, workers or 1)
-        jobs = [(str(ck.path), str(tmp), file, items, objs, key_naming, pads, dtypes)
-                for file, items, objs in _split_files(per_rank, entries, -(-nworkers // len(per_rank)))]
-        nworkers = min(nworkers, len(jobs))
+        files = _split_files(per_rank, entries, -(-nworkers // len(per_rank)))
+        nworkers = min(nworkers, len(files))
         with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar:
-            if nworkers == 1:
-                results = map(_write_rank, jobs)
-                for (storage, nbytes), job in zip(results, jobs):
-                    w_meta.storage_data.update(storage)
-                    bar.advance(nbytes, len(job[3]))
+            if nworkers == 1:  # every file at once, in the source's chunk order
+                storage, _ = _write_rank((str(ck.path), str(tmp), files, key_naming, pads, dtypes),
+                                         advance=lambda n: bar.advance(n, 1))
+                w_meta.storage_data.update(storage)
             else:
+                jobs = [(str(ck.path), str(tmp), [f], key_naming, pads, dtypes) for f in files]
                 with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn")) as pool:
                     futures = {pool.submit(_write_rank, j): j for j in jobs}
                     for fut in as_completed(futures):
                         storage, nbytes = fut.result()
                         w_meta.storage_data.update(storage)
-                        bar.advance(nbytes, len(futures[fut][3]))
+                        bar.advance(nbytes, len(futures[fut][2][0][1]))
         w_meta.write_metadata(str(final))
         write_common(tmp, _common(ck, layout, key_naming, dtype))
         return commit_iteration_dir(tmp, final, ck.manifest.iteration)
