@@ -41,7 +41,7 @@ def _dtype_flag(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--dtype", default=None, help=help)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="shardkit", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -112,9 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     cpt = sub.add_parser("continue-pretrain", help="train from a checkpoint (torchrun for several processes); "
                          "Megatron-LM's flag names")
-    from train.config import add_arguments
+    # its flags come from train.config, which imports torch (~1.5 s of CPU): added only when this command is run,
+    # so convert/reshard/inspect do not pay for it
+    if "continue-pretrain" in (sys.argv[1:] if argv is None else argv):
+        from train.config import add_arguments
 
-    add_arguments(cpt)
+        add_arguments(cpt)
 
     demo = sub.add_parser("demo", help="build a tiny LLaMA locally and run the whole pipeline on it")
     demo.add_argument("--out", default=None, help="work directory (default: a temporary one)")
@@ -129,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from checkpoint.errors import ShardkitError
 
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     from checkpoint.malloc import tune_malloc
 
     tune_malloc()
