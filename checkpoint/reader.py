@@ -15,7 +15,7 @@ from .config import ModelConfig
 from .errors import CorruptionError, FormatError
 from .layout import Layout, RankCoord
 from .manifest import TRAIN_STATE, Manifest, TensorEntry, tensor_path
-from .sharding import SCALE_SUFFIX, Rule, TensorSpec, local_shape, regions
+from .sharding import SCALE_SUFFIX, Rule, TensorSpec, local_shape, regions, split_optimizer_key
 
 
 class Checkpoint:
@@ -96,10 +96,11 @@ class Checkpoint:
             out[r.vstage][tuple(ls)] = self.read(name, tuple(gs))
         return out
 
-    def state_dict(self, dequantize: bool = False) -> dict[str, torch.Tensor]:
+    def state_dict(self, dequantize: bool = False, optimizer: bool = False) -> dict[str, torch.Tensor]:
         """Every canonical tensor, whole (for small models: verify --against, tests). With `dequantize`, kept-FP8
-        weights come back as fp32(weight) * block scale, in the model's dtype, and the scales are left out."""
-        out = {name: self.read(name) for name in self.tensors}
+        weights come back as fp32(weight) * block scale, in the model's dtype, and the scales are left out. Optimizer
+        state (a training checkpoint's optimizer.state.* arrays) only with `optimizer`."""
+        out = {name: self.read(name) for name in self.tensors if optimizer or split_optimizer_key(name) is None}
         if dequantize and self.manifest.fp8:
             br, bc = self.manifest.fp8["block"]
             dtype = store.torch_dtype(self.config.params_dtype)
@@ -194,8 +195,11 @@ class HFAssets:
 def describe(ckpt: Checkpoint) -> dict:
     """What `inspect --json` prints."""
     m = ckpt.manifest
-    rows = []
+    rows, optim_bytes = [], 0
     for name, e in m.tensors.items():
+        if split_optimizer_key(name) is not None:  # summarised below, not listed (3 per model tensor)
+            optim_bytes += entry_nbytes(e)
+            continue
         rows.append({"name": name, "shape": e.shape, "dtype": e.dtype, "chunk": e.chunk, "rule": e.rule,
                      "bytes": entry_nbytes(e)})
     return {
@@ -208,6 +212,8 @@ def describe(ckpt: Checkpoint) -> dict:
         "tensors": rows,
         "total_bytes": sum(r["bytes"] for r in rows),
         "total_params": sum(r["bytes"] // store.torch_dtype(r["dtype"]).itemsize for r in rows),
+        "optimizer": {"states": m.optimizer, "bytes": optim_bytes} if m.optimizer else None,
+        "train_state": TRAIN_STATE if ckpt.train_state_path() else None,
         "hf_files": HFAssets.list(ckpt.path),
         "provenance": m.provenance,
     }

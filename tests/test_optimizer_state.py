@@ -113,6 +113,14 @@ def test_manifest_records_optimizer(trained):
     w = Checkpoint(trained.parent.parent / "w")
     assert not w.has_optimizer and "optimizer" not in json.loads((w.path / "manifest.json").read_text())
     assert ck.verify()["tensors"] == len(ck.tensors)
+    # model consumers see the model: state_dict() and inspect leave the optimizer arrays out (inspect summarises them)
+    assert sorted(ck.state_dict()) == sorted(s.name for s in base)
+    assert len(ck.state_dict(optimizer=True)) == 4 * len(base)
+    from checkpoint.reader import describe
+
+    d = describe(ck)
+    assert len(d["tensors"]) == len(base) and d["optimizer"]["states"] == list(OPTIMIZER_STATES)
+    assert d["optimizer"]["bytes"] == 3 * 2 * d["total_bytes"] and d["train_state"] == TRAIN_STATE  # bf16 -> fp32
 
 
 def test_read_local_optimizer_key(trained):
