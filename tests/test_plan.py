@@ -342,3 +342,59 @@ def test_launch_writes_valid_shell(tmp_path, capsys):
     assert (tmp_path / "logs").is_dir()
     scripts = render_scripts(LaunchSpec(ParallelLayout(tp=8, ep=8, etp=1, dp=1), 1, 8, ("--save", "x")))
     assert "--expert-model-parallel-size 8 \\\n    --expert-tensor-parallel-size 1" in scripts["torchrun.sh"]
+
+
+def test_moe_mla_layer_activations_by_hand():
+    """DeepSeek-V3-style layer (MLA + routed and shared experts) at tp 2, etp 1, bf16: the terms written out."""
+    cfg = ModelConfig.from_hf(TINY_DSV3)
+    h, nh, ql, kvl, dqk, v, E, k, F, S = 64, 4, 48, 32, 16 + 8, 16, 8, 2, 32, 32
+    lay = ParallelLayout(tp=2, ep=2, etp=1, dp=2)
+    s = TrainSettings(seq_length=64, micro_batch_size=2)
+    T = 64 * 2
+    from plan.memory import layer_activation_terms
+
+    attn = 2 * h + 2 * h + 4 * ql + 4 * kvl + 2 * nh * (2 * dqk + v) + 4 * nh + 2 * nh * v
+    moe = 2 * h + 2 * h + 4 * E + 2 * h * k * 1 + 2 * 2 * F * k + 2 * F * k + 2 * h * k * 1 + 2 * 2 * S + 2 * S
+    dense = 2 * h + 2 * h + 2 * 2 * 96 + 2 * 96  # layer 0 is dense (first_k_dense_replace=1), ffn 96
+    assert sum(layer_activation_terms(cfg, True, s, lay).values()) == pytest.approx((attn + moe) * T / 2)
+    assert sum(layer_activation_terms(cfg, False, s, lay).values()) == pytest.approx((attn + dense) * T / 2)
+    # the last stage (pp 1: the only one) adds the logits of one micro-batch and the MTP layer
+    e = estimate_memory(cfg, lay, s)
+    vocab = 512  # 300 up to a multiple of 128 x 2 = 256
+    mtp = (attn + moe) * T / 2 + (6 * 2 * h + 4 * vocab) * T / 2
+    assert e.activation_terms["logits"] == pytest.approx((2 * 2 * h + 4 * vocab) * T / 2)
+    assert e.activation_terms["mtp"] == pytest.approx(mtp)
+    assert e.activation_terms["layers"] == pytest.approx(((attn + dense) + 3 * (attn + moe)) * T / 2)
+
+
+def _write_tiny_hf(path: Path) -> Path:
+    """A 2-layer LLaMA in HF's on-disk layout (random bf16 weights), without building a transformers model."""
+    import torch
+    from safetensors.torch import save_file
+
+    hf = {**TINY_LLAMA, "num_hidden_layers": 2, "torch_dtype": "bfloat16"}
+    h, F, V, hd = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], 64 // 8
+    kv = hf["num_key_value_heads"] * hd
+    shapes = {"model.embed_tokens.weight": (V, h), "model.norm.weight": (h,), "lm_head.weight": (V, h)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                       p + "mlp.gate_proj.weight": (F, h), p + "mlp.up_proj.weight": (F, h),
+                       p + "mlp.down_proj.weight": (h, F)})
+    path.mkdir()
+    save_file({k: torch.randn(s).to(torch.bfloat16) for k, s in shapes.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf))
+    return path
+
+
+def test_cli_plan_from_checkpoint(tmp_path, capsys):
+    from convert.hf_to_mcore import convert_hf_to_mcore
+
+    hf = _write_tiny_hf(tmp_path / "hf")
+    convert_hf_to_mcore(hf, tmp_path / "ckpt", Layout(tp=2), workers=1, quiet=True)
+    assert main(["plan", "--model", str(tmp_path / "ckpt"), "--gpus", "2", "--json", "--top", "1"]) == 0
+    best = json.loads(capsys.readouterr().out)["layouts"][0]
+    lay = ParallelLayout(**{k: v for k, v in best["layout"].items() if k != "world"})
+    assert best["memory"]["weights"] == 2 * param_bytes_per_rank(ModelConfig.from_hf_dir(hf), lay)["params"]
