@@ -77,8 +77,10 @@ def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 
         kinds = Counter(constraint_name(v) for c in invalid for v in c.violations)
         con.print(f"{len(invalid)} layout(s) break a constraint: " +
                   ", ".join(f"{k} ({n})" for k, n in kinds.most_common()))
-    if not fitting:
-        best = min(valid_misfit or cands, key=lambda c: c.memory.total)
+    if not valid_misfit and not fitting:
+        con.print("[bold red]no layout satisfies the constraints[/] (see the notes above)")
+    elif not fitting:
+        best = min(valid_misfit, key=lambda c: c.memory.total)
         con.print(f"[bold red]nothing fits in {gpu_memory / GiB:.1f} GiB per GPU[/]; the smallest is "
                   f"{best.layout.label()} ({best.settings.recompute} recompute) at {best.memory.total / GiB:.1f} GiB")
     else:
