@@ -282,3 +282,27 @@ def test_megatron_distributed_optimizer_both_ways(tmp_path):
             assert torch.equal(loaded["optimizer"][meg_st][s.name], src.read(optimizer_key(st, s.name))), (st, s.name)
     assert [g["wd_mult"] for g in loaded["param_groups"]] == [1.0, 0.0]
     assert all(g["step"] == 7 for g in loaded["param_groups"])
+
+
+def test_bad_optimizer_field(trained, tmp_path):
+    """An unknown or repeated optimizer state in a (correctly digested) manifest is refused naming the file; a
+    manifest that lists optimizer state but lacks some of its arrays fails verify naming them."""
+    import shutil
+
+    from checkpoint.manifest import _digest
+
+    text = (Path(trained) / "manifest.json").read_text()
+    for bad in (["momentum"], ["exp_avg", "exp_avg"], "exp_avg"):
+        d = json.loads(text)
+        d.pop("digest")
+        d["optimizer"] = bad
+        d["digest"] = "sha256:" + _digest(d)
+        with pytest.raises(FormatError, match=r"src\.json: optimizer states"):
+            Manifest.from_json(json.dumps(d), source="src.json")
+    copy = tmp_path / "iter"
+    shutil.copytree(trained, copy)
+    m = Manifest.from_json(text)
+    m.tensors = {k: v for k, v in m.tensors.items() if not k.startswith("optimizer.state.exp_avg_sq.")}
+    (copy / "manifest.json").write_text(m.to_json())
+    with pytest.raises(FormatError, match=r"missing \['optimizer\.state\.exp_avg_sq\."):
+        Checkpoint(copy).verify()
