@@ -220,14 +220,17 @@ def _shard(n: int, parts: int) -> int:
 
 def param_bytes_per_rank(cfg: ModelConfig, layout: ParallelLayout | Layout, dp: int = 1,
                          distributed_optimizer: bool = False, dtype: str = "bfloat16", *, cp: int = 1,
-                         grad_dtype: str = "float32", pp_rank: int | None = None) -> dict:
+                         grad_dtype: str = "float32", pp_rank: int | None = None,
+                         main_params: bool | None = None) -> dict:
     """Bytes of parameters, gradients and Adam state on one rank of pipeline stage `pp_rank` (default: the stage
     with the most parameters).
 
     weights: `dtype`; grads: `grad_dtype` (Megatron's fp32 main-grad buffer); optimizer: fp32 main params (none when
-    the weights are already fp32), exp_avg and exp_avg_sq. With the distributed optimizer the optimizer state of
-    dense parameters is split over DP x CP and that of expert parameters over the expert-DP group, each as a flat
-    buffer cut into equal pieces. This is what the trainer's shards must add up to, exactly."""
+    the weights are already fp32, Megatron's rule; `main_params=True` keeps a copy anyway), exp_avg and exp_avg_sq.
+    With the distributed optimizer the optimizer state of dense parameters is split over DP x CP and that of expert
+    parameters over the expert-DP group, each as a flat buffer cut into equal pieces (Megatron; an optimizer that
+    hands whole tensors to DP ranks holds the same total over the DP group, unevenly). `dp` and `cp` are read when
+    `layout` is a model-parallel checkpoint.layout.Layout; a ParallelLayout carries its own."""
     if isinstance(layout, Layout):
         layout = ParallelLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, etp=layout.etp, dp=dp,
                                 cp=cp)
@@ -235,16 +238,16 @@ def param_bytes_per_rank(cfg: ModelConfig, layout: ParallelLayout | Layout, dp: 
     r = max(range(len(stages)), key=lambda i: stages[i]["dense"] + stages[i]["expert"]) if pp_rank is None \
         else pp_rank
     return {"pp_rank": r, **_bytes(stages[r]["dense"], stages[r]["expert"], layout, distributed_optimizer, dtype,
-                                   grad_dtype)}
+                                   grad_dtype, main_params)}
 
 
 def _bytes(dense: int, expert: int, layout: ParallelLayout, distributed_optimizer: bool, dtype: str,
-           grad_dtype: str) -> dict:
+           grad_dtype: str, main_params: bool | None = None) -> dict:
     if dtype not in DTYPE_BYTES or grad_dtype not in DTYPE_BYTES:
         raise PlanError(f"unknown dtype {dtype!r} / {grad_dtype!r}; one of {', '.join(DTYPE_BYTES)}")
     n = dense + expert
     w, g = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_dtype]
-    main = 0 if w == 4 else 4
+    main = 4 if (main_params if main_params is not None else w != 4) else 0
     if distributed_optimizer:
         opt_elems = _shard(dense, layout.dp * layout.cp) + (_shard(expert, layout.expert_dp) if expert else 0)
     else:

@@ -109,6 +109,8 @@ def test_param_bytes_equal_sharding_table(hf, layouts):
                 assert b["weights"] == 2 * owned and b["grads"] == 4 * owned
             b32 = param_bytes_per_rank(cfg, lay, dp=1, distributed_optimizer=False, dtype="float32", pp_rank=pp_rank)
             assert b32["optimizer"] == 8 * owned  # fp32 weights are the main params: exp_avg + exp_avg_sq only
+            copy = param_bytes_per_rank(cfg, lay, dtype="float32", pp_rank=pp_rank, main_params=True)
+            assert copy["optimizer"] == 12 * owned and copy["main_params"] == 4 * owned
 
 
 def test_distributed_optimizer_shards_dense_over_dp_cp_and_experts_over_expert_dp():
