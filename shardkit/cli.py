@@ -119,6 +119,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
         add_arguments(cpt)
 
+    _data_parsers(sub)  # preprocess-data, plot
+
     demo = sub.add_parser("demo", help="build a tiny LLaMA locally and run the whole pipeline on it")
     demo.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     demo.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -127,6 +129,27 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     add_plan_parsers(sub)
     return ap
+
+
+def _data_parsers(sub) -> None:
+    """`preprocess-data` (JSONL -> Megatron .bin/.idx) and `plot` (loss/lr curves of a training run)."""
+    pre = sub.add_parser("preprocess-data", help="tokenize a JSONL file into Megatron's .bin/.idx (what "
+                         "Megatron-LM's tools/preprocess_data.py writes)")
+    pre.add_argument("--input", required=True, metavar="FILE.jsonl", help="one JSON object per line")
+    pre.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text); with "
+                     "several keys each gets PREFIX_<key>_document.bin/.idx")
+    pre.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", required=True, metavar="HF_DIR",
+                     help="local HF tokenizer (or model) directory; remote code is never run")
+    pre.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    pre.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS after each document")
+    pre.add_argument("--add-special-tokens", action="store_true",
+                     help="let the tokenizer add its special tokens (e.g. BOS) to each text (default: none)")
+    pre.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    pre.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    plot = sub.add_parser("plot", help="PNG of the loss and learning-rate curves of a run (its metrics.jsonl)")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="directory holding metrics.jsonl (or the file itself)")
+    plot.add_argument("--output", "-o", default=None, metavar="FILE.png", help="default: RUN_DIR/metrics.png")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,6 +250,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from plan.commands import run as run_plan
 
         return run_plan(args)
+    if args.cmd == "preprocess-data":
+        from train.data import preprocess_main
+
+        return preprocess_main(args)
+    if args.cmd == "plot":
+        from train.metrics import plot_main
+
+        return plot_main(args)
     if args.cmd == "demo":
         from shardkit.demo import run_demo
 
