@@ -135,7 +135,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from .launch import LaunchSpec, render_scripts, write_scripts
+    from .launch import LaunchSpec, check_trainer_args, render_scripts, write_scripts
     from .memory import ParallelLayout
 
     extra = list(args.trainer_args)
@@ -144,6 +144,7 @@ def _launch(args: argparse.Namespace) -> int:
     spec = LaunchSpec(layout=ParallelLayout.parse(args.layout), log_dir=str(Path(args.out).resolve() / "logs"), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                       args=tuple(extra), master_addr=args.master_addr, master_port=args.master_port,
                       job_name=args.job_name, time=args.time, sbatch_extra=tuple(x if x.startswith("-") else "--" + x for x in args.sbatch), env=tuple(args.env))
+    check_trainer_args(spec)
     if args.dry_run:
         out = Path(args.out).resolve()
         scripts = render_scripts(spec, torchrun_path=str(out / "torchrun.sh"))

@@ -312,7 +312,7 @@ def test_parse_bytes():
 
 def test_launch_dry_run(capsys, tmp_path):
     out = tmp_path / "run"
-    assert main(["launch", "--layout", "tp=4,pp=2,cp=2,dp=2", "--nodes", "4", "--gpus-per-node", "8", "--slurm",
+    assert main(["launch", "--layout", "tp=4,pp=2,vpp=2,dp=4", "--nodes", "4", "--gpus-per-node", "8", "--slurm",
                  "--dry-run", "--out", str(out), "--sbatch", "partition=gpu", "--sbatch=--account=llm", "--",
                  "--load", "/ckpt/llama", "--save", "/ckpt/run 1", "--data", "/d/a", "/d/b",
                  "--micro-batch-size", "1", "--global-batch-size", "512", "--seq-length", "8192"]) == 0
@@ -325,7 +325,7 @@ def test_launch_dry_run(capsys, tmp_path):
     assert "NNODES=${NNODES:-4}" in torchrun and "GPUS_PER_NODE=${GPUS_PER_NODE:-8}" in torchrun
     assert "-m shardkit continue-pretrain" in torchrun
     joined = " ".join(torchrun.replace("\\\n", " ").split())
-    assert ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --context-parallel-size 2 "
+    assert ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
             "--load /ckpt/llama --save '/ckpt/run 1' --data /d/a /d/b") in joined
     assert "{{" not in text
     assert "    --data /d/a /d/b \\\n" in torchrun  # one flag and its values per line
@@ -342,8 +342,32 @@ def test_launch_writes_valid_shell(tmp_path, capsys):
         subprocess.run(["bash", "-n", str(p)], check=True)  # syntax only
     assert "export NCCL_SOCKET_IFNAME=eth0" in (tmp_path / "torchrun.sh").read_text()
     assert (tmp_path / "logs").is_dir()
-    scripts = render_scripts(LaunchSpec(ParallelLayout(tp=8, ep=8, etp=1, dp=1), 1, 8, ("--save", "x")))
-    assert "--expert-model-parallel-size 8 \\\n    --expert-tensor-parallel-size 1" in scripts["torchrun.sh"]
+    scripts = render_scripts(LaunchSpec(ParallelLayout(tp=4, cp=2, ep=8, etp=1, dp=1), 1, 8, ("--save", "x")))
+    assert ("--context-parallel-size 2 \\\n    --expert-model-parallel-size 8 \\\n    --expert-tensor-parallel-size 1"
+            in scripts["torchrun.sh"])
+
+
+def test_launch_checks_the_trainer_flags_before_queueing(capsys):
+    """The continue-pretrain arguments go through the trainer's own parser at launch time: a typo, or a layout
+    dimension the trainer does not implement, fails now and not hours later in the queue."""
+    import argparse
+
+    from shardkit.cli import build_parser
+
+    subs = [a for a in build_parser(["continue-pretrain"])._actions if isinstance(a, argparse._SubParsersAction)]
+    trainer = subs[0].choices.get("continue-pretrain")
+    if trainer is None:
+        pytest.skip("no continue-pretrain command in this checkout")
+    assert main(["launch", "--layout", "tp=2,pp=2,dp=2", "--nodes", "1", "--dry-run", "--",
+                 "--load", "ck", "--save", "out", "--data", "d", "--lr-warmup-itres", "10"]) == 1
+    assert "unrecognized arguments: --lr-warmup-itres 10" in capsys.readouterr().err
+    known = {s for a in trainer._actions for s in a.option_strings}
+    rc = main(["launch", "--layout", "tp=2,cp=2,dp=2", "--nodes", "1", "--dry-run", "--", "--save", "out"])
+    err = capsys.readouterr().err
+    if "--context-parallel-size" in known:
+        assert rc == 0
+    else:
+        assert rc == 1 and "continue-pretrain has no --context-parallel-size" in err
 
 
 def test_moe_mla_layer_activations_by_hand():
