@@ -198,7 +198,8 @@ def _param_table_uncached(cfg: ModelConfig, tp: int, ep: int, etp: int | None) -
 
 def param_counts_per_stage(cfg: ModelConfig, layout: ParallelLayout) -> list[dict[str, int]]:
     """Elements held by one rank of each pipeline stage: {"dense": ..., "expert": ...} (dense = replicated over
-    DP x CP, expert = replicated over the expert-DP group). Every TP/EP rank of a stage holds the same count."""
+    DP x CP, expert = replicated over the expert-DP group). Every TP/EP rank of a stage holds the same count: the
+    sharding table's regions, plus the last stage's copy of a tied embedding when pp > 1."""
     t = _param_table(cfg, layout.tp, layout.ep, layout.etp)
     out = []
     for r, layers in enumerate(stage_layers(cfg.num_layers, layout.pp, layout.vpp)):
@@ -209,6 +210,8 @@ def param_counts_per_stage(cfg: ModelConfig, layout: ParallelLayout) -> list[dic
         if r == layout.pp - 1:
             d += t.last_dense
             e += t.last_expert
+            if cfg.tie_word_embeddings and layout.pp > 1:
+                d += t.first  # Megatron (and our trainer) keep a copy of the tied embedding as the last stage's head
         out.append({"dense": d, "expert": e})
     return out
 

@@ -424,3 +424,31 @@ def test_cli_plan_from_checkpoint(tmp_path, capsys):
     best = json.loads(capsys.readouterr().out)["layouts"][0]
     lay = ParallelLayout(**{k: v for k, v in best["layout"].items() if k != "world"})
     assert best["memory"]["weights"] == 2 * param_bytes_per_rank(ModelConfig.from_hf_dir(hf), lay)["params"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_param_bytes_equal_trainer_shards(tied):
+    """The trainer's own stage builder (train.parallel.pipeline.build_stage, on the meta device) holds exactly the
+    weights the estimator counts, its fp32 main-grad buffer the grads; its ZeRO-1 optimizer (whole tensors handed to
+    DP ranks by train.optim.owners) holds the estimator's optimizer bytes in total over the DP group."""
+    pipeline = pytest.importorskip("train.parallel.pipeline")
+    import torch
+
+    from train.optim import owners
+    from train.parallel.groups import Groups, ParallelDims
+
+    cfg = ModelConfig.from_hf({**TINY_LLAMA, "tie_word_embeddings": tied})
+    for tp, pp, dp in [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 1), (4, 1, 2), (1, 4, 3)]:
+        dims = ParallelDims(tp=tp, pp=pp, dp=dp)
+        for pp_rank in range(pp):
+            groups = Groups(dims, dims.rank(pp=pp_rank), 0, 0, 0, pp_rank)
+            model = pipeline.build_stage(cfg, groups, torch.bfloat16, torch.device("meta"), sequence_parallel=tp > 1)
+            sizes = [p.numel() for p in model.parameters()]
+            est = param_bytes_per_rank(cfg, Layout(tp=tp, pp=pp), dp=dp, distributed_optimizer=True,
+                                       dtype="bfloat16", pp_rank=pp_rank)
+            assert est["weights"] == sum(p.numel() * p.element_size() for p in model.parameters()), (tp, pp, pp_rank)
+            assert est["grads"] == 4 * sum(sizes)
+            owned = [sum(n for n, o in zip(sizes, owners(sizes, dp)) if o == r) for r in range(dp)]
+            full = param_bytes_per_rank(cfg, Layout(tp=tp, pp=pp), dp=dp, dtype="bfloat16", pp_rank=pp_rank)
+            assert full["optimizer"] == 12 * sum(owned)  # fp32 main params + exp_avg + exp_avg_sq
+            assert est["optimizer"] == 12 * -(-sum(sizes) // dp) <= 12 * max(owned)  # flat split vs whole tensors
