@@ -111,11 +111,9 @@ def _plan(args: argparse.Namespace) -> int:
     modes = ["none", "selective", "full"] if args.recompute == "auto" else [args.recompute]
     if args.max_cp is not None and args.max_cp < 1:
         raise PlanError(f"--max-cp must be positive, got {args.max_cp}")
+    layouts = [ParallelLayout.parse(x) for x in args.layout or []]
     cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, max_cp=args.max_cp)
-    requested = []
-    if args.layout:
-        layouts = [ParallelLayout.parse(x) for x in args.layout]
-        requested = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, layouts=layouts)
+    requested = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, layouts=layouts) if layouts else []
     title = (f"{name}: {args.gpus} GPUs x {gpu_memory / 2**30:.1f} GiB, seq {s.seq_length}, micro batch "
              f"{s.micro_batch_size}, global batch {s.global_batch_size}"
              f"{', FP8' if s.fp8 else ''}{', distributed optimizer' if s.distributed_optimizer else ''}")
