@@ -340,7 +340,7 @@ class IndexedDataset:
         self.dtype = np.dtype(DTYPE_CODES[code])
         n_seq, n_doc = struct.unpack_from("<QQ", head, 18)
         expected = HEADER_BYTES + 12 * n_seq + 8 * n_doc
-        if size == expected + n_seq:
+        if n_seq and size == expected + n_seq:
             raise DataError(f"{idx}: has per-sequence modes (a multimodal dataset); only text datasets are supported")
         if size != expected:
             raise DataError(f"{idx}: {size} bytes, but its header ({n_seq} sequences, {n_doc} documents) "
@@ -725,3 +725,10 @@ def preprocess_main(args) -> int:
     print(f"wrote {' '.join(p + '.bin/.idx' for p in r['outputs'])}: {r['documents']:,} documents, {toks} tokens "
           f"({r['dtype']}), {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f}s ({r['mb_per_s']:.1f} MB/s)")
     return 0
+
+
+def bundled_corpus() -> Path:
+    """The small public-domain JSONL corpus shipped with shardkit (shardkit/data/kjv.jsonl; see its README)."""
+    from importlib.resources import files
+
+    return Path(str(files("shardkit") / "data" / "kjv.jsonl"))
