@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         steps.append((f"native tp1pp1->torch_dist tp{args.tp}pp{args.pp}",
                       ["--tp", str(args.tp), "--pp", str(args.pp), "--format", "torch_dist"]))
     cps: list[tuple[float, float]] = []
+    cp_cpu: list[float] = []  # user+sys seconds of cp: with other work on the CPUs, CPU time is the steadier measure
     runs: dict[str, list[Run]] = {label: [] for label, _ in steps}
     out_bytes: dict[str, int] = {}
     loads: list[str] = []
@@ -97,11 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         loads.append(uptime())
         dst = work / "cp"
         cache.before_step()
-        cp_s = timed(["cp", "-r", str(src), str(dst)])
+        cp = run_measured("cp -r", ["cp", "-r", str(src), str(dst)], args.poll, work / "cp.log")
+        cp_s = cp.wall_s
         sync_s = timed(["sync"])
         cps.append((cp_s, sync_s))
+        cp_cpu.append(cp.cpu_s)
         shutil.rmtree(dst)
-        print(f"{tag} cp -r {cp_s:.2f}s ({src_bytes / GB / cp_s:.2f} GB/s), + sync {sync_s:.2f}s", flush=True)
+        print(f"{tag} cp -r {cp_s:.2f}s ({src_bytes / GB / cp_s:.2f} GB/s, CPU {cp.cpu_s:.1f}s), + sync {sync_s:.2f}s",
+              flush=True)
         for i, (label, flags) in enumerate(steps):
             out = work / f"out{i}"
             cache.before_step()
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         loads.append(uptime())
     cp_s = median([c for c, _ in cps])
     cp_sync_s = median([c + y for c, y in cps])
+    cp_cpu_s = median(cp_cpu)
     rows = []
     for label, rs in runs.items():
         wall = median([r.wall_s for r in rs])
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                          ratio=wall / cp_s, ratio_sync=wall / cp_sync_s,
                          peak_tree_mb=max(r.peak_tree_rss for r in rs) / MB,
                          peak_max_mb=max(r.peak_max_rss for r in rs) / MB, cpu_s=median([r.cpu_s for r in rs]),
+                         cp_cpu_s=cp_cpu_s,
                          out_gb=out_bytes[label] / GB, runs_s=[round(r.wall_s, 2) for r in rs], cmd=" ".join(rs[-1].cmd)))
     cmd = "python scripts/bench_reshard.py " + " ".join(sys.argv[1:] if argv is None else argv)
     md = [f"Command: `{cmd}`", f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -130,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
           f"Source: native tp1pp1 checkpoint of a synthetic model, {s.describe()}, {src_bytes / GB:.2f} GB",
           "Load (`uptime`, before/after each repeat): " + " | ".join(f"`{u}`" for u in loads), "",
           "| step | size GB | cp s | cp+sync s | step s | ratio vs cp | ratio vs cp+sync | peak RSS tree MB | "
-          "peak RSS max-process MB | CPU s | wrote GB |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "peak RSS max-process MB | CPU s | cp CPU s | wrote GB | runs s |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         md.append(f"| {r['step']} | {r['size_gb']:.2f} | {r['cp_s']:.2f} | {r['cp_sync_s']:.2f} | {r['wall_s']:.2f} | "
                   f"{r['ratio']:.2f} | {r['ratio_sync']:.2f} | {r['peak_tree_mb']:.0f} | {r['peak_max_mb']:.0f} | "
-                  f"{r['cpu_s']:.1f} | {r['out_gb']:.2f} |")
+                  f"{r['cpu_s']:.1f} | {r['cp_cpu_s']:.1f} | {r['out_gb']:.2f} | {r['runs_s']} |")
     md += ["", "```", machine_facts(work), "```"]
     text = "\n".join(md) + "\n"
     print("\n" + text)
