@@ -20,6 +20,7 @@ import torch
 
 from checkpoint import store
 from checkpoint.commit import IterationWriter
+from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
@@ -47,7 +48,7 @@ def plan_reshard(ck: Checkpoint, layout: Layout, dtype: str | None) -> dict[str,
     return entries
 
 
-def vocab_padding(cfg, layout: Layout, optimizer: list[str] | None) -> dict[str, tuple[int, bool]]:
+def vocab_padding(cfg: ModelConfig, layout: Layout, optimizer: list[str] | None) -> dict[str, tuple[int, bool]]:
     """Vocab tensors of the destination: name -> (true rows, whether padding rows are zeros rather than the last
     real row repeated). Moments (exp_avg, exp_avg_sq) of padding rows are zeros; weights and fp32_param repeat."""
     base = [s for s in model_specs(cfg, layout) if s.rule is Rule.VOCAB]
