@@ -25,7 +25,6 @@ import itertools
 import json
 import math
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
-from checkpoint.sharding import (OPTIMIZER_STATES, Rule, TensorSpec, model_specs, optimizer_key, optimizer_specs, owner,
+from checkpoint.sharding import (OPTIMIZER_STATES, Rule, TensorSpec, owner,
                                  split_optimizer_key)
 from checkpoint.torch_dist import (CHECKPOINT_VERSION, DCPWriter, TorchDistCheckpoint, check_output_root,
                                    commit_iteration_dir, none_object_bytes, prepare_iteration_dir, read_torch_dist,
