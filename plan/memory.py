@@ -13,6 +13,9 @@ tp. The paper's 34*s*b*h for GPT-3's layer is the same list: 4sbh of LayerNorm i
 2sbh projection input, 2sbh MLP input, 16sbh GeLU input and output, 2sbh of dropout masks (here: no dropout, SwiGLU's
 [gate; up] and output, GQA's narrower K/V).
 
+``kernels="eager"`` (TrainSettings) counts what plain PyTorch autograd keeps instead, as shardkit's own trainer does on
+CPU: equal to the bytes measured with saved_tensors_hooks (tests/test_plan.py), ~1.4x the fused list.
+
 Recompute (Megatron's --recompute-granularity): ``selective`` recomputes the core attention, dropping its s^2 or
 log-sum-exp term; ``full`` keeps only each layer's input (2 bytes per token and hidden unit) plus one layer's full
 activations while it is recomputed.
@@ -37,6 +40,7 @@ from .units import GiB, PlanError
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 RECOMPUTE = ("none", "selective", "full")
+KERNELS = ("fused", "eager")
 
 
 @dataclass(frozen=True)
@@ -121,9 +125,12 @@ class TrainSettings:
     params_dtype: str = "bfloat16"
     grad_dtype: str = "float32"  # Megatron's main-grad buffer (accumulate and reduce in fp32)
     flash_attention: bool = True
+    kernels: str = "fused"  # fused (Megatron / Transformer Engine / flash) | eager (plain PyTorch autograd, our trainer)
     reserved_bytes: int = 2 * GiB  # CUDA context, NCCL communicators, cuBLAS workspaces, allocator slack
 
     def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise PlanError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         for k in ("seq_length", "micro_batch_size", "global_batch_size"):
@@ -325,7 +332,24 @@ def layer_activation_terms(cfg: ModelConfig, moe: bool, s: TrainSettings, layout
         terms["fc1_in"] = lin * h
         terms["fc1_out"] = a * 2 * F  # SwiGLU input [gate; up]
         terms["fc2_in"] = lin * F  # SwiGLU output
+    if s.kernels == "eager":
+        _eager(terms, cfg, moe, a)
     return {k: v * T / t for k, v in terms.items()}
+
+
+def _eager(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int) -> None:
+    """What plain PyTorch autograd keeps beyond the fused kernels' list (shardkit's trainer, train/model.py):
+    RMSNorm keeps its fp32 input (the upcast copy, or the input itself in fp32), the normalised value before the
+    weight and the fp32 rsqrt; GQA's K and V are expanded to every query head before attention; SwiGLU keeps
+    silu(gate) besides gate, up and the product.
+    Dense GQA layers only: the eager MoE and MLA code paths are not modelled."""
+    if moe or cfg.multi_latent_attention:
+        raise PlanError("the eager activation model covers dense GQA layers only (not MoE or multi-latent attention)")
+    h, nh, hd, F = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_channels, cfg.ffn_hidden_size
+    for norm in ("attn_norm_in", "mlp_norm_in"):
+        terms[norm] = 4 * h + a * h + 4
+    terms["qkv"] = a * 3 * nh * hd
+    terms["silu_out"] = a * F
 
 
 def layer_activation_bytes(cfg: ModelConfig, moe: bool, s: TrainSettings, layout: ParallelLayout) -> float:

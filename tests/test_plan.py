@@ -452,3 +452,44 @@ def test_param_bytes_equal_trainer_shards(tied):
             full = param_bytes_per_rank(cfg, Layout(tp=tp, pp=pp), dp=dp, dtype="bfloat16", pp_rank=pp_rank)
             assert full["optimizer"] == 12 * sum(owned)  # fp32 main params + exp_avg + exp_avg_sq
             assert est["optimizer"] == 12 * -(-sum(sizes) // dp) <= 12 * max(owned)  # flat split vs whole tensors
+
+
+def test_activations_equal_what_the_trainers_model_saves():
+    """Measured: the bytes autograd keeps for backward in the trainer's model (train/model.py, fp32 on CPU, tp 1),
+    counted as unique storages handed to saved_tensors_hooks, parameters excluded, over 3 layers minus 1 layer (so
+    the embedding, RoPE tables and head do not count). The eager estimate must be within 5% (the issue asks 15%;
+    observed: equal to the byte); the fused (Megatron/TE) estimate, what fused GPU kernels keep, is ~27% less."""
+    import torch
+
+    GPTModel = pytest.importorskip("train.model").GPTModel
+    hf = dict(TINY_LLAMA, hidden_size=128, intermediate_size=344, num_hidden_layers=3)
+    cfg = ModelConfig.from_hf(hf)
+    torch.manual_seed(0)
+    model = GPTModel(cfg, cfg.padded_vocab_size(1))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    layers = dict(model.decoder.layers)
+    ids = torch.randint(0, cfg.vocab_size, (2, 256))
+
+    def saved(n_layers: int) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(x):
+            st = x.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+            return x
+        model.decoder.layers = torch.nn.ModuleDict({k: layers[k] for k in list(layers)[:n_layers]})
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            model(ids)
+        return sum(seen.values())
+
+    measured = (saved(3) - saved(1)) / 2
+    from plan.memory import layer_activation_bytes
+
+    s = TrainSettings(seq_length=256, micro_batch_size=2, params_dtype="float32", kernels="eager")
+    eager = layer_activation_bytes(cfg, False, s, ParallelLayout())
+    fused = layer_activation_bytes(cfg, False, TrainSettings(seq_length=256, micro_batch_size=2,
+                                                             params_dtype="float32"), ParallelLayout())
+    print(f"per layer: measured {measured:.0f} B, eager estimate {eager:.0f} B, fused estimate {fused:.0f} B")
+    assert abs(eager - measured) <= 0.05 * measured
+    assert 0.6 * measured < fused < measured
