@@ -14,7 +14,7 @@ import pytest
 from shardkit.cli import main as cli
 from shardkit.demo import save_tiny_tokenizer
 from train.data import (DataConfig, DataError, GPTDataset, IndexedDataset, build_blending_indices, build_datasets,
-                        bundled_corpus, micro_batches, preprocess_jsonl, split_matrix, token_dtype, write_indexed)
+                        bundled_corpus, micro_batches, preprocess_jsonl, save_corpus_tokenizer, split_matrix, token_dtype, write_indexed)
 
 ORACLE = Path(__file__).with_name("megatron_data_oracle.py")
 
@@ -120,6 +120,20 @@ def test_bundled_corpus_preprocesses_and_trains_samples(tmp_path, tok_dir):
     assert r["documents"] == 101 and r["tokens"]["text"] > 50_000
     train, valid = build_datasets(DataConfig((str(tmp_path / "kjv"),), seq_length=128), 64, 8)
     assert len(train) >= 64 and len(valid) >= 8 and train[0].shape == (129,) and train[0].dtype == np.int64
+
+
+def test_corpus_tokenizer_covers_the_bundled_corpus(tmp_path):
+    """A 1000-entry BPE (the demo model's vocab) trained on the corpus: no <unk>, exact decode, eos = 2."""
+    from transformers import AutoTokenizer
+
+    save_corpus_tokenizer(tmp_path / "bpe", 1000)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "bpe"))
+    assert len(tok) == 1000 and (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    preprocess_jsonl(bundled_corpus(), tmp_path / "bpe", tmp_path / "kjv", append_eod=True, quiet=True)
+    ds = IndexedDataset(tmp_path / "kjv")
+    first = json.loads(bundled_corpus().read_text().splitlines()[0])["text"]
+    assert tok.decode(ds[0][:-1]) == first and ds[0][-1] == 2
+    assert all(not np.any(ds[i] == 0) for i in range(len(ds)))
 
 
 # -- the sample order --------------------------------------------------------------------------------------------------
