@@ -24,6 +24,9 @@ def add_parsers(sub) -> None:
     pl.add_argument("--fp8", action="store_true", help="FP8 GEMMs (Transformer Engine)")
     pl.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
                     help="activation recompute; auto tries all three (default)")
+    pl.add_argument("--kernels", default="fused", choices=("fused", "eager"),
+                    help="activations kept by fused kernels (Megatron/TE/flash, default) or by plain PyTorch autograd "
+                         "(shardkit's trainer; dense models)")
     pl.add_argument("--optimizer-sharding", "--use-distributed-optimizer", dest="optimizer_sharding",
                     action="store_true", help="distributed optimizer: Adam state split over DP x CP (ZeRO-1)")
     pl.add_argument("--layout", action="append", default=None, metavar="tp=4,pp=4,dp=4",
@@ -107,7 +110,7 @@ def _plan(args: argparse.Namespace) -> int:
     s = TrainSettings(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                       global_batch_size=args.global_batch_size, recompute="none" if args.recompute == "auto" else
                       args.recompute, distributed_optimizer=args.optimizer_sharding, fp8=args.fp8,
-                      reserved_bytes=reserved)
+                      reserved_bytes=reserved, kernels=args.kernels)
     modes = ["none", "selective", "full"] if args.recompute == "auto" else [args.recompute]
     if args.max_cp is not None and args.max_cp < 1:
         raise PlanError(f"--max-cp must be positive, got {args.max_cp}")
