@@ -176,11 +176,15 @@ class _LazySource:
         self.hf_dir, self.block = hf_dir, block
         self.mapped = 0  # bytes read since the shards were last unmapped
 
-    def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> np.ndarray:
+    def source(self) -> HFSource:
         if self.src is None:
-            self.src = HFSource(self.hf_dir)
-            self.src.fp8_block = self.block
-        out = self.src.read(name, start, stop, cols)
+            src = HFSource(self.hf_dir)
+            src.fp8_block = self.block
+            self.src = src
+        return self.src
+
+    def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> np.ndarray:
+        out = self.source().read(name, start, stop, cols)
         self.mapped += out.nbytes
         return out
 
@@ -197,10 +201,8 @@ class _LazySource:
 def _prefetch_task(task: Task) -> None:
     """Read-ahead hint for the HF rows one chunk will read (whole rows; column-split chunks need the rest soon)."""
     tm = _W["maps"][(task.name, task.lead)]
-    src = _W["src"].src
+    src = _W["src"].source()
     a, b = task.box[len(task.lead)]
-    if src is None:
-        return
     for seg in tm.segments:
         lo, hi = max(a, seg.start), min(b, seg.stop)
         if lo < hi:

@@ -188,6 +188,8 @@ def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str
             hints = ThreadPoolExecutor(1, thread_name_prefix="shardkit-prefetch") if prefetch else None
             try:
                 init(*init_args)
+                if hints is not None and todo:
+                    hints.submit(prefetch, todo[0])
                 for i, task in enumerate(todo):  # chunks are recorded by rec as their writes become durable
                     if hints is not None and i + 1 < len(todo):
                         hints.submit(prefetch, todo[i + 1])
