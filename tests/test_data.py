@@ -303,10 +303,11 @@ def test_bad_data_configs(tmp_path, good):
         (DataConfig(("0.5", g, g), 8), "give either prefixes or weight/prefix pairs"),
         (DataConfig((g,), 8, split="99,1,0"), "leaves the valid split no documents"),
         (DataConfig((g,), 0), "--seq-length 0"),
+        (DataConfig((g, g), 8, split="1"), "without weights uses each prefix once: its train split holds"),
     ]
     for cfg, message in cases:
         with pytest.raises(DataError, match=message):
-            build_datasets(cfg, 10, 5)
+            build_datasets(cfg, 10 if len(cfg.paths) == 1 else 10_000, 5)
     write_indexed(tmp_path / "empty", [np.array([], dtype=np.int64)] * 3, np.uint16)
     with pytest.raises(DataError, match="empty.*empty dataset"):
         build_datasets(DataConfig((str(tmp_path / "empty"),), 8), 10, 0)

@@ -683,7 +683,11 @@ def _build_split(cfg: DataConfig, prefixes: list[str], weights: list[float] | No
         return BlendedDataset([gpt(p, n) for p, n in zip(prefixes, buffered)], w, sum(target), name)
     mids = [gpt(p, None) for p in prefixes]
     lengths = [len(m) for m in mids]
-    return BlendedDataset(mids, lengths, min(size, sum(lengths)), name)
+    if sum(lengths) < size:  # Megatron would build the short blend and run out mid-training
+        raise DataError(f"--data-path without weights uses each prefix once: its {name} split holds {sum(lengths)} "
+                        f"samples of --seq-length {cfg.seq_length}, the run needs {size}; give weights "
+                        "(`0.5 A 0.5 B`, which repeat data as needed), more data or fewer iterations")
+    return BlendedDataset(mids, lengths, size, name)
 
 
 def _digest(obj: dict) -> str:
