@@ -229,6 +229,7 @@ def test_split_matrix():
     m = split_matrix("969,30,1")
     assert np.allclose(m, [(0, .969), (.969, .999), (.999, 1.0)])
     assert split_matrix("100,0,0")[1:] == [None, None]
+    assert split_matrix("969 30 1") == split_matrix("969,30,1")  # Megatron also takes spaces
     m = split_matrix("9,1")
     assert np.allclose(m[:2], [(0, .9), (.9, 1.0)]) and m[2] is None
 

@@ -617,7 +617,7 @@ def _is_number(s: str) -> bool:
 
 def split_matrix(split: str) -> list[tuple[float, float] | None]:
     """`--split 969,30,1` -> [(0, .969), (.969, .999), (.999, 1.0)]; an empty share is None."""
-    parts = [s.strip() for s in re.split(r"[,/]", split)]
+    parts = re.split(r"[,/\s]+", split.strip())
     if not 1 <= len(parts) <= 3 or not all(re.fullmatch(r"[0-9]*\.?[0-9]+", p) for p in parts):
         raise DataError(f"--split {split!r}: expected up to three non-negative numbers, e.g. 969,30,1")
     vec = [float(p) for p in parts] + [0.0] * (3 - len(parts))

@@ -272,7 +272,7 @@ def format_line(iteration: int, m: dict[str, Any], train_iters: int | None = Non
     add("loss", lambda v: f"loss {v:.6f}")
     add("valid_loss", lambda v: f"valid loss {v:.6f}")
     add("grad_norm", lambda v: f"grad norm {v:.4f}")
-    add("tokens_per_s", lambda v: f"{v:,.0f} tokens/s")
+    add("tokens_per_s" if "tokens_per_s" in m else "tokens_per_second", lambda v: f"{v:,.0f} tokens/s")
     if m.get("mfu_megatron") is not None or m.get("mfu_torchtitan") is not None:
         pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
         parts.append(f"MFU {pct(m.get('mfu_megatron'))} megatron / {pct(m.get('mfu_torchtitan'))} torchtitan")
