@@ -406,9 +406,11 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
     print(f"\n== size {size_gb:g} GB requested: {s.describe()}" if args.layers is None else
           f"\n== --layers {args.layers}: {s.describe()}", flush=True)
     if args.layers is None and abs(s.nbytes / GB - size_gb) > 0.15 * size_gb:
+        one = Shape(s.hidden, 1, s.vocab, experts=s.experts, expert_ffn=s.expert_ffn).nbytes
+        fixed = Shape(s.hidden, 0, s.vocab, experts=s.experts, expert_ffn=s.expert_ffn).nbytes
         print(f"   note: {s.nbytes / GB:.2f} GB is the nearest this hidden size allows (layers are a multiple of "
-              f"pp*vpp, at least one stage each; the untied {s.vocab}-row embeddings alone are "
-              f"{Shape(s.hidden, 0, s.vocab).nbytes / GB:.2f} GB)", flush=True)
+              f"pp*vpp, at least one stage each; one layer is {(one - fixed) / GB:.2f} GB, the untied "
+              f"{s.vocab}-row embeddings alone {fixed / GB:.2f} GB)", flush=True)
     if s.experts and s.experts % args.ep:
         raise SystemExit(f"--experts {s.experts} is not divisible by --ep {args.ep}")
     t0 = time.perf_counter()
