@@ -306,3 +306,29 @@ def test_bad_optimizer_field(trained, tmp_path):
     (copy / "manifest.json").write_text(m.to_json())
     with pytest.raises(FormatError, match=r"missing \['optimizer\.state\.exp_avg_sq\."):
         Checkpoint(copy).verify()
+
+
+def test_moe_optimizer_state_reshards_with_experts(tmp_path):
+    """Expert tensors' optimizer state follows the expert axis (EP) and expert TP like the weights: a Mixtral-style
+    training checkpoint goes tp1ep1 -> tp2ep4pp2 -> tp1ep2etp1 and every entry comes back bitwise."""
+    from tests.moe_models import build
+
+    hf = build("mixtral", tmp_path / "hf")
+    convert_hf_to_mcore(hf, tmp_path / "w", Layout(), quiet=True)
+    src = Checkpoint(add_optimizer_state(tmp_path / "w", tmp_path / "t", seed=2))
+    key = optimizer_key("exp_avg", "decoder.layers.mlp.experts.experts.linear_fc1.weight")
+    assert src.tensors[key].expert and src.tensors[key].shape[1] == 4
+    reshard(src.path, tmp_path / "b", Layout(tp=2, ep=4, pp=2), quiet=True)
+    b = Checkpoint(tmp_path / "b")
+    assert b.tensors[key].chunk[:2] == [1, 1] and b.tensors[key].expert
+    b_local = b.read_local(key, b.layout, RankCoord(pp=1, ep=3, etp=1))[0]
+    full = src.read(key)
+    F = full.shape[2] // 2
+    assert torch.equal(b_local, torch.cat([full[1:2, 3:4, F // 2:F], full[1:2, 3:4, F + F // 2:]], 2))
+    reshard(tmp_path / "b", tmp_path / "c", Layout(tp=1, ep=2, etp=1), quiet=True)
+    c = Checkpoint(tmp_path / "c")
+    for name, e in src.tensors.items():
+        x, y = src.read(name), c.read(name)
+        if e.rule == Rule.VOCAB.value:
+            x, y = x[:src.config.vocab_size], y[:src.config.vocab_size]
+        assert torch.equal(x, y), name
