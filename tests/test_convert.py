@@ -219,3 +219,34 @@ def test_remote_code_is_never_executed(tmp_path):
     back = convert_mcore_to_hf(tmp_path / "ck", tmp_path / "back", quiet=True)
     assert json.loads((back / "config.json").read_text())["auto_map"] == cfg["auto_map"]
     assert not marker.exists()
+
+
+def test_same_dtype_conversion_never_imports_torch(tmp_path):
+    """bf16 -> bf16 goes through numpy views of the mapped shards only: importing torch costs ~1.5 s of CPU per run
+    (and per worker process), so a stray import on this path (the CLI's parser included) is a regression."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, hf_dir = save_hf(tmp_path, "llama_gqa", torch.bfloat16)
+    out = tmp_path / "ck"
+    code = ("import sys; from shardkit.cli import main; "
+            f"rc = main(['convert', 'hf-to-mcore', {str(hf_dir)!r}, {str(out)!r}, '--tp', '2', '--pp', '2', "
+            "'--quiet']); print(rc, [m for m in sys.modules if m == 'torch' or m.startswith('torch.')][:3])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "0 []", res.stdout
+    ref = convert_hf_to_mcore(hf_dir, tmp_path / "ref", Layout(tp=2, pp=2), quiet=True)
+    for f in sorted((ref / "model").rglob("*")):
+        if f.is_file():
+            assert f.read_bytes() == (out / "iter_0000000" / "model" / f.relative_to(ref / "model")).read_bytes(), f
+
+
+def test_cast_rounds_as_torch(tmp_path):
+    """A dtype change goes through torch's own cast, so fp32 -> bf16 rounds exactly as `tensor.to(torch.bfloat16)`."""
+    hf, hf_dir = save_hf(tmp_path, "llama_gqa", torch.float32)
+    ck = Checkpoint(convert_hf_to_mcore(hf_dir, tmp_path / "ck", Layout(tp=2), dtype="bf16", quiet=True))
+    emb = hf.model.embed_tokens.weight.detach()
+    got = ck.read("embedding.word_embeddings.weight")[: emb.shape[0]]
+    assert torch.equal(got.view(torch.int16), emb.to(torch.bfloat16).view(torch.int16))
