@@ -157,6 +157,9 @@ class HFSource:
         start, stop = max(0, start), min(stop, info.shape[0] if info.shape else 1)
         rows = max(0, stop - start)
         off = info.offset + start * row
+        if off + rows * row > len(m):  # the header was checked against the size when opened: the file changed since
+            raise FormatError(f"{self.dir / info.file}: tensor {name}: the file is shorter than its header says "
+                              "(truncated or replaced during the conversion)")
         if off % dt.itemsize:
             a = np.frombuffer(m[off:off + rows * row], dtype=dt)
         else:
