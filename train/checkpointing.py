@@ -143,6 +143,14 @@ def _write_param(arrays: dict, key: str, lp: LocalParam, value: torch.Tensor, la
     return futures
 
 
+def _open_for_write(path: Path, ctx):
+    """An array rank 0 created; all-zero chunks are stored too (a missing chunk must mean damage, never zeros)."""
+    import tensorstore as ts
+
+    return ts.open({**store.array_spec(path), "store_data_equal_to_fill_value": True}, open=True,
+                   context=ctx).result()
+
+
 def rng_state() -> dict:
     """Python, numpy and torch RNG states as JSON (no pickle: lists and base64 of the torch state bytes)."""
     py = random.getstate()
@@ -207,7 +215,7 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
                                    torch.zeros_like(lp.param, dtype=torch.float32)})
             for key, value in values.items():
                 if key not in arrays:
-                    arrays[key] = store.open_existing(partial / tensor_path(key), ctx, key)
+                    arrays[key] = _open_for_write(partial / tensor_path(key), ctx)
                 futures += _write_param(arrays, key, lp, value, layout, groups, cfg.num_layers)
         for f in futures:
             f.result()

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import tempfile
@@ -176,6 +177,13 @@ class Trainer:
                      self.opt, self.groups, state, self.ck.hf_dir(), {"tool": "shardkit continue-pretrain",
                                                                      "source": str(self.src)})
 
+    def _metrics_file(self, m: dict) -> None:
+        if self.cfg.checkpoint.save:
+            root = Path(self.cfg.checkpoint.save)
+            root.mkdir(parents=True, exist_ok=True)
+            with open(root / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(m) + "\n")
+
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self, log=print) -> list[dict]:
         c, d = self.cfg, self.cfg.data
@@ -195,6 +203,7 @@ class Trainer:
             history.append(m)
             if self.groups.rank == 0 and c.run.log_interval and self.iteration % c.run.log_interval == 0:
                 log(m)
+                self._metrics_file(m)
             last = self.iteration == c.schedule.train_iters
             exiting = c.schedule.exit_interval and self.iteration % c.schedule.exit_interval == 0
             if last or exiting or (c.checkpoint.save_interval and self.iteration % c.checkpoint.save_interval == 0):

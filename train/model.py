@@ -207,8 +207,9 @@ class SelfAttention(nn.Module):
         self.linear_proj = linear(cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size, cfg.add_proj_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        qkv = self.linear_qkv(x).view(b, s, self.num_groups, self.heads_per_group + 2, self.head_dim)
+        qkv = self.linear_qkv(x)
+        b, s, _ = qkv.shape  # sequence parallelism: x holds a slice of the sequence, qkv all of it
+        qkv = qkv.view(b, s, self.num_groups, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.heads_per_group].reshape(b, s, self.num_heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [b, s, ng, hd]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]

@@ -1,0 +1,144 @@
+"""continue-pretrain on gloo: parallel layouts equal one process, resume is exact, a resharded resume continues the
+run, and the result exports to HF. Every run is a real `shardkit continue-pretrain` (torchrun for several ranks)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint.reader import Checkpoint
+
+VENV_BIN = Path(sys.executable).parent
+COMMON = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
+          "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "shardkit", "continue-pretrain", *args]
+    else:
+        cmd = [str(VENV_BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+               "--master-port", str(_port()), "-m", "shardkit", "continue-pretrain", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    return r
+
+
+def losses(save: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (save / "metrics.jsonl").read_text().splitlines()]
+
+
+def real_rows(ck: Checkpoint) -> dict[str, torch.Tensor]:
+    """Weights and optimizer state without the vocab padding rows (which depend on TP)."""
+    vocab = ck.config.vocab_size
+    out = {}
+    for name, t in ck.state_dict().items():
+        out[name] = t[:vocab] if ck.entry(name).rule == "vocab" else t
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from shardkit.cli import main as cli
+    from shardkit.demo import build_tiny_llama
+    from train.data import write_indexed
+
+    root = tmp_path_factory.mktemp("train")
+    build_tiny_llama(root / "hf", dtype=torch.float32)
+    assert cli(["convert", "hf-to-mcore", str(root / "hf"), str(root / "ck"), "--quiet"]) == 0
+    rng = np.random.default_rng(0)
+    # a learnable corpus: documents from a small vocabulary with a repeated pattern
+    docs = [np.tile(rng.integers(3, 60, size=int(rng.integers(3, 9))), 12)[: int(rng.integers(30, 120))]
+            for _ in range(400)]
+    write_indexed(root / "data", docs, np.uint16)
+    return root
+
+
+@pytest.fixture(scope="module")
+def baseline(setup):
+    out = setup / "base"
+    launch(1, "--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--save", str(out),
+           "--train-iters", "5", *COMMON)
+    return out
+
+
+@pytest.mark.parametrize("nproc,layout", [(2, ["--tp", "2", "--sequence-parallel"]), (2, ["--pp", "2"]),
+                                          (2, []), (4, ["--tp", "2", "--pp", "2"])],
+                         ids=["tp2-sp", "pp2", "dp2", "tp2pp2"])
+def test_layouts_equal_one_process(setup, baseline, nproc, layout):
+    out = setup / ("run-" + "-".join(layout).replace("--", "") + f"-n{nproc}")
+    launch(nproc, "--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--save", str(out),
+           "--train-iters", "5", *COMMON, *layout)
+    want, got = losses(baseline), losses(out)
+    assert len(got) == 5
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    a, b = real_rows(Checkpoint(baseline / "iter_0000005")), real_rows(Checkpoint(out / "iter_0000005"))
+    assert set(a) == set(b)
+    for name in a:  # relative error of each tensor, ||a - b|| / ||a||
+        assert (a[name] - b[name]).norm().item() <= 1e-5 * a[name].norm().item(), name
+    # the weights moved
+    src = real_rows(Checkpoint(setup / "ck" / "iter_0000000"))
+    assert not torch.equal(src["decoder.layers.mlp.linear_fc1.weight"], b["decoder.layers.mlp.linear_fc1.weight"])
+
+
+def test_exact_resume(setup):
+    straight, split = setup / "straight", setup / "split"
+    args = ["--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--train-iters", "6", *COMMON]
+    launch(2, *args, "--save", str(straight), "--pp", "2")
+    launch(2, *args, "--save", str(split), "--pp", "2", "--exit-interval", "3")
+    assert (split / "latest").read_text().strip() == "iter_0000003"
+    launch(2, "--load", str(split), "--data-path", str(setup / "data"), "--train-iters", "6", *COMMON[:],
+           "--save", str(split), "--pp", "2")
+    assert losses(split) == losses(straight)  # bitwise: 3 before the save, 3 after
+    a, b = Checkpoint(straight / "iter_0000006"), Checkpoint(split / "iter_0000006")
+    for name in a.tensors:
+        assert torch.equal(a.read(name), b.read(name)), name
+    state = json.loads((split / "iter_0000006" / "train_state.json").read_text())
+    assert state["iteration"] == 6 and state["consumed_samples"] == 24
+
+
+def test_resharded_resume(setup):
+    from shardkit.cli import main as cli
+
+    straight, first = setup / "rs-straight", setup / "rs-first"
+    args = ["--data-path", str(setup / "data"), "--train-iters", "6", *COMMON]
+    launch(1, "--load", str(setup / "ck"), *args, "--save", str(straight))
+    launch(2, "--load", str(setup / "ck"), *args, "--save", str(first), "--tp", "2", "--exit-interval", "3")
+    moved = setup / "rs-moved"
+    assert cli(["reshard", str(first), str(moved), "--tp", "1", "--pp", "2", "--quiet"]) == 0
+    launch(2, "--load", str(moved), *args, "--save", str(moved), "--pp", "2")
+    got = losses(first) + losses(moved)
+    np.testing.assert_allclose(got, losses(straight), rtol=1e-5)
+
+
+def test_bad_inputs(setup, tmp_path):
+    base = ["--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--train-iters", "2", *COMMON]
+    cases = [
+        (["--tp", "2"], "world size 1 is not divisible by --tp 2"),
+        (["--micro-batch-size", "2", "--global-batch-size", "3"], "--global-batch-size 3 is not divisible"),
+        (["--num-layers", "7"], "--num-layers 7 disagrees with the checkpoint"),
+    ]
+    for extra, msg in cases:
+        r = launch(1, *base, *extra, check=False)
+        assert r.returncode != 0 and msg in r.stderr, (extra, r.stderr[-2000:])
+    r = launch(1, "--load", str(setup / "ck"), "--data-path", str(tmp_path / "nope"), "--train-iters", "2", *COMMON,
+               check=False)
+    assert r.returncode != 0 and "nope" in r.stderr
+    # all ranks exit non-zero (no hang) when the error is found on every rank
+    r = launch(2, *base, "--global-batch-size", "3", check=False)
+    assert r.returncode != 0 and "not divisible" in r.stderr
