@@ -66,7 +66,7 @@ def to_numpy(t: "torch.Tensor | np.ndarray") -> np.ndarray:
     if isinstance(t, np.ndarray):
         return t
     nd, view = NP_DTYPES[dtype_name(t.dtype)]
-    t = t.detach().contiguous()
+    t = t.detach().cpu().contiguous()  # (a no-op for CPU tensors)
     if view is None:
         return t.numpy()
     import torch

@@ -100,11 +100,16 @@ def test_exact_resume(setup):
     straight, split = setup / "straight", setup / "split"
     args = ["--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--train-iters", "6", *COMMON]
     launch(2, *args, "--save", str(straight), "--pp", "2")
-    launch(2, *args, "--save", str(split), "--pp", "2", "--exit-interval", "3")
+    # the split run saves in the background (--async-save) after every iteration: the same bytes as a blocking save
+    launch(2, *args, "--save", str(split), "--pp", "2", "--exit-interval", "3", "--async-save", "--save-interval", "1")
     assert (split / "latest").read_text().strip() == "iter_0000003"
+    assert sorted(p.name for p in split.glob("iter_*")) == ["iter_0000001", "iter_0000002", "iter_0000003"]
     launch(2, "--load", str(split), "--data-path", str(setup / "data"), "--train-iters", "6", *COMMON[:],
-           "--save", str(split), "--pp", "2")
+           "--save", str(split), "--pp", "2", "--async-save")
     assert losses(split) == losses(straight)  # bitwise: 3 before the save, 3 after
+    rec = json.loads((split / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["iteration"] == 6 and rec["tokens_per_s"] > 0 and rec["mem_gib"] > 0
+    assert rec["tflops_per_device_megatron"] < rec["tflops_per_device_torchtitan"]
     a, b = Checkpoint(straight / "iter_0000006"), Checkpoint(split / "iter_0000006")
     for name in a.tensors:
         assert torch.equal(a.read(name), b.read(name)), name

@@ -6,6 +6,7 @@ Saving is parallel and atomic: rank 0 opens `<root>/iter_N.partial` (checkpoint.
 every array with chunks aligned to the rank regions (a chunk never has two writers); each parameter's owner (the DP
 rank whose optimizer shard holds it; TP rank 0 for TP-replicated tensors) writes the weight and its optimizer state;
 after a barrier rank 0 writes train_state.json and the manifest and renames the directory into place, `latest` last.
+With --async-save the waiting and the commit run in a background thread on a process group of their own.
 """
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import base64
 import json
 import random
 import shutil
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -168,10 +172,40 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
 
 
+class AsyncSave:
+    """A save whose bytes are still being written and committed by a background thread (`--async-save`).
+
+    Training may go on at once: every region was handed to tensorstore, which copied it, before this object
+    existed. `wait()` joins the thread and raises its error; the next save and the end of training call it, so at
+    most one save is in flight and a run never ends before its last checkpoint is committed."""
+
+    def __init__(self, finish: Callable[[], Path | None]) -> None:
+        self._result: list = [None, None]
+
+        def target() -> None:
+            try:
+                self._result[0] = finish()
+            except BaseException as e:  # re-raised in wait(), on the training thread
+                self._result[1] = e
+
+        self._thread = threading.Thread(target=target, name="shardkit-async-save", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> Path | None:
+        self._thread.join()
+        if self._result[1] is not None:
+            raise self._result[1]
+        return self._result[0]
+
+
 def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: list[LocalParam],
          opt: DistributedOptimizer, groups: Groups, train_state: dict, assets_from: Path | None,
-         provenance: dict) -> Path | None:
-    """Write one training checkpoint with all ranks; returns the committed iteration dir on rank 0."""
+         provenance: dict, async_group: Any = None) -> Path | AsyncSave | None:
+    """Write one training checkpoint with all ranks; returns the committed iteration dir on rank 0.
+
+    With `async_group` (a process group used by nothing else, so that a background thread may run collectives on it
+    while training uses the others) only the array creation and the hand-over of this rank's regions to tensorstore
+    happen here; waiting for the bytes, the error exchange and the commit run in the background (`AsyncSave`)."""
     root = Path(root)
     dtype = {lp.spec.name: store.dtype_name(lp.param.dtype) for lp in table}
     if dist.get_world_size() > 1:  # every rank knows its own tensors' dtypes; the model dtype is uniform
@@ -217,29 +251,44 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
                 if key not in arrays:
                     arrays[key] = _open_for_write(partial / tensor_path(key), ctx)
                 futures += _write_param(arrays, key, lp, value, layout, groups, cfg.num_layers)
-        for f in futures:
-            f.result()
+        for f in futures:  # tensorstore holds its own copy of every region: the parameters may change now
+            f.copy.result()
         err = [None]
     except Exception as e:
         err = [f"rank {groups.rank}: {type(e).__name__}: {e}"]
-    _gather_errors(err)
-    out = None
-    if groups.rank == 0:
+    store_state = dict(train_state, optimizer_steps=opt.steps)
+
+    def finish() -> Path | None:
+        if not err[0]:
+            try:
+                for f in futures:
+                    f.result()
+            except Exception as e:
+                err[0] = f"rank {groups.rank}: {type(e).__name__}: {e}"
         try:
-            store_state = dict(train_state, optimizer_steps=opt.steps)
-            (writer.partial / TRAIN_STATE).write_text(json.dumps(store_state, indent=1) + "\n")
-            if assets_from is not None and assets_from.is_dir():
-                shutil.copytree(assets_from, writer.partial / "hf")
-            manifest = Manifest(iteration, cfg, layout, entries, provenance=provenance,
-                                training={"iteration": iteration,
-                                          "consumed_samples": train_state.get("consumed_samples")},
-                                optimizer=list(OPTIMIZER_STATES))
-            out = writer.commit(manifest)
-        finally:
-            writer.__exit__(None, None, None)
-    if dist.get_world_size() > 1:
-        dist.barrier()
-    return out
+            _gather_errors(err, async_group)
+        except Exception:
+            if writer is not None:
+                writer.__exit__(*sys.exc_info())
+            raise
+        out = None
+        if groups.rank == 0:
+            try:
+                (writer.partial / TRAIN_STATE).write_text(json.dumps(store_state, indent=1) + "\n")
+                if assets_from is not None and assets_from.is_dir():
+                    shutil.copytree(assets_from, writer.partial / "hf")
+                manifest = Manifest(iteration, cfg, layout, entries, provenance=provenance,
+                                    training={"iteration": iteration,
+                                              "consumed_samples": train_state.get("consumed_samples")},
+                                    optimizer=list(OPTIMIZER_STATES))
+                out = writer.commit(manifest)
+            finally:
+                writer.__exit__(None, None, None)
+        if dist.get_world_size() > 1:
+            dist.barrier(group=async_group)
+        return out
+
+    return finish() if async_group is None else AsyncSave(finish)
 
 
 def _broadcast_error(err: list) -> None:
@@ -249,11 +298,11 @@ def _broadcast_error(err: list) -> None:
         raise RuntimeError(f"checkpoint save failed on rank 0: {err[0]}")
 
 
-def _gather_errors(err: list) -> None:
+def _gather_errors(err: list, group: Any = None) -> None:
     errs = [err[0]]
     if dist.get_world_size() > 1:
         errs = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, err[0])
+        dist.all_gather_object(errs, err[0], group=group)
     bad = [e for e in errs if e]
     if bad:
         raise RuntimeError(f"checkpoint save failed: {bad[0]}")

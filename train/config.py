@@ -49,6 +49,7 @@ class CheckpointConfig:
     save_interval: int = 0  # 0: save at the end only
     no_load_optim: bool = False
     no_load_rng: bool = False
+    async_save: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class RunConfig:
     eval_interval: int = 0
     eval_iters: int = 0
     peak_tflops: float | None = None
+    log_dir: str = ""  # metrics.jsonl and TensorBoard; default: the --save directory
     distributed_timeout_minutes: float = 10.0
     # checks against the checkpoint's model config (Megatron passes the architecture as flags; ours come from it)
     num_layers: int | None = None
@@ -124,6 +126,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--no-load-rng", action="store_true", default=None)
     a("--override-data-state", action="store_true", default=None,
       help="accept a dataset that differs from the one recorded in the checkpoint")
+    a("--async-save", action="store_true", default=None,
+      help="write checkpoints in the background while training goes on (at most one in flight)")
+    a("--tensorboard-dir", "--log-dir", dest="log_dir",
+      help="where metrics.jsonl and TensorBoard events go (default: the --save directory)")
     a("--peak-tflops", type=float, help="peak FLOP/s per device for MFU (default: known devices)")
     a("--distributed-timeout-minutes", type=float)
     a("--num-layers", type=int, help="check: must equal the checkpoint's")

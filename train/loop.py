@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import socket
 import tempfile
@@ -26,6 +25,7 @@ from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
 from train.config import TrainConfig, validate
 from train.data import DataConfig, build_datasets, micro_batches
+from train.metrics import MetricsLogger, flops_per_step, format_line, memory_stats, peak_flops, throughput
 from train.optim import DistributedOptimizer, SchedulerConfig, lr_at
 from train.parallel.groups import Groups, ParallelDims, build_groups
 from train.parallel.pipeline import StageStep, build_stage, forward_backward, forward_only
@@ -87,7 +87,9 @@ class Trainer:
         self.sp = p.sequence_parallel and dims.tp > 1
         if self.sp and d.seq_length % dims.tp:
             raise ConfigError(f"--sequence-parallel: --seq-length {d.seq_length} is not divisible by --tp {dims.tp}")
-        self.model = build_stage(self.model_cfg, self.groups, self.dtype, torch.device("cpu"), self.sp,
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else torch.device("cpu"))
+        self.model = build_stage(self.model_cfg, self.groups, self.dtype, self.device, self.sp,
                                  cfg.run.recompute_granularity)
         self.table = ckpt_io.param_table(self.model, self.model_cfg, self.layout, self.groups)
         ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
@@ -114,6 +116,9 @@ class Trainer:
         self.step = StageStep(self.model, self.groups, self.model_cfg, self.sp, cfg.run.recompute_granularity)
         seq = d.seq_length // dims.tp if self.sp else d.seq_length
         self.act_shape = (d.micro_batch_size, seq, self.model_cfg.hidden_size)
+        self.flops = flops_per_step(self.model_cfg, d.seq_length, d.global_batch_size * d.seq_length)
+        self.pending_save: ckpt_io.AsyncSave | None = None
+        self.save_group = None
 
     def _data(self) -> None:
         d, s = self.cfg.data, self.cfg.schedule
@@ -133,7 +138,7 @@ class Trainer:
     # -- one iteration ----------------------------------------------------------------------------------------------
     def train_step(self, batches) -> dict:
         g = self.groups
-        mbs = [_split(next(batches)) for _ in range(self.num_micro)]
+        mbs = [_split(next(batches).to(self.device)) for _ in range(self.num_micro)]
         self.opt.zero_grad()
         loss_sum = forward_backward(self.step, mbs, self.act_shape, self.dtype)
         self.opt.reduce_grads()
@@ -155,9 +160,9 @@ class Trainer:
             return None
         d = self.cfg.data
         it = micro_batches(self.valid_ds, 0, d.micro_batch_size, self.groups.dp_rank, self.dims.dp)
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(self.cfg.run.eval_iters):
-            mbs = [_split(next(it)) for _ in range(self.num_micro)]
+            mbs = [_split(next(it).to(self.device)) for _ in range(self.num_micro)]
             total += forward_only(self.step, mbs, self.act_shape, self.dtype)
         t = total.reshape(1)
         if self.dims.world > 1:
@@ -173,43 +178,69 @@ class Trainer:
                  "optimizer": asdict(self.cfg.optimizer),
                  "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in _flat(self.cfg).items()},
                  "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp}}
-        ckpt_io.save(Path(self.cfg.checkpoint.save), self.iteration, self.model_cfg, self.layout, self.table,
-                     self.opt, self.groups, state, self.ck.hf_dir(), {"tool": "shardkit continue-pretrain",
-                                                                     "source": str(self.src)})
+        self.wait_for_save()
+        if self.cfg.checkpoint.async_save and self.save_group is None and self.dims.world > 1:
+            self.save_group = dist.new_group(backend="gloo")  # the background thread's own collectives
+        out = ckpt_io.save(Path(self.cfg.checkpoint.save), self.iteration, self.model_cfg, self.layout, self.table,
+                           self.opt, self.groups, state, self.ck.hf_dir(),
+                           {"tool": "shardkit continue-pretrain", "source": str(self.src)},
+                           async_group=(self.save_group or dist.group.WORLD) if self.cfg.checkpoint.async_save
+                           else None)
+        if isinstance(out, ckpt_io.AsyncSave):
+            self.pending_save = out
 
-    def _metrics_file(self, m: dict) -> None:
-        if self.cfg.checkpoint.save:
-            root = Path(self.cfg.checkpoint.save)
-            root.mkdir(parents=True, exist_ok=True)
-            with open(root / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(m) + "\n")
+    def wait_for_save(self) -> None:
+        """Join an async save still in flight (its error, if any, surfaces here)."""
+        if self.pending_save is not None:
+            pending, self.pending_save = self.pending_save, None
+            pending.wait()
+
+    def _throughput(self, m: dict) -> None:
+        """tokens/s, model TFLOP/s and MFU (Megatron's and torchtitan's conventions) for the step just timed, and the
+        peak memory over all ranks."""
+        peak = (self.cfg.run.peak_tflops * 1e12 if self.cfg.run.peak_tflops
+                else peak_flops(self.device, "bf16"))
+        m.update(throughput(self.flops, m["step_seconds"], self.dims.world, peak))
+        mem = torch.tensor([memory_stats(self.device)["mem_gib"]], dtype=torch.float64, device=self.device)
+        if self.dims.world > 1:
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        m["mem_gib"] = float(mem)
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self, log=print) -> list[dict]:
         c, d = self.cfg, self.cfg.data
         history = []
         batches = micro_batches(self.train_ds, self.consumed, d.micro_batch_size, self.groups.dp_rank, self.dims.dp)
-        tokens_per_iter = d.global_batch_size * d.seq_length
-        while self.iteration < c.schedule.train_iters:
-            t0 = time.perf_counter()
-            m = self.train_step(batches)
-            self.iteration += 1
-            self.consumed += d.global_batch_size
-            dt = time.perf_counter() - t0
-            m.update(iteration=self.iteration, consumed_samples=self.consumed, step_seconds=dt,
-                     tokens_per_second=tokens_per_iter / dt)
-            if c.run.eval_interval and self.iteration % c.run.eval_interval == 0:
-                m["valid_loss"] = self.evaluate()
-            history.append(m)
-            if self.groups.rank == 0 and c.run.log_interval and self.iteration % c.run.log_interval == 0:
-                log(m)
-                self._metrics_file(m)
-            last = self.iteration == c.schedule.train_iters
-            exiting = c.schedule.exit_interval and self.iteration % c.schedule.exit_interval == 0
-            if last or exiting or (c.checkpoint.save_interval and self.iteration % c.checkpoint.save_interval == 0):
-                self.save()
-            if exiting:
-                break
+        log_dir = c.run.log_dir or c.checkpoint.save
+        logger = MetricsLogger(log_dir, self.groups.rank) if log_dir else None
+        try:
+            while self.iteration < c.schedule.train_iters:
+                t0 = time.perf_counter()
+                m = self.train_step(batches)
+                self.iteration += 1
+                self.consumed += d.global_batch_size
+                m.update(consumed_samples=self.consumed, step_seconds=time.perf_counter() - t0)
+                logging = c.run.log_interval and self.iteration % c.run.log_interval == 0
+                if logging:
+                    self._throughput(m)
+                if c.run.eval_interval and self.iteration % c.run.eval_interval == 0:
+                    m["valid_loss"] = self.evaluate()
+                history.append(dict(m, iteration=self.iteration))
+                if logging and self.groups.rank == 0:
+                    if logger is not None:
+                        logger.log(self.iteration, m, c.schedule.train_iters, echo=False)
+                    log(format_line(self.iteration, m, c.schedule.train_iters))
+                last = self.iteration == c.schedule.train_iters
+                exiting = c.schedule.exit_interval and self.iteration % c.schedule.exit_interval == 0
+                if last or exiting or (c.checkpoint.save_interval
+                                       and self.iteration % c.checkpoint.save_interval == 0):
+                    self.save()
+                if exiting:
+                    break
+            self.wait_for_save()
+        finally:
+            if logger is not None:
+                logger.close()
         return history
 
 

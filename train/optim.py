@@ -97,7 +97,7 @@ class DistributedOptimizer:
         self.tied_embeddings = tied_embeddings and groups.dims.pp > 1 and (groups.first_stage or groups.last_stage)
         self.steps = 0  # optimizer steps taken (AdamW's bias-correction step), saved in train_state.json
         numel = [p.numel() for p in self.params]
-        self.buffer = torch.zeros(sum(numel), dtype=torch.float32)
+        self.buffer = torch.zeros(sum(numel), dtype=torch.float32, device=self.params[0].device if self.params else None)
         offset = 0
         for p, n in zip(self.params, numel):
             p.main_grad = self.buffer[offset: offset + n].view_as(p)  # type: ignore[attr-defined]
@@ -136,7 +136,7 @@ class DistributedOptimizer:
     def clip(self) -> float:
         """Scale gradients so that their global L2 norm is at most clip_grad; returns the norm before clipping."""
         g = self.groups
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
         for i, p in enumerate(self.params):
             if self.counted[i] and self.owner[i] == g.dp_rank:
                 sq += p.main_grad.double().pow(2).sum()
@@ -195,8 +195,9 @@ class DistributedOptimizer:
         main = self.main[i]
         main.copy_(values["fp32_param"])
         if step > 0:
-            self.opt.state[main] = {"step": torch.tensor(float(step)), "exp_avg": values["exp_avg"].float().clone(),
-                                    "exp_avg_sq": values["exp_avg_sq"].float().clone()}
+            moment = lambda t: t.to(device=main.device, dtype=torch.float32, copy=True)  # noqa: E731
+            self.opt.state[main] = {"step": torch.tensor(float(step)), "exp_avg": moment(values["exp_avg"]),
+                                    "exp_avg_sq": moment(values["exp_avg_sq"])}
 
 
 

@@ -99,14 +99,15 @@ class StageStep:
         return head_loss(m, h, labels, g.tp, self.vocab_start, self.cfg.vocab_size, self.sequence_parallel)
 
 
-def _p2p(sends: list[tuple[Tensor, int]], recvs: list[tuple[tuple[int, ...], torch.dtype, int]]) -> list[Tensor]:
+def _p2p(sends: list[tuple[Tensor, int]], recvs: list[tuple[tuple[int, ...], torch.dtype, int]],
+         device: torch.device | None = None) -> list[Tensor]:
     """Post all sends and receives, then wait: a stage that sends forward while its neighbour sends backward can
     never deadlock."""
     reqs, out = [], []
     for t, dst in sends:
         reqs.append(dist.isend(t.contiguous(), dst))
     for shape, dtype, src in recvs:
-        buf = torch.empty(shape, dtype=dtype)
+        buf = torch.empty(shape, dtype=dtype, device=device)
         reqs.append(dist.irecv(buf, src))
         out.append(buf)
     for r in reqs:
@@ -123,12 +124,13 @@ def forward_backward(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]]
     n = len(micro_batches)
     pp, rank = g.dims.pp, g.pp_rank
     first, last = g.first_stage, g.last_stage
-    total = torch.zeros((), dtype=torch.float32)
+    device = next(step.model.parameters()).device
+    total = torch.zeros((), dtype=torch.float32, device=device)
 
     def recv_forward() -> Tensor | None:
         if first:
             return None
-        (t,) = _p2p([], [(act_shape, act_dtype, g.prev_rank)])
+        (t,) = _p2p([], [(act_shape, act_dtype, g.prev_rank)], device)
         return t.requires_grad_()
 
     def fwd(inp: Tensor | None, i: int) -> Tensor:
@@ -158,7 +160,7 @@ def forward_backward(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]]
         if last:
             grad = None
         else:
-            (grad,) = _p2p([(out.detach(), g.next_rank)], [(act_shape, act_dtype, g.next_rank)])
+            (grad,) = _p2p([(out.detach(), g.next_rank)], [(act_shape, act_dtype, g.next_rank)], device)
         saved.append((inp, out))
         inp0, out0 = saved.pop(0)
         grad_in = bwd(inp0, out0, grad)
@@ -169,11 +171,11 @@ def forward_backward(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]]
         elif first:
             inp = None
         else:
-            (inp,) = _p2p([(grad_in, g.prev_rank)], [(act_shape, act_dtype, g.prev_rank)])
+            (inp,) = _p2p([(grad_in, g.prev_rank)], [(act_shape, act_dtype, g.prev_rank)], device)
             inp.requires_grad_()
     for _ in range(warmup):
         inp0, out0 = saved.pop(0)
-        (grad,) = _p2p([], [(act_shape, act_dtype, g.next_rank)])
+        (grad,) = _p2p([], [(act_shape, act_dtype, g.next_rank)], device)
         grad_in = bwd(inp0, out0, grad)
         if not first:
             _p2p([(grad_in, g.prev_rank)], [])
@@ -185,9 +187,10 @@ def forward_only(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]], ac
                  act_dtype: torch.dtype) -> Tensor:
     """Evaluation: forward through the pipeline, micro-batch by micro-batch; the summed loss on the last stage."""
     g = step.groups
-    total = torch.zeros((), dtype=torch.float64)
+    device = next(step.model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for ids, labels in micro_batches:
-        inp = None if g.first_stage else _p2p([], [(act_shape, act_dtype, g.prev_rank)])[0]
+        inp = None if g.first_stage else _p2p([], [(act_shape, act_dtype, g.prev_rank)], device)[0]
         out = step(inp, ids, labels)
         if g.last_stage:
             total += out.double()
