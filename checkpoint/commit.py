@@ -5,17 +5,24 @@
     <root>/latest                  replaced last (tmp + fsync + rename)
 
 A crash at any moment leaves the previous `latest` loadable and never a directory that looks complete; rerunning the
-same job resumes from done.log, a different job discards the stale partial directory.
+same job resumes from done.log, a different job discards the stale partial directory. Every writer of an output
+root (native, torch_dist, HF export, training saves sync or async) goes through the same three pieces here:
+`output_lock` (one writer per root), `replace_dir` (a durable directory put in place atomically, replacing an old
+one) and `write_file_atomic` (small files, `latest` last); `resolve_iteration` picks the newest complete iteration.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import fcntl
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 from .errors import FormatError, ShardkitError, WriteError
+from .faults import fault_point
 from .manifest import MANIFEST, Manifest, iter_dirname, valid_iter_dirname
 
 LATEST = "latest"
@@ -38,6 +45,7 @@ def write_file_atomic(path: Path, data: str | bytes) -> None:
         f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
+    fault_point("atomic.tmp")
     os.replace(tmp, path)
     fsync_path(path.parent)
 
@@ -59,10 +67,122 @@ def fsync_tree(path: Path, threads: int = 16) -> None:
             pass
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically (Linux renameat2 RENAME_EXCHANGE); False where the kernel, the C
+    library or the filesystem cannot."""
+    fn = getattr(_LIBC, "renameat2", None) if _LIBC is not None else None
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: not supported here; fall back
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+except OSError:  # no C library to ask: the two-step fallback
+    _LIBC = None
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Put the directory `tmp` at `final` once every byte below it is durable, replacing an older `final`.
+
+    A crash at any point leaves `final` whole: the old one or the new one. Where the kernel swaps directories
+    atomically, the old one ends up under `tmp`'s name (a leftover every writer discards); elsewhere it is first
+    renamed to `.<final>.old`, which `recover_root` (or a reader, see `resolve_iteration`) puts back after a crash
+    in between."""
+    fsync_tree(tmp)
+    fault_point("commit.rename")
+    if final.exists() and _exchange(tmp, final):
+        fsync_path(final.parent)
+        fault_point("commit.swapped")
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    old = final.parent / f".{final.name}.old"
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        fault_point("commit.swapped")
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_root(root: Path) -> None:
+    """Undo what a crash inside `replace_dir`'s fallback or `write_file_atomic` left in an output root (called by
+    writers, under the lock): an `.<name>.old` whose replacement never arrived goes back, any other is removed, and
+    stale temporary files go."""
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        name = p.name
+        if name.startswith(".") and name.endswith(".old") and p.is_dir() and not p.is_symlink():
+            final = root / name[1:-4]
+            if final.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.replace(p, final)
+        elif name.startswith(".") and name.endswith(".tmp") and p.is_file():
+            p.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def output_lock(root: Path, name: str = LOCK) -> Iterator[None]:
+    """Hold an exclusive lock on `<root>/<name>` (flock: released by the kernel when the process dies, so a crash
+    never leaves a stale lock); a second writer of the same root gets a one-line error instead of mixing files. The
+    file is removed on release, while still locked; a writer that opened it just before checks it locked the file
+    that is still there."""
+    path = root / name
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:  # e.g. a read-only output directory
+            raise WriteError(f"{root}: cannot write in the output directory ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ShardkitError(f"{root}: another shardkit process is writing here (lock {name}); wait for it or "
+                                "choose another output") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # locked a file its previous holder had just removed: take the current one
+    else:
+        raise ShardkitError(f"{root}: the lock {name} keeps changing; another shardkit process is writing here")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(fd)  # closing releases the lock
+
+
+def space_note(path: Path, needed: int | None) -> str:
+    """`needed` bytes and what the filesystem of `path` has free, for a write error's message."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    need = f"it needs {needed:,} bytes, " if needed else ""
+    return f"; {need}{free:,} bytes free on that filesystem"
+
+
 class IterationWriter:
     """Owns `<root>/<iter>.partial` for one job. Use as a context manager; call `commit(manifest)` at the end."""
 
-    def __init__(self, root: str | Path, iteration: int, job: dict, overwrite: bool = False):
+    def __init__(self, root: str | Path, iteration: int, job: dict, overwrite: bool = False,
+                 keep_on_error: bool = True):
+        """`keep_on_error`: on a failure other than a write error, keep `.partial` for a rerun to resume (converters);
+        False for jobs that are never resumed (training saves), whose leftovers only take space."""
         self.root = Path(root)
         self.iteration = iteration
         self.name = iter_dirname(iteration)
@@ -70,8 +190,10 @@ class IterationWriter:
         self.partial = self.root / (self.name + PARTIAL_SUFFIX)
         self.job = job
         self.overwrite = overwrite
+        self.keep_on_error = keep_on_error
+        self.needed: int | None = None  # bytes this write still needs (see reserve), for error messages
         self.done: set[str] = set()
-        self._lock_fd: int | None = None
+        self._stack = contextlib.ExitStack()
         self._log = None
 
     # -- set-up -------------------------------------------------------------------------------------------------
@@ -81,34 +203,65 @@ class IterationWriter:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # e.g. a path below a regular file, or no permission
             raise WriteError(f"{self.root}: cannot create the output directory ({e.strerror or e})") from None
-        self._lock()
-        job_file = self.partial / "job.json"
-        if self.partial.exists():
-            try:
-                same = json.loads(job_file.read_text()) == self.job
-            except (OSError, ValueError):
-                same = False
-            if same:
-                log = self.partial / "done.log"
-                if log.exists():
-                    self.done = {ln for ln in log.read_text().splitlines() if ln}
-            else:
-                shutil.rmtree(self.partial)
-        if not self.partial.exists():
-            self.partial.mkdir()
-            write_file_atomic(job_file, json.dumps(self.job, sort_keys=True))
-        self._log = open(self.partial / "done.log", "a")
+        self._stack.enter_context(output_lock(self.root))
+        try:
+            recover_root(self.root)
+            job_file = self.partial / "job.json"
+            if self.partial.exists():
+                try:
+                    same = json.loads(job_file.read_text()) == self.job
+                except (OSError, ValueError):
+                    same = False
+                if same:
+                    log = self.partial / "done.log"
+                    if log.exists():
+                        self.done = {ln for ln in log.read_text().splitlines() if ln}
+                else:
+                    shutil.rmtree(self.partial)
+            if not self.partial.exists():
+                self.partial.mkdir()
+                write_file_atomic(job_file, json.dumps(self.job, sort_keys=True))
+            self._log = open(self.partial / "done.log", "a")
+        except OSError as e:
+            self._stack.close()
+            raise WriteError(f"{self.partial}: cannot start writing ({e.strerror or e})"
+                             f"{space_note(self.root, None)}") from None
+        except BaseException:
+            self._stack.close()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._log:
             self._log.close()
             self._log = None
-        # On failure keep .partial (it is never mistaken for a checkpoint, and a rerun resumes from it) unless the
-        # failure says the bytes themselves could not be written: then free the space.
-        if isinstance(exc, (OSError, WriteError)) and self.partial.exists():
-            shutil.rmtree(self.partial, ignore_errors=True)
-        self._unlock()
+        try:
+            # On failure keep .partial (it is never mistaken for a checkpoint, and a rerun resumes from it) unless the
+            # failure says the bytes themselves could not be written, or nobody will resume: then free the space.
+            write_failed = isinstance(exc, (OSError, WriteError))
+            if exc is not None and (write_failed or not self.keep_on_error) and self.partial.exists():
+                shutil.rmtree(self.partial, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise WriteError(f"{getattr(exc, 'filename', None) or self.partial}: writing the checkpoint failed "
+                                 f"({exc.strerror or exc}){space_note(self.root, self.needed)}; the previous "
+                                 "checkpoint is untouched and the partial output was removed") from None
+            if isinstance(exc, WriteError) and "bytes free" not in str(exc):
+                raise WriteError(f"{exc}{space_note(self.root, self.needed)}; the previous checkpoint is untouched "
+                                 "and the partial output was removed") from None
+        finally:
+            self._stack.close()
+
+    def reserve(self, total: int, left: int | None = None) -> None:
+        """Refuse up front a write the filesystem cannot hold: `left` (default `total`) more bytes are needed."""
+        left = total if left is None else left
+        self.needed = left
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return
+        if left > free:
+            raise WriteError(f"{self.root}: not enough space: writing this checkpoint needs {left:,} more bytes, "
+                             f"{free:,} are free; free space or choose another output")
 
     def _check_root(self) -> None:
         root = self.root
@@ -121,25 +274,6 @@ class IterationWriter:
         if others:
             raise ShardkitError(f"{root}: output directory is not empty ({', '.join(others[:3])}"
                                 f"{', ...' if len(others) > 3 else ''}); pass --overwrite to replace it")
-
-    def _lock(self) -> None:
-        try:
-            self._lock_fd = os.open(self.root / LOCK, os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError as e:  # e.g. a read-only output directory
-            raise WriteError(f"{self.root}: cannot write in the output directory ({e.strerror or e})") from None
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-            raise ShardkitError(f"{self.root}: another shardkit process is writing here (lock {LOCK}); wait for it "
-                                "or choose another output") from None
-
-    def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
 
     # -- progress -----------------------------------------------------------------------------------------------
     def path(self, rel: str) -> Path:
@@ -164,42 +298,60 @@ class IterationWriter:
 
     # -- commit -------------------------------------------------------------------------------------------------
     def commit(self, manifest: Manifest) -> Path:
+        """Write the manifest, make everything durable, put the iteration in place, then point `latest` at it."""
         self._log.close()
         self._log = None
         for f in ("done.log", "job.json"):
             (self.partial / f).unlink(missing_ok=True)
+        fault_point("commit.begin")
         write_file_atomic(self.partial / MANIFEST, manifest.to_json())
-        fsync_tree(self.partial)
-        old = None
-        if self.final.exists():
-            old = self.root / f".{self.name}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(self.final, old)
-        os.replace(self.partial, self.final)
-        fsync_path(self.root)
+        replace_dir(self.partial, self.final)
+        fault_point("commit.latest")
         write_file_atomic(self.root / LATEST, self.name + "\n")
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         return self.final
 
 
+def complete_iterations(root: Path) -> list[Path]:
+    """The committed iteration directories of a root, oldest first (only `replace_dir` creates `iter_NNNNNNN`, after
+    everything in it was durable; `.partial` and `.old` names never count)."""
+    if not root.is_dir():
+        return []
+    out = [p for p in root.iterdir() if valid_iter_dirname(p.name) and (p / MANIFEST).is_file()]
+    return sorted(out, key=lambda p: p.name)
+
+
 def resolve_iteration(path: str | Path) -> Path:
-    """An iteration directory from a checkpoint root (through `latest`) or an iteration directory itself."""
+    """An iteration directory from a checkpoint root or an iteration directory itself.
+
+    `latest` is the commit point and wins (a user may roll it back on purpose). Where a crash left no `latest` yet
+    (the first save died between its rename and `latest`), the newest complete iteration is taken; where it left
+    `latest` naming an iteration that is still under its `.old` name (a crash inside `replace_dir`'s fallback), that
+    one. A `latest` that names something else, or nothing, is an error: it is never guessed around."""
+    from .safety import safe_path
+
     p = Path(path)
     if not p.exists():
         raise FormatError(f"{p}: no such checkpoint")
     if (p / MANIFEST).is_file():
         return p
     latest = p / LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
+    if latest.is_file() or latest.is_symlink():
+        try:
+            name = latest.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise FormatError(f"{latest}: unreadable ({type(e).__name__}); it should name an iteration") from None
         if not valid_iter_dirname(name):
-            raise FormatError(f"{latest}: names {name!r}, not an iteration directory (iter_NNNNNNN)")
-        it = p / name
+            raise FormatError(f"{latest}: names {name[:80]!r}, not an iteration directory (iter_NNNNNNN)")
+        it = safe_path(p, name, str(latest))
         if not (it / MANIFEST).is_file():
+            old = p / f".{name}.old"
+            if (old / MANIFEST).is_file() and not old.is_symlink():
+                return old
             raise FormatError(f"{latest}: points to {name}, which is missing or incomplete")
         return it
+    done = complete_iterations(p)
+    if done:
+        return safe_path(p, done[-1].name, str(p))
     partial = sorted(x.name for x in p.glob(f"iter_*{PARTIAL_SUFFIX}")) if p.is_dir() else []
     hint = f" (only an interrupted write, {partial[-1]}: rerun the same command to resume it)" if partial else ""
     raise FormatError(f"{p}: not a shardkit checkpoint: no {LATEST} and no {MANIFEST}{hint}")

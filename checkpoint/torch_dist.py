@@ -18,6 +18,7 @@ it and keeps only the small metadata in memory; `commit_iteration_dir` publishes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -33,14 +34,15 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.distributed.checkpoint import filesystem as _dcp_fs
 from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint import planner as _dcp_planner
 
-from .commit import fsync_path, fsync_tree, write_file_atomic
+from .commit import LOCK, output_lock, recover_root, replace_dir, write_file_atomic
+from .faults import fault_point
 from .errors import FormatError, ShardkitError, WriteError
 
 METADATA_JSON = "metadata.json"
@@ -594,36 +596,35 @@ def check_output_root(root: Path, overwrite: bool, ignore: tuple[str, ...] = ())
                                 f"{', ...' if len(others) > 3 else ''}); pass --overwrite to replace it")
 
 
-def prepare_iteration_dir(root: Path, iteration: int, overwrite: bool) -> tuple[Path, Path]:
-    """Check the output root and create `<root>/.iter_N.partial` (returned with the final path)."""
+@contextlib.contextmanager
+def writing_iteration_dir(root: Path, iteration: int, overwrite: bool) -> Iterator[tuple[Path, Path]]:
+    """Check the output root, hold its writer lock, and create `<root>/.iter_N.partial` (yielded with the final
+    path); the lock is held until the block ends, so commit_iteration_dir must run inside it."""
     root = Path(root)
     final = root / iter_dirname(iteration)
     tmp = root / f".{final.name}.partial"
-    check_output_root(root, overwrite, ignore=(tmp.name,))
+    check_output_root(root, overwrite, ignore=(tmp.name, LOCK, f".{TRACKER}.tmp"))
     try:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
     except OSError as e:
         raise WriteError(f"{root}: cannot create the output directory ({e.strerror or e})") from None
-    return tmp, final
+    with output_lock(root):
+        try:
+            recover_root(root)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            raise WriteError(f"{root}: cannot create the output directory ({e.strerror or e})") from None
+        yield tmp, final
 
 
 def commit_iteration_dir(tmp: Path, final: Path, iteration: int) -> Path:
-    """fsync everything, rename `.iter_N.partial` to `iter_N` (replacing an old one), then write the tracker file."""
-    fsync_tree(tmp)
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_path(final.parent)
+    """fsync everything, put `.iter_N.partial` in place as `iter_N` (replacing an old one), then write the tracker
+    file: the same commit as the native format's (checkpoint.commit)."""
+    replace_dir(tmp, final)
+    fault_point("commit.latest")
     write_file_atomic(final.parent / TRACKER, f"{iteration}\n")
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -635,5 +636,5 @@ def write_common(directory: Path, common: dict) -> None:
 
 
 __all__ = ["TorchDistCheckpoint", "TDTensor", "read_torch_dist", "resolve_torch_dist", "load_dcp_metadata",
-           "load_common", "DCPWriter", "RankFile", "check_output_root", "prepare_iteration_dir", "commit_iteration_dir", "write_common",
+           "load_common", "DCPWriter", "RankFile", "check_output_root", "writing_iteration_dir", "commit_iteration_dir", "write_common",
            "none_object_bytes", "BACKEND", "TRACKER", "CHECKPOINT_VERSION"]

@@ -12,14 +12,13 @@ import os
 import re
 import shutil
 import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from checkpoint import store
-from checkpoint.commit import fsync_path
+from checkpoint.commit import output_lock, replace_dir
 from checkpoint.errors import ShardkitError, WriteError
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
@@ -207,45 +206,40 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
         raise ShardkitError(f"{out}: output exists and is not empty; pass --overwrite to replace it")
     plans = plan_export(ckpt, dtype, quantize_fp8)
     shards = _shards(plans, parse_size(max_shard_size))
-    tmp = out.with_name(f".{out.name}.partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     try:
-        weight_map, total = {}, sum(p.nbytes for p in plans)
-        n = len(shards)
-        with progress_bar("mcore-to-hf", total=total, items=len(plans), disable=quiet) as bar:
-            for i, shard in enumerate(shards):
-                fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                _write_shard(ckpt, tmp / fname, shard, bar)
-                weight_map.update({p.name: fname for p in shard})
-        if n > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        quantized = quantize_fp8 or (bool(ckpt.manifest.fp8) and dtype is None)
-        cfg_out = ckpt.config.to_hf(dtype=dtype or _dominant_dtype(plans), quantized=quantized)
-        (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
-        for asset in sorted(ckpt.hf_dir().glob("*")) if ckpt.hf_dir().is_dir() else []:
-            if asset.is_file() and not asset.is_symlink():
-                shutil.copyfile(asset, tmp / asset.name)
-        for p in tmp.iterdir():
-            fsync_path(p)
-        fsync_path(tmp)
+        out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise WriteError(f"{out}: export failed while writing ({e.strerror or e}); nothing was left behind") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{int(time.time())}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-    fsync_path(out.parent)
-    return out
+        raise WriteError(f"{out.parent}: cannot create the output directory ({e.strerror or e})") from None
+    with output_lock(out.parent, f".{out.name}.shardkit.lock"):  # one writer per output; rmtree(tmp) under it
+        tmp = out.with_name(f".{out.name}.partial")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            weight_map, total = {}, sum(p.nbytes for p in plans)
+            n = len(shards)
+            with progress_bar("mcore-to-hf", total=total, items=len(plans), disable=quiet) as bar:
+                for i, shard in enumerate(shards):
+                    fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                    _write_shard(ckpt, tmp / fname, shard, bar)
+                    weight_map.update({p.name: fname for p in shard})
+            if n > 1:
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            quantized = quantize_fp8 or (bool(ckpt.manifest.fp8) and dtype is None)
+            cfg_out = ckpt.config.to_hf(dtype=dtype or _dominant_dtype(plans), quantized=quantized)
+            (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
+            for asset in sorted(ckpt.hf_dir().glob("*")) if ckpt.hf_dir().is_dir() else []:
+                if asset.is_file() and not asset.is_symlink():
+                    shutil.copyfile(asset, tmp / asset.name)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteError(f"{out}: export failed while writing ({e.strerror or e}); nothing was left behind") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        replace_dir(tmp, out)  # fsyncs every file and directory first
+        return out
 
 
 def _dominant_dtype(plans: list[HFTensorPlan]) -> str:

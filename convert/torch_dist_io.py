@@ -46,7 +46,7 @@ from checkpoint.reader import Checkpoint
 from checkpoint.sharding import (OPTIMIZER_STATES, Rule, TensorSpec, owner,
                                  split_optimizer_key)
 from checkpoint.torch_dist import (CHECKPOINT_VERSION, DCPWriter, TorchDistCheckpoint, check_output_root,
-                                   commit_iteration_dir, none_object_bytes, prepare_iteration_dir, read_torch_dist,
+                                   commit_iteration_dir, none_object_bytes, read_torch_dist, writing_iteration_dir,
                                    write_common)
 
 from .hf_to_mcore import VERSION
@@ -351,42 +351,42 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
                 declared.append((key,))
                 per_rank.setdefault(r, ([], []))[1].append(key)
 
-    tmp, final = prepare_iteration_dir(Path(out_root), ck.manifest.iteration, overwrite)
-    try:
-        w_meta = DCPWriter(tmp)
-        for d in declared:
-            if len(d) > 1:
-                w_meta.declare_tensor(*d)
-            else:
-                w_meta.declare_object(d[0])
-        # One process with reads prefetched keeps the disk busy; each spawned worker first spends seconds importing
-        # torch, which only pays off with idle cores: opt in with --workers (as for the native writers).
-        nworkers = max(1, workers or 1)
-        files = _split_files(per_rank, entries, -(-nworkers // len(per_rank)))
-        nworkers = min(nworkers, len(files))
-        with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar:
-            if nworkers == 1:  # every file at once, in the source's chunk order
-                storage, _ = _write_rank((str(ck.path), str(tmp), files, key_naming, pads, dtypes),
-                                         advance=lambda n: bar.advance(n, 1))
-                w_meta.storage_data.update(storage)
-            else:
-                jobs = [(str(ck.path), str(tmp), [f], key_naming, pads, dtypes) for f in files]
-                with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn")) as pool:
-                    futures = {pool.submit(_write_rank, j): j for j in jobs}
-                    for fut in as_completed(futures):
-                        storage, nbytes = fut.result()
-                        w_meta.storage_data.update(storage)
-                        bar.advance(nbytes, len(futures[fut][2][0][1]))
-        w_meta.write_metadata(str(final))
-        write_common(tmp, _common(ck, layout, key_naming, dtype))
-        return commit_iteration_dir(tmp, final, ck.manifest.iteration)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise WriteError(f"{out_root}: writing the torch_dist checkpoint failed ({e.strerror or e}); nothing was "
-                         "left behind") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writing_iteration_dir(Path(out_root), ck.manifest.iteration, overwrite) as (tmp, final):
+        try:
+            w_meta = DCPWriter(tmp)
+            for d in declared:
+                if len(d) > 1:
+                    w_meta.declare_tensor(*d)
+                else:
+                    w_meta.declare_object(d[0])
+            # One process with reads prefetched keeps the disk busy; each spawned worker first spends seconds importing
+            # torch, which only pays off with idle cores: opt in with --workers (as for the native writers).
+            nworkers = max(1, workers or 1)
+            files = _split_files(per_rank, entries, -(-nworkers // len(per_rank)))
+            nworkers = min(nworkers, len(files))
+            with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar:
+                if nworkers == 1:  # every file at once, in the source's chunk order
+                    storage, _ = _write_rank((str(ck.path), str(tmp), files, key_naming, pads, dtypes),
+                                             advance=lambda n: bar.advance(n, 1))
+                    w_meta.storage_data.update(storage)
+                else:
+                    jobs = [(str(ck.path), str(tmp), [f], key_naming, pads, dtypes) for f in files]
+                    with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn")) as pool:
+                        futures = {pool.submit(_write_rank, j): j for j in jobs}
+                        for fut in as_completed(futures):
+                            storage, nbytes = fut.result()
+                            w_meta.storage_data.update(storage)
+                            bar.advance(nbytes, len(futures[fut][2][0][1]))
+            w_meta.write_metadata(str(final))
+            write_common(tmp, _common(ck, layout, key_naming, dtype))
+            return commit_iteration_dir(tmp, final, ck.manifest.iteration)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteError(f"{out_root}: writing the torch_dist checkpoint failed ({e.strerror or e}); nothing was "
+                             "left behind") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _common(ck: Checkpoint, layout: Layout, key_naming: str, dtype: str | None) -> dict:

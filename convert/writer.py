@@ -21,6 +21,7 @@ import numpy as np
 from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.errors import WriteError
+from checkpoint.faults import fault_point
 from checkpoint.malloc import tune_malloc
 from checkpoint.manifest import TensorEntry, tensor_path
 from checkpoint.progress import progress_bar
@@ -143,6 +144,8 @@ class _Recorder:
         if chunks:
             self.w.mark_done_many([task_id for task_id, _ in chunks])
             self.bar.advance(sum(n for _, n in chunks), len(chunks))
+            for _ in chunks:
+                fault_point("chunk")
 
 
 def _init_spawned(init: Callable, *args) -> None:
@@ -159,6 +162,9 @@ def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str
     before each task runs, so the next chunk's source is read while this one is encoded and written."""
     tasks = chunk_tasks(entries)
     todo = [t for t in tasks if not w.is_done(t.id)]
+    total = sum(t.nbytes(entries[t.name]) for t in tasks)
+    left = sum(t.nbytes(entries[t.name]) for t in todo)
+    w.reserve(total, left)  # refuse a write the filesystem cannot hold before anything is written
     ctx = store.context()
     for name, e in entries.items():
         try:
@@ -166,8 +172,6 @@ def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str
         except ValueError as err:
             raise WriteError(f"tensor {name}: cannot create {w.path(tensor_path(name))}: {store.short_error(err)}") \
                 from None
-    total = sum(t.nbytes(entries[t.name]) for t in tasks)
-    left = sum(t.nbytes(entries[t.name]) for t in todo)
     if len(todo) < len(tasks) and not quiet:
         print(f"resuming: {len(tasks) - len(todo)} of {len(tasks)} chunks already written", file=sys.stderr)
     # One process with pipelined writes keeps the disk busy; every spawned worker first spends seconds of CPU
@@ -180,6 +184,7 @@ def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str
             for task_id, nbytes in results:
                 w.mark_done(task_id)
                 bar.advance(nbytes, 1)
+                fault_point("chunk")
 
         if nworkers == 1:
             global _RECORDER

@@ -1,0 +1,37 @@
+"""Deterministic crash points for the fault-injection tests.
+
+`SHARDKIT_FAULT_AT=<site>:<n>[@<rank>][,...]` kills this process with SIGKILL (no cleanup, no `finally`, exactly what
+kill -9 or a node loss does) the n-th time (1-based) it reaches `fault_point(<site>)`; with `@<rank>` only the
+process whose RANK environment variable equals <rank>. Unset, as always outside the tests, a site costs one
+environment lookup.
+
+Sites (where a crash is most likely to break an invariant):
+    chunk           a chunk of a conversion / reshard / torch_dist import was recorded durable (writer.py)
+    atomic.tmp      a small file's temporary copy is durable, not yet renamed over the old one (commit.py)
+    commit.begin    every array is written; the manifest is not (commit.py)
+    commit.rename   the new iteration is durable under its temporary name (commit.py)
+    commit.swapped  the new iteration is in place; the old one (same iteration) not yet removed (commit.py)
+    commit.latest   the new iteration is in place; `latest` still names the previous one (commit.py)
+    save.written    a training rank wrote its arrays; the others may still be writing (train/checkpointing.py)
+    train.step      a training iteration starts (train/loop.py)
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "SHARDKIT_FAULT_AT"
+_hits: dict[str, int] = {}
+
+
+def fault_point(site: str) -> None:
+    """Die here (SIGKILL) when SHARDKIT_FAULT_AT asks for this site at this count (and rank)."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    _hits[site] = n = _hits.get(site, 0) + 1
+    for item in spec.split(","):
+        name, _, rest = item.strip().partition(":")
+        count, _, rank = rest.partition("@")
+        if name == site and count.isdigit() and int(count) == n and (not rank or rank == os.environ.get("RANK")):
+            os.kill(os.getpid(), signal.SIGKILL)
