@@ -1,8 +1,10 @@
 """`shardkit demo`: the whole pipeline on a tiny LLaMA built locally (no hub access needed).
 
-HF model (random weights, save_pretrained) -> convert tp=2 pp=2 -> inspect -> verify (checksums + logits against
-HF transformers) -> reshard to tp=1 pp=1 -> export back to HF -> reload with transformers and compare every tensor
-bitwise.
+HF model (random weights, save_pretrained, a BPE tokenizer trained on the bundled corpus) -> convert tp=2 pp=2 ->
+inspect -> verify (checksums + logits against HF transformers) -> reshard to tp=1 pp=1 -> export back to HF -> reload
+with transformers and compare every tensor bitwise -> tokenize the bundled corpus (preprocess-data) -> continue
+pretraining the converted model for a few steps -> export the trained checkpoint to HF -> verify its logits against
+transformers' forward of the export.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+TRAIN_ITERS = 20
 DEMO_WORDS = ["the", "a", "model", "checkpoint", "shard", "tensor", "pipeline", "layer", "token", "train"]
 
 
@@ -55,11 +58,14 @@ def run_demo(out: str | None = None, keep: bool = False) -> int:
     from safetensors import safe_open
 
     from shardkit.cli import main as cli
+    from train.data import bundled_corpus, save_corpus_tokenizer
+    from train.metrics import read_metrics
 
     con = Console()
     work = Path(out) if out else Path(tempfile.mkdtemp(prefix="shardkit-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     hf, ckpt, resharded, back = work / "hf", work / "mcore", work / "mcore-tp1", work / "hf-export"
+    corpus, trained, trained_hf = work / "corpus", work / "trained", work / "hf-trained"
     rows = []
 
     def step(label: str, argv: list[str]) -> None:
@@ -73,6 +79,7 @@ def run_demo(out: str | None = None, keep: bool = False) -> int:
     try:
         t = time.time()
         build_tiny_llama(hf)
+        save_corpus_tokenizer(hf, 1000)  # real words for the training steps (ids 0/1/2 stay <unk>/<s>/</s>)
         rows.append(("build tiny HF LLaMA", "ok", f"{time.time() - t:.1f}s"))
         step("convert", ["convert", "hf-to-mcore", str(hf), str(ckpt), "--tp", "2", "--pp", "2", "--overwrite"])
         step("inspect", ["inspect", str(ckpt)])
@@ -89,6 +96,16 @@ def run_demo(out: str | None = None, keep: bool = False) -> int:
             same = names == sorted(b.keys()) and all(torch.equal(a.get_tensor(n), b.get_tensor(n)) for n in names)
         rows.append(("HF -> tp2pp2 -> tp1pp1 -> HF", f"bitwise equal ({len(names)} tensors)" if same else "DIFFERS",
                      f"{time.time() - t:.1f}s"))
+        step("preprocess-data", ["preprocess-data", "--input", str(bundled_corpus()), "--tokenizer", str(hf),
+                                 "--output-prefix", str(corpus), "--append-eod", "--quiet"])
+        step("continue-pretrain", ["continue-pretrain", "--load", str(ckpt), "--data-path", str(corpus),
+                                   "--save", str(trained), "--train-iters", str(TRAIN_ITERS), "--seq-length", "128",
+                                   "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "3e-3",
+                                   "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "1"])
+        losses = [r["loss"] for r in read_metrics(trained)]
+        rows.append((f"loss over {TRAIN_ITERS} steps", f"{losses[0]:.3f} -> {losses[-1]:.3f}", ""))
+        step("export trained", ["convert", "mcore-to-hf", str(trained), str(trained_hf), "--overwrite"])
+        step("verify trained", ["verify", str(trained), "--against", str(trained_hf)])
         table = Table(title="shardkit demo")
         for col in ("step", "result", "time"):
             table.add_column(col)
@@ -96,7 +113,7 @@ def run_demo(out: str | None = None, keep: bool = False) -> int:
             table.add_row(*r)
         con.print(table)
         con.print(f"work directory: {work}" + ("" if keep or out else " (removed)"))
-        return 0 if same else 1
+        return 0 if same and losses[-1] < losses[0] else 1
     finally:
         if not keep and not out:
             shutil.rmtree(work, ignore_errors=True)
