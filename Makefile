@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardkit-installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench bench-train clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_convert.py
+
+bench-train: $(STAMP)
+	$(PY) scripts/bench_train.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
