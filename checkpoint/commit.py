@@ -269,7 +269,9 @@ class IterationWriter:
             raise ShardkitError(f"{root}: output path exists and is not a directory")
         if not root.exists() or self.overwrite:
             return
-        ours = {LATEST, LOCK, self.partial.name, f".{LATEST}.tmp"}
+        ours = {LATEST, LOCK, self.partial.name, f".{LATEST}.tmp", f".{self.name}.old"}
+        if not (root / LATEST).exists():  # our iteration, renamed into place by a run killed before `latest`
+            ours.add(self.name)
         others = sorted(p.name for p in root.iterdir() if p.name not in ours)
         if others:
             raise ShardkitError(f"{root}: output directory is not empty ({', '.join(others[:3])}"
@@ -308,6 +310,10 @@ class IterationWriter:
         replace_dir(self.partial, self.final)
         fault_point("commit.latest")
         write_file_atomic(self.root / LATEST, self.name + "\n")
+        # interrupted writes of other iterations (a killed training save) are never resumed once a newer write
+        # committed here: free their space
+        for p in self.root.glob(f"iter_*{PARTIAL_SUFFIX}"):
+            shutil.rmtree(p, ignore_errors=True)
         return self.final
 
 

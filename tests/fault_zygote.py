@@ -1,0 +1,76 @@
+"""A process started once that forks one child per fault-injection trial (tests/test_faults.py).
+
+Importing torch, tensorstore and shardkit costs ~1-2 s of CPU per process; forking a process that has only imported
+them (no tensorstore or torch threads started yet) costs milliseconds, so dozens of kill -9 trials stay cheap.
+
+Protocol, one JSON object per line: the parent writes {"argv": [...], "env": {...}, "kill_after": seconds | null,
+"log": path}; the child runs `shardkit.cli.main(argv)` with `env` added (SHARDKIT_FAULT_AT kills it at a named site),
+its stdout and stderr going to `log`; if `kill_after` is set and the child is still running then, it gets SIGKILL.
+The answer is {"rc": exit status | null, "signal": signal number | null, "seconds": wall time}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+# what the trials run, imported before any fork (importing starts no threads)
+import checkpoint.reader  # noqa: F401
+import convert.hf_to_mcore  # noqa: F401
+import convert.reshard  # noqa: F401
+import shardkit.cli
+import torch._dynamo  # noqa: F401 - the model's first initialiser imports it (seconds)
+import train.config  # noqa: F401
+import train.loop  # noqa: F401
+import transformers
+
+transformers.CONFIG_MAPPING["llama"]  # the model builds its RoPE tables from a transformers config (lazy import)
+
+
+def run_child(req: dict) -> None:
+    """In the forked child: never returns."""
+    try:
+        os.environ.update(req.get("env") or {})
+        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.argv = ["shardkit", *req["argv"]]
+        rc = shardkit.cli.main(req["argv"])
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    except BaseException as e:  # noqa: BLE001 - report anything as a failed trial
+        print(f"zygote child: {type(e).__name__}: {e}", file=sys.stderr)
+        rc = 99
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc or 0)
+
+
+def main() -> None:
+    for line in sys.stdin:
+        req = json.loads(line)
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            run_child(req)
+        deadline = None if req.get("kill_after") is None else started + float(req["kill_after"])
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
+                _, status = os.waitpid(pid, 0)
+                break
+            time.sleep(0.002)
+        out = {"rc": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+               "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+               "seconds": round(time.monotonic() - started, 4)}
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""kill -9 at named and at random points of conversions, reshards and training saves (issue 8).
+
+Every trial is a real `shardkit` command (CLI main) in a process forked from tests/fault_zygote.py, killed with
+SIGKILL either at a named site (SHARDKIT_FAULT_AT, checkpoint/faults.py) or after a seeded random delay. After each
+kill: whatever `latest` (or the newest complete iteration) names loads and verifies, nothing that is not complete
+looks like a checkpoint, and the same command rerun produces output bitwise equal to an uninterrupted run. The
+numbers of trials and outcomes are printed (`-s`) for the README's reliability table.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from checkpoint.commit import LATEST, LOCK, PARTIAL_SUFFIX, complete_iterations, resolve_iteration
+from checkpoint.manifest import MANIFEST
+from checkpoint.reader import Checkpoint
+
+TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=300)
+REPO = Path(__file__).resolve().parents[1]
+SEED = 8
+
+
+class Zygote:
+    """The fork server: one process that imported everything once."""
+
+    def __init__(self, logdir: Path):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+        env.pop("SHARDKIT_FAULT_AT", None)
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fault_zygote.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        self.logdir = logdir
+        self.n = 0
+
+    def run(self, argv: list, fault: str | None = None, kill_after: float | None = None) -> dict:
+        self.n += 1
+        log = self.logdir / f"trial-{self.n}.log"
+        req = {"argv": [str(a) for a in argv], "env": {"SHARDKIT_FAULT_AT": fault} if fault else {},
+               "kill_after": kill_after, "log": str(log)}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "the fork server died"
+        out = json.loads(line)
+        out["log"] = log.read_text() if log.exists() else ""
+        return out
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    from shardkit.demo import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("faults")
+    build_tiny_llama(root / "hf", **TINY)
+    z = Zygote(root)
+    yield root, z
+    z.close()
+
+
+def killed(r: dict) -> bool:
+    return r["signal"] == signal.SIGKILL
+
+
+def files_of(iter_dir: Path) -> dict[str, bytes]:
+    """Every file of an iteration, the manifest without its run-dependent provenance (time, seconds) and digest."""
+    out = {}
+    for p in sorted(iter_dir.rglob("*")):
+        if p.is_file():
+            rel = str(p.relative_to(iter_dir))
+            data = p.read_bytes()
+            if rel == MANIFEST:
+                m = json.loads(data)
+                m.pop("digest")
+                m["provenance"].pop("created", None)
+                m["provenance"].pop("seconds", None)
+                data = json.dumps(m, sort_keys=True).encode()
+            out[rel] = data
+    return out
+
+
+def assert_consistent(root: Path, must_load: bool) -> int | None:
+    """After a kill: what the root resolves to loads and verifies (required when a complete checkpoint existed
+    before); no directory named like an iteration lacks its manifest. Returns the iteration it resolved to."""
+    if not root.exists():
+        assert not must_load
+        return None
+    for p in root.iterdir():
+        if p.name.startswith("iter_") and not p.name.endswith(PARTIAL_SUFFIX):
+            assert (p / MANIFEST).is_file(), f"{p} looks like an iteration but is not complete"
+    if not (root / LATEST).exists() and not complete_iterations(root):
+        assert not must_load, f"{root}: the previous checkpoint is gone: {sorted(os.listdir(root))}"
+        return None
+    ck = Checkpoint(root)
+    ck.verify()
+    return ck.manifest.iteration
+
+
+def assert_clean(root: Path) -> None:
+    """After a successful run: no temporary or leftover names, no lock."""
+    names = sorted(os.listdir(root))
+    left = [n for n in names if n.endswith((PARTIAL_SUFFIX, ".old", ".tmp")) or n == LOCK]
+    assert left == [], names
+
+
+class Tally:
+    def __init__(self, kind: str):
+        self.kind, self.trials, self.killed, self.loaded_after, self.equal_after = kind, 0, 0, 0, 0
+
+    def report(self) -> str:
+        equal = f", rerun bitwise equal {self.equal_after}" if self.equal_after else ""
+        return (f"{self.kind}: {self.trials} trials, {self.killed} killed mid-write, a complete checkpoint present "
+                f"(loaded + verified) after {self.loaded_after}{equal}")
+
+
+def _kill_and_rerun(z: Zygote, argv: list, out: Path, want: dict[str, bytes], iteration_dir: str, fault: str | None,
+                    delay: float | None, existing: bool, tally: Tally) -> None:
+    r = z.run(argv, fault=fault, kill_after=delay)
+    tally.trials += 1
+    if fault is not None:  # a named site must be reached, or the trial proves nothing
+        assert killed(r), f"{fault}: the site was not reached (rc={r['rc']}):\n{r['log'][-2000:]}"
+    else:
+        assert killed(r) or r["rc"] == 0, r
+    tally.killed += killed(r)
+    if assert_consistent(out, must_load=existing) is not None:
+        tally.loaded_after += 1
+    if killed(r):  # rerun the same command; a run that finished before its kill is compared as it is
+        r2 = z.run(argv)
+        assert r2["rc"] == 0, r2["log"][-3000:]
+    assert_clean(out)
+    got = files_of(out / iteration_dir)
+    assert sorted(got) == sorted(want)
+    bad = [k for k in want if got[k] != want[k]]
+    assert bad == [], f"after {fault or f'a kill at {delay:.3f}s'}, the rerun differs in {bad[:5]}"
+    tally.equal_after += 1
+
+
+# -- conversions ------------------------------------------------------------------------------------------------
+
+CONVERT_SITES_FRESH = ["chunk:1", "chunk:5", "chunk:11", "chunk:16", "atomic.tmp:1", "atomic.tmp:2",
+                       "commit.begin:1", "commit.rename:1", "commit.latest:1", "atomic.tmp:3"]
+CONVERT_SITES_OVER = ["chunk:2", "commit.rename:1", "commit.swapped:1", "commit.latest:1", "atomic.tmp:3"]
+
+
+def test_kill_conversion(work):
+    root, z = work
+    hf = root / "hf"
+    ref = root / "convert-ref"
+    r = z.run(["convert", "hf-to-mcore", hf, ref, "--quiet"])
+    assert r["rc"] == 0, r["log"]
+    want = files_of(ref / "iter_0000000")
+    clean_seconds = r["seconds"]
+    other = root / "convert-tp2"  # an older checkpoint (another layout) to convert over with --overwrite
+    assert z.run(["convert", "hf-to-mcore", hf, other, "--tp", "2", "--quiet"])["rc"] == 0
+    rng = random.Random(SEED)
+    tally = Tally("convert")
+    plan = [(s, None, False) for s in CONVERT_SITES_FRESH] + [(s, None, True) for s in CONVERT_SITES_OVER]
+    plan += [(None, rng.uniform(0.02, 1.2 * clean_seconds), i % 2 == 1) for i in range(10)]
+    for i, (fault, delay, over) in enumerate(plan):
+        out = root / f"convert-{i}"
+        argv = ["convert", "hf-to-mcore", hf, out, "--quiet"]
+        if over:
+            shutil.copytree(other, out)
+            argv.append("--overwrite")
+        _kill_and_rerun(z, argv, out, want, "iter_0000000", fault, delay, over, tally)
+        shutil.rmtree(out)
+    print("\n" + tally.report())
+    assert tally.trials == 25 and tally.killed >= 20
+
+
+# -- reshards ---------------------------------------------------------------------------------------------------
+
+RESHARD_SITES_FRESH = ["chunk:1", "chunk:9", "chunk:20", "atomic.tmp:2", "commit.begin:1", "commit.rename:1",
+                       "commit.latest:1"]
+RESHARD_SITES_OVER = ["chunk:3", "commit.swapped:1", "commit.latest:1"]
+
+
+def test_kill_reshard(work):
+    root, z = work
+    src = root / "reshard-src"
+    assert z.run(["convert", "hf-to-mcore", root / "hf", src, "--quiet"])["rc"] == 0
+    ref = root / "reshard-ref"
+    r = z.run(["reshard", src, ref, "--tp", "2", "--pp", "2", "--quiet"])
+    assert r["rc"] == 0, r["log"]
+    want = files_of(ref / "iter_0000000")
+    other = root / "reshard-pp2"
+    assert z.run(["reshard", src, other, "--pp", "2", "--quiet"])["rc"] == 0
+    rng = random.Random(SEED + 1)
+    tally = Tally("reshard")
+    plan = [(s, None, False) for s in RESHARD_SITES_FRESH] + [(s, None, True) for s in RESHARD_SITES_OVER]
+    plan += [(None, rng.uniform(0.02, 1.2 * r["seconds"]), i % 2 == 1) for i in range(5)]
+    for i, (fault, delay, over) in enumerate(plan):
+        out = root / f"reshard-{i}"
+        argv = ["reshard", src, out, "--tp", "2", "--pp", "2", "--quiet"]
+        if over:
+            shutil.copytree(other, out)
+            argv.append("--overwrite")
+        _kill_and_rerun(z, argv, out, want, "iter_0000000", fault, delay, over, tally)
+        shutil.rmtree(out)
+    print("\n" + tally.report())
+    assert tally.trials == 15 and tally.killed >= 12
+
+
+# -- training saves ---------------------------------------------------------------------------------------------
+
+TRAIN = ["--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3",
+         "--lr-warmup-iters", "1", "--train-iters", "40", "--seed", "3"]
+# the n-th save of a run (each run saves every iteration until killed)
+TRAIN_SITES = ["commit.begin:1", "atomic.tmp:2", "commit.rename:1", "atomic.tmp:3", "commit.latest:2",
+               "commit.swapped:1"]
+
+
+def test_kill_training_save(work):
+    """A chain of `continue-pretrain` runs on one save root, each killed during one of its saves; each resumes from
+    what the previous left. `latest` (or, before the first `latest`, the newest complete iteration) always loads and
+    verifies, and a resumed run starts exactly there."""
+    import torch
+
+    from shardkit.demo import build_tiny_llama
+    from train.data import write_indexed
+
+    root, z = work
+    build_tiny_llama(root / "thf", dtype=torch.float32, **TINY)
+    assert z.run(["convert", "hf-to-mcore", root / "thf", root / "tck", "--quiet"])["rc"] == 0
+    rng = np.random.default_rng(SEED)
+    write_indexed(root / "tdata", [rng.integers(3, 200, size=int(rng.integers(20, 60))) for _ in range(100)],
+                  np.uint16)
+    save = root / "tsave"
+    rnd = random.Random(SEED + 2)
+    tally = Tally("training save")
+    plan = [(s, None) for s in TRAIN_SITES] + [(None, rnd.uniform(0.3, 2.5)) for _ in range(4)]
+    last = None
+    for fault, delay in plan:
+        load = save if save.exists() and (complete_iterations(save) or (save / LATEST).exists()) else root / "tck"
+        start = 0 if load != save else Checkpoint(save).manifest.iteration
+        argv = ["continue-pretrain", "--load", load, "--data-path", root / "tdata", "--save", save, *TRAIN,
+                "--save-interval", "1", "--log-interval", "0"]
+        if fault == "commit.swapped:1":  # a save of an iteration that exists already (left by a kill after its rename)
+            assert last is not None and (save / f"iter_{start + 1:07d}").is_dir(), sorted(os.listdir(save))
+        r = z.run(argv, fault=fault, kill_after=delay)
+        tally.trials += 1
+        assert killed(r), f"{fault or delay}: the run was not killed (rc={r['rc']}):\n{r['log'][-3000:]}"
+        tally.killed += 1
+        it = assert_consistent(save, must_load=last is not None)
+        if it is not None:
+            tally.loaded_after += 1
+            assert last is None or it >= last, (it, last)
+            assert resolve_iteration(save).name == f"iter_{it:07d}"
+            last = it
+    # the last resume: it starts where `latest` says and runs to the end
+    start = Checkpoint(save).manifest.iteration
+    r = z.run(["continue-pretrain", "--load", save, "--data-path", root / "tdata", "--save", save, *TRAIN,
+               "--save-interval", "0", "--log-interval", "1"])
+    assert r["rc"] == 0, r["log"][-3000:]
+    assert Checkpoint(save).manifest.iteration == 40
+    logged = [json.loads(ln)["iteration"] for ln in (save / "metrics.jsonl").read_text().splitlines()]
+    assert logged[0] == start + 1, (logged[:3], start)
+    assert_clean(save)
+    print("\n" + tally.report())
+    assert tally.trials >= 10
