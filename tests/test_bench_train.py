@@ -1,0 +1,34 @@
+"""Smoke test of scripts/bench_train.py: a tiny config, two timed steps; the JSON has all three implementations,
+trained from the same weights (equal first-step losses). Never asserts speed."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_bench_train_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--hidden", "64", "--layers", "2", "--heads", "4",
+           "--kv-heads", "2", "--ffn", "128", "--vocab", "256", "--seq", "32", "--mbs", "2", "--steps", "2",
+           "--warmup", "1", "--threads", "1", "--workdir", str(tmp_path / "work"), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert set(res["results"]) == {"ours", "hf", "megatron"}
+    for name, r in res["results"].items():
+        assert "error" not in r, (name, r.get("error"))
+        assert len(r["seconds"]) == 2 and r["tokens_per_second"] > 0, name
+        assert r["peak_rss_process"] > 0 and r["params"] == res["results"]["ours"]["params"], name
+        assert all(math.isfinite(x) for x in r["losses"]), name
+    # same weights and batch: the first losses agree (fp32; different kernels round differently)
+    assert res["loss_check"]["max_rel_diff"] < 1e-4, res["loss_check"]
+    assert set(res["ratios"]) == {"ours/hf", "ours/megatron"}
+    assert res["flops_per_step"]["megatron"] > 0
+    assert "| ours |" in proc.stdout
