@@ -10,6 +10,7 @@ from pathlib import Path
 
 from checkpoint.errors import ConfigError
 
+from .fp8 import FP8Config, validate_config as validate_fp8
 from .optim import OptimizerConfig
 
 
@@ -55,6 +56,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class RunConfig:
     bf16: bool = False
+    transformer_impl: str | None = None  # local | transformer_engine; None: TE where installed (and a GPU)
     recompute_granularity: str | None = None
     log_interval: int = 1
     eval_interval: int = 0
@@ -76,13 +78,14 @@ class TrainConfig:
     schedule: ScheduleConfig
     checkpoint: CheckpointConfig
     run: RunConfig
+    fp8: FP8Config = FP8Config()
 
 
 _SECTIONS = {"parallel": ParallelConfig, "data": DataArgs, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
-             "checkpoint": CheckpointConfig, "run": RunConfig}
+             "checkpoint": CheckpointConfig, "run": RunConfig, "fp8": FP8Config}
 # Megatron flag dest -> (section, field) where the names differ
 _RENAMES = {"tensor_model_parallel_size": ("parallel", "tp"), "pipeline_model_parallel_size": ("parallel", "pp"),
-            "virtual_pipeline_model_parallel_size": ("parallel", "vpp")}
+            "virtual_pipeline_model_parallel_size": ("parallel", "vpp"), "fp8": ("fp8", "fp8_format")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,6 +117,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--adam-beta2", type=float)
     a("--adam-eps", type=float)
     a("--bf16", action="store_true", default=None)
+    a("--transformer-impl", choices=["local", "transformer_engine"],
+      help="model backend: plain PyTorch, or Transformer Engine (GPU; default where it is installed)")
+    a("--fp8-format", "--fp8", dest="fp8_format", choices=["hybrid", "e4m3"],
+      help="FP8 GEMMs in the decoder's linears: hybrid = e4m3 forward, e5m2 gradients; e4m3 everywhere")
+    a("--fp8-recipe", choices=["delayed", "tensorwise", "blockwise"],
+      help="per-tensor scales from an amax history (default), per-tensor current scaling, or 1x128/128x128 blocks")
+    a("--fp8-margin", type=int, help="delayed scaling: scale = fp8_max / amax / 2^margin")
+    a("--fp8-amax-history-len", type=int, help="delayed scaling: steps of amax history per tensor (default 1)")
+    a("--fp8-amax-compute-algo", choices=["most_recent", "max"], help="delayed scaling: amax from the history")
+    a("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false", default=None,
+      help="weight-gradient GEMMs in high precision")
+    a("--first-last-layers-bf16", "--fp8-first-last-bf16", dest="first_last_layers_bf16", action="store_true",
+      default=None, help="keep the first and last decoder layers out of FP8")
+    a("--num-layers-at-start-in-bf16", type=int, help="with --first-last-layers-bf16 (default 1)")
+    a("--num-layers-at-end-in-bf16", type=int, help="with --first-last-layers-bf16 (default 1)")
     a("--recompute-granularity", choices=["full", "selective"])
     a("--save-interval", type=int)
     a("--exit-interval", type=int, help="stop after an iteration divisible by N (saving first); the run resumes "
@@ -189,3 +207,10 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"continue-pretrain: {flag} must be >= 1, got {v}")
     if cfg.optimizer.lr < 0 or cfg.optimizer.min_lr < 0:
         raise ConfigError("continue-pretrain: --lr and --min-lr must be >= 0")
+    if cfg.run.transformer_impl not in (None, "local", "transformer_engine"):
+        raise ConfigError(f"--transformer-impl {cfg.run.transformer_impl!r}: expected local or transformer_engine")
+    if cfg.run.transformer_impl == "transformer_engine":
+        from .te import check_installed
+
+        check_installed()  # before any process group or checkpoint: one line naming the flag and the install
+    validate_fp8(cfg.fp8)

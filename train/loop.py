@@ -23,6 +23,7 @@ from checkpoint.errors import ConfigError, ShardkitError
 from checkpoint.reader import Checkpoint
 from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
+from train import precision
 from train.config import TrainConfig, validate
 from train.data import DataConfig, build_datasets, micro_batches
 from train.metrics import MetricsLogger, flops_per_step, format_line, memory_stats, peak_flops, throughput
@@ -91,6 +92,8 @@ class Trainer:
                        else torch.device("cpu"))
         self.model = build_stage(self.model_cfg, self.groups, self.dtype, self.device, self.sp,
                                  cfg.run.recompute_granularity)
+        # --transformer-impl / --fp8: before the parameters are registered (TE rebuilds the layers, same names)
+        self.backend = precision.setup(cfg, self.model_cfg, self.model, self.groups, self.sp)
         self.table = ckpt_io.param_table(self.model, self.model_cfg, self.layout, self.groups)
         ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
         trainable = [(lp.name, lp.param) for lp in self.table if lp.param.requires_grad]
@@ -107,6 +110,7 @@ class Trainer:
                                        int(self.state.get("optimizer_steps", self.iteration)))
             if not cfg.checkpoint.no_load_rng and self.state.get("rng"):
                 ckpt_io.set_rng_state(self.state["rng"])
+            self.backend.load_state_dict(self.state.get("fp8"), self.src)  # FP8 scaling state (like Megatron's)
         self.num_micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
         s = cfg.schedule
         self.schedule = SchedulerConfig(lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
@@ -116,6 +120,7 @@ class Trainer:
         self.step = StageStep(self.model, self.groups, self.model_cfg, self.sp, cfg.run.recompute_granularity)
         seq = d.seq_length // dims.tp if self.sp else d.seq_length
         self.act_shape = (d.micro_batch_size, seq, self.model_cfg.hidden_size)
+        self.step = self.backend.wrap(self.step)  # TE: each micro-batch's forward under te.autocast
         self.flops = flops_per_step(self.model_cfg, d.seq_length, d.global_batch_size * d.seq_length)
         self.pending_save: ckpt_io.AsyncSave | None = None
         self.save_group = None
@@ -141,6 +146,7 @@ class Trainer:
         mbs = [_split(next(batches).to(self.device)) for _ in range(self.num_micro)]
         self.opt.zero_grad()
         loss_sum = forward_backward(self.step, mbs, self.act_shape, self.dtype)
+        self.backend.after_backward()
         self.opt.reduce_grads()
         norm = self.opt.clip()
         lr = lr_at(self.iteration, self.schedule)
@@ -178,6 +184,7 @@ class Trainer:
                  "optimizer": asdict(self.cfg.optimizer),
                  "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in _flat(self.cfg).items()},
                  "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp}}
+        state["fp8"] = self.backend.state_dict(self.groups)  # delayed scaling's amax histories and scales
         self.wait_for_save()
         if self.cfg.checkpoint.async_save and self.save_group is None and self.dims.world > 1:
             self.save_group = dist.new_group(backend="gloo")  # the background thread's own collectives

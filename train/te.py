@@ -1,0 +1,334 @@
+"""The Transformer Engine backend (`--transformer-impl transformer_engine`): the decoder layers of a stage rebuilt from
+TE modules, with TE doing the tensor-parallel / sequence-parallel / context-parallel communication and FP8.
+
+    self_attention.linear_qkv   te.LayerNormLinear(RMSNorm, parallel_mode="column")  layer_norm_weight, weight, bias
+    self_attention.core_attention  te.DotProductAttention(GQA, causal, bshd; CP group when --cp > 1)
+    self_attention.linear_proj  te.Linear(parallel_mode="row")                        weight, bias
+    mlp.linear_fc1              te.LayerNormLinear(RMSNorm, column)                   layer_norm_weight, weight, bias
+    mlp.linear_fc2              te.Linear(row)                                        weight, bias
+
+TE's LayerNormLinear calls its norm `layer_norm_weight`, which is already the canonical name, so the modules sit at the
+canonical attribute paths and every parameter keeps its canonical name and local shape: loading and saving go
+through the sharding table unchanged. Only dense LLaMA-family layers (no MLA, no MoE, no sliding window) have a TE
+form here; the others are a ConfigError. TE works in [s, b, h] (its sequence-parallel collectives act on dim 0): a
+layer transposes on entry and exit, a free view at micro-batch size 1.
+
+FP8 runs through `te.autocast(enabled, recipe, amax_reduction_group)` (TE >= 2.9; `fp8_autocast` before), entered
+for each micro-batch's forward, with DelayedScaling / Float8CurrentScaling / Float8BlockScaling from --fp8-recipe and
+the amax reduction over the stage's TP x CP x DP ranks (as Megatron). TE keeps its scaling state in each module's
+`fp8_meta` and pickles it into `_extra_state`; shardkit never stores that pickle: the amax histories and scales are
+read from `fp8_meta` and written in the same JSON form and names as the local backend's (`train/fp8.py`), so the
+state is resumable, without pickle, and even across backends.
+
+Transformer Engine needs a CUDA GPU and a source build; it is imported only when this backend is asked for. What
+runs without it (and is tested on CPU): `resolve_impl`, `recipe_spec`, the `fp8_meta` <-> checkpoint conversion.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from checkpoint.config import ModelConfig
+from checkpoint.errors import ConfigError
+from train.fp8 import STATE_VERSION, FP8Config, _b64, _unb64, bf16_layers
+from train.model import apply_rope
+from train.parallel.groups import Groups
+
+INSTALL = ("pip install --no-build-isolation 'transformer-engine[pytorch]' (needs CUDA torch, nvcc and cuDNN), "
+           "or use --transformer-impl local")
+# TE's fp8_meta index of each tensor of a one-GEMM module (FP8FwdTensors.GEMM1_INPUT/WEIGHT, FP8BwdTensors.GRAD_OUTPUT1)
+TE_SLOTS = {"input": ("scaling_fwd", 0), "weight": ("scaling_fwd", 1), "grad_output": ("scaling_bwd", 0)}
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def check_installed() -> None:
+    if not te_available():
+        raise ConfigError(f"--transformer-impl transformer_engine: Transformer Engine is not installed; {INSTALL}")
+
+
+def resolve_impl(requested: str | None, device: torch.device, have_te: bool | None = None) -> str:
+    """--transformer-impl: explicit choice (checked), or by default TE where it is installed and a GPU is used."""
+    have_te = te_available() if have_te is None else have_te
+    if requested is None:
+        return "transformer_engine" if have_te and device.type == "cuda" else "local"
+    if requested == "transformer_engine":
+        if not have_te:
+            raise ConfigError(f"--transformer-impl transformer_engine: Transformer Engine is not installed; {INSTALL}")
+        if device.type != "cuda":
+            raise ConfigError("--transformer-impl transformer_engine needs a CUDA GPU (this run is on "
+                              f"{device.type}); use --transformer-impl local")
+    return requested
+
+
+def recipe_spec(c: FP8Config) -> tuple[str, dict[str, Any]]:
+    """(class name in transformer_engine.common.recipe, keyword arguments) for --fp8-* ; Format given by name."""
+    fmt = {"hybrid": "HYBRID", "e4m3": "E4M3"}[c.fp8_format]
+    if c.fp8_recipe == "delayed":
+        kw: dict[str, Any] = {"margin": c.fp8_margin, "fp8_format": fmt, "amax_history_len": c.fp8_amax_history_len,
+                              "amax_compute_algo": c.fp8_amax_compute_algo}
+        if not c.fp8_wgrad:
+            kw["override_linear_precision"] = (False, False, True)
+        return "DelayedScaling", kw
+    if not c.fp8_wgrad:
+        raise ConfigError(f"--no-fp8-wgrad with --transformer-impl transformer_engine works with --fp8-recipe delayed "
+                          f"only (got {c.fp8_recipe})")
+    if c.fp8_recipe == "tensorwise":
+        return "Float8CurrentScaling", {"fp8_format": fmt}
+    if c.fp8_recipe == "blockwise":
+        return "Float8BlockScaling", {"fp8_format": fmt}
+    raise ConfigError(f"--fp8-recipe {c.fp8_recipe!r}: no Transformer Engine recipe")
+
+
+def build_recipe(c: FP8Config, recipe_module) -> Any:
+    name, kw = recipe_spec(c)
+    kw = dict(kw, fp8_format=getattr(recipe_module.Format, kw["fp8_format"]))
+    return getattr(recipe_module, name)(**kw)
+
+
+def autocast_factory(te, enabled: bool, recipe, group) -> Callable[[], contextlib.AbstractContextManager]:
+    """te.autocast (TE >= 2.9) or fp8_autocast (older), with the amax reduction group."""
+    if hasattr(te, "autocast"):
+        return lambda: te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+    return lambda: te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
+
+
+# -- FP8 scaling state: TE's fp8_meta <-> shardkit's JSON form (no pickle) -------------------------------------------
+
+def meta_to_state(module_name: str, fwd: tuple[Tensor, Tensor], bwd: tuple[Tensor, Tensor]) -> dict[str, dict]:
+    """One TE one-GEMM module's DelayedScaling state -> {'<module>.<role>': {amax_history, scale}} in train/fp8.py's
+    format. fwd/bwd = (amax_history [H, n], scale [n]) of fp8_meta['scaling_fwd'] / ['scaling_bwd']."""
+    out = {}
+    for role, (which, idx) in TE_SLOTS.items():
+        hist, scale = fwd if which == "scaling_fwd" else bwd
+        h = hist.detach().float().cpu().numpy()[:, idx]
+        s = scale.detach().float().cpu().numpy()[idx: idx + 1]
+        out[f"{module_name}.{role}"] = {"amax_history": _b64(h), "scale": _b64(s)}
+    return out
+
+
+@torch.no_grad()
+def state_to_meta(module_name: str, tensors: dict, fwd: tuple[Tensor, Tensor], bwd: tuple[Tensor, Tensor],
+                  where: str) -> None:
+    """The inverse: copy a module's saved histories and scales into TE's fp8_meta tensors (in place)."""
+    for role, (which, idx) in TE_SLOTS.items():
+        name = f"{module_name}.{role}"
+        if name not in tensors:
+            raise ConfigError(f"{where}: no FP8 delayed-scaling state for {name}; train with the same FP8 flags")
+        hist_t, scale_t = fwd if which == "scaling_fwd" else bwd
+        hist, scale = _unb64(tensors[name]["amax_history"]), _unb64(tensors[name]["scale"])
+        if hist.shape[0] != hist_t.shape[0]:
+            raise ConfigError(f"{where}: {name} has an amax history of {hist.shape[0]} steps, this run "
+                              f"--fp8-amax-history-len {hist_t.shape[0]}; use the checkpoint's length")
+        hist_t[:, idx] = torch.from_numpy(np.array(hist)).to(hist_t.device)
+        scale_t[idx] = float(scale[0])
+
+
+# -- the TE layers --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Parallel:
+    tp_group: Any
+    tp_size: int
+    sequence_parallel: bool
+    cp_group: Any
+    cp_ranks: list[int] | None
+    cp_comm_type: str
+
+
+class TESelfAttention(nn.Module):
+    """GQA self-attention over the canonical fused QKV (per query group [q heads; k; v]) with TE modules."""
+
+    def __init__(self, te, cfg: ModelConfig, par: _Parallel, dtype: torch.dtype, device: torch.device,
+                 selective_recompute: bool) -> None:
+        super().__init__()
+        h, tp = cfg.hidden_size, par.tp_size
+        self.heads, self.groups = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
+        self.heads_per_group, self.head_dim = cfg.heads_per_group, cfg.kv_channels
+        common = dict(tp_group=par.tp_group, tp_size=tp, sequence_parallel=par.sequence_parallel, params_dtype=dtype,
+                      device=device)
+        self.linear_qkv = te.LayerNormLinear(h, cfg.qkv_rows, eps=cfg.norm_epsilon, bias=cfg.add_qkv_bias,
+                                             normalization="RMSNorm", parallel_mode="column", **common)
+        self.core_attention = te.DotProductAttention(
+            cfg.num_attention_heads, cfg.kv_channels, num_gqa_groups=cfg.num_query_groups, attention_dropout=0.0,
+            qkv_format="bshd", attn_mask_type="causal", tp_group=par.tp_group, tp_size=tp,
+            sequence_parallel=par.sequence_parallel)
+        if par.cp_group is not None:
+            self.core_attention.set_context_parallel_group(par.cp_group, par.cp_ranks, torch.cuda.Stream(),
+                                                           par.cp_comm_type)
+        self.linear_proj = te.Linear(cfg.num_attention_heads * cfg.kv_channels, h, bias=cfg.add_proj_bias,
+                                     parallel_mode="row", **common)
+        self.selective_recompute = selective_recompute
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        qkv = self.linear_qkv(x.transpose(0, 1)).transpose(0, 1)  # [b, s, rows]: TE works in [s, b, h]
+        b, s, _ = qkv.shape
+        qkv = qkv.reshape(b, s, self.groups, self.heads_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(b, s, self.heads, self.head_dim)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        q = apply_rope(q.transpose(1, 2), cos, sin).transpose(1, 2).contiguous()
+        k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2).contiguous()
+        out = self.core_attention(q, k, v.contiguous(), checkpoint_core_attention=self.selective_recompute)
+        return self.linear_proj(out.reshape(b, s, -1).transpose(0, 1)).transpose(0, 1)
+
+
+class TEMLP(nn.Module):
+    """SwiGLU with the post-attention RMSNorm fused into linear_fc1 ([gate; up] per TP shard)."""
+
+    def __init__(self, te, cfg: ModelConfig, par: _Parallel, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        common = dict(tp_group=par.tp_group, tp_size=par.tp_size, sequence_parallel=par.sequence_parallel,
+                      params_dtype=dtype, device=device)
+        self.linear_fc1 = te.LayerNormLinear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, eps=cfg.norm_epsilon,
+                                             bias=cfg.add_mlp_bias, normalization="RMSNorm", parallel_mode="column",
+                                             **common)
+        self.linear_fc2 = te.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_mlp_bias, parallel_mode="row",
+                                    **common)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.linear_fc1(x.transpose(0, 1)).chunk(2, dim=-1)
+        return self.linear_fc2(torch.nn.functional.silu(gate) * up).transpose(0, 1)
+
+
+class _HighPrecision:
+    """A module's forward run with FP8 off (--first-last-layers-bf16); set as the instance's `forward`, so the module,
+    its parameters and their names stay as they are."""
+
+    def __init__(self, fn: Callable, off: Callable) -> None:
+        self._fn, self._off = fn, off
+
+    def __call__(self, *args):
+        with self._off():
+            return self._fn(*args)
+
+
+class _AutocastStep:
+    """A StageStep whose forward runs under TE's autocast (one context per micro-batch, as Megatron)."""
+
+    def __init__(self, step, ctx: Callable) -> None:
+        self._step, self._ctx = step, ctx
+
+    def __getattr__(self, name: str):
+        return getattr(self._step, name)
+
+    def __call__(self, *args):
+        with self._ctx():
+            return self._step(*args)
+
+
+class TEBackend:
+    """The TE form of one stage: layers rebuilt, the FP8 recipe and autocast, the scaling state's conversion."""
+
+    def __init__(self, te, model: nn.Module, fp8: FP8Config, recipe, group, keep: set[int]) -> None:
+        self.te, self.model, self.fp8cfg, self.recipe, self.group, self.keep = te, model, fp8, recipe, group, keep
+        self.autocast = autocast_factory(te, fp8.enabled, recipe, group)
+        self.fp8_off = autocast_factory(te, False, None, None)
+
+    @classmethod
+    def build(cls, model: nn.Module, cfg: ModelConfig, groups: Groups, fp8: FP8Config, sequence_parallel: bool,
+              recompute: str | None) -> TEBackend:
+        if cfg.multi_latent_attention or cfg.is_moe or cfg.sliding_window is not None:
+            raise ConfigError(f"--transformer-impl transformer_engine: {cfg.model_type} (MoE / multi-latent attention "
+                              "/ sliding window) has no TE form here; use --transformer-impl local")
+        if fp8.enabled and recompute == "full":
+            raise ConfigError("--recompute-granularity full with --transformer-impl transformer_engine and FP8: the "
+                              "recomputed forward would run outside te.autocast; use --recompute-granularity "
+                              "selective")
+        try:
+            import transformer_engine.common.recipe as te_recipe
+            import transformer_engine.pytorch as te
+        except Exception as e:  # a broken install (no GPU driver, ABI mismatch) fails here
+            raise ConfigError(f"--transformer-impl transformer_engine: importing Transformer Engine failed "
+                              f"({type(e).__name__}: {e}); {INSTALL}") from None
+        dims = groups.dims
+        cp_group = getattr(groups, "cp", None)
+        cp_ranks = ([dims.rank(tp=groups.tp_rank, cp=i, dp=groups.dp_rank, pp=groups.pp_rank) for i in range(dims.cp)]
+                    if cp_group is not None else None)
+        par = _Parallel(groups.tp, dims.tp, sequence_parallel, cp_group, cp_ranks, "p2p")
+        ref = next(model.parameters())
+        dtype, device = ref.dtype, ref.device
+        keep = bf16_layers(fp8, cfg.num_layers) if fp8.enabled else set()
+        recipe, group = None, None
+        if fp8.enabled:
+            recipe = build_recipe(fp8, te_recipe)
+            if dims.world > 1:
+                from train.fp8 import amax_reduction_group
+
+                group = amax_reduction_group(dims, groups.pp_rank)
+        backend = cls(te, model, fp8, recipe, group, keep)
+        for key, layer in model.decoder.layers.items():
+            att = TESelfAttention(te, cfg, par, dtype, device, recompute == "selective")
+            mlp = TEMLP(te, cfg, par, dtype, device)
+            layer.self_attention, layer.mlp = att, mlp
+            if int(key) in keep:  # FP8 off inside this layer, its names unchanged
+                att.forward = _HighPrecision(TESelfAttention.forward.__get__(att), backend.fp8_off)
+                mlp.forward = _HighPrecision(TEMLP.forward.__get__(mlp), backend.fp8_off)
+            for name, p in list(att.named_parameters()) + list(mlp.named_parameters()):
+                if name.endswith("layer_norm_weight") and sequence_parallel:
+                    p.sequence_parallel = True  # type: ignore[attr-defined]  (grads summed over TP)
+        return backend
+
+    def wrap(self, step):
+        return _AutocastStep(step, self.autocast) if self.fp8cfg.enabled else step
+
+    def _linears(self):
+        for key, layer in self.model.decoder.layers.items():
+            if int(key) in self.keep:
+                continue
+            for part, names in (("self_attention", ("linear_qkv", "linear_proj")), ("mlp", ("linear_fc1", "linear_fc2"))):
+                for n in names:
+                    yield f"decoder.layers.{key}.{part}.{n}", getattr(getattr(layer, part), n)
+
+    def _meta(self, module) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]] | None:
+        meta = getattr(module, "fp8_meta", None) or {}
+        f, b = meta.get("scaling_fwd"), meta.get("scaling_bwd")
+        if f is None or b is None:
+            return None
+        return (f.amax_history, f.scale), (b.amax_history, b.scale)
+
+    def state_dict(self) -> dict | None:
+        if not (self.fp8cfg.enabled and self.fp8cfg.fp8_recipe == "delayed"):
+            return None
+        tensors = {}
+        for name, mod in self._linears():
+            meta = self._meta(mod)
+            if meta is not None:  # set up by TE at the module's first FP8 forward
+                tensors.update(meta_to_state(name, *meta))
+        return {"version": STATE_VERSION, "recipe": "delayed", "format": self.fp8cfg.fp8_format,
+                "amax_history_len": self.fp8cfg.fp8_amax_history_len, "tensors": tensors}
+
+    def gather_state(self, groups: Groups) -> dict | None:
+        from train.fp8 import gather_state
+
+        return gather_state(self, groups)  # same merge by name over pipeline stages
+
+    def load_state_dict(self, sd: dict, where: str) -> None:
+        if not (self.fp8cfg.enabled and self.fp8cfg.fp8_recipe == "delayed"):
+            return
+        if sd.get("version") != STATE_VERSION:
+            raise ConfigError(f"{where}: FP8 state version {sd.get('version')!r}, this shardkit reads {STATE_VERSION}")
+        for name, mod in self._linears():
+            if self._meta(mod) is None:
+                with self.autocast():  # TE creates fp8_meta for the active recipe
+                    mod.init_fp8_metadata()
+            meta = self._meta(mod)
+            if meta is None:
+                raise ConfigError(f"{where}: Transformer Engine did not set up FP8 state for {name}")
+            state_to_meta(name, sd["tensors"], *meta, where)
+
+    def describe(self) -> str:
+        te_version = getattr(self.te, "__version__", "?")
+        if not self.fp8cfg.enabled:
+            return f"backend transformer_engine {te_version} (bf16/fp32)"
+        name, _ = recipe_spec(self.fp8cfg)
+        return (f"backend transformer_engine {te_version}; FP8 {self.fp8cfg.fp8_format} via {name}"
+                + (f"; decoder layers {sorted(self.keep)} in high precision" if self.keep else ""))
