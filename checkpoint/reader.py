@@ -14,18 +14,22 @@ from .commit import resolve_iteration
 from .config import ModelConfig
 from .errors import CorruptionError, FormatError
 from .layout import Layout, RankCoord
-from .manifest import TRAIN_STATE, Manifest, TensorEntry, tensor_path
+from .manifest import MANIFEST, TRAIN_STATE, Manifest, TensorEntry, tensor_path
+from .safety import safe_path
 from .sharding import SCALE_SUFFIX, Rule, TensorSpec, local_shape, regions, split_optimizer_key
 
 
 class Checkpoint:
     """A complete checkpoint iteration (resolved through `latest` when given a root)."""
 
-    def __init__(self, path: str | Path, cache_bytes: int = 0):
+    def __init__(self, path: str | Path, cache_bytes: int = 0, check: bool = False):
+        """`check`: run `check()` now (commands that load a checkpoint to write another do, unless --skip-verify)."""
         self.path = resolve_iteration(path)
         self.manifest = Manifest.load(self.path)
         self._ctx = store.context(cache_bytes=cache_bytes)
         self._arrays: dict = {}
+        if check:
+            self.check()
 
     @property
     def config(self) -> ModelConfig:
@@ -63,14 +67,67 @@ class Checkpoint:
         return self.tensors[name]
 
     def array(self, name: str):
+        """The tensorstore array of a manifest tensor, opened once; its metadata (shape, dtype, chunk, crc32c codec,
+        own name) is checked against the manifest on open, so a swapped or rewritten array never loads."""
         if name not in self._arrays:
-            self.entry(name)
-            self._arrays[name] = store.open_existing(self.path / tensor_path(name), self._ctx, name)
+            e = self.entry(name)
+            path = safe_path(self.path, tensor_path(name), f"{self.path / MANIFEST}: tensor {name}")
+            arr = store.open_existing(path, self._ctx, name)
+            check_array(name, e, store.metadata(arr))
+            self._arrays[name] = arr
         return self._arrays[name]
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """A tensor, or a box of it, from disk (only the chunks it touches are read)."""
-        return store.read(self.array(name), index, name)
+        """A tensor, or a box of it, from disk (only the chunks it touches are read). A chunk that fails its checksum
+        or is missing raises CorruptionError naming the tensor and the chunk."""
+        arr = self.array(name)
+        try:
+            return store.read(arr, index, name)
+        except CorruptionError as err:
+            e = self.entry(name)
+            for idx in _chunk_boxes(e.shape, e.chunk, index):  # the error path only: find the chunk that fails
+                try:
+                    store.read(arr, idx, name)
+                except CorruptionError as one:
+                    raise _chunk_error(name, idx, e.chunk, one) from None
+            raise err from None
+
+    def check(self) -> dict:
+        """What can be checked without reading the data: the manifest agrees with the model config, no stray
+        arrays, every array's metadata matches the manifest, and every chunk file exists. Loads run it before
+        writing anything (unless --skip-verify); `verify` runs it and then reads every chunk."""
+        expected = {s.name: s for s in self.manifest.specs()}
+        if set(expected) != set(self.tensors):
+            missing, extra = sorted(set(expected) - set(self.tensors)), sorted(set(self.tensors) - set(expected))
+            raise FormatError(f"{self.path}: manifest tensors disagree with the model config "
+                              f"(missing {missing}, unexpected {extra})")
+        for sub in ("model", "optim"):
+            d = self.path / sub
+            on_disk = {f"{sub}/{p.name}" for p in d.iterdir()} if d.is_dir() else set()
+            stray = sorted(p.split("/", 1)[1] for p in on_disk - {tensor_path(n) for n in self.tensors})
+            if stray:
+                raise FormatError(f"{d}: arrays not in the manifest: {stray[:3]}")
+        ts_path = self.train_state_path()
+        if ts_path is not None:
+            try:
+                json.loads(ts_path.read_text())
+            except (ValueError, UnicodeDecodeError) as err:
+                raise CorruptionError(f"{ts_path}: not valid JSON ({err})") from None
+        chunks = 0
+        for name, e in self.tensors.items():
+            spec = expected[name]
+            if list(spec.shape) != e.shape or spec.rule.value != e.rule or spec.per_layer != e.per_layer:
+                raise FormatError(f"tensor {name}: manifest shape/rule {e.shape}/{e.rule} disagree with the model "
+                                  f"config ({list(spec.shape)}/{spec.rule.value})")
+            self.array(name)
+            base = self.path / tensor_path(name) / "c"
+            for idx in _chunk_boxes(e.shape, e.chunk):
+                key = [str(s.start // c) for s, c in zip(idx, e.chunk)]
+                if not base.joinpath(*key).is_file():
+                    raise CorruptionError(f"tensor {name} chunk {_chunk_label(idx, e.chunk)}: missing (its file "
+                                          f"{base.joinpath(*key)} is gone); the checkpoint is damaged")
+                chunks += 1
+        return {"tensors": len(self.tensors), "chunks": chunks}
 
     def read_local(self, name: str, layout: Layout, coord: RankCoord) -> dict[int, torch.Tensor]:
         """One rank's local tensors of `name` (per model chunk) for any target layout, read through the sharding
@@ -116,45 +173,17 @@ class Checkpoint:
 
     # -- verify -------------------------------------------------------------------------------------------------
     def verify(self, progress: Callable[[int], None] | None = None) -> dict:
-        """Re-read every chunk (crc32c checked by the codec, missing chunks are errors) and check each array's
-        metadata against the manifest. Raises CorruptionError naming the tensor and the chunk."""
-        expected = {s.name: s for s in self.manifest.specs()}
-        if set(expected) != set(self.tensors):
-            missing, extra = sorted(set(expected) - set(self.tensors)), sorted(set(self.tensors) - set(expected))
-            raise FormatError(f"{self.path}: manifest tensors disagree with the model config "
-                              f"(missing {missing}, unexpected {extra})")
-        for sub in ("model", "optim"):
-            d = self.path / sub
-            on_disk = {f"{sub}/{p.name}" for p in d.iterdir()} if d.is_dir() else set()
-            stray = sorted(p.split("/", 1)[1] for p in on_disk - {tensor_path(n) for n in self.tensors})
-            if stray:
-                raise FormatError(f"{d}: arrays not in the manifest: {stray[:3]}")
-        ts_path = self.train_state_path()
-        if ts_path is not None:
-            try:
-                json.loads(ts_path.read_text())
-            except (ValueError, UnicodeDecodeError) as err:
-                raise CorruptionError(f"{ts_path}: not valid JSON ({err})") from None
+        """`check`, then re-read every chunk (crc32c checked by the codec, missing chunks are errors). Raises
+        CorruptionError naming the tensor and the chunk."""
+        self.check()
         total_bytes, chunks = 0, 0
         for name, e in self.tensors.items():
-            spec = expected[name]
-            if list(spec.shape) != e.shape or spec.rule.value != e.rule or spec.per_layer != e.per_layer:
-                raise FormatError(f"tensor {name}: manifest shape/rule {e.shape}/{e.rule} disagree with the model "
-                                  f"config ({list(spec.shape)}/{spec.rule.value})")
             arr = self.array(name)
-            md = store.metadata(arr)
-            got = (md["shape"], md["data_type"], md["chunk_grid"]["configuration"]["chunk_shape"])
-            if got != (e.shape, e.dtype, e.chunk):
-                raise CorruptionError(f"tensor {name}: array metadata (shape, dtype, chunk) {got} disagree with the "
-                                      f"manifest {(e.shape, e.dtype, e.chunk)}")
-            if not any(c.get("name") == "crc32c" for c in md.get("codecs", [])):
-                raise CorruptionError(f"tensor {name}: array has no crc32c codec; its values cannot be checked")
             for idx in _chunk_boxes(e.shape, e.chunk):
                 try:
                     t = store.read(arr, idx, name)
                 except CorruptionError as err:
-                    chunk = tuple(s.start // c for s, c in zip(idx, e.chunk))
-                    raise CorruptionError(f"tensor {name} chunk {chunk}: {str(err).split(': ', 1)[-1]}") from None
+                    raise _chunk_error(name, idx, e.chunk, err) from None
                 nbytes = t.numel() * t.element_size()
                 total_bytes += nbytes
                 chunks += 1
@@ -173,11 +202,38 @@ def entry_nbytes(e: TensorEntry) -> int:
     return n * store.torch_dtype(e.dtype).itemsize
 
 
-def _chunk_boxes(shape: list[int], chunk: list[int]) -> Iterator[tuple[slice, ...]]:
-    """Boxes of whole chunks, several layers' worth at a time is not needed: one chunk each, in order."""
-    ranges = [range(0, s, c) for s, c in zip(shape, chunk)]
+def _chunk_boxes(shape: list[int], chunk: list[int], within: tuple[slice, ...] | None = None
+                 ) -> Iterator[tuple[slice, ...]]:
+    """Boxes of whole chunks, in order (only those touching `within`, when given)."""
+    within = tuple(within or ()) + tuple(slice(0, s) for s in shape[len(within or ()):])
+    ranges = []
+    for s, c, w in zip(shape, chunk, within):
+        lo, hi, _ = w.indices(s)
+        ranges.append(range(lo - lo % c, hi, c))
     for offs in itertools.product(*ranges):
         yield tuple(slice(o, min(o + c, s)) for o, c, s in zip(offs, chunk, shape))
+
+
+def _chunk_label(idx: tuple[slice, ...], chunk: list[int]) -> str:
+    return str(tuple(s.start // c for s, c in zip(idx, chunk)))
+
+
+def _chunk_error(name: str, idx: tuple[slice, ...], chunk: list[int], err: CorruptionError) -> CorruptionError:
+    return CorruptionError(f"tensor {name} chunk {_chunk_label(idx, chunk)}: {str(err).split(': ', 1)[-1]}")
+
+
+def check_array(name: str, e: TensorEntry, md: dict) -> None:
+    """An opened array's metadata against its manifest entry: CorruptionError naming the tensor on any difference."""
+    got = (md["shape"], md["data_type"], md["chunk_grid"]["configuration"]["chunk_shape"])
+    if got != (e.shape, e.dtype, e.chunk):
+        raise CorruptionError(f"tensor {name}: array metadata (shape, dtype, chunk) {got} disagree with the "
+                              f"manifest {(e.shape, e.dtype, e.chunk)}")
+    if not any(c.get("name") == "crc32c" for c in md.get("codecs", [])):
+        raise CorruptionError(f"tensor {name}: array has no crc32c codec; its values cannot be checked")
+    stored = (md.get("attributes") or {}).get(store.TENSOR_ATTR)
+    if stored is not None and stored != name:  # arrays written before the attribute existed have none
+        raise CorruptionError(f"tensor {name}: its array holds tensor {stored} (arrays swapped or copied over each "
+                              "other); the checkpoint is damaged")
 
 
 @dataclass

@@ -103,6 +103,7 @@ def cast(a: "torch.Tensor | np.ndarray", dtype: str) -> "torch.Tensor | np.ndarr
 
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+TENSOR_ATTR = "shardkit_tensor"
 
 
 def array_spec(path: str | Path, shape: Sequence[int] | None = None, dtype: str | None = None,
@@ -120,6 +121,8 @@ def array_spec(path: str | Path, shape: Sequence[int] | None = None, dtype: str 
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
             "codecs": _CODECS,
             "fill_value": 0,
+            # the array's own name (its directory, `model/<name>`): two arrays swapped on disk are found out on open
+            "attributes": {TENSOR_ATTR: Path(path).name},
         }
         spec["store_data_equal_to_fill_value"] = True
     return spec

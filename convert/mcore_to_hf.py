@@ -196,10 +196,10 @@ def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -
 
 def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | None = None,
                         max_shard_size: str | int = "5GB", overwrite: bool = False, quiet: bool = False,
-                        quantize_fp8: bool = False) -> Path:
+                        quantize_fp8: bool = False, skip_verify: bool = False) -> Path:
     # blocks are row slices of chunks (a QKV chunk is sliced once per query group for each of q, k and v; a 125 MB
     # vocab chunk is read in 64 MB blocks): keep decoded chunks so each is read and checksummed once
-    ckpt = Checkpoint(ckpt_path, cache_bytes=EXPORT_CACHE_BYTES)
+    ckpt = Checkpoint(ckpt_path, cache_bytes=EXPORT_CACHE_BYTES, check=not skip_verify)
     out = Path(out)
     dtype = store.dtype_name(dtype) if dtype else None
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:

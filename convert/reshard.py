@@ -98,9 +98,11 @@ def read_padded(read: Callable[[tuple[slice, ...]], torch.Tensor], box: tuple[tu
 # -- main side ------------------------------------------------------------------------------------------------------
 
 def reshard(src_path: str | Path, out: str | Path, layout: Layout, dtype: str | None = None,
-            workers: int | None = None, overwrite: bool = False, quiet: bool = False) -> Path:
-    """Write `<out>/iter_N` (N = the source's iteration) for `layout`; returns the iteration directory."""
-    ck = Checkpoint(src_path)
+            workers: int | None = None, overwrite: bool = False, quiet: bool = False, skip_verify: bool = False
+            ) -> Path:
+    """Write `<out>/iter_N` (N = the source's iteration) for `layout`; returns the iteration directory. The source is
+    checked first (Checkpoint.check) unless `skip_verify`; every chunk read is checksummed either way."""
+    ck = Checkpoint(src_path, check=not skip_verify)
     out = Path(out)
     if out.resolve() == ck.path.parent.resolve():
         raise ShardkitError(f"{out}: the destination is the source's own root; write the resharded checkpoint "

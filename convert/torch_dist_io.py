@@ -302,7 +302,7 @@ def _split_files(per_rank: dict[int, tuple[list, list]], entries: dict[str, Tens
 
 def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key_naming: str = "te",
                      overwrite: bool = False, quiet: bool = False, workers: int | None = None,
-                     layout: Layout | None = None, dtype: str | None = None) -> Path:
+                     layout: Layout | None = None, dtype: str | None = None, skip_verify: bool = False) -> Path:
     """Write `<out_root>/iter_N` (N = the native checkpoint's iteration) as a Megatron-LM torch_dist checkpoint and
     point `latest_checkpointed_iteration.txt` at it; returns the iteration directory.
 
@@ -310,7 +310,7 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
     model weights only) the items are the destination's chunks, read from the source boxes they cover with the vocab
     padding recomputed, in one pass. Optimizer state goes under megatron-core's distributed-optimizer keys, and
     train_state.json into common.pt (see _common)."""
-    ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
+    ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt, check=not skip_verify)
     if key_naming not in KEY_NAMINGS:
         raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' (Transformer Engine spec, Megatron-LM's default) "
                             "or 'local' (megatron-core's local spec)")

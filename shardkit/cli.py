@@ -23,6 +23,12 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel size inside each expert (default: same as --tp)")
 
 
+def _skip_verify_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--skip-verify", action="store_true",
+                   help="do not check the source checkpoint (manifest, array metadata, every chunk present) before "
+                        "writing; chunks are still checksummed as they are read")
+
+
 def _format_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("native", "torch_dist"), default="native",
                    help="output format: shardkit's native tensorstore checkpoint, or Megatron-LM's torch_dist "
@@ -71,6 +77,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                           "block scheme, and keep quantization_config")
     m2h.add_argument("--overwrite", action="store_true")
     m2h.add_argument("--quiet", action="store_true")
+    _skip_verify_flag(m2h)
 
     m2m = csub.add_parser("megatron-to-mcore", help="Megatron-LM --ckpt-format torch (mp_rank_* files) -> shardkit "
                           "checkpoint at the same TP/PP/VPP/EP layout (reshard afterwards for another)")
@@ -97,6 +104,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     rs.add_argument("--workers", type=int, default=None, help="writer processes (default: CPU count)")
     rs.add_argument("--overwrite", action="store_true", help="allow a non-empty destination directory")
     rs.add_argument("--quiet", action="store_true", help="no progress bar")
+    _skip_verify_flag(rs)
 
     ins = sub.add_parser("inspect", help="layout, model config and tensor table of a checkpoint")
     ins.add_argument("ckpt")
@@ -204,7 +212,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         dtype = _check_dtype(args.dtype)
         path = _from_native_source(args, args.ckpt, args.out, lambda ckpt: convert_mcore_to_hf(
             ckpt, args.out, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-            quiet=args.quiet, quantize_fp8=args.quantize_fp8))
+            quiet=args.quiet, quantize_fp8=args.quantize_fp8, skip_verify=args.skip_verify))
         print(f"wrote {path}")
         return 0
     if args.cmd == "convert" and args.direction == "megatron-to-mcore":
@@ -229,11 +237,12 @@ def _dispatch(args: argparse.Namespace) -> int:
             from convert.torch_dist_io import write_torch_dist
 
             path = write_torch_dist(args.src, args.dst, layout=layout, dtype=dtype, key_naming=args.key_naming,
-                                    overwrite=args.overwrite, quiet=args.quiet, workers=args.workers)
+                                    overwrite=args.overwrite, quiet=args.quiet, workers=args.workers,
+                                    skip_verify=args.skip_verify)
         else:
             path = _write(args, args.dst, lambda out: reshard(args.src, out, layout, dtype=dtype,
                                                               workers=args.workers, overwrite=args.overwrite,
-                                                              quiet=args.quiet))
+                                                              quiet=args.quiet, skip_verify=args.skip_verify))
         print(f"wrote {path}")
         return 0
     if args.cmd == "inspect":
