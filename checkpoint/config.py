@@ -65,13 +65,25 @@ _FAMILY_FIELDS["deepseek_v3"] = _DEEPSEEK
 TOPK_METHODS = {"greedy": ("softmax", False, False), "group_limited_greedy": ("softmax", True, False),
                 "noaux_tc": ("sigmoid", True, True)}
 
-# Refuse absurd sizes before anything is allocated (a corrupt or hostile config.json).
-_LIMITS = {
-    "vocab_size": 1 << 24, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 1 << 12,
-    "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "head_dim": 1 << 12,
-    "max_position_embeddings": 1 << 26, "num_local_experts": 1 << 14, "n_routed_experts": 1 << 14,
-    "moe_intermediate_size": 1 << 20, "kv_lora_rank": 1 << 16, "q_lora_rank": 1 << 16, "num_nextn_predict_layers": 64,
+# Refuse absurd sizes before anything is allocated (a corrupt or hostile config.json, manifest or Megatron args):
+# ModelConfig field -> (the HF config.json name, the largest value accepted). Every ModelConfig checks these on
+# construction, whatever it was built from; from_hf names the HF field.
+BOUNDS: dict[str, tuple[str, int]] = {
+    "vocab_size": ("vocab_size", 1 << 24), "hidden_size": ("hidden_size", 1 << 17),
+    "ffn_hidden_size": ("intermediate_size", 1 << 20), "num_layers": ("num_hidden_layers", 1 << 12),
+    "num_attention_heads": ("num_attention_heads", 1 << 12), "num_query_groups": ("num_key_value_heads", 1 << 12),
+    "kv_channels": ("head_dim", 1 << 12), "max_position_embeddings": ("max_position_embeddings", 1 << 26),
+    "num_moe_experts": ("num_local_experts", 1 << 14), "moe_ffn_hidden_size": ("moe_intermediate_size", 1 << 20),
+    "moe_shared_expert_intermediate_size": ("moe_intermediate_size", 1 << 22),
+    "moe_router_topk": ("num_experts_per_tok", 1 << 14), "kv_lora_rank": ("kv_lora_rank", 1 << 16),
+    "q_lora_rank": ("q_lora_rank", 1 << 16), "qk_head_dim": ("qk_nope_head_dim", 1 << 12),
+    "qk_pos_emb_head_dim": ("qk_rope_head_dim", 1 << 12), "v_head_dim": ("v_head_dim", 1 << 12),
+    "mtp_num_layers": ("num_nextn_predict_layers", 64), "make_vocab_size_divisible_by": ("", 1 << 16),
+    "sliding_window": ("sliding_window", 1 << 26),
 }
+_LIMITS = {hf: limit for hf, limit in BOUNDS.values() if hf} | {"n_routed_experts": 1 << 14}
+_OPTIONAL = {"num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "kv_lora_rank",
+             "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "sliding_window"}
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,21 @@ class ModelConfig:
     params_dtype: str = "float32"  # torch dtype name of the source weights
     make_vocab_size_divisible_by: int = 128
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # the source config.json, verbatim
+
+    def __post_init__(self) -> None:
+        """Bounds before anything is sized from this config: a 10^12-row embedding is refused, not attempted."""
+        for name, (hf_name, limit) in BOUNDS.items():
+            v = getattr(self, name)
+            if v is None and name in _OPTIONAL:
+                continue
+            low = 0 if name == "mtp_num_layers" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= limit:
+                alias = f" ({hf_name})" if hf_name and hf_name != name else ""
+                raise ConfigError(f"model config: {name}{alias}={v!r} is not an integer in [{low}, {limit}]; "
+                                  "refusing to size a model from it")
+        if self.num_moe_experts and self.moe_layer_freq is not None and len(self.moe_layer_freq) != self.num_layers:
+            raise ConfigError(f"model config: moe_layer_freq has {len(self.moe_layer_freq)} entries for "
+                              f"{self.num_layers} layers")
 
     # -- derived sizes ---------------------------------------------------------------------------------------------
     @property

@@ -7,6 +7,8 @@ from typing import Iterator
 from .config import ModelConfig
 from .errors import LayoutError
 
+MAX_PARALLEL = 1 << 16  # no parallel dimension is larger (a manifest or a flag saying so is refused)
+
 
 @dataclass(frozen=True)
 class RankCoord:
@@ -32,8 +34,8 @@ class Layout:
     def __post_init__(self) -> None:
         for flag, v in (("--tp", self.tp), ("--pp", self.pp), ("--vpp", self.vpp), ("--ep", self.ep),
                         ("--etp", self.etp if self.etp is not None else 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise LayoutError(f"{flag} must be a positive integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_PARALLEL:
+                raise LayoutError(f"{flag} must be a positive integer up to {MAX_PARALLEL}, got {v!r}")
 
     @property
     def expert_tp(self) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig
-from .errors import FormatError
+from .errors import ConfigError, FormatError
 from .layout import Layout
 from .sharding import (OPTIMIZER_PREFIX, OPTIMIZER_STATES, TensorSpec, chunk_shape, fp8_scale_specs, model_specs,
                        optimizer_specs)
@@ -25,6 +25,7 @@ MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 _ITER_RE = re.compile(r"^iter_\d{7}$")
+MAX_DIM = 1 << 40  # no axis of any tensor is longer; larger sizes in a manifest are damage or hostile
 
 
 def iter_dirname(iteration: int) -> str:
@@ -51,6 +52,25 @@ class TensorEntry:
     rule: str
     per_layer: bool
     expert: bool = False
+
+    def __post_init__(self) -> None:
+        """A manifest entry is input: its sizes are bounded and typed before any array is opened or chunk iterated."""
+        from .sharding import Rule
+        from .store import NP_DTYPES
+
+        def dims(v, low: int) -> bool:
+            return isinstance(v, list) and 0 < len(v) <= 8 and all(
+                isinstance(x, int) and not isinstance(x, bool) and low <= x <= MAX_DIM for x in v)
+
+        if not dims(self.shape, 0) or not dims(self.chunk, 1) or len(self.chunk) != len(self.shape):
+            raise FormatError(f"shape {self.shape!r} / chunk {self.chunk!r} are not lists of sizes (<= {MAX_DIM}) of "
+                              "one rank")
+        if self.dtype not in NP_DTYPES:
+            raise FormatError(f"dtype {self.dtype!r} is not one of {', '.join(NP_DTYPES)}")
+        if self.rule not in {r.value for r in Rule}:
+            raise FormatError(f"rule {self.rule!r} is unknown")
+        if not isinstance(self.per_layer, bool) or not isinstance(self.expert, bool):
+            raise FormatError("per_layer / expert must be booleans")
 
     @property
     def lead(self) -> int:
@@ -132,13 +152,16 @@ class Manifest:
             tensors = {}
             for name, e in d["tensors"].items():
                 tensor_path(name)
-                tensors[name] = TensorEntry(**e)
+                try:
+                    tensors[name] = TensorEntry(**e)
+                except FormatError as err:
+                    raise FormatError(f"tensor {name}: {err}") from None
             m = cls(iteration=int(d["iteration"]), model=ModelConfig.from_dict(d["model"]),
                     layout=Layout.from_dict(d["layout"]), tensors=tensors, provenance=d.get("provenance") or {},
                     training=d.get("training"), fp8=d.get("fp8"), optimizer=d.get("optimizer"))
-        except FormatError as e:
+        except (FormatError, ConfigError) as e:
             raise FormatError(f"{source}: {str(e).removeprefix('manifest: ')}") from None
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise FormatError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from None
         return m
 
