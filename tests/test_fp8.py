@@ -103,7 +103,7 @@ def test_blockwise_scales_256x256_weight():
     assert rel < 2 ** -4  # e4m3 keeps 3 mantissa bits in every block
     # 1x128 activation tiles on a ragged tensor: one scale per row and 128 columns (a partial last tile)
     x = torch.randn(5, 300)
-    qx, sx = F8.quantize_blocks(x, 1, 128, F8.E4M3)
+    _, sx = F8.quantize_blocks(x, 1, 128, F8.E4M3)
     assert sx.shape == (5, 3)
     assert sx[2, 2].item() == 1.0 / 2.0 ** math.floor(math.log2(448.0 / x[2, 256:].abs().max().item()))
 
@@ -323,3 +323,31 @@ def test_transformer_engine_missing_is_one_line(setup, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1, err
     assert err[0].startswith("shardkit: error: --transformer-impl transformer_engine") and "pip install" in err[0]
+
+
+def test_gpu_check_cpu_smoke(tmp_path):
+    """scripts/gpu_check.sh --cpu-smoke: the GPU check's code on the CPU with tiny sizes (every part, both runs of the
+    backend comparison, bf16 and FP8 throughput with MFU), writing the JSON summary under $OUT."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    r = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--cpu-smoke", "--steps", "3", "--skip", "1",
+                        "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert s["mode"] == "cpu-smoke"
+    a, b, c = s["a_te_vs_local"], s["b_bf16_seq4096"], s["c_fp8_vs_bf16_seq8192"]
+    for part in (a, b, c):
+        assert "error" not in part and "skipped" not in part, part
+    assert a["bf16"]["same_within_2e-2"] and a["fp8_tensorwise"]["same_within_2e-2"]
+    assert len(a["bf16"]["local"]) == 4
+    assert b["tokens_per_s"] > 0 and b["mfu_megatron"] > 0 and b["mfu_torchtitan"] > b["mfu_megatron"]
+    for label in ("fp8_tensorwise", "fp8_delayed"):
+        assert c[label]["speedup_over_bf16"] > 0
+        fp8, bf16 = np.array(c[label]["losses"]), np.array(c["bf16"]["losses"])
+        assert 0 < np.abs(fp8 - bf16).max() < LOSS_TOL  # FP8 ran, and tracks bf16

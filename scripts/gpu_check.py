@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""One short GPU check of the trainer (issue 5 and 6 goals), for a single H100/H200 and a 10-minute limit.
+
+    (a) Transformer Engine backend vs local backend: the same losses, step by step, from the same converted
+        checkpoint and corpus (bf16; and FP8 tensorwise, both backends) -- skipped when TE is not importable;
+    (b) bf16 tokens/s and MFU (Megatron's and torchtitan's conventions, train/metrics.py) of a ~1B Llama
+        (Llama-3.2-1B's shape) at seq 4096; goal: Megatron MFU >= 45%;
+    (c) FP8 (local backend: tensorwise and delayed; TE too when installed) vs bf16 tokens/s and MFU at seq 8192;
+        goal: FP8 >= 1.3x bf16 tokens/s.
+
+Every number comes from the real trainer: a random HF Llama is built locally from transformers' LlamaConfig (no hub),
+saved, converted with `shardkit convert hf-to-mcore`, and trained for a few steps by `shardkit continue-pretrain` on a
+generated .bin/.idx corpus; throughput is the median over the steps after the first `--skip` (warm-up) of the
+trainer's own metrics.jsonl. Nothing is saved (no --save), so checkpoint writing is not timed. The summary goes to
+`--out` (scripts/gpu_check.sh points it at $OUT/gpu_check.json). Each part runs on its own and records its error, so
+one failure does not hide the others; parts that no longer fit in `--deadline-s` are skipped and say so.
+
+`--cpu-smoke` runs the same code on the CPU with tiny sizes (tests/test_fp8.py runs it): everything except the GPU
+numbers and TE (whose comparison then pits the local backend against itself, marked as such).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Llama-3.2-1B's shape (1.24B parameters, tied embeddings); the (a) model is a small one of the same family
+BIG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+           num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0)
+SMALL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+             num_key_value_heads=4, max_position_embeddings=8192, tie_word_embeddings=False)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+GOAL_MFU, GOAL_FP8_SPEEDUP = 0.45, 1.3
+
+
+def build_checkpoint(work: Path, name: str, shape: dict, device: str) -> Path:
+    """Random HF Llama (bf16, seeded) -> save_pretrained -> shardkit convert hf-to-mcore; returns the checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardkit.cli import main as cli
+
+    hf, ck = work / f"{name}-hf", work / f"{name}-ck"
+    torch.manual_seed(0)
+    with torch.device(device):  # initialising 1B parameters is quick on the GPU
+        model = LlamaForCausalLM(LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16"))
+    model.to(torch.bfloat16).save_pretrained(str(hf))
+    del model
+    if cli(["convert", "hf-to-mcore", str(hf), str(ck), "--quiet"]) != 0:
+        raise RuntimeError(f"convert hf-to-mcore {hf} failed")
+    return ck
+
+
+def build_corpus(work: Path, vocab: int, tokens: int) -> Path:
+    import numpy as np
+
+    from train.data import write_indexed
+
+    work.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    docs, n = [], 0
+    while n < tokens:
+        d = rng.integers(3, vocab, size=int(rng.integers(512, 4096)))
+        docs.append(d)
+        n += d.size
+    write_indexed(work / "corpus", docs, np.int32 if vocab >= 65500 else np.uint16)
+    return work / "corpus"
+
+
+def train(run_dir: Path, ck: Path, data: Path, seq: int, steps: int, extra: list[str], in_process: bool,
+          timeout: float) -> list[dict]:
+    """`shardkit continue-pretrain` for `steps` steps (one sequence each); its metrics.jsonl rows."""
+    args = ["continue-pretrain", "--load", str(ck), "--data-path", str(data), "--split", "100,0,0",
+            "--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--train-iters", str(steps), "--lr", "1e-5", "--lr-warmup-iters", "0", "--bf16", "--log-interval", "1",
+            "--log-dir", str(run_dir), *extra]
+    if in_process:
+        from shardkit.cli import main as cli
+
+        if cli(args) != 0:
+            raise RuntimeError(f"continue-pretrain {' '.join(extra)} failed")
+    else:
+        r = subprocess.run([sys.executable, "-m", "shardkit", *args], capture_output=True, text=True,
+                           timeout=timeout, cwd=REPO)
+        if r.returncode != 0:
+            raise RuntimeError(f"continue-pretrain {' '.join(extra)} failed ({r.returncode}): "
+                               f"{(r.stderr or r.stdout)[-1500:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summarise(rows: list[dict], skip: int) -> dict:
+    """Median throughput over the steps after the warm-up, and the losses."""
+    timed = rows[skip:] or rows
+    out = {"steps": len(rows), "timed_steps": len(timed), "losses": [r["loss"] for r in rows]}
+    for key in ("step_seconds", "tokens_per_s", "mfu_megatron", "mfu_torchtitan", "tflops_per_device_megatron",
+                "mem_gib"):
+        vals = [r[key] for r in timed if r.get(key) is not None]
+        out[key] = statistics.median(vals) if vals else None
+    return out
+
+
+class Check:
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        self.args = args
+        self.t0 = time.monotonic()
+        self.smoke = args.cpu_smoke
+        self.device = "cpu" if self.smoke else "cuda"
+        if not self.smoke and not torch.cuda.is_available():
+            raise SystemExit("gpu_check: no CUDA device visible to torch (use --cpu-smoke to try it on the CPU)")
+        self.work = Path(args.work or tempfile.mkdtemp(prefix="shardkit-gpu-check-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        from train.te import te_available
+
+        self.te = te_available()
+        self.summary: dict = {"mode": "cpu-smoke" if self.smoke else "gpu", "device": self._device_name(),
+                              "torch": torch.__version__, "transformer_engine": self._te_version(),
+                              "goals": {"bf16_mfu_megatron_seq4096": GOAL_MFU, "fp8_over_bf16_seq8192":
+                                        GOAL_FP8_SPEEDUP}}
+        self.extra = ["--peak-tflops", "1"] if self.smoke else []  # CPU: a nominal peak so MFU is computed
+
+    def _device_name(self) -> str:
+        import torch
+
+        return "cpu" if self.smoke else torch.cuda.get_device_name()
+
+    def _te_version(self) -> str | None:
+        if not self.te:
+            return None
+        try:
+            import transformer_engine
+
+            return getattr(transformer_engine, "__version__", "installed")
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            return f"import failed: {type(e).__name__}: {e}"
+
+    def left(self) -> float:
+        return self.args.deadline_s - (time.monotonic() - self.t0)
+
+    def part(self, key: str, fn) -> None:
+        if self.left() < 30:
+            self.summary[key] = {"skipped": f"out of time ({self.args.deadline_s:.0f} s budget)"}
+            return
+        t = time.monotonic()
+        try:
+            self.summary[key] = fn()
+        except Exception as e:  # noqa: BLE001 - one part's failure is recorded, the others still run
+            self.summary[key] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
+        self.summary[key]["wall_s"] = round(time.monotonic() - t, 1)
+        self.write()
+
+    def run(self, name: str, ck: Path, data: Path, seq: int, steps: int, extra: list[str]) -> dict:
+        rows = train(self.work / name, ck, data, seq, steps, [*extra, *self.extra], self.smoke,
+                     timeout=max(60.0, self.left()))
+        return summarise(rows, self.args.skip if steps > self.args.skip else 0)
+
+    def write(self) -> None:
+        out = Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.summary, indent=1) + "\n")
+
+    # -- the three parts --------------------------------------------------------------------------------------------
+    def backends(self) -> dict:
+        """(a) TE vs local: per-step losses from the same checkpoint and data."""
+        shape = TINY if self.smoke else SMALL
+        seq = 64 if self.smoke else 2048
+        ck = build_checkpoint(self.work, "small", shape, self.device)
+        data = build_corpus(self.work / "small", shape["vocab_size"], 4 * (seq + 1) * 8)
+        other = "transformer_engine" if self.te else "local"
+        res: dict = {"compared": f"local vs {other}" + ("" if self.te else " (Transformer Engine not importable: "
+                                                               "the comparison runs the local backend twice)")}
+        for label, fp8 in (("bf16", []), ("fp8_tensorwise", ["--fp8", "hybrid", "--fp8-recipe", "tensorwise"])):
+            a = self.run(f"a-local-{label}", ck, data, seq, 4, ["--transformer-impl", "local", *fp8])
+            b = self.run(f"a-{'te' if self.te else 'local-again'}-{label}", ck, data, seq, 4,
+                         ["--transformer-impl", other, *fp8])
+            diff = max(abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"]))
+            res[label] = {"local": a["losses"], other: b["losses"], "max_rel_diff": diff,
+                          "same_within_2e-2": diff <= 2e-2}
+        return res
+
+    def bf16_4096(self) -> dict:
+        """(b) bf16 throughput and MFU of the ~1B model at seq 4096."""
+        seq = 128 if self.smoke else 4096
+        ck, data = self.big()
+        r = self.run("b-bf16-4096", ck, data, seq, self.args.steps, ["--transformer-impl", "local"])
+        r["seq_length"] = seq
+        r["goal_met"] = None if self.smoke else (r["mfu_megatron"] is not None and r["mfu_megatron"] >= GOAL_MFU)
+        return r
+
+    def fp8_8192(self) -> dict:
+        """(c) FP8 vs bf16 at seq 8192 (local backend; TE too where installed)."""
+        seq = 256 if self.smoke else 8192
+        ck, data = self.big()
+        res: dict = {"seq_length": seq}
+        runs = [("bf16", ["--transformer-impl", "local"]),
+                ("fp8_tensorwise", ["--transformer-impl", "local", "--fp8", "hybrid", "--fp8-recipe", "tensorwise"]),
+                ("fp8_delayed", ["--transformer-impl", "local", "--fp8", "hybrid", "--fp8-recipe", "delayed"])]
+        if self.te:
+            runs += [("te_bf16", ["--transformer-impl", "transformer_engine"]),
+                     ("te_fp8_delayed", ["--transformer-impl", "transformer_engine", "--fp8", "hybrid",
+                                         "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+                                         "--fp8-amax-compute-algo", "max"])]
+        for label, extra in runs:
+            if self.left() < 45:
+                res[label] = {"skipped": "out of time"}
+                continue
+            try:
+                res[label] = self.run(f"c-{label}-{seq}", ck, data, seq, self.args.steps, extra)
+            except Exception as e:  # noqa: BLE001
+                res[label] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
+        base = res["bf16"].get("tokens_per_s")
+        for label, r in list(res.items()):
+            if isinstance(r, dict) and r.get("tokens_per_s") and base and label != "bf16":
+                r["speedup_over_bf16"] = r["tokens_per_s"] / base
+        best = max((r.get("speedup_over_bf16", 0) for r in res.values() if isinstance(r, dict)), default=0)
+        res["best_fp8_speedup"] = best
+        res["goal_met"] = None if self.smoke else best >= GOAL_FP8_SPEEDUP  # CPU timings say nothing about GPUs
+        return res
+
+    def big(self) -> tuple[Path, Path]:
+        if not hasattr(self, "_big"):
+            shape = TINY if self.smoke else BIG
+            ck = build_checkpoint(self.work, "big", shape, self.device)
+            seq = 256 if self.smoke else 8192
+            data = build_corpus(self.work / "big", shape["vocab_size"], (seq + 1) * (self.args.steps + 2) * 2)
+            self._big = (ck, data)
+        return self._big
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU (what a test runs)")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
+    p.add_argument("--work", default=None, help="work directory (default: a temporary one)")
+    p.add_argument("--steps", type=int, default=10, help="training steps per throughput run (default 10)")
+    p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians (default 3)")
+    p.add_argument("--deadline-s", type=float, default=480, help="skip parts that would start after this")
+    p.add_argument("--parts", default="a,b,c", help="which of a,b,c to run")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, str(REPO))
+    check = Check(args)
+    parts = set(args.parts.split(","))
+    if "a" in parts:
+        check.part("a_te_vs_local", check.backends)
+    if "b" in parts:
+        check.part("b_bf16_seq4096", check.bf16_4096)
+    if "c" in parts:
+        check.part("c_fp8_vs_bf16_seq8192", check.fp8_8192)
+    check.summary["total_s"] = round(time.monotonic() - check.t0, 1)
+    check.write()
+    print(json.dumps(check.summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

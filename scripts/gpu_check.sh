@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One short GPU check for a single H100/H200 (10-minute limit, fresh checkout): scripts/gpu_check.py does the work
+#   (a) Transformer Engine backend vs local backend: same losses from the same checkpoint (skipped without TE)
+#   (b) bf16 tokens/s and MFU of a ~1B Llama at seq 4096        (goal: Megatron MFU >= 45%)
+#   (c) FP8 vs bf16 tokens/s and MFU of the same model at seq 8192 (goal: FP8 >= 1.3x bf16)
+# and writes $OUT/gpu_check.json (./gpu_check_out/ when OUT is unset).
+#
+#   bash scripts/gpu_check.sh                 # on the GPU machine
+#   bash scripts/gpu_check.sh --cpu-smoke     # the same code, tiny sizes, on the CPU (what tests/test_fp8.py runs)
+#
+# Python: .venv if its torch sees a GPU; else a .venv-gpu on top of the system's CUDA torch
+# (--system-site-packages, so no multi-GB download when the image has one); else `make install`.
+# GPU_CHECK_INSTALL_TE=1 tries `pip install transformer-engine[pytorch]` first (a source build: minutes).
+# Extra arguments go to gpu_check.py (e.g. --steps 6 --parts b,c).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_check_out}"
+mkdir -p "$OUT"
+
+if [ "${1:-}" = "--cpu-smoke" ]; then
+  shift
+  exec "${PYTHON:-.venv/bin/python}" scripts/gpu_check.py --cpu-smoke --out "$OUT/gpu_check.json" "$@"
+fi
+
+has_cuda_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
+if [ -x .venv/bin/python ] && has_cuda_torch .venv/bin/python; then
+  PY=.venv/bin/python
+elif has_cuda_torch python3; then
+  [ -x .venv-gpu/bin/python ] || python3 -m venv --system-site-packages .venv-gpu
+  PY=.venv-gpu/bin/python
+else
+  make install || { echo "gpu_check: could not install (no CUDA torch on this machine and no network?)"; exit 1; }
+  PY=.venv/bin/python
+fi
+"$PY" -c "import shardkit, tensorstore, transformers" 2>/dev/null || "$PY" -m pip install -q -e . || {
+  echo "gpu_check: pip install -e . failed"; exit 1; }
+if [ "${GPU_CHECK_INSTALL_TE:-0}" = 1 ]; then
+  timeout 420 "$PY" -m pip install -q --no-build-isolation "transformer-engine[pytorch]" \
+    || echo "gpu_check: Transformer Engine did not install; part (a) will be skipped"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+exec "$PY" scripts/gpu_check.py --out "$OUT/gpu_check.json" --deadline-s "${GPU_CHECK_DEADLINE_S:-480}" "$@"
