@@ -106,13 +106,15 @@ class DistributedOptimizer:
         self.owner = owners(numel, groups.dims.dp)
         self.counted = [not (n in replicated and groups.tp_rank != 0) and n not in tied_copy for n in self.names]
         mine = [i for i, o in enumerate(self.owner) if o == groups.dp_rank]
-        self.main = {i: self.params[i].detach().float().clone() for i in mine}
+        # fp32 parameters are their own main copy (Megatron does the same for fp32 training): no second copy and no
+        # copy back after the step; bf16 parameters get an fp32 main copy
+        self.main = {i: _main_copy(self.params[i]) for i in mine}
         decay, no_decay = [], []
         for i in mine:
             (no_decay if self.params[i].ndim == 1 or self.names[i].endswith(".bias") else decay).append(self.main[i])
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False)
+            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=True)
 
     # -- gradients ----------------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -139,7 +141,7 @@ class DistributedOptimizer:
         sq = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
         for i, p in enumerate(self.params):
             if self.counted[i] and self.owner[i] == g.dp_rank:
-                sq += p.main_grad.double().pow(2).sum()
+                sq += torch.linalg.vector_norm(p.main_grad).double() ** 2  # fp32 per tensor, as Megatron
         if dist.is_initialized() and g.dims.world > 1:
             dist.all_reduce(sq)
         norm = math.sqrt(float(sq))
@@ -157,7 +159,8 @@ class DistributedOptimizer:
         self.opt.step()
         self.steps += 1
         for i, main in self.main.items():
-            self.params[i].copy_(main)
+            if main.data_ptr() != self.params[i].data_ptr():
+                self.params[i].copy_(main)
             main.grad = None
         self._broadcast_from_owners()
 
@@ -196,9 +199,15 @@ class DistributedOptimizer:
         main.copy_(values["fp32_param"])
         if step > 0:
             moment = lambda t: t.to(device=main.device, dtype=torch.float32, copy=True)  # noqa: E731
-            self.opt.state[main] = {"step": torch.tensor(float(step)), "exp_avg": moment(values["exp_avg"]),
+            self.opt.state[main] = {"step": torch.tensor(float(step), device=main.device),  # fused AdamW
+                                    "exp_avg": moment(values["exp_avg"]),
                                     "exp_avg_sq": moment(values["exp_avg_sq"])}
 
+
+
+def _main_copy(p: Tensor) -> Tensor:
+    """The fp32 tensor AdamW updates for parameter p: p's own storage when p is fp32, else an fp32 copy."""
+    return p.detach() if p.dtype == torch.float32 else p.detach().float().clone()
 
 
 def _accumulate(p: Tensor) -> None:
