@@ -35,6 +35,8 @@ into JSON-safe data (base64 of little-endian float32, no pickle) that the traine
 from __future__ import annotations
 
 import base64
+import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,6 +139,44 @@ def quantize(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """Saturating cast: x * scale clipped to the format's range, rounded to nearest by torch's cast."""
     m = FP8_MAX[dtype]
     return (x.float() * scale).clamp_(-m, m).to(dtype)
+
+
+def amax_and_quantize(x: Tensor, scale: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Delayed scaling's one pass: the tensor's amax (recorded for later steps) and its cast with the given scale."""
+    return quantize(x, scale, dtype), x.detach().abs().amax().float()
+
+
+def current_quantize(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Current scaling: (FP8 data, scale) with the scale from this tensor's own amax."""
+    scale = scale_from_amax(x.detach().abs().amax(), dtype)
+    return quantize(x, scale, dtype), scale
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _on_device(name: str, fn):
+    """`fn` for CUDA tensors compiled by torch.compile, so the amax, scaling, clipping and cast run as fused kernels
+    (eager they are five passes over the tensor, which eat the FP8 GEMM's gain). The first failure (no Triton, an
+    unsupported torch) switches back to eager for good, with a warning. SHARDKIT_FP8_COMPILE=0 turns it off."""
+    def run(x: Tensor, *args):
+        if not x.is_cuda or os.environ.get("SHARDKIT_FP8_COMPILE", "1") == "0" or _COMPILED.get(name) is False:
+            return fn(x, *args)
+        compiled = _COMPILED.get(name)
+        if compiled is None:
+            compiled = _COMPILED[name] = torch.compile(fn, dynamic=True)
+        try:
+            return compiled(x, *args)
+        except Exception as e:  # noqa: BLE001 - any compile failure falls back to the same math, eager
+            warnings.warn(f"FP8 quantization: torch.compile failed ({type(e).__name__}: {e}); running eager")
+            _COMPILED[name] = False
+            return fn(x, *args)
+
+    return run
+
+
+_amax_and_quantize = _on_device("amax_and_quantize", amax_and_quantize)
+_current_quantize = _on_device("current_quantize", current_quantize)
 
 
 def dequantize(q: Tensor, scale_inv: Tensor) -> Tensor:
@@ -283,14 +323,14 @@ class Quantizer:
 
     def per_tensor(self, x: Tensor, role: int, dtype: torch.dtype, record: bool) -> tuple[Tensor, Tensor]:
         """(FP8 data, scale_inv) with one scale: the delayed one from the state, or the tensor's own."""
-        amax = x.detach().abs().amax()
         if self.state is not None:
             scale = self.state.scale[self.slot + role]
+            q, amax = _amax_and_quantize(x, scale, dtype)
             if record:
                 self.state.record(self.slot + role, amax)
         else:
-            scale = scale_from_amax(amax, dtype)
-        return quantize(x, scale, dtype), (1.0 / scale).reshape(())
+            q, scale = _current_quantize(x, dtype)
+        return q, (1.0 / scale).reshape(())
 
 
 class _FP8Linear(torch.autograd.Function):
