@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig
-from .errors import ConfigError, FormatError
+from .errors import ConfigError, FormatError, LayoutError
 from .layout import Layout
 from .sharding import (OPTIMIZER_PREFIX, OPTIMIZER_STATES, TensorSpec, chunk_shape, fp8_scale_specs, model_specs,
                        optimizer_specs)
@@ -159,7 +159,7 @@ class Manifest:
             m = cls(iteration=int(d["iteration"]), model=ModelConfig.from_dict(d["model"]),
                     layout=Layout.from_dict(d["layout"]), tensors=tensors, provenance=d.get("provenance") or {},
                     training=d.get("training"), fp8=d.get("fp8"), optimizer=d.get("optimizer"))
-        except (FormatError, ConfigError) as e:
+        except (FormatError, ConfigError, LayoutError) as e:
             raise FormatError(f"{source}: {str(e).removeprefix('manifest: ')}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise FormatError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from None

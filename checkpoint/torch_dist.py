@@ -43,6 +43,7 @@ from torch.distributed.checkpoint import planner as _dcp_planner
 
 from .commit import LOCK, output_lock, recover_root, replace_dir, write_file_atomic
 from .faults import fault_point
+from .safety import safe_path
 from .errors import FormatError, ShardkitError, WriteError
 
 METADATA_JSON = "metadata.json"
@@ -381,8 +382,8 @@ class TorchDistCheckpoint:
                 raise FormatError(f"{src}: item {idx.fqn} is stored with transforms {info.transform_descriptors}; "
                                   "only plain torch.save items are supported")
             if rel not in sizes:
-                p = self.path / rel
-                if p.is_symlink() or not p.is_file():
+                p = safe_path(self.path, rel, f"{src}: item {idx.fqn}")
+                if not p.is_file():
                     raise FormatError(f"{p}: missing (item {idx.fqn} is stored there); the checkpoint is incomplete")
                 sizes[rel] = p.stat().st_size
             off, length = int(info.offset), int(info.length)

@@ -19,6 +19,7 @@ import numpy as np
 
 from checkpoint import store
 from checkpoint.errors import FormatError
+from checkpoint.safety import safe_path
 from checkpoint.sharding import SCALE_SUFFIX  # DeepSeek-V3: `<weight>_scale_inv`, one fp32 scale per block
 
 INDEX = "model.safetensors.index.json"
@@ -119,8 +120,9 @@ class HFSource:
                 raise FormatError(f"{index}: malformed index ({e})") from None
             files = sorted(set(wm.values()))
             for f in files:
-                if not isinstance(f, str) or "/" in f or "\\" in f or f.startswith(".."):
+                if not isinstance(f, str) or "/" in f:
                     raise FormatError(f"{index}: shard name {f!r} is not a plain file name")
+                safe_path(self.dir, f, f"{index}: shard")
                 if not (self.dir / f).is_file():
                     raise FormatError(f"{index}: names shard {f!r}, which is missing from {self.dir}")
             return files, wm

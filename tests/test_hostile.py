@@ -1,0 +1,411 @@
+"""Hostile and malformed inputs (issue 8), one table: each row damages a copy of a good input, runs one real CLI
+command (convert, reshard, continue-pretrain, inspect, verify), and expects exactly one `shardkit: error:` line naming
+the culprit and a non-zero exit. Pickle payloads would `touch` a marker file if anything unpickled them: the marker
+must never appear. Rows run in-process (shardkit.cli.main) to keep the file fast.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from checkpoint.manifest import _digest
+from shardkit.cli import main
+
+TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=300)
+TENSOR = "decoder.layers.mlp.linear_fc2.weight"
+TENSOR_HF = "model.layers.0.mlp.down_proj.weight"
+ITER = "iter_0000000"
+
+
+class Payload:
+    """Unpickling this runs `touch <marker>`: the side effect the tests look for."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> dict[str, Path]:
+    """One of each good input: an HF model, a native checkpoint, a torch_dist checkpoint, a token corpus."""
+    from shardkit.demo import build_tiny_llama
+    from train.data import write_indexed
+
+    root = tmp_path_factory.mktemp("hostile")
+    hf = build_tiny_llama(root / "hf", **TINY)
+    assert main(["convert", "hf-to-mcore", str(hf), str(root / "ck"), "--quiet"]) == 0
+    assert main(["convert", "hf-to-mcore", str(hf), str(root / "td"), "--format", "torch_dist", "--quiet"]) == 0
+    rng = np.random.default_rng(0)
+    write_indexed(root / "data", [rng.integers(3, 200, size=40) for _ in range(64)], np.uint16)
+    return {"hf": hf, "ck": root / "ck", "td": root / "td", "data": root / "data"}
+
+
+class Case:
+    def __init__(self, tmp: Path, good: dict[str, Path]):
+        self.tmp, self.good = tmp, good
+        self.marker = tmp / "PWNED"
+        self.out = tmp / "out"
+
+    def copy(self, key: str) -> Path:
+        return Path(shutil.copytree(self.good[key], self.tmp / key, symlinks=True))
+
+    # -- editing helpers ----------------------------------------------------------------------------------------
+    def manifest(self, ck: Path, edit: Callable[[dict], None]) -> None:
+        """Edit the manifest and recompute its digest (an attacker can; the digest is no signature)."""
+        p = ck / ITER / "manifest.json"
+        m = json.loads(p.read_text())
+        m.pop("digest")
+        edit(m)
+        m["digest"] = "sha256:" + _digest(m)
+        p.write_text(json.dumps(m))
+
+    def hf_config(self, hf: Path, **changes) -> None:
+        p = hf / "config.json"
+        c = json.loads(p.read_text())
+        c.update(changes)
+        p.write_text(json.dumps(c))
+
+    def safetensors_header(self, hf: Path, edit: Callable[[dict], None]) -> None:
+        """Rewrite model.safetensors with an edited header (data bytes unchanged)."""
+        p = hf / "model.safetensors"
+        data = p.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        edit(header)
+        raw = json.dumps(header).encode()
+        p.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+
+    def dcp_metadata(self, td: Path, edit: Callable) -> None:
+        from checkpoint.torch_dist import load_dcp_metadata
+
+        p = td / ITER / ".metadata"
+        md = load_dcp_metadata(p)
+        edit(md)
+        p.write_bytes(pickle.dumps(md))
+
+    def legacy(self, state: object) -> Path:
+        """A Megatron-LM legacy checkpoint root whose one rank file is `state` (torch.save)."""
+        import torch
+
+        root = self.tmp / "legacy"
+        (root / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+        (root / "latest_checkpointed_iteration.txt").write_text("1")
+        f = root / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+        if isinstance(state, bytes):
+            f.write_bytes(state)
+        else:
+            torch.save(state, f)
+        return root
+
+
+# -- the table: (id, build(case) -> argv, words the error line must contain) --------------------------------------
+
+def _convert(c: Case, hf: Path, *extra) -> list:
+    return ["convert", "hf-to-mcore", hf, c.out, "--quiet", *extra]
+
+
+def _reshard_td(c: Case, td: Path) -> list:
+    return ["reshard", td, c.out, "--hf-config", c.good["hf"], "--quiet"]
+
+
+def _train(c: Case, load: Path, *extra) -> list:
+    return ["continue-pretrain", "--load", load, "--data-path", c.good["data"], "--save", c.out,
+            "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", *extra]
+
+
+def _bin_weights(c: Case) -> list:
+    hf = c.copy("hf")
+    (hf / "model.safetensors").unlink()
+    with open(hf / "pytorch_model.bin", "wb") as f:
+        pickle.dump(Payload(c.marker), f)
+    return _convert(c, hf)
+
+
+def _legacy_payload(c: Case) -> list:
+    import argparse
+
+    root = c.legacy({"args": argparse.Namespace(), "model": {"x": Payload(c.marker)}, "iteration": 1})
+    return ["convert", "megatron-to-mcore", root, c.out, "--hf-config", c.good["hf"], "--quiet"]
+
+
+def _legacy_empty(c: Case) -> list:
+    root = c.legacy(b"")
+    return ["convert", "megatron-to-mcore", root, c.out, "--hf-config", c.good["hf"], "--quiet"]
+
+
+def _common_payload(c: Case) -> list:
+    import torch
+
+    td = c.copy("td")
+    torch.save({"iteration": 0, "args": Payload(c.marker)}, td / ITER / "common.pt")
+    return _reshard_td(c, td)
+
+
+def _metadata_payload(c: Case) -> list:
+    td = c.copy("td")
+    (td / ITER / ".metadata").write_bytes(pickle.dumps(Payload(c.marker)))
+    return _reshard_td(c, td)
+
+
+def _dcp_path(rel: str) -> Callable[[Case], list]:
+    def build(c: Case) -> list:
+        td = c.copy("td")
+        (c.tmp / "x.distcp").write_bytes(b"\0" * 64)
+
+        def edit(md) -> None:
+            for info in md.storage_data.values():
+                info.relative_path = rel
+        c.dcp_metadata(td, edit)
+        return _reshard_td(c, td)
+    return build
+
+
+def _dcp_symlink(c: Case) -> list:
+    td = c.copy("td")
+    it = td / ITER
+    victim = sorted(it.glob("*.distcp"))[0]
+    outside = c.tmp / "outside.distcp"
+    shutil.move(victim, outside)
+    victim.symlink_to(outside)
+    return _reshard_td(c, td)
+
+
+def _dcp_missing_file(c: Case) -> list:
+    td = c.copy("td")
+    sorted((td / ITER).glob("*.distcp"))[0].unlink()
+    return _reshard_td(c, td)
+
+
+def _dcp_truncated(c: Case) -> list:
+    td = c.copy("td")
+    f = sorted((td / ITER).glob("*.distcp"))[0]
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return _reshard_td(c, td)
+
+
+def _index(weight_map_file: str) -> Callable[[Case], list]:
+    def build(c: Case) -> list:
+        hf = c.copy("hf")
+        from safetensors import safe_open
+
+        with safe_open(str(hf / "model.safetensors"), "np") as f:
+            names = list(f.keys())
+        (hf / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {n: weight_map_file for n in names}}))
+        return _convert(c, hf)
+    return build
+
+
+def _index_symlink(c: Case) -> list:
+    hf = c.copy("hf")
+    outside = c.tmp / "elsewhere.safetensors"
+    shutil.move(hf / "model.safetensors", outside)
+    (hf / "shard.safetensors").symlink_to(outside)
+    from safetensors import safe_open
+
+    with safe_open(str(outside), "np") as f:
+        names = list(f.keys())
+    (hf / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "shard.safetensors" for n in names}}))
+    return _convert(c, hf)
+
+
+def _manifest_edit(edit: Callable[[dict], None], cmd: str = "verify") -> Callable[[Case], list]:
+    def build(c: Case) -> list:
+        ck = c.copy("ck")
+        c.manifest(ck, edit)
+        return {"verify": ["verify", ck, "--quiet"], "inspect": ["inspect", ck, "--json"],
+                "reshard": ["reshard", ck, c.out, "--tp", "2", "--quiet"],
+                "train": _train(c, ck)}[cmd]
+    return build
+
+
+def _rename_tensor(new: str) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:
+        m["tensors"][new] = m["tensors"].pop(TENSOR)
+    return edit
+
+
+def _set_entry(key: str, value) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:
+        m["tensors"][TENSOR][key] = value
+    return edit
+
+
+def _set(path: tuple, value) -> Callable[[dict], None]:
+    def edit(m: dict) -> None:
+        d = m
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+    return edit
+
+
+def _latest(text: str | None, cmd: str) -> Callable[[Case], list]:
+    def build(c: Case) -> list:
+        ck = c.copy("ck")
+        if text is None:
+            (ck / "latest").unlink()
+            shutil.rmtree(ck / ITER)
+        else:
+            (ck / "latest").write_text(text)
+        return {"verify": ["verify", ck, "--quiet"], "inspect": ["inspect", ck], "train": _train(c, ck),
+                "reshard": ["reshard", ck, c.out, "--quiet"]}[cmd]
+    return build
+
+
+def _array_symlink(c: Case) -> list:
+    ck = c.copy("ck")
+    arr = ck / ITER / "model" / TENSOR
+    outside = c.tmp / "outside-array"
+    shutil.move(arr, outside)
+    arr.symlink_to(outside)
+    return ["verify", ck, "--quiet"]
+
+
+def _zarr_json(edit: Callable[[dict], None] | None, cmd: str = "verify") -> Callable[[Case], list]:
+    def build(c: Case) -> list:
+        ck = c.copy("ck")
+        p = ck / ITER / "model" / TENSOR / "zarr.json"
+        if edit is None:
+            p.write_text("")
+        else:
+            z = json.loads(p.read_text())
+            edit(z)
+            p.write_text(json.dumps(z))
+        return ["verify", ck, "--quiet"] if cmd == "verify" else ["reshard", ck, c.out, "--tp", "2", "--quiet"]
+    return build
+
+
+def _hf(edit: Callable[[Case, Path], None]) -> Callable[[Case], list]:
+    def build(c: Case) -> list:
+        hf = c.copy("hf")
+        edit(c, hf)
+        return _convert(c, hf)
+    return build
+
+
+def _empty_data(c: Case) -> list:
+    (c.tmp / "empty.bin").write_bytes(b"")
+    (c.tmp / "empty.idx").write_bytes(b"")
+    argv = _train(c, c.good["ck"])
+    argv[argv.index("--data-path") + 1] = c.tmp / "empty"
+    return argv
+
+
+def _train_state(c: Case) -> list:
+    ck = c.copy("ck")
+    (ck / ITER / "train_state.json").write_text("{not json")
+    return _train(c, ck)
+
+
+CASES: list[tuple[str, Callable[[Case], list], tuple[str, ...]]] = [
+    # HF sources (convert hf-to-mcore)
+    ("hf-config-empty", _hf(lambda c, hf: (hf / "config.json").write_text("")), ("config.json", "JSON")),
+    ("hf-vocab-1e12", _hf(lambda c, hf: c.hf_config(hf, vocab_size=10**12)), ("vocab_size", "limit")),
+    ("hf-negative-hidden", _hf(lambda c, hf: c.hf_config(hf, hidden_size=-64)), ("hidden_size",)),
+    ("hf-layers-string", _hf(lambda c, hf: c.hf_config(hf, num_hidden_layers="2")), ("num_hidden_layers",)),
+    ("hf-safetensors-empty", _hf(lambda c, hf: (hf / "model.safetensors").write_bytes(b"")),
+     ("model.safetensors",)),
+    ("hf-safetensors-int64", _hf(lambda c, hf: c.safetensors_header(
+        hf, lambda h: h[TENSOR_HF].update(dtype="I64"))), ("model.safetensors", "dtype")),
+    ("hf-absurd-shape", _hf(lambda c, hf: c.safetensors_header(
+        hf, lambda h: h[TENSOR_HF].update(shape=[10**12, 64]))), ("model.safetensors", TENSOR_HF)),
+    ("hf-index-traversal", _index("../outside.safetensors"), ("model.safetensors.index.json", "outside")),
+    ("hf-index-absolute", _index("/etc/passwd"), ("model.safetensors.index.json", "/etc/passwd")),
+    ("hf-index-symlink-out", _index_symlink, ("symlink", "outside")),
+    ("hf-index-empty", _hf(lambda c, hf: (hf / "model.safetensors.index.json").write_text("")),
+     ("model.safetensors.index.json",)),
+    ("hf-pickle-bin-only", _bin_weights, ("pickle", "safetensors")),
+    # Megatron legacy .pt (convert megatron-to-mcore)
+    ("legacy-pickle-payload", _legacy_payload, ("model_optim_rng.pt", "refusing", "system")),
+    ("legacy-empty-file", _legacy_empty, ("model_optim_rng.pt",)),
+    # torch_dist (reshard a torch_dist source)
+    ("td-common-pt-payload", _common_payload, ("common.pt", "refusing", "system")),
+    ("td-metadata-payload", _metadata_payload, (".metadata", "refusing", "system")),
+    ("td-metadata-empty", lambda c: (lambda td: ((td / ITER / ".metadata").write_bytes(b""), _reshard_td(c, td))[1])(
+        c.copy("td")), (".metadata",)),
+    ("td-item-traversal", _dcp_path("../x.distcp"), ("../x.distcp", "refusing")),
+    ("td-item-absolute", _dcp_path("/etc/passwd"), ("/etc/passwd", "refusing")),
+    ("td-item-symlink-out", _dcp_symlink, ("symlink", "outside")),
+    ("td-missing-shard-file", _dcp_missing_file, ("distcp", "missing")),
+    ("td-truncated-shard-file", _dcp_truncated, ("distcp", "truncated")),
+    # native checkpoints: manifest (digest recomputed), latest, arrays
+    ("manifest-name-traversal", _manifest_edit(_rename_tensor("../../evil")), ("'../../evil'",)),
+    ("manifest-name-absolute", _manifest_edit(_rename_tensor("/etc/passwd"), "inspect"), ("'/etc/passwd'",)),
+    ("manifest-vocab-1e12", _manifest_edit(_set(("model", "vocab_size"), 10**12), "train"), ("vocab_size",)),
+    ("manifest-shape-1e15", _manifest_edit(_set_entry("shape", [2, 64, 10**15]), "reshard"), (TENSOR, "shape")),
+    ("manifest-dtype-int64", _manifest_edit(_set_entry("dtype", "int64"), "inspect"), (TENSOR, "int64")),
+    ("manifest-chunk-zero", _manifest_edit(_set_entry("chunk", [1, 0, 96])), (TENSOR, "chunk")),
+    ("manifest-tp-1e9", _manifest_edit(_set(("layout", "tp"), 10**9), "reshard"), ("manifest.json", "tp")),
+    ("manifest-version-99", _manifest_edit(_set(("format_version",), 99)), ("format_version",)),
+    ("manifest-empty", lambda c: (lambda ck: ((ck / ITER / "manifest.json").write_text(""),
+                                              ["inspect", ck])[1])(c.copy("ck")), ("manifest.json", "JSON")),
+    ("latest-nowhere-train", _latest("iter_0000042\n", "train"), ("latest", "iter_0000042")),
+    ("latest-traversal", _latest("../../etc\n", "reshard"), ("latest", "../../etc")),
+    ("latest-empty", _latest("", "inspect"), ("latest",)),
+    ("no-checkpoint-left", _latest(None, "verify"), ("not a shardkit checkpoint",)),
+    ("array-symlink-out", _array_symlink, (TENSOR, "symlink", "outside")),
+    ("array-dtype-changed", _zarr_json(lambda z: z.update(data_type="int32")), (TENSOR, "int32")),
+    ("array-zarr-json-empty", _zarr_json(None, "reshard"), (TENSOR,)),
+    ("train-state-garbage", _train_state, ("train_state.json",)),
+    ("train-data-empty", _empty_data, ("empty",)),
+]
+
+
+@pytest.mark.parametrize("build,words", [(b, w) for _, b, w in CASES], ids=[i for i, _, _ in CASES])
+def test_hostile_input(good, tmp_path, capsys, build, words):
+    c = Case(tmp_path, good)
+    argv = [str(a) for a in build(c)]
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc not in (0, None), err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardkit: error:"), err
+    for w in words:
+        assert w in lines[0], f"{w!r} not named in: {lines[0]}"
+    assert not c.marker.exists(), "a pickle payload ran"
+    if c.out.exists():  # nothing that looks like a complete checkpoint
+        assert not (c.out / "latest").exists() and not list(c.out.glob("iter_*/manifest.json"))
+
+
+def test_table_size():
+    assert len(CASES) >= 30
+
+
+def test_remote_code_and_te_extra_state_never_run(good, tmp_path, capsys):
+    """Inputs that convert fine but carry code: an `auto_map` naming a configuration module beside config.json (never
+    imported: trust_remote_code is never passed), and a Transformer Engine `_extra_state` holding a pickled payload
+    as bytes in a legacy rank file (skipped as data, never unpickled)."""
+    import argparse
+
+    c = Case(tmp_path, good)
+    hf = c.copy("hf")
+    (hf / "configuration_evil.py").write_text(f"open({str(c.marker)!r}, 'w').close()\n")
+    c.hf_config(hf, auto_map={"AutoConfig": "configuration_evil.EvilConfig"})
+    assert main([str(a) for a in _convert(c, hf)]) == 0
+    assert main(["verify", str(c.out), "--against", str(hf), "--quiet"]) == 0
+    assert not c.marker.exists()
+    blob = io.BytesIO(pickle.dumps(Payload(c.marker)))
+    root = c.legacy({"args": argparse.Namespace(), "iteration": 1,
+                     "model": {"decoder.layers.0.self_attention.linear_qkv._extra_state": blob}})
+    capsys.readouterr()
+    rc = main(["convert", "megatron-to-mcore", str(root), str(tmp_path / "out2"), "--hf-config", str(good["hf"]),
+               "--quiet"])
+    err = capsys.readouterr().err
+    assert rc != 0 and len(err.strip().splitlines()) == 1  # the weights are missing: an error, but no payload ran
+    assert not c.marker.exists()
