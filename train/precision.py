@@ -69,7 +69,8 @@ def setup(cfg, model_cfg: ModelConfig, model: nn.Module, groups: Groups, sequenc
     impl = te_mod.resolve_impl(cfg.run.transformer_impl, device)
     if impl == "transformer_engine":
         return Backend(impl, te=te_mod.TEBackend.build(model, model_cfg, groups, cfg.fp8, sequence_parallel,
-                                                       cfg.run.recompute_granularity))
+                                                       cfg.run.recompute_granularity,
+                                                       getattr(cfg.parallel, "cp_comm_type", "p2p")))
     if not cfg.fp8.enabled:
         return Backend(impl)
     group = None

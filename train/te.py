@@ -235,7 +235,7 @@ class TEBackend:
 
     @classmethod
     def build(cls, model: nn.Module, cfg: ModelConfig, groups: Groups, fp8: FP8Config, sequence_parallel: bool,
-              recompute: str | None) -> TEBackend:
+              recompute: str | None, cp_comm_type: str = "p2p") -> TEBackend:
         if cfg.multi_latent_attention or cfg.is_moe or cfg.sliding_window is not None:
             raise ConfigError(f"--transformer-impl transformer_engine: {cfg.model_type} (MoE / multi-latent attention "
                               "/ sliding window) has no TE form here; use --transformer-impl local")
@@ -253,7 +253,7 @@ class TEBackend:
         cp_group = getattr(groups, "cp", None)
         cp_ranks = ([dims.rank(tp=groups.tp_rank, cp=i, dp=groups.dp_rank, pp=groups.pp_rank) for i in range(dims.cp)]
                     if cp_group is not None else None)
-        par = _Parallel(groups.tp, dims.tp, sequence_parallel, cp_group, cp_ranks, "p2p")
+        par = _Parallel(groups.tp, dims.tp, sequence_parallel, cp_group, cp_ranks, cp_comm_type)
         ref = next(model.parameters())
         dtype, device = ref.dtype, ref.device
         keep = bf16_layers(fp8, cfg.num_layers) if fp8.enabled else set()
