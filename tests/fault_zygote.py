@@ -5,13 +5,15 @@ them (no tensorstore or torch threads started yet) costs milliseconds, so dozens
 
 Protocol, one JSON object per line: the parent writes {"argv": [...], "env": {...}, "kill_after": seconds | null,
 "log": path}; the child runs `shardkit.cli.main(argv)` with `env` added (SHARDKIT_FAULT_AT kills it at a named site),
-its stdout and stderr going to `log`; if `kill_after` is set and the child is still running then, it gets SIGKILL.
+its stdout and stderr going to `log`; if `kill_after` is set and the child is still running then, it gets SIGKILL;
+`fsize` sets RLIMIT_FSIZE in the child (Python ignores SIGXFSZ, so a write past it fails with EFBIG: a full disk).
 The answer is {"rc": exit status | null, "signal": signal number | null, "seconds": wall time}.
 """
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -32,6 +34,8 @@ transformers.CONFIG_MAPPING["llama"]  # the model builds its RoPE tables from a 
 def run_child(req: dict) -> None:
     """In the forked child: never returns."""
     try:
+        if req.get("fsize"):  # a full disk, as far as this process can tell: writes past it fail with EFBIG
+            resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
         os.environ.update(req.get("env") or {})
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)

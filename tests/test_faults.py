@@ -40,11 +40,12 @@ class Zygote:
         self.logdir = logdir
         self.n = 0
 
-    def run(self, argv: list, fault: str | None = None, kill_after: float | None = None) -> dict:
+    def run(self, argv: list, fault: str | None = None, kill_after: float | None = None,
+            fsize: int | None = None) -> dict:
         self.n += 1
         log = self.logdir / f"trial-{self.n}.log"
         req = {"argv": [str(a) for a in argv], "env": {"SHARDKIT_FAULT_AT": fault} if fault else {},
-               "kill_after": kill_after, "log": str(log)}
+               "kill_after": kill_after, "log": str(log), "fsize": fsize}
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
@@ -269,3 +270,32 @@ def test_kill_training_save(work):
     assert_clean(save)
     print("\n" + tally.report())
     assert tally.trials >= 10
+
+
+# -- disk full --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cmd", ["convert", "reshard"])
+def test_disk_full(work, cmd):
+    """RLIMIT_FSIZE makes chunk writes fail (EFBIG) partway: a one-line error naming the file and the bytes needed;
+    the previous checkpoint in the same root (same iteration, another layout) is untouched and still verifies; no
+    temporary data is left."""
+    root, z = work
+    hf = root / "hf"
+    src = root / f"full-src-{cmd}"
+    assert z.run(["convert", "hf-to-mcore", hf, src, "--quiet"])["rc"] == 0
+    out = root / f"full-{cmd}"
+    first = ["convert", "hf-to-mcore", hf, out, "--tp", "2", "--quiet"] if cmd == "convert" else \
+        ["reshard", src, out, "--tp", "2", "--quiet"]
+    assert z.run(first)["rc"] == 0
+    before = files_of(out / "iter_0000000")
+    again = ["convert", "hf-to-mcore", hf, out, "--quiet", "--overwrite"] if cmd == "convert" else \
+        ["reshard", src, out, "--pp", "2", "--quiet", "--overwrite"]
+    r = z.run(again, fsize=20000)
+    assert r["rc"] == 1, r
+    lines = [ln for ln in r["log"].splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardkit: error:"), r["log"]
+    assert str(out) in lines[0] and "bytes" in lines[0] and "needs" in lines[0], lines[0]
+    assert "File too large" in lines[0] or "EFBIG" in lines[0] or "too large" in lines[0].lower(), lines[0]
+    assert files_of(out / "iter_0000000") == before
+    Checkpoint(out).verify()
+    assert_clean(out)
