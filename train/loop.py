@@ -220,6 +220,8 @@ class Trainer:
         batches = micro_batches(self.train_ds, self.consumed, d.micro_batch_size, self.groups.dp_rank, self.dims.dp)
         log_dir = c.run.log_dir or c.checkpoint.save
         logger = MetricsLogger(log_dir, self.groups.rank) if log_dir else None
+        if self.groups.rank == 0 and (self.backend.fp8 is not None or self.backend.te is not None):
+            log(self.backend.describe())  # e.g. "backend local; FP8 hybrid (delayed scaling) on 16 linear layers"
         try:
             while self.iteration < c.schedule.train_iters:
                 t0 = time.perf_counter()
