@@ -327,7 +327,10 @@ class Router(nn.Module):
                  the weights are the unbiased scores, renormalised, times routed_scaling_factor
 
     expert_bias is a parameter so that it loads and saves with the rest; it gets no gradient (DeepSeek-V3 updates it
-    from the expert load, outside the optimizer)."""
+    from the expert load, outside the optimizer).
+
+    `on_route` is the hook point training uses (train/moe.py: load-balancing loss, tokens per expert); identity here.
+    `logits_dtype` (None: the activations' dtype) is what Megatron's --moe-router-dtype sets."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -341,15 +344,20 @@ class Router(nn.Module):
         self.scaling_factor = cfg.moe_router_topk_scaling_factor
         self.num_groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
         # DeepSeek keeps its gate in fp32 and computes the logits there; Mixtral's are in the activations' dtype
-        self.fp32_logits = cfg.model_type != "mixtral"
+        self.logits_dtype: torch.dtype | None = None if cfg.model_type == "mixtral" else torch.float32
+
+    @staticmethod
+    def on_route(scores: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        """Called with the scores over all experts [T, E] and the routing; returns the weights to use."""
+        return weights
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        if self.fp32_logits:
-            logits = F.linear(x.float(), self.weight.float())
+        if self.logits_dtype is not None:
+            logits = F.linear(x.to(self.logits_dtype), self.weight.to(self.logits_dtype))
         else:
             logits = F.linear(x, self.weight).float()
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
-        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.to(scores.dtype)
         if self.num_groups:
             per_group = self.num_experts // self.num_groups
             grouped = choice.view(-1, self.num_groups, per_group)
@@ -364,7 +372,7 @@ class Router(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         if self.scaling_factor is not None:
             weights = weights * self.scaling_factor
-        return weights, indices
+        return self.on_route(scores, weights, indices), indices
 
 
 class ExpertLinear(nn.Module):

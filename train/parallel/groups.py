@@ -4,6 +4,11 @@ Ranks are laid out as Megatron does by default (order tp-cp-dp-pp, tp fastest):
     rank = tp + TP * (cp + CP * (dp + DP * pp))
 so a tensor-parallel group is a block of consecutive ranks (one node with TP <= 8) and pipeline stages are furthest
 apart. Everything that needs a group takes a `Groups` object.
+
+Expert parallelism re-lays the DP x CP ranks of a (tp, pp) position, as Megatron's expert rank generator does
+(expert TP = TP): with j = cp + CP * dp, the rank's EP index is j % EP and its expert-data-parallel index j // EP, so an
+EP group is EP consecutive DP x CP ranks and the expert-data-parallel group (size DP * CP / EP) holds the replicas of
+one expert shard.
 """
 from __future__ import annotations
 
@@ -25,13 +30,24 @@ class ParallelDims:
     dp: int
     cp: int = 1
     vpp: int = 1
+    ep: int = 1  # expert parallel, laid over DP x CP (see the module docstring)
 
     @classmethod
-    def from_world(cls, world: int, tp: int, pp: int, cp: int = 1, vpp: int = 1) -> "ParallelDims":
+    def from_world(cls, world: int, tp: int, pp: int, cp: int = 1, vpp: int = 1, ep: int = 1) -> "ParallelDims":
         mp = tp * pp * cp
         if world % mp:
             raise LayoutError(f"world size {world} is not divisible by --tp {tp} x --pp {pp} x --cp {cp} = {mp}")
-        return cls(tp=tp, pp=pp, dp=world // mp, cp=cp, vpp=vpp)
+        dp = world // mp
+        if ep < 1 or (dp * cp) % ep:
+            raise LayoutError(f"--expert-model-parallel-size {ep} must divide data-parallel x context-parallel size "
+                              f"{dp} x {cp} = {dp * cp} (EP groups are formed inside DP x CP); use more ranks or a "
+                              "smaller --ep")
+        return cls(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, ep=ep)
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the replicas of one expert shard."""
+        return self.dp * self.cp // self.ep
 
     @property
     def world(self) -> int:
@@ -48,7 +64,13 @@ class ParallelDims:
 
     def layout(self) -> Layout:
         """The model-parallel layout (what the checkpoint's sharding table sees)."""
-        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp)
+        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep)
+
+    def expert_coords(self, rank: int) -> tuple[int, int]:
+        """(ep index, expert-data-parallel index) of a rank."""
+        c = self.coords(rank)
+        j = c["cp"] + self.cp * c["dp"]
+        return j % self.ep, j // self.ep
 
 
 @dataclass
@@ -66,6 +88,11 @@ class Groups:
     pp: dist.ProcessGroup | None = None
     embedding: dist.ProcessGroup | None = None  # first and last pipeline stage (tied embeddings)
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
+    ep_rank: int = 0
+    edp_rank: int = 0
+    ep: dist.ProcessGroup | None = None  # expert parallel: the ranks that exchange tokens
+    edp: dist.ProcessGroup | None = None  # expert data parallel: the replicas of this rank's expert shard
+    edp_ranks: list[int] = field(default_factory=list)  # global ranks of the edp group, by edp index
 
     @property
     def first_stage(self) -> bool:
@@ -77,7 +104,8 @@ class Groups:
 
     @property
     def coord(self) -> RankCoord:
-        return RankCoord(tp=self.tp_rank, pp=self.pp_rank)
+        """Shard coordinates in the sharding table (expert TP = TP, as Megatron's default)."""
+        return RankCoord(tp=self.tp_rank, pp=self.pp_rank, ep=self.ep_rank, etp=self.tp_rank)
 
     @property
     def next_rank(self) -> int:
@@ -115,4 +143,23 @@ def build_groups(dims: ParallelDims) -> Groups:
         grp = dist.new_group(emb) if len(emb) > 1 else None
         if rank in emb:
             g.embedding = grp
+    g.ep_rank, g.edp_rank = dims.expert_coords(rank)
+    for ep_groups, edp_groups in _expert_groups(dims):
+        for ranks in ep_groups:
+            grp = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                g.ep = grp
+        for ranks in edp_groups:
+            grp = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                g.edp, g.edp_ranks = grp, ranks
     return g
+
+
+def _expert_groups(dims: ParallelDims):
+    """Per (tp, pp) position: its EP groups and its expert-data-parallel groups (global ranks, by index)."""
+    for pp in range(dims.pp):
+        for tp in range(dims.tp):
+            ranks = [dims.rank(tp=tp, cp=j % dims.cp, dp=j // dims.cp, pp=pp) for j in range(dims.dp * dims.cp)]
+            yield ([ranks[e * dims.ep:(e + 1) * dims.ep] for e in range(dims.edp)],
+                   [ranks[e::dims.ep] for e in range(dims.ep)])
