@@ -324,7 +324,7 @@ class Quantizer:
     def per_tensor(self, x: Tensor, role: int, dtype: torch.dtype, record: bool) -> tuple[Tensor, Tensor]:
         """(FP8 data, scale_inv) with one scale: the delayed one from the state, or the tensor's own."""
         if self.state is not None:
-            scale = self.state.scale[self.slot + role]
+            scale = self.state.scale[self.slot + role].clone()  # own storage: one compiled kernel for all slots
             q, amax = _amax_and_quantize(x, scale, dtype)
             if record:
                 self.state.record(self.slot + role, amax)
