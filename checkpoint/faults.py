@@ -12,8 +12,8 @@ Sites (where a crash is most likely to break an invariant):
     commit.rename   the new iteration is durable under its temporary name (commit.py)
     commit.swapped  the new iteration is in place; the old one (same iteration) not yet removed (commit.py)
     commit.latest   the new iteration is in place; `latest` still names the previous one (commit.py)
-    save.written    a training rank wrote its arrays; the others may still be writing (train/checkpointing.py)
-    train.step      a training iteration starts (train/loop.py)
+    store.write     an array region is handed to tensorstore (every writer, and every rank of a training save)
+    collective      a rank enters an all-reduce (a training step: gradients, loss, norm)
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import numpy as np
 import tensorstore as ts
 
 from .errors import CorruptionError, FormatError
+from .faults import fault_point
 
 if TYPE_CHECKING:
     import torch
@@ -161,6 +162,7 @@ def write(arr: ts.TensorStore, index: tuple[slice, ...], value: "torch.Tensor | 
     `immutable`: the caller never modifies `value` (nor what it views) again, so tensorstore may encode it in place
     instead of first copying it into its own buffer: one full pass over the bytes (and the page faults of a fresh
     buffer) less per chunk."""
+    fault_point("store.write")
     return arr[index].write(to_numpy(value), can_reference_source_data_indefinitely=immutable)
 
 

@@ -251,9 +251,17 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _verify(args)
     if args.cmd == "continue-pretrain":
         from train.config import from_namespace
+        from train.failures import peer_failure
         from train.loop import main as train_main
 
-        train_main(from_namespace(args))
+        cfg = from_namespace(args)
+        try:
+            train_main(cfg)
+        except RuntimeError as e:  # a collective failed: another rank died or hangs
+            err = peer_failure(e, cfg.checkpoint.save)
+            if err is None:
+                raise
+            raise err from None
         return 0
     if args.cmd in ("plan", "launch"):
         from plan.commands import run as run_plan

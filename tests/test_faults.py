@@ -299,3 +299,49 @@ def test_disk_full(work, cmd):
     assert files_of(out / "iter_0000000") == before
     Checkpoint(out).verify()
     assert_clean(out)
+
+
+# -- a rank dies ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("site", ["collective:10@1", "store.write:100@1"], ids=["mid-step", "mid-save"])
+def test_rank_dies(work, site):
+    """Two ranks (data parallel) launched as torchrun would, without torchrun's agent (which would kill the survivor
+    for us): rank 1 is killed inside a step's all-reduce, or while writing its half of a later save. Rank 0 must
+    exit by itself, non-zero, with one line saying a rank was lost and where to resume from; the last complete
+    checkpoint still loads and verifies."""
+    import socket
+    import time
+
+    root, z = work
+    tck, data = root / "tck", root / "tdata"
+    if not tck.exists():
+        pytest.skip("needs test_kill_training_save's checkpoint and data")
+    save = root / f"rank-dies-{site.split(':')[0]}"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "shardkit", "continue-pretrain", "--load", tck, "--data-path", data, "--save", save,
+            *TRAIN, "--save-interval", "1", "--log-interval", "0", "--distributed-timeout-minutes", "1"]
+    argv[argv.index("--global-batch-size") + 1] = "4"
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", SHARDKIT_FAULT_AT=site)
+        procs.append(subprocess.Popen([str(a) for a in argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=REPO))
+    _, err1 = procs[1].communicate(timeout=300)
+    assert procs[1].returncode == -signal.SIGKILL, err1[-2000:]
+    t = time.monotonic()
+    try:
+        _, err0 = procs[0].communicate(timeout=180)  # bounded: the timeout is 1 minute; gloo sees a reset at once
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        raise AssertionError(f"rank 0 still waits {time.monotonic() - t:.0f} s after rank 1 died") from None
+    assert procs[0].returncode not in (0, None), err0[-3000:]
+    lines = [ln for ln in err0.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("shardkit: error: rank 0: lost contact with another rank"), err0[-3000:]
+    assert not any("Traceback" in ln for ln in lines), err0[-3000:]
+    if site.startswith("store.write"):  # a rank writes fewer than 100 regions per save: an earlier save completed
+        ck = Checkpoint(save)
+        ck.verify()
+        assert ck.manifest.iteration >= 1 and f"resume from {ck.path}" in lines[-1], lines[-1]

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from checkpoint.faults import fault_point
+
 SEQ_DIM = 1
 
 
@@ -24,6 +26,7 @@ def _size(group) -> int:
 
 def all_reduce(x: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
     if _size(group) > 1:
+        fault_point("collective")  # tests kill a rank here (SHARDKIT_FAULT_AT=collective:N@RANK)
         dist.all_reduce(x, op=op, group=group)
     return x
 

@@ -1,0 +1,46 @@
+"""A rank that dies or hangs must not leave the others waiting, nor leave them with a page of traceback.
+
+Every collective runs under `--distributed-timeout-minutes` (gloo/NCCL raise when a peer stops answering; a dead peer
+is noticed at once by gloo, which sees its connection reset). `peer_failure` turns such a collective error into one
+line saying what happened and where the job can resume from.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+from checkpoint.errors import ShardkitError
+
+
+def _in_collective(e: BaseException) -> bool:
+    """Raised from inside torch.distributed (a collective, a barrier, the rendezvous store)?"""
+    try:
+        import torch.distributed as dist
+
+        if isinstance(e, getattr(dist, "DistError", ())):
+            return True
+    except ImportError:
+        return False
+    frames = traceback.extract_tb(e.__traceback__)
+    return any(f"torch{os.sep}distributed{os.sep}" in f.filename for f in frames)
+
+
+def peer_failure(e: BaseException, save: str | Path | None) -> ShardkitError | None:
+    """One-line error for a failed collective (another rank died or stopped answering); None for anything else."""
+    if not isinstance(e, RuntimeError) or not _in_collective(e):
+        return None
+    rank = os.environ.get("RANK", "0")
+    detail = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    detail = detail.split("] ", 1)[-1][:160]  # drop the C++ source location
+    resume = ""
+    if save:
+        from checkpoint.commit import resolve_iteration
+        from checkpoint.errors import FormatError
+
+        try:
+            resume = f"; rerun to resume from {resolve_iteration(save)}"
+        except FormatError:
+            resume = f"; no complete checkpoint in {save} yet"
+    return ShardkitError(f"rank {rank}: lost contact with another rank ({detail}): a rank died or stopped answering "
+                         f"within --distributed-timeout-minutes; stopping this one{resume}")
