@@ -8,7 +8,7 @@
 
 Reading never runs pickle code it does not know: `.metadata` goes through an unpickler that resolves only DCP's own
 metadata classes (anything else is refused, naming the file and the global); items and `common.pt` go through
-`torch.load(weights_only=True)`, `common.pt` with `argparse.Namespace` as the only extra allowed class. File names in
+checkpoint.safe_load (`torch.load(weights_only=True)` under its short allowlist). File names in
 the metadata are checked before any file is opened (plain names inside the iteration directory), and every item's
 byte range must lie inside its file.
 
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint import planner as _dcp_planner
 
 from .commit import LOCK, output_lock, recover_root, replace_dir, write_file_atomic
 from .faults import fault_point
+from .safe_load import load_torch
 from .safety import safe_path
 from .errors import FormatError, ShardkitError, WriteError
 
@@ -195,12 +196,11 @@ def _torch_save_pickle(path: Path) -> bytes:
 def load_common(path: Path) -> tuple[dict | None, str | None]:
     """common.pt as (dict, None), or (None, note) when it cannot be loaded as plain data but references only benign
     Megatron data classes. Raises FormatError naming the file when it references anything that could run code."""
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
+    if not path.is_file():
         return None, f"{path.name} is missing"
-    except Exception as e:
+    try:
+        obj = load_torch(path)
+    except FormatError as e:
         try:
             globs = _pickle_globals(_torch_save_pickle(path))
         except (zipfile.BadZipFile, OSError, KeyError, FormatError) as z:
@@ -210,7 +210,7 @@ def load_common(path: Path) -> tuple[dict | None, str | None]:
             raise FormatError(f"{path}: refusing to unpickle: it references {bad[0].replace(' ', '.')}, which is not "
                               "plain data (a pickle that would run code); the file was not loaded") from None
         return None, (f"{path.name} ignored: it holds Megatron objects shardkit does not unpickle "
-                      f"({type(e).__name__}); iteration and args are taken from elsewhere")
+                      f"({str(e).split(': ', 1)[-1][:120]}); iteration and args are taken from elsewhere")
     if not isinstance(obj, dict):
         return None, f"{path.name} ignored: it holds a {type(obj).__name__}, not a dict"
     return obj, None
@@ -420,7 +420,7 @@ class TorchDistCheckpoint:
                     data = f.read(info.length)
                     if len(data) != info.length:
                         raise EOFError("short read")
-                    value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    value = load_torch(io.BytesIO(data), what=f"item {name}")
         except Exception as e:  # truncated / garbage bytes: torch raises RuntimeError, UnpicklingError, ...
             raise FormatError(f"{path}: item {name} at {list(offsets)} (bytes {info.offset}+{info.length}) cannot be "
                               f"loaded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
@@ -466,7 +466,7 @@ def _load_spooled(f, length: int, directory: Path | None) -> torch.Tensor:
             left -= len(block)
         tmp.flush()
         # the mapping stays valid after the name is unlinked
-        return torch.load(tmp.name, map_location="cpu", weights_only=True, mmap=True)
+        return load_torch(tmp.name, mmap=True, what="item")
 
 
 def resolve_torch_dist(path: str | Path) -> Path:
