@@ -185,7 +185,7 @@ class Check:
             a = self.run(f"a-local-{label}", ck, data, seq, 4, ["--transformer-impl", "local", *fp8])
             b = self.run(f"a-{'te' if self.te else 'local-again'}-{label}", ck, data, seq, 4,
                          ["--transformer-impl", other, *fp8])
-            diff = max(abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"]))
+            diff = max(abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"], strict=True))
             res[label] = {"local": a["losses"], other: b["losses"], "max_rel_diff": diff,
                           "same_within_2e-2": diff <= 2e-2}
         return res

@@ -160,7 +160,6 @@ def test_emulated_gemm_equals_scaled_mm():
 
 
 def test_convert_keeps_names_and_first_last_layers():
-    from checkpoint.config import ModelConfig  # noqa: F401  (the model below is built from a tiny HF config)
     from train.model import GPTModel, NormLinear
 
     cfg = _tiny_cfg()

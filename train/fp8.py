@@ -168,7 +168,8 @@ def _on_device(name: str, fn):
         try:
             return compiled(x, *args)
         except Exception as e:  # noqa: BLE001 - any compile failure falls back to the same math, eager
-            warnings.warn(f"FP8 quantization: torch.compile failed ({type(e).__name__}: {e}); running eager")
+            warnings.warn(f"FP8 quantization: torch.compile failed ({type(e).__name__}: {e}); running eager",
+                          stacklevel=2)
             _COMPILED[name] = False
             return fn(x, *args)
 
