@@ -284,7 +284,8 @@ class TEBackend:
         for key, layer in self.model.decoder.layers.items():
             if int(key) in self.keep:
                 continue
-            for part, names in (("self_attention", ("linear_qkv", "linear_proj")), ("mlp", ("linear_fc1", "linear_fc2"))):
+            for part, names in (("self_attention", ("linear_qkv", "linear_proj")),
+                                ("mlp", ("linear_fc1", "linear_fc2"))):
                 for n in names:
                     yield f"decoder.layers.{key}.{part}.{n}", getattr(getattr(layer, part), n)
 
