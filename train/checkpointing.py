@@ -29,10 +29,10 @@ from torch import nn
 from checkpoint import store
 from checkpoint.commit import PARTIAL_SUFFIX, IterationWriter
 from checkpoint.config import ModelConfig
-from checkpoint.errors import FormatError
+from checkpoint.errors import FormatError, WriteError
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.manifest import Manifest, TensorEntry, iter_dirname, tensor_path
-from checkpoint.reader import Checkpoint
+from checkpoint.reader import Checkpoint, entry_nbytes
 from checkpoint.sharding import OPTIMIZER_STATES, TensorSpec, model_specs, optimizer_key, regions
 from train.model import canonical_name
 from train.optim import DistributedOptimizer
@@ -220,10 +220,17 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
         try:
             writer = IterationWriter(root, iteration, {"kind": "train-save", "nonce": time.time_ns()},
                                      overwrite=True).__enter__()
+            writer.reserve(sum(entry_nbytes(e) for e in entries.values()))  # refuse before anything is written
             ctx = store.context()
             for name, e in entries.items():
                 store.create(writer.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
         except Exception as e:  # tell the other ranks instead of leaving them at the barrier
+            if writer is not None:  # remove what was started (the writer's error names the path and the bytes)
+                try:
+                    writer.__exit__(type(e), e, e.__traceback__)
+                except Exception as e2:
+                    e = e2
+                writer = None
             err = [f"{type(e).__name__}: {e}"]
     _broadcast_error(err)
     partial = root / f"{iter_dirname(iteration)}{PARTIAL_SUFFIX}"
@@ -282,8 +289,10 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
                                               "consumed_samples": train_state.get("consumed_samples")},
                                     optimizer=list(OPTIMIZER_STATES))
                 out = writer.commit(manifest)
-            finally:
-                writer.__exit__(None, None, None)
+            except BaseException:  # remove the partial iteration; a write error names the path and the bytes
+                writer.__exit__(*sys.exc_info())
+                raise
+            writer.__exit__(None, None, None)
         if dist.get_world_size() > 1:
             dist.barrier(group=async_group)
         return out
@@ -295,7 +304,7 @@ def _broadcast_error(err: list) -> None:
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(err, src=0)
     if err[0]:
-        raise RuntimeError(f"checkpoint save failed on rank 0: {err[0]}")
+        raise WriteError(f"checkpoint save failed on rank 0: {err[0]}")
 
 
 def _gather_errors(err: list, group: Any = None) -> None:
@@ -305,7 +314,7 @@ def _gather_errors(err: list, group: Any = None) -> None:
         dist.all_gather_object(errs, err[0], group=group)
     bad = [e for e in errs if e]
     if bad:
-        raise RuntimeError(f"checkpoint save failed: {bad[0]}")
+        raise WriteError(f"checkpoint save failed: {bad[0]}")
 
 
 def read_train_state(iter_dir: Path) -> dict | None:
