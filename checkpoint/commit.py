@@ -179,10 +179,7 @@ def space_note(path: Path, needed: int | None) -> str:
 class IterationWriter:
     """Owns `<root>/<iter>.partial` for one job. Use as a context manager; call `commit(manifest)` at the end."""
 
-    def __init__(self, root: str | Path, iteration: int, job: dict, overwrite: bool = False,
-                 keep_on_error: bool = True):
-        """`keep_on_error`: on a failure other than a write error, keep `.partial` for a rerun to resume (converters);
-        False for jobs that are never resumed (training saves), whose leftovers only take space."""
+    def __init__(self, root: str | Path, iteration: int, job: dict, overwrite: bool = False):
         self.root = Path(root)
         self.iteration = iteration
         self.name = iter_dirname(iteration)
@@ -190,7 +187,6 @@ class IterationWriter:
         self.partial = self.root / (self.name + PARTIAL_SUFFIX)
         self.job = job
         self.overwrite = overwrite
-        self.keep_on_error = keep_on_error
         self.needed: int | None = None  # bytes this write still needs (see reserve), for error messages
         self.done: set[str] = set()
         self._stack = contextlib.ExitStack()
@@ -237,9 +233,10 @@ class IterationWriter:
             self._log = None
         try:
             # On failure keep .partial (it is never mistaken for a checkpoint, and a rerun resumes from it) unless the
-            # failure says the bytes themselves could not be written, or nobody will resume: then free the space.
+            # failure says the bytes themselves could not be written, or nobody will resume (no progress recorded: a
+            # training save records none), then free the space.
             write_failed = isinstance(exc, (OSError, WriteError))
-            if exc is not None and (write_failed or not self.keep_on_error) and self.partial.exists():
+            if exc is not None and (write_failed or not self.done) and self.partial.exists():
                 shutil.rmtree(self.partial, ignore_errors=True)
             if isinstance(exc, OSError):
                 raise WriteError(f"{getattr(exc, 'filename', None) or self.partial}: writing the checkpoint failed "

@@ -301,6 +301,29 @@ def test_disk_full(work, cmd):
     assert_clean(out)
 
 
+def test_disk_full_training_save(work):
+    """A training save that hits RLIMIT_FSIZE: one line naming the file and the bytes the save needs; the previous
+    checkpoint (iteration 1 of the same root) is untouched and `latest` still names it; the partial iteration is
+    removed."""
+    root, z = work
+    tck, data = root / "tck", root / "tdata"
+    if not tck.exists():
+        pytest.skip("needs test_kill_training_save's checkpoint and data")
+    save = root / "full-train"
+    common = ["--data-path", data, "--save", save, *TRAIN, "--log-interval", "0"]
+    assert z.run(["continue-pretrain", "--load", tck, *common, "--exit-interval", "1"])["rc"] == 0
+    before = files_of(save / "iter_0000001")
+    r = z.run(["continue-pretrain", "--load", save, *common, "--save-interval", "2"], fsize=3000)
+    assert r["rc"] == 1, r["log"][-3000:]
+    lines = [ln for ln in r["log"].splitlines() if ln.strip() and not ln.startswith("attention:")]
+    assert len(lines) == 1 and lines[0].startswith("shardkit: error: checkpoint save failed"), r["log"][-3000:]
+    assert "File too large" in lines[0] and "needs" in lines[0] and "bytes" in lines[0], lines[0]
+    assert (save / "latest").read_text().strip() == "iter_0000001"
+    assert files_of(save / "iter_0000001") == before
+    Checkpoint(save).verify()
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000001"]
+
+
 # -- a rank dies ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("site", ["collective:10@1", "store.write:100@1"], ids=["mid-step", "mid-save"])
