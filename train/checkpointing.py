@@ -99,7 +99,7 @@ def load_optimizer(ck: Checkpoint, table: list[LocalParam], opt: DistributedOpti
         raise FormatError(f"{ck.path}: optimizer state {missing} missing; cannot resume the optimizer "
                           "(pass --no-load-optim to start it fresh)")
     index = {n: i for i, n in enumerate(opt.names)}
-    by_t = _by_tensor([lp for lp in table if lp.name in index and opt.owner[index[lp.name]] == groups.dp_rank])
+    by_t = _by_tensor([lp for lp in table if lp.name in index and opt.is_mine(index[lp.name])])
     for cname, lps in by_t.items():
         coord = _coord(lps[0], groups)
         states = {s: _local(ck, optimizer_key(s, cname), layout, coord) for s in OPTIMIZER_STATES}
@@ -243,7 +243,7 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
             if lp.tied_copy:
                 continue
             i = index.get(lp.name)
-            mine = opt.owner[i] == groups.dp_rank if i is not None else groups.dp_rank == 0
+            mine = opt.is_mine(i) if i is not None else groups.dp_rank == 0
             if not mine:
                 continue
             values = {lp.spec.name: lp.param}

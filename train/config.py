@@ -20,6 +20,22 @@ class ParallelConfig:
     pp: int = 1
     vpp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallel, inside data parallel x context parallel (train/parallel/expert.py)
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """MoE training (Megatron's names and defaults; train/moe.py). moe_aux_loss_coeff None: the checkpoint's value
+    (HF router_aux_loss_coef / aux_loss_alpha)."""
+
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float | None = None
+    moe_router_bias_update_rate: float = 1e-3
+    mtp_loss_scaling_factor: float = 0.1
+    moe_router_dtype: str | None = None
+    moe_token_dispatcher_type: str = "alltoall"
+
+
 
 
 @dataclass(frozen=True)
@@ -79,12 +95,14 @@ class TrainConfig:
     checkpoint: CheckpointConfig
     run: RunConfig
     fp8: FP8Config = FP8Config()
+    moe: MoEArgs = MoEArgs()
 
 
 _SECTIONS = {"parallel": ParallelConfig, "data": DataArgs, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
-             "checkpoint": CheckpointConfig, "run": RunConfig, "fp8": FP8Config}
+             "checkpoint": CheckpointConfig, "run": RunConfig, "fp8": FP8Config,
+             "moe": MoEArgs}
 # Megatron flag dest -> (section, field) where the names differ
-_RENAMES = {"tensor_model_parallel_size": ("parallel", "tp"), "pipeline_model_parallel_size": ("parallel", "pp"),
+_RENAMES = {"expert_model_parallel_size": ("parallel", "ep"), "tensor_model_parallel_size": ("parallel", "tp"), "pipeline_model_parallel_size": ("parallel", "pp"),
             "virtual_pipeline_model_parallel_size": ("parallel", "vpp"), "fp8": ("fp8", "fp8_format")}
 
 
@@ -101,6 +119,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--pipeline-model-parallel-size", "--pp", dest="pipeline_model_parallel_size", type=int)
     a("--virtual-pipeline-model-parallel-size", "--vpp", dest="virtual_pipeline_model_parallel_size", type=int)
     a("--sequence-parallel", action="store_true", default=None)
+    a("--expert-model-parallel-size", "--ep", dest="expert_model_parallel_size", type=int,
+      help="split the experts over N ranks of data parallel x context parallel (tokens move by all-to-all)")
+    a("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"])
+    a("--moe-aux-loss-coeff", type=float, help="load-balancing loss weight (default: the checkpoint's config)")
+    a("--moe-router-bias-update-rate", type=float,
+      help="DeepSeek-V3 aux-loss-free balancing: expert bias step per iteration (default 1e-3; 0 freezes it)")
+    a("--mtp-loss-scaling-factor", type=float, help="weight of the MTP loss, averaged over depths (default 0.1)")
+    a("--moe-router-dtype", choices=["fp32", "fp64"], help="dtype of the router logits and scores")
+    a("--moe-token-dispatcher-type", choices=["alltoall", "allgather", "flex"],
+      help="only alltoall (dropless) is implemented")
     a("--micro-batch-size", type=int)
     a("--global-batch-size", type=int)
     a("--seq-length", type=int)
@@ -214,3 +242,22 @@ def validate(cfg: TrainConfig) -> None:
 
         check_installed()  # before any process group or checkpoint: one line naming the flag and the install
     validate_fp8(cfg.fp8)
+    validate_moe(cfg)
+
+
+def validate_moe(cfg: TrainConfig) -> None:
+    m = cfg.moe
+    if cfg.parallel.ep < 1:
+        raise ConfigError(f"continue-pretrain: --expert-model-parallel-size must be >= 1, got {cfg.parallel.ep}")
+    if m.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError(f"--moe-token-dispatcher-type {m.moe_token_dispatcher_type}: only alltoall (dropless) is "
+                          "implemented; use --moe-token-dispatcher-type alltoall")
+    if m.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+        raise ConfigError(f"--moe-router-load-balancing-type {m.moe_router_load_balancing_type!r}: expected aux_loss, "
+                          "seq_aux_loss or none")
+    if m.moe_router_dtype not in (None, "fp32", "fp64"):
+        raise ConfigError(f"--moe-router-dtype {m.moe_router_dtype!r}: expected fp32 or fp64")
+    for flag, v in (("--moe-aux-loss-coeff", m.moe_aux_loss_coeff), ("--moe-router-bias-update-rate",
+                    m.moe_router_bias_update_rate), ("--mtp-loss-scaling-factor", m.mtp_loss_scaling_factor)):
+        if v is not None and v < 0:
+            raise ConfigError(f"continue-pretrain: {flag} must be >= 0, got {v}")

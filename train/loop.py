@@ -23,6 +23,7 @@ from checkpoint.errors import ConfigError, ShardkitError
 from checkpoint.reader import Checkpoint
 from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
+from train import moe
 from train import precision
 from train.config import TrainConfig, validate
 from train.data import DataConfig, build_datasets, micro_batches
@@ -72,7 +73,7 @@ class Trainer:
         self.cfg = cfg
         p, d = cfg.parallel, cfg.data
         world = dist.get_world_size()
-        dims = ParallelDims.from_world(world, p.tp, p.pp, vpp=p.vpp)
+        dims = ParallelDims.from_world(world, p.tp, p.pp, vpp=p.vpp, ep=p.ep)
         if d.global_batch_size % (d.micro_batch_size * dims.dp):
             raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
                               f"{d.micro_batch_size} x data-parallel size {dims.dp}")
@@ -94,13 +95,18 @@ class Trainer:
                                  cfg.run.recompute_granularity)
         # --transformer-impl / --fp8: before the parameters are registered (TE rebuilds the layers, same names)
         self.backend = precision.setup(cfg, self.model_cfg, self.model, self.groups, self.sp)
+        # MoE: load-balancing losses, expert-bias updates, MTP loss, expert-load statistics (train/moe.py)
+        self.moe = moe.setup(cfg.moe, self.model_cfg, self.model, self.groups, False)
         self.table = ckpt_io.param_table(self.model, self.model_cfg, self.layout, self.groups)
         ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
         trainable = [(lp.name, lp.param) for lp in self.table if lp.param.requires_grad]
         replicated = {lp.name for lp in self.table if lp.spec.rule is Rule.REPLICATED}
         tied = {lp.name for lp in self.table if lp.tied_copy}
+        # the MTP layers (last stage) read a copy of the embedding: tied to the first stage's like shared embeddings
         self.opt = DistributedOptimizer(trainable, self.groups, cfg.optimizer, replicated, tied,
-                                        self.model_cfg.tie_word_embeddings)
+                                        self.model_cfg.tie_word_embeddings or self.model_cfg.mtp_num_layers > 0,
+                                        expert={lp.name for lp in self.table if lp.spec.expert} if dims.ep > 1
+                                        else frozenset())
         self.iteration, self.consumed = 0, 0
         if self.state is not None:
             self.iteration = int(self.state["iteration"])
@@ -117,7 +123,8 @@ class Trainer:
                                         warmup_iters=s.lr_warmup_iters, decay_iters=s.lr_decay_iters or s.train_iters,
                                         style=s.lr_decay_style, wsd_decay_iters=s.lr_wsd_decay_iters)
         self._data()
-        self.step = StageStep(self.model, self.groups, self.model_cfg, self.sp, cfg.run.recompute_granularity)
+        self.step = StageStep(self.model, self.groups, self.model_cfg, self.sp, cfg.run.recompute_granularity,
+                              moe=self.moe)
         seq = d.seq_length // dims.tp if self.sp else d.seq_length
         self.act_shape = (d.micro_batch_size, seq, self.model_cfg.hidden_size)
         self.step = self.backend.wrap(self.step)  # TE: each micro-batch's forward under te.autocast
@@ -145,13 +152,18 @@ class Trainer:
         g = self.groups
         mbs = [_split(next(batches).to(self.device)) for _ in range(self.num_micro)]
         self.opt.zero_grad()
+        if self.moe is not None:
+            self.moe.start_step(self.num_micro)
         loss_sum = forward_backward(self.step, mbs, self.act_shape, self.dtype)
         self.backend.after_backward()
         self.opt.reduce_grads()
         norm = self.opt.clip()
         lr = lr_at(self.iteration, self.schedule)
         self.opt.step(lr)
-        return {"loss": self._global_mean(loss_sum), "lr": lr, "grad_norm": norm}
+        out = {"loss": self._global_mean(loss_sum), "lr": lr, "grad_norm": norm}
+        if self.moe is not None:  # expert-bias update (all DP ranks' counts) and the MoE logs
+            out.update(self.moe.finish_step(self.dims.dp))
+        return out
 
     def _global_mean(self, loss_sum: torch.Tensor) -> float:
         """Mean micro-batch loss over the global batch: summed on the last stages, averaged over DP."""
@@ -183,7 +195,7 @@ class Trainer:
                  "rng": ckpt_io.rng_state(), "scheduler": asdict(self.schedule),
                  "optimizer": asdict(self.cfg.optimizer),
                  "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in _flat(self.cfg).items()},
-                 "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp}}
+                 "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "ep": self.dims.ep}}
         state["fp8"] = self.backend.state_dict(self.groups)  # delayed scaling's amax histories and scales
         self.wait_for_save()
         if self.cfg.checkpoint.async_save and self.save_group is None and self.dims.world > 1:
@@ -222,6 +234,8 @@ class Trainer:
         logger = MetricsLogger(log_dir, self.groups.rank) if log_dir else None
         if self.groups.rank == 0 and (self.backend.fp8 is not None or self.backend.te is not None):
             log(self.backend.describe())  # e.g. "backend local; FP8 hybrid (delayed scaling) on 16 linear layers"
+        if self.groups.rank == 0 and self.moe is not None:
+            log(moe.describe(self.moe))
         try:
             while self.iteration < c.schedule.train_iters:
                 t0 = time.perf_counter()

@@ -84,10 +84,16 @@ def owners(sizes: list[int], dp: int) -> list[int]:
 class DistributedOptimizer:
     """AdamW over fp32 main params, each owned by one DP rank. `counted[i]` says whether parameter i's gradient
     elements count toward the global norm on this rank (TP-replicated tensors count on TP rank 0 only, the tied
-    embedding copy of the last stage does not count)."""
+    embedding copy of the last stage does not count).
+
+    Expert parameters (`expert`: names; expert parallelism) are different on each EP rank and replicated only over
+    the expert-data-parallel group: their gradients (the tail of the flat buffer) are summed over that group and
+    divided by the same DP x CP size as the rest (each expert already received the tokens of its whole EP group),
+    and each is owned by one rank of that group, so every expert element counts once in the global norm."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], groups: Groups, cfg: OptimizerConfig,
-                 replicated: set[str], tied_copy: set[str], tied_embeddings: bool = False) -> None:
+                 replicated: set[str], tied_copy: set[str], tied_embeddings: bool = False,
+                 expert: frozenset[str] | set[str] = frozenset()) -> None:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.groups = groups
@@ -98,14 +104,25 @@ class DistributedOptimizer:
         self.steps = 0  # optimizer steps taken (AdamW's bias-correction step), saved in train_state.json
         numel = [p.numel() for p in self.params]
         self.buffer = torch.zeros(sum(numel), dtype=torch.float32, device=self.params[0].device if self.params else None)
+        self.expert = [n in expert for n in self.names]
+        dense_idx = [i for i, e in enumerate(self.expert) if not e]
+        expert_idx = [i for i, e in enumerate(self.expert) if e]
         offset = 0
-        for p, n in zip(self.params, numel):
+        for i in dense_idx + expert_idx:  # expert gradients last: their own reduction group
+            p, n = self.params[i], numel[i]
             p.main_grad = self.buffer[offset: offset + n].view_as(p)  # type: ignore[attr-defined]
             offset += n
             p.register_post_accumulate_grad_hook(_accumulate)
-        self.owner = owners(numel, groups.dims.dp)
+        n_dense = sum(numel[i] for i in dense_idx)
+        self.dense_buffer, self.expert_buffer = self.buffer[:n_dense], self.buffer[n_dense:]
+        self.owner = [0] * len(self.params)
+        for idx, size in ((dense_idx, groups.dims.dp), (expert_idx, groups.dims.edp)):
+            for i, o in zip(idx, owners([numel[i] for i in idx], size)):
+                self.owner[i] = o
         self.counted = [not (n in replicated and groups.tp_rank != 0) and n not in tied_copy for n in self.names]
-        mine = [i for i, o in enumerate(self.owner) if o == groups.dp_rank]
+        for i in expert_idx:  # one owner in the expert-data-parallel group (which spans DP x CP)
+            self.counted[i] = not (self.names[i] in replicated and groups.tp_rank != 0)
+        mine = [i for i in range(len(self.params)) if self.is_mine(i)]
         # fp32 parameters are their own main copy (Megatron does the same for fp32 training): no second copy and no
         # copy back after the step; bf16 parameters get an fp32 main copy
         self.main = {i: _main_copy(self.params[i]) for i in mine}
@@ -125,8 +142,11 @@ class DistributedOptimizer:
     def reduce_grads(self, micro_batches_total: int | None = None) -> None:
         g = self.groups
         if g.dims.dp > 1:
-            comm.all_reduce(self.buffer, g.dp)
-            self.buffer.div_(g.dims.dp)
+            comm.all_reduce(self.dense_buffer, g.dp)
+            self.dense_buffer.div_(g.dims.dp)
+            if self.expert_buffer.numel():  # the same on every rank of the group (one pipeline stage)
+                comm.all_reduce(self.expert_buffer, g.edp)
+                self.expert_buffer.div_(g.dims.dp)
         for p in self.params:
             if getattr(p, "sequence_parallel", False):
                 comm.all_reduce(p.main_grad, g.tp)
@@ -140,7 +160,7 @@ class DistributedOptimizer:
         g = self.groups
         sq = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
         for i, p in enumerate(self.params):
-            if self.counted[i] and self.owner[i] == g.dp_rank:
+            if self.counted[i] and self.is_mine(i):
                 sq += torch.linalg.vector_norm(p.main_grad).double() ** 2  # fp32 per tensor, as Megatron
         if dist.is_initialized() and g.dims.world > 1:
             dist.all_reduce(sq)
@@ -166,10 +186,14 @@ class DistributedOptimizer:
 
     def _broadcast_from_owners(self) -> None:
         g = self.groups
+        for r in range(g.dims.edp):
+            idx = [i for i, o in enumerate(self.owner) if o == r and self.expert[i]]
+            if idx and g.edp is not None:
+                self._broadcast(idx, g.edp_ranks[r], g.edp, r != g.edp_rank)
         if g.dims.dp == 1:
             return
         for r in range(g.dims.dp):
-            idx = [i for i, o in enumerate(self.owner) if o == r]
+            idx = [i for i, o in enumerate(self.owner) if o == r and not self.expert[i]]
             if not idx:
                 continue
             flat = torch.cat([self.params[i].detach().reshape(-1) for i in idx])
@@ -181,7 +205,22 @@ class DistributedOptimizer:
                     p.data.copy_(flat[off: off + p.numel()].view_as(p))
                     off += p.numel()
 
+    def _broadcast(self, idx: list[int], src: int, group, receive: bool) -> None:
+        flat = torch.cat([self.params[i].detach().reshape(-1) for i in idx])
+        dist.broadcast(flat, src=src, group=group)
+        if receive:
+            off = 0
+            for i in idx:
+                p = self.params[i]
+                p.data.copy_(flat[off: off + p.numel()].view_as(p))
+                off += p.numel()
+
     # -- state ----------------------------------------------------------------------------------------------------
+    def is_mine(self, i: int) -> bool:
+        """Whether this rank owns parameter i (holds its main copy and moments, writes it on save)."""
+        g = self.groups
+        return self.owner[i] == (g.edp_rank if self.expert[i] else g.dp_rank)
+
     def owned(self) -> list[int]:
         return sorted(self.main)
 

@@ -1,14 +1,15 @@
 """Pipeline parallelism: each stage builds only its layers, and micro-batches run in Megatron's 1F1B order.
 
 A stage is the plain GPTModel with the parts it does not own removed: other stages' layers (the layer dict is keyed
-by global index, so names stay global), the embedding (kept on the last stage too when the embeddings are tied: its
-gradient is then all-reduced between the first and last stage), the final norm and the output layer. The model is
-built on the meta device and materialised after pruning, so a rank never allocates another stage's weights.
+by global index, so names stay global), the embedding (kept on the last stage too when the embeddings are tied or
+the MTP layers, which live on the last stage, need it: its gradient is then all-reduced between the first and last
+stage), the final norm and the output layer. The model is built on the meta device and materialised after pruning
+(and after expert parallelism swapped in the rank's experts), so a rank never allocates another rank's weights.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
 from train.model import GPTModel
 
+from .expert import apply_expert_parallel
 from .groups import Groups
 from .tensor import apply_tensor_parallel, embed, head_loss, local_config
 
@@ -29,9 +31,6 @@ def build_stage(cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: to
     dims = groups.dims
     if dims.vpp != 1:
         raise LayoutError(f"--vpp {dims.vpp}: the interleaved pipeline schedule is not implemented yet; use --vpp 1")
-    if cfg.mtp_num_layers:
-        raise LayoutError(f"{cfg.model_type} has {cfg.mtp_num_layers} MTP layer(s); training with the MTP loss is not "
-                          "implemented yet")
     layout = dims.layout()
     layout.check(cfg)
     padded = cfg.padded_vocab_size(dims.tp)
@@ -41,13 +40,15 @@ def build_stage(cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: to
     for key in list(model.decoder.layers.keys()):
         if not start <= int(key) < stop:
             del model.decoder.layers[key]
-    tied_last = cfg.tie_word_embeddings and groups.last_stage
+    tied_last = (cfg.tie_word_embeddings or cfg.mtp_num_layers > 0) and groups.last_stage
     if not groups.first_stage and not tied_last:
         model.embedding = None
     if not groups.last_stage:
         model.decoder.final_layernorm = None
         model.output_layer = None
-    model.mtp = None
+        model.mtp = None
+    with torch.device("meta"):
+        apply_expert_parallel(model, cfg, groups.ep, groups.ep_rank)
     model = model.to_empty(device=device).to(dtype)
     apply_tensor_parallel(model, groups.tp, sequence_parallel)
     if recompute == "selective":
@@ -73,6 +74,7 @@ class StageStep:
     cfg: ModelConfig
     sequence_parallel: bool
     recompute: str | None = None
+    moe: Any = None  # train.moe.MoETraining of an MoE model: adds the MTP loss on the last stage
 
     @property
     def vocab_start(self) -> int:
@@ -95,8 +97,11 @@ class StageStep:
                 h = layer(h, cos, sin)
         if not g.last_stage:
             return h
-        h = m.decoder.final_layernorm(h)
-        return head_loss(m, h, labels, g.tp, self.vocab_start, self.cfg.vocab_size, self.sequence_parallel)
+        hidden, h = h, m.decoder.final_layernorm(h)
+        loss = head_loss(m, h, labels, g.tp, self.vocab_start, self.cfg.vocab_size, self.sequence_parallel)
+        if self.moe is not None and m.mtp is not None:
+            loss = self.moe.add_mtp_loss(m, loss, hidden, ids, labels)
+        return loss
 
 
 def _p2p(sends: list[tuple[Tensor, int]], recvs: list[tuple[tuple[int, ...], torch.dtype, int]],

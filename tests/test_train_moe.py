@@ -1,0 +1,259 @@
+"""MoE training: expert parallelism gives the numbers of one process, the load-balancing losses and the expert-bias
+update are what the formulas say, and a trained MoE checkpoint exports to HF with a lower loss than it started from.
+
+Tiny Mixtral (softmax top-2, aux_loss) and DeepSeek-V3 (MLA, a dense first layer, shared expert, group-limited
+sigmoid routing with expert bias, one MTP layer; seq_aux_loss) built by transformers and converted with
+`shardkit convert hf-to-mcore`; every run is a real `shardkit continue-pretrain` (torchrun on gloo for several ranks).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoint.reader import Checkpoint
+from tests import moe_models
+from tests.test_train import launch, losses, real_rows
+
+COMMON = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3",
+          "--lr-warmup-iters", "1", "--min-lr", "3e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "5"]
+FLAGS = {
+    "mixtral": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"],
+    "deepseek_v3": ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
+                    "--moe-router-bias-update-rate", "0.01", "--mtp-loss-scaling-factor", "0.3"],
+}
+# DeepSeek-V3 with 4 layers (dense, MoE, MoE, MoE) so that two pipeline stages each get MoE layers
+OVERRIDES = {"mixtral": {}, "deepseek_v3": {"num_hidden_layers": 4}}
+# (name, processes, layout flags, run resumed from): Mixtral trains 3 steps at EP=4 and resumes at EP=2 (the expert
+# optimizer state is reread in its canonical form for another expert split), DeepSeek-V3 runs EP=2 x PP=2 and EP=4
+RUNS = {"mixtral": [("ep4", 4, ["--ep", "4", "--exit-interval", "3"], None), ("ep4-then-ep2", 2, ["--ep", "2"], "ep4")],
+        "deepseek_v3": [("ep2pp2", 4, ["--ep", "2", "--pp", "2"], None), ("ep4", 4, ["--ep", "4"], None)]}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    from shardkit.cli import main as cli
+    from train.data import write_indexed
+
+    root = tmp_path_factory.mktemp("train_moe")
+    for kind in FLAGS:
+        moe_models.build(kind, root / f"{kind}-hf", **OVERRIDES[kind])
+        assert cli(["convert", "hf-to-mcore", str(root / f"{kind}-hf"), str(root / f"{kind}-ck"), "--quiet"]) == 0
+    rng = np.random.default_rng(0)
+    docs = [np.tile(rng.integers(3, 60, size=int(rng.integers(3, 9))), 12)[: int(rng.integers(30, 120))]
+            for _ in range(400)]
+    write_indexed(root / "data", docs, np.uint16)
+    return root
+
+
+def _train(root: Path, kind: str, name: str, nproc: int, layout: list[str], resume: str | None = None) -> Path:
+    out = root / f"{kind}-{name}"
+    if not (out / "latest").exists():
+        load = root / (f"{kind}-{resume}" if resume else f"{kind}-ck")
+        launch(nproc, "--load", str(load), "--data-path", str(root / "data"), "--save", str(out), *COMMON,
+               *FLAGS[kind], *layout)
+    return out
+
+
+def _final_run(root: Path, kind: str) -> Path:
+    """The run that ends at iteration 5 with expert parallelism (after its resume, if any)."""
+    return _train(root, kind, *RUNS[kind][0]) if RUNS[kind][1][3] is None else _all_runs(root, kind)[-1]
+
+
+def _all_runs(root: Path, kind: str) -> list[Path]:
+    return [_train(root, kind, *r) for r in RUNS[kind]]
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kind", list(FLAGS))
+def test_expert_parallel_equals_one_process(root, kind):
+    base = _train(root, kind, "ep1", 1, [])
+    want = losses(base)
+    assert len(want) == 5
+    a = real_rows(Checkpoint(base / "iter_0000005"))
+    ref = _records(base)
+    runs = _all_runs(root, kind)
+    for (name, _, layout, resume), run in zip(RUNS[kind], runs):
+        got = _records(run)
+        if resume:  # this run continues another one: its records follow that run's
+            got = _records(root / f"{kind}-{resume}") + got
+        elif "--exit-interval" in layout:
+            continue  # checked with the run that resumes it
+        np.testing.assert_allclose([r["loss"] for r in got], want, rtol=1e-5, err_msg=name)
+        b = real_rows(Checkpoint(run / "iter_0000005"))
+        assert set(a) == set(b)
+        for t in a:  # every weight (expert shards, expert bias, MTP layer included) after 5 steps
+            assert (a[t] - b[t]).norm().item() <= 1e-5 * a[t].norm().item(), (name, t)
+        for r, w in zip(got, ref):  # the MoE logs are global sums too
+            assert r["moe_load_imbalance"] == w["moe_load_imbalance"], name
+            for key in ("load_balancing_loss", "seq_load_balancing_loss"):
+                if key in w:
+                    assert r[key] == pytest.approx(w[key], rel=1e-5)
+            if "mtp_loss" in w:
+                np.testing.assert_allclose(r["mtp_loss"], w["mtp_loss"], rtol=1e-5)
+            assert r["moe_alltoall_seconds"] > 0 and "moe_alltoall_seconds" not in w  # timed at EP > 1 only
+        ep = int(layout[layout.index("--ep") + 1])
+        assert Checkpoint(run / "iter_0000005").manifest.layout.ep == ep
+    if kind == "deepseek_v3":  # the aux-loss-free bias moved by exactly +-rate per step (no gradient reaches it)
+        src = Checkpoint(root / f"{kind}-ck" / "iter_0000000")
+        name = "decoder.layers.1.mlp.router.expert_bias"
+        steps = (a[name] - src.read(name).float()) / 0.01
+        assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() > 0
+        assert "seq_load_balancing_loss" in ref[0] and len(ref[0]["mtp_loss"]) == 1
+        assert set(ref[0]["moe_load_imbalance"]) == {"1", "2", "3", "mtp0"}  # layer 0 is dense
+
+
+@pytest.mark.parametrize("kind", list(FLAGS))
+def test_trained_checkpoint_exports_to_hf(root, kind, tmp_path):
+    """The EP-trained checkpoint -> `convert mcore-to-hf` -> transformers: same logits as our model on the saved
+    weights, and a lower loss than the model started with on the samples it was trained on."""
+    import transformers
+
+    from convert.parity import logit_parity
+    from shardkit.cli import main as cli
+    from train.data import DataConfig, build_datasets
+
+    run = _final_run(root, kind)
+    assert cli(["convert", "mcore-to-hf", str(run), str(tmp_path / "hf"), "--quiet"]) == 0
+    ck = Checkpoint(run / "iter_0000005")
+    parity = logit_parity(ck.config, ck.state_dict(), tmp_path / "hf")
+    assert parity["max_abs_diff"] < 1e-4, parity
+    ds, _ = build_datasets(DataConfig(paths=(str(root / "data"),), seq_length=32, seed=7, split="969,30,1"), 20, 0)
+    batch = torch.stack([torch.as_tensor(np.asarray(ds[i]), dtype=torch.long) for i in range(20)])
+
+    def loss(hf_dir: Path) -> float:
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).item()
+
+    before, after = loss(root / f"{kind}-hf"), loss(tmp_path / "hf")
+    assert after < before - 0.05, (before, after)
+
+
+# -- the formulas, in one process ----------------------------------------------------------------------------------
+
+def _model(root: Path, kind: str):
+    from train.model import GPTModel
+
+    ck = Checkpoint(root / f"{kind}-ck" / "iter_0000000")
+    tensors = ck.state_dict()
+    model = GPTModel(ck.config, tensors["embedding.word_embeddings.weight"].shape[0])
+    model.load_canonical(tensors)
+    return ck.config, model
+
+
+def _direct_aux(probs: torch.Tensor, chosen: torch.Tensor, k: int, coeff: float) -> torch.Tensor:
+    """coeff * E * sum_i f_i P_i for one group of tokens, written out: f_i = chosen_i / (k T), P_i = mean prob."""
+    T, E = probs.shape
+    f = torch.stack([(chosen == i).sum() for i in range(E)]).double() / (k * T)
+    P = probs.double().mean(0)
+    return coeff * E * (f * P).sum()
+
+
+@pytest.mark.parametrize("kind", list(FLAGS))
+def test_aux_loss_and_bias_update_match_direct_computation(root, kind):
+    from train.model import MoELayer
+    from train.moe import MoESettings, MoETraining
+
+    cfg, model = _model(root, kind)
+    ref_model = _model(root, kind)[1]
+    seq_level = kind == "deepseek_v3"
+    coeff, rate = 0.05, 0.01
+    settings = MoESettings("seq_aux_loss" if seq_level else "aux_loss", coeff, rate, 0.3)
+    moe = MoETraining(model, cfg, settings)
+    moe.start_step(num_micro=2)  # backward scale 1/2, as for two micro-batches
+    inputs, routed = {}, {}  # the reference model's router inputs (in its graph), the trained model's routing
+
+    def capture(store, name, item):
+        def hook(_mod, args, out) -> None:
+            store[name] = (args[0], out[1])[item]
+        return hook
+
+    for a, b in zip(model.named_modules(), ref_model.named_modules()):
+        if isinstance(a[1], MoELayer):
+            a[1].router.register_forward_hook(capture(routed, a[0], 1))
+            b[1].router.register_forward_hook(capture(inputs, b[0], 0))
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    logits, hidden = model(ids[:, :-1], return_hidden=True)
+    lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    lm = moe.add_mtp_loss(model, lm, hidden, ids[:, :-1], ids[:, 1:]) if cfg.mtp_num_layers else lm
+    (lm / 2).backward()
+
+    # the same loss with every auxiliary term added explicitly, on an untouched copy of the model
+    ref_logits, ref_hidden = ref_model(ids[:, :-1], return_hidden=True)
+    total = F.cross_entropy(ref_logits.reshape(-1, ref_logits.shape[-1]), ids[:, 1:].reshape(-1))
+    if cfg.mtp_num_layers:  # depth 1 at position t predicts token t + 2
+        mtp_logits = ref_model.mtp_forward(ref_hidden, ids[:, :-1])[0]
+        mtp = F.cross_entropy(mtp_logits[:, :-1].reshape(-1, mtp_logits.shape[-1]), ids[:, 2:].reshape(-1))
+        total = total + 0.3 * mtp
+    logged, sum_aux = {}, 0.0
+    for name, m in ref_model.named_modules():
+        if not isinstance(m, MoELayer):
+            continue
+        r = m.router
+        x = inputs[name]
+        lg = F.linear(x.float(), r.weight.float())
+        p = lg.softmax(-1) if r.score_function == "softmax" else lg.sigmoid()
+        if r.score_function == "sigmoid":
+            p = p / p.sum(-1, keepdim=True)
+        chosen = p.detach().topk(r.topk, dim=-1)[1]
+        groups = list(zip(p.split(15), chosen.split(15))) if seq_level else [(p, chosen)]  # 2 sequences of 15
+        aux = sum(_direct_aux(pp, cc, r.topk, coeff) for pp, cc in groups) / len(groups)
+        logged[name] = aux.item() / coeff
+        total = total + aux.float()
+        sum_aux = sum_aux + aux.float()
+        ref_router = r
+    router_grad_without_aux = torch.autograd.grad(total / 2 - sum_aux / 2, ref_router.weight, retain_graph=True)[0]
+    (total / 2).backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        if p.requires_grad:
+            assert (p.grad - q.grad).norm() <= 1e-5 * q.grad.norm(), name
+    # the check has teeth: the aux loss moves the router's gradient by far more than the tolerance
+    assert (router_grad_without_aux - ref_router.weight.grad).norm() > 1e-3 * ref_router.weight.grad.norm()
+
+    # logged values and the bias update (no process group: one rank's counts are the global counts)
+    bias_before = {n: m.router.expert_bias.clone() for n, m in model.named_modules()
+                   if isinstance(m, MoELayer) and m.router.expert_bias is not None}
+    out = moe.finish_step(replicas=1)
+    key = "seq_load_balancing_loss" if seq_level else "load_balancing_loss"
+    assert out[key] == pytest.approx(np.mean(list(logged.values())) / 2, rel=1e-5)  # 1 of the 2 micro-batches ran
+    for name, idx in routed.items():
+        counts = torch.bincount(idx.reshape(-1), minlength=cfg.num_moe_experts).double()
+        label = name.split(".")[2] if name.startswith("decoder") else "mtp" + name.split(".")[2]
+        assert out["moe_load_imbalance"][label] == pytest.approx(float(counts.max() / counts.mean()), abs=1e-4)
+        if name in bias_before:
+            want = bias_before[name] + rate * torch.sign(counts.mean() - counts).float()
+            assert torch.equal(dict(model.named_modules())[name].router.expert_bias, want), name
+    assert bool(bias_before) == (kind == "deepseek_v3")
+
+
+def test_bad_expert_layouts(root):
+    from checkpoint.errors import ConfigError, LayoutError
+    from checkpoint.layout import Layout
+    from train.config import TrainConfig, from_namespace, validate_moe
+    from train.parallel.groups import ParallelDims
+
+    with pytest.raises(LayoutError, match="--expert-model-parallel-size 4 must divide data-parallel x context-parallel"):
+        ParallelDims.from_world(2, tp=1, pp=1, ep=4)
+    mixtral = Checkpoint(root / "mixtral-ck" / "iter_0000000").config
+    with pytest.raises(LayoutError, match="--ep 3 does not divide the number of experts"):
+        Layout(ep=3).check(mixtral)
+    import argparse
+
+    from train.config import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg: TrainConfig = from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--ep", "2",
+                                                    "--moe-token-dispatcher-type", "allgather"]))
+    assert cfg.parallel.ep == 2
+    with pytest.raises(ConfigError, match="only alltoall"):
+        validate_moe(cfg)

@@ -1,0 +1,296 @@
+"""MoE training: the load-balancing losses, DeepSeek-V3's aux-loss-free expert-bias update, the MTP loss, and the
+per-step expert-load statistics. Megatron-Core's formulas (transformer/moe/router.py, moe_utils.py, multi_token_
+prediction.py); the model in train/model.py stays plain and is hooked from outside (`Router.on_route`).
+
+Losses that only shape gradients are added through the backward pass (Megatron's MoEAuxLossAutoScaler): the logged
+language-model loss stays the cross-entropy, and each auxiliary loss gets the gradient `backward_scale` (the main
+loss's per-micro-batch scale, 1/num_micro) in the backward pass.
+
+    aux_loss       E * sum_i f_i * P_i over the micro-batch's tokens: f_i the fraction of the top-k slots routed to
+                   expert i, P_i the mean router probability of i (softmax scores; sigmoid scores normalised per
+                   token); the routing map for f is the plain top-k of those scores (no bias, no group limit). The
+                   counts are summed over the ranks that split a sequence (context parallel), as Megatron's tp_cp
+                   group does.
+    seq_aux_loss   the same per sequence, averaged over the sequences of the micro-batch (DeepSeek-V3).
+    expert bias    after each step: bias += rate * sign(mean load - load), with the tokens each expert received
+                   (the actual routing) summed over the step's micro-batches and all data-parallel ranks.
+    MTP            depth d (1-based) predicts labels shifted by d; its mean cross-entropy over the positions that
+                   still have a label, times mtp_loss_scaling_factor / mtp_num_layers, is added.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from checkpoint.config import ModelConfig
+from checkpoint.errors import ConfigError
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """What the flags chose (defaults are Megatron's; aux_loss_coeff None: the checkpoint's model config)."""
+
+    load_balancing_type: str = "aux_loss"
+    aux_loss_coeff: float = 0.0
+    bias_update_rate: float = 1e-3
+    mtp_loss_scaling_factor: float = 0.1
+    router_dtype: str | None = None
+
+
+# -- the formulas (pure) -----------------------------------------------------------------------------------------------
+
+def aux_loss_scores(scores: Tensor, score_function: str, topk: int) -> tuple[Tensor, Tensor]:
+    """(probabilities [T, E], routing map [T, E] bool) the load-balancing loss is computed on (Megatron's
+    compute_routing_scores_for_aux_loss): softmax scores as they are, sigmoid scores normalised per token; the map
+    is their plain top-k."""
+    probs = scores.float()
+    if score_function == "sigmoid":
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    top = torch.topk(probs, topk, dim=-1)[1]
+    return probs, torch.zeros_like(probs, dtype=torch.bool).scatter_(1, top, True)
+
+
+def switch_aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_tokens: int, topk: int, coeff: float) -> Tensor:
+    """coeff * E * sum_i f_i P_i with f_i = tokens_i / (k T) and P_i = sum_t probs[t, i] / T (T = total_tokens, the
+    tokens of every rank that contributed to tokens_per_expert; probs may be this rank's share of them)."""
+    E = probs.shape[-1]
+    return (probs.sum(0) * tokens_per_expert.to(probs.dtype)).sum() * (E * coeff / (topk * total_tokens ** 2))
+
+
+def load_balancing_loss(kind: str, probs: Tensor, routing_map: Tensor, batch: int, topk: int, coeff: float,
+                        group=None) -> Tensor:
+    """The aux loss of one micro-batch's router output (probs, routing_map [b*s, E], batch-major tokens). `group`:
+    the ranks holding the other parts of these sequences (their counts are summed, their tokens counted)."""
+    n = 1 if group is None else dist.get_world_size(group)
+    E = probs.shape[-1]
+    if kind == "aux_loss":
+        counts = routing_map.sum(0)
+        if n > 1:
+            dist.all_reduce(counts, group=group)
+        return switch_aux_loss(probs, counts, probs.shape[0] * n, topk, coeff)
+    if kind == "seq_aux_loss":
+        seq = probs.shape[0] // batch
+        p, counts = probs.view(batch, seq, E), routing_map.view(batch, seq, E).sum(1)  # [b, E] per sequence
+        if n > 1:
+            dist.all_reduce(counts, group=group)
+        per_seq = (p.sum(1) * counts.to(p.dtype)).sum(-1) * (E * coeff / (topk * (seq * n) ** 2))
+        return per_seq.mean()
+    raise ConfigError(f"--moe-router-load-balancing-type {kind!r}: expected one of {', '.join(LOAD_BALANCING_TYPES)}")
+
+
+def updated_expert_bias(bias: Tensor, tokens_per_expert: Tensor, rate: float) -> Tensor:
+    """DeepSeek-V3's aux-loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded ones."""
+    load = tokens_per_expert.to(torch.float64)
+    return bias + (torch.sign(load.mean() - load) * rate).to(bias.dtype)
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Forward: x unchanged. Backward: x's gradient passes, and `loss` gets the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, loss: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (loss,) = ctx.saved_tensors
+        return g, torch.full_like(loss, ctx.scale), None
+
+
+def attach_loss(x: Tensor, loss: Tensor, scale: float) -> Tensor:
+    return _AttachLoss.apply(x, loss, scale)
+
+
+def mtp_depth_losses(logits: list[Tensor], labels: Tensor) -> list[Tensor]:
+    """Mean cross-entropy of each MTP depth: depth d (0-based) at position t predicts labels[t + d + 1]; the last
+    d + 1 positions have no label (Megatron rolls the labels and the loss mask with zero fill)."""
+    s = labels.shape[1]
+    out = []
+    for d, lg in enumerate(logits):
+        keep = s - d - 1
+        out.append(F.cross_entropy(lg[:, :keep].float().reshape(-1, lg.shape[-1]), labels[:, d + 1:].reshape(-1)))
+    return out
+
+
+def _recomputing() -> bool:
+    """True while autograd runs a backward pass (activation recompute re-runs the forward there): statistics are
+    taken once, in the real forward. Megatron guards its counters the same way."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# -- per-stage state -----------------------------------------------------------------------------------------------
+
+_DECODER = re.compile(r"decoder\.layers\.(\d+)\.mlp$")
+_MTP = re.compile(r"mtp\.layers\.(\d+)\.transformer_layer\.mlp$")
+
+
+class MoETraining:
+    """Hooks on every router of this stage, and what they accumulate over one step.
+
+    Slots: decoder layer i is slot i, MTP depth j is slot L + j; `counts` [L + D, E] (tokens per expert, actual
+    routing), `aux` [L + D] (load-balancing loss / coeff, summed over micro-batches), `mtp` [D] (MTP losses). A
+    world all-reduce of the flat statistics serves the bias update and the logs on every rank."""
+
+    def __init__(self, model: nn.Module, cfg: ModelConfig, settings: MoESettings, token_group=None,
+                 tp: int = 1, ep: int = 1) -> None:
+        from train.model import MoELayer
+
+        if settings.load_balancing_type not in LOAD_BALANCING_TYPES:
+            raise ConfigError(f"--moe-router-load-balancing-type {settings.load_balancing_type!r}: expected one of "
+                              f"{', '.join(LOAD_BALANCING_TYPES)}")
+        if settings.router_dtype is not None and settings.router_dtype not in ROUTER_DTYPES:
+            raise ConfigError(f"--moe-router-dtype {settings.router_dtype!r}: expected fp32 or fp64")
+        self.cfg, self.settings = cfg, settings
+        self.token_group = token_group
+        self.ep = ep
+        self.tp = tp  # without sequence parallelism TP ranks see the same tokens: their counts are divided out
+        self.backward_scale = 1.0
+        self.num_layers, self.depths = cfg.num_layers, cfg.mtp_num_layers
+        E = cfg.num_moe_experts or 1
+        device = next(model.parameters()).device
+        self.counts = torch.zeros(self.num_layers + self.depths, E, dtype=torch.float64, device=device)
+        self.aux = torch.zeros(self.num_layers + self.depths, dtype=torch.float64, device=device)
+        self.mtp = torch.zeros(self.depths, dtype=torch.float64, device=device)
+        self.routers: dict[int, nn.Module] = {}
+        self.timers = [m.timer for m in model.modules() if hasattr(m, "timer")]  # expert parallel all-to-alls
+        self.micro_batches = 0
+        for name, m in model.named_modules():
+            if not isinstance(m, MoELayer):
+                continue
+            d, t = _DECODER.match(name), _MTP.match(name)
+            slot = int(d.group(1)) if d else self.num_layers + int(t.group(1))
+            self._hook(slot, m)
+
+    @property
+    def aux_enabled(self) -> bool:
+        return self.settings.load_balancing_type != "none" and self.settings.aux_loss_coeff > 0
+
+    def _hook(self, slot: int, layer: nn.Module) -> None:
+        router = layer.router
+        self.routers[slot] = router
+        if self.settings.router_dtype is not None:
+            router.logits_dtype = ROUTER_DTYPES[self.settings.router_dtype]
+        if router.expert_bias is not None:
+            router.expert_bias.data = router.expert_bias.data.float()  # Megatron keeps it in fp32 (updates of 1e-3)
+        shape: list = [None]
+        layer.register_forward_pre_hook(lambda _m, args: shape.__setitem__(0, args[0].shape[:2]))
+        s = self.settings
+
+        def on_route(scores: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+            if not torch.is_grad_enabled():  # evaluation
+                return weights
+            stats = not _recomputing()
+            if stats:
+                self.counts[slot] += torch.bincount(indices.reshape(-1), minlength=self.counts.shape[1]).double()
+            if self.aux_enabled:
+                probs, rmap = aux_loss_scores(scores, router.score_function, router.topk)
+                aux = load_balancing_loss(s.load_balancing_type, probs, rmap, shape[0][0], router.topk,
+                                          s.aux_loss_coeff, self.token_group)
+                if stats:
+                    self.aux[slot] += aux.detach().double() / s.aux_loss_coeff
+                weights = attach_loss(weights, aux, self.backward_scale)
+            return weights
+
+        router.on_route = on_route
+
+    # -- MTP ----------------------------------------------------------------------------------------------------
+    def add_mtp_loss(self, model: nn.Module, loss: Tensor, hidden: Tensor, ids: Tensor, labels: Tensor,
+                     position_ids: Tensor | None = None) -> Tensor:
+        """The last stage's loss with the MTP loss attached (`hidden`: the decoder output before its final norm)."""
+        if not self.depths or self.settings.mtp_loss_scaling_factor == 0:
+            return loss
+        if not torch.is_grad_enabled():  # evaluation reports the language-model loss only
+            return loss
+        losses = mtp_depth_losses(model.mtp_forward(hidden, ids, position_ids), labels)
+        if not _recomputing():
+            self.mtp += torch.stack([x.detach().double() for x in losses])
+        total = torch.stack(losses).sum() * (self.settings.mtp_loss_scaling_factor / self.depths)
+        return attach_loss(loss, total, self.backward_scale)
+
+    # -- per step ---------------------------------------------------------------------------------------------------
+    def start_step(self, num_micro: int) -> None:
+        self.counts.zero_()
+        self.aux.zero_()
+        self.mtp.zero_()
+        self.micro_batches = num_micro
+        self.backward_scale = 1.0 / num_micro
+        for t in self.timers:
+            t.seconds = 0.0
+
+    @torch.no_grad()
+    def finish_step(self, replicas: int) -> dict:
+        """After the optimizer step: sum the statistics over all ranks, update the expert biases, return the logs.
+        `replicas`: how many ranks saw each micro-batch's tokens of one layer (data-parallel x context-parallel
+        ranks split them; TP ranks repeat them)."""
+        comm = torch.tensor([sum(t.seconds for t in self.timers)], dtype=torch.float64, device=self.counts.device)
+        flat = torch.cat([self.counts.reshape(-1), self.aux, self.mtp, comm])
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            dist.all_reduce(flat)
+        n_counts, n_aux = self.counts.numel(), self.aux.numel()
+        counts = flat[:n_counts].view_as(self.counts) / self.tp
+        aux = flat[n_counts:n_counts + n_aux] / (self.tp * replicas * self.micro_batches)
+        mtp = flat[n_counts + n_aux:-1] / (self.tp * replicas * self.micro_batches)
+        rate = self.settings.bias_update_rate
+        for slot, router in self.routers.items():
+            if router.expert_bias is not None and rate > 0:
+                router.expert_bias.copy_(updated_expert_bias(router.expert_bias, counts[slot], rate))
+        out: dict = {}
+        moe = [i for i in range(len(counts)) if counts[i].sum() > 0]
+        if moe:
+            out["moe_load_imbalance"] = {self._slot_name(i): round(float(counts[i].max() / counts[i].mean()), 4)
+                                         for i in moe}
+            out["moe_max_load_imbalance"] = max(out["moe_load_imbalance"].values())
+        if self.aux_enabled and moe:
+            key = "load_balancing_loss" if self.settings.load_balancing_type == "aux_loss" \
+                else "seq_load_balancing_loss"
+            out[key] = float(aux[moe].mean())
+        if self.depths and self.settings.mtp_loss_scaling_factor:
+            out["mtp_loss"] = [float(x) for x in mtp]
+        if self.timers:
+            out["moe_alltoall_seconds"] = float(flat[-1]) / world  # mean over ranks, forward + backward
+        return out
+
+    def _slot_name(self, slot: int) -> str:
+        return str(slot) if slot < self.num_layers else f"mtp{slot - self.num_layers}"
+
+
+def setup(args, cfg: ModelConfig, model: nn.Module, groups, packed: bool) -> MoETraining | None:
+    """The MoE training state of this stage (None for a dense model). `args`: the run's MoEArgs; the aux-loss
+    coefficient defaults to the checkpoint's (HF router_aux_loss_coef / aux_loss_alpha)."""
+    if not cfg.is_moe:
+        return None
+    if cfg.mtp_num_layers and (groups.dims.cp > 1 or packed):
+        raise ConfigError(f"{cfg.model_type} has MTP layers: the MTP loss with --context-parallel-size > 1 or packed "
+                          "documents (--reset-position-ids / --reset-attention-mask) is not implemented; use --cp 1 "
+                          "without them, or --mtp-loss-scaling-factor 0")
+    coeff = args.moe_aux_loss_coeff if args.moe_aux_loss_coeff is not None else cfg.moe_aux_loss_coeff
+    settings = MoESettings(args.moe_router_load_balancing_type, float(coeff), args.moe_router_bias_update_rate,
+                           args.mtp_loss_scaling_factor, args.moe_router_dtype)
+    # the ranks splitting one sequence (context parallel) share its token counts
+    token_group = getattr(groups, "cp", None)
+    return MoETraining(model, cfg, settings, token_group=token_group, tp=groups.dims.tp, ep=groups.dims.ep)
+
+
+def describe(m: MoETraining) -> str:
+    s, c = m.settings, m.cfg
+    parts = [f"MoE: {c.num_moe_experts} experts, top-{c.moe_router_topk}, ep {m.ep}, dispatch alltoall (dropless)",
+             f"load balancing {s.load_balancing_type} coeff {s.aux_loss_coeff:g}" if m.aux_enabled
+             else "no load-balancing loss"]
+    if c.moe_router_enable_expert_bias:
+        parts.append(f"expert bias update rate {s.bias_update_rate:g}")
+    if c.mtp_num_layers:
+        parts.append(f"MTP {c.mtp_num_layers} depth(s), loss x {s.mtp_loss_scaling_factor:g}")
+    if s.router_dtype:
+        parts.append(f"router {s.router_dtype}")
+    return "; ".join(parts)

@@ -1,0 +1,132 @@
+"""Expert parallelism: each EP rank holds E/EP experts, and tokens travel to their experts by all-to-all.
+
+Applied to the plain model from outside, like tensor parallelism: `apply_expert_parallel` replaces each MoE layer's
+`mlp.experts` (the dropless loop over all E experts in train/model.py) with `ExpertParallelExperts`, which holds this
+rank's experts only, under the same parameter names (`mlp.experts.experts.linear_fc1.weight`, now [E/EP, 2F, h]).
+Its shard is the one the sharding table gives the rank (RankCoord.ep), so loading and saving stay `read_local` and
+region writes. At EP = 1 nothing is replaced.
+
+Dispatch (Megatron's alltoall token dispatcher, dropless, variable split sizes):
+  1. every (token, top-k slot) pair is sorted by its expert: pairs for one EP rank are then contiguous;
+  2. the per-expert counts are exchanged (an all-to-all of E integers), so every rank knows what it receives;
+  3. the token rows go out with `all_to_all_single` (in_splits: rows per destination, out_splits: rows per source);
+  4. the received rows, grouped by source rank then local expert, are regrouped by local expert and run through it;
+  5. the outputs go back by the inverse all-to-all, are weighted by the router and summed per token.
+The all-to-all is an autograd function whose backward is the all-to-all with the splits swapped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from checkpoint.config import ModelConfig
+from train.model import Experts, GroupedMLP, MoELayer
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class CommTimer:
+    """Seconds spent in the all-to-alls (forward and backward; waiting for slower peers included)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+def _all_to_all_single(x: Tensor, out_splits: list[int], in_splits: list[int], group, timer: CommTimer | None
+                       ) -> Tensor:
+    t0 = time.perf_counter()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    if timer is not None:
+        timer.seconds += time.perf_counter() - t0
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group, timer) -> Tensor:
+        ctx.splits, ctx.group, ctx.timer = (out_splits, in_splits), group, timer
+        return _all_to_all_single(x, out_splits, in_splits, group, timer)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all_single(g, in_splits, out_splits, ctx.group, ctx.timer), None, None, None, None
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group, timer: CommTimer | None = None
+               ) -> Tensor:
+    """Rows of x [sum(in_splits), ...] go to the group's ranks in order, in_splits[r] rows to rank r; returns the
+    sum(out_splits) rows received, out_splits[r] from rank r. Differentiable (backward: the splits swapped)."""
+    if _size(group) == 1:
+        return x
+    return _AllToAll.apply(x, out_splits, in_splits, group, timer)
+
+
+def exchange_counts(counts: Tensor, group, timer: CommTimer | None = None) -> Tensor:
+    """counts [E] (rows this rank sends to each expert, experts in EP-rank blocks) -> [EP, E/EP]: row r holds what
+    rank r sends to each of this rank's experts."""
+    ep = _size(group)
+    n = counts.numel() // ep
+    return _all_to_all_single(counts, [n] * ep, [n] * ep, group, timer).view(ep, -1)
+
+
+class ExpertParallelExperts(nn.Module):
+    """This EP rank's E/EP experts and the all-to-all dispatch (same call signature as model.Experts)."""
+
+    def __init__(self, cfg: ModelConfig, group, ep: int, ep_rank: int) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_moe_experts
+        self.num_local = cfg.num_moe_experts // ep
+        self.first = ep_rank * self.num_local
+        self.group = group
+        self.experts = GroupedMLP(dataclasses.replace(cfg, num_moe_experts=self.num_local))
+        self.timer = CommTimer()
+
+    def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        k, ep, nl = indices.shape[1], _size(self.group), self.num_local
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, hence by EP rank
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        recv_counts = exchange_counts(counts, self.group, self.timer)  # [ep, nl]
+        in_splits = counts.view(ep, nl).sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        recv = all_to_all(x.index_select(0, token), out_splits, in_splits, self.group, self.timer)
+        # received rows: by source rank, then by local expert; regroup by local expert
+        local = torch.repeat_interleave(torch.arange(nl, device=x.device).repeat(ep), recv_counts.reshape(-1))
+        perm = torch.argsort(local, stable=True)
+        grouped = recv.index_select(0, perm)
+        outs = []
+        for e, rows in enumerate(grouped.split(recv_counts.sum(0).tolist())):
+            if rows.shape[0]:
+                outs.append(self.experts(rows, e))
+        # with no rows for any local expert, the (empty) received rows themselves go back: the return all-to-all must
+        # stay in the autograd graph on every rank, or the peers' backward all-to-all waits for this rank forever
+        y = torch.cat(outs) if outs else grouped
+        y = y.index_select(0, torch.argsort(perm))  # back to the received order
+        back = all_to_all(y, in_splits, out_splits, self.group, self.timer)  # [T*k, h] in `order`
+        back = back * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, token, back.to(x.dtype))
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    """(name, module) of every MoE layer of a (stage) model: decoder layers and MTP layers."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+def apply_expert_parallel(model: nn.Module, cfg: ModelConfig, group, ep_rank: int) -> None:
+    """Swap every MoE layer's experts for this EP rank's share with all-to-all dispatch (call on the meta device,
+    before the model is materialised, so no rank allocates other ranks' experts). No-op for a group of one."""
+    ep = _size(group)
+    if ep == 1:
+        return
+    for _, layer in moe_layers(model):
+        if isinstance(layer.experts, Experts):
+            layer.experts = ExpertParallelExperts(cfg, group, ep, ep_rank)
