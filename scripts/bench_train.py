@@ -699,7 +699,7 @@ def prepare_trainer_inputs(spec: Spec, workdir: Path, iters: int, global_batch: 
 
 
 def run_torchrun(spec: Spec, layouts: list[dict[str, int]], warmup: int, steps: int, repeats: int, workdir: Path,
-                 log: Callable[[str], None] = print) -> dict:
+                 log: Callable[[str], None] = print, timeout: float = 1800) -> dict:
     """Each layout `repeats` times, interleaved (A B A B ...); tokens/s from the trainer's metrics.jsonl (iterations
     after `warmup`), communication share from the collectives timed inside the ranks (rank 0's view, and the mean)."""
     gbs = {id(lay): spec.mbs * lay["dp"] for lay in layouts}
@@ -726,13 +726,18 @@ def run_torchrun(spec: Spec, layouts: list[dict[str, int]], warmup: int, steps: 
                 if lay[k] > 1:
                     cmd += [flag, str(lay[k])]
             env = _env_with_repo()
-            env["OMP_NUM_THREADS"] = str(spec.threads)
+            env["OMP_NUM_THREADS"] = str(max(1, spec.threads // nproc))  # every layout gets --threads cores in all
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-            if proc.returncode:
-                err = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                log(f"{name}: failed (rc {proc.returncode}): {' | '.join(err)}")
-                per[name]["error"] = " | ".join(err)
+            with open(out / "log.txt", "w") as f:  # the ranks' output, kept for a failed or hung run
+                try:
+                    rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                        timeout=timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = f"timed out after {timeout} s"
+            if rc:
+                err = " | ".join((out / "log.txt").read_text().strip().splitlines()[-3:])
+                log(f"{name}: failed ({rc}): {err} (log: {out / 'log.txt'})")
+                per[name]["error"] = f"{rc}: {err}"
                 continue
             run = _read_run(out, warmup)
             run["wall_seconds"] = time.perf_counter() - t0
@@ -764,8 +769,9 @@ def _read_run(out: Path, warmup: int) -> dict:
         rows = [r for r in rows if r["iteration"] > warmup] or rows
         comm[int(f.stem[4:])] = sum(r["comm_seconds"] for r in rows) / max(1e-9, sum(r["step_seconds"] for r in rows))
     step = statistics.median(m["step_seconds"] for m in timed)
-    return {"tokens_per_second": statistics.median(m["tokens_per_second"] for m in timed),
-            "median_step_seconds": step, "losses": [m["loss"] for m in metrics],
+    tps = [m.get("tokens_per_s", m.get("tokens_per_second")) for m in timed]  # the key the trainer logs, old or new
+    return {"tokens_per_second": statistics.median(tps), "median_step_seconds": step,
+            "losses": [m["loss"] for m in metrics], "mem_gib": max((m.get("mem_gib") or 0) for m in metrics),
             "comm_share_rank0": comm.get(0, 0.0), "comm_share_mean": statistics.fmean(comm.values()) if comm else 0.0,
             "comm_share_by_rank": comm}
 
@@ -843,8 +849,8 @@ def markdown_torchrun(res: dict) -> str:
                     f"{p.get(f'vs_{base}', float('nan')):.2f}x | {100 * p['comm_share_rank0']:.0f}% | "
                     f"{100 * p['comm_share_mean']:.0f}% | {len(p['runs'])} |")
     return "\n".join([
-        f"Config: {res['describe']}; `shardkit continue-pretrain` under torchrun (gloo), global batch = micro-batch x "
-        f"DP; {res['warmup']} warm-up iteration(s) excluded, median of {res['steps']} iterations, median of "
+        f"Config: {res['describe']} in all (threads split over the ranks); `shardkit continue-pretrain` under "
+        f"torchrun (gloo), global batch = micro-batch x DP; {res['warmup']} warm-up iteration(s) excluded, median of {res['steps']} iterations, median of "
         f"{res['repeats']} runs per layout (layouts interleaved).",
         f"Load average at start {res['load']['start']}, at end {res['load']['end']}; "
         f"{res['machine'].get('nproc')} CPUs.", "", *rows])
