@@ -7,7 +7,8 @@ Protocol, one JSON object per line: the parent writes {"argv": [...], "env": {..
 "log": path}; the child runs `shardkit.cli.main(argv)` with `env` added (SHARDKIT_FAULT_AT kills it at a named site),
 its stdout and stderr going to `log`; if `kill_after` is set and the child is still running then, it gets SIGKILL;
 `fsize` sets RLIMIT_FSIZE in the child (Python ignores SIGXFSZ, so a write past it fails with EFBIG: a full disk).
-The answer is {"rc": exit status | null, "signal": signal number | null, "seconds": wall time}.
+The answer is {"rc": exit status | null, "signal": signal number | null, "seconds": wall time}. {"group": [req, ...]}
+forks all its children at once (the ranks of one job) and answers with the list of their results.
 """
 from __future__ import annotations
 
@@ -52,27 +53,40 @@ def run_child(req: dict) -> None:
     os._exit(rc or 0)
 
 
+def _status(status: int, started: float) -> dict:
+    return {"rc": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            "seconds": round(time.monotonic() - started, 4)}
+
+
 def main() -> None:
     for line in sys.stdin:
         req = json.loads(line)
+        group = req.get("group") or [req]  # several children at once (the ranks of one job)
         started = time.monotonic()
-        pid = os.fork()
-        if pid == 0:
-            run_child(req)
+        pids = []
+        for one in group:
+            pid = os.fork()
+            if pid == 0:
+                run_child(one)
+            pids.append(pid)
         deadline = None if req.get("kill_after") is None else started + float(req["kill_after"])
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
+        results: dict[int, dict] = {}
+        while len(results) < len(pids):
+            for pid in pids:
+                if pid in results:
+                    continue
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    results[pid] = _status(status, started)
             if deadline is not None and time.monotonic() >= deadline:
-                os.kill(pid, signal.SIGKILL)
-                _, status = os.waitpid(pid, 0)
-                break
+                for pid in pids:
+                    if pid not in results:
+                        os.kill(pid, signal.SIGKILL)
+                        results[pid] = _status(os.waitpid(pid, 0)[1], started)
             time.sleep(0.002)
-        out = {"rc": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
-               "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
-               "seconds": round(time.monotonic() - started, 4)}
-        sys.stdout.write(json.dumps(out) + "\n")
+        out = [results[pid] for pid in pids]
+        sys.stdout.write(json.dumps(out if req.get("group") else out[0]) + "\n")
         sys.stdout.flush()
 
 
