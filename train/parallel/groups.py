@@ -85,6 +85,8 @@ class Groups:
     pp_rank: int
     tp: dist.ProcessGroup | None = None
     dp: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None  # context parallel: the ranks that split one sequence
+    dp_cp: dist.ProcessGroup | None = None  # DP x CP: gradients are reduced over it
     pp: dist.ProcessGroup | None = None
     embedding: dist.ProcessGroup | None = None  # first and last pipeline stage (tied embeddings)
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
@@ -138,6 +140,15 @@ def build_groups(dims: ParallelDims) -> Groups:
                 setattr(g, attr, grp)
                 if vary == "pp":
                     g.pp_ranks = ranks
+    for ranks in each("cp", ["tp", "dp", "pp"]):
+        grp = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            g.cp = grp
+    for tp, pp in itertools.product(range(dims.tp), range(dims.pp)):
+        ranks = [dims.rank(tp=tp, cp=c, dp=d, pp=pp) for d in range(dims.dp) for c in range(dims.cp)]
+        grp = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            g.dp_cp = grp
     for ranks in each("pp", ["tp", "cp", "dp"]):
         emb = sorted({ranks[0], ranks[-1]})
         grp = dist.new_group(emb) if len(emb) > 1 else None
