@@ -142,7 +142,7 @@ class MoETraining:
     world all-reduce of the flat statistics serves the bias update and the logs on every rank."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, settings: MoESettings, token_group=None,
-                 tp: int = 1, ep: int = 1) -> None:
+                 tp: int = 1, ep: int = 1, cp: int = 1) -> None:
         from train.model import MoELayer
 
         if settings.load_balancing_type not in LOAD_BALANCING_TYPES:
@@ -154,7 +154,9 @@ class MoETraining:
         self.token_group = token_group
         self.ep = ep
         self.tp = tp  # without sequence parallelism TP ranks see the same tokens: their counts are divided out
-        self.backward_scale = 1.0
+        self.backward_scale = 1.0  # gradient of an attached loss: the main loss's per-micro-batch scale
+        self.cp = cp
+        self.aux_scale = 1.0  # the load-balancing loss's: times cp, as the CP ranks' language-model losses are
         self.num_layers, self.depths = cfg.num_layers, cfg.mtp_num_layers
         E = cfg.num_moe_experts or 1
         device = next(model.parameters()).device
@@ -198,7 +200,7 @@ class MoETraining:
                                           s.aux_loss_coeff, self.token_group)
                 if stats:
                     self.aux[slot] += aux.detach().double() / s.aux_loss_coeff
-                weights = attach_loss(weights, aux, self.backward_scale)
+                weights = attach_loss(weights, aux, self.aux_scale)
             return weights
 
         router.on_route = on_route
@@ -224,6 +226,7 @@ class MoETraining:
         self.mtp.zero_()
         self.micro_batches = num_micro
         self.backward_scale = 1.0 / num_micro
+        self.aux_scale = self.cp / num_micro  # Megatron: MoEAuxLossAutoScaler scale cp / num_microbatches
         for t in self.timers:
             t.seconds = 0.0
 
@@ -279,7 +282,8 @@ def setup(args, cfg: ModelConfig, model: nn.Module, groups, packed: bool) -> MoE
                            args.mtp_loss_scaling_factor, args.moe_router_dtype)
     # the ranks splitting one sequence (context parallel) share its token counts
     token_group = getattr(groups, "cp", None)
-    return MoETraining(model, cfg, settings, token_group=token_group, tp=groups.dims.tp, ep=groups.dims.ep)
+    return MoETraining(model, cfg, settings, token_group=token_group, tp=groups.dims.tp, ep=groups.dims.ep,
+                       cp=groups.dims.cp)
 
 
 def describe(m: MoETraining) -> str:
