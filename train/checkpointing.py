@@ -244,6 +244,9 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
                 continue
             i = index.get(lp.name)
             mine = opt.is_mine(i) if i is not None else groups.dp_rank == 0
+            # CP ranks hold the same weights: one of them writes (an expert shard has one owner in its
+            # expert-data-parallel group, which spans DP x CP)
+            mine = mine and (groups.cp_rank == 0 or (i is not None and opt.expert[i]))
             if not mine:
                 continue
             values = {lp.spec.name: lp.param}

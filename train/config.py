@@ -20,6 +20,8 @@ class ParallelConfig:
     pp: int = 1
     vpp: int = 1
     sequence_parallel: bool = False
+    cp: int = 1  # context parallel (zigzag chunks, train/parallel/context.py)
+    cp_comm_type: str = "p2p"  # p2p (ring attention) | all_gather (K/V)
     ep: int = 1  # expert parallel, inside data parallel x context parallel (train/parallel/expert.py)
 
 
@@ -47,6 +49,11 @@ class DataArgs:
     global_batch_size: int = 8
     seed: int = 1234
     override_data_state: bool = False
+    # packed documents (Megatron's get_ltor_masks_and_position_ids); EOD id from the checkpoint's eos_token_id
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    eod_token_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,8 @@ _SECTIONS = {"parallel": ParallelConfig, "data": DataArgs, "optimizer": Optimize
              "checkpoint": CheckpointConfig, "run": RunConfig, "fp8": FP8Config,
              "moe": MoEArgs}
 # Megatron flag dest -> (section, field) where the names differ
-_RENAMES = {"expert_model_parallel_size": ("parallel", "ep"), "tensor_model_parallel_size": ("parallel", "tp"), "pipeline_model_parallel_size": ("parallel", "pp"),
+_RENAMES = {"expert_model_parallel_size": ("parallel", "ep"), "tensor_model_parallel_size": ("parallel", "tp"),
+            "context_parallel_size": ("parallel", "cp"), "pipeline_model_parallel_size": ("parallel", "pp"),
             "virtual_pipeline_model_parallel_size": ("parallel", "vpp"), "fp8": ("fp8", "fp8_format")}
 
 
@@ -119,6 +127,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--pipeline-model-parallel-size", "--pp", dest="pipeline_model_parallel_size", type=int)
     a("--virtual-pipeline-model-parallel-size", "--vpp", dest="virtual_pipeline_model_parallel_size", type=int)
     a("--sequence-parallel", action="store_true", default=None)
+    a("--context-parallel-size", "--cp", dest="context_parallel_size", type=int,
+      help="split each sequence over N ranks (zigzag: 2N chunks, --seq-length divisible by 2N)")
+    a("--cp-comm-type", choices=["p2p", "all_gather"], help="context parallel attention: K/V round a ring with "
+                                                            "point-to-point sends (default) or all-gathered")
     a("--expert-model-parallel-size", "--ep", dest="expert_model_parallel_size", type=int,
       help="split the experts over N ranks of data parallel x context parallel (tokens move by all-to-all)")
     a("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"])
@@ -132,6 +144,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--micro-batch-size", type=int)
     a("--global-batch-size", type=int)
     a("--seq-length", type=int)
+    a("--reset-position-ids", action="store_true", default=None, help="packed documents: positions restart after EOD")
+    a("--reset-attention-mask", action="store_true", default=None,
+      help="packed documents: attention does not cross an EOD token")
+    a("--eod-mask-loss", action="store_true", default=None, help="no loss at positions whose input is EOD")
+    a("--eod-token-id", type=int, help="end-of-document token (default: the checkpoint's eos_token_id)")
     a("--train-iters", type=int)
     a("--lr", type=float)
     a("--min-lr", type=float)
@@ -235,6 +252,11 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"continue-pretrain: {flag} must be >= 1, got {v}")
     if cfg.optimizer.lr < 0 or cfg.optimizer.min_lr < 0:
         raise ConfigError("continue-pretrain: --lr and --min-lr must be >= 0")
+    from .parallel.context import COMM_TYPES, check_sequence
+
+    check_sequence(d.seq_length, cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel)
+    if cfg.parallel.cp_comm_type not in COMM_TYPES:
+        raise ConfigError(f"--cp-comm-type {cfg.parallel.cp_comm_type!r}: expected one of {', '.join(COMM_TYPES)}")
     if cfg.run.transformer_impl not in (None, "local", "transformer_engine"):
         raise ConfigError(f"--transformer-impl {cfg.run.transformer_impl!r}: expected local or transformer_engine")
     if cfg.run.transformer_impl == "transformer_engine":

@@ -29,6 +29,7 @@ from train.config import TrainConfig, validate
 from train.data import DataConfig, build_datasets, micro_batches
 from train.metrics import MetricsLogger, flops_per_step, format_line, memory_stats, peak_flops, throughput
 from train.optim import DistributedOptimizer, SchedulerConfig, lr_at
+from train.parallel.context import apply_context_parallel, packing_from, prepare_micro_batch
 from train.parallel.groups import Groups, ParallelDims, build_groups
 from train.parallel.pipeline import StageStep, build_stage, forward_backward, forward_only
 
@@ -63,17 +64,13 @@ def check_model_flags(cfg: TrainConfig, m: ModelConfig, source: Path) -> None:
                           f"({m.max_position_embeddings}) in {source}")
 
 
-def _split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         validate(cfg)
         self.cfg = cfg
         p, d = cfg.parallel, cfg.data
         world = dist.get_world_size()
-        dims = ParallelDims.from_world(world, p.tp, p.pp, vpp=p.vpp, ep=p.ep)
+        dims = ParallelDims.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep)
         if d.global_batch_size % (d.micro_batch_size * dims.dp):
             raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
                               f"{d.micro_batch_size} x data-parallel size {dims.dp}")
@@ -93,10 +90,15 @@ class Trainer:
                        else torch.device("cpu"))
         self.model = build_stage(self.model_cfg, self.groups, self.dtype, self.device, self.sp,
                                  cfg.run.recompute_granularity)
+        # context parallelism / packed documents / flash-attn: attention replaced from outside (train/parallel/context.py)
+        self.packing = packing_from(d, self.model_cfg, self.ck.hf_dir())
+        self.attention, self.attention_line = apply_context_parallel(
+            self.model, self.groups, p.cp_comm_type, self.packing, cfg.run.recompute_granularity == "selective",
+            self.device, self.dtype)
         # --transformer-impl / --fp8: before the parameters are registered (TE rebuilds the layers, same names)
         self.backend = precision.setup(cfg, self.model_cfg, self.model, self.groups, self.sp)
         # MoE: load-balancing losses, expert-bias updates, MTP loss, expert-load statistics (train/moe.py)
-        self.moe = moe.setup(cfg.moe, self.model_cfg, self.model, self.groups, False)
+        self.moe = moe.setup(cfg.moe, self.model_cfg, self.model, self.groups, self.packing.active)
         self.table = ckpt_io.param_table(self.model, self.model_cfg, self.layout, self.groups)
         ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
         trainable = [(lp.name, lp.param) for lp in self.table if lp.param.requires_grad]
@@ -124,8 +126,9 @@ class Trainer:
                                         style=s.lr_decay_style, wsd_decay_iters=s.lr_wsd_decay_iters)
         self._data()
         self.step = StageStep(self.model, self.groups, self.model_cfg, self.sp, cfg.run.recompute_granularity,
-                              moe=self.moe)
-        seq = d.seq_length // dims.tp if self.sp else d.seq_length
+                              self.attention, moe=self.moe)
+        seq = d.seq_length // dims.cp  # a CP rank's tokens
+        seq = seq // dims.tp if self.sp else seq
         self.act_shape = (d.micro_batch_size, seq, self.model_cfg.hidden_size)
         self.step = self.backend.wrap(self.step)  # TE: each micro-batch's forward under te.autocast
         self.flops = flops_per_step(self.model_cfg, d.seq_length, d.global_batch_size * d.seq_length)
@@ -147,10 +150,14 @@ class Trainer:
                                   f"{old[:12]} vs {self.fingerprint[:12]}: data files, blend, split, seed, seq length "
                                   "or train iters changed); pass --override-data-state to continue anyway")
 
+    def _prepare(self, sample: torch.Tensor):
+        """[mbs, seq+1] tokens -> (ids, labels, extras) for this CP rank (all CP ranks read the same samples)."""
+        return prepare_micro_batch(sample.to(self.device), self.dims.cp, self.groups.cp_rank, self.packing)
+
     # -- one iteration ----------------------------------------------------------------------------------------------
     def train_step(self, batches) -> dict:
         g = self.groups
-        mbs = [_split(next(batches).to(self.device)) for _ in range(self.num_micro)]
+        mbs = [self._prepare(next(batches)) for _ in range(self.num_micro)]
         self.opt.zero_grad()
         if self.moe is not None:
             self.moe.start_step(self.num_micro)
@@ -169,8 +176,8 @@ class Trainer:
         """Mean micro-batch loss over the global batch: summed on the last stages, averaged over DP."""
         t = loss_sum.detach().double().reshape(1)
         if self.dims.world > 1:
-            dist.all_reduce(t)  # only last-stage ranks contribute; each DP x TP replica once
-        return float(t) / (self.num_micro * self.dims.dp * self.dims.tp)
+            dist.all_reduce(t)  # only last-stage ranks contribute; each DP x TP replica once, CP ranks x cp each
+        return float(t) / (self.num_micro * self.dims.dp * self.dims.tp * self.dims.cp)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -180,12 +187,12 @@ class Trainer:
         it = micro_batches(self.valid_ds, 0, d.micro_batch_size, self.groups.dp_rank, self.dims.dp)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(self.cfg.run.eval_iters):
-            mbs = [_split(next(it).to(self.device)) for _ in range(self.num_micro)]
+            mbs = [self._prepare(next(it)) for _ in range(self.num_micro)]
             total += forward_only(self.step, mbs, self.act_shape, self.dtype)
         t = total.reshape(1)
         if self.dims.world > 1:
             dist.all_reduce(t)
-        return float(t) / (self.cfg.run.eval_iters * self.num_micro * self.dims.dp * self.dims.tp)
+        return float(t) / (self.cfg.run.eval_iters * self.num_micro * self.dims.dp * self.dims.tp * self.dims.cp)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     def save(self) -> None:
@@ -195,7 +202,8 @@ class Trainer:
                  "rng": ckpt_io.rng_state(), "scheduler": asdict(self.schedule),
                  "optimizer": asdict(self.cfg.optimizer),
                  "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in _flat(self.cfg).items()},
-                 "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "ep": self.dims.ep}}
+                 "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "cp": self.dims.cp,
+                            "ep": self.dims.ep}}
         state["fp8"] = self.backend.state_dict(self.groups)  # delayed scaling's amax histories and scales
         self.wait_for_save()
         if self.cfg.checkpoint.async_save and self.save_group is None and self.dims.world > 1:
@@ -234,6 +242,8 @@ class Trainer:
         logger = MetricsLogger(log_dir, self.groups.rank) if log_dir else None
         if self.groups.rank == 0 and (self.backend.fp8 is not None or self.backend.te is not None):
             log(self.backend.describe())  # e.g. "backend local; FP8 hybrid (delayed scaling) on 16 linear layers"
+        if self.groups.rank == 0:
+            log(self.attention_line)
         if self.groups.rank == 0 and self.moe is not None:
             log(moe.describe(self.moe))
         try:

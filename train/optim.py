@@ -119,7 +119,9 @@ class DistributedOptimizer:
         for idx, size in ((dense_idx, groups.dims.dp), (expert_idx, groups.dims.edp)):
             for i, o in zip(idx, owners([numel[i] for i in idx], size)):
                 self.owner[i] = o
-        self.counted = [not (n in replicated and groups.tp_rank != 0) and n not in tied_copy for n in self.names]
+        # CP ranks hold the same parameters and, after the DP x CP reduction, the same gradients: CP rank 0 counts
+        self.counted = [not (n in replicated and groups.tp_rank != 0) and n not in tied_copy and groups.cp_rank == 0
+                        for n in self.names]
         for i in expert_idx:  # one owner in the expert-data-parallel group (which spans DP x CP)
             self.counted[i] = not (self.names[i] in replicated and groups.tp_rank != 0)
         mine = [i for i in range(len(self.params)) if self.is_mine(i)]
@@ -141,12 +143,14 @@ class DistributedOptimizer:
 
     def reduce_grads(self, micro_batches_total: int | None = None) -> None:
         g = self.groups
-        if g.dims.dp > 1:
-            comm.all_reduce(self.dense_buffer, g.dp)
-            self.dense_buffer.div_(g.dims.dp)
+        # context parallelism: each CP rank's loss is its share of the sequence times cp (context.prepare_micro_batch),
+        # so averaging over DP x CP sums the CP shares and averages over DP
+        if g.dims.dp * g.dims.cp > 1:
+            comm.all_reduce(self.dense_buffer, g.dp_cp if g.dims.cp > 1 else g.dp)
+            self.dense_buffer.div_(g.dims.dp * g.dims.cp)
             if self.expert_buffer.numel():  # the same on every rank of the group (one pipeline stage)
                 comm.all_reduce(self.expert_buffer, g.edp)
-                self.expert_buffer.div_(g.dims.dp)
+                self.expert_buffer.div_(g.dims.dp * g.dims.cp)
         for p in self.params:
             if getattr(p, "sequence_parallel", False):
                 comm.all_reduce(p.main_grad, g.tp)

@@ -8,6 +8,7 @@ stage), the final norm and the output layer. The model is built on the meta devi
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ from train.model import GPTModel
 
 from .expert import apply_expert_parallel
 from .groups import Groups
-from .tensor import apply_tensor_parallel, embed, head_loss, local_config
+from .tensor import apply_tensor_parallel, embed, head_loss, head_losses, local_config
 
 
 def build_stage(cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device,
@@ -74,13 +75,16 @@ class StageStep:
     cfg: ModelConfig
     sequence_parallel: bool
     recompute: str | None = None
+    attention: Any = None  # context.AttentionState when attention was replaced (CP, packed documents, flash-attn)
     moe: Any = None  # train.moe.MoETraining of an MoE model: adds the MTP loss on the last stage
 
     @property
     def vocab_start(self) -> int:
         return self.groups.tp_rank * (self.cfg.padded_vocab_size(self.groups.dims.tp) // self.groups.dims.tp)
 
-    def __call__(self, inp: Tensor, ids: Tensor, labels: Tensor) -> Tensor:
+    def __call__(self, inp: Tensor, ids: Tensor, labels: Tensor, extras: Any = None) -> Tensor:
+        """`extras` (context.MicroBatchExtras): RoPE positions, per-token loss weights and the attention layout of a
+        CP-split or packed micro-batch; without it positions are 0..s-1 and the loss is the token mean."""
         m, g = self.model, self.groups
         dtype = next(m.parameters()).dtype
         if g.first_stage:
@@ -88,17 +92,25 @@ class StageStep:
         else:
             h = inp
         b, s = ids.shape
-        pos = torch.arange(s, device=ids.device)[None, :].expand(b, s)
+        pos = torch.arange(s, device=ids.device)[None, :].expand(b, s) if extras is None else extras.position_ids
         cos, sin = m.rotary_pos_emb(pos, dtype)
-        for layer in m.decoder.layers.values():
-            if self.recompute == "full":
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin)
+        att = self.attention
+        # a recomputed layer must see its own micro-batch's attention layout, also under 1F1B
+        ckpt = {} if att is None else {"context_fn": att.recompute_context}
+        with contextlib.nullcontext() if att is None or extras is None else att.use(extras.layout):
+            for layer in m.decoder.layers.values():
+                if self.recompute == "full":
+                    h = checkpoint(layer, h, cos, sin, use_reentrant=False, **ckpt)
+                else:
+                    h = layer(h, cos, sin)
         if not g.last_stage:
             return h
         hidden, h = h, m.decoder.final_layernorm(h)
-        loss = head_loss(m, h, labels, g.tp, self.vocab_start, self.cfg.vocab_size, self.sequence_parallel)
+        if extras is None:
+            loss = head_loss(m, h, labels, g.tp, self.vocab_start, self.cfg.vocab_size, self.sequence_parallel)
+        else:
+            losses = head_losses(m, h, labels, g.tp, self.vocab_start, self.cfg.vocab_size, self.sequence_parallel)
+            loss = (losses * extras.loss_weight).sum()
         if self.moe is not None and m.mtp is not None:
             loss = self.moe.add_mtp_loss(m, loss, hidden, ids, labels)
         return loss
@@ -140,8 +152,7 @@ def forward_backward(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]]
 
     def fwd(inp: Tensor | None, i: int) -> Tensor:
         nonlocal total
-        ids, labels = micro_batches[i]
-        out = step(inp, ids, labels)
+        out = step(inp, *micro_batches[i])
         if last:
             total = total + out.detach().float()
             out = out / n
@@ -194,9 +205,9 @@ def forward_only(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]], ac
     g = step.groups
     device = next(step.model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for ids, labels in micro_batches:
+    for mb in micro_batches:
         inp = None if g.first_stage else _p2p([], [(act_shape, act_dtype, g.prev_rank)], device)[0]
-        out = step(inp, ids, labels)
+        out = step(inp, *mb)
         if g.last_stage:
             total += out.double()
         else:

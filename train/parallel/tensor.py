@@ -135,8 +135,14 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
 def head_loss(model: nn.Module, hidden: Tensor, labels: Tensor, group, vocab_start: int, vocab_size: int,
               sequence_parallel: bool) -> Tensor:
     """Mean token loss of the output head on the final-normed hidden states (tied embeddings use the embedding)."""
+    return head_losses(model, hidden, labels, group, vocab_start, vocab_size, sequence_parallel).mean()
+
+
+def head_losses(model: nn.Module, hidden: Tensor, labels: Tensor, group, vocab_start: int, vocab_size: int,
+                sequence_parallel: bool) -> Tensor:
+    """Per-token losses [b, s] of the output head (for loss masks and context parallelism's weights)."""
     if group is not None and dist.get_world_size(group) > 1:
         hidden = comm.gather_seq(hidden, group) if sequence_parallel else comm.copy_to_tp(hidden, group)
     weight = model.output_layer.weight if model.output_layer is not None else model.embedding.word_embeddings.weight
     logits = F.linear(hidden, weight)
-    return vocab_parallel_cross_entropy(logits, labels, vocab_start, vocab_size, group).mean()
+    return vocab_parallel_cross_entropy(logits, labels, vocab_start, vocab_size, group)

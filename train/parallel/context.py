@@ -1,0 +1,600 @@
+"""Context parallelism (CP) and packed-document attention, hooked onto the plain model from outside.
+
+Zigzag split (Megatron / Transformer Engine `get_batch_on_this_cp_rank`): a sequence of S tokens is cut into 2*cp
+chunks of c = S/(2cp) tokens; CP rank r holds chunks r and 2cp-1-r, so with causal attention every rank has the same
+amount of work. Tokens, labels, loss weights and RoPE position ids are split together: a rank's RoPE uses the global
+positions of its chunks. Every CP rank reads the same micro-batches (the data loader sees the DP rank only), so each
+one knows the whole sequence's document ids and no mask ever travels.
+
+Attention over the split sequence, two ways (`--cp-comm-type`):
+
+- p2p (ring attention): K/V blocks go round the CP ring with isend/irecv while the local queries attend to the block in
+  hand; partial results are merged with their log-sum-exp. A torch.autograd.Function with an explicit backward ring:
+  K/V go round again and each block's dK/dV accumulator travels with it, arriving home after cp steps. Per chunk pair
+  (query chunk i, key chunk j, global chunk indices): i == j is causal (the diagonal block), i > j is full, i < j is
+  skipped; document and sliding-window masks are built per pair from global token indices.
+- all_gather: K/V are all-gathered over CP (an autograd all-gather whose backward is a reduce-scatter) and each local
+  query chunk attends to the key prefix that ends with it (causal aligned bottom-right), through flash-attn or SDPA.
+
+Only the query groups' own K/V travel (grouped-query attention's repeated heads are rebuilt on arrival).
+
+Packed documents follow Megatron's `get_ltor_masks_and_position_ids`: with --reset-position-ids positions restart after
+each EOD token, with --reset-attention-mask a token attends only within its document, with --eod-mask-loss the loss
+skips positions whose input token is EOD. A block whose rows are all masked gives log-sum-exp -inf and contributes
+nothing (never NaN); the loss divides by the micro-batch's token count over the whole sequence, so a CP rank whose
+tokens are all masked gives 0, not 0/0 (Megatron-LM #1764).
+
+Attention backend: flash-attn (`flash_attn_func`; `flash_attn_varlen_func` with cu_seqlens for packed documents) when it
+is installed, the model runs on CUDA in bf16/fp16 and the head dims of q and v agree; torch SDPA otherwise. The ring's
+blocks use a plain-torch kernel (fp32 scores, explicit log-sum-exp) so that it runs on CPU and GPU alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from checkpoint.errors import ConfigError
+
+from . import comm
+
+COMM_TYPES = ("p2p", "all_gather")
+
+
+# -- layout math (pure) ------------------------------------------------------------------------------------------------
+
+def check_sequence(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
+    """--seq-length must split into 2*cp zigzag chunks (and, with sequence parallelism, a rank's share into tp)."""
+    if cp < 1:
+        raise ConfigError(f"--context-parallel-size must be >= 1, got {cp}")
+    if cp > 1 and seq_length % (2 * cp):
+        raise ConfigError(f"--context-parallel-size {cp}: --seq-length {seq_length} is not divisible by 2 x cp = "
+                          f"{2 * cp} (zigzag chunks); pick a sequence length that is a multiple of {2 * cp}")
+    if sequence_parallel and tp > 1 and (seq_length // cp) % tp:
+        raise ConfigError(f"--sequence-parallel: --seq-length {seq_length} / --cp {cp} = {seq_length // cp} tokens "
+                          f"per CP rank is not divisible by --tp {tp}")
+
+
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two global chunk indices CP rank `rank` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def zigzag_index(seq_length: int, cp: int, rank: int, device: torch.device | None = None) -> Tensor:
+    """Global token indices held by CP rank `rank`, in local order: [chunk r; chunk 2cp-1-r]."""
+    if cp == 1:
+        return torch.arange(seq_length, device=device)
+    c = seq_length // (2 * cp)
+    a, b = zigzag_chunks(cp, rank)
+    return torch.cat([torch.arange(a * c, (a + 1) * c, device=device), torch.arange(b * c, (b + 1) * c, device=device)])
+
+
+def zigzag_split(x: Tensor, cp: int, rank: int, dim: int = 1) -> Tensor:
+    """This CP rank's part of x along `dim` (the sequence)."""
+    if cp == 1:
+        return x
+    return x.index_select(dim, zigzag_index(x.shape[dim], cp, rank, x.device))
+
+
+def zigzag_order(cp: int) -> list[int]:
+    """Position of each global chunk in the rank-ordered concatenation of all ranks' local sequences
+    ([r0: c0, c_{2cp-1}; r1: c1, c_{2cp-2}; ...]): global chunk i sits at slot order[i]."""
+    order = [0] * (2 * cp)
+    for r in range(cp):
+        a, b = zigzag_chunks(cp, r)
+        order[a], order[b] = 2 * r, 2 * r + 1
+    return order
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Megatron's packed-document flags; `eod` is the end-of-document token id."""
+
+    eod: int | None = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
+
+
+def packing_from(data, model_cfg, hf_dir=None) -> Packing:
+    """Packing flags of DataArgs; the EOD id is --eod-token-id, else the checkpoint's tokenizer's eos_token_id (what
+    `preprocess-data --append-eod` appends), else the HF config's eos_token_id (the first one of a list)."""
+    flags = dict(reset_position_ids=bool(data.reset_position_ids), reset_attention_mask=bool(data.reset_attention_mask),
+                 eod_mask_loss=bool(data.eod_mask_loss))
+    if not any(flags.values()):
+        return Packing(None, **flags)
+    eod = data.eod_token_id
+    if eod is None and hf_dir is not None and any(Path(hf_dir).glob("tokenizer*")):
+        try:
+            from train.data import load_tokenizer
+
+            eod = load_tokenizer(hf_dir).eos_token_id
+        except Exception:  # an unreadable tokenizer: fall back to the config
+            eod = None
+    if eod is None:
+        eos = model_cfg.hf_config.get("eos_token_id")
+        eod = eos[0] if isinstance(eos, list) and eos else eos
+    if eod is None:
+        raise ConfigError("--reset-position-ids / --reset-attention-mask / --eod-mask-loss need the end-of-document "
+                          "token, and the checkpoint has no tokenizer or eos_token_id; pass --eod-token-id")
+    return Packing(int(eod), **flags)
+
+
+def ltor_masks_and_position_ids(tokens: Tensor, packing: Packing) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Megatron's `get_ltor_masks_and_position_ids` without the dense [s, s] mask: (position_ids [b, s], loss_mask
+    [b, s] fp32, document ids [b, s] or None). Token t belongs to document (number of EODs before t), so an EOD ends
+    its document; attention is causal within a document (None: causal over the whole sequence)."""
+    b, s = tokens.shape
+    idx = torch.arange(s, device=tokens.device).expand(b, s)
+    loss_mask = torch.ones(b, s, dtype=torch.float32, device=tokens.device)
+    if not packing.active:
+        return idx, loss_mask, None
+    eod = tokens == packing.eod
+    if packing.eod_mask_loss:
+        loss_mask = loss_mask.masked_fill(eod, 0.0)
+    docs = torch.cumsum(eod.long(), dim=1) - eod.long()
+    positions = idx
+    if packing.reset_position_ids:
+        starts = torch.zeros_like(eod)
+        starts[:, 1:] = eod[:, :-1]
+        starts[:, 0] = True
+        first = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+        positions = idx - first
+    return positions, loss_mask, docs if packing.reset_attention_mask else None
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What attention needs to know about one micro-batch: its global length, the CP split, and (packed documents
+    with --reset-attention-mask) the document id of every token of the whole sequence [b, S]."""
+
+    seq_length: int
+    cp: int = 1
+    cp_rank: int = 0
+    docs: Tensor | None = None
+
+    @property
+    def chunk(self) -> int:
+        return self.seq_length // (2 * self.cp)
+
+    def chunk_docs(self, i: int) -> Tensor | None:
+        """Document ids of global chunk i, [b, c]."""
+        if self.docs is None:
+            return None
+        c = self.chunk
+        return self.docs[:, i * c:(i + 1) * c]
+
+
+@dataclass(frozen=True)
+class MicroBatchExtras:
+    """A micro-batch's per-token extras on this CP rank: global RoPE positions, loss weights (loss mask times
+    cp / tokens counted in the whole micro-batch, so that summing over CP ranks and averaging over DP x CP gives the
+    micro-batch's mean loss) and the attention layout."""
+
+    position_ids: Tensor
+    loss_weight: Tensor
+    layout: AttentionLayout
+
+
+def prepare_micro_batch(sample: Tensor, cp: int, cp_rank: int, packing: Packing
+                        ) -> tuple[Tensor, Tensor, MicroBatchExtras]:
+    """[b, S+1] tokens -> (input ids, labels, extras), each split for this CP rank (zigzag)."""
+    tokens, labels = sample[:, :-1], sample[:, 1:]
+    positions, loss_mask, docs = ltor_masks_and_position_ids(tokens, packing)
+    counted = loss_mask.sum().clamp_min(1.0)  # an all-masked micro-batch gives loss 0, not NaN
+    weight = loss_mask * (cp / counted)
+    S = tokens.shape[1]
+    split = lambda t: zigzag_split(t, cp, cp_rank).contiguous()  # noqa: E731
+    return split(tokens), split(labels), MicroBatchExtras(split(positions), split(weight),
+                                                          AttentionLayout(S, cp, cp_rank, docs))
+
+
+# -- masks and the plain-torch block kernel ----------------------------------------------------------------------------
+
+def block_mask(q_pos: Tensor, k_pos: Tensor, docs_q: Tensor | None, docs_k: Tensor | None, window: int | None,
+               causal: bool = True) -> Tensor | None:
+    """Boolean mask [b|1, 1, sq, sk] (True: attend) for queries at global positions q_pos against keys at k_pos;
+    None when every pair attends."""
+    mask = None
+    if causal:
+        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if window is not None:
+        w = (q_pos[:, None] - k_pos[None, :] < window)[None, None]
+        mask = w if mask is None else mask & w
+    if docs_q is not None:
+        d = (docs_q[:, :, None] == docs_k[:, None, :])[:, None]
+        mask = d if mask is None else mask & d
+    return mask
+
+
+def _block_forward(q5: Tensor, k5: Tensor, v5: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """q5 [b, G, hpg, sq, d], k5/v5 [b, G, 1, sk, d*] (fp32), mask [b|1, 1, sq, sk] -> (out, lse [b, G, hpg, sq]).
+    Rows with no key give lse -inf and out 0."""
+    s = torch.matmul(q5, k5.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    return torch.matmul(p, v5), lse
+
+
+def _block_backward(q5: Tensor, k5: Tensor, v5: Tensor, mask: Tensor | None, scale: float, lse: Tensor, do5: Tensor,
+                    delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block given the merged output's lse, dO and delta = rowsum(dO * O): (dq5, dk [b, G, sk, d],
+    dv [b, G, sk, dv]) (FlashAttention's backward, in plain torch)."""
+    s = torch.matmul(q5, k5.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), do5).sum(dim=2)
+    dp = torch.matmul(do5, v5.transpose(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, k5) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q5).sum(dim=2) * scale
+    return dq, dk, dv
+
+
+def _finite(lse: Tensor) -> Tensor:
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two partial softmax results over disjoint key sets by their log-sum-exp (-inf: no keys)."""
+    new = torch.logaddexp(lse, lse_b)
+    safe = _finite(new)
+    return (out * torch.exp(lse - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1)), new
+
+
+def _pairs(layout: AttentionLayout, rank: int, src: int, window: int | None, device: torch.device):
+    """(local q chunk slot, global q chunk, kv slot, global kv chunk, mask) for every chunk pair that attends:
+    the diagonal causal, earlier key chunks full, later ones skipped; documents and window applied per pair."""
+    cp, c = layout.cp, layout.chunk
+    for qi, qc in enumerate(zigzag_chunks(cp, rank)):
+        for kj, kc in enumerate(zigzag_chunks(cp, src)):
+            if qc < kc:
+                continue
+            if window is not None and (qc - kc) * c - (c - 1) >= window:
+                continue
+            q_pos = torch.arange(qc * c, (qc + 1) * c, device=device)
+            k_pos = torch.arange(kc * c, (kc + 1) * c, device=device)
+            mask = block_mask(q_pos, k_pos, layout.chunk_docs(qc), layout.chunk_docs(kc), window, causal=qc == kc)
+            if mask is not None and layout.docs is not None and not bool(mask.any()):
+                continue  # another document entirely
+            yield qi, kj, mask
+
+
+# -- ring attention (p2p) ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ring:
+    """A CP group as a ring: this rank's position and its neighbours' global ranks."""
+
+    group: object
+    size: int
+    rank: int
+    next_rank: int
+    prev_rank: int
+
+
+_KV_TAG, _DKV_TAG = 71, 72
+
+
+def _exchange(send: Tensor, ring: Ring, tag: int) -> tuple[Tensor, list]:
+    """Post send-to-next and receive-from-previous; returns the receive buffer and the requests to wait on."""
+    buf = torch.empty_like(send)
+    reqs = [dist.isend(send, ring.next_rank, group=ring.group, tag=tag),
+            dist.irecv(buf, ring.prev_rank, group=ring.group, tag=tag)]
+    return buf, reqs
+
+
+def _pack(k: Tensor, v: Tensor) -> Tensor:
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(flat: Tensor, k_like: Tensor, v_like: Tensor) -> tuple[Tensor, Tensor]:
+    n = k_like.numel()
+    return flat[:n].view_as(k_like), flat[n:].view_as(v_like)
+
+
+def _halves(x: Tensor, dim: int) -> list[Tensor]:
+    return list(x.chunk(2, dim=dim))
+
+
+class _RingAttention(torch.autograd.Function):
+    """q [b, H, s, d], k/v [b, G, s, d*] (this rank's zigzag chunks, H = G * hpg) -> out [b, H, s, dv]."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float, window: int | None,
+                layout: AttentionLayout, ring: Ring) -> Tensor:
+        b, H, s, d = q.shape
+        G = k.shape[1]
+        q5 = q.float().view(b, G, hpg, s, d)
+        qs = _halves(q5, 3)
+        outs = [torch.zeros(b, G, hpg, s // 2, v.shape[-1], device=q.device) for _ in range(2)]
+        lses = [torch.full((b, G, hpg, s // 2), float("-inf"), device=q.device) for _ in range(2)]
+        kf, vf = k.float().contiguous(), v.float().contiguous()
+        flat = _pack(kf, vf)
+        for t in range(ring.size):
+            src = (ring.rank - t) % ring.size
+            reqs = []
+            if t < ring.size - 1:
+                nxt, reqs = _exchange(flat, ring, _KV_TAG)
+            kb, vb = _unpack(flat, kf, vf)
+            ks, vs = _halves(kb.unsqueeze(2), 3), _halves(vb.unsqueeze(2), 3)
+            for qi, kj, mask in _pairs(layout, ring.rank, src, window, q.device):
+                o, l = _block_forward(qs[qi], ks[kj], vs[kj], mask, scale)
+                outs[qi], lses[qi] = _merge(outs[qi], lses[qi], o, l)
+            for r in reqs:
+                r.wait()
+            if reqs:
+                flat = nxt
+        out = torch.cat(outs, dim=3)
+        lse = torch.cat(lses, dim=3)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.hpg, ctx.scale, ctx.window, ctx.layout, ctx.ring = hpg, scale, window, layout, ring
+        return out.view(b, H, s, -1).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, layout, hpg, scale, window = ctx.ring, ctx.layout, ctx.hpg, ctx.scale, ctx.window
+        b, H, s, d = q.shape
+        G = k.shape[1]
+        q5 = q.float().view(b, G, hpg, s, d)
+        do5 = grad.float().reshape(b, G, hpg, s, -1)
+        delta = (do5 * out).sum(dim=-1)
+        qs, dos, deltas, lse_s = _halves(q5, 3), _halves(do5, 3), _halves(delta, 3), _halves(lse, 3)
+        dq = [torch.zeros_like(x) for x in qs]
+        kf, vf = k.float().contiguous(), v.float().contiguous()
+        flat = _pack(kf, vf)
+        acc_in, acc_reqs, sending = None, [], None
+        for t in range(ring.size):
+            src = (ring.rank - t) % ring.size
+            reqs = []
+            if t > 0:  # the dK/dV accumulator of block src, from the previous rank (posted before the next K/V)
+                acc_in = torch.empty(kf.numel() + vf.numel(), device=q.device)
+                acc_reqs = [dist.irecv(acc_in, ring.prev_rank, group=ring.group, tag=_DKV_TAG)]
+            if sending is not None:  # last step's send completes once the next rank has posted the receive above
+                sending[0].wait()
+                sending = None
+            if t < ring.size - 1:
+                nxt, reqs = _exchange(flat, ring, _KV_TAG)
+            kb, vb = _unpack(flat, kf, vf)
+            ks, vs = _halves(kb.unsqueeze(2), 3), _halves(vb.unsqueeze(2), 3)
+            dk = [torch.zeros_like(x) for x in _halves(kb, 2)]
+            dv = [torch.zeros_like(x) for x in _halves(vb, 2)]
+            for qi, kj, mask in _pairs(layout, ring.rank, src, window, q.device):
+                gq, gk, gv = _block_backward(qs[qi], ks[kj], vs[kj], mask, scale, lse_s[qi], dos[qi], deltas[qi])
+                dq[qi] += gq
+                dk[kj] += gk
+                dv[kj] += gv
+            acc = _pack(torch.cat(dk, dim=2), torch.cat(dv, dim=2))
+            for r in acc_reqs:
+                r.wait()
+            if t > 0:
+                acc = acc + acc_in
+            if ring.size > 1:
+                sending = (dist.isend(acc, ring.next_rank, group=ring.group, tag=_DKV_TAG), acc)
+            for r in reqs:
+                r.wait()
+            if reqs:
+                flat = nxt
+        if ring.size > 1:  # our own block's accumulator, home after going round
+            acc = torch.empty(kf.numel() + vf.numel(), device=q.device)
+            home = dist.irecv(acc, ring.prev_rank, group=ring.group, tag=_DKV_TAG)
+            sending[0].wait()
+            home.wait()
+        dk_all, dv_all = _unpack(acc, kf, vf)
+        dq_all = torch.cat(dq, dim=3).view(b, H, s, d)
+        return dq_all.to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float, window: int | None,
+                   layout: AttentionLayout, ring: Ring) -> Tensor:
+    """Causal attention of this CP rank's zigzag chunks against the whole sequence, K/V passed round the ring."""
+    return _RingAttention.apply(q, k, v, hpg, scale, window, layout, ring)
+
+
+# -- all-gather K/V ----------------------------------------------------------------------------------------------------
+
+def gather_kv(x: Tensor, layout: AttentionLayout, group) -> Tensor:
+    """[b, G, s_local, d] zigzag-local -> [b, G, S, d] in global order (autograd: all-gather, backward
+    reduce-scatter)."""
+    full = comm.gather_seq(x.transpose(1, 2), group).transpose(1, 2)  # rank-ordered local sequences
+    b, G, S, d = full.shape
+    cp = layout.cp
+    order = torch.tensor(zigzag_order(cp), device=x.device)
+    return full.view(b, G, 2 * cp, S // (2 * cp), d).index_select(2, order).reshape(b, G, S, d)
+
+
+def all_gather_attention(q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float, window: int | None,
+                         layout: AttentionLayout, group, backend: str) -> Tensor:
+    """All-gather K/V over CP, then each local query chunk attends to the key prefix ending with it."""
+    K, V = gather_kv(k, layout, group), gather_kv(v, layout, group)
+    c = layout.chunk
+    outs = []
+    for qi, qc in enumerate(zigzag_chunks(layout.cp, layout.cp_rank)):
+        end = (qc + 1) * c
+        docs_q = layout.chunk_docs(qc)
+        docs_k = None if layout.docs is None else layout.docs[:, :end]
+        outs.append(prefix_attention(q[:, :, qi * c:(qi + 1) * c], K[:, :, :end], V[:, :, :end], hpg, scale, window,
+                                     docs_q, docs_k, backend))
+    return torch.cat(outs, dim=2)
+
+
+# -- local attention: SDPA or flash-attn -------------------------------------------------------------------------------
+
+def prefix_attention(q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float | None, window: int | None,
+                     docs_q: Tensor | None, docs_k: Tensor | None, backend: str) -> Tensor:
+    """Causal attention of queries [b, H, sq, d] that are the last sq tokens of the keys [b, G, sk, d] (bottom-right
+    aligned), within documents and the sliding window."""
+    if backend == "flash" and q.shape[-1] == v.shape[-1]:
+        return _flash_prefix(q, k, v, scale, window, docs_q, docs_k)
+    sq, sk = q.shape[2], k.shape[2]
+    if hpg > 1:
+        k, v = k.repeat_interleave(hpg, dim=1), v.repeat_interleave(hpg, dim=1)
+    if docs_q is None and window is None and sq == sk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    k_pos = torch.arange(sk, device=q.device)
+    mask = block_mask(k_pos[sk - sq:], k_pos, docs_q, docs_k, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _flash_prefix(q: Tensor, k: Tensor, v: Tensor, scale: float | None, window: int | None, docs_q: Tensor | None,
+                  docs_k: Tensor | None) -> Tensor:
+    """flash-attn (causal aligned bottom-right since 2.1; GQA native, query heads group-major as ours). Not run in
+    this repository's tests (no CUDA, no flash-attn)."""
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+    window_size = (window - 1, 0) if window is not None else (-1, -1)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [b, s, heads, d]
+    if docs_q is None:
+        out = flash_attn_func(qt, kt, vt, causal=True, softmax_scale=scale, window_size=window_size)
+        return out.transpose(1, 2)
+    b, sq, H, d = qt.shape
+    pack = varlen_pack(docs_q, docs_k)
+    qf = qt.reshape(b * sq, H, d)
+    kf = kt.reshape(-1, *kt.shape[2:]).index_select(0, pack.k_index)
+    vf = vt.reshape(-1, *vt.shape[2:]).index_select(0, pack.k_index)
+    out = flash_attn_varlen_func(qf, kf, vf, pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, causal=True,
+                                 softmax_scale=scale, window_size=window_size)
+    return out.view(b, sq, H, -1).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class VarlenPack:
+    cu_q: Tensor  # int32 [segments + 1]
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    k_index: Tensor  # rows of the flattened [b * sk] keys that take part, in segment order
+
+
+def varlen_pack(docs_q: Tensor, docs_k: Tensor) -> VarlenPack:
+    """cu_seqlens for queries that are the last sq tokens of the keys, one segment per (row, document): each
+    document's queries attend to its keys up to themselves (flash-attn's bottom-right causal). Keys of documents that
+    end before the first query are left out. Document ids are non-decreasing along a row."""
+    b, sq = docs_q.shape
+    sk = docs_k.shape[1]
+    cu_q, cu_k, k_index = [0], [0], []
+    for row in range(b):
+        first, last = int(docs_q[row, 0]), int(docs_q[row, -1])
+        keep = (docs_k[row] >= first).nonzero().squeeze(1)
+        n_q = torch.bincount(docs_q[row] - first, minlength=last - first + 1)
+        n_k = torch.bincount(docs_k[row, keep] - first, minlength=last - first + 1)
+        for a, bk in zip(n_q.tolist(), n_k.tolist()):
+            cu_q.append(cu_q[-1] + a)
+            cu_k.append(cu_k[-1] + bk)
+        k_index.append(keep + row * sk)
+    dev = docs_q.device
+    qs = torch.tensor(cu_q, dtype=torch.int32, device=dev)
+    ks = torch.tensor(cu_k, dtype=torch.int32, device=dev)
+    return VarlenPack(qs, ks, int((qs[1:] - qs[:-1]).max()), int((ks[1:] - ks[:-1]).max()), torch.cat(k_index))
+
+
+def select_backend(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """("flash" | "sdpa", why): flash-attn when installed, on CUDA, in bf16/fp16."""
+    if device.type != "cuda":
+        return "sdpa", "torch SDPA (flash-attn needs CUDA)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa", "torch SDPA (flash-attn needs bf16/fp16)"
+    try:
+        import flash_attn
+    except ImportError:
+        return "sdpa", "torch SDPA (flash-attn is not installed)"
+    return "flash", f"flash-attn {getattr(flash_attn, '__version__', '?')}"
+
+
+# -- hooking it onto the model -----------------------------------------------------------------------------------------
+
+class AttentionState:
+    """The installed attention of one model (stage): CP group, backend, and the layout of the micro-batch being run.
+    StageStep sets the layout around a forward (`use`); full-layer recompute restores it with `recompute_context`
+    (torch.utils.checkpoint's context_fn), so a recomputed layer sees its own micro-batch under 1F1B."""
+
+    def __init__(self, cp: int, cp_rank: int, ring: Ring | None, comm_type: str, backend: str, recompute: bool):
+        self.cp, self.cp_rank, self.ring = cp, cp_rank, ring
+        self.comm_type, self.backend, self.recompute = comm_type, backend, recompute
+        self.current: AttentionLayout | None = None
+
+    @contextlib.contextmanager
+    def use(self, layout: AttentionLayout):
+        prev, self.current = self.current, layout
+        try:
+            yield
+        finally:
+            self.current = prev
+
+    def recompute_context(self):
+        return contextlib.nullcontext(), self.use(self.current)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float, window: int | None,
+               layout: AttentionLayout) -> Tensor:
+        """q [b, H, s, d]; k/v [b, G, s, d*] (one head per query group)."""
+        if self.cp == 1:
+            return prefix_attention(q, k, v, hpg, scale, window, layout.docs, layout.docs, self.backend)
+        if self.comm_type == "all_gather":
+            return all_gather_attention(q, k, v, hpg, scale, window, layout, self.ring.group, self.backend)
+        return ring_attention(q, k, v, hpg, scale, window, layout, self.ring)
+
+    def core_attention_for(self, module: nn.Module) -> Callable:
+        """A replacement for module.core_attention(q, k, v, mask) (mask is recomputed from global positions)."""
+        hpg = getattr(module, "heads_per_group", 1)
+        window = getattr(module, "sliding_window", None)
+        scale = getattr(module, "softmax_scale", None) or 1.0 / math.sqrt(module.head_dim)
+
+        def core_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+            layout = self.current
+            if layout is None:
+                raise RuntimeError("context-parallel attention called outside StageStep (no micro-batch layout)")
+            if hpg > 1:  # the model repeated each query group's K/V; keep one copy (slicing's backward is exact)
+                k, v = k[:, ::hpg], v[:, ::hpg]
+            if self.recompute:
+                return checkpoint(self.attend, q, k, v, hpg, scale, window, layout, use_reentrant=False)
+            return self.attend(q, k, v, hpg, scale, window, layout)
+
+        return core_attention
+
+
+def cp_ring(groups) -> Ring | None:
+    dims = groups.dims
+    if dims.cp == 1:
+        return None
+    at = dict(tp=groups.tp_rank, dp=groups.dp_rank, pp=groups.pp_rank)
+    r = groups.cp_rank
+    return Ring(groups.cp, dims.cp, r, dims.rank(cp=(r + 1) % dims.cp, **at), dims.rank(cp=(r - 1) % dims.cp, **at))
+
+
+def apply_context_parallel(model: nn.Module, groups, comm_type: str, packing: Packing, recompute_selective: bool,
+                           device: torch.device, dtype: torch.dtype) -> tuple[AttentionState | None, str]:
+    """Replace every attention layer's core_attention when CP > 1, packed-document masks are on or flash-attn is
+    chosen; the model is left as built otherwise. Returns (state or None, one line saying what attention runs)."""
+    if comm_type not in COMM_TYPES:
+        raise ConfigError(f"--cp-comm-type {comm_type!r}: expected one of {', '.join(COMM_TYPES)}")
+    cp = groups.dims.cp
+    backend, why = select_backend(device, dtype)
+    if cp > 1 and comm_type == "p2p":
+        line = f"attention: ring (p2p) over cp={cp}, plain-torch blocks; {why} not used in the ring"
+    else:
+        line = f"attention: {why}" + (f", K/V all-gathered over cp={cp}" if cp > 1 else "")
+        if backend == "flash" and packing.reset_attention_mask:
+            line += " (flash_attn_varlen_func for packed documents)"
+    if cp == 1 and not packing.reset_attention_mask and backend == "sdpa":
+        return None, line
+    state = AttentionState(cp, groups.cp_rank, cp_ring(groups), comm_type, backend, recompute_selective)
+    for layer in model.decoder.layers.values():
+        att = layer.self_attention
+        att.core_attention = state.core_attention_for(att)
+    return state, line
