@@ -1,8 +1,8 @@
 """FP8 training: the numerics of train/fp8.py against direct computations, 20-step runs of each recipe against bf16,
 an exact resume with delayed scaling, the Transformer Engine backend's pure parts and its error without TE.
 
-Every trainer run is a real `shardkit continue-pretrain` on a tiny Llama converted from HF (tests/test_train.py's
-launcher and corpus)."""
+Every trainer run is a real `shardkit continue-pretrain` (in this process for one rank, torchrun for two) on a tiny
+Llama converted from HF, with tests/test_train.py's corpus."""
 from __future__ import annotations
 
 import json
@@ -253,9 +253,20 @@ def setup(tmp_path_factory):
     return root
 
 
+def _train(nproc: int, *args: str) -> None:
+    """`shardkit continue-pretrain`: in this process for one rank (the CLI entry point itself; saves the ~4 s of
+    CPU a new interpreter spends importing), under torchrun for several."""
+    if nproc > 1:
+        launch(nproc, *args)
+        return
+    from shardkit.cli import main as cli
+
+    assert cli(["continue-pretrain", *args]) == 0
+
+
 def _run(setup, name: str, *extra: str, iters: int = 20, nproc: int = 1, load=None):
     out = setup / name
-    launch(nproc, "--load", str(load or setup / "ck"), "--data-path", str(setup / "data"), "--save", str(out),
+    _train(nproc, "--load", str(load or setup / "ck"), "--data-path", str(setup / "data"), "--save", str(out),
            "--train-iters", str(iters), *COMMON, *extra)
     return out
 
@@ -310,6 +321,26 @@ def test_delayed_scaling_resume_is_exact(setup, runs):
         assert torch.equal(a.read(name), b.read(name)), name
     _run(setup, "d-bare", *fp8, "--exit-interval", "6", load=bare)
     assert losses(bare)[3:] != losses(straight)[3:6]
+
+
+def test_amax_reduced_over_data_parallel(setup):
+    """DP=2 reduces the amaxes (MAX over the stage's ranks): after one step its recorded forward amaxes equal the
+    one-process run's over the same 4 samples exactly (fp32; each rank saw 2 of them). The gradient amaxes differ by
+    the micro-batch loss scale (1/2 vs 1/4 per micro-batch), which is why only forward roles are compared."""
+    args = ["--fp8", "hybrid", "--fp8-amax-history-len", "2"]
+    common = [a for a in COMMON if a != "--bf16"]
+
+    def step1(name: str, nproc: int) -> dict:
+        out = setup / name
+        _train(nproc, "--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--save", str(out),
+               "--train-iters", "1", *common, *args)
+        st = json.loads((out / "iter_0000001" / "train_state.json").read_text())["fp8"]["tensors"]
+        return {k: F8._unb64(v["amax_history"])[1] for k, v in st.items() if not k.endswith("grad_output")}
+
+    one, two = step1("amax-dp1", 1), step1("amax-dp2", 2)
+    assert set(one) == set(two) and len(one) == 4 * 4 * 2
+    assert all(v > 0 for v in one.values())
+    assert one == two
 
 
 def test_transformer_engine_missing_is_one_line(setup, capsys):
