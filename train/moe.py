@@ -170,6 +170,9 @@ class MoETraining:
             if not isinstance(m, MoELayer):
                 continue
             d, t = _DECODER.match(name), _MTP.match(name)
+            if d is None and t is None:
+                raise ValueError(f"MoE layer {name!r}: expected decoder.layers.<i>.mlp or "
+                                 "mtp.layers.<j>.transformer_layer.mlp")
             slot = int(d.group(1)) if d else self.num_layers + int(t.group(1))
             self._hook(slot, m)
 
@@ -281,8 +284,7 @@ def setup(args, cfg: ModelConfig, model: nn.Module, groups, packed: bool) -> MoE
     settings = MoESettings(args.moe_router_load_balancing_type, float(coeff), args.moe_router_bias_update_rate,
                            args.mtp_loss_scaling_factor, args.moe_router_dtype)
     # the ranks splitting one sequence (context parallel) share its token counts
-    token_group = getattr(groups, "cp", None)
-    return MoETraining(model, cfg, settings, token_group=token_group, tp=groups.dims.tp, ep=groups.dims.ep,
+    return MoETraining(model, cfg, settings, token_group=groups.cp, tp=groups.dims.tp, ep=groups.dims.ep,
                        cp=groups.dims.cp)
 
 
