@@ -21,8 +21,8 @@ from train import te as TE
 
 COMMON = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
           "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--seed", "7", "--bf16"]
-# FP8 vs bf16 over 20 steps (loss ~6.9 -> ~5.6): per-step |loss difference| measured 0.016-0.028 at most (delayed,
-# tensorwise, blockwise; hybrid); allowed 0.06, i.e. ~1% of the loss
+# FP8 vs bf16 over 20 steps (loss ~6.9 -> ~5.6): the largest per-step |loss difference| measured 0.021 (delayed,
+# history 4, max), 0.029 (tensorwise), 0.017 (blockwise), all hybrid; allowed 0.06, i.e. ~1% of the loss
 LOSS_TOL = 0.06
 
 
@@ -325,7 +325,7 @@ def test_delayed_scaling_resume_is_exact(setup, runs):
 
 def test_amax_reduced_over_data_parallel(setup):
     """DP=2 reduces the amaxes (MAX over the stage's ranks): after one step its recorded forward amaxes equal the
-    one-process run's over the same 4 samples exactly (fp32; each rank saw 2 of them). The gradient amaxes differ by
+    one-process run's over the same 4 samples (fp32; each rank saw 2 of them). The gradient amaxes differ by
     the micro-batch loss scale (1/2 vs 1/4 per micro-batch), which is why only forward roles are compared."""
     args = ["--fp8", "hybrid", "--fp8-amax-history-len", "2"]
     common = [a for a in COMMON if a != "--bf16"]
@@ -340,7 +340,9 @@ def test_amax_reduced_over_data_parallel(setup):
     one, two = step1("amax-dp1", 1), step1("amax-dp2", 2)
     assert set(one) == set(two) and len(one) == 4 * 4 * 2
     assert all(v > 0 for v in one.values())
-    assert one == two
+    # equal up to GEMM summation order (thread counts may differ); rank 0 alone differs by ~4% (measured)
+    for k in one:
+        assert abs(two[k] - one[k]) <= 1e-5 * one[k], (k, one[k], two[k])
 
 
 def test_transformer_engine_missing_is_one_line(setup, capsys):
