@@ -203,6 +203,13 @@ def test_te_resolution_recipes_and_extra_state():
         TE.resolve_impl("transformer_engine", gpu, have_te=False)
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         TE.resolve_impl("transformer_engine", cpu, have_te=True)
+    # a run TE has no form for: the default stays local, asking for TE is an error naming why
+    moe = TE.unsupported(_tiny_cfg(num_local_experts=4, num_experts_per_tok=2), F8.FP8Config(), None)
+    assert moe is not None and TE.unsupported(_tiny_cfg(), F8.FP8Config("hybrid"), "selective") is None
+    assert "selective" in TE.unsupported(_tiny_cfg(), F8.FP8Config("hybrid"), "full")
+    assert TE.resolve_impl(None, gpu, have_te=True, why_not=moe) == "local"
+    with pytest.raises(ConfigError, match="has no TE form"):
+        TE.resolve_impl("transformer_engine", gpu, have_te=True, why_not=moe)
     c = F8.FP8Config("hybrid", "delayed", fp8_margin=1, fp8_amax_history_len=16, fp8_amax_compute_algo="max",
                      fp8_wgrad=False)
     assert TE.recipe_spec(c) == ("DelayedScaling", {"margin": 1, "fp8_format": "HYBRID", "amax_history_len": 16,
@@ -225,13 +232,15 @@ def test_te_resolution_recipes_and_extra_state():
         TE.state_to_meta("decoder.layers.2.mlp.linear_fc2", st.state_dict(), fwd, bwd, "ckpt")
 
 
-def _tiny_cfg():
-    from transformers import LlamaConfig
+def _tiny_cfg(**moe):
+    """A tiny Llama config (a Mixtral one with `moe`: num_local_experts, num_experts_per_tok)."""
+    from transformers import LlamaConfig, MixtralConfig
 
     from checkpoint.config import ModelConfig
 
-    hf = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64)
+    kw = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    hf = MixtralConfig(**kw, **moe) if moe else LlamaConfig(**kw)
     return ModelConfig.from_hf(hf.to_dict())
 
 

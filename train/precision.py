@@ -65,7 +65,8 @@ class Backend:
 def setup(cfg, model_cfg: ModelConfig, model: nn.Module, groups: Groups, sequence_parallel: bool) -> Backend:
     """Apply the backend and FP8 flags of `cfg` (a TrainConfig) to a freshly built stage (on its device)."""
     device = next(model.parameters()).device
-    impl = te_mod.resolve_impl(cfg.run.transformer_impl, device)
+    impl = te_mod.resolve_impl(cfg.run.transformer_impl, device,
+                               why_not=te_mod.unsupported(model_cfg, cfg.fp8, cfg.run.recompute_granularity))
     if impl == "transformer_engine":
         return Backend(impl, te=te_mod.TEBackend.build(model, model_cfg, groups, cfg.fp8, sequence_parallel,
                                                        cfg.run.recompute_granularity,

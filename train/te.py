@@ -56,17 +56,32 @@ def check_installed() -> None:
         raise ConfigError(f"--transformer-impl transformer_engine: Transformer Engine is not installed; {INSTALL}")
 
 
-def resolve_impl(requested: str | None, device: torch.device, have_te: bool | None = None) -> str:
-    """--transformer-impl: explicit choice (checked), or by default TE where it is installed and a GPU is used."""
+def unsupported(cfg: ModelConfig, fp8: FP8Config, recompute: str | None) -> str | None:
+    """Why this run has no TE form here (None: it has one)."""
+    if cfg.multi_latent_attention or cfg.is_moe or cfg.sliding_window is not None:
+        return (f"{cfg.model_type} (MoE / multi-latent attention / sliding window) has no TE form here; use "
+                "--transformer-impl local")
+    if fp8.enabled and recompute == "full":
+        return ("--recompute-granularity full with FP8: the recomputed forward would run outside te.autocast; use "
+                "--recompute-granularity selective")
+    return None
+
+
+def resolve_impl(requested: str | None, device: torch.device, have_te: bool | None = None,
+                 why_not: str | None = None) -> str:
+    """--transformer-impl: the explicit choice (checked), or by default TE where it is installed, a GPU is used and
+    the run has a TE form (`why_not` is None, see `unsupported`)."""
     have_te = te_available() if have_te is None else have_te
     if requested is None:
-        return "transformer_engine" if have_te and device.type == "cuda" else "local"
+        return "transformer_engine" if have_te and device.type == "cuda" and why_not is None else "local"
     if requested == "transformer_engine":
         if not have_te:
             raise ConfigError(f"--transformer-impl transformer_engine: Transformer Engine is not installed; {INSTALL}")
         if device.type != "cuda":
             raise ConfigError("--transformer-impl transformer_engine needs a CUDA GPU (this run is on "
                               f"{device.type}); use --transformer-impl local")
+        if why_not is not None:
+            raise ConfigError(f"--transformer-impl transformer_engine: {why_not}")
     return requested
 
 
@@ -236,13 +251,9 @@ class TEBackend:
     @classmethod
     def build(cls, model: nn.Module, cfg: ModelConfig, groups: Groups, fp8: FP8Config, sequence_parallel: bool,
               recompute: str | None, cp_comm_type: str = "p2p") -> TEBackend:
-        if cfg.multi_latent_attention or cfg.is_moe or cfg.sliding_window is not None:
-            raise ConfigError(f"--transformer-impl transformer_engine: {cfg.model_type} (MoE / multi-latent attention "
-                              "/ sliding window) has no TE form here; use --transformer-impl local")
-        if fp8.enabled and recompute == "full":
-            raise ConfigError("--recompute-granularity full with --transformer-impl transformer_engine and FP8: the "
-                              "recomputed forward would run outside te.autocast; use --recompute-granularity "
-                              "selective")
+        why_not = unsupported(cfg, fp8, recompute)
+        if why_not is not None:
+            raise ConfigError(f"--transformer-impl transformer_engine: {why_not}")
         try:
             import transformer_engine.common.recipe as te_recipe
             import transformer_engine.pytorch as te
