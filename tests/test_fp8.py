@@ -392,3 +392,24 @@ def test_gpu_check_cpu_smoke(tmp_path):
         assert c[label]["speedup_over_bf16"] > 0
         fp8, bf16 = np.array(c[label]["losses"]), np.array(c["bf16"]["losses"])
         assert 0 < np.abs(fp8 - bf16).max() < LOSS_TOL  # FP8 ran, and tracks bf16
+
+
+def test_flags_and_toml(tmp_path):
+    """Megatron's flag names (and the issue's --fp8 / --fp8-first-last-bf16 aliases) and the same keys in TOML."""
+    import argparse
+
+    from train.config import add_arguments, from_namespace
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = from_namespace(p.parse_args(["--fp8", "e4m3", "--fp8-recipe", "delayed", "--fp8-margin", "1",
+                                       "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max",
+                                       "--no-fp8-wgrad", "--fp8-first-last-bf16", "--num-layers-at-end-in-bf16", "2",
+                                       "--transformer-impl", "local"]))
+    assert cfg.fp8 == F8.FP8Config("e4m3", "delayed", 1, 16, "max", False, True, 1, 2)
+    assert cfg.run.transformer_impl == "local"
+    toml = tmp_path / "run.toml"
+    toml.write_text('fp8 = "hybrid"\nfp8_recipe = "blockwise"\nfirst_last_layers_bf16 = true\n')
+    cfg = from_namespace(p.parse_args(["--config", str(toml), "--fp8-format", "e4m3"]))  # the command line wins
+    assert (cfg.fp8.fp8_format, cfg.fp8.fp8_recipe, cfg.fp8.first_last_layers_bf16) == ("e4m3", "blockwise", True)
+    assert from_namespace(p.parse_args([])).fp8 == F8.FP8Config()  # off by default
