@@ -1,5 +1,6 @@
-"""MoE training: expert parallelism gives the numbers of one process, the load-balancing losses and the expert-bias
-update are what the formulas say, and a trained MoE checkpoint exports to HF with a lower loss than it started from.
+"""MoE training: expert parallelism (alone, with PP, inside CP, resumed at another EP) gives the numbers of one
+process, the load-balancing losses and the expert-bias update are what the formulas say, and a trained MoE checkpoint
+exports to HF with a lower loss than it started from.
 
 Tiny Mixtral (softmax top-2, aux_loss) and DeepSeek-V3 (MLA, a dense first layer, shared expert, group-limited
 sigmoid routing with expert bias, one MTP layer; seq_aux_loss) built by transformers and converted with
@@ -28,9 +29,11 @@ FLAGS = {
 }
 # DeepSeek-V3 with 4 layers (dense, MoE, MoE, MoE) so that two pipeline stages each get MoE layers
 OVERRIDES = {"mixtral": {}, "deepseek_v3": {"num_hidden_layers": 4}}
-# (name, processes, layout flags, run resumed from): Mixtral trains 3 steps at EP=4 and resumes at EP=2 (the expert
-# optimizer state is reread in its canonical form for another expert split), DeepSeek-V3 runs EP=2 x PP=2 and EP=4
-RUNS = {"mixtral": [("ep4", 4, ["--ep", "4", "--exit-interval", "3"], None), ("ep4-then-ep2", 2, ["--ep", "2"], "ep4")],
+# (name, processes, layout flags, run resumed from): Mixtral trains 3 steps at EP=4 and resumes at EP=2 inside CP=2
+# (the expert optimizer state is reread in its canonical form for another expert split; the EP group is the two CP
+# ranks), DeepSeek-V3 runs EP=2 x PP=2 and EP=4
+RUNS = {"mixtral": [("ep4", 4, ["--ep", "4", "--exit-interval", "3"], None),
+                    ("ep4-then-ep2cp2", 2, ["--ep", "2", "--cp", "2"], "ep4")],
         "deepseek_v3": [("ep2pp2", 4, ["--ep", "2", "--pp", "2"], None), ("ep4", 4, ["--ep", "4"], None)]}
 
 
