@@ -160,6 +160,11 @@ class _Parallel:
     cp_comm_type: str
 
 
+def _sbh(x: Tensor) -> Tensor:
+    """[b, s, h] -> [s, b, h] as TE's modules take it (flattened to 2-D inside, so contiguous; free at b = 1)."""
+    return x.transpose(0, 1).contiguous()
+
+
 class TESelfAttention(nn.Module):
     """GQA self-attention over the canonical fused QKV (per query group [q heads; k; v]) with TE modules."""
 
@@ -185,7 +190,7 @@ class TESelfAttention(nn.Module):
         self.selective_recompute = selective_recompute
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        qkv = self.linear_qkv(x.transpose(0, 1)).transpose(0, 1)  # [b, s, rows]: TE works in [s, b, h]
+        qkv = self.linear_qkv(_sbh(x)).transpose(0, 1)  # [b, s, rows]: TE works in [s, b, h]
         b, s, _ = qkv.shape
         qkv = qkv.reshape(b, s, self.groups, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.heads_per_group].reshape(b, s, self.heads, self.head_dim)
@@ -193,7 +198,7 @@ class TESelfAttention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin).transpose(1, 2).contiguous()
         k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2).contiguous()
         out = self.core_attention(q, k, v.contiguous(), checkpoint_core_attention=self.selective_recompute)
-        return self.linear_proj(out.reshape(b, s, -1).transpose(0, 1)).transpose(0, 1)
+        return self.linear_proj(_sbh(out.reshape(b, s, -1))).transpose(0, 1)
 
 
 class TEMLP(nn.Module):
@@ -210,7 +215,7 @@ class TEMLP(nn.Module):
                                     **common)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.linear_fc1(x.transpose(0, 1)).chunk(2, dim=-1)
+        gate, up = self.linear_fc1(_sbh(x)).chunk(2, dim=-1)
         return self.linear_fc2(torch.nn.functional.silu(gate) * up).transpose(0, 1)
 
 
