@@ -239,23 +239,21 @@ def test_aux_loss_and_bias_update_match_direct_computation(root, kind):
 
 
 def test_bad_expert_layouts(root):
+    import argparse
+
     from checkpoint.errors import ConfigError, LayoutError
     from checkpoint.layout import Layout
-    from train.config import TrainConfig, from_namespace, validate_moe
+    from train.config import add_arguments, from_namespace, validate_moe
     from train.parallel.groups import ParallelDims
 
-    with pytest.raises(LayoutError, match="--expert-model-parallel-size 4 must divide data-parallel x context-parallel"):
+    with pytest.raises(LayoutError, match="--expert-model-parallel-size 4 must divide data-parallel x context"):
         ParallelDims.from_world(2, tp=1, pp=1, ep=4)
     mixtral = Checkpoint(root / "mixtral-ck" / "iter_0000000").config
     with pytest.raises(LayoutError, match="--ep 3 does not divide the number of experts"):
         Layout(ep=3).check(mixtral)
-    import argparse
-
-    from train.config import add_arguments
-
     p = argparse.ArgumentParser()
     add_arguments(p)
-    cfg: TrainConfig = from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--ep", "2",
+    cfg = from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--ep", "2",
                                                     "--moe-token-dispatcher-type", "allgather"]))
     assert cfg.parallel.ep == 2
     with pytest.raises(ConfigError, match="only alltoall"):
