@@ -251,6 +251,10 @@ def test_bad_expert_layouts(root):
     mixtral = Checkpoint(root / "mixtral-ck" / "iter_0000000").config
     with pytest.raises(LayoutError, match="--ep 3 does not divide the number of experts"):
         Layout(ep=3).check(mixtral)
+    from train.parallel.tensor import local_config
+
+    with pytest.raises(LayoutError, match="trains at --tp 1 .split its experts with --expert-model-parallel-size"):
+        local_config(mixtral, 2, mixtral.padded_vocab_size(2))
     p = argparse.ArgumentParser()
     add_arguments(p)
     cfg = from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--ep", "2",

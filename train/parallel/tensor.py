@@ -36,7 +36,8 @@ def local_config(cfg: ModelConfig, tp: int, padded_vocab: int) -> ModelConfig:
         return dataclasses.replace(cfg, vocab_size=padded_vocab)
     if cfg.is_moe or cfg.multi_latent_attention or cfg.mtp_num_layers:
         raise LayoutError(f"--tp {tp}: the trainer runs tensor parallelism on dense LLaMA-family models only so far; "
-                          f"{cfg.model_type} (MoE / multi-latent attention / MTP) trains at --tp 1")
+                          f"{cfg.model_type} (MoE / multi-latent attention / MTP) trains at --tp 1 (split its "
+                          "experts with --expert-model-parallel-size instead)")
     if cfg.add_proj_bias:
         raise LayoutError(f"--tp {tp}: row-parallel biases (attention output / MLP down projection) are not "
                           "supported by the trainer; use --tp 1")
