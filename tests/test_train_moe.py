@@ -29,11 +29,12 @@ FLAGS = {
 }
 # DeepSeek-V3 with 4 layers (dense, MoE, MoE, MoE) so that two pipeline stages each get MoE layers
 OVERRIDES = {"mixtral": {}, "deepseek_v3": {"num_hidden_layers": 4}}
-# (name, processes, layout flags, run resumed from): Mixtral trains 3 steps at EP=4 and resumes at EP=2 inside CP=2
-# (the expert optimizer state is reread in its canonical form for another expert split; the EP group is the two CP
-# ranks), DeepSeek-V3 runs EP=2 x PP=2 and EP=4
+# (name, processes, layout flags, run resumed from): Mixtral trains 3 steps at EP=4 and resumes at EP=2 with DP=2 x
+# CP=2 (the expert optimizer state is reread in its canonical form for another expert split; an EP group is the two CP
+# ranks of a DP rank, each expert shard has 2 expert-data-parallel replicas: ZeRO-1 and gradient reduction over them),
+# DeepSeek-V3 runs EP=2 x PP=2 and EP=4
 RUNS = {"mixtral": [("ep4", 4, ["--ep", "4", "--exit-interval", "3"], None),
-                    ("ep4-then-ep2cp2", 2, ["--ep", "2", "--cp", "2"], "ep4")],
+                    ("ep4-then-ep2cp2dp2", 4, ["--ep", "2", "--cp", "2"], "ep4")],
         "deepseek_v3": [("ep2pp2", 4, ["--ep", "2", "--pp", "2"], None), ("ep4", 4, ["--ep", "4"], None)]}
 
 
