@@ -150,13 +150,27 @@ def test_emulated_gemm_equals_scaled_mm():
     a, b = torch.randn(32, 64), torch.randn(48, 64)
     sa, sb = F8.scale_from_amax(a.abs().max(), F8.E4M3), F8.scale_from_amax(b.abs().max(), F8.E4M3)
     qa, qb = F8.quantize(a, sa, F8.E4M3), F8.quantize(b, sb, F8.E4M3)
-    emu = F8.fp8_mm(qa, 1 / sa, qb, 1 / sb, torch.float32)
-    try:
-        ref = torch._scaled_mm(qa, qb.t(), scale_a=(1 / sa).reshape(()), scale_b=(1 / sb).reshape(()),
-                               out_dtype=torch.float32)
+    emu = F8.fp8_mm(qa, 1 / sa, qb, 1 / sb, torch.float32, scaled_mm=False)
+    try:  # the GPU path's own call (argument layout and scale convention), on the CPU kernel
+        ref = F8.fp8_mm(qa, 1 / sa, qb, 1 / sb, torch.float32, scaled_mm=True)
     except (RuntimeError, NotImplementedError) as e:  # not every CPU build has it
         pytest.skip(f"torch._scaled_mm unavailable on CPU: {e}")
     torch.testing.assert_close(emu, ref, rtol=1e-5, atol=1e-5)
+    direct = (a.numpy().astype(np.float32), b.numpy().astype(np.float32))  # and both are near the exact product
+    exact = direct[0] @ direct[1].T
+    assert np.abs(emu.numpy() - exact).max() < 0.1 * np.abs(exact).max()
+    # the whole FP8 linear through the GPU path's calls (forward, dgrad e5m2 x e4m3, wgrad) equals the emulation
+    x = torch.randn(64, 128, requires_grad=True)
+    w = (torch.randn(96, 128) * 0.05).requires_grad_()
+    g = torch.randn(64, 96) * 1e-3
+    got = {}
+    for path in (False, True):
+        x.grad = w.grad = None
+        y = F8.fp8_linear(x, w, None, F8.Quantizer("tensorwise", F8.E4M3, F8.E5M2, True, scaled_mm=path))
+        y.backward(g)
+        got[path] = (y.detach(), x.grad.clone(), w.grad.clone())
+    for emulated, kernel in zip(got[False], got[True], strict=True):
+        torch.testing.assert_close(kernel, emulated, rtol=1e-5, atol=1e-6 * emulated.abs().max().item())
 
 
 def test_convert_keeps_names_and_first_last_layers():

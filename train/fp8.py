@@ -220,11 +220,13 @@ def _scaled_mm_ok(a: Tensor, b: Tensor) -> bool:
     return a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0
 
 
-def fp8_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
+def fp8_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
+           scaled_mm: bool | None = None) -> Tensor:
     """(a * a_scale_inv) @ (b * b_scale_inv)^T for per-tensor scaled FP8 a [M, K], b [N, K] (both row-major).
     On the GPU one `torch._scaled_mm`; elsewhere the FP8 values multiplied in fp32 (products of FP8 values are exact)
-    and scaled afterwards, which is what the scaled GEMM computes."""
-    if _scaled_mm_ok(a, b):
+    and scaled afterwards, which is what the scaled GEMM computes. `scaled_mm` forces either path (tests run the
+    GPU path's call on a CPU build that has `_scaled_mm`)."""
+    if _scaled_mm_ok(a, b) if scaled_mm is None else scaled_mm:
         return torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=a_scale_inv.reshape(()).float(),
                                 scale_b=b_scale_inv.reshape(()).float(), out_dtype=out_dtype)
     return ((a.float() @ b.float().t()) * (a_scale_inv * b_scale_inv)).to(out_dtype)
@@ -321,6 +323,7 @@ class Quantizer:
     wgrad: bool
     state: DelayedScalingState | None = None
     slot: int = 0  # input = slot, weight = slot + 1, grad_output = slot + 2
+    scaled_mm: bool | None = None  # None: torch._scaled_mm where the GPU has FP8 tensor cores (see fp8_mm)
 
     def per_tensor(self, x: Tensor, role: int, dtype: torch.dtype, record: bool) -> tuple[Tensor, Tensor]:
         """(FP8 data, scale_inv) with one scale: the delayed one from the state, or the tensor's own."""
@@ -349,7 +352,7 @@ class _FP8Linear(torch.autograd.Function):
         else:
             xq, xs = q.per_tensor(x2, 0, q.fwd_dtype, record)
             wq, ws = q.per_tensor(weight, 1, q.fwd_dtype, record)
-            y = fp8_mm(xq, xs, wq, ws, out_dtype)
+            y = fp8_mm(xq, xs, wq, ws, out_dtype, q.scaled_mm)
             saved_x = (xq, xs) if q.wgrad else (x2, None)
         if bias is not None:
             y = y + bias
@@ -374,9 +377,9 @@ class _FP8Linear(torch.autograd.Function):
                 dw = g2.float().t() @ xs_data.float()
         else:
             gq, gs = q.per_tensor(g2, 2, q.bwd_dtype, ctx.record)
-            dx = fp8_mm(gq, gs, wq.t().contiguous(), ws, ctx.x_dtype)
+            dx = fp8_mm(gq, gs, wq.t().contiguous(), ws, ctx.x_dtype, q.scaled_mm)
             if q.wgrad:
-                dw = fp8_mm(gq.t().contiguous(), gs, xs_data.t().contiguous(), xs_scale, torch.float32)
+                dw = fp8_mm(gq.t().contiguous(), gs, xs_data.t().contiguous(), xs_scale, torch.float32, q.scaled_mm)
             else:
                 dw = g2.float().t() @ xs_data.float()
         db = g2.float().sum(0).to(ctx.w_dtype) if ctx.has_bias else None
