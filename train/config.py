@@ -74,6 +74,7 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     async_save: bool = False
+    skip_verify: bool = False  # skip Checkpoint.check of --load (chunks are still checksummed as read)
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="accept a dataset that differs from the one recorded in the checkpoint")
     a("--async-save", action="store_true", default=None,
       help="write checkpoints in the background while training goes on (at most one in flight)")
+    a("--skip-verify", action="store_true", default=None,
+      help="do not check the --load checkpoint (manifest, array metadata, every chunk present) before training; "
+           "chunks are still checksummed as they are read")
     a("--tensorboard-dir", "--log-dir", dest="log_dir",
       help="where metrics.jsonl and TensorBoard events go (default: the --save directory)")
     a("--peak-tflops", type=float, help="peak FLOP/s per device for MFU (default: known devices)")

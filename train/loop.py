@@ -78,7 +78,7 @@ class Trainer:
         self.groups: Groups = build_groups(dims)
         self.layout = dims.layout()
         self.src = resolve_iteration(cfg.checkpoint.load)
-        self.ck = Checkpoint(self.src)
+        self.ck = Checkpoint(self.src, check=not cfg.checkpoint.skip_verify)
         self.model_cfg = self.ck.config
         check_model_flags(cfg, self.model_cfg, self.src)
         self.state = ckpt_io.read_train_state(self.src)
