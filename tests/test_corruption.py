@@ -1,7 +1,7 @@
 """Damage on disk is found by every command that reads a checkpoint, and named (issue 8): a flipped byte, a truncated
 chunk, a deleted chunk, an edited manifest (with and without its digest recomputed) and two swapped arrays, against
-verify, reshard (with and without --skip-verify: chunks are checksummed as they are read either way), mcore-to-hf and
-continue-pretrain. Each is one `shardkit: error:` line naming the tensor (and the chunk, where the damage is in one),
+verify, reshard and continue-pretrain (with and without --skip-verify: chunks are checksummed as they are read either
+way) and mcore-to-hf. Each is one `shardkit: error:` line naming the tensor (and the chunk, where the damage is in one),
 a non-zero exit, and no output that looks complete: nothing loads silently wrong.
 """
 from __future__ import annotations
@@ -92,7 +92,8 @@ DAMAGES = {  # damage -> words the error must contain
     "edited-manifest-redigested": (edit_manifest_redigested, (f"tensor {TENSOR}",)),
     "swapped-arrays": (swap, ("arrays swapped",)),
 }
-COMMANDS = ["verify", "reshard", "reshard-skip-verify", "mcore-to-hf", "continue-pretrain"]
+COMMANDS = ["verify", "reshard", "reshard-skip-verify", "mcore-to-hf", "continue-pretrain",
+            "continue-pretrain-skip-verify"]
 
 
 def argv_for(cmd: str, ck: Path, out: Path, good: dict[str, Path]) -> list[str]:
@@ -104,6 +105,9 @@ def argv_for(cmd: str, ck: Path, out: Path, good: dict[str, Path]) -> list[str]:
         "continue-pretrain": ["continue-pretrain", "--load", ck, "--data-path", good["data"], "--save", out,
                               "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
                               "--train-iters", "1"],
+        "continue-pretrain-skip-verify": ["continue-pretrain", "--load", ck, "--data-path", good["data"], "--save",
+                                          out, "--seq-length", "16", "--micro-batch-size", "1",
+                                          "--global-batch-size", "2", "--train-iters", "1", "--skip-verify"],
     }[cmd]]
 
 
