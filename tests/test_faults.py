@@ -223,8 +223,8 @@ TRAIN_SITES = ["commit.begin:1", "atomic.tmp:2", "commit.rename:1", "atomic.tmp:
 
 
 def test_kill_training_save(work):
-    """A chain of `continue-pretrain` runs on one save root, each killed during one of its saves; each resumes from
-    what the previous left. `latest` (or, before the first `latest`, the newest complete iteration) always loads and
+    """A chain of `continue-pretrain` runs on one save root, each killed during one of its saves (synchronous ones at
+    named sites, `--async-save` ones at random times); each resumes from what the previous left. `latest` (or, before the first `latest`, the newest complete iteration) always loads and
     verifies, and a resumed run starts exactly there."""
     import torch
 
@@ -240,13 +240,15 @@ def test_kill_training_save(work):
     save = root / "tsave"
     rnd = random.Random(SEED + 2)
     tally = Tally("training save")
-    plan = [(s, None) for s in TRAIN_SITES] + [(None, rnd.uniform(0.3, 2.5)) for _ in range(4)]
+    # named sites with synchronous saves, then random kills with --async-save (the commit runs on a background
+    # thread through the same IterationWriter)
+    plan = [(s, None, False) for s in TRAIN_SITES] + [(None, rnd.uniform(0.3, 2.5), True) for _ in range(4)]
     last = None
-    for fault, delay in plan:
+    for fault, delay, background in plan:
         load = save if save.exists() and (complete_iterations(save) or (save / LATEST).exists()) else root / "tck"
         start = 0 if load != save else Checkpoint(save).manifest.iteration
         argv = ["continue-pretrain", "--load", load, "--data-path", root / "tdata", "--save", save, *TRAIN,
-                "--save-interval", "1", "--log-interval", "0"]
+                "--save-interval", "1", "--log-interval", "0", *(["--async-save"] if background else [])]
         if fault == "commit.swapped:1":  # a save of an iteration that exists already (left by a kill after its rename)
             assert last is not None and (save / f"iter_{start + 1:07d}").is_dir(), sorted(os.listdir(save))
         r = z.run(argv, fault=fault, kill_after=delay)
