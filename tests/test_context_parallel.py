@@ -39,6 +39,19 @@ def test_zigzag_layout():
     check_sequence(32, 4, tp=2, sequence_parallel=True)
 
 
+def test_ring_blocks_are_balanced():
+    """Zigzag: besides the causal diagonal step, every ring step is one full c x 2c block on every rank."""
+    from train.parallel.context import ring_block
+
+    cp, c = 4, 4
+    for rank in range(cp):
+        for src in range(cp):
+            qr, kr, mask = ring_block(AttentionLayout(2 * cp * c, cp, rank), rank, src, None, torch.device("cpu"))
+            rows, cols = qr.stop - qr.start, kr.stop - kr.start
+            assert (rows, cols) == ((2 * c, 2 * c) if src == rank else (2 * c, c) if src < rank else (c, 2 * c))
+            assert (mask is None) == (src != rank)
+
+
 def test_ltor_masks_and_position_ids_as_megatron():
     """Against a transcription of Megatron-LM's get_ltor_masks_and_position_ids (dense mask, loops)."""
     eod = 2

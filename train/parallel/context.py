@@ -257,22 +257,27 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tens
     return (out * torch.exp(lse - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1)), new
 
 
-def _pairs(layout: AttentionLayout, rank: int, src: int, window: int | None, device: torch.device):
-    """(local q chunk slot, global q chunk, kv slot, global kv chunk, mask) for every chunk pair that attends:
-    the diagonal causal, earlier key chunks full, later ones skipped; documents and window applied per pair."""
-    cp, c = layout.cp, layout.chunk
-    for qi, qc in enumerate(zigzag_chunks(cp, rank)):
-        for kj, kc in enumerate(zigzag_chunks(cp, src)):
-            if qc < kc:
-                continue
-            if window is not None and (qc - kc) * c - (c - 1) >= window:
-                continue
-            q_pos = torch.arange(qc * c, (qc + 1) * c, device=device)
-            k_pos = torch.arange(kc * c, (kc + 1) * c, device=device)
-            mask = block_mask(q_pos, k_pos, layout.chunk_docs(qc), layout.chunk_docs(kc), window, causal=qc == kc)
-            if mask is not None and layout.docs is not None and not bool(mask.any()):
-                continue  # another document entirely
-            yield qi, kj, mask
+def ring_block(layout: AttentionLayout, rank: int, src: int, window: int | None, device: torch.device
+               ) -> tuple[slice, slice, Tensor | None] | None:
+    """What this rank's queries (chunks r, 2cp-1-r) compute against the K/V of rank `src` (chunks s, 2cp-1-s), as
+    one block: (query rows, key rows, mask) or None when nothing attends. Chunk pairs: the diagonal is causal, an
+    earlier key chunk is full, a later one is skipped, which leaves
+        src == rank  all queries x all keys, causal (the local order is the global order)
+        src <  rank  all queries x the first key chunk, full
+        src >  rank  the second query chunk x all keys, full
+    so every step but the first does the same work on every rank (zigzag's load balance). Documents and the sliding
+    window are applied from global positions; a block they mask entirely is skipped."""
+    c = layout.chunk
+    both, first, second = slice(0, 2 * c), slice(0, c), slice(c, 2 * c)
+    q_rows, k_rows = (both, both) if src == rank else (both, first) if src < rank else (second, both)
+    q_pos = zigzag_index(layout.seq_length, layout.cp, rank, device)[q_rows]
+    k_pos = zigzag_index(layout.seq_length, layout.cp, src, device)[k_rows]
+    docs = layout.docs
+    mask = block_mask(q_pos, k_pos, None if docs is None else docs[:, q_pos], None if docs is None else docs[:, k_pos],
+                      window, causal=src == rank)
+    if mask is not None and not bool(mask.any()):
+        return None
+    return q_rows, k_rows, mask
 
 
 # -- ring attention (p2p) ----------------------------------------------------------------------------------------------
@@ -308,10 +313,6 @@ def _unpack(flat: Tensor, k_like: Tensor, v_like: Tensor) -> tuple[Tensor, Tenso
     return flat[:n].view_as(k_like), flat[n:].view_as(v_like)
 
 
-def _halves(x: Tensor, dim: int) -> list[Tensor]:
-    return list(x.chunk(2, dim=dim))
-
-
 class _RingAttention(torch.autograd.Function):
     """q [b, H, s, d], k/v [b, G, s, d*] (this rank's zigzag chunks, H = G * hpg) -> out [b, H, s, dv]."""
 
@@ -321,27 +322,25 @@ class _RingAttention(torch.autograd.Function):
         b, H, s, d = q.shape
         G = k.shape[1]
         q5 = q.float().view(b, G, hpg, s, d)
-        qs = _halves(q5, 3)
-        outs = [torch.zeros(b, G, hpg, s // 2, v.shape[-1], device=q.device) for _ in range(2)]
-        lses = [torch.full((b, G, hpg, s // 2), float("-inf"), device=q.device) for _ in range(2)]
+        out = torch.zeros(b, G, hpg, s, v.shape[-1], device=q.device)
+        lse = torch.full((b, G, hpg, s), float("-inf"), device=q.device)
         kf, vf = k.float().contiguous(), v.float().contiguous()
         flat = _pack(kf, vf)
         for t in range(ring.size):
             src = (ring.rank - t) % ring.size
             reqs = []
-            if t < ring.size - 1:
+            if t < ring.size - 1:  # the next block travels while this one is computed
                 nxt, reqs = _exchange(flat, ring, _KV_TAG)
-            kb, vb = _unpack(flat, kf, vf)
-            ks, vs = _halves(kb.unsqueeze(2), 3), _halves(vb.unsqueeze(2), 3)
-            for qi, kj, mask in _pairs(layout, ring.rank, src, window, q.device):
-                o, l = _block_forward(qs[qi], ks[kj], vs[kj], mask, scale)
-                outs[qi], lses[qi] = _merge(outs[qi], lses[qi], o, l)
+            block = ring_block(layout, ring.rank, src, window, q.device)
+            if block is not None:
+                qr, kr, mask = block
+                kb, vb = _unpack(flat, kf, vf)
+                o, l = _block_forward(q5[:, :, :, qr], kb[:, :, None, kr], vb[:, :, None, kr], mask, scale)
+                out[:, :, :, qr], lse[:, :, :, qr] = _merge(out[:, :, :, qr], lse[:, :, :, qr], o, l)
             for r in reqs:
                 r.wait()
             if reqs:
                 flat = nxt
-        out = torch.cat(outs, dim=3)
-        lse = torch.cat(lses, dim=3)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.hpg, ctx.scale, ctx.window, ctx.layout, ctx.ring = hpg, scale, window, layout, ring
         return out.view(b, H, s, -1).to(q.dtype)
@@ -355,8 +354,7 @@ class _RingAttention(torch.autograd.Function):
         q5 = q.float().view(b, G, hpg, s, d)
         do5 = grad.float().reshape(b, G, hpg, s, -1)
         delta = (do5 * out).sum(dim=-1)
-        qs, dos, deltas, lse_s = _halves(q5, 3), _halves(do5, 3), _halves(delta, 3), _halves(lse, 3)
-        dq = [torch.zeros_like(x) for x in qs]
+        dq = torch.zeros_like(q5)
         kf, vf = k.float().contiguous(), v.float().contiguous()
         flat = _pack(kf, vf)
         acc_in, acc_reqs, sending = None, [], None
@@ -372,15 +370,16 @@ class _RingAttention(torch.autograd.Function):
             if t < ring.size - 1:
                 nxt, reqs = _exchange(flat, ring, _KV_TAG)
             kb, vb = _unpack(flat, kf, vf)
-            ks, vs = _halves(kb.unsqueeze(2), 3), _halves(vb.unsqueeze(2), 3)
-            dk = [torch.zeros_like(x) for x in _halves(kb, 2)]
-            dv = [torch.zeros_like(x) for x in _halves(vb, 2)]
-            for qi, kj, mask in _pairs(layout, ring.rank, src, window, q.device):
-                gq, gk, gv = _block_backward(qs[qi], ks[kj], vs[kj], mask, scale, lse_s[qi], dos[qi], deltas[qi])
-                dq[qi] += gq
-                dk[kj] += gk
-                dv[kj] += gv
-            acc = _pack(torch.cat(dk, dim=2), torch.cat(dv, dim=2))
+            dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+            block = ring_block(layout, ring.rank, src, window, q.device)
+            if block is not None:
+                qr, kr, mask = block
+                gq, gk, gv = _block_backward(q5[:, :, :, qr], kb[:, :, None, kr], vb[:, :, None, kr], mask, scale,
+                                             lse[:, :, :, qr], do5[:, :, :, qr], delta[:, :, :, qr])
+                dq[:, :, :, qr] += gq
+                dk[:, :, kr] += gk
+                dv[:, :, kr] += gv
+            acc = _pack(dk, dv)
             for r in acc_reqs:
                 r.wait()
             if t > 0:
@@ -397,8 +396,8 @@ class _RingAttention(torch.autograd.Function):
             sending[0].wait()
             home.wait()
         dk_all, dv_all = _unpack(acc, kf, vf)
-        dq_all = torch.cat(dq, dim=3).view(b, H, s, d)
-        return dq_all.to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype), None, None, None, None, None
+        return (dq.view(b, H, s, d).to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype), None, None, None, None,
+                None)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float, window: int | None,
