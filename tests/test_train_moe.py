@@ -263,6 +263,10 @@ def test_bad_expert_layouts(root):
     assert cfg.parallel.ep == 2
     with pytest.raises(ConfigError, match="only alltoall"):
         validate_moe(cfg)
+    cfg = from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--tp", "2", "--etp", "1"]))
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 1: .*expert TP = --tp 2"):
+        validate_moe(cfg)
+    validate_moe(from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--etp", "1"])))  # = tp: fine
 
 
 

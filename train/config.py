@@ -23,6 +23,7 @@ class ParallelConfig:
     cp: int = 1  # context parallel (zigzag chunks, train/parallel/context.py)
     cp_comm_type: str = "p2p"  # p2p (ring attention) | all_gather (K/V)
     ep: int = 1  # expert parallel, inside data parallel x context parallel (train/parallel/expert.py)
+    etp: int | None = None  # expert tensor parallel: only = tp (Megatron's default) is implemented
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ _SECTIONS = {"parallel": ParallelConfig, "data": DataArgs, "optimizer": Optimize
              "checkpoint": CheckpointConfig, "run": RunConfig, "fp8": FP8Config,
              "moe": MoEArgs}
 # Megatron flag dest -> (section, field) where the names differ
-_RENAMES = {"expert_model_parallel_size": ("parallel", "ep"), "tensor_model_parallel_size": ("parallel", "tp"),
+_RENAMES = {"expert_model_parallel_size": ("parallel", "ep"), "expert_tensor_parallel_size": ("parallel", "etp"),
+            "tensor_model_parallel_size": ("parallel", "tp"),
             "context_parallel_size": ("parallel", "cp"), "pipeline_model_parallel_size": ("parallel", "pp"),
             "virtual_pipeline_model_parallel_size": ("parallel", "vpp"), "fp8": ("fp8", "fp8_format")}
 
@@ -134,6 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                             "point-to-point sends (default) or all-gathered")
     a("--expert-model-parallel-size", "--ep", dest="expert_model_parallel_size", type=int,
       help="split the experts over N ranks of data parallel x context parallel (tokens move by all-to-all)")
+    a("--expert-tensor-parallel-size", "--etp", dest="expert_tensor_parallel_size", type=int,
+      help="tensor parallelism inside the experts: must equal --tp (the default)")
     a("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"])
     a("--moe-aux-loss-coeff", type=float, help="load-balancing loss weight (default: the checkpoint's config)")
     a("--moe-router-bias-update-rate", type=float,
@@ -275,6 +279,10 @@ def validate_moe(cfg: TrainConfig) -> None:
     m = cfg.moe
     if cfg.parallel.ep < 1:
         raise ConfigError(f"continue-pretrain: --expert-model-parallel-size must be >= 1, got {cfg.parallel.ep}")
+    if cfg.parallel.etp is not None and cfg.parallel.etp != cfg.parallel.tp:
+        raise ConfigError(f"--expert-tensor-parallel-size {cfg.parallel.etp}: the trainer splits experts like the "
+                          f"dense layers (expert TP = --tp {cfg.parallel.tp}); drop the flag or set it to "
+                          f"{cfg.parallel.tp}")
     if m.moe_token_dispatcher_type != "alltoall":
         raise ConfigError(f"--moe-token-dispatcher-type {m.moe_token_dispatcher_type}: only alltoall (dropless) is "
                           "implemented; use --moe-token-dispatcher-type alltoall")
