@@ -101,7 +101,8 @@ def test_expert_parallel_equals_one_process(root, kind):
                 if key in w:
                     assert r[key] == pytest.approx(w[key], rel=1e-5)
             if "mtp_loss" in w:
-                np.testing.assert_allclose(r["mtp_loss"], w["mtp_loss"], rtol=1e-5)
+                np.testing.assert_allclose(r["mtp_depth_losses"], w["mtp_depth_losses"], rtol=1e-5)
+                assert r["mtp_loss"] == pytest.approx(w["mtp_loss"], rel=1e-5)
             assert r["moe_alltoall_seconds"] > 0 and "moe_alltoall_seconds" not in w  # timed at EP > 1 only
         ep = int(layout[layout.index("--ep") + 1])
         assert Checkpoint(run / "iter_0000005").manifest.layout.ep == ep
@@ -110,7 +111,7 @@ def test_expert_parallel_equals_one_process(root, kind):
         name = "decoder.layers.1.mlp.router.expert_bias"
         steps = (a[name] - src.read(name).float()) / 0.01
         assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() > 0
-        assert "seq_load_balancing_loss" in ref[0] and len(ref[0]["mtp_loss"]) == 1
+        assert "seq_load_balancing_loss" in ref[0] and len(ref[0]["mtp_depth_losses"]) == 1
         assert set(ref[0]["moe_load_imbalance"]) == {"1", "2", "3", "mtp0"}  # layer 0 is dense
 
 
@@ -228,6 +229,8 @@ def test_aux_loss_and_bias_update_match_direct_computation(root, kind):
                    if isinstance(m, MoELayer) and m.router.expert_bias is not None}
     out = moe.finish_step(replicas=1)
     key = "seq_load_balancing_loss" if seq_level else "load_balancing_loss"
+    if cfg.mtp_num_layers:
+        assert out["mtp_loss"] == pytest.approx(mtp.item() / 2, rel=1e-5)
     assert out[key] == pytest.approx(np.mean(list(logged.values())) / 2, rel=1e-5)  # 1 of the 2 micro-batches ran
     for name, idx in routed.items():
         counts = torch.bincount(idx.reshape(-1), minlength=cfg.num_moe_experts).double()

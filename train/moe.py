@@ -262,7 +262,8 @@ class MoETraining:
                 else "seq_load_balancing_loss"
             out[key] = float(aux[moe].mean())
         if self.depths and self.settings.mtp_loss_scaling_factor:
-            out["mtp_loss"] = [float(x) for x in mtp]
+            out["mtp_loss"] = float(mtp.mean())  # what mtp_loss_scaling_factor weighs; per depth below
+            out["mtp_depth_losses"] = [float(x) for x in mtp]
         if self.timers:
             out["moe_alltoall_seconds"] = float(flat[-1]) / world  # mean over ranks, forward + backward
         return out
