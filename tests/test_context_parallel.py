@@ -3,9 +3,10 @@ sequence, outputs and q/k/v gradients, with and without packed-document masks; c
 CP=2 x TP=2 gives the losses and final weights of CP=1, with and without packed documents."""
 from __future__ import annotations
 
+import itertools
 import os
-from pathlib import Path
 import traceback
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,9 +17,23 @@ import torch.nn.functional as F
 
 from checkpoint.errors import ConfigError
 from checkpoint.reader import Checkpoint
-from train.parallel.context import (AttentionLayout, Packing, Ring, all_gather_attention, block_mask,
-                                    check_sequence, ltor_masks_and_position_ids, prepare_micro_batch, ring_attention,
-                                    varlen_pack, zigzag_index, zigzag_order, zigzag_split)
+from tests import test_train
+from tests.test_train import COMMON, launch, losses, real_rows
+from train.parallel.context import (
+    AttentionLayout,
+    Packing,
+    Ring,
+    all_gather_attention,
+    block_mask,
+    check_sequence,
+    ltor_masks_and_position_ids,
+    prepare_micro_batch,
+    ring_attention,
+    varlen_pack,
+    zigzag_index,
+    zigzag_order,
+    zigzag_split,
+)
 
 # -- pure layout math --------------------------------------------------------------------------------------------------
 
@@ -131,9 +146,9 @@ def _fake_flash_attn():
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                softmax_scale=None, causal=False, window_size=(-1, -1)):
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        assert cu_seqlens_q.dtype == torch.int32 and max_seqlen_q == max(b - a for a, b in zip(cq, cq[1:]))
+        assert cu_seqlens_q.dtype == torch.int32 and max_seqlen_q == max(b - a for a, b in itertools.pairwise(cq))
         return torch.cat([one(q[a:b], k[c:d], v[c:d], causal, softmax_scale, window_size)
-                          for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])])
+                          for (a, b), (c, d) in zip(itertools.pairwise(cq), itertools.pairwise(ck))])
 
     mod = types.ModuleType("flash_attn")
     mod.flash_attn_func, mod.flash_attn_varlen_func, mod.__version__ = flash_attn_func, flash_attn_varlen_func, "fake"
@@ -216,7 +231,9 @@ def _case(cp, rank, ring, group, i, comm, hpg, d, dv, packed, window) -> list[fl
     scale = 0.3
     ref = _reference(q, k, v, hpg, scale, docs, window)
     (ref * gout).sum().backward()
-    split = lambda t: zigzag_split(t.detach(), cp, rank, dim=2)  # noqa: E731
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return zigzag_split(t.detach(), cp, rank, dim=2)
+
     ql, kl, vl = (split(t).requires_grad_() for t in (q, k, v))
     layout = AttentionLayout(S, cp, rank, docs)
     if comm == "p2p":
@@ -236,8 +253,8 @@ def test_attention_equals_full_causal(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         mp.start_processes(_attention_worker, args=(4, init, out), nprocs=4, start_method="spawn")
-    except Exception:
-        errs = [open(p).read() for p in (f"{out}.{r}.err" for r in range(4)) if os.path.exists(p)]
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        errs = [Path(p).read_text() for p in (f"{out}.{r}.err" for r in range(4)) if os.path.exists(p)]
         raise AssertionError("\n".join(errs) or "worker failed")
     for r in range(4):
         for cp, errs in torch.load(f"{out}.{r}").items():
@@ -247,7 +264,8 @@ def test_attention_equals_full_causal(tmp_path):
 
 # -- end to end: shardkit continue-pretrain ----------------------------------------------------------------------------
 
-from tests.test_train import COMMON, baseline, launch, losses, real_rows, setup  # noqa: E402,F401  (shared fixtures)
+# the trainer fixtures of tests/test_train.py: the tiny Llama, its checkpoint and corpus, the one-process run
+setup, baseline = test_train.setup, test_train.baseline
 
 PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 EOD = 2  # the tiny Llama's eos_token_id: what continue-pretrain takes as the end-of-document token

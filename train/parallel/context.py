@@ -12,7 +12,8 @@ Attention over the split sequence, two ways (`--cp-comm-type`):
   hand; partial results are merged with their log-sum-exp. A torch.autograd.Function with an explicit backward ring:
   K/V go round again and each block's dK/dV accumulator travels with it, arriving home after cp steps. Per chunk pair
   (query chunk i, key chunk j, global chunk indices): i == j is causal (the diagonal block), i > j is full, i < j is
-  skipped; document and sliding-window masks are built per pair from global token indices.
+  skipped, which makes each ring step one block (`ring_block`); document and sliding-window masks are built from
+  global token indices.
 - all_gather: K/V are all-gathered over CP (an autograd all-gather whose backward is a reduce-scatter) and each local
   query chunk attends to the key prefix that ends with it (causal aligned bottom-right), through flash-attn or SDPA.
 
@@ -32,9 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from checkpoint.errors import ConfigError
+from checkpoint.errors import ConfigError, ShardkitError
 
 from . import comm
 
@@ -111,8 +112,8 @@ class Packing:
 def packing_from(data, model_cfg, hf_dir=None) -> Packing:
     """Packing flags of DataArgs; the EOD id is --eod-token-id, else the checkpoint's tokenizer's eos_token_id (what
     `preprocess-data --append-eod` appends), else the HF config's eos_token_id (the first one of a list)."""
-    flags = dict(reset_position_ids=bool(data.reset_position_ids), reset_attention_mask=bool(data.reset_attention_mask),
-                 eod_mask_loss=bool(data.eod_mask_loss))
+    flags = {"reset_position_ids": bool(data.reset_position_ids),
+             "reset_attention_mask": bool(data.reset_attention_mask), "eod_mask_loss": bool(data.eod_mask_loss)}
     if not any(flags.values()):
         return Packing(None, **flags)
     eod = data.eod_token_id
@@ -121,7 +122,7 @@ def packing_from(data, model_cfg, hf_dir=None) -> Packing:
             from train.data import load_tokenizer
 
             eod = load_tokenizer(hf_dir).eos_token_id
-        except Exception:  # an unreadable tokenizer: fall back to the config
+        except (ShardkitError, OSError, ValueError, ImportError):  # unreadable tokenizer: fall back to the config
             eod = None
     if eod is None:
         eos = model_cfg.hf_config.get("eos_token_id")
@@ -196,7 +197,9 @@ def prepare_micro_batch(sample: Tensor, cp: int, cp_rank: int, packing: Packing
     counted = loss_mask.sum().clamp_min(1.0)  # an all-masked micro-batch gives loss 0, not NaN
     weight = loss_mask * (cp / counted)
     S = tokens.shape[1]
-    split = lambda t: zigzag_split(t, cp, cp_rank).contiguous()  # noqa: E731
+    def split(t: Tensor) -> Tensor:
+        return zigzag_split(t, cp, cp_rank).contiguous()
+
     return split(tokens), split(labels), MicroBatchExtras(split(positions), split(weight),
                                                           AttentionLayout(S, cp, cp_rank, docs))
 
@@ -453,8 +456,8 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float | N
 
 def _flash_prefix(q: Tensor, k: Tensor, v: Tensor, scale: float | None, window: int | None, docs_q: Tensor | None,
                   docs_k: Tensor | None) -> Tensor:
-    """flash-attn (causal aligned bottom-right since 2.1; GQA native, query heads group-major as ours). Not run in
-    this repository's tests (no CUDA, no flash-attn)."""
+    """flash-attn (causal aligned bottom-right since 2.1; GQA native, query heads group-major as ours). The tests
+    check these calls against a stand-in module with flash-attn's semantics; the CUDA kernel itself was not run."""
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     window_size = (window - 1, 0) if window is not None else (-1, -1)
@@ -485,8 +488,7 @@ def varlen_pack(docs_q: Tensor, docs_k: Tensor) -> VarlenPack:
     """cu_seqlens for queries that are the last sq tokens of the keys, one segment per (row, document): each
     document's queries attend to its keys up to themselves (flash-attn's bottom-right causal). Keys of documents that
     end before the first query are left out. Document ids are non-decreasing along a row."""
-    b, sq = docs_q.shape
-    sk = docs_k.shape[1]
+    b, sk = docs_q.shape[0], docs_k.shape[1]
     cu_q, cu_k, k_index = [0], [0], []
     for row in range(b):
         first, last = int(docs_q[row, 0]), int(docs_q[row, -1])
@@ -571,7 +573,7 @@ def cp_ring(groups) -> Ring | None:
     dims = groups.dims
     if dims.cp == 1:
         return None
-    at = dict(tp=groups.tp_rank, dp=groups.dp_rank, pp=groups.pp_rank)
+    at = {"tp": groups.tp_rank, "dp": groups.dp_rank, "pp": groups.pp_rank}
     r = groups.cp_rank
     return Ring(groups.cp, dims.cp, r, dims.rank(cp=(r + 1) % dims.cp, **at), dims.rank(cp=(r - 1) % dims.cp, **at))
 
