@@ -272,6 +272,11 @@ def format_line(iteration: int, m: dict[str, Any], train_iters: int | None = Non
     add("loss", lambda v: f"loss {v:.6f}")
     add("valid_loss", lambda v: f"valid loss {v:.6f}")
     add("grad_norm", lambda v: f"grad norm {v:.4f}")
+    # MoE (train/moe.py): Megatron's names, the load-balancing loss without its coefficient
+    add("load_balancing_loss", lambda v: f"load_balancing_loss {v:.4f}")
+    add("seq_load_balancing_loss", lambda v: f"seq_load_balancing_loss {v:.4f}")
+    add("mtp_loss", lambda v: f"mtp loss {v:.4f}")
+    add("moe_max_load_imbalance", lambda v: f"max expert load / mean {v:.2f}")
     add("tokens_per_s" if "tokens_per_s" in m else "tokens_per_second", lambda v: f"{v:,.0f} tokens/s")
     if m.get("mfu_megatron") is not None or m.get("mfu_torchtitan") is not None:
         pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
