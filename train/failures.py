@@ -6,6 +6,7 @@ line saying what happened and where the job can resume from.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import traceback
 from pathlib import Path
@@ -44,3 +45,16 @@ def peer_failure(e: BaseException, save: str | Path | None) -> ShardkitError | N
             resume = f"; no complete checkpoint in {save} yet"
     return ShardkitError(f"rank {rank}: lost contact with another rank ({detail}): a rank died or stopped answering "
                          f"within --distributed-timeout-minutes; stopping this one{resume}")
+
+
+def bound_every_group(timeout: datetime.timedelta) -> None:
+    """Make `timeout` (--distributed-timeout-minutes) bound the collectives of every process group created from now on.
+
+    torch.distributed gives each `new_group` its own default (30 minutes), not the timeout passed to
+    init_process_group, and the trainer's TP/PP/DP/CP/EP groups are all `new_group`s: without this a hung rank kept
+    the others in an all-reduce for half an hour whatever the flag said."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
+        c10d.default_pg_nccl_timeout = timeout

@@ -27,6 +27,7 @@ from train import moe
 from train import precision
 from train.config import TrainConfig, validate
 from train.data import DataConfig, build_datasets, micro_batches
+from train.failures import bound_every_group
 from train.metrics import MetricsLogger, flops_per_step, format_line, memory_stats, peak_flops, throughput
 from train.optim import DistributedOptimizer, SchedulerConfig, lr_at
 from train.parallel.context import apply_context_parallel, packing_from, prepare_micro_batch
@@ -37,6 +38,7 @@ from train.parallel.pipeline import StageStep, build_stage, forward_backward, fo
 def init_distributed(timeout_minutes: float) -> None:
     """torchrun / SLURM env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) or a single process; gloo on CPU, NCCL on GPU."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    bound_every_group(timeout)  # the TP/PP/DP/... groups too, not only the default one
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
         os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
