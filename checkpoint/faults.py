@@ -1,8 +1,9 @@
 """Deterministic crash points for the fault-injection tests.
 
-`SHARDKIT_FAULT_AT=<site>:<n>[@<rank>][,...]` kills this process with SIGKILL (no cleanup, no `finally`, exactly what
-kill -9 or a node loss does) the n-th time (1-based) it reaches `fault_point(<site>)`; with `@<rank>` only the
-process whose RANK environment variable equals <rank>. Unset, as always outside the tests, a site costs one
+`SHARDKIT_FAULT_AT=<site>:<n>[@<rank>][!stop][,...]` kills this process with SIGKILL (no cleanup, no `finally`, exactly
+what kill -9 or a node loss does) the n-th time (1-based) it reaches `fault_point(<site>)`; with `@<rank>` only the
+process whose RANK environment variable equals <rank>; with `!stop` it freezes instead (SIGSTOP: a hung rank, alive
+but silent). Unset, as always outside the tests, a site costs one
 environment lookup.
 
 Sites (where a crash is most likely to break an invariant):
@@ -31,7 +32,8 @@ def fault_point(site: str) -> None:
         return
     _hits[site] = n = _hits.get(site, 0) + 1
     for item in spec.split(","):
-        name, _, rest = item.strip().partition(":")
+        item, stop = item.strip().removesuffix("!stop"), item.strip().endswith("!stop")
+        name, _, rest = item.partition(":")
         count, _, rank = rest.partition("@")
         if name == site and count.isdigit() and int(count) == n and (not rank or rank == os.environ.get("RANK")):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGSTOP if stop else signal.SIGKILL)

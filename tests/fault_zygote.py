@@ -8,7 +8,8 @@ Protocol, one JSON object per line: the parent writes {"argv": [...], "env": {..
 its stdout and stderr going to `log`; if `kill_after` is set and the child is still running then, it gets SIGKILL;
 `fsize` sets RLIMIT_FSIZE in the child (Python ignores SIGXFSZ, so a write past it fails with EFBIG: a full disk).
 The answer is {"rc": exit status | null, "signal": signal number | null, "seconds": wall time}. {"group": [req, ...]}
-forks all its children at once (the ranks of one job) and answers with the list of their results.
+forks all its children at once (the ranks of one job) and answers with the list of their results; with
+"kill_rest_after_first" the others are killed once the first has ended.
 """
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ def main() -> None:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     results[pid] = _status(status, started)
+            if req.get("kill_rest_after_first") and pids[0] in results:  # the first has ended: stop the others
+                deadline = time.monotonic()
             if deadline is not None and time.monotonic() >= deadline:
                 for pid in pids:
                     if pid not in results:

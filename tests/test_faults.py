@@ -222,10 +222,9 @@ TRAIN_SITES = ["commit.begin:1", "atomic.tmp:2", "commit.rename:1", "atomic.tmp:
                "commit.swapped:1"]
 
 
-def test_kill_training_save(work):
-    """A chain of `continue-pretrain` runs on one save root, each killed during one of its saves (synchronous ones at
-    named sites, `--async-save` ones at random times); each resumes from what the previous left. `latest` (or, before the first `latest`, the newest complete iteration) always loads and
-    verifies, and a resumed run starts exactly there."""
+@pytest.fixture(scope="module")
+def trainable(work) -> tuple[Path, Path]:
+    """A float32 tiny checkpoint and a token corpus for the training trials: (checkpoint root, data prefix)."""
     import torch
 
     from shardkit.demo import build_tiny_llama
@@ -237,6 +236,15 @@ def test_kill_training_save(work):
     rng = np.random.default_rng(SEED)
     write_indexed(root / "tdata", [rng.integers(3, 200, size=int(rng.integers(20, 60))) for _ in range(100)],
                   np.uint16)
+    return root / "tck", root / "tdata"
+
+
+def test_kill_training_save(work, trainable):
+    """A chain of `continue-pretrain` runs on one save root, each killed during one of its saves (synchronous ones at
+    named sites, `--async-save` ones at random times); each resumes from what the previous left. `latest` (or, before the first `latest`, the newest complete iteration) always loads and
+    verifies, and a resumed run starts exactly there."""
+    root, z = work
+    tck, data = trainable
     save = root / "tsave"
     rnd = random.Random(SEED + 2)
     tally = Tally("training save")
@@ -245,9 +253,9 @@ def test_kill_training_save(work):
     plan = [(s, None, False) for s in TRAIN_SITES] + [(None, rnd.uniform(0.3, 2.5), True) for _ in range(4)]
     last = None
     for fault, delay, background in plan:
-        load = save if save.exists() and (complete_iterations(save) or (save / LATEST).exists()) else root / "tck"
+        load = save if save.exists() and (complete_iterations(save) or (save / LATEST).exists()) else tck
         start = 0 if load != save else Checkpoint(save).manifest.iteration
-        argv = ["continue-pretrain", "--load", load, "--data-path", root / "tdata", "--save", save, *TRAIN,
+        argv = ["continue-pretrain", "--load", load, "--data-path", data, "--save", save, *TRAIN,
                 "--save-interval", "1", "--log-interval", "0", *(["--async-save"] if background else [])]
         if fault == "commit.swapped:1":  # a save of an iteration that exists already (left by a kill after its rename)
             assert last is not None and (save / f"iter_{start + 1:07d}").is_dir(), sorted(os.listdir(save))
@@ -263,7 +271,7 @@ def test_kill_training_save(work):
             last = it
     # the last resume: it starts where `latest` says and runs to the end
     start = Checkpoint(save).manifest.iteration
-    r = z.run(["continue-pretrain", "--load", save, "--data-path", root / "tdata", "--save", save, *TRAIN,
+    r = z.run(["continue-pretrain", "--load", save, "--data-path", data, "--save", save, *TRAIN,
                "--save-interval", "0", "--log-interval", "1"])
     assert r["rc"] == 0, r["log"][-3000:]
     assert Checkpoint(save).manifest.iteration == 40
@@ -303,14 +311,12 @@ def test_disk_full(work, cmd):
     assert_clean(out)
 
 
-def test_disk_full_training_save(work):
+def test_disk_full_training_save(work, trainable):
     """A training save that hits RLIMIT_FSIZE: one line naming the file and the bytes the save needs; the previous
     checkpoint (iteration 1 of the same root) is untouched and `latest` still names it; the partial iteration is
     removed."""
     root, z = work
-    tck, data = root / "tck", root / "tdata"
-    if not tck.exists():
-        pytest.skip("needs test_kill_training_save's checkpoint and data")
+    tck, data = trainable
     save = root / "full-train"
     common = ["--data-path", data, "--save", save, *TRAIN, "--log-interval", "0"]
     assert z.run(["continue-pretrain", "--load", tck, *common, "--exit-interval", "1"])["rc"] == 0
@@ -328,29 +334,31 @@ def test_disk_full_training_save(work):
 
 # -- a rank dies ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("site", ["collective:10@1", "store.write:100@1"], ids=["mid-step", "mid-save"])
-def test_rank_dies(work, site):
+@pytest.mark.parametrize("site", ["collective:10@1", "store.write:100@1", "collective:10@1!stop"],
+                         ids=["mid-step", "mid-save", "hung-mid-step"])
+def test_rank_dies(work, trainable, site):
     """Two ranks (data parallel) forked as torchrun would start them, without torchrun's agent (which would kill the
     survivor for us): rank 1 is killed inside a step's all-reduce, or while writing its part of a later save. Rank 0
-    must exit by itself, non-zero, with one line saying a rank was lost and where to resume from (bounded by
-    --distributed-timeout-minutes 1; gloo sees the reset at once); the last complete checkpoint loads and verifies."""
+    must exit by itself, non-zero, with one line saying a rank was lost and where to resume from (gloo sees the reset
+    at once); the last complete checkpoint loads and verifies. A rank that hangs instead (SIGSTOP: alive, silent) is
+    given up on after --distributed-timeout-minutes (0.1 here)."""
     import socket
 
     root, z = work
-    tck, data = root / "tck", root / "tdata"
-    if not tck.exists():
-        pytest.skip("needs test_kill_training_save's checkpoint and data")
-    save = root / f"rank-dies-{site.split(':')[0]}"
+    tck, data = trainable
+    hang = site.endswith("!stop")
+    save = root / f"rank-dies-{site.split(':')[0]}{'-hang' if hang else ''}"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = ["continue-pretrain", "--load", tck, "--data-path", data, "--save", save, *TRAIN, "--save-interval", "1",
-            "--log-interval", "0", "--distributed-timeout-minutes", "1"]
+            "--log-interval", "0", "--distributed-timeout-minutes", "0.1" if hang else "1"]
     argv[argv.index("--global-batch-size") + 1] = "4"
-    ranks = [{"argv": [str(a) for a in argv], "log": str(root / f"rank{r}-{site.split(':')[0]}.log"),
+    ranks = [{"argv": [str(a) for a in argv], "log": str(save.with_name(save.name + f"-rank{r}.log")),
               "env": {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(port), "SHARDKIT_FAULT_AT": site}} for r in range(2)]
-    z.proc.stdin.write(json.dumps({"group": ranks, "kill_after": 300}) + "\n")  # 300 s: a hang fails, never waits
+    # 300 s: a hang fails the test instead of waiting forever; a frozen rank 1 is killed once rank 0 has ended
+    z.proc.stdin.write(json.dumps({"group": ranks, "kill_after": 300, "kill_rest_after_first": hang}) + "\n")
     z.proc.stdin.flush()
     r0, r1 = json.loads(z.proc.stdout.readline())
     err0 = Path(ranks[0]["log"]).read_text()
