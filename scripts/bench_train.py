@@ -33,8 +33,8 @@ stepping (VmHWM reset after setup) and over its life, and achieved FLOP/s from t
 
 `--launch torchrun` instead runs the real trainer (`shardkit continue-pretrain` under torchrun, gloo) on a converted
 checkpoint of the same weights and a synthetic .bin/.idx corpus, once per `--layout` (repeated `--repeats` times,
-layouts interleaved), and reads tokens/s from its metrics.jsonl; every collective is timed on each rank (torch.distributed
-wrapped in the launched process) to give the share of step time spent in communication:
+layouts interleaved), and reads tokens/s from its metrics.jsonl; every collective is timed on each rank
+(torch.distributed wrapped in the launched process) to give the share of step time spent in communication:
 
     .venv/bin/python scripts/bench_train.py --launch torchrun --layout tp=1 --layout dp=2 --layout tp=2 --layout cp=2
     .venv/bin/python scripts/bench_train.py --launch torchrun --experts 4 --topk 2 --layout ep=1 --layout ep=2
@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -127,6 +127,7 @@ def make_weights(spec: Spec, out: Path) -> None:
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(spec.seed)
     cls = transformers.MixtralForCausalLM if spec.experts else transformers.LlamaForCausalLM
     model = cls(spec.hf_config()).float()
@@ -137,12 +138,18 @@ def ensure_weights(spec: Spec, workdir: Path, log: Callable[[str], None]) -> Pat
     """<workdir>/hf holds the weights of this spec (made once; a workdir reused with another spec is remade)."""
     weights = workdir / "hf"
     stamp = weights / "bench_spec.json"
-    if not stamp.is_file() or json.loads(stamp.read_text()) != asdict(spec):
+    model = {k: v for k, v in asdict(spec).items() if k in _MODEL_FIELDS}
+    if not stamp.is_file() or json.loads(stamp.read_text()) != model:
         shutil.rmtree(weights, ignore_errors=True)
         log(f"weights: seeded random init -> {weights}")
         make_weights(spec, weights)
-        stamp.write_text(json.dumps(asdict(spec)))
+        stamp.write_text(json.dumps(model))
     return weights
+
+
+# what the weights depend on (not the batch, threads or optimizer settings)
+_MODEL_FIELDS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seed", "experts", "topk", "rms_eps",
+                 "rope_theta")
 
 
 def batch(spec: Spec):
@@ -580,7 +587,8 @@ def run_compare(spec: Spec, frameworks: list[str], warmup: int, steps: int, work
             ratios[f"ours/{base}"] = {
                 "median_of_round_ratios": statistics.median(paired) if paired else None,
                 "ratio_of_medians": results["ours"]["tokens_per_second"] / results[base]["tokens_per_second"],
-                "cpu_time_ratio_of_medians": results[base]["median_cpu_seconds"] / results["ours"]["median_cpu_seconds"],
+                "cpu_time_ratio_of_medians": (results[base]["median_cpu_seconds"]
+                                              / results["ours"]["median_cpu_seconds"]),
                 "rounds": paired}
     first = {n: results[n]["losses"][0] for n in names if results[n]["losses"]}
     ref = first.get("ours", next(iter(first.values()), None))
@@ -678,14 +686,16 @@ def layout_name(layout: dict[str, int]) -> str:
     return " ".join(f"{k}{v}" for k, v in layout.items() if v > 1 or k == "tp") if layout else ""
 
 
-def prepare_trainer_inputs(spec: Spec, workdir: Path, iters: int, global_batch: int, log: Callable) -> tuple[Path, Path]:
+def prepare_trainer_inputs(spec: Spec, workdir: Path, iters: int, global_batch: int,
+                           log: Callable[[str], None]) -> tuple[Path, Path]:
     """A converted checkpoint of the seeded weights and a synthetic corpus big enough for the run."""
     import numpy as np
 
     from train.data import token_dtype, write_indexed
 
     weights, ckpt, prefix = ensure_weights(spec, workdir, log), workdir / "ckpt", workdir / "data" / "corpus"
-    if not (ckpt / "latest").exists():
+    latest = ckpt / "latest"
+    if not latest.exists() or latest.stat().st_mtime < (weights / "bench_spec.json").stat().st_mtime:
         log(f"converting {weights} -> {ckpt}")
         subprocess.run([sys.executable, "-m", "shardkit.cli", "convert", "hf-to-mcore", str(weights), str(ckpt),
                         "--quiet", "--overwrite"], check=True, cwd=REPO, env=_env_with_repo())
@@ -694,8 +704,6 @@ def prepare_trainer_inputs(spec: Spec, workdir: Path, iters: int, global_batch: 
     docs = (rng.integers(0, spec.vocab, size=int(n)) for n in [spec.seq * 4] * max(4, need // (spec.seq * 4) + 1))
     write_indexed(prefix, docs, token_dtype(spec.vocab))
     return ckpt, prefix
-
-
 
 
 def run_torchrun(spec: Spec, layouts: list[dict[str, int]], warmup: int, steps: int, repeats: int, workdir: Path,
@@ -839,7 +847,8 @@ class _TimedWork:
 
 def markdown_torchrun(res: dict) -> str:
     base = res["baseline"].replace(" ", "_")
-    rows = [f"| layout | ranks | tokens/s (global) | vs {res['baseline']} | comm share rank 0 | comm share mean | runs |",
+    rows = [f"| layout | ranks | tokens/s (global) | vs {res['baseline']} | comm share rank 0 | comm share mean | "
+            "runs |",
             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, p in res["layouts"].items():
         if not p.get("runs"):
@@ -850,8 +859,10 @@ def markdown_torchrun(res: dict) -> str:
                     f"{100 * p['comm_share_mean']:.0f}% | {len(p['runs'])} |")
     return "\n".join([
         f"Config: {res['describe']} in all (threads split over the ranks); `shardkit continue-pretrain` under "
-        f"torchrun (gloo), global batch = micro-batch x DP; {res['warmup']} warm-up iteration(s) excluded, median of {res['steps']} iterations, median of "
-        f"{res['repeats']} runs per layout (layouts interleaved).",
+        f"torchrun (gloo), global batch = micro-batch x DP; {res['warmup']} warm-up iteration(s) excluded, median "
+        f"of {res['steps']} iterations, median of {res['repeats']} runs per layout (layouts interleaved). Comm share: "
+        "time inside torch.distributed calls and waits / step time (on gloo over shared cores it includes waiting "
+        "for the slower rank).",
         f"Load average at start {res['load']['start']}, at end {res['load']['end']}; "
         f"{res['machine'].get('nproc')} CPUs.", "", *rows])
 
