@@ -36,7 +36,8 @@ ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 @dataclass(frozen=True)
 class MoESettings:
-    """What the flags chose (defaults are Megatron's; aux_loss_coeff None: the checkpoint's model config)."""
+    """What the flags chose, resolved (defaults are Megatron's; `setup` puts the checkpoint's coefficient in
+    aux_loss_coeff when --moe-aux-loss-coeff is not given)."""
 
     load_balancing_type: str = "aux_loss"
     aux_loss_coeff: float = 0.0
