@@ -10,7 +10,7 @@ import torch.distributed as dist
 from checkpoint.config import ModelConfig
 
 
-def _case(rank: int, world: int, idle: bool) -> bool:
+def _case(rank: int, world: int, idle: bool, grouped_mm: bool) -> bool:
     from train.model import Experts
     from train.parallel.expert import ExpertParallelExperts
 
@@ -22,6 +22,7 @@ def _case(rank: int, world: int, idle: bool) -> bool:
     full = Experts(cfg)  # the same weights on every rank
     local = cfg.num_moe_experts // world
     ep = ExpertParallelExperts(cfg, dist.group.WORLD, world, rank)
+    ep.grouped_mm = grouped_mm and ep.grouped_mm  # the grouped GEMMs where torch has them, and the loop
     mine = slice(rank * local, (rank + 1) * local)
     with torch.no_grad():
         for name in ("linear_fc1", "linear_fc2"):
@@ -54,8 +55,9 @@ def run(rank: int, world: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))  # a dispatch that hangs fails instead
     try:
-        result = ", ".join(f"{name} {'ok' if _case(rank, world, idle) else 'mismatch'}"
-                           for name, idle in (("spread", False), ("idle-rank", True)))
+        result = ", ".join(f"{name} {'ok' if _case(rank, world, idle, gmm) else 'mismatch'}"
+                           for name, idle, gmm in (("spread", False, True), ("idle-rank", True, True),
+                                                   ("spread-loop", False, False)))
         Path(out_dir, str(rank)).write_text(result)
     finally:
         dist.destroy_process_group()

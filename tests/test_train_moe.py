@@ -276,10 +276,11 @@ def test_bad_expert_layouts(root):
 def test_all_to_all_dispatch_equals_the_loop(tmp_path):
     """Two EP ranks: outputs, input gradients and expert gradients equal the plain loop's, with tokens spread over
     the experts and when one rank's experts get no token at all (its return all-to-all must stay in the backward
-    pass, or the peer waits forever). Workers in tests/moe_dispatch_worker.py (light imports for the spawn)."""
+    pass, or the peer waits forever); local experts as grouped GEMMs and one by one. Workers in
+    tests/moe_dispatch_worker.py (light imports for the spawn)."""
     import torch.multiprocessing as mp
 
     from tests.moe_dispatch_worker import run
 
     mp.start_processes(run, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
-    assert {(tmp_path / str(r)).read_text() for r in range(2)} == {"spread ok, idle-rank ok"}
+    assert {(tmp_path / str(r)).read_text() for r in range(2)} == {"spread ok, idle-rank ok, spread-loop ok"}

@@ -10,7 +10,8 @@ Dispatch (Megatron's alltoall token dispatcher, dropless, variable split sizes):
   1. every (token, top-k slot) pair is sorted by its expert: pairs for one EP rank are then contiguous;
   2. the per-expert counts are exchanged (an all-to-all of E integers), so every rank knows what it receives;
   3. the token rows go out with `all_to_all_single` (in_splits: rows per destination, out_splits: rows per source);
-  4. the received rows, grouped by source rank then local expert, are regrouped by local expert and run through it;
+  4. the received rows, grouped by source rank then local expert, are regrouped by local expert and run through
+     their experts (two grouped GEMMs for all local experts, `torch._grouped_mm`, or a loop where it is refused);
   5. the outputs go back by the inverse all-to-all, are weighted by the router and summed per token.
 The all-to-all is an autograd function whose backward is the all-to-all with the splits swapped.
 """
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from checkpoint.config import ModelConfig
@@ -88,6 +91,7 @@ class ExpertParallelExperts(nn.Module):
         self.group = group
         self.experts = GroupedMLP(dataclasses.replace(cfg, num_moe_experts=self.num_local))
         self.timer = CommTimer()
+        self.grouped_mm = hasattr(torch, "_grouped_mm")  # private API: used while it works, else the loop
 
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
         k, ep, nl = indices.shape[1], _size(self.group), self.num_local
@@ -103,17 +107,36 @@ class ExpertParallelExperts(nn.Module):
         local = torch.repeat_interleave(torch.arange(nl, device=x.device).repeat(ep), recv_counts.reshape(-1))
         perm = torch.argsort(local, stable=True)
         grouped = recv.index_select(0, perm)
-        outs = []
-        for e, rows in enumerate(grouped.split(recv_counts.sum(0).tolist())):
-            if rows.shape[0]:
-                outs.append(self.experts(rows, e))
         # with no rows for any local expert, the (empty) received rows themselves go back: the return all-to-all must
         # stay in the autograd graph on every rank, or the peers' backward all-to-all waits for this rank forever
-        y = torch.cat(outs) if outs else grouped
+        y = self._run_experts(grouped, recv_counts.sum(0).tolist()) if grouped.shape[0] else grouped
         y = y.index_select(0, torch.argsort(perm))  # back to the received order
         back = all_to_all(y, in_splits, out_splits, self.group, self.timer)  # [T*k, h] in `order`
         back = back * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token, back.to(x.dtype))
+
+
+    def _run_experts(self, rows: Tensor, counts: list[int]) -> Tensor:
+        """rows grouped by local expert (counts[e] for expert e) through their experts: two grouped GEMMs for all of
+        them when torch has them for these shapes and dtype, else one expert at a time (same numbers)."""
+        if self.grouped_mm:
+            try:
+                return grouped_swiglu(self.experts, rows, counts)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as e:  # e.g. alignment or dtype the kernel does not take: loop from now on
+                self.grouped_mm = False
+                warnings.warn(f"expert GEMMs: torch._grouped_mm refused ({str(e).splitlines()[0]}); running the "
+                              "local experts one at a time", stacklevel=2)
+        return torch.cat([self.experts(r, e) for e, r in enumerate(rows.split(counts)) if r.shape[0]])
+
+
+def grouped_swiglu(mlp: GroupedMLP, rows: Tensor, counts: list[int]) -> Tensor:
+    """SwiGLU experts over rows grouped by expert, as two grouped GEMMs (`torch._grouped_mm`: one kernel per GEMM for
+    all experts on GPUs that have it, torchtitan's MoE path; on CPU the same numbers as the per-expert loop)."""
+    offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+    gate, up = torch._grouped_mm(rows, mlp.linear_fc1.weight.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, mlp.linear_fc2.weight.transpose(1, 2), offs=offs)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
