@@ -116,18 +116,20 @@ def replace_dir(tmp: Path, final: Path) -> None:
 def recover_root(root: Path) -> None:
     """Undo what a crash inside `replace_dir`'s fallback or `write_file_atomic` left in an output root (called by
     writers, under the lock): an `.<name>.old` whose replacement never arrived goes back, any other is removed, and
-    stale temporary files go."""
+    stale temporary pointer files go. Only names shardkit writes are touched (`.iter_NNNNNNN.old`, the
+    temporary `latest` / Megatron tracker)."""
     if not root.is_dir():
         return
     for p in root.iterdir():
         name = p.name
-        if name.startswith(".") and name.endswith(".old") and p.is_dir() and not p.is_symlink():
+        if name.startswith(".") and name.endswith(".old") and valid_iter_dirname(name[1:-4]) and p.is_dir() \
+                and not p.is_symlink():
             final = root / name[1:-4]
             if final.exists():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 os.replace(p, final)
-        elif name.startswith(".") and name.endswith(".tmp") and p.is_file():
+        elif name in (f".{LATEST}.tmp", ".latest_checkpointed_iteration.txt.tmp") and p.is_file():
             p.unlink(missing_ok=True)
 
 
