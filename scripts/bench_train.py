@@ -36,8 +36,10 @@ checkpoint of the same weights and a synthetic .bin/.idx corpus, once per `--lay
 layouts interleaved), and reads tokens/s from its metrics.jsonl; every collective is timed on each rank
 (torch.distributed wrapped in the launched process) to give the share of step time spent in communication:
 
-    .venv/bin/python scripts/bench_train.py --launch torchrun --layout tp=1 --layout dp=2 --layout tp=2 --layout cp=2
-    .venv/bin/python scripts/bench_train.py --launch torchrun --experts 4 --topk 2 --layout ep=1 --layout ep=2
+    .venv/bin/python scripts/bench_train.py --launch torchrun --seq 1024 --mbs 1 --layout tp=1 --layout cp=2 \
+        --layout dp=2 --layout tp=2
+    # MoE: EP=2 against EP=1 on the same two ranks (DP defaults to EP, so ep=2 is dp=2 ep=2)
+    .venv/bin/python scripts/bench_train.py --launch torchrun --experts 8 --topk 2 --layout dp=2 --layout ep=2
 """
 from __future__ import annotations
 
