@@ -32,3 +32,24 @@ def test_bench_train_tiny(tmp_path: Path) -> None:
     assert set(res["ratios"]) == {"ours/hf", "ours/megatron"}
     assert res["flops_per_step"]["megatron"] > 0
     assert "| ours |" in proc.stdout
+
+
+def test_bench_train_torchrun_layouts(tmp_path: Path) -> None:
+    """--launch torchrun: the real trainer at CP=1 and CP=2 on gloo; tokens/s read from its metrics.jsonl, the
+    collectives timed inside the ranks (none at one rank), and both layouts train the same losses."""
+    out = tmp_path / "layouts.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--launch", "torchrun", "--hidden", "64",
+           "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256", "--seq", "32",
+           "--mbs", "2", "--steps", "2", "--warmup", "1", "--threads", "2", "--repeats", "1", "--layout", "tp=1",
+           "--layout", "cp=2", "--workdir", str(tmp_path / "work"), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    one, two = res["layouts"]["tp1"], res["layouts"]["tp1 cp2"]
+    for p in (one, two):
+        assert "error" not in p and len(p["runs"]) == 1 and p["tokens_per_second"] > 0, p
+    assert one["comm_share_rank0"] == 0.0 and two["comm_share_rank0"] > 0.0
+    assert sorted(two["runs"][0]["comm_share_by_rank"]) == ["0", "1"]
+    a, b = one["runs"][0]["losses"], two["runs"][0]["losses"]
+    assert len(a) == len(b) == 3 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)), (a, b)
