@@ -33,7 +33,7 @@ from checkpoint.errors import FormatError, WriteError
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.manifest import Manifest, TensorEntry, iter_dirname, tensor_path
 from checkpoint.reader import Checkpoint, entry_nbytes
-from checkpoint.sharding import OPTIMIZER_STATES, TensorSpec, model_specs, optimizer_key, regions
+from checkpoint.sharding import OPTIMIZER_STATES, TensorSpec, model_specs, optimizer_key, owner, regions
 from train.model import canonical_name
 from train.optim import DistributedOptimizer
 from train.parallel.groups import Groups
@@ -50,12 +50,16 @@ class LocalParam:
     spec: TensorSpec
     index: int | None  # position on the stacked layer axis of this rank's local tensor (None: not stacked)
     tied_copy: bool = False  # the last stage's copy of a tied embedding: read, never written
+    vstage: int = 0  # the model chunk (--vpp) whose local tensor holds it
 
 
 def param_table(model: nn.Module, cfg: ModelConfig, layout: Layout, groups: Groups) -> list[LocalParam]:
     specs = {s.name: s for s in model_specs(cfg, layout)}
     stacked = not cfg.heterogeneous
-    start = layout.layer_range(cfg.num_layers, groups.pp_rank, 0)[0]
+    chunk_start = {}  # global layer -> (model chunk, its first layer) on this pipeline rank
+    for v in range(layout.vpp):
+        start, stop = layout.layer_range(cfg.num_layers, groups.pp_rank, v)
+        chunk_start.update({i: (v, start) for i in range(start, stop)})
     out = []
     for name, p in model.named_parameters():
         cname, layer = canonical_name(name, stacked)
@@ -63,7 +67,11 @@ def param_table(model: nn.Module, cfg: ModelConfig, layout: Layout, groups: Grou
             raise FormatError(f"parameter {name}: no canonical tensor {cname} in the sharding table")
         spec = specs[cname]
         tied_copy = spec.stage == "first" and not groups.first_stage
-        out.append(LocalParam(name, p, spec, None if layer is None else layer - start, tied_copy))
+        if layer is not None:
+            v, start = chunk_start[layer]
+            out.append(LocalParam(name, p, spec, layer - start, tied_copy, v))
+        else:
+            out.append(LocalParam(name, p, spec, None, tied_copy, owner(spec, layout, cfg.num_layers)[1]))
     return out
 
 
@@ -79,8 +87,9 @@ def _by_tensor(table: list[LocalParam]) -> dict[str, list[LocalParam]]:
     return out
 
 
-def _local(ck: Checkpoint, key: str, layout: Layout, coord: RankCoord) -> torch.Tensor:
-    return ck.read_local(key, layout, coord)[0]
+def _local(ck: Checkpoint, key: str, layout: Layout, coord: RankCoord) -> dict[int, torch.Tensor]:
+    """This rank's local tensors of `key`, by model chunk."""
+    return ck.read_local(key, layout, coord)
 
 
 @torch.no_grad()
@@ -88,7 +97,7 @@ def load_model(ck: Checkpoint, table: list[LocalParam], layout: Layout, groups: 
     for cname, lps in _by_tensor(table).items():
         local = _local(ck, cname, layout, _coord(lps[0], groups))
         for lp in lps:
-            lp.param.copy_(local if lp.index is None else local[lp.index])
+            lp.param.copy_(local[lp.vstage] if lp.index is None else local[lp.vstage][lp.index])
 
 
 def load_optimizer(ck: Checkpoint, table: list[LocalParam], opt: DistributedOptimizer, layout: Layout,
@@ -104,7 +113,7 @@ def load_optimizer(ck: Checkpoint, table: list[LocalParam], opt: DistributedOpti
         coord = _coord(lps[0], groups)
         states = {s: _local(ck, optimizer_key(s, cname), layout, coord) for s in OPTIMIZER_STATES}
         for lp in lps:
-            vals = {s: (t if lp.index is None else t[lp.index]) for s, t in states.items()}
+            vals = {s: (t[lp.vstage] if lp.index is None else t[lp.vstage][lp.index]) for s, t in states.items()}
             opt.load_state(index[lp.name], vals, step)
 
 
@@ -135,7 +144,7 @@ def _write_param(arrays: dict, key: str, lp: LocalParam, value: torch.Tensor, la
                  num_layers: int) -> list:
     futures = []
     for r in regions(lp.spec, layout, groups.coord, num_layers):
-        if not r.primary:
+        if not r.primary or r.vstage != lp.vstage:
             continue
         gs, ls = list(r.global_slices()), list(r.local_slices())
         if lp.index is not None:  # one layer of a stacked tensor

@@ -32,6 +32,7 @@ from train.metrics import MetricsLogger, flops_per_step, format_line, memory_sta
 from train.optim import DistributedOptimizer, SchedulerConfig, lr_at
 from train.parallel.context import apply_context_parallel, packing_from, prepare_micro_batch
 from train.parallel.groups import Groups, ParallelDims, build_groups
+from train.parallel.interleaved import InterleavedPipeline
 from train.parallel.pipeline import StageStep, build_stage, forward_backward, forward_only
 
 
@@ -133,6 +134,8 @@ class Trainer:
         seq = seq // dims.tp if self.sp else seq
         self.act_shape = (d.micro_batch_size, seq, self.model_cfg.hidden_size)
         self.step = self.backend.wrap(self.step)  # TE: each micro-batch's forward under te.autocast
+        self.interleaved = (InterleavedPipeline(self.step, self.groups, self.num_micro, self.device)
+                            if dims.vpp > 1 else None)
         self.flops = flops_per_step(self.model_cfg, d.seq_length, d.global_batch_size * d.seq_length)
         self.pending_save: ckpt_io.AsyncSave | None = None
         self.save_group = None
@@ -163,7 +166,10 @@ class Trainer:
         self.opt.zero_grad()
         if self.moe is not None:
             self.moe.start_step(self.num_micro)
-        loss_sum = forward_backward(self.step, mbs, self.act_shape, self.dtype)
+        if self.interleaved is not None:
+            loss_sum = self.interleaved.forward_backward(mbs, self.act_shape, self.dtype)
+        else:
+            loss_sum = forward_backward(self.step, mbs, self.act_shape, self.dtype)
         self.backend.after_backward()
         self.opt.reduce_grads()
         norm = self.opt.clip()
@@ -190,7 +196,8 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(self.cfg.run.eval_iters):
             mbs = [self._prepare(next(it)) for _ in range(self.num_micro)]
-            total += forward_only(self.step, mbs, self.act_shape, self.dtype)
+            total += (self.interleaved.forward_only(mbs, self.act_shape, self.dtype) if self.interleaved is not None
+                      else forward_only(self.step, mbs, self.act_shape, self.dtype))
         t = total.reshape(1)
         if self.dims.world > 1:
             dist.all_reduce(t)

@@ -240,9 +240,9 @@ class _AutocastStep:
     def __getattr__(self, name: str):
         return getattr(self._step, name)
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):  # kwargs: the model chunk of an interleaved pipeline
         with self._ctx():
-            return self._step(*args)
+            return self._step(*args, **kwargs)
 
 
 class TEBackend:

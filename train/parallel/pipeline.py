@@ -18,7 +18,6 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from checkpoint.config import ModelConfig
-from checkpoint.errors import LayoutError
 from train.model import GPTModel
 
 from .expert import apply_expert_parallel
@@ -30,16 +29,14 @@ def build_stage(cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: to
                 sequence_parallel: bool, recompute: str | None = None) -> GPTModel:
     """This rank's part of the model, uninitialised (every parameter is then loaded from a checkpoint)."""
     dims = groups.dims
-    if dims.vpp != 1:
-        raise LayoutError(f"--vpp {dims.vpp}: the interleaved pipeline schedule is not implemented yet; use --vpp 1")
     layout = dims.layout()
     layout.check(cfg)
     padded = cfg.padded_vocab_size(dims.tp)
     with torch.device("meta"):
         model = GPTModel(local_config(cfg, dims.tp, padded), padded // dims.tp)
-    start, stop = layout.layer_range(cfg.num_layers, groups.pp_rank, 0)
+    mine = set().union(*(range(*layout.layer_range(cfg.num_layers, groups.pp_rank, v)) for v in range(dims.vpp)))
     for key in list(model.decoder.layers.keys()):
-        if not start <= int(key) < stop:
+        if int(key) not in mine:  # (with --vpp the rank's chunks: layers of several ranges)
             del model.decoder.layers[key]
     tied_last = (cfg.tie_word_embeddings or cfg.mtp_num_layers > 0) and groups.last_stage
     if not groups.first_stage and not tied_last:
@@ -78,16 +75,28 @@ class StageStep:
     attention: Any = None  # context.AttentionState when attention was replaced (CP, packed documents, flash-attn)
     moe: Any = None  # train.moe.MoETraining of an MoE model: adds the MTP loss on the last stage
 
+    def _chunk_layers(self, chunk: int | None) -> list:
+        layers = self.model.decoder.layers
+        if chunk is None:
+            return list(layers.values())
+        start, stop = self.groups.dims.layout().layer_range(self.cfg.num_layers, self.groups.pp_rank, chunk)
+        return [layers[str(i)] for i in range(start, stop)]
+
     @property
     def vocab_start(self) -> int:
         return self.groups.tp_rank * (self.cfg.padded_vocab_size(self.groups.dims.tp) // self.groups.dims.tp)
 
-    def __call__(self, inp: Tensor, ids: Tensor, labels: Tensor, extras: Any = None) -> Tensor:
+    def __call__(self, inp: Tensor, ids: Tensor, labels: Tensor, extras: Any = None, chunk: int | None = None
+                 ) -> Tensor:
         """`extras` (context.MicroBatchExtras): RoPE positions, per-token loss weights and the attention layout of a
-        CP-split or packed micro-batch; without it positions are 0..s-1 and the loss is the token mean."""
+        CP-split or packed micro-batch; without it positions are 0..s-1 and the loss is the token mean. `chunk`:
+        run only that model chunk of an interleaved pipeline (--vpp); None runs every layer of the stage."""
         m, g = self.model, self.groups
         dtype = next(m.parameters()).dtype
-        if g.first_stage:
+        layers = self._chunk_layers(chunk)
+        first = g.first_stage and not chunk
+        last = g.last_stage and (chunk is None or chunk == g.dims.vpp - 1)
+        if first:
             h = embed(m, ids, g.tp, self.vocab_start, self.sequence_parallel)
         else:
             h = inp
@@ -98,12 +107,12 @@ class StageStep:
         # a recomputed layer must see its own micro-batch's attention layout, also under 1F1B
         ckpt = {} if att is None else {"context_fn": att.recompute_context}
         with contextlib.nullcontext() if att is None or extras is None else att.use(extras.layout):
-            for layer in m.decoder.layers.values():
+            for layer in layers:
                 if self.recompute == "full":
                     h = checkpoint(layer, h, cos, sin, use_reentrant=False, **ckpt)
                 else:
                     h = layer(h, cos, sin)
-        if not g.last_stage:
+        if not last:
             return h
         hidden, h = h, m.decoder.final_layernorm(h)
         if extras is None:
