@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from checkpoint.errors import ConfigError
-from tests.test_train import launch, losses
+from tests.test_train import launch, losses, setup  # noqa: F401  (setup: the trainer tests' tiny Llama and corpus)
 from train import fp8 as F8
 from train import te as TE
 
@@ -259,22 +259,6 @@ def _tiny_cfg(**moe):
 
 
 # -- trainer runs --------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from shardkit.cli import main as cli
-    from shardkit.demo import build_tiny_llama
-    from train.data import write_indexed
-
-    root = tmp_path_factory.mktemp("fp8")
-    build_tiny_llama(root / "hf", dtype=torch.float32)
-    assert cli(["convert", "hf-to-mcore", str(root / "hf"), str(root / "ck"), "--quiet"]) == 0
-    rng = np.random.default_rng(0)
-    docs = [np.tile(rng.integers(3, 60, size=int(rng.integers(3, 9))), 12)[: int(rng.integers(30, 120))]
-            for _ in range(400)]
-    write_indexed(root / "data", docs, np.uint16)
-    return root
-
 
 def _train(nproc: int, *args: str) -> None:
     """`shardkit continue-pretrain`: in this process for one rank (the CLI entry point itself; saves the ~4 s of
