@@ -241,16 +241,19 @@ def trainable(work) -> tuple[Path, Path]:
 
 def test_kill_training_save(work, trainable):
     """A chain of `continue-pretrain` runs on one save root, each killed during one of its saves (synchronous ones at
-    named sites, `--async-save` ones at random times); each resumes from what the previous left. `latest` (or, before the first `latest`, the newest complete iteration) always loads and
+    named sites, `--async-save` ones at random sites and counts); each resumes from what the previous left. `latest` (or, before the first `latest`, the newest complete iteration) always loads and
     verifies, and a resumed run starts exactly there."""
     root, z = work
     tck, data = trainable
     save = root / "tsave"
     rnd = random.Random(SEED + 2)
     tally = Tally("training save")
-    # named sites with synchronous saves, then random kills with --async-save (the commit runs on a background
-    # thread through the same IterationWriter)
-    plan = [(s, None, False) for s in TRAIN_SITES] + [(None, rnd.uniform(0.3, 2.5), True) for _ in range(4)]
+    # named sites with synchronous saves, then kills at random points of --async-save saves (the commit runs on a
+    # background thread through the same IterationWriter): a random site, at a random count within the run's first
+    # three saves, so the kill always lands whatever the machine's speed (a random *time* could outlast a short run)
+    random_sites = [f"store.write:{rnd.randint(1, 30)}", f"atomic.tmp:{rnd.randint(1, 6)}",
+                    f"commit.begin:{rnd.randint(1, 3)}", f"commit.latest:{rnd.randint(1, 3)}"]
+    plan = [(s, None, False) for s in TRAIN_SITES] + [(s, None, True) for s in random_sites]
     last = None
     for fault, delay, background in plan:
         load = save if save.exists() and (complete_iterations(save) or (save / LATEST).exists()) else tck
