@@ -147,6 +147,19 @@ def _kill_and_rerun(z: Zygote, argv: list, out: Path, want: dict[str, bytes], it
     tally.equal_after += 1
 
 
+def _run_plan(z, plan: list, prefix: Path, make_argv, other: Path, want: dict[str, bytes], tally: Tally) -> None:
+    """Each (fault, delay, over) trial of `plan` in a fresh output `<prefix>-<i>` (a copy of `other`, written with
+    --overwrite, when `over`): killed, checked, rerun and compared with `want`."""
+    for i, (fault, delay, over) in enumerate(plan):
+        out = Path(f"{prefix}-{i}")
+        argv = make_argv(out)
+        if over:
+            shutil.copytree(other, out)
+            argv.append("--overwrite")
+        _kill_and_rerun(z, argv, out, want, "iter_0000000", fault, delay, over, tally)
+        shutil.rmtree(out)
+
+
 # -- conversions ------------------------------------------------------------------------------------------------
 
 CONVERT_SITES_FRESH = ["chunk:1", "chunk:5", "chunk:11", "chunk:16", "atomic.tmp:1", "atomic.tmp:2",
@@ -168,14 +181,8 @@ def test_kill_conversion(work):
     tally = Tally("convert")
     plan = [(s, None, False) for s in CONVERT_SITES_FRESH] + [(s, None, True) for s in CONVERT_SITES_OVER]
     plan += [(None, rng.uniform(0.02, 1.2 * clean_seconds), i % 2 == 1) for i in range(10)]
-    for i, (fault, delay, over) in enumerate(plan):
-        out = root / f"convert-{i}"
-        argv = ["convert", "hf-to-mcore", hf, out, "--quiet"]
-        if over:
-            shutil.copytree(other, out)
-            argv.append("--overwrite")
-        _kill_and_rerun(z, argv, out, want, "iter_0000000", fault, delay, over, tally)
-        shutil.rmtree(out)
+    _run_plan(z, plan, root / "convert", lambda out: ["convert", "hf-to-mcore", hf, out, "--quiet"], other, want,
+              tally)
     print("\n" + tally.report())
     assert tally.trials == 25 and tally.killed >= 20
 
@@ -201,14 +208,8 @@ def test_kill_reshard(work):
     tally = Tally("reshard")
     plan = [(s, None, False) for s in RESHARD_SITES_FRESH] + [(s, None, True) for s in RESHARD_SITES_OVER]
     plan += [(None, rng.uniform(0.02, 1.2 * r["seconds"]), i % 2 == 1) for i in range(5)]
-    for i, (fault, delay, over) in enumerate(plan):
-        out = root / f"reshard-{i}"
-        argv = ["reshard", src, out, "--tp", "2", "--pp", "2", "--quiet"]
-        if over:
-            shutil.copytree(other, out)
-            argv.append("--overwrite")
-        _kill_and_rerun(z, argv, out, want, "iter_0000000", fault, delay, over, tally)
-        shutil.rmtree(out)
+    _run_plan(z, plan, root / "reshard", lambda out: ["reshard", src, out, "--tp", "2", "--pp", "2", "--quiet"],
+              other, want, tally)
     print("\n" + tally.report())
     assert tally.trials == 15 and tally.killed >= 12
 
