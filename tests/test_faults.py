@@ -242,8 +242,9 @@ def trainable(work) -> tuple[Path, Path]:
 
 def test_kill_training_save(work, trainable):
     """A chain of `continue-pretrain` runs on one save root, each killed during one of its saves (synchronous ones at
-    named sites, `--async-save` ones at random sites and counts); each resumes from what the previous left. `latest` (or, before the first `latest`, the newest complete iteration) always loads and
-    verifies, and a resumed run starts exactly there."""
+    named sites, `--async-save` ones at random sites and counts); each resumes from what the previous left.
+    `latest` (or, before the first `latest`, the newest complete iteration) always loads and verifies, and a resumed
+    run starts exactly there."""
     root, z = work
     tck, data = trainable
     save = root / "tsave"
