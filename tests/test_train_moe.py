@@ -284,3 +284,24 @@ def test_all_to_all_dispatch_equals_the_loop(tmp_path):
 
     mp.start_processes(run, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
     assert {(tmp_path / str(r)).read_text() for r in range(2)} == {"spread ok, idle-rank ok, spread-loop ok"}
+
+
+def test_mtp_with_packed_documents_needs_its_loss_off(root):
+    """The MTP loss is not implemented with CP or packed documents: refused, unless --mtp-loss-scaling-factor 0
+    switches it off (what the error suggests)."""
+    import types
+
+    from checkpoint.errors import ConfigError
+    from train.config import MoEArgs
+    from train.model import GPTModel
+    from train.moe import setup
+
+    cfg = Checkpoint(root / "deepseek_v3-ck" / "iter_0000000").config
+    assert cfg.mtp_num_layers > 0
+    groups = types.SimpleNamespace(dims=types.SimpleNamespace(cp=1, tp=1, ep=1), cp=None)
+    with pytest.raises(ConfigError, match="--mtp-loss-scaling-factor 0"):
+        setup(MoEArgs(), cfg, None, groups, packed=True)
+    with torch.device("meta"):
+        model = GPTModel(cfg, cfg.padded_vocab_size(1))
+    moe = setup(MoEArgs(mtp_loss_scaling_factor=0.0), cfg, model, groups, packed=True)
+    assert moe is not None and moe.settings.mtp_loss_scaling_factor == 0.0

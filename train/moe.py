@@ -278,7 +278,7 @@ def setup(args, cfg: ModelConfig, model: nn.Module, groups, packed: bool) -> MoE
     coefficient defaults to the checkpoint's (HF router_aux_loss_coef / aux_loss_alpha)."""
     if not cfg.is_moe:
         return None
-    if cfg.mtp_num_layers and (groups.dims.cp > 1 or packed):
+    if cfg.mtp_num_layers and args.mtp_loss_scaling_factor and (groups.dims.cp > 1 or packed):
         raise ConfigError(f"{cfg.model_type} has MTP layers: the MTP loss with --context-parallel-size > 1 or packed "
                           "documents (--reset-position-ids / --reset-attention-mask) is not implemented; use --cp 1 "
                           "without them, or --mtp-loss-scaling-factor 0")
