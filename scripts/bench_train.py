@@ -296,24 +296,17 @@ class Megatron(Impl):
     """megatron-core GPTModel (local spec) + its DistributedDataParallel and DistributedOptimizer, on CPU."""
 
     def setup(self) -> dict:
-        import contextlib
 
         import torch
 
         from tests.megatron_optimizer_oracle import cuda_as_cpu
-        from tests.megatron_torch_dist_oracle import build, global_tensors, shims
+        from tests.megatron_torch_dist_oracle import build, global_tensors, init_megatron_cpu
 
-        shims()
         cuda_as_cpu()
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-        from megatron.core import parallel_state, tensor_parallel
+        init_megatron_cpu(port_span=20000)
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        parallel_state.initialize_model_parallel(1, 1)
-        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
         s = self.spec
         cfg = s.model_config()
         model = build({"num_layers": s.layers, "hidden_size": s.hidden, "num_attention_heads": s.heads,

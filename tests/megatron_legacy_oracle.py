@@ -18,7 +18,6 @@ Each job builds megatron-core's own GPTModel (local spec, one process: tp = pp =
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -29,12 +28,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.megatron_torch_dist_oracle import init_megatron_cpu  # noqa: E402
+
 EXTRA = ("padded_vocab_size", "max_sequence_length", "rotary_base", "tied", "vocab_size")
-
-
-def shims() -> None:
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
 
 
 def build(m: dict):
@@ -147,16 +144,7 @@ def run(job: dict) -> None:
 
 
 if __name__ == "__main__":
-    shims()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state, tensor_parallel
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    moe_utils.te_general_gemm = None  # megatron-core 0.16 raises a NameError there without TE
+    init_megatron_cpu()
     torch.manual_seed(0)
     np.random.seed(0)
     with open(sys.argv[1]) as f:

@@ -21,7 +21,6 @@ uses `fully_reshardable`, the model-space format 0.16 saves and loads.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -30,7 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.megatron_torch_dist_oracle import build, global_tensors, randomize, shims  # noqa: E402
+from tests.megatron_torch_dist_oracle import build, global_tensors, init_megatron_cpu, randomize  # noqa: E402
 
 
 def cuda_as_cpu() -> None:
@@ -181,16 +180,9 @@ def run(job: dict) -> None:
 
 
 def main() -> None:
-    shims()
     cuda_as_cpu()
     tolerate_adam_step()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state, tensor_parallel
-
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    init_megatron_cpu()
     torch.manual_seed(0)
     with open(sys.argv[1]) as f:
         jobs = json.load(f)

@@ -29,6 +29,21 @@ def shims() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
 
 
+def init_megatron_cpu(port_span: int = 1000) -> None:
+    """megatron-core on the CPU in this one process: the shims, a gloo group of one, model parallel 1 x 1, no CUDA
+    RNG tracker (every oracle, and scripts/bench_train.py, starts here)."""
+    shims()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % port_span))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state, tensor_parallel
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    moe_utils.te_general_gemm = None  # megatron-core 0.16 raises a NameError there without TE
+
+
 def build(model_cfg: dict):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -114,16 +129,7 @@ def run(job: dict) -> None:
 
 
 if __name__ == "__main__":
-    shims()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state, tensor_parallel
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    moe_utils.te_general_gemm = None  # megatron-core 0.16 raises a NameError there without TE
+    init_megatron_cpu()
     torch.manual_seed(0)
     with open(sys.argv[1]) as f:
         jobs = json.load(f)
