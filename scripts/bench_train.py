@@ -296,7 +296,6 @@ class Megatron(Impl):
     """megatron-core GPTModel (local spec) + its DistributedDataParallel and DistributedOptimizer, on CPU."""
 
     def setup(self) -> dict:
-
         import torch
 
         from tests.megatron_optimizer_oracle import cuda_as_cpu
