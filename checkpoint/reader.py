@@ -1,15 +1,19 @@
 """Open a checkpoint, read tensors or slices of them, and verify every chunk."""
 from __future__ import annotations
 
+import collections
 import itertools
 import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-import torch
+import numpy as np
 
-from . import store
+from . import chunkio, store
 from .commit import resolve_iteration
 from .config import ModelConfig
 from .errors import CorruptionError, FormatError
@@ -18,16 +22,26 @@ from .manifest import MANIFEST, TRAIN_STATE, Manifest, TensorEntry, tensor_path
 from .safety import safe_path
 from .sharding import SCALE_SUFFIX, Rule, TensorSpec, local_shape, regions, split_optimizer_key
 
+if TYPE_CHECKING:  # torch is imported where tensors are made: a reshard or export moves numpy views end to end
+    import torch
+
 
 class Checkpoint:
     """A complete checkpoint iteration (resolved through `latest` when given a root)."""
 
     def __init__(self, path: str | Path, cache_bytes: int = 0, check: bool = False):
-        """`check`: run `check()` now (commands that load a checkpoint to write another do, unless --skip-verify)."""
+        """`cache_bytes` > 0 keeps that many bytes of decoded chunks (least recently used out first), for readers that
+        read one chunk in several boxes (a higher TP splits it). `check`: run `check()` now (commands that load a
+        checkpoint to write another do, unless --skip-verify)."""
         self.path = resolve_iteration(path)
         self.manifest = Manifest.load(self.path)
         self._ctx = store.context(cache_bytes=cache_bytes)
         self._arrays: dict = {}
+        self._direct: dict[str, bool] = {}  # array read by chunkio (exactly our codecs), else by tensorstore
+        self._cache_bytes, self._cached = cache_bytes, 0
+        self._cache: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._loading: dict[tuple, Future] = {}  # chunks being read (by a prefetch thread): wait, do not read twice
+        self._lock = threading.Lock()
         if check:
             self.check()
 
@@ -73,13 +87,110 @@ class Checkpoint:
             e = self.entry(name)
             path = safe_path(self.path, tensor_path(name), f"{self.path / MANIFEST}: tensor {name}")
             arr = store.open_existing(path, self._ctx, name)
-            check_array(name, e, store.metadata(arr))
+            md = store.metadata(arr)
+            check_array(name, e, md)
+            self._direct[name] = chunkio.supports(md)
             self._arrays[name] = arr
         return self._arrays[name]
 
-    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """A tensor, or a box of it, from disk (only the chunks it touches are read). A chunk that fails its checksum
-        or is missing raises CorruptionError naming the tensor and the chunk."""
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> "torch.Tensor":
+        """A tensor, or a box of it, from disk (only the chunks it touches are read), in memory of its own. A chunk
+        that fails its checksum or is missing raises CorruptionError naming the tensor and the chunk."""
+        self.array(name)
+        if self._direct[name]:
+            a = self.read_numpy(name, index)
+            if not a.flags.writeable:  # a view of a memory-mapped chunk: callers may modify their tensor
+                a = a.copy()
+            return store.from_numpy(a)
+        return self._read_tensorstore(name, index)
+
+    def read_numpy(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """`read` as a numpy array that may be a read-only view of a cached chunk (no copy when the box lies in one
+        chunk): for writers that only pass the values on."""
+        self.array(name)
+        if not self._direct[name]:
+            return store.to_numpy(self._read_tensorstore(name, index))
+        e = self.entry(name)
+        box = _box(e.shape, index, name)
+        ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, e.chunk)]
+        if all(len(r) == 1 for r in ranges):
+            grid = tuple(r[0] for r in ranges)
+            return self._chunk(name, grid)[tuple(slice(lo - g * c, hi - g * c)
+                                                 for (lo, hi), g, c in zip(box, grid, e.chunk))]
+        out = chunkio.POOL.empty([hi - lo for lo, hi in box], store.numpy_dtype(e.dtype))
+        for grid in itertools.product(*ranges):
+            src, dst = [], []
+            for (lo, hi), g, c in zip(box, grid, e.chunk):
+                a, b = max(lo, g * c), min(hi, (g + 1) * c)
+                src.append(slice(a - g * c, b - g * c))
+                dst.append(slice(a - lo, b - lo))
+            out[tuple(dst)] = self._chunk(name, grid)[tuple(src)]
+        return out
+
+    def prefetch(self, keys: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Read chunks (as `chunks_of` names them) into the cache: a read-ahead hint, e.g. from a helper thread while
+        the previous box is being written. Errors surface when the box itself is read."""
+        for name, grid in keys:
+            self.array(name)
+            if not self._direct[name] or not self._cache_bytes:
+                return
+            try:
+                self._chunk(name, grid)
+            except CorruptionError:
+                return
+
+    def chunks_of(self, name: str, index: tuple[slice, ...] | None = None) -> list[tuple[str, tuple[int, ...]]]:
+        """The chunks (name, grid position) a box touches."""
+        e = self.entry(name)
+        box = _box(e.shape, index, name)
+        grids = itertools.product(*[range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, e.chunk)])
+        return [(name, g) for g in grids]
+
+    def release(self, keys: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Drop chunks from the cache that the caller will not read again (their buffers return to the pool once
+        no view of them is alive), so the cache holds what is still needed rather than what was read last."""
+        with self._lock:
+            for key in keys:
+                buf = self._cache.pop(key, None)
+                if buf is not None:
+                    self._cached -= buf.nbytes
+
+    def _chunk(self, name: str, grid: tuple[int, ...]) -> np.ndarray:
+        """One whole chunk (its full chunk shape, read-only), from the cache or read and checksummed by chunkio."""
+        key = (name, grid)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            pending = self._loading.get(key)
+            if pending is None:
+                self._loading[key] = mine = Future()
+        if pending is not None:
+            return pending.result()
+        e = self.entry(name)
+        try:
+            try:
+                buf = chunkio.map_chunk(self.path / tensor_path(name) / chunkio.chunk_path(Path(), grid), e.chunk,
+                                        store.numpy_dtype(e.dtype))
+            except CorruptionError as err:
+                raise CorruptionError(f"tensor {name} chunk {tuple(grid)}: {err}") from None
+        except BaseException as err:
+            with self._lock:
+                del self._loading[key]
+            mine.set_exception(err)
+            raise
+        with self._lock:
+            del self._loading[key]
+            if self._cache_bytes:
+                self._cache[key] = buf
+                self._cached += buf.nbytes
+                while self._cached > self._cache_bytes and len(self._cache) > 1:
+                    self._cached -= self._cache.popitem(last=False)[1].nbytes
+        mine.set_result(buf)
+        return buf
+
+    def _read_tensorstore(self, name: str, index: tuple[slice, ...] | None) -> "torch.Tensor":
         arr = self.array(name)
         try:
             return store.read(arr, index, name)
@@ -129,7 +240,7 @@ class Checkpoint:
                 chunks += 1
         return {"tensors": len(self.tensors), "chunks": chunks}
 
-    def read_local(self, name: str, layout: Layout, coord: RankCoord) -> dict[int, torch.Tensor]:
+    def read_local(self, name: str, layout: Layout, coord: RankCoord) -> "dict[int, torch.Tensor]":
         """One rank's local tensors of `name` (per model chunk) for any target layout, read through the sharding
         table. Vocab tensors follow the target's padding: rows past the stored ones read as zeros, stored padding
         rows past the target's are not read."""
@@ -139,6 +250,8 @@ class Checkpoint:
         if target is None:
             raise FormatError(f"{self.path}: no tensor {name!r} in the sharding table of this checkpoint")
         stored_rows = self.entry(name).shape[0]
+        import torch
+
         out: dict[int, torch.Tensor] = {}
         for r in regions(target, layout, coord, self.config.num_layers):
             if r.vstage not in out:
@@ -153,7 +266,7 @@ class Checkpoint:
             out[r.vstage][tuple(ls)] = self.read(name, tuple(gs))
         return out
 
-    def state_dict(self, dequantize: bool = False, optimizer: bool = False) -> dict[str, torch.Tensor]:
+    def state_dict(self, dequantize: bool = False, optimizer: bool = False) -> "dict[str, torch.Tensor]":
         """Every canonical tensor, whole (for small models: verify --against, tests). With `dequantize`, kept-FP8
         weights come back as fp32(weight) * block scale, in the model's dtype, and the scales are left out. Optimizer
         state (a training checkpoint's optimizer.state.* arrays) only with `optimizer`."""
@@ -180,11 +293,14 @@ class Checkpoint:
         for name, e in self.tensors.items():
             arr = self.array(name)
             for idx in _chunk_boxes(e.shape, e.chunk):
-                try:
-                    t = store.read(arr, idx, name)
-                except CorruptionError as err:
-                    raise _chunk_error(name, idx, e.chunk, err) from None
-                nbytes = t.numel() * t.element_size()
+                if self._direct[name]:
+                    nbytes = self._chunk(name, tuple(s.start // c for s, c in zip(idx, e.chunk))).nbytes
+                else:
+                    try:
+                        t = store.read(arr, idx, name)
+                    except CorruptionError as err:
+                        raise _chunk_error(name, idx, e.chunk, err) from None
+                    nbytes = t.numel() * t.element_size()
                 total_bytes += nbytes
                 chunks += 1
                 if progress:
@@ -195,11 +311,44 @@ class Checkpoint:
         return sum(entry_nbytes(e) for e in self.tensors.values())
 
 
+class ReadPlan:
+    """The boxes a job will read from a checkpoint, in order. Each chunk leaves the cache right after the last box
+    that needs it (so the cache holds what is still to come, not what was read last, and its buffers go back to the
+    pool), and read-ahead skips chunks whose boxes are all done (a hint that runs late must not read them again).
+    A process that runs only some of the boxes (a spawned worker) never counts a chunk down to zero: plain LRU."""
+
+    def __init__(self, ck: Checkpoint, boxes: Iterable[tuple[str, tuple[slice, ...]]]):
+        self.ck = ck
+        self.readers = collections.Counter(k for name, index in boxes for k in ck.chunks_of(name, index))
+
+    def prefetch(self, name: str, index: tuple[slice, ...]) -> None:
+        self.ck.prefetch([k for k in self.ck.chunks_of(name, index) if self.readers[k] > 0])
+
+    def done(self, name: str, index: tuple[slice, ...]) -> None:
+        keys = self.ck.chunks_of(name, index)
+        self.readers.subtract(keys)
+        self.ck.release([k for k in keys if self.readers[k] <= 0])
+
+
 def entry_nbytes(e: TensorEntry) -> int:
     n = 1
     for s in e.shape:
         n *= s
-    return n * store.torch_dtype(e.dtype).itemsize
+    return n * store.itemsize(e.dtype)
+
+
+def _box(shape: list[int], index: tuple[slice, ...] | None, name: str) -> list[tuple[int, int]]:
+    """[start, stop) per axis of a box given as unit-step slices (missing trailing axes: whole)."""
+    index = tuple(index or ())
+    if len(index) > len(shape):
+        raise FormatError(f"tensor {name}: index {index} has more axes than its shape {shape}")
+    out = []
+    for s, n in zip(index + (slice(None),) * (len(shape) - len(index)), shape):
+        lo, hi, step = s.indices(n)
+        if step != 1:
+            raise FormatError(f"tensor {name}: strided reads are not supported ({s})")
+        out.append((lo, max(lo, hi)))
+    return out
 
 
 def _chunk_boxes(shape: list[int], chunk: list[int], within: tuple[slice, ...] | None = None
@@ -267,7 +416,7 @@ def describe(ckpt: Checkpoint) -> dict:
         "model": {k: v for k, v in m.model.to_dict().items() if k != "hf_config"},
         "tensors": rows,
         "total_bytes": sum(r["bytes"] for r in rows),
-        "total_params": sum(r["bytes"] // store.torch_dtype(r["dtype"]).itemsize for r in rows),
+        "total_params": sum(r["bytes"] // store.itemsize(r["dtype"]) for r in rows),
         "optimizer": {"states": m.optimizer, "bytes": optim_bytes} if m.optimizer else None,
         "train_state": TRAIN_STATE if ckpt.train_state_path() else None,
         "hf_files": HFAssets.list(ckpt.path),

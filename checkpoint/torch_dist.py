@@ -36,11 +36,13 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import filesystem as _dcp_fs
 from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint import planner as _dcp_planner
 
+from . import chunkio, store
 from .commit import LOCK, output_lock, recover_root, replace_dir, write_file_atomic
 from .faults import fault_point
 from .safe_load import load_torch
@@ -544,7 +546,9 @@ class RankFile:
         self.entries: dict = {}
         self.f = open(writer.dir / name, "wb")
 
-    def add_tensor(self, name: str, offsets: tuple[int, ...], value: torch.Tensor) -> int:
+    def add_tensor(self, name: str, offsets: tuple[int, ...], value: "torch.Tensor | np.ndarray") -> int:
+        if isinstance(value, np.ndarray):  # a torch view of it (gathered first when not contiguous): no copy
+            value = store.from_numpy(chunkio.contiguous(value))
         value = value.detach().contiguous()
         if value.untyped_storage().nbytes() != value.numel() * value.element_size():
             value = value.clone()  # torch.save writes whole storages: never a view into a bigger one

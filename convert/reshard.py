@@ -14,9 +14,9 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-import torch
+import numpy as np
 
 from checkpoint import store
 from checkpoint.commit import IterationWriter
@@ -24,11 +24,14 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
-from checkpoint.reader import Checkpoint
+from checkpoint.reader import Checkpoint, ReadPlan
 from checkpoint.sharding import Rule, check_fp8_layout, model_specs, optimizer_specs, split_optimizer_key
 
 from .hf_to_mcore import VERSION
-from .writer import ChunkSink, Task, write_chunks
+
+if TYPE_CHECKING:  # not imported at run time: a reshard moves numpy views (torch's import is ~1.5 CPU-s)
+    import torch
+from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
 
 def plan_reshard(ck: Checkpoint, layout: Layout, dtype: str | None) -> dict[str, TensorEntry]:
@@ -58,29 +61,39 @@ def vocab_padding(cfg: ModelConfig, layout: Layout, optimizer: list[str] | None)
     return out
 
 
+Array = TypeVar("Array", "torch.Tensor", np.ndarray)
+
 # -- worker side ----------------------------------------------------------------------------------------------------
 _W: dict = {}
 SOURCE_CACHE_BYTES = 256 << 20  # > one source chunk (chunks are at most CHUNK_MAX_BYTES = 128 MiB)
 
 
-def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, tuple[int, bool]]) -> None:
-    torch.set_num_threads(1)
-    # A destination chunk is often a part of a source chunk (a higher TP splits it): keep decoded source chunks so
-    # each is read and checksummed once, not once per destination chunk it feeds.
-    _W.update(src=Checkpoint(src_dir, cache_bytes=SOURCE_CACHE_BYTES), sink=ChunkSink(out_dir, dtypes), vocab=vocab)
+def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, tuple[int, bool]],
+                 tasks: list[Task]) -> None:
+    # A destination chunk is often a part of a source chunk (a higher TP splits it): keep decoded source chunks until
+    # their last destination chunk is written, so each is read and checksummed once.
+    src = Checkpoint(src_dir, cache_bytes=SOURCE_CACHE_BYTES)
+    _W.update(src=src, plan=ReadPlan(src, [(t.name, t.index) for t in tasks]), sink=ChunkSink(out_dir, dtypes),
+              vocab=vocab)
 
 
 def _run_task(task: Task) -> tuple[str, int]:
     src: Checkpoint = _W["src"]
-    value = read_padded(lambda idx: src.read(task.name, idx), task.box, _W["vocab"].get(task.name))
+    # numpy views of the cached source chunks, handed to the sink as they are (no copy where a box is contiguous)
+    value = read_padded(lambda idx: src.read_numpy(task.name, idx), task.box, _W["vocab"].get(task.name))
+    _W["plan"].done(task.name, task.index)
     return _W["sink"].write(task, value)
 
 
-def read_padded(read: Callable[[tuple[slice, ...]], torch.Tensor], box: tuple[tuple[int, int], ...],
-                pad: tuple[int, bool] | None) -> torch.Tensor:
-    """A box of a destination tensor, from `read(index)` of the source tensor. `pad` = (true rows, zeros) for a vocab
-    tensor: rows past the true vocabulary are the last real row repeated (as hf-to-mcore pads), or zeros for
-    optimizer moments."""
+def _prefetch_task(task: Task) -> None:
+    _W["plan"].prefetch(task.name, task.index)
+
+
+def read_padded(read: Callable[[tuple[slice, ...]], Array], box: tuple[tuple[int, int], ...],
+                pad: tuple[int, bool] | None) -> Array:
+    """A box of a destination tensor, from `read(index)` of the source tensor (torch tensors or numpy arrays).
+    `pad` = (true rows, zeros) for a vocab tensor: rows past the true vocabulary are the last real row repeated (as
+    hf-to-mcore pads), or zeros for optimizer moments."""
     (a, b), *rest = box
     index = tuple(slice(x, y) for x, y in box)
     if pad is None or b <= pad[0]:
@@ -89,9 +102,17 @@ def read_padded(read: Callable[[tuple[slice, ...]], torch.Tensor], box: tuple[tu
     cols = index[1:]
     parts = [read((slice(a, true_rows), *cols))] if a < true_rows else []
     last = read((slice(true_rows - 1, true_rows), *cols))
-    if zeros:  # optimizer moments: padding rows have no update history
+    rows = (b - max(a, true_rows), *last.shape[1:])
+    if isinstance(last, np.ndarray):
+        if zeros:  # optimizer moments: padding rows have no update history
+            last = np.zeros_like(last)
+        parts.append(np.broadcast_to(last, rows))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+    import torch
+
+    if zeros:
         last = torch.zeros_like(last)
-    parts.append(last.expand(b - max(a, true_rows), *last.shape[1:]))
+    parts.append(last.expand(*rows))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -115,8 +136,10 @@ def reshard(src_path: str | Path, out: str | Path, layout: Layout, dtype: str | 
            "dtype": dtype}
     started = time.time()
     with IterationWriter(out, ck.manifest.iteration, job, overwrite=overwrite) as w:
-        init_args = (str(ck.path), str(w.partial), {n: e.dtype for n, e in entries.items()}, vocab)
-        write_chunks(w, entries, "reshard", _init_worker, init_args, _run_task, workers, quiet)
+        init_args = (str(ck.path), str(w.partial), {n: e.dtype for n, e in entries.items()}, vocab,
+                     chunk_tasks(entries))
+        write_chunks(w, entries, "reshard", _init_worker, init_args, _run_task, workers, quiet,
+                     prefetch=_prefetch_task)
         if ck.hf_dir().is_dir():
             shutil.copytree(ck.hf_dir(), w.path("hf"), dirs_exist_ok=True)
         if ck.train_state_path() is not None:  # carried verbatim; committed (fsynced, renamed) with the rest

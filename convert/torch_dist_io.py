@@ -29,10 +29,11 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from checkpoint import store
@@ -42,7 +43,7 @@ from checkpoint.errors import CorruptionError, FormatError, ShardkitError, Write
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.progress import progress_bar
-from checkpoint.reader import Checkpoint
+from checkpoint.reader import Checkpoint, ReadPlan
 from checkpoint.sharding import (OPTIMIZER_STATES, Rule, TensorSpec, owner,
                                  split_optimizer_key)
 from checkpoint.torch_dist import (CHECKPOINT_VERSION, DCPWriter, TorchDistCheckpoint, check_output_root,
@@ -227,12 +228,12 @@ def layout_from_args(args: argparse.Namespace | None) -> Layout | None:
 def _write_rank(args: tuple, advance: Callable[[int], None] | None = None) -> tuple[dict, int]:
     """Write rank files: their tensor chunks (read one at a time from the native checkpoint, vocab padding and dtype
     of the destination applied) and objects. Several files are written together, their items in the order of the
-    source's chunks, so that a source chunk feeding several ranks (a higher TP) is decoded once (chunk cache)."""
+    source's chunks, so that a source chunk feeding several ranks (a higher TP) is read once (ReadPlan)."""
     ckpt_path, tmp_dir, files, key_naming, pads, dtypes = args
     torch.set_num_threads(1)
     from .reshard import SOURCE_CACHE_BYTES
 
-    ck = Checkpoint(ckpt_path, cache_bytes=SOURCE_CACHE_BYTES if pads else 0)
+    ck = Checkpoint(ckpt_path, cache_bytes=SOURCE_CACHE_BYTES)
     w = DCPWriter(Path(tmp_dir))
     nbytes = 0
     order = sorted(((name, box), i) for i, (_, items, _) in enumerate(files) for name, box in items)
@@ -240,7 +241,7 @@ def _write_rank(args: tuple, advance: Callable[[int], None] | None = None) -> tu
     with contextlib.ExitStack() as stack:
         out = [stack.enter_context(w.rank_file(rank, part)) for (rank, part), _, _ in files]
         for ((name, box), i), value in zip(order, _prefetched(ck, merged, pads)):
-            value = value.to(store.torch_dtype(dtypes[name]))
+            value = store.cast(value, dtypes[name])
             n = out[i].add_tensor(stored_key(name, key_naming), tuple(a for a, _ in box), value)
             nbytes += n
             if advance:
@@ -252,33 +253,19 @@ def _write_rank(args: tuple, advance: Callable[[int], None] | None = None) -> tu
     return w.storage_data, nbytes
 
 
-def _prefetched(ck: Checkpoint, items: list, pads: dict, ahead: int = 1):
-    """The items' values in order, the next `ahead` reads already in flight in tensorstore's threads while the
-    current one is being written (boxes needing new vocab padding rows are read synchronously)."""
-    from collections import deque
-
-    def start(name: str, box):
-        pad = pads.get(name)
-        if pad is None or box[0][1] <= pad[0]:
-            return ck.array(name)[tuple(slice(a, b) for a, b in box)].read()
-        return read_padded(lambda idx: ck.read(name, idx), box, pad)
-
-    queue: deque = deque()
-    it = iter(items)
-    for item in itertools.islice(it, ahead + 1):
-        queue.append((item[0], start(*item)))
-    while queue:
-        name, pending = queue.popleft()
-        nxt = next(it, None)
-        if nxt is not None:
-            queue.append((nxt[0], start(*nxt)))
-        if isinstance(pending, torch.Tensor):
-            yield pending
-            continue
-        try:
-            yield store.from_numpy(pending.result())
-        except ValueError as e:
-            raise CorruptionError(f"tensor {name}: {store.short_error(e)}") from None
+def _prefetched(ck: Checkpoint, items: list, pads: dict) -> Iterator[np.ndarray]:
+    """The items' values in order (numpy views of the source's chunks where a box lies in one), the next item's
+    chunks read ahead on a helper thread while the current one is being written."""
+    index = [tuple(slice(a, b) for a, b in box) for _, box in items]
+    plan = ReadPlan(ck, [(name, idx) for (name, _), idx in zip(items, index)])
+    with ThreadPoolExecutor(1, thread_name_prefix="shardkit-prefetch") as hints:
+        for k, (name, box) in enumerate(items):
+            if k + 1 < len(items):
+                hints.submit(plan.prefetch, items[k + 1][0], index[k + 1])
+            value = read_padded(lambda idx: ck.read_numpy(name, idx), box, pads.get(name))
+            plan.done(name, index[k])
+            yield value
+            del value  # its chunk's buffer goes back to the pool once written
 
 
 def _split_files(per_rank: dict[int, tuple[list, list]], entries: dict[str, TensorEntry], parts: int

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from checkpoint import store
+from checkpoint import chunkio, store
 from checkpoint.commit import IterationWriter
 from checkpoint.errors import WriteError
 from checkpoint.faults import fault_point
@@ -33,6 +33,11 @@ WORKER_MIN_BYTES = 64 << 20  # spawning a worker costs seconds (it imports torch
 # In-process runs keep up to this many bytes of chunk writes in flight (tensorstore encodes, writes and fsyncs them
 # while the next chunk is read and assembled); a chunk is recorded as done only once its write is durable.
 INFLIGHT_BYTES = 128 << 20
+# Chunks written directly (chunkio) are in the page cache when write() returns and hold no memory of ours; up to this
+# many bytes of them wait for their fsync (on SYNC_THREADS threads, so the filesystem commits them in groups and the
+# disk writes back while the next chunks are read).
+SYNC_BACKLOG_BYTES = 512 << 20
+SYNC_THREADS = 2
 _RECORDER: "_Recorder | None" = None  # set by write_chunks while it runs tasks in this process
 
 
@@ -68,14 +73,18 @@ def chunk_tasks(entries: dict[str, TensorEntry]) -> list[Task]:
 
 
 class ChunkSink:
-    """Worker-side: open arrays once, write whole chunks, turn tensorstore write failures into WriteError."""
+    """Worker-side: open arrays once, write whole chunks (chunkio's direct writer where the array's codecs are ours,
+    else tensorstore), turn write failures into WriteError."""
 
     def __init__(self, out_dir: str | Path, dtypes: dict[str, str]):
         self.out, self.dtypes = Path(out_dir), dtypes
         self.ctx = store.context()
         self.arrays: dict = {}
-        self._pending: collections.deque = collections.deque()  # (task, nbytes, commit future), oldest first
-        self._pending_bytes = 0
+        self.chunks: dict[str, list[int] | None] = {}  # chunk shape of arrays chunkio writes, None: tensorstore
+        # writes not yet durable, oldest first: (task, nbytes, bytes of ours it holds (tensorstore), durable future)
+        self._pending: collections.deque = collections.deque()
+        self._pending_bytes = self._held_bytes = 0
+        self._threads: ThreadPoolExecutor | None = None
 
     def write(self, task: Task, value: "torch.Tensor | np.ndarray") -> tuple[str, int]:
         """Write one chunk. In a worker process it is durable on return (the parent records it). In-process
@@ -87,41 +96,66 @@ class ChunkSink:
         arr = self.arrays.get(task.name)
         if arr is None:
             arr = self.arrays[task.name] = store.open_existing(self.out / tensor_path(task.name), self.ctx, task.name)
+            md = store.metadata(arr)
+            self.chunks[task.name] = md["chunk_grid"]["configuration"]["chunk_shape"] if chunkio.supports(md) else None
         value = store.cast(value, self.dtypes[task.name])
         nbytes = value.nbytes if isinstance(value, np.ndarray) else value.numel() * value.element_size()
         rec = _RECORDER
-        try:
-            fut = store.write(arr, task.index, value, immutable=True)
+        chunk = self.chunks[task.name]
+        if chunk is not None and list(value.shape) == chunk and all(a % c == 0 for (a, _), c in zip(task.box, chunk)):
+            fault_point("store.write")
+            path = self.out / tensor_path(task.name) / chunkio.chunk_path(Path(), [a // c for (a, _), c in
+                                                                                    zip(task.box, chunk)])
+            chunkio.write_chunk(path, chunkio.contiguous(store.to_numpy(value)), task.name)
             if rec is None:
-                fut.result()
+                chunkio.sync_chunk(path, task.name)
                 return task.id, nbytes
-            fut.copy.result()  # `value` is taken (referenced until its write completes)
-        except ValueError as e:
-            raise self._error(task, e) from None
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="shardkit-sync")
+            done, held = self._threads.submit(chunkio.sync_chunk, path, task.name), 0
+        else:
+            try:
+                fut = store.write(arr, task.index, value, immutable=True)
+                if rec is None:
+                    fut.result()
+                    return task.id, nbytes
+                fut.copy.result()  # `value` is taken (referenced until its write completes)
+            except ValueError as e:
+                raise self._error(task, e) from None
+            done, held = fut.commit, nbytes
         rec.sinks.add(self)
-        self._pending.append((task, nbytes, fut.commit))
+        self._pending.append((task, nbytes, held, done))
         self._pending_bytes += nbytes
-        if self._pending_bytes > INFLIGHT_BYTES:
+        self._held_bytes += held
+        if self._over_budget():
             self._retire(rec)
         return task.id, nbytes
 
+    def _over_budget(self) -> bool:
+        return self._held_bytes > INFLIGHT_BYTES or self._pending_bytes > SYNC_BACKLOG_BYTES
+
     def flush(self, rec: "_Recorder", raise_errors: bool = True) -> None:
-        """Wait for every write in flight and record it; after a failure elsewhere, record what succeeded."""
+        """Wait for every write in flight and record it (also after a failed one: nothing may still be writing when
+        the caller removes the partial output), then raise the first failure unless `raise_errors` is off (after a
+        failure elsewhere)."""
+        first: WriteError | None = None
         while self._pending:
             try:
                 self._retire(rec, everything=True)
-            except WriteError:
-                if raise_errors:
-                    raise
+            except WriteError as e:
+                first = first or e
+        if first is not None and raise_errors:
+            raise first
 
     def _retire(self, rec: "_Recorder", everything: bool = False) -> None:
-        """Wait for the oldest writes until under INFLIGHT_BYTES (or for all), take along the following ones that
+        """Wait for the oldest writes until within budget (or for all), take along the following ones that
         have already finished, and record them together: one fsync of the resume log per batch, not per chunk."""
         done: list[tuple[str, int]] = []
         try:
-            while self._pending and (everything or self._pending_bytes > INFLIGHT_BYTES or self._pending[0][2].done()):
-                task, nbytes, commit = self._pending.popleft()
+            while self._pending and (everything or self._over_budget() or self._pending[0][3].done()):
+                task, nbytes, held, commit = self._pending.popleft()
                 self._pending_bytes -= nbytes
+                self._held_bytes -= held
                 try:
                     commit.result()
                 except ValueError as e:

@@ -1,0 +1,203 @@
+"""Direct I/O of the native format's chunk files, without tensorstore's codec pipeline.
+
+Our arrays use exactly one codec chain, zarr3 `bytes` (little endian) + `crc32c`, so a chunk file is the chunk's raw
+little-endian bytes followed by the 4-byte little-endian CRC32C of those bytes, at `c/<i>/<j>/...` under the array
+(zarr3's default chunk key encoding). Reading it is a memory map of the page cache and a hardware CRC (the `crc32c`
+package, ~15 GB/s, GIL released); tensorstore's generic path costs ~2.4 CPU-s/GB for the same bytes (decode,
+checksum, copies into freshly faulted buffers), which made reshard CPU-bound. Writing is the mirror
+image: the bytes and the trailer go into the page cache at once (the buffer is free again right away), and a chunk is
+recorded as done only after its fsync (file and directory), which runs on helper threads, so it survives a crash.
+
+Tensorstore still creates and opens the arrays (their metadata), and remains the path for any array whose metadata
+is not exactly ours (`supports`), for partial-chunk writes, and where the `crc32c` package is missing.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import CorruptionError, WriteError
+
+try:  # hardware CRC32C (SSE4.2 / ARMv8), releases the GIL
+    from crc32c import crc32c as _crc32c
+except ImportError:  # pragma: no cover - a dependency; without it every read and write goes through tensorstore
+    _crc32c = None
+
+AVAILABLE = _crc32c is not None
+CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+TRAILER = 4  # bytes of the crc32c codec's checksum after the data
+
+
+class BufferPool:
+    """Reusable chunk-sized buffers. A fresh multi-MiB buffer costs a page fault and a zeroed page per 4 KiB (the
+    allocator maps large buffers anew each time): zeroing was a fifth of reshard's CPU. A buffer handed out comes back
+    by itself once nothing refers to it any more (no view of it alive: reference counts), so readers, caches and
+    writes in flight never return buffers explicitly. At most `keep_bytes` of idle buffers are kept."""
+
+    def __init__(self, keep_bytes: int = 384 << 20):
+        self.keep_bytes = keep_bytes
+        self._lock = threading.Lock()
+        self._lent: list[np.ndarray] = []  # flat uint8 buffers handed out
+        self._idle: list[np.ndarray] = []
+
+    def empty(self, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+        """An uninitialised C-contiguous array of `shape` and `dtype` (like np.empty), in a reused buffer if one of a
+        fitting size (up to twice as large) is idle."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < (1 << 20):
+            return np.empty(shape, dtype)
+        with self._lock:
+            self._collect()
+            fit = [b for b in self._idle if nbytes <= b.nbytes <= 4 * nbytes]
+            if fit:
+                raw = min(fit, key=lambda b: b.nbytes)
+                self._idle = [b for b in self._idle if b is not raw]
+            else:
+                raw = np.empty(nbytes, np.uint8)
+            self._lent.append(raw)
+        return raw[:nbytes].view(dtype).reshape(shape)
+
+    def _collect(self) -> None:
+        """Move lent buffers nothing else refers to back to the idle list; drop the largest idle ones over the cap."""
+        for i in reversed(range(len(self._lent))):
+            if sys.getrefcount(self._lent[i]) <= _FREE_REFS:
+                self._idle.append(self._lent.pop(i))
+        self._idle.sort(key=lambda b: b.nbytes)
+        while self._idle and sum(b.nbytes for b in self._idle) > self.keep_bytes:
+            self._idle.pop()
+
+
+def contiguous(a: np.ndarray) -> np.ndarray:
+    """`a` when C-contiguous, else its values gathered into a pooled buffer (a column block of a chunk)."""
+    if a.flags.c_contiguous:
+        return a
+    out = POOL.empty(a.shape, a.dtype)
+    np.copyto(out, a)
+    return out
+
+
+_FREE_REFS = 2  # sys.getrefcount(self._lent[i]) of a buffer only the pool's list refers to (the list, the argument)
+POOL = BufferPool()
+
+
+def crc(data: np.ndarray | bytes | memoryview) -> int:
+    return _crc32c(data)
+
+
+def supports(md: dict) -> bool:
+    """True when an array's zarr3 metadata is exactly the layout this module reads and writes."""
+    enc = md.get("chunk_key_encoding") or {"name": "default"}
+    sep = (enc.get("configuration") or {}).get("separator", "/")
+    return (AVAILABLE and md.get("codecs") == CODECS and enc.get("name") == "default" and sep == "/"
+            and (md.get("chunk_grid") or {}).get("name") == "regular")
+
+
+def chunk_path(array_dir: Path, grid: Sequence[int]) -> Path:
+    """The file of the chunk at grid position `grid` (zarr3 default encoding: `c/0/3/1`)."""
+    return array_dir.joinpath("c", *(str(i) for i in grid))
+
+
+def map_chunk(path: Path, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """The chunk file at `path` as a read-only array memory-mapped from the page cache (no copy into a buffer of
+    ours: reshard then copies each byte once, into the destination file), after checking its size and CRC32C.
+    CorruptionError (without the tensor's name; the caller adds it) when the file is missing, of the wrong size or
+    fails its checksum. The mapping lives as long as any view of the array does."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptionError(f"missing (its file {path} is gone); the checkpoint is damaged") from None
+    except OSError as e:
+        raise CorruptionError(f"cannot open {path} ({e.strerror or e})") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != nbytes + TRAILER:
+            raise CorruptionError(f"{path} holds {size:,} bytes, expected {nbytes + TRAILER:,} (truncated or "
+                                  "overwritten); the checkpoint is damaged")
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    mm.madvise(mmap.MADV_WILLNEED)  # read ahead the whole chunk now, not page by page as the checksum touches it
+    raw = np.frombuffer(mm, np.uint8, size)
+    stored = int.from_bytes(raw[nbytes:].tobytes(), "little")
+    computed = crc(raw[:nbytes])
+    if stored != computed:
+        raise CorruptionError(f"{path}: Digest mismatch (crc32c stored {stored:#010x}, computed {computed:#010x}); "
+                              "the checkpoint is damaged")
+    return raw[:nbytes].view(dtype).reshape(shape)
+
+
+def write_chunk(path: Path, data: np.ndarray, label: str) -> None:
+    """Write one whole chunk file (`data` contiguous, the chunk's full shape): its bytes and the CRC32C trailer, into
+    the page cache. Not durable until `sync_chunk`: writers record a chunk as done only after that, and a chunk not
+    recorded is rewritten by the next run, so a file torn by a crash never reaches a committed checkpoint (hence no
+    temporary name). `data` may be reused as soon as this returns. WriteError naming `label` (the tensor) and the file
+    on any failure (disk full, EFBIG, permissions)."""
+    raw = data.reshape(-1).view(np.uint8)
+    try:
+        _makedirs_durable(path.parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, memoryview(raw))
+            _write_all(fd, crc(raw).to_bytes(TRAILER, "little"))
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise _write_error(label, path, e) from None
+
+
+def sync_chunk(path: Path, label: str) -> None:
+    """Make a written chunk durable: fsync the file and its directory entry."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        raise _write_error(label, path, e) from None
+
+
+def write_durable(path: Path, data: np.ndarray, label: str) -> None:
+    write_chunk(path, data, label)
+    sync_chunk(path, label)
+
+
+def _write_error(label: str, path: Path, e: OSError) -> WriteError:
+    return WriteError(f"tensor {label}: writing {path} failed ({e.strerror or e}); check free space and permissions")
+
+
+def _write_all(fd: int, buf: memoryview | bytes) -> None:
+    view, done = memoryview(buf), 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs_durable(d: Path) -> None:
+    """mkdir -p, fsyncing the parent of every directory it creates (a chunk whose directory entry is lost in a crash
+    is lost too)."""
+    if d.is_dir():
+        return
+    _makedirs_durable(d.parent)
+    try:
+        d.mkdir()
+    except FileExistsError:  # another writer thread made it
+        return
+    _fsync_dir(d.parent)
