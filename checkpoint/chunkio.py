@@ -135,29 +135,37 @@ def map_chunk(path: Path, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     return raw[:nbytes].view(dtype).reshape(shape)
 
 
-def write_chunk(path: Path, data: np.ndarray, label: str) -> None:
+def write_chunk(path: Path, data: np.ndarray, label: str) -> int:
     """Write one whole chunk file (`data` contiguous, the chunk's full shape): its bytes and the CRC32C trailer, into
-    the page cache. Not durable until `sync_chunk`: writers record a chunk as done only after that, and a chunk not
-    recorded is rewritten by the next run, so a file torn by a crash never reaches a committed checkpoint (hence no
-    temporary name). `data` may be reused as soon as this returns. WriteError naming `label` (the tensor) and the file
-    on any failure (disk full, EFBIG, permissions)."""
+    the page cache, in one `writev`. Returns the still open file descriptor for `sync_chunk`, which makes it durable:
+    writers record a chunk as done only after that, and a chunk not recorded is rewritten by the next run, so a file
+    torn by a crash never reaches a committed checkpoint (hence no temporary name). `data` may be reused as soon as
+    this returns. WriteError naming `label` (the tensor) and the file on any failure (disk full, EFBIG, permissions)."""
     raw = data.reshape(-1).view(np.uint8)
     try:
         _makedirs_durable(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            _write_all(fd, memoryview(raw))
-            _write_all(fd, crc(raw).to_bytes(TRAILER, "little"))
-        finally:
-            os.close(fd)
     except OSError as e:
         raise _write_error(label, path, e) from None
-
-
-def sync_chunk(path: Path, label: str) -> None:
-    """Make a written chunk durable: fsync the file and its directory entry."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        parts, left = [memoryview(raw), crc(raw).to_bytes(TRAILER, "little")], raw.nbytes + TRAILER
+        while left:
+            n = os.writev(fd, parts)
+            left -= n
+            while n and parts:  # a short write: drop what went out and go on with the rest
+                if n >= len(parts[0]):
+                    n -= len(parts.pop(0))
+                else:
+                    parts[0], n = memoryview(parts[0])[n:], 0
+    except OSError as e:
+        os.close(fd)
+        raise _write_error(label, path, e) from None
+    return fd
+
+
+def sync_chunk(path: Path, fd: int, label: str) -> None:
+    """Make a chunk written by `write_chunk` durable: fsync its file (and close it) and its directory entry."""
+    try:
         try:
             os.fsync(fd)
         finally:
@@ -168,18 +176,11 @@ def sync_chunk(path: Path, label: str) -> None:
 
 
 def write_durable(path: Path, data: np.ndarray, label: str) -> None:
-    write_chunk(path, data, label)
-    sync_chunk(path, label)
+    sync_chunk(path, write_chunk(path, data, label), label)
 
 
 def _write_error(label: str, path: Path, e: OSError) -> WriteError:
     return WriteError(f"tensor {label}: writing {path} failed ({e.strerror or e}); check free space and permissions")
-
-
-def _write_all(fd: int, buf: memoryview | bytes) -> None:
-    view, done = memoryview(buf), 0
-    while done < len(view):
-        done += os.write(fd, view[done:])
 
 
 def _fsync_dir(d: Path) -> None:

@@ -11,6 +11,7 @@ import collections
 import itertools
 import multiprocessing as mp
 import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,14 +31,14 @@ if TYPE_CHECKING:
     import torch
 
 WORKER_MIN_BYTES = 64 << 20  # spawning a worker costs seconds (it imports torch): one per this much work
-# In-process runs keep up to this many bytes of chunk writes in flight (tensorstore encodes, writes and fsyncs them
-# while the next chunk is read and assembled); a chunk is recorded as done only once its write is durable.
+# In-process runs keep up to this many bytes of chunk values handed to writer threads but not yet written (their
+# buffers are ours until then) while the next chunk is read and assembled...
 INFLIGHT_BYTES = 128 << 20
-# Chunks written directly (chunkio) are in the page cache when write() returns and hold no memory of ours; up to this
-# many bytes of them wait for their fsync (on SYNC_THREADS threads, so the filesystem commits them in groups and the
-# disk writes back while the next chunks are read).
+# ... and up to this many bytes written (in the page cache, no memory of ours) but not yet fsynced. A chunk is
+# recorded as done only once durable. WRITE_THREADS write and fsync chunks concurrently, so the filesystem commits
+# many small files' fsyncs together (a 64-expert MoE has thousands of chunks) and the disk never waits for us.
 SYNC_BACKLOG_BYTES = 512 << 20
-SYNC_THREADS = 2
+WRITE_THREADS = 16
 _RECORDER: "_Recorder | None" = None  # set by write_chunks while it runs tasks in this process
 
 
@@ -85,11 +86,13 @@ class ChunkSink:
         self._pending: collections.deque = collections.deque()
         self._pending_bytes = self._held_bytes = 0
         self._threads: ThreadPoolExecutor | None = None
+        self._unwritten = 0  # bytes of chunk values handed to the writer threads, not yet written
+        self._unwritten_cv = threading.Condition()
 
     def write(self, task: Task, value: "torch.Tensor | np.ndarray") -> tuple[str, int]:
         """Write one chunk. In a worker process it is durable on return (the parent records it). In-process
-        (write_chunks set a recorder) it returns once tensorstore holds `value`, and the recorder marks the chunk
-        done when its write is durable, keeping at most INFLIGHT_BYTES in flight.
+        (write_chunks set a recorder) it returns once a writer thread (or tensorstore) holds `value`, and the
+        recorder marks the chunk done when its write is durable (memory and backlog bounded, see INFLIGHT_BYTES).
 
         `value` is handed over: producers pass fresh tensors or read-only views of their sources and never modify
         them afterwards, so tensorstore encodes it where it lies instead of copying it first."""
@@ -106,13 +109,19 @@ class ChunkSink:
             fault_point("store.write")
             path = self.out / tensor_path(task.name) / chunkio.chunk_path(Path(), [a // c for (a, _), c in
                                                                                     zip(task.box, chunk)])
-            chunkio.write_chunk(path, chunkio.contiguous(store.to_numpy(value)), task.name)
+            data = chunkio.contiguous(store.to_numpy(value))
+            del value
             if rec is None:
-                chunkio.sync_chunk(path, task.name)
+                chunkio.write_durable(path, data, task.name)
                 return task.id, nbytes
+            with self._unwritten_cv:  # bounded memory: wait while the writer threads hold INFLIGHT_BYTES of ours
+                while self._unwritten and self._unwritten + nbytes > INFLIGHT_BYTES:
+                    self._unwritten_cv.wait()
+                self._unwritten += nbytes
             if self._threads is None:
-                self._threads = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="shardkit-sync")
-            done, held = self._threads.submit(chunkio.sync_chunk, path, task.name), 0
+                self._threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="shardkit-write")
+            done, held = self._threads.submit(self._write_then_sync, path, [data], task.name, nbytes), 0
+            del data
         else:
             try:
                 fut = store.write(arr, task.index, value, immutable=True)
@@ -130,6 +139,17 @@ class ChunkSink:
         if self._over_budget():
             self._retire(rec)
         return task.id, nbytes
+
+    def _write_then_sync(self, path: Path, holder: list, label: str, nbytes: int) -> None:
+        """Writer thread: write the chunk (its buffer is released as soon as the bytes are in the page cache: the
+        holder list is the only reference), then make it durable."""
+        try:
+            fd = chunkio.write_chunk(path, holder.pop(), label)
+        finally:
+            with self._unwritten_cv:
+                self._unwritten -= nbytes
+                self._unwritten_cv.notify_all()
+        chunkio.sync_chunk(path, fd, label)
 
     def _over_budget(self) -> bool:
         return self._held_bytes > INFLIGHT_BYTES or self._pending_bytes > SYNC_BACKLOG_BYTES
