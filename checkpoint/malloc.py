@@ -1,9 +1,5 @@
-"""Process-wide memory tuning for long streaming loops that allocate and free many chunk buffers (no heavy imports)."""
+"""Process-wide allocator tuning for code that allocates and frees many multi-MiB chunk buffers (no heavy imports)."""
 from __future__ import annotations
-
-import contextlib
-import gc
-from typing import Iterator
 
 
 def tune_malloc(mmap_threshold: int = 1 << 20) -> None:
@@ -16,15 +12,3 @@ def tune_malloc(mmap_threshold: int = 1 << 20) -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, mmap_threshold)  # -3 = M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass  # not glibc: nothing to tune
-
-
-@contextlib.contextmanager
-def frozen_gc() -> Iterator[None]:
-    """Move every object alive now (torch's and tensorstore's modules, the plan) out of the garbage collector's
-    reach for the duration of a streaming loop: the loop's short-lived objects still trigger collections, but they
-    no longer traverse the whole heap each time (a tenth of the torch_dist export's CPU went to the collector)."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

@@ -42,7 +42,6 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import CorruptionError, FormatError, ShardkitError, WriteError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
-from checkpoint.malloc import frozen_gc
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint, ReadPlan
 from checkpoint.sharding import (OPTIMIZER_STATES, Rule, TensorSpec, owner,
@@ -352,7 +351,7 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
             nworkers = max(1, workers or 1)
             files = _split_files(per_rank, entries, -(-nworkers // len(per_rank)))
             nworkers = min(nworkers, len(files))
-            with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar, frozen_gc():
+            with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar:
                 if nworkers == 1:  # every file at once, in the source's chunk order
                     storage, _ = _write_rank((str(ck.path), str(tmp), files, key_naming, pads, dtypes),
                                              advance=lambda n: bar.advance(n, 1))

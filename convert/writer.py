@@ -23,7 +23,7 @@ from checkpoint import chunkio, store
 from checkpoint.commit import IterationWriter
 from checkpoint.errors import WriteError
 from checkpoint.faults import fault_point
-from checkpoint.malloc import frozen_gc, tune_malloc
+from checkpoint.malloc import tune_malloc
 from checkpoint.manifest import TensorEntry, tensor_path
 from checkpoint.progress import progress_bar
 
@@ -231,7 +231,7 @@ def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str
     # One process with pipelined writes keeps the disk busy; every spawned worker first spends seconds of CPU
     # importing torch and maps the sources again, so more only pay off for CPU-heavy chunks: opt in with --workers.
     nworkers = max(1, min(workers or 1, len(todo) or 1))
-    with progress_bar(label, total=total, items=len(tasks), disable=quiet) as bar, frozen_gc():
+    with progress_bar(label, total=total, items=len(tasks), disable=quiet) as bar:
         bar.advance(total - left, len(tasks) - len(todo))
 
         def drain(results) -> None:
