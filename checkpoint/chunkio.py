@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .commit import fsync_path
 from .errors import CorruptionError, WriteError
 
 try:  # hardware CRC32C (SSE4.2 / ARMv8), releases the GIL
@@ -170,7 +171,7 @@ def sync_chunk(path: Path, fd: int, label: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(path.parent)
+        fsync_path(path.parent)
     except OSError as e:
         raise _write_error(label, path, e) from None
 
@@ -183,14 +184,6 @@ def _write_error(label: str, path: Path, e: OSError) -> WriteError:
     return WriteError(f"tensor {label}: writing {path} failed ({e.strerror or e}); check free space and permissions")
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _makedirs_durable(d: Path) -> None:
     """mkdir -p, fsyncing the parent of every directory it creates (a chunk whose directory entry is lost in a crash
     is lost too)."""
@@ -201,4 +194,4 @@ def _makedirs_durable(d: Path) -> None:
         d.mkdir()
     except FileExistsError:  # another writer thread made it
         return
-    _fsync_dir(d.parent)
+    fsync_path(d.parent)

@@ -271,11 +271,27 @@ def cached_mb() -> float:
 WARM_CODE = "import convert.hf_to_mcore, convert.mcore_to_hf, checkpoint.reader, shardkit.cli"
 
 
+def evict(paths: list[Path]) -> None:
+    """Drop the page-cache pages of every file below `paths` (sync first, then posix_fadvise DONTNEED per file): a
+    cold read of those files without the privilege to drop the whole cache."""
+    os.sync()
+    for root in paths:
+        for p in [root] if root.is_file() else sorted(q for q in root.rglob("*") if q.is_file()):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 class Cache:
     def __init__(self, mode: str, warm_code: bool = True):
-        self.mode = mode  # "cold" (drop before each step) or "warm" (untimed read first)
+        # "cold" (drop the page cache before each step), "evict" (no privilege for that: evict the source files'
+        # pages before each step) or "warm" (--warm: the source read once, untimed)
+        self.mode = mode
         self.warm_code = warm_code
         self.codes: list[Code] = []
+        self.sources: list[Path] = []  # what "evict" evicts: the benchmark's input files
 
     @classmethod
     def detect(cls, force_warm: bool, warm_code: bool = True) -> "Cache":
@@ -283,9 +299,9 @@ class Cache:
             return cls("warm", warm_code)
         if try_drop_caches():
             return cls("cold", warm_code)
-        print("note: cannot drop the page cache (sync; echo 3 > /proc/sys/vm/drop_caches failed); falling back to "
-              "warm-cache mode: the source is read once untimed before the timed steps", file=sys.stderr)
-        return cls("warm", warm_code)
+        print("note: cannot drop the page cache (sync; echo 3 > /proc/sys/vm/drop_caches failed); evicting the "
+              "source files' pages before every timed step instead (posix_fadvise DONTNEED)", file=sys.stderr)
+        return cls("evict", warm_code)
 
     def before_step(self) -> None:
         if self.mode == "cold":
@@ -294,6 +310,8 @@ class Cache:
             if self.warm_code:
                 for code in self.codes:
                     subprocess.run([sys.executable, "-c", WARM_CODE], check=True, env=code.env)
+        elif self.mode == "evict":
+            evict(self.sources)
         else:
             os.sync()
 
@@ -303,8 +321,12 @@ class Cache:
                     (", then an untimed `python -c 'import convert.hf_to_mcore, ...'` so the Python libraries "
                      "(torch, tensorstore) are cached again: the model files are read cold, the code warm"
                      if self.warm_code else " (code cold too: --cold-code)"))
-        return ("warm: page cache could not be dropped; the source was read once (untimed `cp -r`) so every timed "
-                "step reads it from the page cache")
+        if self.mode == "evict":
+            return ("source evicted: the page cache could not be dropped (no privilege), so before every timed step "
+                    "`sync` and posix_fadvise(DONTNEED) on every source file drop the source's pages: the source is "
+                    "read from the disk (or from the host's cache under a VM, which a guest cannot drop), the code "
+                    "warm")
+        return ("warm: the source was read once (untimed `cp -r`) so every timed step reads it from the page cache")
 
 
 # -- measuring a process tree -----------------------------------------------------------------------------------------
@@ -419,6 +441,7 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
     nshards = len(list(src.glob("*.safetensors")))
     print(f"   synthesised {src_bytes / GB:.3f} GB in {nshards} shards in {time.perf_counter() - t0:.1f}s", flush=True)
 
+    cache.sources = [src]
     if cache.mode == "warm":
         dst = base / "cp-warmup"
         timed(["cp", "-r", str(src), str(dst)])

@@ -9,7 +9,7 @@ to a native tp1pp1 checkpoint. Then, per repeat (interleaved, so drift on a shar
   (c) `shardkit reshard SRC DST --tp 1 --pp 1 --format torch_dist` (native -> torch_dist at the same layout);
   (d) with --torch-dist-resharded: `... --tp 4 --pp 2 --format torch_dist` (reshard + export in one pass).
 shardkit fsyncs what it writes, so compare with cp+sync too. Cache mode as in bench_convert (cold when the page cache
-can be dropped). Goal: within 1.5x cp, peak RSS under 1.5 GB.
+can be dropped, else the source files' pages evicted before each step). Goal: within 1.5x cp, peak RSS under 1.5 GB.
 
     .venv/bin/python scripts/bench_reshard.py --size 2 --markdown /tmp/reshard.md
 """
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sk, "convert", "hf-to-mcore", str(hf), str(src), "--quiet"], check=True, env=code.env)
     shutil.rmtree(hf)
     src_bytes = dir_bytes(src)
+    cache.sources = [src]
     print(f"   source checkpoint tp1pp1: {src_bytes / GB:.3f} GB (converted untimed in {time.perf_counter() - t0:.1f}s)",
           flush=True)
     extra = ["--workers", args.workers] if args.workers else []
