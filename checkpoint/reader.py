@@ -16,7 +16,7 @@ import numpy as np
 from . import chunkio, store
 from .commit import resolve_iteration
 from .config import ModelConfig
-from .errors import CorruptionError, FormatError
+from .errors import CorruptionError, FormatError, ShardkitError
 from .layout import Layout, RankCoord
 from .manifest import MANIFEST, TRAIN_STATE, Manifest, TensorEntry, tensor_path
 from .safety import safe_path
@@ -130,14 +130,18 @@ class Checkpoint:
     def prefetch(self, keys: list[tuple[str, tuple[int, ...]]]) -> None:
         """Read chunks (as `chunks_of` names them) into the cache: a read-ahead hint, e.g. from a helper thread while
         the previous box is being written. Errors surface when the box itself is read."""
-        for name, grid in keys:
-            self.array(name)
-            if not self._direct[name] or not self._cache_bytes:
-                return
-            try:
+        try:
+            for name, grid in keys:
+                self.array(name)
+                if not self._direct[name] or not self._cache_bytes:
+                    return
                 self._chunk(name, grid)
-            except CorruptionError:
-                return
+        except ShardkitError:  # damage: the job's own read of the box reports it, naming the box
+            return
+
+    def chunk_nbytes(self, name: str) -> int:
+        e = self.entry(name)
+        return int(np.prod(e.chunk, dtype=np.int64)) * store.itemsize(e.dtype)
 
     def chunks_of(self, name: str, index: tuple[slice, ...] | None = None) -> list[tuple[str, tuple[int, ...]]]:
         """The chunks (name, grid position) a box touches."""
@@ -312,22 +316,65 @@ class Checkpoint:
 
 
 class ReadPlan:
-    """The boxes a job will read from a checkpoint, in order. Each chunk leaves the cache right after the last box
-    that needs it (so the cache holds what is still to come, not what was read last, and its buffers go back to the
-    pool), and read-ahead skips chunks whose boxes are all done (a hint that runs late must not read them again).
-    A process that runs only some of the boxes (a spawned worker) never counts a chunk down to zero: plain LRU."""
+    """The boxes a job will read from a checkpoint, in order. A read-ahead thread (with `ahead_bytes`) reads the
+    chunks in the order they will first be needed, staying at most `ahead_bytes` ahead of what the job has finished
+    with, so the disk streams while the job writes (a one-box hint overlapped nothing when a box was one of several
+    cut from the same chunk). Each chunk leaves the cache right after the last box that needs it, so the cache holds
+    what is still to come, not what was read last. A process that runs only some of the boxes (a spawned worker)
+    must not read ahead (it would read other workers' chunks) and never counts a chunk down to zero: plain LRU."""
 
-    def __init__(self, ck: Checkpoint, boxes: Iterable[tuple[str, tuple[slice, ...]]]):
+    def __init__(self, ck: Checkpoint, boxes: Iterable[tuple[str, tuple[slice, ...]]], ahead_bytes: int = 0):
         self.ck = ck
-        self.readers = collections.Counter(k for name, index in boxes for k in ck.chunks_of(name, index))
+        keys = [ck.chunks_of(name, index) for name, index in boxes]
+        self.readers = collections.Counter(k for ks in keys for k in ks)
+        self._order = list(dict.fromkeys(k for ks in keys for k in ks))  # first use first
+        self._ahead, self._outstanding, self._read_ahead = ahead_bytes, 0, set()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = None
+        if ahead_bytes and ck._cache_bytes:
+            self._thread = threading.Thread(target=self._run, name="shardkit-read-ahead", daemon=True)
+            self._thread.start()
 
-    def prefetch(self, name: str, index: tuple[slice, ...]) -> None:
-        self.ck.prefetch([k for k in self.ck.chunks_of(name, index) if self.readers[k] > 0])
+    def _run(self) -> None:
+        for key in self._order:
+            n = self.ck.chunk_nbytes(key[0])
+            with self._cv:
+                while not self._stop and self._outstanding and self._outstanding + n > self._ahead:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                if self.readers[key] <= 0:  # the job got there first
+                    continue
+                self._outstanding += n
+                self._read_ahead.add(key)
+            self.ck.prefetch([key])  # a damaged chunk is reported when the job reads it
+            with self._cv:
+                if self.readers[key] <= 0 and key in self._read_ahead:  # finished with while being read: drop it
+                    self._read_ahead.discard(key)
+                    self._outstanding -= n
+                    self.ck.release([key])
 
     def done(self, name: str, index: tuple[slice, ...]) -> None:
+        """The job has finished with this box: chunks no later box needs leave the cache."""
         keys = self.ck.chunks_of(name, index)
-        self.readers.subtract(keys)
-        self.ck.release([k for k in keys if self.readers[k] <= 0])
+        with self._cv:
+            self.readers.subtract(keys)
+            gone = [k for k in keys if self.readers[k] <= 0]
+            for k in gone:
+                if k in self._read_ahead:
+                    self._read_ahead.discard(k)
+                    self._outstanding -= self.ck.chunk_nbytes(k[0])
+            self._cv.notify_all()
+        self.ck.release(gone)
+
+    def close(self) -> None:
+        """Stop reading ahead (also when the job failed half-way)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def entry_nbytes(e: TensorEntry) -> int:

@@ -11,6 +11,7 @@ weight; those of `exp_avg` / `exp_avg_sq` are zeros (no update history). `train_
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import shutil
 import time
 from pathlib import Path
@@ -65,15 +66,17 @@ Array = TypeVar("Array", "torch.Tensor", np.ndarray)
 
 # -- worker side ----------------------------------------------------------------------------------------------------
 _W: dict = {}
-SOURCE_CACHE_BYTES = 256 << 20  # > one source chunk (chunks are at most CHUNK_MAX_BYTES = 128 MiB)
+SOURCE_CACHE_BYTES = 512 << 20  # > READ_AHEAD_BYTES + the chunks in use (chunks are at most 128 MiB)
+READ_AHEAD_BYTES = 256 << 20
 
 
 def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, tuple[int, bool]],
                  tasks: list[Task]) -> None:
-    # A destination chunk is often a part of a source chunk (a higher TP splits it): keep decoded source chunks until
-    # their last destination chunk is written, so each is read and checksummed once.
+    # A destination chunk is often a part of a source chunk (a higher TP splits it): keep source chunks until their
+    # last destination chunk is written, so each is read and checksummed once; read ahead in-process only.
     src = Checkpoint(src_dir, cache_bytes=SOURCE_CACHE_BYTES)
-    _W.update(src=src, plan=ReadPlan(src, [(t.name, t.index) for t in tasks]), sink=ChunkSink(out_dir, dtypes),
+    ahead = READ_AHEAD_BYTES if mp.parent_process() is None else 0
+    _W.update(src=src, plan=ReadPlan(src, [(t.name, t.index) for t in tasks], ahead), sink=ChunkSink(out_dir, dtypes),
               vocab=vocab)
 
 
@@ -83,10 +86,6 @@ def _run_task(task: Task) -> tuple[str, int]:
     value = read_padded(lambda idx: src.read_numpy(task.name, idx), task.box, _W["vocab"].get(task.name))
     _W["plan"].done(task.name, task.index)
     return _W["sink"].write(task, value)
-
-
-def _prefetch_task(task: Task) -> None:
-    _W["plan"].prefetch(task.name, task.index)
 
 
 def read_padded(read: Callable[[tuple[slice, ...]], Array], box: tuple[tuple[int, int], ...],
@@ -138,8 +137,11 @@ def reshard(src_path: str | Path, out: str | Path, layout: Layout, dtype: str | 
     with IterationWriter(out, ck.manifest.iteration, job, overwrite=overwrite) as w:
         init_args = (str(ck.path), str(w.partial), {n: e.dtype for n, e in entries.items()}, vocab,
                      chunk_tasks(entries))
-        write_chunks(w, entries, "reshard", _init_worker, init_args, _run_task, workers, quiet,
-                     prefetch=_prefetch_task)
+        try:
+            write_chunks(w, entries, "reshard", _init_worker, init_args, _run_task, workers, quiet)
+        finally:
+            if "plan" in _W:  # in-process: stop its read-ahead
+                _W.pop("plan").close()
         if ck.hf_dir().is_dir():
             shutil.copytree(ck.hf_dir(), w.path("hf"), dirs_exist_ok=True)
         if ck.train_state_path() is not None:  # carried verbatim; committed (fsynced, renamed) with the rest

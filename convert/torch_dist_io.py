@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -254,18 +254,20 @@ def _write_rank(args: tuple, advance: Callable[[int], None] | None = None) -> tu
 
 
 def _prefetched(ck: Checkpoint, items: list, pads: dict) -> Iterator[np.ndarray]:
-    """The items' values in order (numpy views of the source's chunks where a box lies in one), the next item's
-    chunks read ahead on a helper thread while the current one is being written."""
+    """The items' values in order (numpy views of the source's chunks where a box lies in one), the chunks read
+    ahead on a helper thread (ReadPlan) while the current one is being written."""
+    from .reshard import READ_AHEAD_BYTES
+
     index = [tuple(slice(a, b) for a, b in box) for _, box in items]
-    plan = ReadPlan(ck, [(name, idx) for (name, _), idx in zip(items, index)])
-    with ThreadPoolExecutor(1, thread_name_prefix="shardkit-prefetch") as hints:
+    plan = ReadPlan(ck, [(name, idx) for (name, _), idx in zip(items, index)], READ_AHEAD_BYTES)
+    try:
         for k, (name, box) in enumerate(items):
-            if k + 1 < len(items):
-                hints.submit(plan.prefetch, items[k + 1][0], index[k + 1])
             value = read_padded(lambda idx: ck.read_numpy(name, idx), box, pads.get(name))
             plan.done(name, index[k])
             yield value
             del value  # its chunk's buffer goes back to the pool once written
+    finally:
+        plan.close()
 
 
 def _split_files(per_rank: dict[int, tuple[list, list]], entries: dict[str, TensorEntry], parts: int

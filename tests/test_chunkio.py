@@ -3,6 +3,7 @@ finds damage, and its buffer pool and read plan never hand out or drop memory th
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -146,21 +147,39 @@ def test_boxes_equal_tensorstore(tiny, data):
     assert ck.read_numpy(name, index).tobytes() == want.tobytes()
 
 
-def test_read_plan_drops_chunks_after_their_last_box(tiny):
+def _wait_for(cond, seconds: float = 10.0) -> bool:
+    end = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_read_plan_reads_ahead_within_budget_and_drops_chunks_after_their_last_box(tiny):
     ck = Checkpoint(tiny, cache_bytes=64 << 20)
     name = "decoder.layers.mlp.linear_fc1.weight"  # [2, 192, 64], chunks of one layer's tp shard [1, 48, 64]
+    first, second = (name, (0, 0, 0)), (name, (1, 0, 0))
     boxes = [(name, (slice(0, 1), slice(0, 24))), (name, (slice(0, 1), slice(24, 48))),
              (name, (slice(1, 2), slice(0, 48)))]
-    plan = ReadPlan(ck, boxes)
-    plan.prefetch(*boxes[0])
-    assert list(ck._cache) == [(name, (0, 0, 0))]
-    ck.read_numpy(*boxes[0])
-    plan.done(*boxes[0])
-    assert list(ck._cache) == [(name, (0, 0, 0))]  # the second box still needs it
-    ck.read_numpy(*boxes[1])
-    plan.done(*boxes[1])
+    plan = ReadPlan(ck, boxes, ahead_bytes=ck.chunk_nbytes(name))  # one chunk ahead at most
+    try:
+        assert _wait_for(lambda: first in ck._cache)
+        time.sleep(0.2)
+        assert second not in ck._cache  # over the budget until the first chunk is done with
+        ck.read_numpy(*boxes[0])
+        plan.done(*boxes[0])
+        assert first in ck._cache and second not in ck._cache  # the second box still needs the first chunk
+        ck.read_numpy(*boxes[1])
+        plan.done(*boxes[1])
+        assert first not in ck._cache
+        assert _wait_for(lambda: second in ck._cache)
+        ck.read_numpy(*boxes[2])
+        plan.done(*boxes[2])
+        assert list(ck._cache) == []
+    finally:
+        plan.close()
+    quiet = ReadPlan(ck, boxes)  # no read-ahead: chunks are still dropped after their last box
+    ck.read_numpy(*boxes[2])
+    quiet.done(*boxes[2])
     assert list(ck._cache) == []
-    plan.prefetch(*boxes[1])  # a late hint for a finished box reads nothing
-    assert list(ck._cache) == []
-    plan.prefetch(*boxes[2])
-    assert list(ck._cache) == [(name, (1, 0, 0))]
