@@ -4,9 +4,9 @@ Our arrays use exactly one codec chain, zarr3 `bytes` (little endian) + `crc32c`
 little-endian bytes followed by the 4-byte little-endian CRC32C of those bytes, at `c/<i>/<j>/...` under the array
 (zarr3's default chunk key encoding). Reading it is a memory map of the page cache and a hardware CRC (the `crc32c`
 package, ~15 GB/s, GIL released); tensorstore's generic path costs ~2.4 CPU-s/GB for the same bytes (decode,
-checksum, copies into freshly faulted buffers), which made reshard CPU-bound. Writing is the mirror
-image: the bytes and the trailer go into the page cache at once (the buffer is free again right away), and a chunk is
-recorded as done only after its fsync (file and directory), which runs on helper threads, so it survives a crash.
+checksum, copies into freshly faulted buffers), which made reshard CPU-bound. Writing is the mirror image: one
+`writev` of the bytes and the trailer (the buffer is free again when it returns), then fsync of the file and of its
+directory entry; writers record a chunk as done only after that, so it survives a crash.
 
 Tensorstore still creates and opens the arrays (their metadata), and remains the path for any array whose metadata
 is not exactly ours (`supports`), for partial-chunk writes, and where the `crc32c` package is missing.
@@ -36,8 +36,9 @@ TRAILER = 4  # bytes of the crc32c codec's checksum after the data
 
 
 class BufferPool:
-    """Reusable chunk-sized buffers. A fresh multi-MiB buffer costs a page fault and a zeroed page per 4 KiB (the
-    allocator maps large buffers anew each time): zeroing was a fifth of reshard's CPU. A buffer handed out comes back
+    """Reusable buffers for values that must be gathered (a column block of a chunk, a box across chunks). A fresh
+    multi-MiB buffer costs a page fault and a zeroed page per 4 KiB (the allocator maps large buffers anew each time):
+    zeroing was a fifth of reshard's CPU when every chunk was decoded into one. A buffer handed out comes back
     by itself once nothing refers to it any more (no view of it alive: reference counts), so readers, caches and
     writes in flight never return buffers explicitly. At most `keep_bytes` of idle buffers are kept."""
 
@@ -49,7 +50,7 @@ class BufferPool:
 
     def empty(self, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
         """An uninitialised C-contiguous array of `shape` and `dtype` (like np.empty), in a reused buffer if one of a
-        fitting size (up to twice as large) is idle."""
+        fitting size (up to four times as large) is idle."""
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes < (1 << 20):
