@@ -38,7 +38,7 @@ class Checkpoint:
         self._ctx = store.context(cache_bytes=cache_bytes)
         self._arrays: dict = {}
         self._direct: dict[str, bool] = {}  # array read by chunkio (exactly our codecs), else by tensorstore
-        self._cache_bytes, self._cached = cache_bytes, 0
+        self.cache_bytes, self._cached = cache_bytes, 0
         self._cache: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._loading: dict[tuple, Future] = {}  # chunks being read (by a prefetch thread): wait, do not read twice
         self._lock = threading.Lock()
@@ -93,7 +93,7 @@ class Checkpoint:
             self._arrays[name] = arr
         return self._arrays[name]
 
-    def read(self, name: str, index: tuple[slice, ...] | None = None) -> "torch.Tensor":
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """A tensor, or a box of it, from disk (only the chunks it touches are read), in memory of its own. A chunk
         that fails its checksum or is missing raises CorruptionError naming the tensor and the chunk."""
         self.array(name)
@@ -112,7 +112,7 @@ class Checkpoint:
             return store.to_numpy(self._read_tensorstore(name, index))
         e = self.entry(name)
         box = _box(e.shape, index, name)
-        ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, e.chunk)]
+        ranges = _grid_ranges(box, e.chunk)
         if all(len(r) == 1 for r in ranges):
             grid = tuple(r[0] for r in ranges)
             return self._chunk(name, grid)[tuple(slice(lo - g * c, hi - g * c)
@@ -127,16 +127,14 @@ class Checkpoint:
             out[tuple(dst)] = self._chunk(name, grid)[tuple(src)]
         return out
 
-    def prefetch(self, keys: list[tuple[str, tuple[int, ...]]]) -> None:
-        """Read chunks (as `chunks_of` names them) into the cache: a read-ahead hint, e.g. from a helper thread while
-        the previous box is being written. Errors surface when the box itself is read."""
+    def prefetch(self, name: str, grid: tuple[int, ...]) -> None:
+        """Read one chunk into the cache: a read-ahead hint (ReadPlan's thread). Errors surface when the job reads
+        the box itself, naming it."""
         try:
-            for name, grid in keys:
-                self.array(name)
-                if not self._direct[name] or not self._cache_bytes:
-                    return
+            self.array(name)
+            if self._direct[name] and self.cache_bytes:
                 self._chunk(name, grid)
-        except ShardkitError:  # damage: the job's own read of the box reports it, naming the box
+        except ShardkitError:
             return
 
     def chunk_nbytes(self, name: str) -> int:
@@ -146,9 +144,7 @@ class Checkpoint:
     def chunks_of(self, name: str, index: tuple[slice, ...] | None = None) -> list[tuple[str, tuple[int, ...]]]:
         """The chunks (name, grid position) a box touches."""
         e = self.entry(name)
-        box = _box(e.shape, index, name)
-        grids = itertools.product(*[range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, e.chunk)])
-        return [(name, g) for g in grids]
+        return [(name, g) for g in itertools.product(*_grid_ranges(_box(e.shape, index, name), e.chunk))]
 
     def release(self, keys: list[tuple[str, tuple[int, ...]]]) -> None:
         """Drop chunks from the cache that the caller will not read again (their buffers return to the pool once
@@ -186,15 +182,15 @@ class Checkpoint:
             raise
         with self._lock:
             del self._loading[key]
-            if self._cache_bytes:
+            if self.cache_bytes:
                 self._cache[key] = buf
                 self._cached += buf.nbytes
-                while self._cached > self._cache_bytes and len(self._cache) > 1:
+                while self._cached > self.cache_bytes and len(self._cache) > 1:
                     self._cached -= self._cache.popitem(last=False)[1].nbytes
         mine.set_result(buf)
         return buf
 
-    def _read_tensorstore(self, name: str, index: tuple[slice, ...] | None) -> "torch.Tensor":
+    def _read_tensorstore(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         arr = self.array(name)
         try:
             return store.read(arr, index, name)
@@ -244,7 +240,7 @@ class Checkpoint:
                 chunks += 1
         return {"tensors": len(self.tensors), "chunks": chunks}
 
-    def read_local(self, name: str, layout: Layout, coord: RankCoord) -> "dict[int, torch.Tensor]":
+    def read_local(self, name: str, layout: Layout, coord: RankCoord) -> dict[int, torch.Tensor]:
         """One rank's local tensors of `name` (per model chunk) for any target layout, read through the sharding
         table. Vocab tensors follow the target's padding: rows past the stored ones read as zeros, stored padding
         rows past the target's are not read."""
@@ -270,7 +266,7 @@ class Checkpoint:
             out[r.vstage][tuple(ls)] = self.read(name, tuple(gs))
         return out
 
-    def state_dict(self, dequantize: bool = False, optimizer: bool = False) -> "dict[str, torch.Tensor]":
+    def state_dict(self, dequantize: bool = False, optimizer: bool = False) -> dict[str, torch.Tensor]:
         """Every canonical tensor, whole (for small models: verify --against, tests). With `dequantize`, kept-FP8
         weights come back as fp32(weight) * block scale, in the model's dtype, and the scales are left out. Optimizer
         state (a training checkpoint's optimizer.state.* arrays) only with `optimizer`."""
@@ -332,7 +328,7 @@ class ReadPlan:
         self._cv = threading.Condition()
         self._stop = False
         self._thread = None
-        if ahead_bytes and ck._cache_bytes:
+        if ahead_bytes and ck.cache_bytes:
             self._thread = threading.Thread(target=self._run, name="shardkit-read-ahead", daemon=True)
             self._thread.start()
 
@@ -348,7 +344,7 @@ class ReadPlan:
                     continue
                 self._outstanding += n
                 self._read_ahead.add(key)
-            self.ck.prefetch([key])  # a damaged chunk is reported when the job reads it
+            self.ck.prefetch(*key)  # a damaged chunk is reported when the job reads it
             with self._cv:
                 if self.readers[key] <= 0 and key in self._read_ahead:  # finished with while being read: drop it
                     self._read_ahead.discard(key)
@@ -396,6 +392,11 @@ def _box(shape: list[int], index: tuple[slice, ...] | None, name: str) -> list[t
             raise FormatError(f"tensor {name}: strided reads are not supported ({s})")
         out.append((lo, max(lo, hi)))
     return out
+
+
+def _grid_ranges(box: list[tuple[int, int]], chunk: list[int]) -> list[range]:
+    """Per axis, the chunk grid positions a box touches."""
+    return [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(box, chunk)]
 
 
 def _chunk_boxes(shape: list[int], chunk: list[int], within: tuple[slice, ...] | None = None

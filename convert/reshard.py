@@ -29,10 +29,10 @@ from checkpoint.reader import Checkpoint, ReadPlan
 from checkpoint.sharding import Rule, check_fp8_layout, model_specs, optimizer_specs, split_optimizer_key
 
 from .hf_to_mcore import VERSION
+from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
 if TYPE_CHECKING:  # not imported at run time: a reshard moves numpy views (torch's import is ~1.5 CPU-s)
     import torch
-from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
 
 def plan_reshard(ck: Checkpoint, layout: Layout, dtype: str | None) -> dict[str, TensorEntry]:

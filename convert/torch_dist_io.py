@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -39,7 +40,7 @@ import torch
 from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.config import ModelConfig
-from checkpoint.errors import CorruptionError, FormatError, ShardkitError, WriteError
+from checkpoint.errors import FormatError, ShardkitError, WriteError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.progress import progress_bar
@@ -262,7 +263,7 @@ def _prefetched(ck: Checkpoint, items: list, pads: dict) -> Iterator[np.ndarray]
     plan = ReadPlan(ck, [(name, idx) for (name, _), idx in zip(items, index)], READ_AHEAD_BYTES)
     try:
         for k, (name, box) in enumerate(items):
-            value = read_padded(lambda idx: ck.read_numpy(name, idx), box, pads.get(name))
+            value = read_padded(functools.partial(ck.read_numpy, name), box, pads.get(name))
             plan.done(name, index[k])
             yield value
             del value  # its chunk's buffer goes back to the pool once written
