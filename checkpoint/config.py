@@ -86,6 +86,103 @@ _OPTIONAL = {"num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_interm
              "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "sliding_window"}
 
 
+# What each config.json field the converter reads must be: (kind, lowest value, null allowed). Kinds: "int", "num"
+# (int or float), "bool", "str", "dict", "list". JSON strings are never numbers or booleans ("false" is not false), a
+# float is never a size (64.0 is not 64), a bool is never a number. ">0" as the lowest value means strictly positive.
+_FIELD_TYPES: dict[str, tuple[str, Any, bool]] = {
+    "model_type": ("str", None, False),
+    "vocab_size": ("int", 1, False), "hidden_size": ("int", 1, False), "intermediate_size": ("int", 1, False),
+    "num_hidden_layers": ("int", 1, False), "num_attention_heads": ("int", 1, False),
+    "num_key_value_heads": ("int", 1, False), "head_dim": ("int", 1, True),
+    "max_position_embeddings": ("int", 1, False), "hidden_act": ("str", None, True),
+    "rms_norm_eps": ("num", ">0", False), "rope_theta": ("num", ">0", False),
+    "rope_scaling": ("dict", None, True), "rope_parameters": ("dict", None, True),
+    "tie_word_embeddings": ("bool", None, False), "attention_bias": ("bool", None, False),
+    "mlp_bias": ("bool", None, False), "sliding_window": ("int", 1, True), "use_sliding_window": ("bool", None, False),
+    "max_window_layers": ("int", 0, False), "use_mrope": ("bool", None, False), "layer_types": ("list", None, True),
+    "num_local_experts": ("int", 1, False), "num_experts_per_tok": ("int", 1, False),
+    "router_aux_loss_coef": ("num", 0, False), "aux_loss_alpha": ("num", 0, False),
+    "dtype": ("str", None, True), "torch_dtype": ("str", None, True),
+    # DeepSeek
+    "first_k_dense_replace": ("int", 0, False), "moe_layer_freq": ("int", 1, True), "n_routed_experts": ("int", 1, False),
+    "n_shared_experts": ("int", 0, False), "moe_intermediate_size": ("int", 1, False), "n_group": ("int", 1, True),
+    "topk_group": ("int", 1, True), "topk_method": ("str", None, True), "norm_topk_prob": ("bool", None, False),
+    "routed_scaling_factor": ("num", ">0", False), "scoring_func": ("str", None, True), "q_lora_rank": ("int", 1, True),
+    "kv_lora_rank": ("int", 1, False), "qk_nope_head_dim": ("int", 1, False), "qk_rope_head_dim": ("int", 1, False),
+    "v_head_dim": ("int", 1, False), "qk_head_dim": ("int", 1, True), "num_nextn_predict_layers": ("int", 0, True),
+    "quantization_config": ("dict", None, True), "rope_interleave": ("bool", None, False),
+}
+# RoPE parameters (inside rope_scaling / rope_parameters) per rope type, as transformers' rope functions read them
+_ROPE_KEYS: dict[str, tuple[str, Any]] = {
+    "rope_type": ("str", None), "type": ("str", None), "rope_theta": ("num", ">0"), "factor": ("num", ">0"),
+    "original_max_position_embeddings": ("int", 1), "low_freq_factor": ("num", ">0"),
+    "high_freq_factor": ("num", ">0"), "attention_factor": ("num", ">0"), "beta_fast": ("num", ">0"),
+    "beta_slow": ("num", ">0"), "mscale": ("num", 0), "mscale_all_dim": ("num", 0), "truncate": ("bool", None),
+}
+_ROPE_ALLOWED = {
+    "default": set(), "linear": {"factor"}, "dynamic": {"factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"},
+    "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
+}
+_ROPE_REQUIRED = {"linear": {"factor"}, "dynamic": {"factor"}, "yarn": {"factor"},
+                  "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}}
+_KIND_WORDS = {"int": "an integer", "num": "a number", "bool": "true or false", "str": "a string", "dict": "an object",
+               "list": "a list"}
+
+
+def _json_kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a float" if math.isfinite(v) else "not a finite number"
+    if isinstance(v, str):
+        return "a string"
+    return "a list" if isinstance(v, list) else "an object" if isinstance(v, dict) else type(v).__name__
+
+
+def _show(v: Any) -> str:
+    try:
+        s = json.dumps(v, allow_nan=False)
+    except (TypeError, ValueError):
+        s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def check_value(source: str, name: str, v: Any, kind: str, low: Any = None, nullable: bool = False) -> None:
+    """Raise ConfigError (one line: file, field, value, what was expected) unless v is of `kind` and >= low."""
+    if v is None and nullable:
+        return
+    ok = {"int": isinstance(v, int) and not isinstance(v, bool),
+          "num": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+          "bool": isinstance(v, bool), "str": isinstance(v, str), "dict": isinstance(v, dict),
+          "list": isinstance(v, list)}[kind]
+    expected = _KIND_WORDS[kind] + (" or null" if nullable else "")
+    if ok and low is not None:
+        ok = v > 0 if low == ">0" else v >= low
+        expected = f"{_KIND_WORDS[kind]} {'> 0' if low == '>0' else f'>= {low}'}" + (" or null" if nullable else "")
+        if not ok:
+            raise ConfigError(f"{source}: {name}={_show(v)} is out of range; expected {expected}")
+    if not ok:
+        raise ConfigError(f"{source}: {name}={_show(v)} is {_json_kind(v)}; expected {expected}")
+
+
+def _check_fields(hf: dict, source: str) -> None:
+    for key, (kind, low, nullable) in _FIELD_TYPES.items():
+        if key in hf:
+            check_value(source, key, hf[key], kind, low, nullable)
+    for key in ("rope_scaling", "rope_parameters"):
+        for name, v in (hf.get(key) or {}).items():
+            if name in _ROPE_KEYS:
+                check_value(source, f"{key}.{name}", v, *_ROPE_KEYS[name])
+    if hf.get("layer_types") is not None and not all(isinstance(t, str) for t in hf["layer_types"]):
+        raise ConfigError(f"{source}: layer_types={_show(hf['layer_types'])} must be a list of strings")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Megatron-Core's view of a decoder-only transformer (names follow TransformerConfig where one exists)."""
@@ -196,13 +293,16 @@ class ModelConfig:
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
         """Translate an HF config dict. Raises ConfigError naming the field on anything unsupported."""
         mt = hf.get("model_type")
-        if mt not in ARCHITECTURES:
+        if not isinstance(mt, str) or mt not in ARCHITECTURES:
             raise ConfigError(f"{source}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         allowed = _FAMILY_FIELDS[mt] | _PASSTHROUGH
         unknown = sorted(k for k in hf if k not in allowed)
         if unknown:
             raise ConfigError(f"{source}: unsupported field(s) {unknown} for model_type {mt!r}; "
                               "shardkit refuses fields it cannot honour rather than dropping them")
+        _check_fields(hf, source)
+        verbatim = dict(hf)
+        hf = _with_hf_defaults(hf, mt)
 
         def req(key: str) -> Any:
             if key not in hf or hf[key] is None:
@@ -239,7 +339,9 @@ class ModelConfig:
             norm_epsilon=float(eps), rotary_base=theta, rope_scaling=scaling,
             # transformers' default for all these families is untied
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            params_dtype=dtype, hf_config=dict(hf))
+            params_dtype=dtype, hf_config=verbatim)
+        if hidden % heads:  # transformers' config classes refuse it too, even with an explicit head_dim
+            raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
         if mt.startswith("deepseek"):
             if attention_bias or hf.get("mlp_bias"):
                 raise ConfigError(f"{source}: attention_bias / mlp_bias are not supported for {mt}")
@@ -401,6 +503,10 @@ def _read_deepseek(hf: dict, source: str, integer, layers: int) -> dict:
     if grouped and (experts % n_group or topk_group > n_group):
         raise ConfigError(f"{source}: n_group={n_group} must divide n_routed_experts={experts} and be >= "
                           f"topk_group={topk_group}")
+    qk = hf.get("qk_head_dim")
+    if qk is not None and qk != hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]:
+        raise ConfigError(f"{source}: qk_head_dim={qk} is not qk_nope_head_dim + qk_rope_head_dim = "
+                          f"{hf['qk_nope_head_dim'] + hf['qk_rope_head_dim']}")
     shared = hf.get("n_shared_experts") or 0
     moe_ffn = integer("moe_intermediate_size")
     q_lora = hf.get("q_lora_rank")
@@ -432,6 +538,40 @@ def _read_deepseek(hf: dict, source: str, integer, layers: int) -> dict:
     )
 
 
+# Sizes and structure-defining fields never take a default: a config.json without them is refused. Every other field
+# the converter reads means, when absent, what transformers' config class makes of its absence (Mixtral's rope_theta
+# is 1e6, DeepSeek-V3's routed_scaling_factor 2.5, Mistral's sliding_window 4096...), never a default of our own.
+_NO_DEFAULT = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "rope_scaling", "rope_parameters", "head_dim", "qk_head_dim", "layer_types",
+               "dtype", "torch_dtype", "max_window_layers", "quantization_config", "n_routed_experts",
+               "moe_intermediate_size", "num_local_experts", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim"}
+_SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+
+
+def _with_hf_defaults(hf: dict, model_type: str) -> dict:
+    """hf with transformers' reading of every absent field that the converter reads (only computed when one is)."""
+    wanted = [k for k in _FAMILY_FIELDS[model_type] if k in _FIELD_TYPES and k not in _NO_DEFAULT and k not in hf]
+    theta_missing = "rope_theta" not in hf and "rope_theta" not in (hf.get("rope_parameters") or {})
+    if not wanted:
+        return hf
+    import transformers
+
+    cls = transformers.CONFIG_MAPPING[model_type]
+    try:  # sized like the source, so derived defaults (num_key_value_heads = heads) follow it
+        ref = cls(**{k: hf[k] for k in _SIZES if k in hf})
+    except Exception:  # noqa: BLE001 - transformers refuses the sizes: our own checks name the field
+        ref = cls()
+    out = dict(hf)
+    for key in wanted:
+        if key == "rope_theta":
+            if theta_missing:
+                out["rope_theta"] = (getattr(ref, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        elif hasattr(ref, key):
+            out[key] = getattr(ref, key)
+    return out
+
+
 def _hf_default(model_type: str, key: str) -> Any:
     """transformers' own default for a field the config omits (so a missing field means what it means in HF)."""
     import transformers
@@ -454,6 +594,12 @@ def _read_rope(hf: dict, source: str) -> tuple[float, dict | None]:
         theta = merged.pop("rope_theta", theta)
     if scaling:
         merged.update(scaling)
+        if merged.get("rope_theta") is not None:  # transformers 5 also keeps the theta inside the scaling dict
+            inner = merged.pop("rope_theta")
+            if theta is not None and inner != theta:
+                raise ConfigError(f"{source}: rope_scaling.rope_theta={_show(inner)} differs from "
+                                  f"rope_theta={_show(theta)}")
+            theta = inner
     if "type" in merged:  # transformers-4 spelling
         t = merged.pop("type")
         merged.setdefault("rope_type", t)
@@ -462,10 +608,19 @@ def _read_rope(hf: dict, source: str) -> tuple[float, dict | None]:
         raise ConfigError(f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if theta is None:
         theta = 10000.0
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
-    if rope_type != "default" and "factor" not in merged:
-        raise ConfigError(f"{source}: rope type {rope_type!r} needs a 'factor'")
+    check_value(source, "rope_theta", theta, "num", ">0")
+    where = "rope_parameters" if params else "rope_scaling"
+    merged = {k: v for k, v in merged.items() if v is not None}  # null = transformers' default, as HF reads it
+    missing = sorted(_ROPE_REQUIRED.get(rope_type, set()) - set(merged))
+    if missing:
+        raise ConfigError(f"{source}: {where} of rope type {rope_type!r} needs {', '.join(map(repr, missing))}")
+    extra = sorted(set(merged) - _ROPE_ALLOWED[rope_type] - {"rope_type"})
+    if extra:  # a parameter we do not pass on could change the frequencies: refused, never dropped
+        raise ConfigError(f"{source}: {where} field(s) {extra} are not supported for rope type {rope_type!r} "
+                          f"(supported: {', '.join(sorted(_ROPE_ALLOWED[rope_type])) or 'none'})")
+    if rope_type == "llama3" and merged["high_freq_factor"] <= merged["low_freq_factor"]:
+        raise ConfigError(f"{source}: {where}.high_freq_factor={_show(merged['high_freq_factor'])} must exceed "
+                          f"low_freq_factor={_show(merged['low_freq_factor'])}")
     return float(theta), (merged if rope_type != "default" else None)
 
 
