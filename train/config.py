@@ -93,6 +93,12 @@ class RunConfig:
     num_layers: int | None = None
     hidden_size: int | None = None
     num_attention_heads: int | None = None
+    # Megatron's --check-for-nan-in-loss-and-grad (on by default): a non-finite loss or grad norm stops the run
+    check_for_nan_in_loss_and_grad: bool = True
+    # Megatron-LM's Weights & Biases flags (train/metrics.py); no project: no W&B
+    wandb_project: str = ""
+    wandb_exp_name: str = ""
+    wandb_save_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--num-layers", type=int, help="check: must equal the checkpoint's")
     a("--hidden-size", type=int, help="check: must equal the checkpoint's")
     a("--num-attention-heads", type=int, help="check: must equal the checkpoint's")
+    a("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true", default=None,
+      help="stop before the optimizer step when a loss or the grad norm is NaN/inf on any rank (the default)")
+    a("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
+      default=None, help="train on through non-finite losses and grad norms (checkpoints still refuse NaN weights)")
+    a("--wandb-project", help="Weights & Biases project: log the same metrics there (needs wandb; offline "
+                              "without a network)")
+    a("--wandb-exp-name", help="W&B run name")
+    a("--wandb-save-dir", help="W&B files directory (default: <save>/wandb)")
 
 
 def _field_of(key: str) -> tuple[str, str]:

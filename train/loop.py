@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import tempfile
@@ -173,19 +174,57 @@ class Trainer:
         self.backend.after_backward()
         self.opt.reduce_grads()
         norm = self.opt.clip()
+        loss = self._loss_checked(loss_sum, norm)  # before the step: a non-finite state is never applied
         lr = lr_at(self.iteration, self.schedule)
         self.opt.step(lr)
-        out = {"loss": self._global_mean(loss_sum), "lr": lr, "grad_norm": norm}
+        out = {"loss": loss, "lr": lr, "grad_norm": norm}
         if self.moe is not None:  # expert-bias update (all DP ranks' counts) and the MoE logs
             out.update(self.moe.finish_step(self.dims.dp))
         return out
 
-    def _global_mean(self, loss_sum: torch.Tensor) -> float:
-        """Mean micro-batch loss over the global batch: summed on the last stages, averaged over DP."""
-        t = loss_sum.detach().double().reshape(1)
-        if self.dims.world > 1:
+    def _loss_checked(self, loss_sum: torch.Tensor, norm: float) -> float:
+        """Mean micro-batch loss over the global batch (summed on the last stages, averaged over DP); with
+        --check-for-nan-in-loss-and-grad (the default, as Megatron) a loss or gradient that is not finite on any
+        rank stops the run here, before the optimizer step, on every rank at once (one all-reduce carries the loss
+        and a flag per rank: bit 1 = its loss, bit 2 = its gradients)."""
+        world, check = self.dims.world, self.cfg.run.check_for_nan_in_loss_and_grad
+        t = torch.zeros(1 + (world if check else 0), dtype=torch.float64, device=loss_sum.device)
+        t[0] = loss_sum.detach().double().reshape(())
+        if check:
+            bad = 0 if bool(torch.isfinite(loss_sum).all()) else 1
+            if not math.isfinite(norm) and not bool(torch.isfinite(self.opt.buffer).all()):
+                bad |= 2  # the global norm is NaN/inf: say which ranks hold the non-finite gradients
+            t[1 + self.groups.rank] = bad
+        if world > 1:
             dist.all_reduce(t)  # only last-stage ranks contribute; each DP x TP replica once, CP ranks x cp each
-        return float(t) / (self.num_micro * self.dims.dp * self.dims.tp * self.dims.cp)
+        loss = float(t[0]) / (self.num_micro * self.dims.dp * self.dims.tp * self.dims.cp)
+        if check and (t[1:].any() or not math.isfinite(norm) or not math.isfinite(loss)):
+            self._stop_non_finite(loss, norm, t[1:].to(torch.int64).tolist())
+        return loss
+
+    def _stop_non_finite(self, loss: float, norm: float, flags: list[int]) -> None:
+        it = self.iteration + 1
+        what = []
+        loss_ranks = [r for r, f in enumerate(flags) if f & 1]
+        grad_ranks = [r for r, f in enumerate(flags) if f & 2]
+        if loss_ranks or not math.isfinite(loss):
+            what.append(f"loss {loss}" + (f" on {_ranks(loss_ranks)}" if loss_ranks else ""))
+        if grad_ranks or not math.isfinite(norm):
+            what.append(f"grad norm {norm}" + (f" (non-finite gradients on {_ranks(grad_ranks)})" if grad_ranks
+                                               else ""))
+        self.wait_for_save()  # a checkpoint still committing in the background is of a finite state: keep it
+        raise NonFiniteError(f"iteration {it}: {' and '.join(what)}; stopped before its optimizer step, nothing "
+                             f"saved: lower --lr (or clip with --clip-grad) and "
+                             f"{self._resume_hint()} (--no-check-for-nan-in-loss-and-grad trains on regardless)")
+
+    def _resume_hint(self) -> str:
+        save = self.cfg.checkpoint.save
+        if save:
+            try:
+                return f"resume from the last checkpoint {resolve_iteration(save)}"
+            except ShardkitError:
+                pass
+        return f"restart from {self.src}" + (f" (no checkpoint in {save} yet)" if save else "")
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -204,9 +243,30 @@ class Trainer:
         return float(t) / (self.cfg.run.eval_iters * self.num_micro * self.dims.dp * self.dims.tp * self.dims.cp)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
+    def _check_weights_finite(self) -> None:
+        """Refuse to save weights that hold NaN/inf (whatever --check-for-nan-in-loss-and-grad says): every rank
+        counts its own, one all-reduce, and the first bad tensor of each rank is named."""
+        bad = [(lp.name, int((~torch.isfinite(lp.param.detach())).sum())) for lp in self.table
+               if lp.param.is_floating_point()]
+        bad = [(n, c) for n, c in bad if c]
+        t = torch.tensor([sum(c for _, c in bad)], dtype=torch.float64, device=self.device)
+        if self.dims.world > 1:
+            dist.all_reduce(t)
+        if not float(t):
+            return
+        first = [bad[0] if bad else None]
+        if self.dims.world > 1:
+            first = [None] * self.dims.world
+            dist.all_gather_object(first, bad[0] if bad else None)
+        rank, (name, count) = next((r, x) for r, x in enumerate(first) if x is not None)
+        raise NonFiniteError(f"iteration {self.iteration}: {int(float(t))} non-finite weight values ({name}: {count} "
+                             f"on rank {rank}); checkpoint not saved: lower --lr (or clip with --clip-grad), keep "
+                             f"--check-for-nan-in-loss-and-grad on and {self._resume_hint()}")
+
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
+        self._check_weights_finite()  # before anything is written: `latest` stays on the last finite checkpoint
         state = {"iteration": self.iteration, "consumed_samples": self.consumed, "data_fingerprint": self.fingerprint,
                  "rng": ckpt_io.rng_state(), "scheduler": asdict(self.schedule),
                  "optimizer": asdict(self.cfg.optimizer),
@@ -284,6 +344,14 @@ class Trainer:
             if logger is not None:
                 logger.close()
         return history
+
+
+class NonFiniteError(ShardkitError):
+    """A loss, grad norm or weight is NaN/inf: the run stops without applying or saving it."""
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _flat(cfg: TrainConfig) -> dict:
