@@ -332,7 +332,7 @@ def resolve_iteration(path: str | Path) -> Path:
     (the first save died between its rename and `latest`), the newest complete iteration is taken; where it left
     `latest` naming an iteration that is still under its `.old` name (a crash inside `replace_dir`'s fallback), that
     one. A `latest` that names something else, or nothing, is an error: it is never guessed around."""
-    from .safety import safe_path
+    from .safety import read_pointer, safe_path
 
     p = Path(path)
     if not p.exists():
@@ -340,11 +340,9 @@ def resolve_iteration(path: str | Path) -> Path:
     if (p / MANIFEST).is_file():
         return p
     latest = p / LATEST
-    if latest.is_file() or latest.is_symlink():
-        try:
-            name = latest.read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise FormatError(f"{latest}: unreadable ({type(e).__name__}); it should name an iteration") from None
+    text = read_pointer(p, LATEST) if p.is_dir() else None  # a regular file of <= 4 KiB, or an error
+    if text is not None:
+        name = text.strip()
         if not valid_iter_dirname(name):
             raise FormatError(f"{latest}: names {name[:80]!r}, not an iteration directory (iter_NNNNNNN)")
         it = safe_path(p, name, str(latest))

@@ -47,7 +47,7 @@ from . import chunkio, store
 from .commit import LOCK, output_lock, recover_root, replace_dir, write_file_atomic
 from .faults import fault_point
 from .safe_load import load_torch
-from .safety import safe_path
+from .safety import read_pointer, safe_path
 from .errors import FormatError, ShardkitError, WriteError
 
 METADATA_JSON = "metadata.json"
@@ -481,8 +481,9 @@ def resolve_torch_dist(path: str | Path) -> Path:
     if (p / DCP_METADATA).exists() or (p / METADATA_JSON).exists():
         return p
     tracker = p / TRACKER
-    if tracker.is_file():
-        text = tracker.read_text().strip()
+    text = read_pointer(p, TRACKER) if p.is_dir() else None  # a regular file of <= 4 KiB, or an error
+    if text is not None:
+        text = text.strip()
         if text == "release":
             name = "release"
         elif text.isdigit():

@@ -10,6 +10,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import struct
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import numpy as np
 
 from checkpoint import store
 from checkpoint.errors import FormatError
-from checkpoint.safety import safe_path
+from checkpoint.safety import link_root, safe_path
 from checkpoint.sharding import SCALE_SUFFIX  # DeepSeek-V3: `<weight>_scale_inv`, one fp32 scale per block
 
 INDEX = "model.safetensors.index.json"
@@ -127,6 +128,7 @@ class HFSource:
                     raise FormatError(f"{index}: names shard {f!r}, which is missing from {self.dir}")
             return files, wm
         if (self.dir / SINGLE).is_file():
+            safe_path(self.dir, SINGLE, f"{self.dir}: weights")  # a link out of the model folder is refused
             return [SINGLE], None
         if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pth")):
             raise FormatError(f"{self.dir}: only pickle weights (*.bin/*.pth) found; shardkit reads safetensors "
@@ -247,13 +249,47 @@ class HFSource:
 
 
 def find_assets(hf_dir: str | Path) -> list[Path]:
-    """Tokenizer / generation files of an HF directory (regular files only, never symlinks)."""
+    """Tokenizer / generation files of an HF directory: regular files, or symlinks to regular files that stay inside
+    it (in an HF hub cache snapshot: inside its `models--org--name` folder, whose blobs the snapshot links to)."""
     found: dict[str, Path] = {}
+    root = link_root(hf_dir)
     for pat in ASSET_PATTERNS:
         for p in Path(hf_dir).glob(pat):
-            if p.is_file() and not p.is_symlink():
+            if p.is_file() and (not p.is_symlink() or os.path.commonpath([root, os.path.realpath(p)]) == root):
                 found[p.name] = p
     return [found[k] for k in sorted(found)]
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# what a conversion needs from a hub repo (never pickle weights, never code)
+HUB_PATTERNS = ["*.safetensors", INDEX, "config.json", *ASSET_PATTERNS]
+
+
+def resolve_hf_dir(value: str | Path, download: bool = False) -> Path:
+    """An HF model directory: `value` itself when it exists, else a hub repo id (`org/name`) resolved through
+    huggingface_hub's local cache (`snapshot_download(local_files_only=True)`, honouring HF_HOME / HF_HUB_CACHE), or
+    downloaded (safetensors, config and tokenizer files only) when `download`. A path that is neither is returned
+    as it is, for the reader's own error."""
+    p = Path(value)
+    text = str(value)
+    if p.exists() or not _REPO_ID.match(text) or ".." in text:
+        return p
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - a dependency
+        raise FormatError(f"{text}: no such directory (huggingface_hub is not installed to look it up as a hub "
+                          "repo id)") from None
+    try:
+        return Path(snapshot_download(repo_id=text, local_files_only=not download, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError:
+        from huggingface_hub import constants
+
+        raise FormatError(f"{text}: no such directory, and not in the local HF hub cache ({constants.HF_HUB_CACHE})"
+                          + ("" if download else "; pass --download to fetch it from the hub")) from None
+    except Exception as e:  # network, auth, unknown repo: huggingface_hub's own exception types
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise FormatError(f"{text}: hub download failed ({type(e).__name__}: {msg[:200]})") from None
 
 
 def copy_assets(hf_dir: str | Path, dest: Path) -> None:

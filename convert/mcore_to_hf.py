@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import store
-from checkpoint.commit import output_lock, replace_dir
+from checkpoint.commit import fsync_path, fsync_tree, output_lock, replace_dir
 from checkpoint.errors import ShardkitError, WriteError
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
@@ -26,7 +26,7 @@ from checkpoint.reader import Checkpoint
 from . import families
 from checkpoint.sharding import SCALE_SUFFIX
 
-from .hf_source import INDEX
+from .hf_source import INDEX, SINGLE
 from .mapping import Segment, TensorMap, hf_sources
 
 _ST_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
@@ -194,16 +194,47 @@ def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -
         os.fsync(f.fileno())
 
 
+EXPORT_PARTIAL = ".shardkit-export.partial"  # inside an existing OUT: the export's files before they are moved in
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_INDEX_MAX = 100 << 20
+
+
+def owned_names(out: Path) -> set[str]:
+    """The files of an HF directory that an export into it replaces or removes: the names shardkit writes
+    (model.safetensors, the index, config.json, generation_config.json) and the shards of an earlier export, i.e. the
+    `model-XXXXX-of-YYYYY.safetensors` files its index lists. Everything else in OUT (the user's data, scripts, eval
+    results, other weights) is never touched."""
+    names = {SINGLE, INDEX, "config.json", "generation_config.json"}
+    idx = out / INDEX
+    try:
+        if idx.is_file() and not idx.is_symlink() and idx.stat().st_size <= _INDEX_MAX:
+            wm = json.loads(idx.read_text()).get("weight_map", {})
+            names |= {v for v in wm.values() if isinstance(v, str) and _SHARD_RE.match(v)}
+    except (OSError, ValueError, AttributeError):  # an unreadable old index: its shards are left alone
+        pass
+    return names
+
+
 def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | None = None,
                         max_shard_size: str | int = "5GB", overwrite: bool = False, quiet: bool = False,
                         quantize_fp8: bool = False, skip_verify: bool = False) -> Path:
+    """Export to `out`. A new or empty `out` is written beside it and put in place in one rename; into an existing
+    one (`--overwrite`) the export's files are written under `out/.shardkit-export.partial/`, made durable, then moved
+    in one by one (each rename atomic; the index and config.json last), and the shards of the previous export that
+    the new one does not name are removed (`owned_names`): no other file in `out` is touched."""
+    from checkpoint.safety import check_output
+
+    out = Path(out)
+    check_output(out, [("checkpoint", ckpt_path)])
+    if out.exists() and not out.is_dir():
+        raise ShardkitError(f"{out}: output exists and is not a directory")
+    if out.is_dir() and any(p.name != EXPORT_PARTIAL for p in out.iterdir()) and not overwrite:
+        raise ShardkitError(f"{out}: output exists and is not empty; pass --overwrite to replace the model files in "
+                            "it (other files stay as they are)")
     # blocks are row slices of chunks (a QKV chunk is sliced once per query group for each of q, k and v; a 125 MB
     # vocab chunk is read in 64 MB blocks): keep decoded chunks so each is read and checksummed once
     ckpt = Checkpoint(ckpt_path, cache_bytes=EXPORT_CACHE_BYTES, check=not skip_verify)
-    out = Path(out)
     dtype = store.dtype_name(dtype) if dtype else None
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ShardkitError(f"{out}: output exists and is not empty; pass --overwrite to replace it")
     plans = plan_export(ckpt, dtype, quantize_fp8)
     shards = _shards(plans, parse_size(max_shard_size))
     try:
@@ -211,16 +242,20 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
     except OSError as e:
         raise WriteError(f"{out.parent}: cannot create the output directory ({e.strerror or e})") from None
     with output_lock(out.parent, f".{out.name}.shardkit.lock"):  # one writer per output; rmtree(tmp) under it
-        tmp = out.with_name(f".{out.name}.partial")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        into = out.is_dir()
+        tmp = out / EXPORT_PARTIAL if into else out.with_name(f".{out.name}.partial")
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            raise WriteError(f"{tmp}: cannot create the export's work directory ({e.strerror or e})") from None
         try:
             weight_map, total = {}, sum(p.nbytes for p in plans)
             n = len(shards)
             with progress_bar("mcore-to-hf", total=total, items=len(plans), disable=quiet) as bar:
                 for i, shard in enumerate(shards):
-                    fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                    fname = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
                     _write_shard(ckpt, tmp / fname, shard, bar)
                     weight_map.update({p.name: fname for p in shard})
             if n > 1:
@@ -232,14 +267,41 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
             for asset in sorted(ckpt.hf_dir().glob("*")) if ckpt.hf_dir().is_dir() else []:
                 if asset.is_file() and not asset.is_symlink():
                     shutil.copyfile(asset, tmp / asset.name)
+            if into:
+                _move_in(tmp, out)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise WriteError(f"{out}: export failed while writing ({e.strerror or e}); nothing was left behind") from None
+            raise WriteError(f"{out}: export failed while writing ({e.strerror or e}); "
+                             f"{'the files written so far were removed' if not into else 'rerun it'}") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        replace_dir(tmp, out)  # fsyncs every file and directory first
+        if not into:
+            replace_dir(tmp, out)  # fsyncs every file and directory first
         return out
+
+
+def _move_in(tmp: Path, out: Path) -> None:
+    """Move the export's files from `tmp` into the existing `out` (durable first; weights, then tokenizer files,
+    then config.json and the index), remove the previous export's shards that are not part of this one, then
+    `tmp`."""
+    fsync_tree(tmp)
+    stale = owned_names(out)
+    new = sorted(p.name for p in tmp.iterdir())
+    last = [n for n in ("config.json", INDEX) if n in new]
+    for name in new:
+        dest = out / name
+        if dest.is_dir() and not dest.is_symlink():
+            raise ShardkitError(f"{dest}: is a directory; the export would replace it with its file {name}: move "
+                                "it away first")
+    for name in [n for n in new if n not in last] + last:
+        os.replace(tmp / name, out / name)  # a symlink there is replaced itself, never followed
+    for name in sorted(stale - set(new) - {"generation_config.json"}):
+        p = out / name
+        if p.is_file() or p.is_symlink():
+            p.unlink()
+    fsync_path(out)
+    tmp.rmdir()
 
 
 def _dominant_dtype(plans: list[HFTensorPlan]) -> str:

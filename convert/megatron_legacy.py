@@ -138,10 +138,13 @@ def _find_iteration(src: Path) -> tuple[Path, int | None]:
     if any(_RANK_DIR.match(p.name) for p in src.iterdir()):  # an iteration directory itself
         m = _ITER_DIR.match(src.name)
         return src, int(m.group(1)) if m else (0 if src.name == "release" else None)
+    from checkpoint.safety import read_pointer
+
     tracker = src / TRACKER
-    if not tracker.is_file():
+    text = read_pointer(src, TRACKER)  # a regular file of <= 4 KiB, or an error
+    if text is None:
         raise FormatError(f"{src}: not a Megatron-LM torch checkpoint: no {TRACKER} and no mp_rank_* directories")
-    text = tracker.read_text(errors="replace").strip()
+    text = text.strip()
     if text == "release":
         name, iteration = "release", 0
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _format_flags(h2m)
     h2m.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory: the iteration written here replaces any earlier one of the same number; other files are left alone")
     h2m.add_argument("--quiet", action="store_true", help="no progress bar")
+    h2m.add_argument("--download", action="store_true",
+                     help="HF_DIR is a hub repo id not yet in the local hub cache: download it (default: the cache only)")
 
     m2h = csub.add_parser("mcore-to-hf", help="shardkit checkpoint -> HF safetensors")
     m2h.add_argument("ckpt", help="a native checkpoint, or a torch_dist one (with --hf-config)")
@@ -189,9 +192,92 @@ def _check_dtype(value: str | None) -> str | None:
         raise ShardkitError(f"--dtype: {e}") from None
 
 
+def _hf_dir_arg(value: str | None, download: bool = False) -> str | None:
+    """An HF directory argument: a local directory, or a hub repo id resolved through the local hub cache."""
+    if value is None:
+        return None
+    from convert.hf_source import resolve_hf_dir
+
+    return str(resolve_hf_dir(value, download=download))
+
+
+def _data_files(prefixes) -> list[tuple[str, str]]:
+    """The files of --data-path prefixes (weights skipped): what the trainer reads of them."""
+    out = []
+    for p in prefixes or ():
+        try:
+            float(p)
+            continue
+        except ValueError:
+            pass
+        out += [("--data-path", f"{p}{ext}") for ext in (".bin", ".idx")]
+    return out
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """The one rule for every command that writes: its output is not, does not contain and does not lie inside any
+    of its inputs (checkpoint.safety.check_output), checked before anything is written. continue-pretrain is checked
+    in _dispatch once its --config file is merged."""
+    from checkpoint.safety import check_output
+
+    cmd, direction = args.cmd, getattr(args, "direction", None)
+    if cmd == "convert" and direction in ("hf-to-mcore", "mcore-to-hf", "megatron-to-mcore"):
+        src = {"hf-to-mcore": args.__dict__.get("hf_dir"), "mcore-to-hf": args.__dict__.get("ckpt"),
+               "megatron-to-mcore": args.__dict__.get("src")}[direction]
+        check_output(args.out, [("source", src), ("--hf-config", getattr(args, "hf_config", None))], "OUT")
+    elif cmd == "reshard":
+        check_output(args.dst, [("SRC", args.src), ("--hf-config", args.hf_config)], "DST")
+    elif cmd == "preprocess-data":
+        from train.data import output_prefixes
+
+        for prefix in output_prefixes(args.output_prefix, args.json_keys).values():
+            for ext in (".bin", ".idx"):
+                check_output(f"{prefix}{ext}", [("--input", args.input), ("--tokenizer", args.tokenizer)],
+                             "--output-prefix")
+    elif cmd == "plot":
+        src = Path(args.run_dir)
+        metrics = src / "metrics.jsonl" if src.is_dir() else src
+        out = args.output or (src if src.is_dir() else src.parent) / "metrics.png"
+        check_output(out, [("metrics", metrics)], "--output")
+    elif cmd == "plan" and getattr(args, "plot", None):
+        check_output(args.plot, [("--model", args.model if Path(args.model).exists() else None)], "--plot")
+    elif cmd == "launch" and not getattr(args, "dry_run", False):
+        extra, inputs = list(getattr(args, "trainer_args", []) or []), []
+        for i, a in enumerate(extra):
+            if a == "--load" and i + 1 < len(extra):
+                inputs.append(("--load", extra[i + 1]))
+            elif a in ("--data-path", "--data"):
+                vals = []
+                for v in extra[i + 1:]:
+                    if v.startswith("--"):
+                        break
+                    vals.append(v)
+                inputs += _data_files(vals)
+        check_output(args.out, inputs, "--out")
+
+
+def _check_train_outputs(cfg) -> None:
+    """continue-pretrain: --save (and --tensorboard-dir) against --load and the data files. --save equal to --load
+    (or --load ROOT/iter_N --save ROOT) is resuming into the same root, which is allowed: a save writes new iteration
+    directories beside the loaded one. A --save inside a data directory is fine; one that is or contains a data
+    file is not."""
+    from checkpoint.safety import check_output
+
+    load = cfg.checkpoint.load
+    inputs = [("--load", load)] + _data_files(cfg.data.data_path)
+    for flag, out in (("--save", cfg.checkpoint.save), ("--tensorboard-dir", cfg.run.log_dir)):
+        if out:
+            check_output(out, inputs, flag, same_ok=[load] if load else [])
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     from checkpoint.errors import ShardkitError
 
+    if args.cmd == "convert" and args.direction == "hf-to-mcore":
+        args.hf_dir = _hf_dir_arg(args.hf_dir, download=args.download)
+    if getattr(args, "hf_config", None):
+        args.hf_config = _hf_dir_arg(args.hf_config)
+    _check_outputs(args)
     if args.cmd == "convert" and args.direction == "hf-to-mcore":
         from checkpoint.layout import Layout
         from convert.hf_to_mcore import convert_hf_to_mcore
@@ -255,6 +341,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from train.loop import main as train_main
 
         cfg = from_namespace(args)
+        _check_train_outputs(cfg)
         try:
             train_main(cfg)
         except RuntimeError as e:  # a collective failed: another rank died or hangs
@@ -285,7 +372,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _is_torch_dist(path: str) -> bool:
     """A Megatron torch_dist checkpoint (root with latest_checkpointed_iteration.txt, or an iteration directory)."""
     p = Path(path)
-    return (p / "latest_checkpointed_iteration.txt").is_file() or (p / "metadata.json").is_file() or \
+    return os.path.lexists(p / "latest_checkpointed_iteration.txt") or (p / "metadata.json").is_file() or \
         (p / ".metadata").is_file()
 
 
