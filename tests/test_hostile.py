@@ -409,3 +409,66 @@ def test_remote_code_and_te_extra_state_never_run(good, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc != 0 and len(err.strip().splitlines()) == 1  # the weights are missing: an error, but no payload ran
     assert not c.marker.exists()
+
+
+# -- pointer files that would hang or exhaust memory (issue 14) ---------------------------------------------------
+
+_POINTER_RUNNER = r"""
+import json, os, sys
+from shardkit.cli import main
+import io, contextlib
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    results.append([rc, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_pointer_files_are_bounded(good, tmp_path):
+    """`latest` / Megatron's tracker as a symlink to /dev/zero, a FIFO, or a 5 MB file: one line naming it, no hang,
+    no memory blow-up (all cases in one subprocess under a timeout and an address-space limit)."""
+    import resource
+    import subprocess
+    import sys
+
+    cases = []
+    for kind in ("dev-zero", "fifo", "huge"):
+        for fmt, name in (("ck", "latest"), ("td", "latest_checkpointed_iteration.txt")):
+            root = Path(shutil.copytree(good[fmt], tmp_path / f"{fmt}-{kind}", symlinks=True))
+            p = root / name
+            p.unlink()
+            if kind == "dev-zero":
+                p.symlink_to("/dev/zero")
+            elif kind == "fifo":
+                os.mkfifo(p)
+            else:
+                p.write_bytes(b"1" * (5 << 20))
+            argv = ["inspect", str(root)] if fmt == "ck" else ["reshard", str(root), str(tmp_path / f"o-{kind}"),
+                                                                "--hf-config", str(good["hf"]), "--quiet"]
+            cases.append((str(p), argv))
+    legacy = tmp_path / "legacy-fifo"
+    (legacy / "iter_0000001").mkdir(parents=True)
+    os.mkfifo(legacy / "latest_checkpointed_iteration.txt")
+    cases.append((str(legacy / "latest_checkpointed_iteration.txt"),
+                  ["convert", "megatron-to-mcore", str(legacy), str(tmp_path / "o-legacy"), "--hf-config",
+                   str(good["hf"]), "--quiet"]))
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    res = subprocess.run([sys.executable, "-c", _POINTER_RUNNER, json.dumps([a for _, a in cases])],
+                         capture_output=True, text=True, timeout=180, preexec_fn=limit,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr[-2000:]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases) == 7
+    for (path, argv), (rc, err) in zip(cases, results):
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert rc == 1 and len(lines) == 1 and lines[0].startswith("shardkit: error:"), (argv, err)
+        assert path in lines[0], lines[0]
