@@ -2,15 +2,19 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardkit-installed
+# The versions the suite is known green with (`make lock` writes it). torch is not in it: a `torch==X` constraint also
+# matches X+cpu, which could put a CPU-only build on a GPU host; CPU hosts get the pinned build from TORCH instead.
+LOCK := constraints.txt
+TORCH := torch==2.13.0
 
-.PHONY: demo test install bench bench-train clean
+.PHONY: demo test install lock bench bench-train clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU-only hosts: take the pinned CPU build of torch first, so nothing pulls a multi-GB CUDA build
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[test]'
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q -c $(LOCK) $(TORCH); fi
+	$(PY) -m pip install -q -c $(LOCK) -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -26,6 +30,23 @@ bench: $(STAMP)
 
 bench-train: $(STAMP)
 	$(PY) scripts/bench_train.py
+
+# Refresh the pins: a throw-away venv gets the newest versions pyproject.toml allows (torch as in $(STAMP)), and its
+# `pip freeze --all` (without shardkit, pip and torch) replaces $(LOCK). Then `make test` reinstalls .venv from it; commit it
+# when green.
+lock:
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	python3 -m venv "$$tmp/venv"; py="$$tmp/venv/bin/python"; \
+	$$py -m pip install -q --upgrade pip; \
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $$py -m pip install -q $(TORCH); fi; \
+	$$py -m pip install -q -e '.[test]'; \
+	{ echo "# Versions \`make test\` / \`make install\` install (pip install -c $(LOCK)): written by \`make lock\` on"; \
+	  echo "# $$(date -u +%F), $$($$py -c 'import platform; print("Python", platform.python_version(), platform.machine())'),"; \
+	  echo "# $$(command -v nvidia-smi >/dev/null 2>&1 && echo 'a GPU host' || echo 'a CPU host'), from the newest versions pyproject.toml allows."; \
+	  echo "# torch is left out on purpose (the Makefile pins it); shardkit's own ranges in pyproject.toml stay open."; \
+	  $$py -m pip freeze --all --exclude-editable --exclude pip --exclude torch; } > "$$tmp/$(LOCK)"; \
+	mv "$$tmp/$(LOCK)" $(LOCK)
+	@echo "wrote $(LOCK); now: make test (reinstalls $(VENV) from it), and commit $(LOCK) when green"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
