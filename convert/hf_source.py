@@ -63,6 +63,32 @@ def read_header(path: Path) -> tuple[dict, bytes]:
     return header, raw
 
 
+def _size(x: object) -> int:
+    """A shape entry or data offset: a non-negative JSON integer (safetensors reads them as usize)."""
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError(f"{x!r} is not a non-negative integer")
+    return x
+
+
+def _check_spans(path: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """What the safetensors library itself checks (`Metadata::validate` and the buffer check of its Rust core):
+    sorted by offsets, the tensors' byte ranges follow each other from byte 0 with no gap and no overlap, and the
+    last one ends exactly at the end of the file. A file that breaks this is refused by safe_open too; here it is
+    one line naming the file and the tensor."""
+    start = 0
+    for begin, end, name in sorted(spans):
+        if begin != start:
+            how = "overlaps the tensor before it" if begin < start else f"leaves a gap of {begin - start} bytes"
+            raise FormatError(f"{path}: tensor {name}: data offsets {begin}..{end} {how} (the data so far ends at "
+                              f"{start}); corrupt safetensors file (the safetensors library refuses it too)")
+        start = end
+    if start != data_len:
+        last = max(spans)[2] if spans else None
+        raise FormatError(f"{path}: the tensors' data end at byte {start:,} of {data_len:,}"
+                          f"{f' (last tensor {last})' if last else ''}: bytes no tensor covers; corrupt safetensors "
+                          "file (the safetensors library refuses it too)")
+
+
 class HFSource:
     """The tensors of an HF model directory, by name, read lazily."""
 
@@ -80,13 +106,18 @@ class HFSource:
             self.file_info.append({"name": fname, "size": size,
                                    "header_sha256": hashlib.sha256(raw).hexdigest()})
             data_len = size - 8 - len(raw)
+            meta_md = header.get("__metadata__")
+            if meta_md is not None and not (isinstance(meta_md, dict) and
+                                            all(isinstance(v, str) for v in meta_md.values())):
+                raise FormatError(f"{path}: corrupt safetensors header (__metadata__ must map strings to strings)")
+            spans: list[tuple[int, int, str]] = []
             for name, meta in header.items():
                 if name == "__metadata__":
                     continue
                 try:
                     dtype = _ST_DTYPES[meta["dtype"]]
-                    shape = tuple(int(x) for x in meta["shape"])
-                    begin, end = (int(x) for x in meta["data_offsets"])
+                    shape = tuple(_size(x) for x in meta["shape"])
+                    begin, end = (_size(x) for x in meta["data_offsets"])
                 except KeyError as e:
                     raise FormatError(f"{path}: tensor {name}: unsupported dtype or malformed header entry ({e})") \
                         from None
@@ -102,6 +133,8 @@ class HFSource:
                     raise FormatError(f"{path}: holds tensor {name} that {INDEX} places in "
                                       f"{weight_map.get(name)!r}")
                 self.tensors[name] = HFTensorInfo(fname, dtype, shape, 8 + len(raw) + begin)
+                spans.append((begin, end, name))
+            _check_spans(path, spans, data_len)
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self.tensors))
             if missing:

@@ -309,6 +309,33 @@ def _train_state(c: Case) -> list:
     return _train(c, ck)
 
 
+def _shift(delta: int) -> Callable[[dict], None]:
+    def edit(h: dict) -> None:
+        b, e = h[TENSOR_HF]["data_offsets"]
+        h[TENSOR_HF]["data_offsets"] = [b + delta, e + delta]
+    return edit
+
+
+def _trailing(c: Case, hf: Path) -> None:
+    with open(hf / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 16)
+
+
+ST_DAMAGE: dict[str, tuple[Callable[[Case, Path], None], tuple[str, ...]]] = {
+    "overlap": (lambda c, hf: c.safetensors_header(hf, _shift(-128)), ("model.safetensors", TENSOR_HF, "overlaps")),
+    "gap": (lambda c, hf: c.safetensors_header(hf, _shift(128)), ("model.safetensors", TENSOR_HF, "gap")),
+    "reversed": (lambda c, hf: c.safetensors_header(hf, lambda h: h[TENSOR_HF].update(
+        data_offsets=h[TENSOR_HF]["data_offsets"][::-1])), ("model.safetensors", TENSOR_HF, "offsets")),
+    "past-end": (lambda c, hf: c.safetensors_header(hf, lambda h: h["model.norm.weight"].update(
+        data_offsets=[h["model.norm.weight"]["data_offsets"][0], 10**9])), ("model.safetensors", "model.norm.weight")),
+    "trailing-bytes": (_trailing, ("model.safetensors", "no tensor covers")),
+    "float-offset": (lambda c, hf: c.safetensors_header(hf, lambda h: h[TENSOR_HF].update(
+        data_offsets=[float(x) for x in h[TENSOR_HF]["data_offsets"]])), ("model.safetensors", TENSOR_HF)),
+    "metadata-not-strings": (lambda c, hf: c.safetensors_header(hf, lambda h: h.update(__metadata__={"format": 1})),
+                             ("model.safetensors", "__metadata__")),
+}
+
+
 CASES: list[tuple[str, Callable[[Case], list], tuple[str, ...]]] = [
     # HF sources (convert hf-to-mcore)
     ("hf-config-empty", _hf(lambda c, hf: (hf / "config.json").write_text("")), ("config.json", "JSON")),
@@ -321,6 +348,8 @@ CASES: list[tuple[str, Callable[[Case], list], tuple[str, ...]]] = [
         hf, lambda h: h[TENSOR_HF].update(dtype="I64"))), ("model.safetensors", "dtype")),
     ("hf-absurd-shape", _hf(lambda c, hf: c.safetensors_header(
         hf, lambda h: h[TENSOR_HF].update(shape=[10**12, 64]))), ("model.safetensors", TENSOR_HF)),
+    # byte ranges the safetensors library itself refuses (test_safetensors_library_refuses_them_too)
+    *[(f"hf-st-{k}", _hf(lambda c, hf, e=e: e(c, hf)), w) for k, (e, w) in ST_DAMAGE.items()],
     ("hf-index-traversal", _index("../outside.safetensors"), ("model.safetensors.index.json", "outside")),
     ("hf-index-absolute", _index("/etc/passwd"), ("model.safetensors.index.json", "/etc/passwd")),
     ("hf-index-symlink-out", _index_symlink, ("symlink", "outside")),
@@ -472,3 +501,18 @@ def test_pointer_files_are_bounded(good, tmp_path):
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert rc == 1 and len(lines) == 1 and lines[0].startswith("shardkit: error:"), (argv, err)
         assert path in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("kind", list(ST_DAMAGE))
+def test_safetensors_library_refuses_them_too(good, tmp_path, kind):
+    """The safetensors damage rows above are exactly files the safetensors library itself refuses (its Rust core's
+    offset and coverage checks), so refusing them never turns away a file transformers would load."""
+    from safetensors import SafetensorError, safe_open
+
+    c = Case(tmp_path, good)
+    hf = c.copy("hf")
+    ST_DAMAGE[kind][0](c, hf)
+    with pytest.raises(SafetensorError):
+        with safe_open(str(hf / "model.safetensors"), "np") as f:
+            for k in f.keys():
+                f.get_tensor(k)
