@@ -11,7 +11,7 @@ from pathlib import Path
 from checkpoint.errors import ConfigError
 
 from .fp8 import FP8Config, validate_config as validate_fp8
-from .optim import OptimizerConfig
+from .optim import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES, OptimizerConfig, SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,27 @@ class DataArgs:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    train_iters: int = 100
+    """Run length and the LR / weight-decay schedule, Megatron-LM's flags and defaults (train/optim.py has the
+    schedule itself; `run_length` turns these into its steps, counted in samples)."""
+
+    train_iters: int | None = None  # neither this nor train_samples: 100 iterations
+    train_samples: int | None = None  # sample-based training: train_samples // global_batch iterations
     lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None
-    lr_decay_style: str = "cosine"
-    lr_wsd_decay_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_fraction: float | None = None  # of the decay steps
+    lr_warmup_init: float = 0.0
+    lr_decay_iters: int | None = None  # default train_iters
+    lr_decay_samples: int | None = None  # default train_samples
+    lr_decay_style: str = "linear"  # constant | linear | cosine | inverse-square-root | WSD
+    lr_wsd_decay_style: str = "exponential"  # exponential | linear | cosine | minus_sqrt
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_samples: int | None = None
+    start_weight_decay: float | None = None  # with --weight-decay-incr-style linear|cosine (constant: --weight-decay)
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"  # constant | linear | cosine
+    # on resume: take the command line's schedule / the checkpoint's (default: refuse a difference)
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
     exit_interval: int = 0  # stop (saving first) after an iteration divisible by this; the schedule is unchanged
 
 
@@ -160,14 +176,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="packed documents: attention does not cross an EOD token")
     a("--eod-mask-loss", action="store_true", default=None, help="no loss at positions whose input is EOD")
     a("--eod-token-id", type=int, help="end-of-document token (default: the checkpoint's eos_token_id)")
-    a("--train-iters", type=int)
-    a("--lr", type=float)
-    a("--min-lr", type=float)
-    a("--lr-warmup-iters", type=int)
-    a("--lr-decay-iters", type=int)
-    a("--lr-decay-style", choices=["cosine", "linear", "constant", "wsd"])
-    a("--lr-wsd-decay-iters", type=int)
-    a("--weight-decay", type=float)
+    a("--train-iters", type=int, help="iterations to train in all, counting those of the checkpoint (default 100)")
+    a("--train-samples", type=int, help="samples to train in all, instead of --train-iters (iterations = "
+                                        "samples // --global-batch-size; warmup and decay then in samples)")
+    a("--lr", type=float, help="peak learning rate (default 3e-4)")
+    a("--min-lr", type=float, help="learning rate at the end of the decay (default 0)")
+    a("--lr-warmup-iters", type=int, help="linear warmup from --lr-warmup-init over N iterations (default 0)")
+    a("--lr-warmup-samples", type=int, help="warmup over N samples (with --train-samples)")
+    a("--lr-warmup-fraction", type=float, help="warmup over this fraction of the decay steps")
+    a("--lr-warmup-init", type=float, help="learning rate of the first iteration (default 0)")
+    a("--lr-decay-iters", type=int, help="iterations over which the LR decays (default --train-iters)")
+    a("--lr-decay-samples", type=int, help="samples over which the LR decays (default --train-samples)")
+    a("--lr-decay-style", type=_decay_style, choices=list(LR_DECAY_STYLES), help="default linear (Megatron's)")
+    a("--lr-wsd-decay-style", choices=list(WSD_DECAY_STYLES), help="WSD: the annealing phase (default exponential)")
+    a("--lr-wsd-decay-iters", type=int, help="WSD: iterations of the annealing phase at the end of the decay")
+    a("--lr-wsd-decay-samples", type=int, help="WSD: samples of the annealing phase (with --train-samples)")
+    a("--weight-decay", type=float, help="weight decay of the decaying parameters (default 0.1)")
+    a("--start-weight-decay", type=float, help="with --weight-decay-incr-style linear|cosine: at the start")
+    a("--end-weight-decay", type=float, help="with --weight-decay-incr-style linear|cosine: at the end")
+    a("--weight-decay-incr-style", choices=list(WD_INCR_STYLES), help="default constant (--weight-decay)")
+    a("--override-opt_param-scheduler", "--override-opt-param-scheduler", dest="override_opt_param_scheduler",
+      action="store_true", default=None, help="on resume, take the command line's LR/WD schedule instead of "
+                                              "refusing one that differs from the checkpoint's")
+    a("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+      dest="use_checkpoint_opt_param_scheduler", action="store_true", default=None,
+      help="on resume, take the checkpoint's LR/WD schedule and ignore the command line's")
     a("--clip-grad", type=float)
     a("--adam-beta1", type=float)
     a("--adam-beta2", type=float)
@@ -222,6 +255,118 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--wandb-save-dir", help="W&B files directory (default: <save>/wandb)")
 
 
+def _decay_style(v: str) -> str:
+    """--lr-decay-style: Megatron spells it WSD; wsd (shardkit's earlier spelling) means the same."""
+    return "WSD" if v == "wsd" else v
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """How long the run is and its schedule, as Megatron-LM's get_optimizer_param_scheduler derives them."""
+
+    train_iters: int
+    train_samples: int  # samples the train dataset is built for (Megatron: --train-samples or iters x batch)
+    scheduler: SchedulerConfig
+
+
+def run_length(cfg: TrainConfig) -> RunLength:
+    """--train-iters / --train-samples and the schedule flags -> iterations, dataset size and the scheduler's
+    arguments in samples (Megatron-LM training.py get_optimizer_param_scheduler and arguments.py validate_args);
+    bad combinations are ConfigErrors naming the flag."""
+    s, o, gbs = cfg.schedule, cfg.optimizer, cfg.data.global_batch_size
+    style = _decay_style(s.lr_decay_style)
+    if s.train_iters is not None and s.train_samples is not None:
+        raise ConfigError("--train-iters and --train-samples: give one (iteration-based or sample-based training)")
+    if s.train_samples is None:  # iteration-based
+        iters = 100 if s.train_iters is None else s.train_iters
+        for flag, v, bad in (("--lr-decay-samples", s.lr_decay_samples, s.lr_decay_samples is not None),
+                             ("--lr-warmup-samples", s.lr_warmup_samples, s.lr_warmup_samples != 0),
+                             ("--lr-wsd-decay-samples", s.lr_wsd_decay_samples, s.lr_wsd_decay_samples is not None)):
+            if bad:
+                raise ConfigError(f"{flag} {v}: sample-based, but the run is iteration-based (--train-iters); use "
+                                  f"{flag.replace('samples', 'iters')} or --train-samples")
+        if s.lr_warmup_fraction is not None and s.lr_warmup_iters != 0:
+            raise ConfigError(f"--lr-warmup-fraction {s.lr_warmup_fraction} and --lr-warmup-iters "
+                              f"{s.lr_warmup_iters}: give one")
+        if iters < 1:
+            raise ConfigError(f"continue-pretrain: --train-iters must be >= 1, got {iters}")
+        decay_iters = iters if s.lr_decay_iters is None else s.lr_decay_iters
+        decay_steps = decay_iters * gbs
+        wd_steps = iters * gbs
+        wsd_steps = None if s.lr_wsd_decay_iters is None else s.lr_wsd_decay_iters * gbs
+        warmup = (s.lr_warmup_fraction * decay_steps if s.lr_warmup_fraction is not None
+                  else s.lr_warmup_iters * gbs)
+        samples, decay_flag, wsd_flag = iters * gbs, "--lr-decay-iters", "--lr-wsd-decay-iters"
+    else:  # sample-based
+        for flag, v, bad in (("--lr-decay-iters", s.lr_decay_iters, s.lr_decay_iters is not None),
+                             ("--lr-warmup-iters", s.lr_warmup_iters, s.lr_warmup_iters != 0),
+                             ("--lr-wsd-decay-iters", s.lr_wsd_decay_iters, s.lr_wsd_decay_iters is not None)):
+            if bad:
+                raise ConfigError(f"{flag} {v}: iteration-based, but the run is sample-based (--train-samples); use "
+                                  f"{flag.replace('iters', 'samples')} or --train-iters")
+        if s.lr_warmup_fraction is not None and s.lr_warmup_samples != 0:
+            raise ConfigError(f"--lr-warmup-fraction {s.lr_warmup_fraction} and --lr-warmup-samples "
+                              f"{s.lr_warmup_samples}: give one")
+        samples = s.train_samples
+        iters = samples // gbs
+        if iters < 1:
+            raise ConfigError(f"--train-samples {samples}: fewer than one --global-batch-size ({gbs}), no iteration "
+                              "to train")
+        decay_steps = samples if s.lr_decay_samples is None else s.lr_decay_samples
+        wd_steps = samples
+        wsd_steps = s.lr_wsd_decay_samples
+        warmup = s.lr_warmup_fraction * decay_steps if s.lr_warmup_fraction is not None else s.lr_warmup_samples
+        decay_flag, wsd_flag = "--lr-decay-samples", "--lr-wsd-decay-samples"
+    if style not in LR_DECAY_STYLES:
+        raise ConfigError(f"--lr-decay-style {s.lr_decay_style!r}: expected one of {', '.join(LR_DECAY_STYLES)}")
+    if s.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+        raise ConfigError(f"--lr-wsd-decay-style {s.lr_wsd_decay_style!r}: expected one of "
+                          f"{', '.join(WSD_DECAY_STYLES)}")
+    if s.weight_decay_incr_style not in WD_INCR_STYLES:
+        raise ConfigError(f"--weight-decay-incr-style {s.weight_decay_incr_style!r}: expected one of "
+                          f"{', '.join(WD_INCR_STYLES)}")
+    if o.min_lr < 0 or o.lr < 0:
+        raise ConfigError("continue-pretrain: --lr and --min-lr must be >= 0")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"--min-lr {o.min_lr} exceeds --lr {o.lr}")
+    if s.lr_warmup_init > o.lr:
+        raise ConfigError(f"--lr-warmup-init {s.lr_warmup_init} exceeds --lr {o.lr}")
+    if decay_steps <= 0:
+        raise ConfigError(f"{decay_flag} {decay_steps if decay_flag.endswith('samples') else decay_steps // gbs}: "
+                          "must be >= 1")
+    if warmup < 0:
+        raise ConfigError(f"the LR warmup ({warmup} samples) must be >= 0")
+    if warmup >= decay_steps:
+        raise ConfigError(f"the LR warmup ({warmup:g} samples) must be shorter than the decay ({decay_steps} samples, "
+                          f"{decay_flag}); lower the warmup or raise {decay_flag}")
+    if style == "WSD" and wsd_steps is None:
+        raise ConfigError(f"--lr-decay-style WSD needs {wsd_flag} (the length of its annealing phase)")
+    if s.weight_decay_incr_style == "constant":
+        for flag, v in (("--start-weight-decay", s.start_weight_decay), ("--end-weight-decay", s.end_weight_decay)):
+            if v is not None:
+                raise ConfigError(f"{flag} {v}: needs --weight-decay-incr-style linear or cosine (constant: "
+                                  "--weight-decay)")
+        start_wd = end_wd = o.weight_decay
+    else:
+        for flag, v in (("--start-weight-decay", s.start_weight_decay), ("--end-weight-decay", s.end_weight_decay)):
+            if v is None:
+                raise ConfigError(f"--weight-decay-incr-style {s.weight_decay_incr_style} needs {flag}")
+        start_wd, end_wd = s.start_weight_decay, s.end_weight_decay
+    if start_wd < 0:
+        raise ConfigError(f"the weight decay must be >= 0, got {start_wd}")
+    if end_wd < start_wd:
+        raise ConfigError(f"--end-weight-decay {end_wd} is below --start-weight-decay {start_wd} (Megatron's "
+                          "schedule only increases it)")
+    if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler: give at most one "
+                          "(take the command line's schedule, or the checkpoint's)")
+    sched = SchedulerConfig(max_lr=float(o.lr), min_lr=o.min_lr, lr_warmup_steps=warmup, lr_decay_steps=decay_steps,
+                            lr_decay_style=style, init_lr=s.lr_warmup_init, start_wd=start_wd, end_wd=end_wd,
+                            wd_incr_steps=wd_steps, wd_incr_style=s.weight_decay_incr_style,
+                            wsd_decay_steps=wsd_steps, lr_wsd_decay_style=s.lr_wsd_decay_style)
+    return RunLength(train_iters=iters, train_samples=samples, scheduler=sched)
+
+
 def _field_of(key: str) -> tuple[str, str]:
     if key in _RENAMES:
         return _RENAMES[key]
@@ -263,17 +408,15 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
 
 def validate(cfg: TrainConfig) -> None:
     """Errors that need no checkpoint and no process group."""
-    d, s, c = cfg.data, cfg.schedule, cfg.checkpoint
+    d, c = cfg.data, cfg.checkpoint
     if not c.load:
         raise ConfigError("continue-pretrain: --load is required (a converted model or a training checkpoint)")
     if not d.data_path:
         raise ConfigError("continue-pretrain: --data-path is required (prefixes of .bin/.idx files)")
     for flag, v in (("--micro-batch-size", d.micro_batch_size), ("--global-batch-size", d.global_batch_size),
-                    ("--seq-length", d.seq_length), ("--train-iters", s.train_iters)):
+                    ("--seq-length", d.seq_length)):
         if v < 1:
             raise ConfigError(f"continue-pretrain: {flag} must be >= 1, got {v}")
-    if cfg.optimizer.lr < 0 or cfg.optimizer.min_lr < 0:
-        raise ConfigError("continue-pretrain: --lr and --min-lr must be >= 0")
     from .parallel.context import COMM_TYPES, check_sequence
 
     check_sequence(d.seq_length, cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel)
@@ -287,6 +430,7 @@ def validate(cfg: TrainConfig) -> None:
         check_installed()  # before any process group or checkpoint: one line naming the flag and the install
     validate_fp8(cfg.fp8)
     validate_moe(cfg)
+    run_length(cfg)  # --train-iters/--train-samples and the LR/WD schedule flags
 
 
 def validate_moe(cfg: TrainConfig) -> None:

@@ -65,14 +65,15 @@ class IndexedWriter:
         self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd, self._tmp_bin = tempfile.mkstemp(prefix=f".{self.prefix.name}.", suffix=".bin.tmp",
-                                                 dir=self.prefix.parent)
+            fd, self._tmp_bin = _mkstemp_umask(self.prefix, ".bin.tmp")
         except OSError as e:
             raise DataError(f"{self.prefix}.bin: cannot write ({e.strerror})") from None
         self._bin = os.fdopen(fd, "wb")
         self._lengths: list[int] = []
         self._doc_starts: list[int] = [0]
         self.tokens = 0
+        self.min_token: int | None = None
+        self.max_token: int | None = None
 
     def add(self, tokens: np.ndarray | Sequence[int]) -> None:
         arr = np.asarray(tokens)
@@ -85,12 +86,17 @@ class IndexedWriter:
             if arr.size > np.iinfo(np.int32).max:
                 raise DataError(f"{self.prefix}: a document of {arr.size} tokens exceeds int32 sequence lengths")
             self._bin.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes())
+            lo, hi = int(arr.min()), int(arr.max())
+            self.min_token = lo if self.min_token is None else min(self.min_token, lo)
+            self.max_token = hi if self.max_token is None else max(self.max_token, hi)
             self._lengths.append(int(arr.size))
             self.tokens += int(arr.size)
         self._doc_starts.append(len(self._lengths))
 
-    def commit(self) -> Path:
-        """fsync and rename: `.bin` first, then `.idx`, so a present `.idx` always describes a complete `.bin`."""
+    def commit(self, tokenizer: dict | None = None) -> Path:
+        """fsync and rename: `.bin` first, then `.idx`, so a present `.idx` always describes a complete `.bin`;
+        then the sidecar `<prefix>.shardkit.json` (token id range, and `tokenizer`: which tokenizer made them).
+        Files get the process umask's permissions, as any file the user writes."""
         lengths = np.asarray(self._lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths) > 1:
@@ -100,7 +106,7 @@ class IndexedWriter:
             self._bin.flush()
             os.fsync(self._bin.fileno())
             self._bin.close()
-            fd, tmp_idx = tempfile.mkstemp(prefix=f".{self.prefix.name}.", suffix=".idx.tmp", dir=self.prefix.parent)
+            fd, tmp_idx = _mkstemp_umask(self.prefix, ".idx.tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", _CODE_OF[self.dtype]))
                 f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(self._doc_starts)))
@@ -116,6 +122,8 @@ class IndexedWriter:
             if tmp_idx:
                 Path(tmp_idx).unlink(missing_ok=True)
             raise DataError(f"{self.prefix}.idx: cannot write ({e.strerror})") from None
+        bin_path = Path(f"{self.prefix}.bin")
+        write_token_stats(bin_path, self.min_token, self.max_token, tokenizer, strict=True)
         return self.prefix
 
     def abort(self) -> None:
@@ -294,8 +302,9 @@ def preprocess_jsonl(input_path: str | os.PathLike, tokenizer_dir: str | os.Path
                         writers[k].add(a)
                 docs += len(enc[keys[0]])
                 bar.advance(nb, nl)
+        record = tokenizer_record(tokenizer_dir, tok)
         for w in writers.values():
-            w.commit()
+            w.commit(tokenizer=record)
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -405,6 +414,152 @@ def _file_digest(path: str, size: int, mtime_ns: int) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# -- the token-statistics sidecar and the vocabulary check ------------------------------------------------------------
+
+SIDECAR_SUFFIX = ".shardkit.json"  # <prefix>.shardkit.json beside <prefix>.idx
+SIDECAR_FORMAT = "shardkit-token-stats"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model", "tiktoken.model")
+
+
+def _umask() -> int:
+    try:  # Linux: read without changing it (os.umask would, for a moment, for every thread)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _mkstemp_umask(prefix: Path, suffix: str) -> tuple[int, str]:
+    """mkstemp beside `prefix` (0600), then the mode a plain open() would have given: 0666 & ~umask."""
+    fd, name = tempfile.mkstemp(prefix=f".{prefix.name}.", suffix=suffix, dir=prefix.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+    except OSError:
+        os.close(fd)
+        Path(name).unlink(missing_ok=True)
+        raise
+    return fd, name
+
+
+def sidecar_path(bin_path: str | os.PathLike) -> Path:
+    p = Path(bin_path)
+    return p.with_name(p.name[: -len(".bin")] + SIDECAR_SUFFIX) if p.name.endswith(".bin") else \
+        p.with_name(p.name + SIDECAR_SUFFIX)
+
+
+def tokenizer_record(tokenizer_dir: str | os.PathLike, tok) -> dict:
+    """Which tokenizer made a dataset: its directory, name, vocabulary size (with added tokens) and the sha256 of each
+    of its files."""
+    path = Path(tokenizer_dir)
+    names = set(_TOKENIZER_FILES) | set(getattr(tok, "vocab_files_names", {}).values())
+    files = {}
+    for name in sorted(names):
+        f = path / name
+        if f.is_file():
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+            files[name] = h.hexdigest()
+    return {"path": str(path.resolve()), "name": getattr(tok, "name_or_path", None) or path.name,
+            "class": type(tok).__name__, "vocab_size": len(tok), "files_sha256": files}
+
+
+def write_token_stats(bin_path: Path, lo: int | None, hi: int | None, tokenizer: dict | None,
+                      strict: bool = False) -> bool:
+    """Write `<prefix>.shardkit.json` atomically: the .bin's size and mtime (what the cache is valid for), its
+    smallest and largest token id and, when known, the tokenizer record. Never replaces a file that is not a
+    shardkit sidecar. `strict`: a write error is a DataError (preprocess-data); else it is only a missed cache."""
+    out = sidecar_path(bin_path)
+    try:
+        if out.exists() and _read_sidecar(out) is None:
+            if strict:
+                raise DataError(f"{out}: exists and is not a shardkit token-statistics file; not replaced")
+            return False
+        st = bin_path.stat()
+        rec = {"format": SIDECAR_FORMAT, "version": 1, "bin": bin_path.name, "bin_size": st.st_size,
+               "bin_mtime_ns": st.st_mtime_ns, "min_token_id": lo, "max_token_id": hi}
+        if tokenizer is not None:
+            rec["tokenizer"] = tokenizer
+        fd, tmp = _mkstemp_umask(out, ".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(rec, indent=1) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, out)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return True
+    except OSError as e:
+        if strict:
+            raise DataError(f"{out}: cannot write ({e.strerror})") from None
+        return False  # a read-only data directory: the range is computed again next time
+
+
+def _read_sidecar(path: Path) -> dict | None:
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 20:
+            return None
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("format") == SIDECAR_FORMAT else None
+
+
+def token_stats(ds: IndexedDataset, chunk_tokens: int = 1 << 26) -> dict:
+    """{min_token_id, max_token_id, tokenizer} of a dataset's .bin: from its sidecar when that was written for this
+    .bin (same size and mtime), else a memory-mapped pass over the tokens (in chunks: bounded memory), cached in a
+    new sidecar (atomically; skipped when the directory is read-only)."""
+    st = ds.bin_path.stat()
+    rec = _read_sidecar(sidecar_path(ds.bin_path))
+    if rec is not None and rec.get("bin_size") == st.st_size and rec.get("bin_mtime_ns") == st.st_mtime_ns \
+            and all(isinstance(rec.get(k), (int, type(None))) for k in ("min_token_id", "max_token_id")):
+        return rec
+    lo = hi = None
+    tokens = ds._tokens
+    for start in range(0, len(tokens), chunk_tokens):
+        part = tokens[start:start + chunk_tokens]
+        a, b = int(part.min()), int(part.max())
+        lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+    tokenizer = None  # a changed .bin: the old record no longer says who made it
+    write_token_stats(ds.bin_path, lo, hi, tokenizer)
+    return {"min_token_id": lo, "max_token_id": hi, "tokenizer": tokenizer}
+
+
+def check_vocab(paths: Sequence[str], vocab_size: int, model: str) -> None:
+    """Every dataset's token ids must lie in [0, vocab_size) of the model (its true vocabulary, not the TP padding):
+    one DataError naming the file, the largest id and the vocabulary, and the tokenizer that made the file when its
+    sidecar records one that is larger than the model's."""
+    prefixes, _ = parse_blend(paths)
+    for p in dict.fromkeys(prefixes):
+        ds = IndexedDataset(p)
+        if ds.num_tokens == 0:
+            continue
+        s = token_stats(ds)
+        lo, hi = s.get("min_token_id"), s.get("max_token_id")
+        if hi is None or (0 <= lo and hi < vocab_size):
+            continue
+        tok = s.get("tokenizer") if isinstance(s.get("tokenizer"), dict) else None
+        mismatch = ""
+        if tok and isinstance(tok.get("vocab_size"), int) and tok["vocab_size"] > vocab_size:
+            mismatch = (f"; tokenizer mismatch: it was made by {tok.get('name') or tok.get('path')} "
+                        f"(vocab size {tok['vocab_size']}), not the model's tokenizer")
+        if lo < 0:
+            raise DataError(f"{ds.bin_path}: token id {lo} is negative (the model's vocabulary is {vocab_size} "
+                            f"tokens, {model}){mismatch}")
+        raise DataError(f"{ds.bin_path}: largest token id {hi} is beyond the model's vocabulary of {vocab_size} "
+                        f"tokens ({model}){mismatch}; tokenize the data with the model's tokenizer")
 
 
 # -- the GPT sample order (megatron-core GPTDataset) -------------------------------------------------------------------

@@ -27,7 +27,7 @@ from train import checkpointing as ckpt_io
 from train import moe
 from train import precision
 from train.config import TrainConfig, validate
-from train.data import DataConfig, build_datasets, micro_batches
+from train.data import DataConfig, build_datasets, check_vocab, micro_batches
 from train.failures import bound_every_group
 from train.metrics import MetricsLogger, flops_per_step, format_line, memory_stats, peak_flops, throughput
 from train.optim import DistributedOptimizer, SchedulerConfig, lr_at
@@ -144,6 +144,8 @@ class Trainer:
     def _data(self) -> None:
         d, s = self.cfg.data, self.cfg.schedule
         dc = DataConfig(paths=d.data_path, seq_length=d.seq_length, seed=d.seed, split=d.split)
+        # token ids against the checkpoint's true vocabulary (not its TP padding), on every rank, before step 1
+        check_vocab(d.data_path, self.model_cfg.vocab_size, f"checkpoint {self.src}")
         evals = (s.train_iters // self.cfg.run.eval_interval + 1) * self.cfg.run.eval_iters \
             if self.cfg.run.eval_interval and self.cfg.run.eval_iters else 0
         self.train_ds, self.valid_ds = build_datasets(dc, s.train_iters * d.global_batch_size,
@@ -263,9 +265,30 @@ class Trainer:
                              f"on rank {rank}); checkpoint not saved: lower --lr (or clip with --clip-grad), keep "
                              f"--check-for-nan-in-loss-and-grad on and {self._resume_hint()}")
 
+    def _check_weights_finite(self) -> None:
+        """Refuse to save weights that hold NaN/inf (whatever --check-for-nan-in-loss-and-grad says): every rank
+        counts its own, one all-reduce, and the first bad tensor of each rank is named."""
+        bad = [(lp.name, int((~torch.isfinite(lp.param.detach())).sum())) for lp in self.table
+               if lp.param.is_floating_point()]
+        bad = [(n, c) for n, c in bad if c]
+        t = torch.tensor([sum(c for _, c in bad)], dtype=torch.float64, device=self.device)
+        if self.dims.world > 1:
+            dist.all_reduce(t)
+        if not float(t):
+            return
+        first = [bad[0] if bad else None]
+        if self.dims.world > 1:
+            first = [None] * self.dims.world
+            dist.all_gather_object(first, bad[0] if bad else None)
+        rank, (name, count) = next((r, x) for r, x in enumerate(first) if x is not None)
+        raise NonFiniteError(f"iteration {self.iteration}: {int(float(t))} non-finite weight values ({name}: {count} "
+                             f"on rank {rank}); checkpoint not saved: lower --lr (or clip with --clip-grad), keep "
+                             f"--check-for-nan-in-loss-and-grad on and {self._resume_hint()}")
+
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
+        self._check_weights_finite()  # before anything is written: `latest` stays on the last finite checkpoint
         self._check_weights_finite()  # before anything is written: `latest` stays on the last finite checkpoint
         state = {"iteration": self.iteration, "consumed_samples": self.consumed, "data_fingerprint": self.fingerprint,
                  "rng": ckpt_io.rng_state(), "scheduler": asdict(self.schedule),
@@ -344,6 +367,14 @@ class Trainer:
             if logger is not None:
                 logger.close()
         return history
+
+
+class NonFiniteError(ShardkitError):
+    """A loss, grad norm or weight is NaN/inf: the run stops without applying or saving it."""
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 class NonFiniteError(ShardkitError):

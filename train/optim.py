@@ -8,16 +8,20 @@ rank, saving it in the canonical (reshardable) form is a plain write of that par
 Gradients accumulate in fp32 (`main_grad`, views into one flat buffer per rank) through post-accumulate hooks, are
 averaged over DP in one all-reduce, summed over TP for sequence-parallel norm weights, and over the first/last
 pipeline stages for tied embeddings; then the global norm is clipped across every group, counting each element once.
+
+The LR / weight-decay schedule is megatron-core's OptimizerParamScheduler (lr_at, wd_at, ParamScheduler): counted in
+samples, built with step(0), advanced by the global batch after each optimizer step.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from checkpoint.errors import ConfigError
 from train.parallel import comm
 from train.parallel.groups import Groups
 
@@ -33,41 +37,193 @@ class OptimizerConfig:
     clip_grad: float = 1.0
 
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    lr: float
+    """megatron-core's OptimizerParamScheduler arguments. Steps count samples (Megatron-LM's
+    get_optimizer_param_scheduler: iterations x global batch, or the --*-samples flags as given); the scheduler
+    advances by the global batch after each optimizer step."""
+
+    max_lr: float
     min_lr: float
-    warmup_iters: int
-    decay_iters: int  # iterations over which the lr decays (Megatron's --lr-decay-iters, default train_iters)
-    style: str = "cosine"  # cosine | linear | constant | wsd
-    wsd_decay_iters: int = 0  # wsd: length of the final decay phase (default 10% of decay_iters)
+    lr_warmup_steps: float  # a float with --lr-warmup-fraction (fraction x lr_decay_steps), as in Megatron
+    lr_decay_steps: int
+    lr_decay_style: str = "linear"
+    init_lr: float = 0.0  # --lr-warmup-init
+    start_wd: float = 0.1
+    end_wd: float = 0.1
+    wd_incr_steps: int = 1
+    wd_incr_style: str = "constant"
+    wsd_decay_steps: int | None = None
+    lr_wsd_decay_style: str = "exponential"
 
 
-def lr_at(it: int, s: SchedulerConfig) -> float:
-    """Learning rate for (0-based) iteration `it`: linear warmup to `lr`, then the chosen decay to `min_lr`
-    (Megatron's OptimizerParamScheduler, warmup starting at lr * 1/warmup)."""
-    if s.warmup_iters > 0 and it < s.warmup_iters:
-        return s.lr * (it + 1) / s.warmup_iters
-    if s.style == "constant":
-        return s.lr
-    if it >= s.decay_iters:
-        return s.min_lr
-    if s.style == "wsd":
-        decay = s.wsd_decay_iters or max(1, s.decay_iters // 10)
-        start = s.decay_iters - decay
-        if it < start:
-            return s.lr
-        ratio = (it - start) / decay
-        return s.min_lr + (s.lr - s.min_lr) * (1.0 - ratio)
-    span = max(1, s.decay_iters - s.warmup_iters)
-    ratio = (it - s.warmup_iters) / span
-    if s.style == "linear":
-        coeff = 1.0 - ratio
-    elif s.style == "cosine":
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+def lr_at(num_steps: float, s: SchedulerConfig) -> float:
+    """The learning rate megatron-core's OptimizerParamScheduler.get_lr gives after `num_steps` samples (same
+    operations in the same order, so the same float). The LR applied to iteration k (1-based) of a run is
+    lr_at((k - 1) * global_batch, s)."""
+    max_lr, min_lr = float(s.max_lr), s.min_lr
+    if s.lr_warmup_steps > 0 and num_steps <= s.lr_warmup_steps:
+        return s.init_lr + ((max_lr - s.init_lr) * float(num_steps) / float(s.lr_warmup_steps))
+    if s.lr_decay_style == "constant":
+        return max_lr
+    if num_steps > s.lr_decay_steps:
+        return min_lr
+    if s.lr_decay_style == "inverse-square-root":
+        warmup_steps = max(s.lr_warmup_steps, 1)
+        steps = max(num_steps, 1)
+        return max(min_lr, max_lr * warmup_steps ** 0.5 / (steps ** 0.5))
+    decay_ratio = float(num_steps - s.lr_warmup_steps) / float(s.lr_decay_steps - s.lr_warmup_steps)
+    delta_lr = max_lr - min_lr
+    if s.lr_decay_style == "linear":
+        coeff = 1.0 - decay_ratio
+    elif s.lr_decay_style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+    elif s.lr_decay_style == "WSD":
+        anneal_start = s.lr_decay_steps - s.wsd_decay_steps
+        if num_steps <= anneal_start:
+            coeff = 1.0
+        else:
+            ratio = float(num_steps - anneal_start) / float(s.wsd_decay_steps)
+            if s.lr_wsd_decay_style == "linear":
+                coeff = 1.0 - ratio
+            elif s.lr_wsd_decay_style == "cosine":
+                coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+            elif s.lr_wsd_decay_style == "exponential":
+                coeff = (2.0 * math.pow(0.5, ratio)) - 1.0
+            elif s.lr_wsd_decay_style == "minus_sqrt":
+                coeff = 1.0 - math.sqrt(ratio)
+            else:
+                raise ValueError(f"--lr-wsd-decay-style {s.lr_wsd_decay_style!r}: expected one of "
+                                 f"{', '.join(WSD_DECAY_STYLES)}")
     else:
-        raise ValueError(f"--lr-decay-style {s.style!r}: expected cosine, linear, constant or wsd")
-    return s.min_lr + coeff * (s.lr - s.min_lr)
+        raise ValueError(f"--lr-decay-style {s.lr_decay_style!r}: expected one of {', '.join(LR_DECAY_STYLES)}")
+    return min_lr + coeff * delta_lr
+
+
+def wd_at(num_steps: float, s: SchedulerConfig) -> float:
+    """The weight decay megatron-core's OptimizerParamScheduler.get_wd gives after `num_steps` samples (applied to
+    the parameters that decay; biases and 1-D parameters get 0, Megatron's wd_mult)."""
+    if num_steps > s.wd_incr_steps:
+        return s.end_wd
+    if s.wd_incr_style == "constant":
+        return s.end_wd
+    incr_ratio = float(num_steps) / float(s.wd_incr_steps)
+    if s.wd_incr_style == "linear":
+        coeff = incr_ratio
+    elif s.wd_incr_style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * (1 - incr_ratio)) + 1.0)
+    else:
+        raise ValueError(f"--weight-decay-incr-style {s.wd_incr_style!r}: expected one of {', '.join(WD_INCR_STYLES)}")
+    return s.start_wd + coeff * (s.end_wd - s.start_wd)
+
+
+def applied_at(iteration: int, global_batch: int, s: SchedulerConfig) -> tuple[float, float]:
+    """(lr, weight decay) applied to the optimizer step of `iteration` (1-based) of a run that started at
+    iteration 1 with this schedule: the scheduler's values after (iteration - 1) x global_batch samples."""
+    n = (iteration - 1) * global_batch
+    return lr_at(n, s), wd_at(n, s)
+
+
+# Megatron's OptimizerParamScheduler.state_dict keys -> (SchedulerConfig field, what _check_and_set calls it, flags)
+SCHEDULER_STATE = (
+    ("max_lr", "max_lr", "learning rate", "--lr"),
+    ("min_lr", "min_lr", "minimum learning rate", "--min-lr"),
+    ("lr_warmup_steps", "lr_warmup_steps", "warmup iterations", "--lr-warmup-iters/-samples/-fraction"),
+    ("lr_decay_steps", "lr_decay_steps", "total number of iterations",
+     "--lr-decay-iters/-samples (default --train-iters/-samples)"),
+    ("lr_decay_style", "lr_decay_style", "learning rate decay style", "--lr-decay-style"),
+    ("start_wd", "start_wd", "start weight decay", "--start-weight-decay (constant: --weight-decay)"),
+    ("end_wd", "end_wd", "end weight decay", "--end-weight-decay (constant: --weight-decay)"),
+    ("wd_incr_steps", "wd_incr_steps", "total number of weight decay iterations", "--train-iters/--train-samples"),
+    ("wd_incr_style", "wd_incr_style", "weight decay incr style", "--weight-decay-incr-style"),
+)
+OVERRIDE_FLAG = "--override-opt_param-scheduler"
+USE_CHECKPOINT_FLAG = "--use-checkpoint-opt_param-scheduler"
+
+
+def is_scheduler_state(sd: object) -> bool:
+    """Whether `sd` is an OptimizerParamScheduler.state_dict() (shardkit before this format saved another dict)."""
+    return isinstance(sd, dict) and all(k in sd for k, *_ in SCHEDULER_STATE) and "num_steps" in sd
+
+
+class ParamScheduler:
+    """megatron-core's OptimizerParamScheduler on a SchedulerConfig: `lr` and `wd` are what its step() writes into
+    the optimizer's param groups, i.e. what the next optimizer step applies. Built with step(0) (LR = init_lr at the
+    first iteration), advanced by the global batch after each optimizer step. state_dict/load_state_dict have
+    Megatron's keys and checks (`_check_and_set`), in Megatron's order: on load, num_steps is applied (and lr/wd
+    recomputed) after the LR fields are settled and before the weight-decay fields are, so with
+    --use-checkpoint-opt_param-scheduler and a different weight-decay schedule on the command line the first resumed
+    step takes the command line's weight decay, exactly as Megatron-LM does."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.num_steps = 0
+        self.lr = self.wd = 0.0
+        self.step(0)
+
+    def step(self, increment: int) -> None:
+        self.num_steps += increment
+        self.lr = lr_at(self.num_steps, self.cfg)
+        self.wd = wd_at(self.num_steps, self.cfg)
+
+    def state_dict(self) -> dict:
+        """Megatron's OptimizerParamScheduler.state_dict(): the same keys and values."""
+        c = self.cfg
+        return {"max_lr": float(c.max_lr), "lr_warmup_steps": c.lr_warmup_steps, "num_steps": self.num_steps,
+                "lr_decay_style": c.lr_decay_style, "lr_decay_steps": c.lr_decay_steps, "min_lr": c.min_lr,
+                "start_wd": c.start_wd, "end_wd": c.end_wd, "wd_incr_style": c.wd_incr_style,
+                "wd_incr_steps": c.wd_incr_steps}
+
+    def load_state_dict(self, sd: dict, override: bool = False, use_checkpoint: bool = False,
+                        source: str = "the checkpoint", num_steps: int | None = None) -> list[str]:
+        """Megatron's load_state_dict: by default every field must equal the command line's (else ConfigError, one
+        line naming the field, both values and the two flags); `override` keeps the command line's,
+        `use_checkpoint` takes the checkpoint's. `num_steps` (with override: the consumed samples, as Megatron-LM
+        resynchronises them) replaces the checkpoint's step count. Returns the notes to log."""
+        if override and use_checkpoint:
+            raise ConfigError(f"{OVERRIDE_FLAG} and {USE_CHECKPOINT_FLAG}: give at most one")
+        values = asdict(self.cfg)
+        notes, differ = [], []
+
+        def check_and_set(field: str, key: str, flag: str) -> None:
+            mine, theirs = values[field], sd[key]
+            if override or mine == theirs:
+                return
+            if use_checkpoint:
+                notes.append(f"{key} {theirs!r} from {source} (the command line's {mine!r} ignored)")
+                values[field] = theirs
+                return
+            unit = " samples" if key.endswith("_steps") else ""
+            differ.append(f"{key} {mine!r}{unit} from {flag} differs from {theirs!r}{unit} in {source}")
+
+        for field, key, _, flag in SCHEDULER_STATE[:5]:
+            check_and_set(field, key, flag)
+        self._fail(differ)
+        lr_values = dict(values)
+        # Megatron steps here, before the weight-decay fields are set: lr from the settled fields, wd from the
+        # command line's
+        self.cfg = SchedulerConfig(**lr_values)
+        self.num_steps = 0
+        self.step(int(sd["num_steps"]) if num_steps is None else num_steps)
+        for field, key, _, flag in SCHEDULER_STATE[5:]:
+            check_and_set(field, key, flag)
+        self._fail(differ)
+        self.cfg = SchedulerConfig(**values)  # the next step() uses the settled weight-decay fields
+        if override:
+            notes.append(f"{OVERRIDE_FLAG}: the command line's schedule replaces the one in {source}")
+        return notes
+
+    @staticmethod
+    def _fail(differ: list[str]) -> None:
+        if differ:
+            raise ConfigError(f"the LR/WD schedule differs from the checkpoint's: {'; '.join(differ)}; pass "
+                              f"{OVERRIDE_FLAG} to take the command line or {USE_CHECKPOINT_FLAG} to take the "
+                              "checkpoint's")
 
 
 def owners(sizes: list[int], dp: int) -> list[int]:
@@ -175,9 +331,13 @@ class DistributedOptimizer:
 
     # -- update -------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float) -> None:
-        for group in self.opt.param_groups:
+    def step(self, lr: float, weight_decay: float | None = None) -> None:
+        """One AdamW step at `lr`; `weight_decay` (the scheduler's, None: --weight-decay) applies to the decaying
+        group, the other (biases, 1-D parameters) stays at 0 (Megatron's wd_mult 0)."""
+        wd = self.cfg.weight_decay if weight_decay is None else weight_decay
+        for group, mult in zip(self.opt.param_groups, (1.0, 0.0)):
             group["lr"] = lr
+            group["weight_decay"] = wd * mult
         for i, main in self.main.items():
             main.grad = self.params[i].main_grad
         self.opt.step()
