@@ -618,7 +618,8 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
 
 
 class Dataset(Protocol):
-    fingerprint: str
+    fingerprint: str  # everything that decides the samples, the size included
+    identity: str  # the same without the size (files, blend, split, seed, seq length)
 
     def __len__(self) -> int: ...
 
@@ -653,9 +654,11 @@ class GPTDataset:
         self.shuffle_index = build_shuffle_index(sans_final if separate_final_epoch else n, n, rng)
         self.num_epochs = epochs
         beg, end = (int(self.indices[0]), int(self.indices[-1]) + 1) if len(self.indices) else (0, 0)
-        self.fingerprint = _digest({"kind": "gpt", "order_version": ORDER_VERSION, "data": indexed.digest(),
-                                    "documents": [beg, end, len(self.indices)], "num_samples": num_samples,
-                                    "seq_length": seq_length, "seed": seed, "split": split})
+        what_data = {"kind": "gpt", "order_version": ORDER_VERSION, "data": indexed.digest(),
+                     "documents": [beg, end, len(self.indices)], "seq_length": seq_length, "seed": seed, "split": split}
+        self.fingerprint = _digest(dict(what_data, num_samples=num_samples))
+        # the same without the size: what must not change when a run continues with more --train-iters/-samples
+        self.identity = _digest(what_data)
 
     def __len__(self) -> int:
         return self.shuffle_index.shape[0]
@@ -717,6 +720,8 @@ class BlendedDataset:
                                 f"only {len(ds)}: raise its share of the data or lower its weight")
         self.fingerprint = _digest({"kind": "blend", "order_version": ORDER_VERSION, "weights": self.weights,
                                     "size": size, "datasets": [ds.fingerprint for ds in datasets]})
+        self.identity = _digest({"kind": "blend", "order_version": ORDER_VERSION, "weights": self.weights,
+                                 "datasets": [ds.identity for ds in datasets]})
 
     def __len__(self) -> int:
         return self.size

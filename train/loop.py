@@ -26,11 +26,11 @@ from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
 from train import moe
 from train import precision
-from train.config import TrainConfig, validate
+from train.config import TrainConfig, run_length, validate
 from train.data import DataConfig, build_datasets, check_vocab, micro_batches
 from train.failures import bound_every_group
 from train.metrics import MetricsLogger, flops_per_step, format_line, memory_stats, peak_flops, throughput
-from train.optim import DistributedOptimizer, SchedulerConfig, lr_at
+from train.optim import DistributedOptimizer, ParamScheduler, is_scheduler_state
 from train.parallel.context import apply_context_parallel, packing_from, prepare_micro_batch
 from train.parallel.groups import Groups, ParallelDims, build_groups
 from train.parallel.interleaved import InterleavedPipeline
@@ -124,10 +124,14 @@ class Trainer:
                 ckpt_io.set_rng_state(self.state["rng"])
             self.backend.load_state_dict(self.state.get("fp8"), self.src)  # FP8 scaling state (like Megatron's)
         self.num_micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
-        s = cfg.schedule
-        self.schedule = SchedulerConfig(lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
-                                        warmup_iters=s.lr_warmup_iters, decay_iters=s.lr_decay_iters or s.train_iters,
-                                        style=s.lr_decay_style, wsd_decay_iters=s.lr_wsd_decay_iters)
+        # Megatron's OptimizerParamScheduler (train/optim.py): in samples, built with step(0), advanced by the
+        # global batch after each optimizer step; on resume checked against the checkpoint's (_load_scheduler)
+        self.length = run_length(cfg)
+        self.train_iters = self.length.train_iters
+        self.scheduler = ParamScheduler(self.length.scheduler)
+        self.notes: list[str] = []  # logged by rank 0 at the start of run()
+        if self.state is not None:
+            self.notes += self._load_scheduler()
         self._data()
         self.step = StageStep(self.model, self.groups, self.model_cfg, self.sp, cfg.run.recompute_granularity,
                               self.attention, moe=self.moe)
@@ -141,22 +145,43 @@ class Trainer:
         self.pending_save: ckpt_io.AsyncSave | None = None
         self.save_group = None
 
+    def _load_scheduler(self) -> list[str]:
+        """Megatron-LM's resume: the scheduler state saved in train_state.json, checked against the command line's
+        (default: refuse a difference; --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler). A
+        checkpoint of an older shardkit has none: the command line's schedule, at the consumed samples."""
+        s = self.cfg.schedule
+        where = str(self.src / ckpt_io.TRAIN_STATE)
+        sd = self.state.get("scheduler")
+        if not is_scheduler_state(sd):
+            self.scheduler.step(self.consumed)
+            return [f"note: {where} holds no LR/WD scheduler state (an older shardkit saved it): the command line's "
+                    f"schedule is used from {self.consumed} consumed samples"]
+        return self.scheduler.load_state_dict(sd, override=s.override_opt_param_scheduler,
+                                              use_checkpoint=s.use_checkpoint_opt_param_scheduler, source=where,
+                                              num_steps=self.consumed if s.override_opt_param_scheduler else None)
+
     def _data(self) -> None:
-        d, s = self.cfg.data, self.cfg.schedule
+        """The train dataset built for this run's size (Megatron's GPTDataset/BlendedDataset for --train-iters x
+        global batch or --train-samples): a run resumed with more iterations rebuilds it for the new size and goes
+        on from the consumed samples, as Megatron-LM does. The data itself (files, blend, split, seed, seq length)
+        must be the checkpoint's unless --override-data-state."""
+        d = self.cfg.data
         dc = DataConfig(paths=d.data_path, seq_length=d.seq_length, seed=d.seed, split=d.split)
         # token ids against the checkpoint's true vocabulary (not its TP padding), on every rank, before step 1
         check_vocab(d.data_path, self.model_cfg.vocab_size, f"checkpoint {self.src}")
-        evals = (s.train_iters // self.cfg.run.eval_interval + 1) * self.cfg.run.eval_iters \
+        evals = (self.train_iters // self.cfg.run.eval_interval + 1) * self.cfg.run.eval_iters \
             if self.cfg.run.eval_interval and self.cfg.run.eval_iters else 0
-        self.train_ds, self.valid_ds = build_datasets(dc, s.train_iters * d.global_batch_size,
-                                                      evals * d.global_batch_size)
+        self.train_ds, self.valid_ds = build_datasets(dc, self.length.train_samples, evals * d.global_batch_size)
         self.fingerprint = self.train_ds.fingerprint
         if self.state is not None and not d.override_data_state:
-            old = self.state.get("data_fingerprint")
-            if old is not None and old != self.fingerprint:
+            old, new = self.state.get("data_identity"), self.train_ds.identity
+            what = "data files, blend, split, seed or seq length changed"
+            if old is None:  # saved before the size-free identity: the whole fingerprint, size included
+                old, new, what = self.state.get("data_fingerprint"), self.fingerprint, what + " (or, since this " \
+                    "checkpoint predates size-free data fingerprints, --train-iters/--train-samples)"
+            if old is not None and old != new:
                 raise ConfigError(f"the dataset differs from the one {self.src} was trained on (fingerprint "
-                                  f"{old[:12]} vs {self.fingerprint[:12]}: data files, blend, split, seed, seq length "
-                                  "or train iters changed); pass --override-data-state to continue anyway")
+                                  f"{old[:12]} vs {new[:12]}: {what}); pass --override-data-state to continue anyway")
 
     def _prepare(self, sample: torch.Tensor):
         """[mbs, seq+1] tokens -> (ids, labels, extras) for this CP rank (all CP ranks read the same samples)."""
@@ -177,9 +202,11 @@ class Trainer:
         self.opt.reduce_grads()
         norm = self.opt.clip()
         loss = self._loss_checked(loss_sum, norm)  # before the step: a non-finite state is never applied
-        lr = lr_at(self.iteration, self.schedule)
-        self.opt.step(lr)
-        out = {"loss": loss, "lr": lr, "grad_norm": norm}
+        # the values this step applies (Megatron-LM's log line prints them after the scheduler advanced)
+        lr, wd = self.scheduler.lr, self.scheduler.wd
+        self.opt.step(lr, wd)
+        self.scheduler.step(self.cfg.data.global_batch_size)
+        out = {"loss": loss, "lr": lr, "weight_decay": wd, "grad_norm": norm}
         if self.moe is not None:  # expert-bias update (all DP ranks' counts) and the MoE logs
             out.update(self.moe.finish_step(self.dims.dp))
         return out
@@ -265,33 +292,13 @@ class Trainer:
                              f"on rank {rank}); checkpoint not saved: lower --lr (or clip with --clip-grad), keep "
                              f"--check-for-nan-in-loss-and-grad on and {self._resume_hint()}")
 
-    def _check_weights_finite(self) -> None:
-        """Refuse to save weights that hold NaN/inf (whatever --check-for-nan-in-loss-and-grad says): every rank
-        counts its own, one all-reduce, and the first bad tensor of each rank is named."""
-        bad = [(lp.name, int((~torch.isfinite(lp.param.detach())).sum())) for lp in self.table
-               if lp.param.is_floating_point()]
-        bad = [(n, c) for n, c in bad if c]
-        t = torch.tensor([sum(c for _, c in bad)], dtype=torch.float64, device=self.device)
-        if self.dims.world > 1:
-            dist.all_reduce(t)
-        if not float(t):
-            return
-        first = [bad[0] if bad else None]
-        if self.dims.world > 1:
-            first = [None] * self.dims.world
-            dist.all_gather_object(first, bad[0] if bad else None)
-        rank, (name, count) = next((r, x) for r, x in enumerate(first) if x is not None)
-        raise NonFiniteError(f"iteration {self.iteration}: {int(float(t))} non-finite weight values ({name}: {count} "
-                             f"on rank {rank}); checkpoint not saved: lower --lr (or clip with --clip-grad), keep "
-                             f"--check-for-nan-in-loss-and-grad on and {self._resume_hint()}")
-
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
         self._check_weights_finite()  # before anything is written: `latest` stays on the last finite checkpoint
-        self._check_weights_finite()  # before anything is written: `latest` stays on the last finite checkpoint
         state = {"iteration": self.iteration, "consumed_samples": self.consumed, "data_fingerprint": self.fingerprint,
-                 "rng": ckpt_io.rng_state(), "scheduler": asdict(self.schedule),
+                 "data_identity": self.train_ds.identity,
+                 "rng": ckpt_io.rng_state(), "scheduler": self.scheduler.state_dict(),
                  "optimizer": asdict(self.cfg.optimizer),
                  "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in _flat(self.cfg).items()},
                  "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "cp": self.dims.cp,
@@ -335,11 +342,13 @@ class Trainer:
         if self.groups.rank == 0 and (self.backend.fp8 is not None or self.backend.te is not None):
             log(self.backend.describe())  # e.g. "backend local; FP8 hybrid (delayed scaling) on 16 linear layers"
         if self.groups.rank == 0:
+            for note in self.notes:  # resume: which LR/WD schedule is used
+                log(note)
             log(self.attention_line)
         if self.groups.rank == 0 and self.moe is not None:
             log(moe.describe(self.moe))
         try:
-            while self.iteration < c.schedule.train_iters:
+            while self.iteration < self.train_iters:
                 t0 = time.perf_counter()
                 m = self.train_step(batches)
                 self.iteration += 1
@@ -353,9 +362,9 @@ class Trainer:
                 history.append(dict(m, iteration=self.iteration))
                 if logging and self.groups.rank == 0:
                     if logger is not None:
-                        logger.log(self.iteration, m, c.schedule.train_iters, echo=False)
-                    log(format_line(self.iteration, m, c.schedule.train_iters))
-                last = self.iteration == c.schedule.train_iters
+                        logger.log(self.iteration, m, self.train_iters, echo=False)
+                    log(format_line(self.iteration, m, self.train_iters))
+                last = self.iteration == self.train_iters
                 exiting = c.schedule.exit_interval and self.iteration % c.schedule.exit_interval == 0
                 if last or exiting or (c.checkpoint.save_interval
                                        and self.iteration % c.checkpoint.save_interval == 0):
@@ -367,14 +376,6 @@ class Trainer:
             if logger is not None:
                 logger.close()
         return history
-
-
-class NonFiniteError(ShardkitError):
-    """A loss, grad norm or weight is NaN/inf: the run stops without applying or saving it."""
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 class NonFiniteError(ShardkitError):
