@@ -1,7 +1,10 @@
-"""One progress bar for long work: items, bytes, rate and ETA (rich), quiet when not wanted."""
+"""What shardkit prints: one progress bar for long work (items, bytes, rate and ETA, rich), quiet when not wanted;
+and the strict JSON of every `--json` output."""
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import sys
 from typing import Iterator
 
@@ -34,3 +37,19 @@ def progress_bar(label: str, total: int, items: int, disable: bool = False) -> I
         t = p.add_task(f"{label} bytes", total=total)
         i = p.add_task(f"{label} chunks", total=items)
         yield _Bar(p, t, i)
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_text(obj, indent: int | None = 1) -> str:
+    """Strict JSON (RFC 8259) for `--json` outputs: a NaN or infinite float is written as null, never as the bare
+    NaN / Infinity that Python's json module emits and other parsers refuse."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)

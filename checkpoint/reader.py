@@ -26,6 +26,33 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: a reshard or expo
     import torch
 
 
+# dtype -> (unsigned view, exponent mask, the masked value of NaN/Inf): a value is not finite when all its exponent
+# bits are set (float8_e4m3fn has no Inf and one NaN pattern per sign, S.1111.111).
+_NONFINITE_BITS = {"float64": (np.uint64, 0x7FF0000000000000, 0x7FF0000000000000),
+                   "float32": (np.uint32, 0x7F800000, 0x7F800000), "bfloat16": (np.uint16, 0x7F80, 0x7F80),
+                   "float16": (np.uint16, 0x7C00, 0x7C00), "float8_e4m3fn": (np.uint8, 0x7F, 0x7F),
+                   "float8_e5m2": (np.uint8, 0x7C, 0x7C)}
+_NONFINITE_BLOCK = 1 << 20
+
+
+def count_nonfinite(a: np.ndarray) -> int:
+    """How many NaN/Inf values `a` holds (0 for integer dtypes). Streams over the array in 1 Mi-element blocks
+    through a bit test on the exponent, so it costs a few ms per 100 MB and no memory beyond one block."""
+    bits = _NONFINITE_BITS.get(np.dtype(a.dtype).name)
+    if bits is None:
+        return 0 if np.dtype(a.dtype).kind in "biu" else int(np.count_nonzero(~np.isfinite(a)))
+    utype, mask, value = bits
+    flat = np.ascontiguousarray(a).reshape(-1).view(utype)
+    buf = np.empty(min(flat.size, _NONFINITE_BLOCK), utype)
+    n = 0
+    for i in range(0, flat.size, _NONFINITE_BLOCK):
+        part = flat[i:i + _NONFINITE_BLOCK]
+        out = buf[:part.size]
+        np.bitwise_and(part, utype(mask), out=out)
+        n += int(np.count_nonzero(out == utype(value)))
+    return n
+
+
 class Checkpoint:
     """A complete checkpoint iteration (resolved through `latest` when given a root)."""
 
@@ -171,8 +198,11 @@ class Checkpoint:
         e = self.entry(name)
         try:
             try:
+                expect = e.crc32c[chunkio.grid_index(grid, e.shape, e.chunk)] if e.crc32c else None
                 buf = chunkio.map_chunk(self.path / tensor_path(name) / chunkio.chunk_path(Path(), grid), e.chunk,
-                                        store.numpy_dtype(e.dtype))
+                                        store.numpy_dtype(e.dtype), expect)
+            except chunkio.ChunkMoved as err:
+                raise moved_chunk_error(name, e, tuple(grid), err.stored) from None
             except CorruptionError as err:
                 raise CorruptionError(f"tensor {name} chunk {tuple(grid)}: {err}") from None
         except BaseException as err:
@@ -232,11 +262,18 @@ class Checkpoint:
                                   f"config ({list(spec.shape)}/{spec.rule.value})")
             self.array(name)
             base = self.path / tensor_path(name) / "c"
-            for idx in _chunk_boxes(e.shape, e.chunk):
+            for flat, idx in enumerate(_chunk_boxes(e.shape, e.chunk)):
                 key = [str(s.start // c) for s, c in zip(idx, e.chunk)]
                 if not base.joinpath(*key).is_file():
                     raise CorruptionError(f"tensor {name} chunk {_chunk_label(idx, e.chunk)}: missing (its file "
                                           f"{base.joinpath(*key)} is gone); the checkpoint is damaged")
+                if e.crc32c:  # 4 bytes per chunk: the file in this position is the one the manifest recorded
+                    try:
+                        stored = chunkio.read_trailer(base.joinpath(*key))
+                    except CorruptionError as err:
+                        raise _chunk_error(name, idx, e.chunk, err) from None
+                    if stored != e.crc32c[flat]:
+                        raise moved_chunk_error(name, e, tuple(int(k) for k in key), stored)
                 chunks += 1
         return {"tensors": len(self.tensors), "chunks": chunks}
 
@@ -290,22 +327,33 @@ class Checkpoint:
         CorruptionError naming the tensor and the chunk."""
         self.check()
         total_bytes, chunks = 0, 0
+        nonfinite: dict[str, int] = {}
         for name, e in self.tensors.items():
             arr = self.array(name)
             for idx in _chunk_boxes(e.shape, e.chunk):
                 if self._direct[name]:
-                    nbytes = self._chunk(name, tuple(s.start // c for s, c in zip(idx, e.chunk))).nbytes
+                    value = self._chunk(name, tuple(s.start // c for s, c in zip(idx, e.chunk)))
+                    # the chunk file holds the whole chunk shape: count only what lies inside the array
+                    value = value[tuple(slice(0, s.stop - s.start) for s in idx)]
                 else:
                     try:
-                        t = store.read(arr, idx, name)
+                        value = store.to_numpy(store.read(arr, idx, name))
                     except CorruptionError as err:
                         raise _chunk_error(name, idx, e.chunk, err) from None
-                    nbytes = t.numel() * t.element_size()
+                nbytes = value.nbytes
+                bad = count_nonfinite(value)
+                if bad:
+                    nonfinite[name] = nonfinite.get(name, 0) + bad
+                del value
                 total_bytes += nbytes
                 chunks += 1
                 if progress:
                     progress(nbytes)
-        return {"tensors": len(self.tensors), "chunks": chunks, "bytes": total_bytes}
+        # chunk positions are checked against the manifest's crc32c lists; manifests from before they were recorded
+        # have none (the chunks' own checksums still hold, a swap inside one array would not be seen)
+        positions = all(e.crc32c is not None for e in self.tensors.values())
+        return {"tensors": len(self.tensors), "chunks": chunks, "bytes": total_bytes, "nonfinite": nonfinite,
+                "chunk_positions_checked": positions}
 
     def nbytes(self) -> int:
         return sum(entry_nbytes(e) for e in self.tensors.values())
@@ -411,6 +459,18 @@ def _chunk_boxes(shape: list[int], chunk: list[int], within: tuple[slice, ...] |
         yield tuple(slice(o, min(o + c, s)) for o, c, s in zip(offs, chunk, shape))
 
 
+def moved_chunk_error(name: str, e: TensorEntry, grid: tuple[int, ...], stored: int) -> CorruptionError:
+    """A chunk file whose own crc32c holds but is not the one the manifest records at `grid`: name where its bytes
+    belong when the manifest knows (two chunks swapped, or one copied over another)."""
+    belongs = [chunkio.grid_position(i, e.shape, e.chunk) for i, c in enumerate(e.crc32c) if c == stored]
+    where = (f"holds the bytes of chunk {belongs[0]}" + (" (swapped or copied over each other)"
+                                                       if belongs[0] != grid else "")
+             if belongs else "holds bytes the manifest records for no chunk of this tensor")
+    return CorruptionError(f"tensor {name} chunk {grid}: {where} (crc32c {stored:#010x}, the manifest records "
+                           f"{e.crc32c[chunkio.grid_index(grid, e.shape, e.chunk)]:#010x} here); the checkpoint is "
+                           "damaged")
+
+
 def _chunk_label(idx: tuple[slice, ...], chunk: list[int]) -> str:
     return str(tuple(s.start // c for s, c in zip(idx, chunk)))
 
@@ -473,4 +533,6 @@ def describe(ckpt: Checkpoint) -> dict:
 
 
 def dumps(d: dict) -> str:
-    return json.dumps(d, indent=1)
+    from .progress import json_text
+
+    return json_text(d)

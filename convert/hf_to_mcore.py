@@ -20,6 +20,7 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.manifest import Manifest, TensorEntry
+from checkpoint.reader import count_nonfinite
 from checkpoint.sharding import SCALE_SUFFIX, TensorSpec, check_fp8_layout, fp8_scale_specs, model_specs
 
 from . import families
@@ -35,8 +36,8 @@ def expected_hf_shape(tm: TensorMap, spec: TensorSpec, hf_name: str) -> tuple[in
     return (rows, *spec.shape[spec.lead + 1:])
 
 
-def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None, keep_fp8: bool = False
-         ) -> tuple[dict[str, TensorEntry], list[Task], dict | None]:
+def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None, keep_fp8: bool = False,
+         quiet: bool = True) -> tuple[dict[str, TensorEntry], list[Task], dict | None]:
     """Validate the source against the config and list every chunk to write. Returns (entries, tasks, fp8) where
     fp8 lists the weights kept as block-FP8 (`keep_fp8`); otherwise FP8 sources are dequantized."""
     fam = families.for_config(cfg)
@@ -57,7 +58,7 @@ def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None, kee
                               f"implies {list(shape)}")
     block = fp8_block(cfg)
     consumed = src.check_fp8(block)
-    consumed |= _check_shared_copies(cfg, fam, src)
+    consumed |= _check_shared_copies(cfg, fam, src, quiet)
     unmapped = sorted(n for n in src.tensors if n not in needed and n not in consumed and not fam.ignorable(cfg, n))
     if unmapped:
         raise FormatError(f"{src.dir}: {len(unmapped)} HF tensor(s) are not mapped for model_type "
@@ -116,11 +117,19 @@ def fp8_block(cfg: ModelConfig) -> tuple[int, int] | None:
     return tuple(q["weight_block_size"]) if q else None
 
 
-def _check_shared_copies(cfg: ModelConfig, fam, src: HFSource) -> set[str]:
-    """HF tensors that duplicate a main-model tensor (DeepSeek MTP's embedding/head): Megatron shares them, so they
-    must be equal to the main one, compared block by block; returns the copies found."""
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _check_shared_copies(cfg: ModelConfig, fam, src: HFSource, quiet: bool = True) -> set[str]:
+    """HF tensors that duplicate a main-model tensor (DeepSeek MTP's embedding/head; the output head of a tied model,
+    which some checkpoints still save): Megatron shares them, so they must be equal to the main one, compared block
+    by block; returns the copies found. A copy that differs is an error naming both tensors, never dropped."""
     found = set()
-    for copy, main in getattr(fam, "shared_copies", lambda c: {})(cfg).items():
+    copies = dict(getattr(fam, "shared_copies", lambda c: {})(cfg))
+    if cfg.tie_word_embeddings:  # the head is the embedding: a saved head (and MTP copies of it) must equal it
+        copies = {copy: EMBEDDING if main == TIED_HEAD else main for copy, main in copies.items()}
+        copies[TIED_HEAD] = EMBEDDING
+    for copy, main in copies.items():
         if copy not in src.tensors:
             continue
         a, b = src.tensors[copy], src.tensors.get(main)
@@ -131,9 +140,16 @@ def _check_shared_copies(cfg: ModelConfig, fam, src: HFSource) -> set[str]:
         for r in range(0, a.shape[0], rows):
             x, y = src.read(copy, r, r + rows), src.read(main, r, r + rows)
             if x.dtype != y.dtype or not np.array_equal(x, y):
+                if copy == TIED_HEAD:
+                    raise FormatError(f"{src.dir}: config.json says tie_word_embeddings=true but tensor {copy} differs "
+                                      f"from {main} (rows from {r}); converting would drop {copy}: set "
+                                      "tie_word_embeddings to false if the head is trained separately")
                 raise FormatError(f"{src.dir}: tensor {copy} differs from {main} (rows from {r}); Megatron shares "
                                   "them, so this checkpoint cannot be converted without losing one")
         found.add(copy)
+        if copy == TIED_HEAD and not quiet:
+            print(f"shardkit: note: {copy} is an exact copy of {main} (tie_word_embeddings=true): stored once, as "
+                  "the embedding", file=sys.stderr)
     return found
 
 
@@ -151,7 +167,7 @@ _W: dict = {}
 
 
 def _init_worker(hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, dtypes: dict[str, str],
-                 fp8: dict | None) -> None:
+                 fp8: dict | None, allow_nonfinite: bool = False) -> None:
     # one thread for the torch casts, if any (a same-dtype conversion never imports torch)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
@@ -160,6 +176,7 @@ def _init_worker(hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, d
     cfg = ModelConfig.from_dict(cfg_dict)
     layout = Layout.from_dict(layout_dict)
     _W.update(src=_LazySource(hf_dir, None if fp8 else fp8_block(cfg)), sink=ChunkSink(out_dir, dtypes),
+              allow_nonfinite=allow_nonfinite, hf_dir=hf_dir,
               maps={(tm.canonical, tm.lead): tm for tm in families.tensor_maps(cfg, layout, fp8)})
 
 
@@ -209,11 +226,28 @@ def _prefetch_task(task: Task) -> None:
             src.willneed(seg.hf_name, seg.hf_start + lo - seg.start, seg.hf_start + hi - seg.start)
 
 
+def _check_finite(tm: TensorMap, start: int, value: np.ndarray) -> None:
+    """Refuse NaN/Inf source weights, naming the HF tensor and its rows: checked on the chunk being written (a bit
+    test on the exponent, streaming), so it costs no extra read."""
+    bad = count_nonfinite(value)
+    if not bad:
+        return
+    flat = np.ascontiguousarray(value).reshape(value.shape[0], -1)
+    row = start + next(i for i in range(flat.shape[0]) if count_nonfinite(flat[i]))
+    seg = next((s for s in tm.segments if s.start <= row < s.stop), tm.segments[-1])
+    hf_row = seg.hf_start + min(row, seg.stop - 1) - seg.start
+    raise FormatError(f"{_W['hf_dir']}: tensor {seg.hf_name} holds non-finite values (NaN/Inf), first in row "
+                      f"{hf_row} ({bad:,} in the rows converted with it); refusing to convert them "
+                      "(--allow-nonfinite converts them as they are)")
+
+
 def _run_task(task: Task) -> tuple[str, int]:
     """Assemble one chunk from the HF rows (and columns) it needs and write it."""
     tm = _W["maps"][(task.name, task.lead)]
     rows, *rest = task.box[len(task.lead):]
     value = assemble(tm, rows[0], rows[1], _W["src"].read, slice(*rest[0]) if rest else None)
+    if not _W["allow_nonfinite"]:
+        _check_finite(tm, rows[0], value)
     try:
         return _W["sink"].write(task, value.reshape((1,) * len(task.lead) + tuple(value.shape)))
     finally:
@@ -224,7 +258,7 @@ def _run_task(task: Task) -> tuple[str, int]:
 
 def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dtype: str | None = None,
                         workers: int | None = None, overwrite: bool = False, quiet: bool = False,
-                        keep_fp8: bool = False) -> Path:
+                        keep_fp8: bool = False, allow_nonfinite: bool = False) -> Path:
     """Convert and commit `<out>/iter_0000000`; returns the iteration directory."""
     hf_dir, out = Path(hf_dir), Path(out)
     cfg = ModelConfig.from_hf_dir(hf_dir)
@@ -232,13 +266,13 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
     dtype = store.dtype_name(dtype) if dtype else None
     src = HFSource(hf_dir)
     cfg = _without_absent_mtp(cfg, src, quiet)
-    entries, tasks, fp8 = plan(cfg, layout, src, dtype, keep_fp8)
+    entries, tasks, fp8 = plan(cfg, layout, src, dtype, keep_fp8, quiet=quiet)
     job = {"tool": VERSION, "source": str(hf_dir.resolve()), "files": src.fingerprint(), "layout": layout.to_dict(),
            "dtype": dtype, "fp8": fp8, "model": _jsonable(cfg.to_dict())}
     started = time.time()
     with IterationWriter(out, 0, job, overwrite=overwrite) as w:
         init_args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
-                     {n: e.dtype for n, e in entries.items()}, fp8)
+                     {n: e.dtype for n, e in entries.items()}, fp8, allow_nonfinite)
         write_chunks(w, entries, "hf-to-mcore", _init_worker, init_args, _run_task, workers, quiet,
                      prefetch=_prefetch_task)
         copy_assets(hf_dir, w.path("hf"))

@@ -52,12 +52,10 @@ def tensor_maps(cfg: ModelConfig, layout: Layout) -> list[TensorMap]:
     return model_maps(cfg, layout, layer_maps)
 
 
-# HF tensors that carry no weights of their own and may be present: tied checkpoints sometimes still save lm_head,
-# and old checkpoints save rotary caches.
+# HF tensors that carry no weights of their own and may be present: old checkpoints save rotary caches (computed from
+# the config). A tied checkpoint's saved lm_head is not ignorable: hf_to_mcore checks it equals the embedding.
 IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def ignorable(cfg: ModelConfig, hf_name: str) -> bool:
-    if hf_name.endswith(IGNORABLE_SUFFIXES):
-        return True
-    return cfg.tie_word_embeddings and hf_name == "lm_head.weight"
+    return hf_name.endswith(IGNORABLE_SUFFIXES)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from checkpoint.config import ModelConfig
@@ -124,7 +123,9 @@ def _plan(args: argparse.Namespace) -> int:
         out = report.to_json(cands, name, args.gpus, gpu_memory, s, hw, limit=args.top)
         if requested:
             out["requested"] = [c.to_dict() for c in requested]
-        print(json.dumps(out, indent=1))
+        from checkpoint.progress import json_text
+
+        print(json_text(out))
     else:
         report.print_table(cands, title, gpu_memory, top=args.top, requested=requested)
     if args.plot:

@@ -5,7 +5,6 @@ Every user-facing failure is a ShardkitError: printed as one line naming the cul
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -63,6 +62,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                      help="block-FP8 sources (DeepSeek-V3): keep the e4m3 weights and their block scales for FP8 "
                           "training instead of dequantizing (recorded in the manifest)")
     h2m.add_argument("--workers", type=int, default=None, help="writer processes (default: CPU count)")
+    h2m.add_argument("--allow-nonfinite", action="store_true",
+                     help="convert NaN/Inf source weights as they are (default: refuse them, naming the tensor)")
     _format_flags(h2m)
     h2m.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory: the iteration written here replaces any earlier one of the same number; other files are left alone")
     h2m.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -289,7 +290,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                                 "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
         path = _write(args, args.out, lambda out: convert_hf_to_mcore(
             args.hf_dir, out, layout, dtype=dtype, workers=args.workers, overwrite=args.overwrite, quiet=args.quiet,
-            keep_fp8=args.keep_fp8))
+            keep_fp8=args.keep_fp8, allow_nonfinite=args.allow_nonfinite))
         print(f"wrote {path}")
         return 0
     if args.cmd == "convert" and args.direction == "mcore-to-hf":
@@ -422,7 +423,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
     d = describe(Checkpoint(args.ckpt))
     if args.json:
-        print(json.dumps(d, indent=1))
+        from checkpoint.progress import json_text
+
+        print(json_text(d))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -454,23 +457,39 @@ def _verify(args: argparse.Namespace) -> int:
     with progress_bar("verify", total=ckpt.nbytes(), items=0, disable=args.quiet or args.json) as bar:
         result = ckpt.verify(progress=lambda n: bar.advance(n))
     result = {"path": str(ckpt.path), "chunks_ok": True, **result}
-    ok = True
+    ok = finite = not result["nonfinite"]
     if args.against:
         from convert.parity import logit_parity
 
         parity = logit_parity(ckpt.config, ckpt.state_dict(dequantize=True), args.against, seq_len=args.seq_length)
         parity["tolerance"] = args.tolerance
-        parity["ok"] = ok = parity["max_abs_diff"] <= args.tolerance
+        parity["ok"] = close = parity["max_abs_diff"] <= args.tolerance  # False for a NaN difference
+        ok = ok and close
         result["parity"] = parity
+    result["ok"] = ok
     if args.json:
-        print(json.dumps(result, indent=1))
+        from checkpoint.progress import json_text
+
+        print(json_text(result))
     else:
         print(f"{result['path']}: {result['tensors']} tensors, {result['chunks']} chunks, {result['bytes']:,} bytes: "
               "all checksums OK, manifest matches the arrays")
+        if not result.get("chunk_positions_checked", True):
+            print("note: this manifest records no per-chunk crc32c (written by an older shardkit): each chunk's own "
+                  "checksum was checked, but not that it sits in its place; rewrite it (reshard) to record them")
+        for name, count in result["nonfinite"].items():
+            print(f"  {name}: {count:,} non-finite value(s) (NaN/Inf)")
         if args.against:
             p = result["parity"]
             print(f"logits vs {args.against} (fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| = "
                   f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if ok else 'FAIL'}")
+    if not finite:
+        bad = result["nonfinite"]
+        first = next(iter(bad))
+        print(f"shardkit: error: {len(bad)} tensor(s) hold non-finite values (NaN/Inf), e.g. {first} "
+              f"({bad[first]:,}); this checkpoint cannot be trained or exported as it is: resume from an earlier "
+              "iteration", file=sys.stderr)
+        return 1
     if not ok:
         print(f"shardkit: error: logits differ from {args.against} by {result['parity']['max_abs_diff']:.3e} > "
               f"{args.tolerance:.0e}; the checkpoint does not reproduce that model", file=sys.stderr)

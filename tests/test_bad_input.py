@@ -346,3 +346,95 @@ def test_megatron_is_not_imported_by_the_test_process():
     import sys
 
     assert "megatron.core" not in sys.modules
+
+
+# -- nothing dropped, nothing non-finite: tied heads, NaN weights, strict --json (issue 14) -------------------------
+
+def _edit_tensors(hf: Path, **changes) -> None:
+    """Rewrite model.safetensors with some tensors replaced (numpy arrays) or added."""
+    from safetensors.torch import load_file, save_file
+
+    path = hf / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors.update(changes)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _tied_with_head(hf: Path, differ: bool) -> None:
+    from safetensors.torch import load_file
+
+    emb = load_file(str(hf / "model.safetensors"))["model.embed_tokens.weight"]
+    head = emb.clone()
+    if differ:
+        head[3, 5] += 1.0
+    edit_config(hf, tie_word_embeddings=True)
+    _edit_tensors(hf, **{"lm_head.weight": head})
+
+
+def test_tied_config_with_a_different_lm_head_is_an_error(hf, out, capsys):
+    _tied_with_head(hf, differ=True)
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    line = assert_one_line_error(rc, err, "lm_head.weight", "model.embed_tokens.weight", "tie_word_embeddings")
+    assert "differs" in line
+    assert_nothing_complete(out)
+
+
+def test_tied_config_with_an_equal_lm_head_converts_with_a_note(hf, out, capsys):
+    _tied_with_head(hf, differ=False)
+    capsys.readouterr()
+    assert main(["convert", "hf-to-mcore", str(hf), str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "note: lm_head.weight is an exact copy of model.embed_tokens.weight" in err
+
+
+def test_string_false_is_not_true(hf, out, capsys):
+    """`"tie_word_embeddings": "false"` once read as true and dropped the real lm_head."""
+    edit_config(hf, tie_word_embeddings="false")
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    assert_one_line_error(rc, err, str(hf / "config.json"), 'tie_word_embeddings="false"', "true or false")
+
+
+def test_rope_factor_zero_is_refused(hf, out, capsys):
+    cfg = json.loads((hf / "config.json").read_text())
+    key = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"  # what transformers 5 / 4 save
+    edit_config(hf, **{key: {**cfg[key], "factor": 0}})
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    assert_one_line_error(rc, err, f"{key}.factor=0", "> 0")
+
+
+def _poisoned(hf: Path) -> str:
+    from safetensors.torch import load_file
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    t = load_file(str(hf / "model.safetensors"))[name].clone()
+    t[7, 3] = float("nan")
+    t[9, 0] = float("inf")
+    _edit_tensors(hf, **{name: t})
+    return name
+
+
+def test_nonfinite_source_weights_are_refused_then_allowed_and_counted(hf, out, capsys):
+    name = _poisoned(hf)
+    rc, err = run_inproc(convert_argv(hf, out), capsys)
+    line = assert_one_line_error(rc, err, name, "non-finite", "row 7", "--allow-nonfinite")
+    assert_nothing_complete(out)
+    assert main(convert_argv(hf, out, "--allow-nonfinite")) == 0
+    # verify counts them per tensor and fails; --json stays strict JSON
+    rc, err = run_inproc(["verify", out, "--quiet"], capsys)
+    assert_one_line_error(rc, err, "decoder.layers.mlp.linear_fc2.weight", "non-finite", "(2)")
+    capsys.readouterr()
+    rc = main(["verify", str(out), "--json"])
+    text = capsys.readouterr().out
+    d = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in --json output"))
+    assert rc == 1 and d["ok"] is False and d["nonfinite"] == {"decoder.layers.mlp.linear_fc2.weight": 2}
+
+
+def test_json_outputs_are_strict(ckpt, capsys):
+    """inspect/verify/plan --json never print bare NaN/Infinity, even when a value is not finite."""
+    from checkpoint.progress import json_text
+
+    assert json.loads(json_text({"a": float("nan"), "b": [float("inf"), 1.5]})) == {"a": None, "b": [None, 1.5]}
+    for argv in (["inspect", ckpt, "--json"], ["verify", ckpt, "--json"]):
+        capsys.readouterr()
+        assert main([str(a) for a in argv]) == 0
+        json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"bare {c} in {argv[0]} --json"))
