@@ -106,11 +106,93 @@ def chunk_path(array_dir: Path, grid: Sequence[int]) -> Path:
     return array_dir.joinpath("c", *(str(i) for i in grid))
 
 
-def map_chunk(path: Path, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+class ChunkMoved(CorruptionError):
+    """A chunk file whose bytes pass their own crc32c but are not the bytes the manifest records for its position
+    (two chunk files swapped, or one copied over another). `stored` is the crc32c the file carries."""
+
+    def __init__(self, msg: str, stored: int):
+        super().__init__(msg)
+        self.stored = stored
+
+
+def grid_shape(shape: Sequence[int], chunk: Sequence[int]) -> tuple[int, ...]:
+    """Chunks per axis of an array (edge chunks included)."""
+    return tuple(-(-s // c) for s, c in zip(shape, chunk))
+
+
+def grid_index(grid: Sequence[int], shape: Sequence[int], chunk: Sequence[int]) -> int:
+    """The position of chunk `grid` in C order over the chunk grid: its place in a manifest's `crc32c` list."""
+    flat = 0
+    for g, n in zip(grid, grid_shape(shape, chunk)):
+        flat = flat * n + g
+    return flat
+
+
+def grid_position(flat: int, shape: Sequence[int], chunk: Sequence[int]) -> tuple[int, ...]:
+    """Inverse of grid_index."""
+    out = []
+    for n in reversed(grid_shape(shape, chunk)):
+        flat, g = divmod(flat, n)
+        out.append(g)
+    return tuple(reversed(out))
+
+
+def read_trailer(path: Path) -> int:
+    """The crc32c a chunk file carries (its last 4 bytes, little endian): what its writer computed over its bytes.
+    CorruptionError when the file is missing or shorter than the trailer."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CorruptionError(f"missing (its file {path} is gone); the checkpoint is damaged") from None
+    except OSError as e:
+        raise CorruptionError(f"cannot open {path} ({e.strerror or e})") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < TRAILER:
+            raise CorruptionError(f"{path} holds {size} bytes, less than its crc32c trailer; the checkpoint is damaged")
+        return int.from_bytes(os.pread(fd, TRAILER, size - TRAILER), "little")
+    finally:
+        os.close(fd)
+
+
+def chunk_crcs(array_dir: Path, shape: Sequence[int], chunk: Sequence[int]) -> list[int]:
+    """The crc32c of every chunk of an array, in C order over its chunk grid, from the chunk files' trailers (the
+    values their writer computed, chunkio or tensorstore alike: both write the zarr3 crc32c codec's trailer).
+    Recorded in the manifest so that a chunk file in the wrong place is found (`ChunkMoved`)."""
+    import itertools
+
+    return [read_trailer(chunk_path(array_dir, g)) for g in itertools.product(*(range(n) for n in
+                                                                                 grid_shape(shape, chunk)))]
+
+
+def record_chunk_crcs(manifest, iter_dir: Path) -> None:
+    """Fill every manifest entry's `crc32c` (the chunk crcs, C order) from the chunk files below `iter_dir`, before
+    the manifest is written: one 4-byte read per chunk. Arrays of another codec chain (not ours) get none."""
+    import json
+
+    from .manifest import tensor_path
+
+    for name, e in manifest.tensors.items():
+        adir = Path(iter_dir) / tensor_path(name)
+        try:
+            md = json.loads((adir / "zarr.json").read_text())
+        except (OSError, ValueError):
+            md = {}
+        if md.get("codecs") != CODECS:
+            e.crc32c = None
+            continue
+        try:
+            e.crc32c = chunk_crcs(adir, e.shape, e.chunk)
+        except CorruptionError as err:
+            raise CorruptionError(f"tensor {name}: {err} (while recording its chunk checksums)") from None
+
+
+def map_chunk(path: Path, shape: Sequence[int], dtype: np.dtype, expect: int | None = None) -> np.ndarray:
     """The chunk file at `path` as a read-only array memory-mapped from the page cache (no copy into a buffer of
     ours: reshard then copies each byte once, into the destination file), after checking its size and CRC32C.
     CorruptionError (without the tensor's name; the caller adds it) when the file is missing, of the wrong size or
-    fails its checksum. The mapping lives as long as any view of the array does."""
+    fails its checksum; ChunkMoved when `expect` (the manifest's crc32c for this position) is given and the file
+    carries another. The mapping lives as long as any view of the array does."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     try:
@@ -134,6 +216,9 @@ def map_chunk(path: Path, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     if stored != computed:
         raise CorruptionError(f"{path}: Digest mismatch (crc32c stored {stored:#010x}, computed {computed:#010x}); "
                               "the checkpoint is damaged")
+    if expect is not None and stored != expect:
+        raise ChunkMoved(f"{path}: holds a chunk with crc32c {stored:#010x}, but the manifest records {expect:#010x} "
+                         "at this position", stored)
     return raw[:nbytes].view(dtype).reshape(shape)
 
 

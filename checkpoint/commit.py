@@ -305,6 +305,9 @@ class IterationWriter:
         for f in ("done.log", "job.json"):
             (self.partial / f).unlink(missing_ok=True)
         fault_point("commit.begin")
+        from .chunkio import record_chunk_crcs
+
+        record_chunk_crcs(manifest, self.partial)  # every chunk's crc32c, so a chunk in the wrong place is found
         write_file_atomic(self.partial / MANIFEST, manifest.to_json())
         replace_dir(self.partial, self.final)
         fault_point("commit.latest")

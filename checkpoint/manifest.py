@@ -52,6 +52,9 @@ class TensorEntry:
     rule: str
     per_layer: bool
     expert: bool = False
+    # crc32c of every chunk file, in C order over the chunk grid (recorded at commit from the files' trailers): a
+    # chunk file in the wrong position is found. None in manifests written before they were recorded.
+    crc32c: list[int] | None = None
 
     def __post_init__(self) -> None:
         """A manifest entry is input: its sizes are bounded and typed before any array is opened or chunk iterated."""
@@ -71,6 +74,20 @@ class TensorEntry:
             raise FormatError(f"rule {self.rule!r} is unknown")
         if not isinstance(self.per_layer, bool) or not isinstance(self.expert, bool):
             raise FormatError("per_layer / expert must be booleans")
+        if self.crc32c is not None:
+            n = 1
+            for s, c in zip(self.shape, self.chunk):
+                n *= -(-s // c)
+            if not isinstance(self.crc32c, list) or len(self.crc32c) != n or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 32 for x in self.crc32c):
+                raise FormatError(f"crc32c must list one 32-bit checksum per chunk ({n} chunks)")
+
+    def to_dict(self) -> dict:
+        """The manifest's JSON of this entry (`crc32c` only when recorded, so older manifests read as they were)."""
+        d = dict(vars(self))
+        if d["crc32c"] is None:
+            del d["crc32c"]
+        return d
 
     @property
     def lead(self) -> int:
@@ -119,7 +136,7 @@ class Manifest:
             "model": self.model.to_dict(),
             "layout": self.layout.to_dict(),
             "vocab": self.vocab,
-            "tensors": {k: vars(v) for k, v in self.tensors.items()},
+            "tensors": {k: v.to_dict() for k, v in self.tensors.items()},
             "provenance": self.provenance,
             "training": self.training,
             "fp8": self.fp8,

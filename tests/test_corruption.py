@@ -84,6 +84,16 @@ def swap(ck: Path) -> None:
     tmp.rename(b)
 
 
+def swap_chunks(ck: Path) -> None:
+    """Two chunk files of one array exchanged: each passes its own crc32c, only the manifest's per-chunk crcs tell."""
+    d = ck / ITER / "model" / TENSOR / "c"
+    a, b = d / "0" / "0" / "0", d / "1" / "0" / "0"
+    tmp = a.with_name("tmp")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+
+
 DAMAGES = {  # damage -> words the error must contain
     "flipped-byte": (flip, (f"tensor {TENSOR} chunk (1, 0, 0)", "Digest mismatch")),
     "truncated-chunk": (truncate, (f"tensor {TENSOR} chunk (1, 0, 0)",)),
@@ -91,6 +101,8 @@ DAMAGES = {  # damage -> words the error must contain
     "edited-manifest": (edit_manifest, ("manifest.json", "digest mismatch")),
     "edited-manifest-redigested": (edit_manifest_redigested, (f"tensor {TENSOR}",)),
     "swapped-arrays": (swap, ("arrays swapped",)),
+    "swapped-chunks": (swap_chunks, (f"tensor {TENSOR} chunk (0, 0, 0)", "holds the bytes of chunk (1, 0, 0)",
+                                     "swapped")),
 }
 COMMANDS = ["verify", "reshard", "reshard-skip-verify", "mcore-to-hf", "continue-pretrain",
             "continue-pretrain-skip-verify"]
@@ -131,3 +143,57 @@ def test_damage_is_named(good, tmp_path, capsys, damage, cmd):
     if out.exists():
         assert not (out / "latest").exists() and not list(out.glob("iter_*/manifest.json"))
         assert not (out / "config.json").exists()
+
+
+def _strip_chunk_crcs(ck: Path) -> None:
+    """The manifest as a shardkit before per-chunk crcs wrote it (digest recomputed over it)."""
+    p = ck / ITER / "manifest.json"
+    m = json.loads(p.read_text())
+    m.pop("digest")
+    for e in m["tensors"].values():
+        del e["crc32c"]
+    m["digest"] = "sha256:" + _digest(m)
+    p.write_text(json.dumps(m))
+
+
+def test_manifest_records_chunk_crcs(good):
+    """One crc32c per chunk, C order over the chunk grid, equal to each chunk file's own trailer."""
+    import itertools
+
+    m = json.loads((good["ck"] / ITER / "manifest.json").read_text())
+    for name, e in m["tensors"].items():
+        grid = [-(-s // c) for s, c in zip(e["shape"], e["chunk"])]
+        files = [good["ck"] / ITER / "model" / name / "c" / "/".join(map(str, g))
+                 for g in itertools.product(*(range(n) for n in grid))]
+        assert e["crc32c"] == [int.from_bytes(f.read_bytes()[-4:], "little") for f in files], name
+
+
+def test_manifest_without_chunk_crcs_still_reads(good, tmp_path, capsys):
+    ck = Path(shutil.copytree(good["ck"], tmp_path / "ck"))
+    _strip_chunk_crcs(ck)
+    capsys.readouterr()
+    assert main(["verify", str(ck), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "no per-chunk crc32c" in out
+    assert main(["reshard", str(ck), str(tmp_path / "r"), "--tp", "2", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "r"), "--quiet"]) == 0  # the rewrite records them
+    assert "no per-chunk crc32c" not in capsys.readouterr().out
+
+
+def test_training_save_records_chunk_crcs(good, tmp_path, capsys):
+    """The trainer's checkpoints (written through tensorstore) carry the crcs too: a swap in one is found."""
+    save = tmp_path / "run"
+    assert main(argv_for("continue-pretrain", good["ck"], save, good)) == 0
+    it = sorted(save.glob("iter_*"))[-1]
+    m = json.loads((it / "manifest.json").read_text())
+    assert all(e.get("crc32c") for e in m["tensors"].values())
+    assert any(n.startswith("optimizer.") for n in m["tensors"])
+    d = it / "model" / TENSOR / "c"
+    a, b = d / "0" / "0" / "0", d / "1" / "0" / "0"
+    tmp = a.with_name("tmp")
+    a.rename(tmp), b.rename(a), tmp.rename(b)
+    capsys.readouterr()
+    assert main(["verify", str(save), "--quiet"]) == 1
+    line = capsys.readouterr().err.strip()
+    assert f"tensor {TENSOR} chunk (0, 0, 0)" in line and "chunk (1, 0, 0)" in line, line
