@@ -76,22 +76,26 @@ def theirs(work) -> dict[str, dict]:
     """Every schedule's megatron-core run, in one oracle subprocess."""
     ck = Checkpoint(work / "ck" / "iter_0000000")
     model = megatron_model(ck.config, ck.tensors["embedding.word_embeddings.weight"].shape[0])
-    jobs = [{"ckpt": str(work / "td" / "iter_0000000"), "out": str(work / f"theirs-{name}.json"), "model": model,
-             "data": {"blend": [str(work / "corpus")], "split": SPLIT, "seed": SEED, "seq_length": SEQ,
-                      "cache": str(work / f"cache-{name}")},
-             "train": dict(OPTIM, **sched, train_iters=ITERS, micro_batch_size=MBS, global_batch_size=GBS,
-                           lr_warmup_init=0.0, lr_decay_iters=None, use_distributed_optimizer=True)}
-            for name, sched in SCHEDULES.items()]
+    # each schedule with the distributed optimizer (Megatron-LM's --use-distributed-optimizer), and cosine+warmup
+    # with the plain one too
+    runs = [(name, True) for name in SCHEDULES] + [("cosine-warmup", False)]
+    jobs = [{"ckpt": str(work / "td" / "iter_0000000"), "out": str(work / f"theirs-{name}-{dist}.json"),
+             "model": model, "data": {"blend": [str(work / "corpus")], "split": SPLIT, "seed": SEED,
+                                      "seq_length": SEQ, "cache": str(work / f"cache-{name}-{dist}")},
+             "train": dict(OPTIM, **SCHEDULES[name], train_iters=ITERS, micro_batch_size=MBS, global_batch_size=GBS,
+                           lr_warmup_init=0.0, lr_decay_iters=None, use_distributed_optimizer=dist)}
+            for name, dist in runs]
     (work / "jobs.json").write_text(json.dumps(jobs))
     r = subprocess.run([sys.executable, str(ORACLE), str(work / "jobs.json")], capture_output=True, text=True,
                        timeout=300, cwd=str(work))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
-    return {name: json.loads(Path(job["out"]).read_text()) for name, job in zip(SCHEDULES, jobs)}
+    return {(name if dist else f"{name} plain"): json.loads(Path(job["out"]).read_text())
+            for (name, dist), job in zip(runs, jobs)}
 
 
-def compare(work: Path, meg: dict, name: str) -> list[dict]:
+def compare(work: Path, meg: dict, name: str, run: tuple[list[dict], list[list]] | None = None) -> list[dict]:
     """Asserts what both runs must share; returns our metrics rows."""
-    rows, batches = ours(work, name, SCHEDULES[name])
+    rows, batches = run or ours(work, name, SCHEDULES[name])
     assert meg["num_micro"] == GBS // MBS >= 2
     # the same token ids in every micro-batch, in order
     assert [b for step in meg["tokens"] for b in step] == batches
@@ -115,7 +119,9 @@ def test_constant_lr_matches_megatron(work, theirs):
 
 def test_cosine_warmup_matches_megatron(work, theirs):
     meg = theirs["cosine-warmup"]
-    rows = compare(work, meg, "cosine-warmup")
+    run = ours(work, "cosine-warmup", SCHEDULES["cosine-warmup"])
+    rows = compare(work, meg, "cosine-warmup", run)
+    compare(work, theirs["cosine-warmup plain"], "cosine-warmup", run)  # megatron-core's non-distributed optimizer
     lrs = [r["lr"] for r in rows]
     # Megatron's warmup: --lr-warmup-init (0) at the first iteration, the peak after lr_warmup_iters, then cosine
     # down towards --min-lr
