@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.commit import resolve_iteration
+from checkpoint.manifest import iter_dirname
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError, ShardkitError
 from checkpoint.reader import Checkpoint
@@ -307,19 +308,100 @@ class Trainer:
         self.wait_for_save()
         if self.cfg.checkpoint.async_save and self.save_group is None and self.dims.world > 1:
             self.save_group = dist.new_group(backend="gloo")  # the background thread's own collectives
+        t0 = time.perf_counter()
         out = ckpt_io.save(Path(self.cfg.checkpoint.save), self.iteration, self.model_cfg, self.layout, self.table,
                            self.opt, self.groups, state, self.ck.hf_dir(),
                            {"tool": "shardkit continue-pretrain", "source": str(self.src)},
                            async_group=(self.save_group or dist.group.WORLD) if self.cfg.checkpoint.async_save
                            else None)
         if isinstance(out, ckpt_io.AsyncSave):
-            self.pending_save = out
+            self.pending_save = _TimedSave(out, self.iteration, t0)
+        else:
+            self._log_saved(self.iteration, time.perf_counter() - t0)
 
     def wait_for_save(self) -> None:
         """Join an async save still in flight (its error, if any, surfaces here)."""
         if self.pending_save is not None:
             pending, self.pending_save = self.pending_save, None
             pending.wait()
+            self._poll_save(pending)
+
+    def _poll_save(self, pending: "_TimedSave | None" = None) -> None:
+        """--async-save: say `saved checkpoint ...` once the background commit has finished (checked after each
+        iteration, without waiting; its error, if any, still surfaces in wait_for_save on every rank)."""
+        p = pending or self.pending_save
+        if p is not None and not p.logged and p.finished is not None and p.error is None:
+            p.logged = True
+            self._log_saved(p.iteration, p.finished - p.started, " (async)")
+
+    def _log_saved(self, iteration: int, seconds: float, how: str = "") -> None:
+        if self.groups.rank == 0:
+            getattr(self, "log", print)(f"saved checkpoint iteration {iteration} in {seconds:.2f} s{how}: "
+                     f"{Path(self.cfg.checkpoint.save) / iter_dirname(iteration)}")
+
+    # -- what the run says about itself (rank 0) --------------------------------------------------------------------
+    def startup_block(self) -> list[str]:
+        """One block at the start: model, layout, precision, attention, data, tokens per step, load and save."""
+        m, dims, c, d = self.model_cfg, self.dims, self.cfg, self.cfg.data
+        sizes = self.flops
+        heads = f"{m.num_attention_heads} heads / {m.num_query_groups} query groups"
+        if m.multi_latent_attention:
+            heads = f"{m.num_attention_heads} heads (multi-latent attention, kv rank {m.kv_lora_rank})"
+        model = (f"model: {m.model_type}, {sizes['params_total']:,} parameters, {m.num_layers} layers, hidden "
+                 f"{m.hidden_size}, ffn {m.ffn_hidden_size}, {heads}, vocab {m.vocab_size} (padded "
+                 f"{m.padded_vocab_size(dims.tp)} for TP {dims.tp})")
+        if m.is_moe:
+            model += (f", {m.num_moe_experts} experts top-{m.moe_router_topk} "
+                      f"({sum(1 for i in range(m.num_layers) if m.is_moe_layer(i))} MoE layers)")
+        if m.mtp_num_layers:
+            model += f", {m.mtp_num_layers} MTP layers"
+        layout = (f"layout: TP {dims.tp}, PP {dims.pp}, VPP {dims.vpp}, DP {dims.dp}, CP {dims.cp}, EP {dims.ep}, "
+                  f"SP {'on' if self.sp else 'off'} ({dims.world} rank{'s' if dims.world > 1 else ''})")
+        prec = "bf16 (fp32 main weights, grads and optimizer state)" if c.run.bf16 else "fp32"
+        fp8 = (f"FP8 {c.fp8.fp8_format}, {c.fp8.fp8_recipe} recipe" if c.fp8.enabled else "FP8 off")
+        precision_line = f"precision: {prec}; {fp8}; {self.backend.describe()}"
+        lines = [model, layout, precision_line, self.attention_line, *self._data_lines()]
+        tokens = d.global_batch_size * d.seq_length
+        lines.append(f"tokens per step: {tokens:,} (global batch {d.global_batch_size} x seq length {d.seq_length}; "
+                     f"micro batch {d.micro_batch_size}, {self.num_micro} micro-batches per DP rank)")
+        lines.append(f"load: {self.src}")
+        if c.checkpoint.save:
+            every = (f"every {c.checkpoint.save_interval} iterations and at the end" if c.checkpoint.save_interval
+                     else "at the end")
+            lines.append(f"save: {c.checkpoint.save} ({every}{', async' if c.checkpoint.async_save else ''})")
+        else:
+            lines.append("save: nothing (no --save)")
+        return lines
+
+    def _data_lines(self) -> list[str]:
+        ds = self.train_ds
+        parts = ds.datasets if hasattr(ds, "datasets") else [ds]
+        weights = ds.weights if hasattr(ds, "datasets") else [1.0]
+        out = [f"data: {len(parts)} prefix{'es' if len(parts) > 1 else ''}, {len(ds):,} train samples of "
+               f"{self.cfg.data.seq_length} tokens (seed {self.cfg.data.seed}, split {self.cfg.data.split})"
+               + (f", {len(self.valid_ds):,} valid samples" if self.valid_ds is not None else "")]
+        for w, g in zip(weights, parts):
+            out.append(f"  {g.indexed.prefix}: weight {w:.4g}, {len(g):,} samples, {g.num_epochs} epoch"
+                       f"{'s' if g.num_epochs > 1 else ''} of {len(g.indices):,} documents")
+        return out
+
+    def loaded_line(self) -> str:
+        if self.state is None:
+            return (f"loaded checkpoint {self.src} at iteration 0 (consumed samples 0, optimizer state: no; "
+                    "weights only)")
+        optim = "no (--no-load-optim)" if self.cfg.checkpoint.no_load_optim else "yes"
+        return (f"loaded checkpoint {self.src} at iteration {self.iteration} (consumed samples {self.consumed}, "
+                f"optimizer state: {optim})")
+
+    def final_line(self) -> str:
+        save = self.cfg.checkpoint.save
+        if not save:
+            return f"done at iteration {self.iteration}: nothing saved (no --save)"
+        try:
+            last = resolve_iteration(save)
+        except ShardkitError:
+            return f"done at iteration {self.iteration}: no complete checkpoint in {save}"
+        return f"done at iteration {self.iteration}: last complete checkpoint {last}"
 
     def _throughput(self, m: dict) -> None:
         """tokens/s, model TFLOP/s and MFU (Megatron's and torchtitan's conventions) for the step just timed, and the
@@ -339,12 +421,13 @@ class Trainer:
         batches = micro_batches(self.train_ds, self.consumed, d.micro_batch_size, self.groups.dp_rank, self.dims.dp)
         log_dir = c.run.log_dir or c.checkpoint.save
         logger = MetricsLogger(log_dir, self.groups.rank) if log_dir else None
-        if self.groups.rank == 0 and (self.backend.fp8 is not None or self.backend.te is not None):
-            log(self.backend.describe())  # e.g. "backend local; FP8 hybrid (delayed scaling) on 16 linear layers"
+        self.log = log
         if self.groups.rank == 0:
             for note in self.notes:  # resume: which LR/WD schedule is used
                 log(note)
-            log(self.attention_line)
+            for line in self.startup_block():  # the backend and attention lines are part of it
+                log(line)
+            log(self.loaded_line())
         if self.groups.rank == 0 and self.moe is not None:
             log(moe.describe(self.moe))
         try:
@@ -360,6 +443,7 @@ class Trainer:
                 if c.run.eval_interval and self.iteration % c.run.eval_interval == 0:
                     m["valid_loss"] = self.evaluate()
                 history.append(dict(m, iteration=self.iteration))
+                self._poll_save()
                 if logging and self.groups.rank == 0:
                     if logger is not None:
                         logger.log(self.iteration, m, self.train_iters, echo=False)
@@ -372,10 +456,38 @@ class Trainer:
                 if exiting:
                     break
             self.wait_for_save()
+            if self.groups.rank == 0:
+                log(self.final_line())
         finally:
             if logger is not None:
                 logger.close()
         return history
+
+
+class _TimedSave:
+    """An AsyncSave watched from a thread of our own, so the log can say when its background commit finished."""
+
+    def __init__(self, save: "ckpt_io.AsyncSave", iteration: int, started: float) -> None:
+        import threading
+
+        self.iteration, self.started, self.logged = iteration, started, False
+        self.finished: float | None = None
+        self.error: BaseException | None = None
+
+        def watch() -> None:
+            try:
+                save.wait()
+            except BaseException as e:  # re-raised by wait(), on the training thread
+                self.error = e
+            self.finished = time.perf_counter()
+
+        self._thread = threading.Thread(target=watch, name="shardkit-async-save-watch", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 class NonFiniteError(ShardkitError):

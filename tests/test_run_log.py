@@ -1,0 +1,54 @@
+"""The run says what it is doing (issue 15): one start-up block (model, layout, precision, attention, data, tokens per
+step, load and save), `loaded checkpoint ...`, `saved checkpoint iteration N in S s` per save (for --async-save once
+the background commit finished) and a final line naming the last complete checkpoint. Content only, not timing."""
+from __future__ import annotations
+
+import re
+
+from tests.test_train import launch, setup  # noqa: F401  (the module fixture: tiny LLaMA + corpus)
+
+FLAGS = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3", "--seed", "7",
+         "--train-iters", "4", "--save-interval", "1"]
+
+
+def _block(stdout: str) -> list[str]:
+    return [ln for ln in stdout.splitlines() if not ln.startswith("iteration ")]
+
+
+def test_start_up_block_and_checkpoint_lines(setup, tmp_path):  # noqa: F811
+    save, data, ck = tmp_path / "run", setup / "data", setup / "ck"
+    first = launch(1, "--load", str(ck), "--data-path", "0.25", str(data), "0.75", str(data), "--save", str(save),
+                   *FLAGS, "--exit-interval", "2", "--bf16")
+    lines = _block(first.stdout)
+    start = lines.index(next(ln for ln in lines if ln.startswith("model: ")))
+    got = lines[start:start + 11]
+    assert got[0] == ("model: llama, 961,664 parameters, 4 layers, hidden 128, ffn 352, 8 heads / 2 query groups, "
+                      "vocab 1000 (padded 1024 for TP 1)"), got[0]
+    assert got[1] == "layout: TP 1, PP 1, VPP 1, DP 1, CP 1, EP 1, SP off (1 rank)"
+    assert got[2].startswith("precision: bf16 (fp32 main weights, grads and optimizer state); FP8 off; backend "), got
+    assert got[3].startswith("attention: "), got
+    assert re.fullmatch(r"data: 2 prefixes, \d+ train samples of 32 tokens \(seed 7, split 969,30,1\)", got[4]), got
+    assert re.fullmatch(rf"  {re.escape(str(data))}: weight 0\.25, \d+ samples, 1 epoch of \d+ documents", got[5])
+    assert re.fullmatch(rf"  {re.escape(str(data))}: weight 0\.75, \d+ samples, 1 epoch of \d+ documents", got[6])
+    assert got[7] == "tokens per step: 128 (global batch 4 x seq length 32; micro batch 1, 4 micro-batches per DP rank)"
+    assert got[8] == f"load: {ck / 'iter_0000000'}"
+    assert got[9] == f"save: {save} (every 1 iterations and at the end)"
+    assert got[10] == (f"loaded checkpoint {ck / 'iter_0000000'} at iteration 0 (consumed samples 0, optimizer state: "
+                       "no; weights only)")
+    for it in (1, 2):
+        assert sum(bool(re.fullmatch(rf"saved checkpoint iteration {it} in \d+\.\d\d s: "
+                                     rf"{re.escape(str(save / f'iter_000000{it}'))}", ln)) for ln in lines) == 1
+    assert lines[-1] == f"done at iteration 2: last complete checkpoint {save / 'iter_0000002'}"
+
+    # resumed, saving in the background: the loaded line carries the training state
+    second = launch(1, "--load", str(save), "--data-path", "0.25", str(data), "0.75", str(data), "--save", str(save),
+                    *FLAGS, "--bf16", "--async-save")
+    lines = _block(second.stdout)
+    assert (f"loaded checkpoint {save / 'iter_0000002'} at iteration 2 (consumed samples 8, optimizer state: yes)"
+            in lines), lines
+    assert f"save: {save} (every 1 iterations and at the end, async)" in lines
+    for it in (3, 4):
+        assert sum(bool(re.fullmatch(rf"saved checkpoint iteration {it} in \d+\.\d\d s \(async\): "
+                                     rf"{re.escape(str(save / f'iter_000000{it}'))}", ln)) for ln in lines) == 1, lines
+    assert lines[-1] == f"done at iteration 4: last complete checkpoint {save / 'iter_0000004'}"
+    assert second.stdout.count("model: llama") == 1  # one block
