@@ -268,7 +268,8 @@ def format_line(iteration: int, m: dict[str, Any], train_iters: int | None = Non
 
     add("consumed_samples", lambda v: f"consumed samples {v}")
     add("step_seconds", lambda v: f"{v * 1e3:.1f} ms/iter")
-    add("lr", lambda v: f"lr {v:.3e}")
+    add("lr", lambda v: f"lr {v:.3e}")  # the LR this iteration's step applied (Megatron-LM prints the next one)
+    add("weight_decay", lambda v: f"wd {v:.3g}")
     add("loss", lambda v: f"loss {v:.6f}")
     add("valid_loss", lambda v: f"valid loss {v:.6f}")
     add("grad_norm", lambda v: f"grad norm {v:.4f}")
