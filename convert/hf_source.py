@@ -129,9 +129,11 @@ class HFSource:
                 if not (0 <= begin <= end <= data_len) or end - begin != n * store.itemsize(dtype):
                     raise FormatError(f"{path}: tensor {name}: data offsets {begin}..{end} do not fit its shape "
                                       f"{list(shape)} / the file size (truncated or corrupt file)")
-                if weight_map is not None and weight_map.get(name) != fname:
-                    raise FormatError(f"{path}: holds tensor {name} that {INDEX} places in "
-                                      f"{weight_map.get(name)!r}")
+                if weight_map is not None and name not in weight_map:
+                    raise FormatError(f"{path}: holds tensor {name}, which {INDEX} does not list (a partial or "
+                                      "stale index: every tensor of every shard must be in its weight_map)")
+                if weight_map is not None and weight_map[name] != fname:
+                    raise FormatError(f"{path}: holds tensor {name} that {INDEX} places in {weight_map[name]!r}")
                 self.tensors[name] = HFTensorInfo(fname, dtype, shape, 8 + len(raw) + begin)
                 spans.append((begin, end, name))
             _check_spans(path, spans, data_len)
@@ -309,7 +311,7 @@ def resolve_hf_dir(value: str | Path, download: bool = False) -> Path:
         return p
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.utils import LocalEntryNotFoundError
     except ImportError:  # pragma: no cover - a dependency
         raise FormatError(f"{text}: no such directory (huggingface_hub is not installed to look it up as a hub "
                           "repo id)") from None
