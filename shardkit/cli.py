@@ -127,9 +127,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     # its flags come from train.config, which imports torch (~1.5 s of CPU): added only when this command is run,
     # so convert/reshard/inspect do not pay for it
     if "continue-pretrain" in (sys.argv[1:] if argv is None else argv):
-        from train.config import add_arguments
+        from train.config import add_arguments, flag_default
 
         add_arguments(cpt)
+        for action in cpt._actions:  # argparse's defaults are None (a TOML value wins); show the dataclasses' own
+            try:
+                action.shown_default = flag_default(action.dest)
+            except KeyError:
+                pass
 
     _data_parsers(sub)  # preprocess-data, plot
 
@@ -140,7 +145,36 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from plan.commands import add_parsers as add_plan_parsers  # plan, launch
 
     add_plan_parsers(sub)
+    _show_defaults(ap)
     return ap
+
+
+def _default_text(action: argparse.Action) -> str | None:
+    """How a flag's help names its default: argparse's, or `shown_default` where argparse's is only a placeholder
+    (the trainer's flags), on/off for switches; None where the help already says it in words."""
+    text = action.help or ""
+    if (not action.option_strings or action.default is argparse.SUPPRESS or text is argparse.SUPPRESS
+            or "%(default)" in text or "default" in text.lower()
+            or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+        return None
+    d = getattr(action, "shown_default", action.default)
+    if action.nargs == 0:  # a switch: is its effect the default?
+        return "on" if d is not None and d == action.const else "off"
+    if d is None or d == "" or d == () or d == []:
+        return "none"
+    return " ".join(map(str, d)) if isinstance(d, (list, tuple)) else str(d)
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every optional flag of every subcommand ends its help with its default."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+            continue
+        shown = _default_text(action)
+        if shown is not None:
+            action.help = f"{action.help or ''} (default: {shown.replace('%', '%%')})".lstrip()
 
 
 def _data_parsers(sub) -> None:

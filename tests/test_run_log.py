@@ -52,3 +52,37 @@ def test_start_up_block_and_checkpoint_lines(setup, tmp_path):  # noqa: F811
                                      rf"{re.escape(str(save / f'iter_000000{it}'))}", ln)) for ln in lines) == 1, lines
     assert lines[-1] == f"done at iteration 4: last complete checkpoint {save / 'iter_0000004'}"
     assert second.stdout.count("model: llama") == 1  # one block
+
+
+def _parsers(parser, path=()):
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, path + (name,))
+
+
+def test_every_flag_help_shows_its_default():
+    """`--help` of every subcommand names each flag's default; the trainer's show the dataclass defaults, not the
+    None that argparse holds so that a --config TOML value is not overridden."""
+    from shardkit.cli import build_parser
+
+    seen = 0
+    for path, parser in _parsers(build_parser(["continue-pretrain"])):
+        text = parser.format_help()
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            seen += 1
+            helptext = parser._get_formatter()._expand_help(action) if action.help else ""
+            assert "default" in helptext.lower(), (path, action.option_strings, helptext)
+        assert "Traceback" not in text
+    assert seen > 150
+    cpt = build_parser(["continue-pretrain"])._subparsers._group_actions[0].choices["continue-pretrain"]
+    helps = {a.option_strings[0]: cpt._get_formatter()._expand_help(a) for a in cpt._actions if a.option_strings}
+    assert helps["--tensor-model-parallel-size"] == "(default: 1)"
+    assert helps["--seq-length"] == "(default: 1024)" and helps["--global-batch-size"] == "(default: 8)"
+    assert helps["--no-check-for-nan-in-loss-and-grad"].endswith("(default: off)")
+    assert helps["--sequence-parallel"] == "(default: off)" and helps["--save"].endswith("(default: none)")

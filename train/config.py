@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from checkpoint.errors import ConfigError
@@ -365,6 +365,14 @@ def run_length(cfg: TrainConfig) -> RunLength:
                             wd_incr_steps=wd_steps, wd_incr_style=s.weight_decay_incr_style,
                             wsd_decay_steps=wsd_steps, lr_wsd_decay_style=s.lr_wsd_decay_style)
     return RunLength(train_iters=iters, train_samples=samples, scheduler=sched)
+
+
+def flag_default(dest: str):
+    """The default a flag really has (argparse's is None so that a TOML value is not overridden by it): its dataclass
+    field's. KeyError for a dest that is no field."""
+    sec, name = _field_of(dest)
+    f = next(f for f in fields(_SECTIONS[sec]) if f.name == name)
+    return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
 
 
 def _field_of(key: str) -> tuple[str, str]:
