@@ -21,6 +21,7 @@ from checkpoint.errors import FormatError, ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.manifest import Manifest, TensorEntry
 from checkpoint.reader import count_nonfinite
+from checkpoint.safety import check_output
 from checkpoint.sharding import SCALE_SUFFIX, TensorSpec, check_fp8_layout, fp8_scale_specs, model_specs
 
 from . import families
@@ -261,6 +262,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
                         keep_fp8: bool = False, allow_nonfinite: bool = False) -> Path:
     """Convert and commit `<out>/iter_0000000`; returns the iteration directory."""
     hf_dir, out = Path(hf_dir), Path(out)
+    check_output(out, [("HF_DIR", hf_dir)])  # never over, inside or around the source
     cfg = ModelConfig.from_hf_dir(hf_dir)
     layout.check(cfg)
     dtype = store.dtype_name(dtype) if dtype else None

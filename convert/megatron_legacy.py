@@ -686,6 +686,9 @@ def legacy_to_native(src_root: str | Path, out: str | Path, cfg: ModelConfig, *,
     latest_checkpointed_iteration.txt, or one iter_N / release directory) into a native checkpoint `<out>/iter_N` with
     the same layout. `cfg` describes the model (ModelConfig.from_hf_dir, or config_from_megatron_args); `hf_dir`
     optionally supplies tokenizer files to carry along. Returns the iteration directory."""
+    from checkpoint.safety import check_output
+
+    check_output(out, [("SRC", src_root), ("--hf-config", hf_dir)])
     src = open_legacy(src_root, cfg)
     cfg, layout = src.cfg, src.layout
     dest = Path(out).resolve()

@@ -26,6 +26,7 @@ from checkpoint.errors import ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.reader import Checkpoint, ReadPlan
+from checkpoint.safety import check_output
 from checkpoint.sharding import Rule, check_fp8_layout, model_specs, optimizer_specs, split_optimizer_key
 
 from .hf_to_mcore import VERSION
@@ -122,6 +123,7 @@ def reshard(src_path: str | Path, out: str | Path, layout: Layout, dtype: str | 
             ) -> Path:
     """Write `<out>/iter_N` (N = the source's iteration) for `layout`; returns the iteration directory. The source is
     checked first (Checkpoint.check) unless `skip_verify`; every chunk read is checksummed either way."""
+    check_output(out, [("SRC", src_path)], "DST")  # never over, inside or around the source
     ck = Checkpoint(src_path, check=not skip_verify)
     out = Path(out)
     if out.resolve() == ck.path.parent.resolve():

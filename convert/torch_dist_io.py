@@ -45,6 +45,7 @@ from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint, ReadPlan
+from checkpoint.safety import check_output
 from checkpoint.sharding import (OPTIMIZER_STATES, Rule, TensorSpec, owner,
                                  split_optimizer_key)
 from checkpoint.torch_dist import (CHECKPOINT_VERSION, DCPWriter, TorchDistCheckpoint, check_output_root,
@@ -300,6 +301,7 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
     model weights only) the items are the destination's chunks, read from the source boxes they cover with the vocab
     padding recomputed, in one pass. Optimizer state goes under megatron-core's distributed-optimizer keys, and
     train_state.json into common.pt (see _common)."""
+    check_output(out_root, [("source", ckpt.path if isinstance(ckpt, Checkpoint) else ckpt)])
     ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt, check=not skip_verify)
     if key_naming not in KEY_NAMINGS:
         raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' (Transformer Engine spec, Megatron-LM's default) "
@@ -514,6 +516,7 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, la
     """Convert the model weights of a torch_dist checkpoint into a native checkpoint `<out>/iter_N` for `layout`
     (default: the layout in its Megatron-LM args, else tp=pp=1). `cfg` describes the model (e.g.
     ModelConfig.from_hf_dir); `hf_dir` optionally supplies tokenizer files to carry along."""
+    check_output(out, [("source", path), ("--hf-config", hf_dir)])
     td = read_torch_dist(path)
     if not quiet:
         for note in td.notes:
