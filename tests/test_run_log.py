@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.test_train import launch, setup  # noqa: F401  (the module fixture: tiny LLaMA + corpus)
 
 FLAGS = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3", "--seed", "7",
@@ -86,3 +88,83 @@ def test_every_flag_help_shows_its_default():
     assert helps["--seq-length"] == "(default: 1024)" and helps["--global-batch-size"] == "(default: 8)"
     assert helps["--no-check-for-nan-in-loss-and-grad"].endswith("(default: off)")
     assert helps["--sequence-parallel"] == "(default: off)" and helps["--save"].endswith("(default: none)")
+
+
+FAKE_WANDB = '''"""A test double for wandb: records init/log/finish calls as JSON lines in $FAKE_WANDB_LOG."""
+import json
+import os
+
+
+def _record(call, **kw):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps({"call": call, **kw}) + "\\n")
+
+
+class _Run:
+    def log(self, data, step=None):
+        _record("log", data=data, step=step)
+
+    def finish(self):
+        _record("finish")
+
+
+def init(**kw):
+    _record("init", **{k: v for k, v in kw.items() if k != "config"}, config_keys=sorted(kw.get("config") or {}))
+    return _Run()
+'''
+
+
+def _run_cli(args, env_extra):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env_extra)
+    env.pop("WANDB_MODE", None)
+    return subprocess.run([sys.executable, "-m", "shardkit", "continue-pretrain", *args], capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+def test_wandb_gets_the_same_metrics(setup, tmp_path):  # noqa: F811
+    """wandb is not a dependency (and not installed here): a fake module on PYTHONPATH records what the trainer
+    sends; it must be what metrics.jsonl holds, step for step."""
+    import json
+    import os
+
+    from train.metrics import _online
+
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "wandb.py").write_text(FAKE_WANDB)
+    calls_file, save = tmp_path / "calls.jsonl", tmp_path / "run"
+    r = _run_cli(["--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--save", str(save), "--seq-length",
+                  "32", "--global-batch-size", "4", "--train-iters", "3", "--wandb-project", "proj",
+                  "--wandb-exp-name", "exp1"],
+                 {"PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]),
+                  "FAKE_WANDB_LOG": str(calls_file)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    calls = [json.loads(ln) for ln in calls_file.read_text().splitlines()]
+    init, logs, finish = calls[0], calls[1:-1], calls[-1]
+    assert init["call"] == "init" and init["project"] == "proj" and init["name"] == "exp1"
+    assert init["dir"] == str(save / "wandb") and (save / "wandb").is_dir()  # Megatron's default: <save>/wandb
+    assert init["mode"] == ("online" if _online() else "offline")
+    assert "optimizer.lr" in init["config_keys"] and "run.wandb_project" in init["config_keys"]
+    assert finish == {"call": "finish"}
+    jsonl = [json.loads(ln) for ln in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in logs] == [rec["iteration"] for rec in jsonl] == [1, 2, 3]
+    for c, rec in zip(logs, jsonl):
+        want = {k: v for k, v in rec.items() if k not in ("iteration", "time") and isinstance(v, (int, float))
+                and not isinstance(v, bool)}
+        assert c["data"] == want and {"loss", "lr", "grad_norm"} <= set(want)
+
+
+def test_wandb_flag_without_wandb_is_one_line(setup, tmp_path):  # noqa: F811
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    r = _run_cli(["--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--seq-length", "32",
+                  "--global-batch-size", "4", "--train-iters", "1", "--wandb-project", "proj"], {})
+    assert r.returncode == 1 and "iteration 1" not in r.stdout
+    assert r.stderr.strip() == ("shardkit: error: --wandb-project proj: wandb is not installed (pip install wandb, "
+                                "or drop the flag)"), r.stderr[-2000:]

@@ -403,6 +403,15 @@ class Trainer:
             return f"done at iteration {self.iteration}: no complete checkpoint in {save}"
         return f"done at iteration {self.iteration}: last complete checkpoint {last}"
 
+    def _wandb_config(self) -> dict | None:
+        """Megatron-LM's W&B flags: files under --wandb-save-dir (default <save>/wandb), the run's flags as config."""
+        r, save = self.cfg.run, self.cfg.checkpoint.save
+        if not r.wandb_project:
+            return None
+        return {"project": r.wandb_project, "name": r.wandb_exp_name,
+                "dir": r.wandb_save_dir or str(Path(save or ".") / "wandb"),
+                "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in _flat(self.cfg).items()}}
+
     def _throughput(self, m: dict) -> None:
         """tokens/s, model TFLOP/s and MFU (Megatron's and torchtitan's conventions) for the step just timed, and the
         peak memory over all ranks."""
@@ -420,7 +429,8 @@ class Trainer:
         history = []
         batches = micro_batches(self.train_ds, self.consumed, d.micro_batch_size, self.groups.dp_rank, self.dims.dp)
         log_dir = c.run.log_dir or c.checkpoint.save
-        logger = MetricsLogger(log_dir, self.groups.rank) if log_dir else None
+        wandb = self._wandb_config()
+        logger = MetricsLogger(log_dir or None, self.groups.rank, wandb=wandb) if log_dir or wandb else None
         self.log = log
         if self.groups.rank == 0:
             for note in self.notes:  # resume: which LR/WD schedule is used

@@ -187,15 +187,23 @@ class MetricsLogger:
     Only `rank == writer_rank` writes; other ranks' calls are no-ops (so every rank can call it). Known keys, all
     optional: loss, valid_loss, lr, grad_norm, tokens_per_s, mfu_megatron, mfu_torchtitan, mem_gib, step_seconds,
     consumed_samples; any other numeric key is stored and sent to TensorBoard too.
+
+    `wandb` (Megatron-LM's --wandb-project / --wandb-exp-name / --wandb-save-dir as {"project", "name", "dir",
+    "config"}): the same scalars go to Weights & Biases too, wandb imported only then; offline mode when its server
+    cannot be reached (or WANDB_MODE says so). `run_dir` None: no metrics.jsonl or TensorBoard (W&B only).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, rank: int, writer_rank: int = 0, tensorboard: bool = True):
+    def __init__(self, run_dir: str | os.PathLike | None, rank: int, writer_rank: int = 0, tensorboard: bool = True,
+                 wandb: dict | None = None):
         self.enabled = rank == writer_rank
-        self.run_dir = Path(run_dir)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.path = self.run_dir / "metrics.jsonl" if self.run_dir is not None else None
         self._file = None
         self._tb = None
-        if not self.enabled:
+        self._wandb = None
+        if wandb and wandb.get("project"):
+            self._wandb = _wandb_run(wandb, self.enabled)  # every rank: a missing wandb stops all of them
+        if not self.enabled or self.run_dir is None:
             return
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -220,8 +228,12 @@ class MetricsLogger:
         if not self.enabled:
             return None
         rec = {"iteration": int(iteration), "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in rec.items() if k not in ("iteration", "time")
+                             and isinstance(v, (int, float)) and not isinstance(v, bool)}, step=int(iteration))
         if self._tb is not None:
             for k, v in rec.items():
                 if k not in ("iteration", "time") and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -239,12 +251,57 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> "MetricsLogger":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+WANDB_HOST = ("api.wandb.ai", 443)
+
+
+def _online(timeout: float = 2.0) -> bool:
+    """Can this host reach the W&B server? (A compute node without a network gets offline mode: `wandb sync`
+    uploads the run later.)"""
+    import socket
+
+    try:
+        with socket.create_connection(WANDB_HOST, timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _wandb_run(cfg: dict, writer: bool):
+    """wandb.init on the writer rank (None elsewhere); a missing wandb is one line on every rank."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise MetricsError(f"--wandb-project {cfg['project']}: wandb is not installed (pip install wandb, or drop "
+                           "the flag)")
+    if not writer:
+        return None
+    try:
+        import wandb
+    except ImportError as e:
+        raise MetricsError(f"--wandb-project {cfg['project']}: wandb cannot be imported ({e})") from None
+    save_dir = Path(cfg["dir"])
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MetricsError(f"--wandb-save-dir {save_dir}: cannot create ({e.strerror})") from None
+    mode = os.environ.get("WANDB_MODE") or ("online" if _online() else "offline")
+    try:
+        return wandb.init(project=cfg["project"], name=cfg.get("name") or None, dir=str(save_dir),
+                          config=cfg.get("config") or {}, mode=mode)
+    except Exception as e:  # wandb's own errors (bad credentials, a refused project): one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MetricsError(f"--wandb-project {cfg['project']}: wandb.init failed ({first})") from None
 
 
 def _plain(v: Any) -> Any:
