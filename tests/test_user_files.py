@@ -66,7 +66,40 @@ def good(tmp_path_factory) -> dict[str, Path]:
     rng = np.random.default_rng(0)
     (root / "data").mkdir()
     write_indexed(root / "data" / "corpus", [rng.integers(3, 200, size=40) for _ in range(32)], np.uint16)
-    return {"hf": hf, "ck": root / "ck", "data": root / "data" / "corpus", "root": root}
+    from shardkit.demo import save_tiny_tokenizer
+
+    save_tiny_tokenizer(root / "tok", 1000)
+    (root / "in.jsonl").write_text("".join(json.dumps({"text": "the model shard tensor"}) + "\n" for _ in range(8)))
+    (root / "run").mkdir()
+    (root / "run" / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "loss": 3.0 - i / 10,
+                                                                    "lr": 1e-4}) + "\n" for i in range(1, 6)))
+    return {"hf": hf, "ck": root / "ck", "data": root / "data" / "corpus", "root": root,
+            "legacy": _legacy_from(root / "ck", root / "legacy"), "tok": root / "tok", "jsonl": root / "in.jsonl",
+            "run": root / "run"}
+
+
+def _legacy_from(ck: Path, root: Path) -> Path:
+    """A Megatron-LM `--ckpt-format torch` root at tp = pp = 1 holding the native checkpoint's weights (per-layer
+    keys, TE naming), for megatron-to-mcore."""
+    import argparse
+
+    import torch
+
+    from checkpoint.reader import Checkpoint
+
+    sd = {}
+    for name, t in Checkpoint(ck).state_dict().items():
+        if name.startswith("decoder.layers."):
+            sd.update({name.replace("decoder.layers.", f"decoder.layers.{i}.", 1): t[i].clone()
+                       for i in range(t.shape[0])})
+        else:
+            sd[name] = t.clone()
+    (root / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1),
+                "model": sd, "iteration": 1, "checkpoint_version": 3.0},
+               root / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+    return root
 
 
 # -- --overwrite keeps the user's files --------------------------------------------------------------------------
@@ -79,6 +112,16 @@ WRITERS = {
     "reshard-torch_dist": lambda g, out: ["reshard", g["ck"], out, "--format", "torch_dist", "--quiet",
                                           "--overwrite"],
     "mcore-to-hf": lambda g, out: ["convert", "mcore-to-hf", g["ck"], out, "--quiet", "--overwrite"],
+    "megatron-to-mcore": lambda g, out: ["convert", "megatron-to-mcore", g["legacy"], out, "--hf-config", g["hf"],
+                                         "--quiet", "--overwrite"],
+    # commands that write named files into a directory: everything else there stays
+    "preprocess-data": lambda g, out: ["preprocess-data", "--input", g["jsonl"], "--tokenizer", g["tok"],
+                                       "--output-prefix", out / "corpus", "--quiet"],
+    "plot": lambda g, out: ["plot", g["run"] / "metrics.jsonl", "-o", out / "metrics.png"],
+    "plan-plot": lambda g, out: ["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "2", "--plot",
+                                 out / "plan.png"],
+    "launch": lambda g, out: ["launch", "--layout", "tp=1,pp=1,dp=8", "--nodes", "1", "--out", out, "--",
+                              "--load", g["ck"], "--data-path", g["data"], "--save", out / "run"],
 }
 
 
@@ -220,4 +263,4 @@ def test_resume_into_the_load_root_is_allowed(good, tmp_path, capsys):
 
 
 def test_table_counts():
-    assert len(REFUSED) >= 20 and len(WRITERS) >= 5
+    assert len(REFUSED) >= 20 and len(WRITERS) >= 10
