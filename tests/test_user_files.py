@@ -196,11 +196,20 @@ def _train(g, save, load=None, data=None):
             "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1"]
 
 
+def _link(link: Path, target: Path) -> Path:
+    link.symlink_to(target)
+    return link
+
+
 # (id, input key whose tree must stay untouched, argv builder(inputs, tmp) -> argv, word the line must contain)
 REFUSED = [
     ("h2m-out-is-src", "hf", lambda g, t: _h2m(g["hf"], g["hf"]), "is the input"),
     ("h2m-out-inside-src", "hf", lambda g, t: _h2m(g["hf"], g["hf"] / "ck"), "lies inside"),
     ("h2m-out-contains-src", "root", lambda g, t: _h2m(g["hf"], g["root"]), "contains"),
+    ("h2m-out-symlink-to-src", "hf", lambda g, t: _h2m(g["hf"], _link(t / "link", g["hf"])), "is the input"),
+    ("m2h-out-symlink-into-src", "ck", lambda g, t: ["convert", "mcore-to-hf", g["ck"],
+                                                     _link(t / "link", g["ck"] / "iter_0000000") / "x",
+                                                     "--overwrite", "--quiet"], "lies inside"),
     ("h2m-torch_dist-inside-src", "hf", lambda g, t: _h2m(g["hf"], g["hf"] / "td", "--format", "torch_dist"),
      "lies inside"),
     ("m2h-out-is-src", "ck", lambda g, t: ["convert", "mcore-to-hf", g["ck"], g["ck"], "--overwrite", "--quiet"],
@@ -244,9 +253,10 @@ REFUSED = [
 def test_output_overlapping_an_input_is_refused(good, tmp_path, capsys, key, build, word):
     (tmp_path / "in.jsonl").write_text('{"text": "hi"}\n')
     (tmp_path / "m.jsonl").write_text(json.dumps({"iteration": 1, "loss": 2.0, "lr": 1e-4}) + "\n")
+    argv = build(good, tmp_path)  # (may plant a symlink in tmp_path)
     watched = [good[key], tmp_path]
     before = [tree(w) for w in watched]
-    rc, err = run(build(good, tmp_path), capsys)
+    rc, err = run(argv, capsys)
     assert rc not in (0, None) and len(err) == 1 and err[0].startswith("shardkit: error:"), err
     assert word in err[0] and "input" in err[0], err[0]
     assert [tree(w) for w in watched] == before, "something was written"
