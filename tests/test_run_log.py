@@ -34,7 +34,7 @@ def test_start_up_block_and_checkpoint_lines(setup, tmp_path):  # noqa: F811
     assert re.fullmatch(rf"  {re.escape(str(data))}: weight 0\.75, \d+ samples, 1 epoch of \d+ documents", got[6])
     assert got[7] == "tokens per step: 128 (global batch 4 x seq length 32; micro batch 1, 4 micro-batches per DP rank)"
     assert got[8] == f"load: {ck / 'iter_0000000'}"
-    assert got[9] == f"save: {save} (every 1 iterations and at the end)"
+    assert got[9] == f"save: {save} (every iteration and at the end)"
     assert got[10] == (f"loaded checkpoint {ck / 'iter_0000000'} at iteration 0 (consumed samples 0, optimizer state: "
                        "no; weights only)")
     for it in (1, 2):
@@ -48,7 +48,7 @@ def test_start_up_block_and_checkpoint_lines(setup, tmp_path):  # noqa: F811
     lines = _block(second.stdout)
     assert (f"loaded checkpoint {save / 'iter_0000002'} at iteration 2 (consumed samples 8, optimizer state: yes)"
             in lines), lines
-    assert f"save: {save} (every 1 iterations and at the end, async)" in lines
+    assert f"save: {save} (every iteration and at the end, async)" in lines
     for it in (3, 4):
         assert sum(bool(re.fullmatch(rf"saved checkpoint iteration {it} in \d+\.\d\d s \(async\): "
                                      rf"{re.escape(str(save / f'iter_000000{it}'))}", ln)) for ln in lines) == 1, lines

@@ -354,7 +354,7 @@ class Trainer:
             model += (f", {m.num_moe_experts} experts top-{m.moe_router_topk} "
                       f"({sum(1 for i in range(m.num_layers) if m.is_moe_layer(i))} MoE layers)")
         if m.mtp_num_layers:
-            model += f", {m.mtp_num_layers} MTP layers"
+            model += f", {m.mtp_num_layers} MTP layer{'s' if m.mtp_num_layers > 1 else ''}"
         layout = (f"layout: TP {dims.tp}, PP {dims.pp}, VPP {dims.vpp}, DP {dims.dp}, CP {dims.cp}, EP {dims.ep}, "
                   f"SP {'on' if self.sp else 'off'} ({dims.world} rank{'s' if dims.world > 1 else ''})")
         prec = "bf16 (fp32 main weights, grads and optimizer state)" if c.run.bf16 else "fp32"
@@ -366,7 +366,8 @@ class Trainer:
                      f"micro batch {d.micro_batch_size}, {self.num_micro} micro-batches per DP rank)")
         lines.append(f"load: {self.src}")
         if c.checkpoint.save:
-            every = (f"every {c.checkpoint.save_interval} iterations and at the end" if c.checkpoint.save_interval
+            n = c.checkpoint.save_interval
+            every = (("every iteration" if n == 1 else f"every {n} iterations") + " and at the end" if n
                      else "at the end")
             lines.append(f"save: {c.checkpoint.save} ({every}{', async' if c.checkpoint.async_save else ''})")
         else:
