@@ -101,3 +101,11 @@ def test_tokenizer_mismatch_is_named(big_tokenizer, tmp_path):
                                         r"\(vocab size 600\), not the model's tokenizer"):
         check_vocab([str(tmp_path / "c")], 400, "checkpoint M")
     check_vocab(["1", str(tmp_path / "c")], 600, "checkpoint M")  # a weighted blend is checked the same way
+
+
+def test_a_foreign_sidecar_is_refused_before_writing(tmp_path):
+    (tmp_path / "d.shardkit.json").write_text("my notes\n")
+    with pytest.raises(DataError, match=r"d\.shardkit\.json: exists and is not a shardkit token-statistics file"):
+        write_indexed(tmp_path / "d", [np.array([1, 2, 3])], np.uint16)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.shardkit.json"]
+    assert (tmp_path / "d.shardkit.json").read_text() == "my notes\n"

@@ -63,6 +63,10 @@ class IndexedWriter:
         if self.dtype not in _CODE_OF:
             raise DataError(f"{self.prefix}: token dtype {self.dtype} has no Megatron dtype code")
         self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
+        side = sidecar_path(f"{self.prefix}.bin")
+        if side.exists() and _read_sidecar(side) is None:  # refused before anything is written
+            raise DataError(f"{side}: exists and is not a shardkit token-statistics file; not replaced (move it, or "
+                            "choose another --output-prefix)")
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         try:
             fd, self._tmp_bin = _mkstemp_umask(self.prefix, ".bin.tmp")
