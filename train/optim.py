@@ -129,18 +129,18 @@ def applied_at(iteration: int, global_batch: int, s: SchedulerConfig) -> tuple[f
     return lr_at(n, s), wd_at(n, s)
 
 
-# Megatron's OptimizerParamScheduler.state_dict keys -> (SchedulerConfig field, what _check_and_set calls it, flags)
+# Megatron's OptimizerParamScheduler.state_dict keys (= SchedulerConfig fields) checked on load, in its order, and the
+# flags that set them
 SCHEDULER_STATE = (
-    ("max_lr", "max_lr", "learning rate", "--lr"),
-    ("min_lr", "min_lr", "minimum learning rate", "--min-lr"),
-    ("lr_warmup_steps", "lr_warmup_steps", "warmup iterations", "--lr-warmup-iters/-samples/-fraction"),
-    ("lr_decay_steps", "lr_decay_steps", "total number of iterations",
-     "--lr-decay-iters/-samples (default --train-iters/-samples)"),
-    ("lr_decay_style", "lr_decay_style", "learning rate decay style", "--lr-decay-style"),
-    ("start_wd", "start_wd", "start weight decay", "--start-weight-decay (constant: --weight-decay)"),
-    ("end_wd", "end_wd", "end weight decay", "--end-weight-decay (constant: --weight-decay)"),
-    ("wd_incr_steps", "wd_incr_steps", "total number of weight decay iterations", "--train-iters/--train-samples"),
-    ("wd_incr_style", "wd_incr_style", "weight decay incr style", "--weight-decay-incr-style"),
+    ("max_lr", "--lr"),
+    ("min_lr", "--min-lr"),
+    ("lr_warmup_steps", "--lr-warmup-iters/-samples/-fraction"),
+    ("lr_decay_steps", "--lr-decay-iters/-samples (default --train-iters/-samples)"),
+    ("lr_decay_style", "--lr-decay-style"),
+    ("start_wd", "--start-weight-decay (constant: --weight-decay)"),
+    ("end_wd", "--end-weight-decay (constant: --weight-decay)"),
+    ("wd_incr_steps", "--train-iters/--train-samples"),
+    ("wd_incr_style", "--weight-decay-incr-style"),
 )
 OVERRIDE_FLAG = "--override-opt_param-scheduler"
 USE_CHECKPOINT_FLAG = "--use-checkpoint-opt_param-scheduler"
@@ -148,7 +148,7 @@ USE_CHECKPOINT_FLAG = "--use-checkpoint-opt_param-scheduler"
 
 def is_scheduler_state(sd: object) -> bool:
     """Whether `sd` is an OptimizerParamScheduler.state_dict() (shardkit before this format saved another dict)."""
-    return isinstance(sd, dict) and all(k in sd for k, *_ in SCHEDULER_STATE) and "num_steps" in sd
+    return isinstance(sd, dict) and all(k in sd for k, _ in SCHEDULER_STATE) and "num_steps" in sd
 
 
 class ParamScheduler:
@@ -190,28 +190,27 @@ class ParamScheduler:
         values = asdict(self.cfg)
         notes, differ = [], []
 
-        def check_and_set(field: str, key: str, flag: str) -> None:
-            mine, theirs = values[field], sd[key]
+        def check_and_set(key: str, flag: str) -> None:
+            mine, theirs = values[key], sd[key]
             if override or mine == theirs:
                 return
             if use_checkpoint:
                 notes.append(f"{key} {theirs!r} from {source} (the command line's {mine!r} ignored)")
-                values[field] = theirs
+                values[key] = theirs
                 return
             unit = " samples" if key.endswith("_steps") else ""
             differ.append(f"{key} {mine!r}{unit} from {flag} differs from {theirs!r}{unit} in {source}")
 
-        for field, key, _, flag in SCHEDULER_STATE[:5]:
-            check_and_set(field, key, flag)
+        for key, flag in SCHEDULER_STATE[:5]:
+            check_and_set(key, flag)
         self._fail(differ)
-        lr_values = dict(values)
         # Megatron steps here, before the weight-decay fields are set: lr from the settled fields, wd from the
         # command line's
-        self.cfg = SchedulerConfig(**lr_values)
+        self.cfg = SchedulerConfig(**values)
         self.num_steps = 0
         self.step(int(sd["num_steps"]) if num_steps is None else num_steps)
-        for field, key, _, flag in SCHEDULER_STATE[5:]:
-            check_and_set(field, key, flag)
+        for key, flag in SCHEDULER_STATE[5:]:
+            check_and_set(key, flag)
         self._fail(differ)
         self.cfg = SchedulerConfig(**values)  # the next step() uses the settled weight-decay fields
         if override:
