@@ -357,15 +357,22 @@ class TorchDistCheckpoint:
             dtype = getattr(m.properties, "dtype", None)
             if not isinstance(dtype, torch.dtype) or any(s < 0 for s in shape):
                 raise FormatError(f"{src}: {name}: bad size {shape} or dtype {dtype!r}")
-            chunks, vol = [], 0
+            chunks, vol, seen = [], 0, set()
             for c in m.chunks:
                 off, size = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
                 if len(off) != len(shape) or len(size) != len(shape) or any(
                         o < 0 or s < 0 or o + s > g for o, s, g in zip(off, size, shape)):
                     raise FormatError(f"{src}: {name}: chunk at {list(off)} of size {list(size)} lies outside the "
                                       f"tensor's shape {list(shape)}")
+                if off in seen:
+                    raise FormatError(f"{src}: {name}: the chunk at {list(off)} is stored twice (duplicate entries "
+                                      "in .metadata)")
+                seen.add(off)
                 chunks.append((off, size))
                 vol += _volume([(0, s) for s in size])
+            if vol > _volume([(0, s) for s in shape]):
+                raise FormatError(f"{src}: {name}: stored chunks overlap (they hold {vol} elements for a tensor of "
+                                  f"{_volume([(0, s) for s in shape])}, shape {list(shape)})")
             if vol != _volume([(0, s) for s in shape]):
                 raise FormatError(f"{src}: {name}: stored chunks cover {vol} elements of {list(shape)}; the checkpoint "
                                   "is incomplete")

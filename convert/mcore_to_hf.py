@@ -117,20 +117,18 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
 
 
 def parse_size(s: str | int) -> int:
-    if isinstance(s, int):
-        return s
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
-    t = s.strip().upper()
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u):
-            try:
-                return int(float(t[: -len(u)]) * units[u])
-            except ValueError:
-                break
-    try:
-        return int(t)
-    except ValueError:
-        raise ShardkitError(f"--max-shard-size: cannot parse {s!r} (e.g. 5GB, 500MB)") from None
+    """'5GB' -> 5e9, '500MiB' -> 500 * 2**20, a bare number is bytes; anything else, or not > 0, is an error."""
+    import re
+
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+             "TIB": 2**40, "B": 1, "": 1}
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]I?B|B)?\s*", str(s), re.IGNORECASE)
+    if m is None:
+        raise ShardkitError(f"--max-shard-size: cannot parse {s!r} (e.g. 5GB, 500MB)")
+    n = int(float(m.group(1)) * units[(m.group(2) or "").upper()])
+    if n < 1:
+        raise ShardkitError(f"--max-shard-size: {s!r} must be at least one byte")
+    return n
 
 
 def _shards(plans: list[HFTensorPlan], max_bytes: int) -> list[list[HFTensorPlan]]:

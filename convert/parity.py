@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from checkpoint.config import ModelConfig
+from checkpoint.errors import ShardkitError
 from train.model import GPTModel
 
 # HF's SDPA path runs the same kernels in the same order as GPTModel (bitwise equal on CPU); eager differs by ~1e-6.
@@ -23,6 +24,14 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
     """Max and mean |logits_ours - logits_hf| on seeded random token ids (< cfg.vocab_size), fp32, no grad."""
     import transformers
 
+    if seq_len < 1 or batch < 1:
+        raise ShardkitError(f"--seq-length {seq_len}: the logit comparison needs at least one token per sequence")
+    if seq_len > cfg.max_position_embeddings:
+        raise ShardkitError(f"--seq-length {seq_len} exceeds the model's max_position_embeddings "
+                            f"{cfg.max_position_embeddings}")
+    theirs = ModelConfig.from_hf_dir(hf_dir)  # one line if it is not an HF model directory
+    if theirs.model_type != cfg.model_type:
+        raise ShardkitError(f"--against {hf_dir}: a {theirs.model_type} model, but the checkpoint is {cfg.model_type}")
     padded_vocab = tensors["embedding.word_embeddings.weight"].shape[0]
     # Build on the meta device: every parameter is overwritten by load_canonical, so skip the random init.
     with torch.device("meta"):
@@ -31,9 +40,19 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
     ours.load_canonical(tensors)  # copy_ upcasts bf16/fp16 sources exactly
     ours.eval()
 
-    transformers.utils.logging.disable_progress_bar()  # our own output is the report; HF's loading bar is noise
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation=HF_ATTN_IMPLEMENTATION, trust_remote_code=False)
+    # our own output is the report: HF's loading bar and its load report (e.g. DeepSeek-V3's MTP layers, which
+    # transformers does not load) are noise here; a wrong or missing weight shows as a logit difference
+    transformers.utils.logging.disable_progress_bar()
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, attn_implementation=HF_ATTN_IMPLEMENTATION, trust_remote_code=False)
+    except (OSError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ShardkitError(f"--against {hf_dir}: transformers cannot load it ({first})") from None
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
     hf.eval()
 
     generator = torch.Generator().manual_seed(seed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import itertools
 import multiprocessing as mp
+import os
 import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
@@ -230,7 +231,8 @@ def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str
         print(f"resuming: {len(tasks) - len(todo)} of {len(tasks)} chunks already written", file=sys.stderr)
     # One process with pipelined writes keeps the disk busy; every spawned worker first spends seconds of CPU
     # importing torch and maps the sources again, so more only pay off for CPU-heavy chunks: opt in with --workers.
-    nworkers = max(1, min(workers or 1, len(todo) or 1))
+    # (never more processes than CPUs: each imports torch and maps the sources, so extra ones only cost memory)
+    nworkers = max(1, min(workers or 1, len(todo) or 1, os.cpu_count() or 1))
     with progress_bar(label, total=total, items=len(tasks), disable=quiet) as bar:
         bar.advance(total - left, len(tasks) - len(todo))
 

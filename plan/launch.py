@@ -91,11 +91,28 @@ def check_trainer_args(spec: LaunchSpec) -> None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            parser.parse_args(args)
+            ns = parser.parse_args(args)
         except SystemExit:
             msg = err.getvalue().strip().splitlines()
             raise PlanError("continue-pretrain arguments after `--`: " +
                             (msg[-1].split("error: ", 1)[-1] if msg else "rejected")) from None
+    _check_batch(spec, ns)
+
+
+def _check_batch(spec: LaunchSpec, ns: argparse.Namespace) -> None:
+    """What the trainer checks first once all ranks are up (train/loop.py), checked before the job is queued:
+    the global batch is whole micro-batches on every data-parallel rank, and the --config values are typed."""
+    from train.config import from_namespace
+
+    d = from_namespace(ns).data
+    dp = spec.layout.dp
+    if d.micro_batch_size < 1 or d.global_batch_size < 1:
+        raise PlanError(f"continue-pretrain arguments after `--`: --micro-batch-size {d.micro_batch_size} and "
+                        f"--global-batch-size {d.global_batch_size} must be >= 1")
+    if d.global_batch_size % (d.micro_batch_size * dp):
+        raise PlanError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
+                        f"{d.micro_batch_size} x data-parallel size {dp} (--layout {spec.layout.label()}); the "
+                        "trainer would refuse it once the job starts")
 
 
 def trainer_args(spec: LaunchSpec) -> list[str]:

@@ -23,6 +23,14 @@ _KINDS = [(r"num_attention_heads", "heads % tp"), (r"KV heads", "kv groups % tp"
           (r"inside a node", "tp > gpus per node"), (r"--gpus", "world size")]
 
 
+def number(v: float, decimals: int) -> str:
+    """`decimals` places, but small values keep two significant digits: a tiny model's step is 0.0031 s, not
+    0.00 (which reads as free, or as broken)."""
+    if v == 0 or abs(v) >= 10 ** -decimals * 10:
+        return f"{v:.{decimals}f}"
+    return f"{v:.2g}"
+
+
 def constraint_name(message: str) -> str:
     for pattern, name in _KINDS:
         if re.search(pattern, message):
@@ -67,9 +75,9 @@ def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 
         tag = "req" if requested and i < len(requested) else str(cands.index(c) + 1)
         note = "fits" if c.fits else c.reason
         style = None if c.fits else ("red" if not c.valid else "yellow")
-        t.add_row(tag, c.layout.label(), c.settings.recompute, *(f"{x / GiB:.1f}" for x in (
+        t.add_row(tag, c.layout.label(), c.settings.recompute, *(number(x / GiB, 1) for x in (
             m.weights, m.grads, m.optimizer, m.activations, m.comm_buffers, m.fp8_weights + m.reserved, m.total)),
-            f"{c.perf['step_s']:.2f}", f"{c.perf['tokens_per_s_per_gpu']:,.0f}", f"{100 * c.perf['mfu']:.1f}%",
+            number(c.perf['step_s'], 2), f"{c.perf['tokens_per_s_per_gpu']:,.0f}", f"{100 * c.perf['mfu']:.1f}%",
             note, style=style)
     con.print(t)
     invalid = [c for c in cands if not c.valid]
@@ -86,7 +94,7 @@ def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 
     else:
         b = fitting[0]
         con.print(f"fastest that fits: [bold]{b.layout.label()}[/], {b.settings.recompute} recompute: "
-                  f"{b.memory.total / GiB:.1f} GiB per GPU, {b.perf['step_s']:.2f} s/step, MFU "
+                  f"{number(b.memory.total / GiB, 1)} GiB per GPU, {number(b.perf['step_s'], 2)} s/step, MFU "
                   f"{100 * b.perf['mfu']:.1f}%")
 
 
@@ -101,14 +109,28 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, title: str, top: in
     if not shown:
         raise WriteError(f"--plot {path}: no layout to plot")
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len(shown)))
-    labels = [f"{c.layout.label()} [{c.settings.recompute}]" for c in shown][::-1]
+
+    def label(c: Candidate) -> str:  # an invalid or non-fitting layout is never drawn as if it could run
+        text = f"{c.layout.label()} [{c.settings.recompute}]"
+        if not c.valid:
+            return f"{text}  INVALID: {', '.join(dict.fromkeys(constraint_name(v) for v in c.violations))}"
+        return text if c.fits else f"{text}  does not fit"
+
+    labels = [label(c) for c in shown][::-1]
     left = [0.0] * len(shown)
     for comp in COMPONENTS:
         vals = [c.memory.breakdown()[comp] / GiB for c in shown][::-1]
         if not any(vals):
             continue
-        ax.barh(labels, vals, left=left, label=comp.replace("_", " "))
+        bars = ax.barh(labels, vals, left=left, label=comp.replace("_", " "))
+        for bar, c in zip(bars, shown[::-1]):
+            if not c.valid:
+                bar.set_alpha(0.35)
+                bar.set_hatch("//")
         left = [a + b for a, b in zip(left, vals)]
+    for tick, c in zip(ax.get_yticklabels(), shown[::-1]):
+        if not c.fits:
+            tick.set_color("red" if not c.valid else "darkorange")
     ax.axvline(gpu_memory / GiB, color="black", linestyle="--", label=f"GPU memory {gpu_memory / GiB:.0f} GiB")
     ax.set_xlabel("GiB per GPU (largest pipeline stage)")
     ax.set_title(title, fontsize="small")

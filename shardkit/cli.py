@@ -47,8 +47,31 @@ def _dtype_flag(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--dtype", default=None, help=help)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line like every other shardkit error (not the usage block): it names the
+    command, the flag and what was wrong, and points at --help. Exit status 2, as argparse has it."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("shardkit").strip()
+        self.exit(2, f"shardkit: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)\n")
+
+
+def _workers(text: str) -> int:
+    """--workers: a whole number >= 1; more processes than CPUs only cost memory (each imports torch), so it is
+    capped at the CPU count."""
+    import os
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return min(n, os.cpu_count() or 1)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="shardkit", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="shardkit", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     conv = sub.add_parser("convert", help="convert between HF and Megatron-Core checkpoints")
@@ -61,7 +84,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     h2m.add_argument("--keep-fp8", action="store_true",
                      help="block-FP8 sources (DeepSeek-V3): keep the e4m3 weights and their block scales for FP8 "
                           "training instead of dequantizing (recorded in the manifest)")
-    h2m.add_argument("--workers", type=int, default=None, help="writer processes (default: CPU count)")
+    h2m.add_argument("--workers", type=_workers, default=None, help="writer processes (at most the CPU count)")
     h2m.add_argument("--allow-nonfinite", action="store_true",
                      help="convert NaN/Inf source weights as they are (default: refuse them, naming the tensor)")
     _format_flags(h2m)
@@ -94,7 +117,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                          "Megatron-LM args (needs --vocab-size)")
     m2m.add_argument("--vocab-size", type=int, default=None, help="true vocabulary size (args hold the padded one)")
     m2m.add_argument("--model-type", default="llama", choices=["llama", "mistral", "qwen2", "mixtral"])
-    m2m.add_argument("--workers", type=int, default=None)
+    m2m.add_argument("--workers", type=_workers, default=None, help="writer processes (at most the CPU count)")
     m2m.add_argument("--overwrite", action="store_true")
     m2m.add_argument("--quiet", action="store_true")
 
@@ -105,7 +128,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _format_flags(rs)
     _hf_config_flag(rs)
     _dtype_flag(rs, "cast weights to bf16|fp16|fp32 (default: keep; kept-FP8 weights stay FP8)")
-    rs.add_argument("--workers", type=int, default=None, help="writer processes (default: CPU count)")
+    rs.add_argument("--workers", type=_workers, default=None, help="writer processes (at most the CPU count)")
     rs.add_argument("--overwrite", action="store_true", help="allow a non-empty destination directory")
     rs.add_argument("--quiet", action="store_true", help="no progress bar")
     _skip_verify_flag(rs)
@@ -190,7 +213,8 @@ def _data_parsers(sub) -> None:
     pre.add_argument("--append-eod", action="store_true", help="append the tokenizer's EOS after each document")
     pre.add_argument("--add-special-tokens", action="store_true",
                      help="let the tokenizer add its special tokens (e.g. BOS) to each text (default: none)")
-    pre.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    pre.add_argument("--workers", type=_workers, default=1, help="tokenizer processes (default 1, at most the CPU "
+                     "count)")
     pre.add_argument("--quiet", action="store_true", help="no progress bar")
 
     plot = sub.add_parser("plot", help="PNG of the loss and learning-rate curves of a run (its metrics.jsonl)")
@@ -484,9 +508,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from checkpoint.errors import ShardkitError
     from checkpoint.progress import progress_bar
     from checkpoint.reader import Checkpoint
 
+    if not args.tolerance >= 0:  # also refuses NaN
+        raise ShardkitError(f"--tolerance {args.tolerance}: expected a number >= 0")
     ckpt = Checkpoint(args.ckpt)
     with progress_bar("verify", total=ckpt.nbytes(), items=0, disable=args.quiet or args.json) as bar:
         result = ckpt.verify(progress=lambda n: bar.advance(n))

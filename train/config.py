@@ -384,6 +384,30 @@ def _field_of(key: str) -> tuple[str, str]:
     raise KeyError(key)
 
 
+def _typed_toml_value(path: Path, key: str, v, cls, name: str):
+    """A --config value must have its flag's type (`lr = "fast"` is an error, not a traceback later): TOML integers
+    pass for floats, booleans never pass for numbers, lists of strings for tuples."""
+    import types
+    import typing
+
+    hint = typing.get_type_hints(cls)[name]
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for t in allowed:
+        if t is type(None):
+            continue
+        if typing.get_origin(t) is tuple:
+            if isinstance(v, list) and all(isinstance(x, str) for x in v):
+                return tuple(v)
+        elif t is bool:
+            if isinstance(v, bool):
+                return v
+        elif not isinstance(v, bool) and (isinstance(v, t) or (t is float and isinstance(v, int))):
+            return float(v) if t is float else v
+    words = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    want = " or ".join(words.get(t, "a list of strings") for t in allowed if t is not type(None))
+    raise ConfigError(f"--config {path}: {key} = {v!r} is a {type(v).__name__}; expected {want}")
+
+
 def from_namespace(ns: argparse.Namespace) -> TrainConfig:
     values: dict[str, dict] = {s: {} for s in _SECTIONS}
     if ns.config:
@@ -397,7 +421,7 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
                 sec, name = _field_of(key.replace("-", "_"))
             except KeyError:
                 raise ConfigError(f"--config {path}: unknown key {key!r}") from None
-            values[sec][name] = v
+            values[sec][name] = _typed_toml_value(path, key, v, _SECTIONS[sec], name)
     for key, v in vars(ns).items():
         if v is None or key in ("config", "command", "func"):
             continue

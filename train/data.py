@@ -196,6 +196,16 @@ def _encode_batch(batch: dict[str, list]) -> dict[str, list[np.ndarray]]:
     return out
 
 
+def _check_surrogates(path: Path, lineno: int, key: str, v: "str | list[str]") -> None:
+    """A lone surrogate (`"\\ud800"`) is valid JSON but not text: no tokenizer can encode it."""
+    for text in [v] if isinstance(v, str) else v:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{path} line {lineno}: {key!r} holds a lone surrogate \\u{ord(text[e.start]):04x} "
+                            "(an unpaired \\uD800-\\uDFFF escape), which is not text") from None
+
+
 def _read_jsonl(path: Path, keys: Sequence[str], batch_docs: int) -> Iterator[tuple[dict[str, list], int, int]]:
     """Batches of {key: [text or list of texts]} with the bytes and lines they came from; errors name the line."""
     batch: dict[str, list] = {k: [] for k in keys}
@@ -219,6 +229,8 @@ def _read_jsonl(path: Path, keys: Sequence[str], batch_docs: int) -> Iterator[tu
                 if not (isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))):
                     raise DataError(f"{path} line {lineno}: {k!r} must be a string or a list of strings, "
                                     f"got {type(v).__name__}")
+                if b"\\ud" in raw.lower():  # a \uD800-\uDFFF escape: only a surrogate pair makes a character
+                    _check_surrogates(path, lineno, k, v)
                 batch[k].append(v)
             if len(batch[keys[0]]) >= batch_docs:
                 yield batch, nbytes, nlines

@@ -13,6 +13,7 @@ T = tokens in the step, s = sequence length, L = layers. MTP layers and sliding 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -407,15 +408,22 @@ def plot_metrics(path: str | os.PathLike, output: str | os.PathLike | None = Non
         ax_lr.set_xlabel("iteration")
         ax_lr.grid(alpha=0.3)
         ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        from matplotlib.ticker import MaxNLocator
+
+        ax_lr.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole: no tick at 2.5
         fig.tight_layout()
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp")
+        blocker = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise MetricsError(f"{out}: cannot write: {blocker} is not a directory")
         try:
+            out.parent.mkdir(parents=True, exist_ok=True)
             fig.savefig(tmp, format="png", dpi=120)
             os.replace(tmp, out)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise MetricsError(f"{out}: cannot write ({e.strerror})") from None
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise MetricsError(f"{out}: cannot write ({e.strerror or e})") from None
     finally:
         plt.close(fig)
     return out
