@@ -381,6 +381,11 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
             raise
 
 
+# OptimizerParamScheduler.state_dict()'s keys (megatron-core 0.16): what Megatron-LM's load reads back
+MEGATRON_SCHEDULER_KEYS = frozenset({"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
+                                     "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"})
+
+
 def _common(ck: Checkpoint, layout: Layout, key_naming: str, dtype: str | None) -> dict:
     """common.pt: what Megatron-LM keeps outside the sharded tensors. With optimizer state, Megatron's own entries
     are filled from train_state.json where it has them (`optimizer.param_groups` (+ `optimizer.step`), `scheduler`,
@@ -414,8 +419,9 @@ def _common(ck: Checkpoint, layout: Layout, key_naming: str, dtype: str | None) 
                 if step is not None:
                     g.setdefault("step", step)
             common["optimizer"]["optimizer"] = {"param_groups": groups}
-        if isinstance(state.get("scheduler"), dict):
-            common["opt_param_scheduler"] = state["scheduler"]
+        sched = state.get("scheduler")
+        if isinstance(sched, dict) and MEGATRON_SCHEDULER_KEYS <= set(sched):  # an older shardkit's own form is not
+            common["opt_param_scheduler"] = sched  # Megatron's and would break its load: left out (still in the text)
         consumed = state.get("consumed_samples")
         if isinstance(consumed, int):
             args.consumed_train_samples = consumed

@@ -22,7 +22,9 @@ from shardkit.demo import build_tiny_llama
 
 TRAIN_STATE_DOC = {"iteration": 7, "consumed_samples": 224, "optimizer": {"step": 7, "param_groups": [
     {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "wd_mult": 1.0, "lr_mult": 1.0,
-     "is_expert_parallel": False, "is_decoupled_lr": False}]}, "scheduler": {"num_steps": 7, "max_lr": 3e-4},
+     "is_expert_parallel": False, "is_decoupled_lr": False}]}, "scheduler": {  # OptimizerParamScheduler.state_dict()
+    "max_lr": 3e-4, "lr_warmup_steps": 32, "num_steps": 224, "lr_decay_style": "cosine", "lr_decay_steps": 3200,
+    "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant", "wd_incr_steps": 3200},
     "rng": {"seed": 1234}, "data": {"fingerprint": "sha256:00"}}
 
 
@@ -219,6 +221,21 @@ def _megatron_groups(step: int) -> dict:
             "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
             "fused": None, "decoupled_weight_decay": True}
     return {"step": step, "param_groups": [dict(base, wd_mult=1.0), dict(base, wd_mult=0.0)]}
+
+
+def test_torch_dist_leaves_out_a_scheduler_megatron_cannot_load(trained, tmp_path):
+    """An older shardkit's train_state.json held its own scheduler form ({num_steps, max_lr}): copied into common.pt
+    as `opt_param_scheduler` it would break Megatron-LM's OptimizerParamScheduler.load_state_dict, so it is left out
+    (the whole train_state.json still rides along)."""
+    from checkpoint.torch_dist import TorchDistCheckpoint
+    from convert.torch_dist_io import TRAIN_STATE_KEY, write_torch_dist
+
+    old = dict(TRAIN_STATE_DOC, scheduler={"num_steps": 7, "max_lr": 3e-4})
+    src = add_optimizer_state(Checkpoint(trained).path.parent.parent / "w", tmp_path / "t", seed=1, iteration=7,
+                              train_state=old)
+    td = TorchDistCheckpoint(write_torch_dist(src, tmp_path / "td", quiet=True))
+    assert "opt_param_scheduler" not in td.common
+    assert json.loads(td.common[TRAIN_STATE_KEY])["scheduler"] == old["scheduler"]
 
 
 def test_megatron_distributed_optimizer_both_ways(tmp_path):
