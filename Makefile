@@ -31,9 +31,9 @@ bench: $(STAMP)
 bench-train: $(STAMP)
 	$(PY) scripts/bench_train.py
 
-# Refresh the pins: a throw-away venv gets the newest versions pyproject.toml allows (torch as in $(STAMP)), and its
-# `pip freeze --all` (without shardkit, pip and torch) replaces $(LOCK). Then `make test` reinstalls .venv from it; commit it
-# when green.
+# Refresh the pins: a throw-away venv gets the newest versions pyproject.toml allows (torch as in $(STAMP)), and
+# its `pip freeze --all` (without shardkit, pip and torch) replaces $(LOCK). Then `make test` reinstalls .venv from
+# it; commit it when green.
 lock:
 	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
 	python3 -m venv "$$tmp/venv"; py="$$tmp/venv/bin/python"; \
@@ -44,8 +44,8 @@ lock:
 	  echo "# $$(date -u +%F), $$($$py -c 'import platform; print("Python", platform.python_version(), platform.machine())'),"; \
 	  echo "# $$(command -v nvidia-smi >/dev/null 2>&1 && echo 'a GPU host' || echo 'a CPU host'), from the newest versions pyproject.toml allows."; \
 	  echo "# torch is left out on purpose (the Makefile pins it); shardkit's own ranges in pyproject.toml stay open."; \
-	  $$py -m pip freeze --all --exclude-editable --exclude pip --exclude torch; } > "$$tmp/$(LOCK)"; \
-	mv "$$tmp/$(LOCK)" $(LOCK)
+	  $$py -m pip freeze --all --exclude-editable --exclude pip --exclude torch; } > "$$tmp/lock.txt"; \
+	mv "$$tmp/lock.txt" $(LOCK)
 	@echo "wrote $(LOCK); now: make test (reinstalls $(VENV) from it), and commit $(LOCK) when green"
 
 clean:

@@ -91,10 +91,26 @@ def test_expert_parallel_equals_one_process(root, kind):
         elif "--exit-interval" in layout:
             continue  # checked with the run that resumes it
         np.testing.assert_allclose([r["loss"] for r in got], want, rtol=1e-5, err_msg=name)
+        # the gradient norm too: clipping and AdamW hide a uniform gradient scale (a division done twice), it does not
+        np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rtol=1e-5,
+                                   err_msg=name)
         b = real_rows(Checkpoint(run / "iter_0000005"))
         assert set(a) == set(b)
-        for t in a:  # every weight (expert shards, expert bias, MTP layer included) after 5 steps
-            assert (a[t] - b[t]).norm().item() <= 1e-5 * a[t].norm().item(), (name, t)
+        # Every weight (expert shards, expert bias, MTP layer included) after 5 steps, within 1e-4 relative: fp32
+        # rounding of another summation order (all-to-all dispatch, DP x CP and expert-DP reductions), which AdamW
+        # amplifies where a clipped gradient is near eps (1e-8): its first move of an element is lr * g / (|g| + eps).
+        # Measured (issue 23; same runs driven in float64 end to end, max over iterations 1-5 and runs):
+        #   LR 3e-3 at iteration 1 (the schedule before Megatron's warmup from LR 0): Mixtral 1.36e-5 at seed 7
+        #     (3.2e-6 / 7.7e-7 / 7.6e-7 at seeds 1 / 2 / 3), set at iteration 1 (1.33e-5) and flat after; 21 of 98304
+        #     expert fc1 elements, all with |g| in 2e-9..2e-7, carry 99.9999% of it; float64: 1.1e-14 (DeepSeek-V3
+        #     9.7e-7, float64 4.0e-15). The EP 4 -> EP 2 x CP 2 x DP 2 resume adds 1.3e-8 to EP 4's own gap (float64
+        #     2.5e-17); a resume at EP 1 is bitwise.
+        #   LR 0 at iteration 1 (this schedule): Mixtral <= 7.0e-8 over seeds 1, 2, 3, 7 (float64 1.5e-16),
+        #     DeepSeek-V3 3.4e-7, growing with the steps (Mixtral 4.3e-8 at iteration 2 -> 5.8e-8 at 5).
+        # 1e-4 is 7x the largest gap measured and still 35x under the smallest tensor's movement in these 5 steps
+        # (3.8e-3, a norm weight); losses within 3.2e-7 and gradient norms within 2.1e-6 in all of these runs.
+        for t in a:
+            assert (a[t] - b[t]).norm().item() <= 1e-4 * a[t].norm().item(), (name, t)
         for r, w in zip(got, ref):  # the MoE logs are global sums too
             assert r["moe_load_imbalance"] == w["moe_load_imbalance"], name
             for key in ("load_balancing_loss", "seq_load_balancing_loss"):
