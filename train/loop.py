@@ -30,7 +30,8 @@ from train import precision
 from train.config import TrainConfig, run_length, validate
 from train.data import DataConfig, build_datasets, check_vocab, micro_batches
 from train.failures import bound_every_group
-from train.metrics import MetricsLogger, flops_per_step, format_line, memory_stats, peak_flops, throughput
+from train.metrics import (MetricsLogger, check_wandb, flops_per_step, format_line, memory_stats, peak_flops,
+                           throughput)
 from train.optim import DistributedOptimizer, ParamScheduler, is_scheduler_state
 from train.parallel.context import apply_context_parallel, packing_from, prepare_micro_batch
 from train.parallel.groups import Groups, ParallelDims, build_groups
@@ -72,6 +73,8 @@ def check_model_flags(cfg: TrainConfig, m: ModelConfig, source: Path) -> None:
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         validate(cfg)
+        if cfg.run.wandb_project:  # before anything is loaded: a missing wandb is one line on every rank at once
+            check_wandb(cfg.run.wandb_project)
         self.cfg = cfg
         p, d = cfg.parallel, cfg.data
         world = dist.get_world_size()

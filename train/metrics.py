@@ -278,13 +278,17 @@ def _online(timeout: float = 2.0) -> bool:
         return False
 
 
-def _wandb_run(cfg: dict, writer: bool):
-    """wandb.init on the writer rank (None elsewhere); a missing wandb is one line on every rank."""
+def check_wandb(project: str) -> None:
+    """--wandb-project needs wandb installed (found without importing it: its import is slow)."""
     import importlib.util
 
     if importlib.util.find_spec("wandb") is None:
-        raise MetricsError(f"--wandb-project {cfg['project']}: wandb is not installed (pip install wandb, or drop "
-                           "the flag)")
+        raise MetricsError(f"--wandb-project {project}: wandb is not installed (pip install wandb, or drop the flag)")
+
+
+def _wandb_run(cfg: dict, writer: bool):
+    """wandb.init on the writer rank (None elsewhere); a missing wandb is one line on every rank."""
+    check_wandb(cfg["project"])
     if not writer:
         return None
     try:
