@@ -7,6 +7,7 @@ check off, the save path still refuses to commit NaN weights.
 iteration 2's gradients NaN."""
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -67,3 +68,31 @@ def test_check_off_still_never_saves_nan_weights(setup, tmp_path):  # noqa: F811
     assert re.search(r"^iteration 2/4 .*grad norm nan", r.stdout, re.M), r.stdout  # it did train on
     assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000001"]
     assert (save / "latest").read_text().strip() == "iter_0000001"
+
+
+def test_loss_and_grad_flags_name_the_check(tmp_path):
+    """The decision itself, on one rank without a process group: a NaN loss, an inf grad norm, and the check off."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from train.loop import NonFiniteError, Trainer
+
+    def trainer(check: bool, grads: torch.Tensor):
+        t = Trainer.__new__(Trainer)
+        t.cfg = SimpleNamespace(run=SimpleNamespace(check_for_nan_in_loss_and_grad=check),
+                                checkpoint=SimpleNamespace(save=str(tmp_path / "none")))
+        t.dims = SimpleNamespace(world=1, dp=1, tp=1, cp=1)
+        t.groups = SimpleNamespace(rank=0)
+        t.opt = SimpleNamespace(buffer=grads)
+        t.num_micro, t.iteration, t.pending_save, t.src = 2, 6, None, tmp_path / "ck"
+        return t
+
+    finite = torch.ones(4)
+    with pytest.raises(NonFiniteError, match=r"^iteration 7: loss nan on rank 0; stopped before its optimizer step.* "
+                                             r"restart from .*ck \(no checkpoint in .*none yet\)"):
+        trainer(True, finite)._loss_checked(torch.tensor(float("nan")), 1.0)
+    with pytest.raises(NonFiniteError, match=r"^iteration 7: grad norm inf \(non-finite gradients on rank 0\);"):
+        trainer(True, torch.tensor([1.0, float("inf")]))._loss_checked(torch.tensor(3.0), float("inf"))
+    assert trainer(True, finite)._loss_checked(torch.tensor(3.0), 1.0) == 1.5  # mean over the 2 micro-batches
+    assert math.isnan(trainer(False, finite)._loss_checked(torch.tensor(float("nan")), float("nan")))  # trains on
