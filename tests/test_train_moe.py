@@ -99,7 +99,7 @@ def test_expert_parallel_equals_one_process(root, kind):
         # Every weight (expert shards, expert bias, MTP layer included) after 5 steps, within 1e-4 relative: fp32
         # rounding of another summation order (all-to-all dispatch, DP x CP and expert-DP reductions), which AdamW
         # amplifies where a clipped gradient is near eps (1e-8): its first move of an element is lr * g / (|g| + eps).
-        # Measured (issue 23; same runs driven in float64 end to end, max over iterations 1-5 and runs):
+        # Measured (issue 23; float64: the same runs through scripts/train_float64.py; max over iterations 1-5, runs):
         #   LR 3e-3 at iteration 1 (the schedule before Megatron's warmup from LR 0): Mixtral 1.36e-5 at seed 7
         #     (3.2e-6 / 7.7e-7 / 7.6e-7 at seeds 1 / 2 / 3), set at iteration 1 (1.33e-5) and flat after; 21 of 98304
         #     expert fc1 elements, all with |g| in 2e-9..2e-7, carry 99.9999% of it; float64: 1.1e-14 (DeepSeek-V3
