@@ -28,7 +28,7 @@ from train import checkpointing as ckpt_io
 from train import moe
 from train import precision
 from train.config import TrainConfig, run_length, validate
-from train.data import DataConfig, build_datasets, check_vocab, micro_batches
+from train.data import DataConfig, DataError, build_datasets, check_vocab, micro_batches
 from train.failures import bound_every_group
 from train.metrics import (MetricsLogger, check_wandb, flops_per_step, format_line, memory_stats, peak_flops,
                            throughput)
@@ -171,8 +171,18 @@ class Trainer:
         must be the checkpoint's unless --override-data-state."""
         d = self.cfg.data
         dc = DataConfig(paths=d.data_path, seq_length=d.seq_length, seed=d.seed, split=d.split)
-        # token ids against the checkpoint's true vocabulary (not its TP padding), on every rank, before step 1
-        check_vocab(d.data_path, self.model_cfg.vocab_size, f"checkpoint {self.src}")
+        # token ids against the checkpoint's true vocabulary (not its TP padding), before step 1: rank 0 reads the
+        # id range (a pass over each .bin the first time, then its sidecar) and every rank raises what it found
+        problem = [None]
+        if self.groups.rank == 0:
+            try:
+                check_vocab(d.data_path, self.model_cfg.vocab_size, f"checkpoint {self.src}")
+            except DataError as e:
+                problem = [str(e)]
+        if self.dims.world > 1:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise DataError(problem[0])
         evals = (self.train_iters // self.cfg.run.eval_interval + 1) * self.cfg.run.eval_iters \
             if self.cfg.run.eval_interval and self.cfg.run.eval_iters else 0
         self.train_ds, self.valid_ds = build_datasets(dc, self.length.train_samples, evals * d.global_batch_size)
