@@ -332,6 +332,7 @@ def preprocess_jsonl(input_path: str | os.PathLike, tokenizer_dir: str | os.Path
     seconds = time.perf_counter() - t0
     return {"input": str(src), "outputs": [str(p) for p in prefixes.values()], "documents": docs,
             "tokens": {k: w.tokens for k, w in writers.items()}, "dtype": dtype.name, "bytes": total_bytes,
+            "tokenizer": record, "sidecars": [str(sidecar_path(f"{p}.bin")) for p in prefixes.values()],
             "seconds": seconds, "mb_per_s": total_bytes / 1e6 / max(seconds, 1e-9)}
 
 
@@ -907,7 +908,9 @@ def preprocess_main(args) -> int:
                          add_special_tokens=args.add_special_tokens, quiet=args.quiet)
     toks = ", ".join(f"{k}: {n:,}" for k, n in r["tokens"].items())
     print(f"wrote {' '.join(p + '.bin/.idx' for p in r['outputs'])}: {r['documents']:,} documents, {toks} tokens "
-          f"({r['dtype']}), {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f}s ({r['mb_per_s']:.1f} MB/s)")
+          f"({r['dtype']}), {r['bytes'] / 1e6:.1f} MB in {r['seconds']:.1f}s ({r['mb_per_s']:.1f} MB/s); tokenizer "
+          f"{r['tokenizer']['path']} (vocab size {r['tokenizer']['vocab_size']}) recorded in "
+          f"{' '.join(r['sidecars'])}")
     return 0
 
 
