@@ -213,9 +213,12 @@ class Trainer:
         else:
             loss_sum = forward_backward(self.step, mbs, self.act_shape, self.dtype)
         self.backend.after_backward()
+        # as Megatron's DDP: this rank's own gradients, before the reduction spreads a NaN to its replicas
+        grads_bad = (not bool(torch.isfinite(self.opt.buffer).all())
+                     if self.cfg.run.check_for_nan_in_loss_and_grad else False)
         self.opt.reduce_grads()
         norm = self.opt.clip()
-        loss = self._loss_checked(loss_sum, norm)  # before the step: a non-finite state is never applied
+        loss = self._loss_checked(loss_sum, norm, grads_bad)  # before the step: a non-finite state is never applied
         # the values this step applies (Megatron-LM's log line prints them after the scheduler advanced)
         lr, wd = self.scheduler.lr, self.scheduler.wd
         self.opt.step(lr, wd)
@@ -225,18 +228,20 @@ class Trainer:
             out.update(self.moe.finish_step(self.dims.dp))
         return out
 
-    def _loss_checked(self, loss_sum: torch.Tensor, norm: float) -> float:
+    def _loss_checked(self, loss_sum: torch.Tensor, norm: float, grads_bad: bool | None = None) -> float:
         """Mean micro-batch loss over the global batch (summed on the last stages, averaged over DP); with
         --check-for-nan-in-loss-and-grad (the default, as Megatron) a loss or gradient that is not finite on any
         rank stops the run here, before the optimizer step, on every rank at once (one all-reduce carries the loss
-        and a flag per rank: bit 1 = its loss, bit 2 = its gradients)."""
+        and a flag per rank: bit 1 = its loss, bit 2 = its gradients; `grads_bad`: those gradients were checked
+        before the reduction, else they are checked now, when the global norm is not finite)."""
         world, check = self.dims.world, self.cfg.run.check_for_nan_in_loss_and_grad
         t = torch.zeros(1 + (world if check else 0), dtype=torch.float64, device=loss_sum.device)
         t[0] = loss_sum.detach().double().reshape(())
         if check:
             bad = 0 if bool(torch.isfinite(loss_sum).all()) else 1
-            if not math.isfinite(norm) and not bool(torch.isfinite(self.opt.buffer).all()):
-                bad |= 2  # the global norm is NaN/inf: say which ranks hold the non-finite gradients
+            if grads_bad or (grads_bad is None and not math.isfinite(norm)
+                             and not bool(torch.isfinite(self.opt.buffer).all())):
+                bad |= 2  # say which ranks hold the non-finite gradients
             t[1 + self.groups.rank] = bad
         if world > 1:
             dist.all_reduce(t)  # only last-stage ranks contribute; each DP x TP replica once, CP ranks x cp each
