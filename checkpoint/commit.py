@@ -174,6 +174,9 @@ def space_note(path: Path, needed: int | None) -> str:
         free = shutil.disk_usage(path).free
     except OSError:
         return ""
+    if needed and free >= needed:  # then "needs 9.99 MB, 10.37 MB free" would blame space wrongly
+        return (f"; {free:,} bytes free on that filesystem, more than the {needed:,} it needs (a file size limit or "
+                "quota, not a full disk?)")
     need = f"it needs {needed:,} bytes, " if needed else ""
     return f"; {need}{free:,} bytes free on that filesystem"
 
@@ -202,6 +205,7 @@ class IterationWriter:
         except OSError as e:  # e.g. a path below a regular file, or no permission
             raise WriteError(f"{self.root}: cannot create the output directory ({e.strerror or e})") from None
         self._stack.enter_context(output_lock(self.root))
+        created = False
         try:
             recover_root(self.root)
             job_file = self.partial / "job.json"
@@ -218,12 +222,15 @@ class IterationWriter:
                     shutil.rmtree(self.partial)
             if not self.partial.exists():
                 self.partial.mkdir()
+                created = True
                 write_file_atomic(job_file, json.dumps(self.job, sort_keys=True))
             self._log = open(self.partial / "done.log", "a")
         except OSError as e:
+            note = space_note(self.root, None)
+            if created:  # nothing of it is worth resuming: no empty iter_*.partial is left behind (e.g. ENOSPC)
+                shutil.rmtree(self.partial, ignore_errors=True)
             self._stack.close()
-            raise WriteError(f"{self.partial}: cannot start writing ({e.strerror or e})"
-                             f"{space_note(self.root, None)}") from None
+            raise WriteError(f"{self.partial}: cannot start writing ({e.strerror or e}){note}") from None
         except BaseException:
             self._stack.close()
             raise
@@ -231,22 +238,29 @@ class IterationWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._log:
-            self._log.close()
-            self._log = None
+            log, self._log = self._log, None
+            try:
+                log.close()  # flushes the resume log: fails too when the disk is full
+            except OSError as e:
+                exc = exc if exc is not None else e
         try:
             # On failure keep .partial (it is never mistaken for a checkpoint, and a rerun resumes from it) unless the
             # failure says the bytes themselves could not be written, or nobody will resume (no progress recorded: a
             # training save records none), then free the space.
             write_failed = isinstance(exc, (OSError, WriteError))
+            # the free space as the write found it, before the partial output's space is given back (measured after,
+            # a failed save read "needs 9.99 MB, 10.37 MB free"); reserve's refusal already says it, once
+            noted = getattr(exc, "space_noted", False) or "bytes free" in str(exc)
+            note = space_note(self.root, self.needed) if write_failed and not noted else ""
             if exc is not None and (write_failed or not self.done) and self.partial.exists():
                 shutil.rmtree(self.partial, ignore_errors=True)
             if isinstance(exc, OSError):
                 raise WriteError(f"{getattr(exc, 'filename', None) or self.partial}: writing the checkpoint failed "
-                                 f"({exc.strerror or exc}){space_note(self.root, self.needed)}; the previous "
-                                 "checkpoint is untouched and the partial output was removed") from None
-            if isinstance(exc, WriteError) and "bytes free" not in str(exc):
-                raise WriteError(f"{exc}{space_note(self.root, self.needed)}; the previous checkpoint is untouched "
-                                 "and the partial output was removed") from None
+                                 f"({exc.strerror or exc}){note}; the previous checkpoint is untouched and the "
+                                 "partial output was removed") from None
+            if isinstance(exc, WriteError) and not noted:
+                raise WriteError(f"{exc}{note}; the previous checkpoint is untouched and the partial output was "
+                                 "removed") from None
         finally:
             self._stack.close()
 
@@ -259,8 +273,10 @@ class IterationWriter:
         except OSError:
             return
         if left > free:
-            raise WriteError(f"{self.root}: not enough space: writing this checkpoint needs {left:,} more bytes, "
-                             f"{free:,} are free; free space or choose another output")
+            err = WriteError(f"{self.root}: not enough space: writing this checkpoint needs {left:,} more bytes, "
+                             f"{free:,} bytes free; free space or choose another output")
+            err.space_noted = True  # __exit__ adds no second (re-measured) free-space figure
+            raise err
 
     def _check_root(self) -> None:
         root = self.root

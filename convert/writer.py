@@ -197,7 +197,11 @@ class _Recorder:
     def durable(self, chunks: list[tuple[str, int]]) -> None:
         """Record chunks (task id, bytes) whose writes are durable."""
         if chunks:
-            self.w.mark_done_many([task_id for task_id, _ in chunks])
+            try:
+                self.w.mark_done_many([task_id for task_id, _ in chunks])
+            except OSError as e:  # e.g. the disk filled up: a WriteError, so flush still waits for the writes in flight
+                raise WriteError(f"{self.w.partial / 'done.log'}: recording finished chunks failed "
+                                 f"({e.strerror or e})") from None
             self.bar.advance(sum(n for _, n in chunks), len(chunks))
             for _ in chunks:
                 fault_point("chunk")

@@ -292,3 +292,53 @@ def test_plan_marks_invalid_layouts_and_small_step_times(w, tmp_path, capsys):
     finally:
         plt.close = real_close
     assert labels and all("INVALID" in t for t in labels), labels
+
+
+# -- a full disk: one line, one free-space figure, nothing left behind ----------------------------------------------
+
+def _enospc(*_a, **_k):
+    import errno
+    import os
+
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _left_behind(out: Path) -> list[str]:
+    return sorted(p.name for p in out.glob("iter_*")) if out.exists() else []
+
+
+def test_enospc_at_start_leaves_no_empty_partial(w, tmp_path, capsys, monkeypatch):
+    import checkpoint.commit as commit
+
+    monkeypatch.setattr(commit, "write_file_atomic", _enospc)  # the job record, the first file written
+    out = tmp_path / "out"
+    rc, err = run_inproc(["convert", "hf-to-mcore", w["hf"], out, "--quiet"], capsys)
+    assert_one_line_error(rc, err, "iter_0000000.partial", "No space left on device")
+    assert _left_behind(out) == []
+
+
+def test_not_enough_space_states_one_free_figure(w, tmp_path, capsys, monkeypatch):
+    import collections
+    import itertools
+
+    import checkpoint.commit as commit
+
+    usage = collections.namedtuple("usage", "total used free")
+    frees = itertools.count(1000, 4096)  # every measurement differs, as on a busy disk
+    monkeypatch.setattr(commit.shutil, "disk_usage", lambda p: usage(1 << 30, 0, next(frees)))
+    out = tmp_path / "out"
+    rc, err = run_inproc(["convert", "hf-to-mcore", w["hf"], out, "--quiet"], capsys)
+    line = assert_one_line_error(rc, err, "not enough space", "bytes free")
+    assert line.count("free") == 2 and line.count("bytes free") == 1, line  # "...bytes free; free space or..."
+    assert _left_behind(out) == []
+
+
+def test_enospc_mid_write_is_one_line_and_removes_the_partial(w, tmp_path, capsys, monkeypatch):
+    import checkpoint.commit as commit
+
+    monkeypatch.setattr(commit.IterationWriter, "mark_done_many", lambda self, ids: _enospc())
+    out = tmp_path / "out"
+    rc, err = run_inproc(["convert", "hf-to-mcore", w["hf"], out, "--quiet"], capsys)
+    line = assert_one_line_error(rc, err, "No space left on device", "partial output was removed")
+    assert line.count("bytes free") == 1, line
+    assert _left_behind(out) == []
