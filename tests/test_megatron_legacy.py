@@ -34,10 +34,10 @@ import transformers
 
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError, FormatError, LayoutError, ShardkitError
+from checkpoint.megatron import config_from_megatron_args
 from checkpoint.reader import Checkpoint
 from convert.mcore_to_hf import convert_mcore_to_hf
-from convert.megatron_legacy import (config_from_megatron_args, is_legacy_checkpoint, legacy_to_native,
-                                     load_rank_file, read_legacy_args)
+from convert.megatron_legacy import is_legacy_checkpoint, legacy_to_native, load_rank_file, read_legacy_args
 
 ORACLE = Path(__file__).with_name("megatron_legacy_oracle.py")
 TOL = 1e-4
@@ -522,7 +522,7 @@ def test_release_and_iteration_directory(oracle, tmp_path):
     nat = legacy_to_native(root / "iter_0000042", tmp_path / "b", cfg, quiet=True, workers=1)
     assert nat.name == "iter_0000042"
     (root / "latest_checkpointed_iteration.txt").write_text("42")
-    with pytest.raises(ShardkitError, match="destination is the legacy checkpoint"):
+    with pytest.raises(ShardkitError, match="is the input SRC"):  # safety.check_output, before anything is read
         legacy_to_native(root, root, cfg, quiet=True, overwrite=True)
     (root / "latest_checkpointed_iteration.txt").write_text("12x")
     with pytest.raises(FormatError, match="latest_checkpointed_iteration.txt"):
