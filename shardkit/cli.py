@@ -336,6 +336,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         args.hf_dir = _hf_dir_arg(args.hf_dir, download=args.download)
     if getattr(args, "hf_config", None):
         args.hf_config = _hf_dir_arg(args.hf_config)
+    if args.cmd == "verify" and args.against:  # hub repo ids from the local cache wherever an HF directory is read
+        args.against = _hf_dir_arg(args.against)
+    if args.cmd == "preprocess-data":
+        args.tokenizer = _hf_dir_arg(args.tokenizer)
+    if args.cmd == "plan" and "/" in args.model:
+        args.model = _hf_dir_arg(args.model)
     _check_outputs(args)
     if args.cmd == "convert" and args.direction == "hf-to-mcore":
         from checkpoint.layout import Layout

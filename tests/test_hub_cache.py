@@ -87,6 +87,18 @@ def test_repo_id_from_the_cache(hub, tmp_path, capsys, monkeypatch):
     _same_checkpoint(tmp_path / "a", tmp_path / "b")
 
 
+def test_repo_id_for_verify_against(hub, tmp_path, capsys, monkeypatch):
+    """`verify --against org/name` reads the same cached snapshot (logits of our model vs transformers' own)."""
+    home, _snap, plain = hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(home / "hub"))
+    assert main(["convert", "hf-to-mcore", str(plain), str(tmp_path / "ck"), "--quiet"]) == 0
+    rc, err = _run(["verify", tmp_path / "ck", "--against", REPO, "--quiet"], capsys)
+    assert rc == 0, err
+
+
 def test_repo_id_not_cached_is_one_line(hub, tmp_path, capsys, monkeypatch):
     home, _snap, _plain = hub
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
