@@ -104,7 +104,8 @@ _FIELD_TYPES: dict[str, tuple[str, Any, bool]] = {
     "router_aux_loss_coef": ("num", 0, False), "aux_loss_alpha": ("num", 0, False),
     "dtype": ("str", None, True), "torch_dtype": ("str", None, True),
     # DeepSeek
-    "first_k_dense_replace": ("int", 0, False), "moe_layer_freq": ("int", 1, True), "n_routed_experts": ("int", 1, False),
+    "first_k_dense_replace": ("int", 0, False), "moe_layer_freq": ("int", 1, True),
+    "n_routed_experts": ("int", 1, False),
     "n_shared_experts": ("int", 0, False), "moe_intermediate_size": ("int", 1, False), "n_group": ("int", 1, True),
     "topk_group": ("int", 1, True), "topk_method": ("str", None, True), "norm_topk_prob": ("bool", None, False),
     "routed_scaling_factor": ("num", ">0", False), "scoring_func": ("str", None, True), "q_lora_rank": ("int", 1, True),
@@ -473,6 +474,32 @@ class ModelConfig:
         d = self.to_hf()
         cls = transformers.CONFIG_MAPPING[self.model_type]
         return cls.from_dict(d)
+
+
+_MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+               "moe_layer_freq", "moe_router_score_function", "moe_router_norm_topk", "moe_router_topk_scaling_factor",
+               "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_aux_loss_coeff")
+_MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+               "v_head_dim")
+
+
+def applicable_fields(model: dict) -> dict:
+    """The ModelConfig fields (a to_dict()) that apply to this model, for people to read: no MoE fields for a dense
+    model, no multi-latent-attention fields without it, optional features only when on (`inspect`)."""
+    out = {}
+    for k, v in model.items():
+        if k == "hf_config" or (k in _MOE_FIELDS and not model.get("num_moe_experts")) or \
+                (k in _MLA_FIELDS and not model.get("multi_latent_attention")):
+            continue
+        if k in ("rope_scaling", "sliding_window", "q_lora_rank", "moe_router_num_groups", "moe_router_group_topk",
+                 "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor") and v is None:
+            continue
+        if k in ("rotary_interleaved", "moe_router_enable_expert_bias", "multi_latent_attention") and not v:
+            continue
+        if k == "mtp_num_layers" and not v:
+            continue
+        out[k] = v
+    return out
 
 
 def _read_deepseek(hf: dict, source: str, integer, layers: int) -> dict:

@@ -1,4 +1,4 @@
-"""What shardkit prints: one progress bar for long work (items, bytes, rate and ETA, rich), quiet when not wanted;
+"""What shardkit prints: one progress bar for long work (bytes with rate and ETA, and items), quiet when not wanted;
 and the strict JSON of every `--json` output."""
 from __future__ import annotations
 
@@ -6,37 +6,73 @@ import contextlib
 import json
 import math
 import sys
+import threading
 from typing import Iterator
 
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
-                           TimeRemainingColumn, TransferSpeedColumn)
+from rich.progress import BarColumn, Progress, ProgressColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def _size_unit(total: float) -> tuple[int, str]:
+    """One binary unit for the whole bar (sizes and rate), chosen from the total: MiB, or GiB from 10 GiB up."""
+    return (GiB, "GiB") if total >= 10 * GiB else (MiB, "MiB")
+
+
+class _BytesColumn(ProgressColumn):
+    """`256.0/610.0 MiB`: done and total in the bar's one unit."""
+
+    def render(self, task) -> Text:
+        div, unit = _size_unit(task.total or 0)
+        return Text(f"{task.completed / div:,.1f}/{(task.total or 0) / div:,.1f} {unit}", style="progress.download")
+
+
+class _RateColumn(ProgressColumn):
+    """`85.3 MiB/s`, in the unit of the sizes (never MiB next to MB/s); `?` until two updates have been timed."""
+
+    def render(self, task) -> Text:
+        div, unit = _size_unit(task.total or 0)
+        speed = task.finished_speed or task.speed
+        return Text("?" if speed is None else f"{speed / div:,.1f} {unit}/s", style="progress.data.speed")
 
 
 class _Bar:
-    def __init__(self, progress: Progress | None, task, items_task):
-        self._p, self._t, self._i = progress, task, items_task
+    """Thread-safe: writer threads report bytes as they are written, the recorder reports items as they become
+    durable."""
+
+    def __init__(self, progress: Progress | None, task, items: int, unit: str):
+        self._p, self._t = progress, task
+        self._items, self._done, self._unit = items, 0, unit
+        self._lock = threading.Lock()
 
     def advance(self, nbytes: int, items: int = 0) -> None:
-        if self._p is not None:
-            self._p.update(self._t, advance=nbytes)
-            if items:
-                self._p.update(self._i, advance=items)
+        if self._p is None:
+            return
+        with self._lock:
+            self._done += items
+            fields = {"items": f"{self._unit} {self._done:,}/{self._items:,}"} if self._items else {}
+            self._p.update(self._t, advance=nbytes, **fields)
 
 
 @contextlib.contextmanager
-def progress_bar(label: str, total: int, items: int, disable: bool = False) -> Iterator[_Bar]:
-    """Bytes with rate and ETA on one line, items (tensors/chunks) on the next. Drawn on stderr."""
+def progress_bar(label: str, total: int, items: int, disable: bool = False, unit: str = "chunks") -> Iterator[_Bar]:
+    """One line on stderr: the bytes (bar, percentage, done/total, rate, ETA, all in one binary unit) and how many
+    of the `items` (`unit`: chunks, tensors, lines) are done. Drawn only on a terminal: piped or captured stderr gets
+    nothing (no stray lines in logs)."""
     if disable:
-        yield _Bar(None, None, None)
+        yield _Bar(None, None, 0, unit)
         return
     console = Console(file=sys.stderr)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), DownloadColumn(binary_units=True),
-                  TransferSpeedColumn(), TimeRemainingColumn(), MofNCompleteColumn(), console=console,
-                  transient=not console.is_terminal) as p:
-        t = p.add_task(f"{label} bytes", total=total)
-        i = p.add_task(f"{label} chunks", total=items)
-        yield _Bar(p, t, i)
+    if not console.is_terminal:
+        yield _Bar(None, None, 0, unit)
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), _BytesColumn(), _RateColumn(),
+                  TimeRemainingColumn(), TextColumn("{task.fields[items]}"), console=console,
+                  speed_estimate_period=10.0) as p:
+        t = p.add_task(label, total=total, items=f"{unit} 0/{items:,}" if items else "")
+        yield _Bar(p, t, items, unit)
 
 
 def _finite(obj):
@@ -53,3 +89,44 @@ def json_text(obj, indent: int | None = 1) -> str:
     """Strict JSON (RFC 8259) for `--json` outputs: a NaN or infinite float is written as null, never as the bare
     NaN / Infinity that Python's json module emits and other parsers refuse."""
     return json.dumps(_finite(obj), indent=indent, allow_nan=False)
+
+
+def print_description(d: dict, console=None) -> None:
+    """`shardkit inspect`: header, layout, the model fields that apply, and the tensor table. Tensor names are
+    never cut: the other columns wrap, and when even that cannot fit (an 80-column terminal, MTP names of 80
+    characters) each tensor gets its own line with its details below it."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .config import applicable_fields
+
+    con = console or Console()
+    lay = d["layout"]
+    con.print(f"[bold]{escape(str(d['path']))}[/]  {d['format']}  iteration {d['iteration']}")
+    con.print(f"layout: tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']}   vocab: {d['vocab']['size']} "
+              f"(padded {d['vocab']['padded_size']})")
+    con.print("model: " + escape(", ".join(f"{k}={v}" for k, v in applicable_fields(d["model"]).items())))
+    rows = [(r["name"], str(tuple(r["shape"])), r["dtype"], str(tuple(r["chunk"])), r["rule"], f"{r['bytes']:,}")
+            for r in d["tensors"]]
+    total = ("total", f"{d['total_params']:,} params", "", "", "", f"{d['total_bytes']:,}")
+    widths = [max(len(r[i]) for r in rows + [total]) for i in range(6)]
+    # a 6-column table has 7 rules and 2 spaces of padding per cell; the names, dtypes, rules and byte counts are
+    # never broken, the shapes wrap at their commas (9 columns each at least)
+    if widths[0] + widths[2] + widths[4] + widths[5] + 2 * 9 + 7 + 12 <= con.width:
+        t = Table(show_lines=False)
+        t.add_column("tensor", no_wrap=True, min_width=widths[0])
+        for col in ("global shape", "dtype", "chunk", "rule", "bytes"):
+            t.add_column(col, justify="right" if col == "bytes" else "left",
+                         no_wrap=col not in ("global shape", "chunk"))
+        for r in rows:
+            t.add_row(*r)
+        t.add_row(*(f"[bold]{c}[/]" if c else c for c in total))
+        con.print(t)
+    else:
+        for name, shape, dtype, chunk, rule, nbytes in rows:
+            con.print(name, style="bold", soft_wrap=True)
+            con.print(f"    shape {shape}  {dtype}  chunk {chunk}  {rule}  {nbytes} bytes")
+        con.print(f"[bold]total[/]: {total[1]}, {total[5]} bytes")
+    if d["hf_files"]:
+        con.print("hf files: " + escape(", ".join(d["hf_files"])))

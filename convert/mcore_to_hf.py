@@ -251,7 +251,7 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
         try:
             weight_map, total = {}, sum(p.nbytes for p in plans)
             n = len(shards)
-            with progress_bar("mcore-to-hf", total=total, items=len(plans), disable=quiet) as bar:
+            with progress_bar("mcore-to-hf", total=total, items=len(plans), disable=quiet, unit="tensors") as bar:
                 for i, shard in enumerate(shards):
                     fname = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
                     _write_shard(ckpt, tmp / fname, shard, bar)

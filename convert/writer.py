@@ -121,7 +121,7 @@ class ChunkSink:
                 self._unwritten += nbytes
             if self._threads is None:
                 self._threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="shardkit-write")
-            done, held = self._threads.submit(self._write_then_sync, path, [data], task.name, nbytes), 0
+            done, held = self._threads.submit(self._write_then_sync, path, [data], task.name, nbytes, rec), 0
             del data
         else:
             try:
@@ -141,15 +141,17 @@ class ChunkSink:
             self._retire(rec)
         return task.id, nbytes
 
-    def _write_then_sync(self, path: Path, holder: list, label: str, nbytes: int) -> None:
+    def _write_then_sync(self, path: Path, holder: list, label: str, nbytes: int, rec: "_Recorder") -> None:
         """Writer thread: write the chunk (its buffer is released as soon as the bytes are in the page cache: the
-        holder list is the only reference), then make it durable."""
+        holder list is the only reference), show its bytes on the progress bar, then make it durable (the chunk is
+        counted done, and recorded for resume, only then)."""
         try:
             fd = chunkio.write_chunk(path, holder.pop(), label)
         finally:
             with self._unwritten_cv:
                 self._unwritten -= nbytes
                 self._unwritten_cv.notify_all()
+        rec.bar.advance(nbytes, 1)
         chunkio.sync_chunk(path, fd, label)
 
     def _over_budget(self) -> bool:
@@ -181,7 +183,7 @@ class ChunkSink:
                     commit.result()
                 except ValueError as e:
                     raise self._error(task, e) from None
-                done.append((task.id, nbytes))
+                done.append((task.id, held))  # bytes not yet on the bar: chunkio's writes showed theirs when written
         finally:
             rec.durable(done)
 
@@ -195,14 +197,15 @@ class _Recorder:
         self.w, self.bar, self.sinks = w, bar, set()
 
     def durable(self, chunks: list[tuple[str, int]]) -> None:
-        """Record chunks (task id, bytes) whose writes are durable."""
+        """Record chunks whose writes are durable: (task id, bytes the progress bar has not been shown yet; 0 for
+        chunkio's writes, which showed their bytes and chunk when written)."""
         if chunks:
             try:
                 self.w.mark_done_many([task_id for task_id, _ in chunks])
             except OSError as e:  # e.g. the disk filled up: a WriteError, so flush still waits for the writes in flight
                 raise WriteError(f"{self.w.partial / 'done.log'}: recording finished chunks failed "
                                  f"({e.strerror or e})") from None
-            self.bar.advance(sum(n for _, n in chunks), len(chunks))
+            self.bar.advance(sum(n for _, n in chunks), sum(1 for _, n in chunks if n))
             for _ in chunks:
                 fault_point("chunk")
 

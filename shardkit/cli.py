@@ -491,25 +491,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
         print(json_text(d))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from checkpoint.progress import print_description
 
-    con = Console()
-    lay = d["layout"]
-    con.print(f"[bold]{d['path']}[/]  {d['format']}  iteration {d['iteration']}")
-    con.print(f"layout: tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']}   vocab: {d['vocab']['size']} "
-              f"(padded {d['vocab']['padded_size']})")
-    con.print("model: " + ", ".join(f"{k}={v}" for k, v in d["model"].items()))
-    t = Table(show_lines=False)
-    for col in ("tensor", "global shape", "dtype", "chunk", "rule", "bytes"):
-        t.add_column(col, justify="right" if col == "bytes" else "left")
-    for r in d["tensors"]:
-        t.add_row(r["name"], str(tuple(r["shape"])), r["dtype"], str(tuple(r["chunk"])), r["rule"],
-                  f"{r['bytes']:,}")
-    t.add_row("[bold]total[/]", f"{d['total_params']:,} params", "", "", "", f"[bold]{d['total_bytes']:,}[/]")
-    con.print(t)
-    if d["hf_files"]:
-        con.print("hf files: " + ", ".join(d["hf_files"]))
+    print_description(d)
     return 0
 
 

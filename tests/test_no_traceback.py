@@ -342,3 +342,86 @@ def test_enospc_mid_write_is_one_line_and_removes_the_partial(w, tmp_path, capsy
     line = assert_one_line_error(rc, err, "No space left on device", "partial output was removed")
     assert line.count("bytes free") == 1, line
     assert _left_behind(out) == []
+
+
+# -- output a person can read -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_inspect_shows_whole_tensor_names_and_only_fields_that_apply(w, width):
+    import io
+
+    from rich.console import Console
+
+    from checkpoint.progress import print_description
+    from checkpoint.reader import Checkpoint, describe
+
+    d = describe(Checkpoint(w["ck"]))
+    buf = io.StringIO()
+    print_description(d, Console(file=buf, width=width, force_terminal=False))
+    text = buf.getvalue()
+    assert "…" not in text
+    assert all(len(ln) <= width for ln in text.splitlines()), max(text.splitlines(), key=len)
+    for r in d["tensors"]:
+        assert any(r["name"] in ln for ln in text.splitlines()), r["name"]  # whole, on one line
+    assert "moe_" not in text and "q_lora_rank" not in text and "mtp_num_layers" not in text  # a dense llama
+    assert "num_query_groups=2" in text
+
+
+def test_applicable_fields_keep_what_a_moe_model_uses():
+    from checkpoint.config import ModelConfig, applicable_fields
+
+    base = dict(model_type="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=100, num_local_experts=4,
+                num_experts_per_tok=2)
+    fields = applicable_fields(ModelConfig.from_hf(base).to_dict())
+    assert fields["num_moe_experts"] == 4 and fields["moe_router_topk"] == 2 and "q_lora_rank" not in fields
+
+
+def test_progress_bar_units_are_one_family_and_items_are_named():
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from checkpoint.progress import _BytesColumn, _RateColumn
+
+    p = Progress(console=Console(file=io.StringIO(), force_terminal=True))
+    t = p.add_task("x", total=610 << 20)
+    task = p.tasks[0]
+    assert str(_RateColumn().render(task)) == "?"
+    p.update(t, advance=10 << 20)
+    task._progress.clear()  # two timed samples: 10 MiB, then 30 MiB one second later
+    from rich.progress import ProgressSample
+
+    task._progress.extend([ProgressSample(100.0, 10 << 20), ProgressSample(101.0, 20 << 20)])
+    assert str(_BytesColumn().render(task)) == "10.0/610.0 MiB"
+    assert str(_RateColumn().render(task)) == "20.0 MiB/s"
+    p.stop()
+
+
+def test_conversion_progress_moves_with_each_chunk_written(w, tmp_path, monkeypatch):
+    """Bytes reach the bar as each chunk is written (not when a batch of them is fsynced), and the chunk count
+    with them; the total adds up."""
+    import contextlib
+
+    import convert.writer as writer
+
+    calls = []
+
+    class Bar:
+        def advance(self, nbytes, items=0):
+            calls.append((nbytes, items))
+
+    @contextlib.contextmanager
+    def fake_bar(label, total, items, disable=False, unit="chunks"):
+        calls.append(("total", total, items, unit))
+        yield Bar()
+
+    monkeypatch.setattr(writer, "progress_bar", fake_bar)
+    assert main(["convert", "hf-to-mcore", str(w["hf"]), str(tmp_path / "o")]) == 0
+    head, *steps = calls
+    _, total, items, unit = head
+    assert unit == "chunks" and items > 1
+    per_chunk = [c for c in steps if c[0] > 0 and c[1] == 1]
+    assert len(per_chunk) == items  # one update per chunk
+    assert sum(c[0] for c in steps) == total and sum(c[1] for c in steps) == items

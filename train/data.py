@@ -311,7 +311,7 @@ def preprocess_jsonl(input_path: str | os.PathLike, tokenizer_dir: str | os.Path
             _WORKER_STATE.update(tok=tok, special=add_special_tokens, eod=eod)
             results = ((_encode_batch(b), nb, nl) for b, nb, nl in batches)
         docs = 0
-        with progress_bar("tokenize", total=total_bytes, items=total_lines, disable=quiet) as bar:
+        with progress_bar("tokenize", total=total_bytes, items=total_lines, disable=quiet, unit="lines") as bar:
             for enc, nb, nl in results:
                 for k, arrays in enc.items():
                     for a in arrays:
