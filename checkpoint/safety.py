@@ -91,6 +91,21 @@ def read_pointer(root: str | Path, name: str) -> str | None:
         raise FormatError(f"{path}: not text; it should name an iteration") from None
 
 
+def _identities(path: str) -> list[tuple[int, int] | None]:
+    """(st_dev, st_ino) of `path`, then of each of its ancestors, nearest first; None for one that does not exist."""
+    out, cur = [], path
+    while True:
+        try:
+            st = os.stat(cur)
+            out.append((st.st_dev, st.st_ino))
+        except OSError:
+            out.append(None)
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            return out
+        cur = parent
+
+
 def check_output(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]], flag: str = "output",
                  same_ok: Iterable[str | Path] = ()) -> None:
     """Refuse, before anything is written, an output that is, contains or lies inside an input (paths resolved,
@@ -102,17 +117,22 @@ def check_output(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]
     the save writes new iteration directories beside the loaded one)."""
     o = os.path.realpath(out)
     same = {os.path.realpath(p) for p in same_ok}
+    o_chain = _identities(o)
     for what, p in inputs:
         if p is None or str(p) == "":
             continue
         i = os.path.realpath(p)
-        if o == i:
+        i_chain = _identities(i)
+        # by path, and by (device, inode) for what exists: the same directory reached through a bind mount or a
+        # hard link is the same directory
+        oid, iid = o_chain[0], i_chain[0]
+        if o == i or (oid is not None and oid == iid):
             if i in same:
                 continue
             rel = "is"
-        elif _inside(o, i):
+        elif _inside(o, i) or (iid is not None and iid in o_chain[1:]):
             rel = "lies inside"
-        elif _inside(i, o):
+        elif _inside(i, o) or (oid is not None and oid in i_chain[1:]):
             if i in same and os.path.dirname(i) == o:  # --load ROOT/iter_N --save ROOT: resuming into the root
                 continue
             rel = "contains"

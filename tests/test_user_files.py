@@ -196,6 +196,12 @@ def _train(g, save, load=None, data=None):
             "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1"]
 
 
+def _hardlink(link: Path, target: Path) -> Path:
+    """Another name of the same file: found by (device, inode), as a bind mount of a directory would be."""
+    link.hardlink_to(target)
+    return link
+
+
 def _link(link: Path, target: Path) -> Path:
     link.symlink_to(target)
     return link
@@ -241,6 +247,8 @@ REFUSED = [
     ("train-save-holds-data", "root", lambda g, t: _train(g, g["data"].parent), "contains"),
     ("train-save-is-data-file", "root", lambda g, t: _train(g, g["data"].with_suffix(".bin")), "is the input"),
     ("plot-output-is-metrics", "root", lambda g, t: ["plot", t / "m.jsonl", "-o", t / "m.jsonl"], "is the input"),
+    ("plot-output-hard-link-of-metrics", "root", lambda g, t: ["plot", t / "m.jsonl", "-o",
+                                                               _hardlink(t / "h.png", t / "m.jsonl")], "is the input"),
     ("plan-plot-inside-model", "hf", lambda g, t: ["plan", "--model", g["hf"], "--gpus", "8", "--plot",
                                                    g["hf"] / "plan.png"], "lies inside"),
     ("launch-out-is-load", "ck", lambda g, t: ["launch", "--layout", "tp=1,pp=1,dp=8", "--nodes", "1", "--out",
