@@ -8,6 +8,7 @@ transformers' forward of the export.
 """
 from __future__ import annotations
 
+import shlex
 import shutil
 import tempfile
 import time
@@ -69,7 +70,9 @@ def run_demo(out: str | None = None, keep: bool = False) -> int:
     rows = []
 
     def step(label: str, argv: list[str]) -> None:
-        con.rule(f"[bold]{label}[/]: shardkit {' '.join(argv)}")
+        # the command on a line of its own, never cut to the width of the rule ("…"): it can be copied and rerun
+        con.rule(f"[bold]{label}[/]")
+        con.print(f"$ shardkit {shlex.join(argv)}", soft_wrap=True, markup=False, highlight=False)
         t = time.time()
         rc = cli(argv)
         rows.append((label, "ok" if rc == 0 else f"FAILED ({rc})", f"{time.time() - t:.1f}s"))

@@ -425,3 +425,22 @@ def test_conversion_progress_moves_with_each_chunk_written(w, tmp_path, monkeypa
     per_chunk = [c for c in steps if c[0] > 0 and c[1] == 1]
     assert len(per_chunk) == items  # one update per chunk
     assert sum(c[0] for c in steps) == total and sum(c[1] for c in steps) == items
+
+
+def test_stderr_stays_empty_and_transformers_load_report_does_not_leak(w, tmp_path):
+    """Piped stderr (a log file, CI) gets no progress bar remnants or blank lines; `verify --against` a model
+    directory holding a tensor transformers does not load (as DeepSeek-V3's MTP layers) prints no LOAD REPORT."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf = Path(shutil.copytree(w["hf"], tmp_path / "hf"))
+    tensors = load_file(str(hf / "model.safetensors"))
+    tensors["model.layers.2.extra.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "ck"
+    rc, stdout, err = run_real(["convert", "hf-to-mcore", w["hf"], out])
+    assert rc == 0 and err == "", err
+    rc, stdout, err = run_real(["verify", out, "--against", hf])
+    assert rc == 0 and err == "", err
+    assert "LOAD REPORT" not in stdout and "UNEXPECTED" not in stdout and "OK" in stdout
