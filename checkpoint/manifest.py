@@ -14,6 +14,7 @@ from pathlib import Path
 from .config import ModelConfig
 from .errors import ConfigError, FormatError, LayoutError
 from .layout import Layout
+from .megatron import iter_dirname, iteration_of
 from .sharding import (OPTIMIZER_PREFIX, OPTIMIZER_STATES, TensorSpec, chunk_shape, fp8_scale_specs, model_specs,
                        optimizer_specs)
 
@@ -24,16 +25,12 @@ MANIFEST = "manifest.json"
 # trainer as JSON beside the manifest; shardkit carries it verbatim (reshard, torch_dist) and never interprets it.
 TRAIN_STATE = "train_state.json"
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
-_ITER_RE = re.compile(r"^iter_\d{7}$")
 MAX_DIM = 1 << 40  # no axis of any tensor is longer; larger sizes in a manifest are damage or hostile
 
 
-def iter_dirname(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
 def valid_iter_dirname(name: str) -> bool:
-    return bool(_ITER_RE.match(name))
+    """An iteration directory name (Megatron-LM's, checkpoint.megatron.iter_dirname)."""
+    return iteration_of(name) is not None
 
 
 def tensor_path(name: str) -> str:

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint import planner as _dcp_planner
 from . import chunkio, store
 from .commit import LOCK, output_lock, recover_root, replace_dir, write_file_atomic
 from .faults import fault_point
+from .megatron import CHECKPOINT_VERSION, RELEASE, TRACKER, iter_dirname, iteration_of
 from .safe_load import load_torch
 from .safety import read_pointer, safe_path
 from .errors import FormatError, ShardkitError, WriteError
@@ -53,19 +54,12 @@ from .errors import FormatError, ShardkitError, WriteError
 METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
 COMMON_PT = "common.pt"
-TRACKER = "latest_checkpointed_iteration.txt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
 DCP_VERSION = "1.0.0"
-CHECKPOINT_VERSION = 3.0  # Megatron-LM's checkpoint_version for the current QKV layout
 # Items larger than this are spooled to a temporary file and memory-mapped instead of read into memory.
 ITEM_MMAP_BYTES = 256 << 20
-_ITER_RE = re.compile(r"^iter_\d{7}$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
-
-
-def iter_dirname(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
 
 
 # -- safe unpickling --------------------------------------------------------------------------------------------------
@@ -320,8 +314,8 @@ class TorchDistCheckpoint:
         it = (self.common or {}).get("iteration")
         if isinstance(it, int) and not isinstance(it, bool) and it >= 0:
             return it
-        m = re.match(r"^iter_(\d{7})$", self.path.name)
-        return int(m.group(1)) if m else 0
+        it = iteration_of(self.path.name)
+        return 0 if it is None else it
 
     @property
     def args(self) -> argparse.Namespace | None:
@@ -491,8 +485,8 @@ def resolve_torch_dist(path: str | Path) -> Path:
     text = read_pointer(p, TRACKER) if p.is_dir() else None  # a regular file of <= 4 KiB, or an error
     if text is not None:
         text = text.strip()
-        if text == "release":
-            name = "release"
+        if text == RELEASE:
+            name = RELEASE
         elif text.isdigit():
             name = iter_dirname(int(text))
         else:
@@ -501,7 +495,7 @@ def resolve_torch_dist(path: str | Path) -> Path:
         if not it.is_dir():
             raise FormatError(f"{tracker}: points to {name}, which is missing")
         return it
-    iters = sorted(x.name for x in p.iterdir() if x.is_dir() and _ITER_RE.match(x.name)) if p.is_dir() else []
+    iters = sorted(x.name for x in p.iterdir() if x.is_dir() and iteration_of(x.name) is not None) if p.is_dir() else []
     hint = f" (found {', '.join(iters[-3:])}: pass one of them)" if iters else ""
     raise FormatError(f"{p}: not a torch_dist checkpoint: no {TRACKER}, no {DCP_METADATA}{hint}")
 

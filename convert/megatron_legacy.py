@@ -21,11 +21,13 @@ expert rank 0 for dense tensors), after every file has been checked for missing,
 other ranks' copies (replicated norms and routers, dense weights on expert ranks > 0, the tied output layer on the
 last pipeline stage) are then compared bit for bit with what was written; any difference is an error and nothing is
 committed.
+
+What is not specific to this format (tracker file, iteration names, local <-> TE key naming, reading Megatron-LM args
+into a model config and checking them against one) comes from checkpoint.megatron.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import multiprocessing as mp
@@ -37,16 +39,18 @@ import zipfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.config import ModelConfig
-from checkpoint.errors import ConfigError, FormatError, LayoutError, ShardkitError, WriteError
+from checkpoint.errors import FormatError, LayoutError, ShardkitError, WriteError
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.manifest import Manifest, TensorEntry, tensor_path
+from checkpoint.megatron import (CHECKPOINT_VERSION, RELEASE, TRACKER, arg, canonical_candidates, check_args,
+                                 config_from_megatron_args, int_arg, iter_dirname, iteration_of, with_args_vocab)
 from checkpoint.progress import progress_bar
 from checkpoint.safe_load import SAFE_GLOBALS, MegatronObject, load_torch  # noqa: F401 - re-exported
 from checkpoint.sharding import TensorSpec, local_shape, model_specs, regions
@@ -54,13 +58,10 @@ from checkpoint.sharding import TensorSpec, local_shape, model_specs, regions
 from .hf_to_mcore import VERSION
 from .writer import WORKER_MIN_BYTES, ChunkSink, Task, chunk_tasks
 
-TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
-CHECKPOINT_VERSION = 3.0  # megatron-core models: QKV grouped by query group
 BATCH_BYTES = 256 << 20  # a write job covers at most this much of one rank file (progress, parallelism, resume)
 
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 _MODEL_CHUNK = re.compile(r"^model(\d*)$")
 
 
@@ -136,8 +137,8 @@ def _find_iteration(src: Path) -> tuple[Path, int | None]:
     if not src.is_dir():
         raise FormatError(f"{src}: no such checkpoint directory")
     if any(_RANK_DIR.match(p.name) for p in src.iterdir()):  # an iteration directory itself
-        m = _ITER_DIR.match(src.name)
-        return src, int(m.group(1)) if m else (0 if src.name == "release" else None)
+        it = iteration_of(src.name)
+        return src, it if it is not None else (0 if src.name == RELEASE else None)
     from checkpoint.safety import read_pointer
 
     tracker = src / TRACKER
@@ -145,8 +146,8 @@ def _find_iteration(src: Path) -> tuple[Path, int | None]:
     if text is None:
         raise FormatError(f"{src}: not a Megatron-LM torch checkpoint: no {TRACKER} and no mp_rank_* directories")
     text = text.strip()
-    if text == "release":
-        name, iteration = "release", 0
+    if text == RELEASE:
+        name, iteration = RELEASE, 0
     else:
         try:
             iteration = int(text)
@@ -154,25 +155,11 @@ def _find_iteration(src: Path) -> tuple[Path, int | None]:
             raise FormatError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'") from None
         if iteration < 0:
             raise FormatError(f"{tracker}: negative iteration {iteration}")
-        name = f"iter_{iteration:07d}"
+        name = iter_dirname(iteration)
     d = src / name
     if not d.is_dir():
         raise FormatError(f"{tracker}: names iteration {text!r}, but {d} is missing")
     return d, iteration
-
-
-def _arg(args: Any, name: str, default: Any = None) -> Any:
-    v = getattr(args, name, None) if args is not None else None
-    return default if v is None else v
-
-
-def _int_arg(args: Any, name: str, label: str) -> int | None:
-    v = _arg(args, name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise FormatError(f"{label}: args.{name}={v!r} is not a positive integer")
-    return v
 
 
 def _dir_name(arity: int, tp: int, pp: int, ep: int, second_is_ep: bool) -> str:
@@ -247,8 +234,8 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
         iteration = it if isinstance(it, int) and not isinstance(it, bool) and it >= 0 else 0
 
     # which dimension a two-part name carries: Megatron adds the pipeline rank when pp > 1, the expert rank when ep > 1
-    pp_a, ep_a = _int_arg(args, "pipeline_model_parallel_size", label0), _int_arg(args, "expert_model_parallel_size",
-                                                                                 label0)
+    pp_a, ep_a = int_arg(args, "pipeline_model_parallel_size", label0), int_arg(args, "expert_model_parallel_size",
+                                                                               label0)
     second_is_ep = False
     if arity == 2:
         if pp_a is not None or ep_a is not None:
@@ -263,7 +250,7 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
     tp = detected[0]
     pp = detected[1] if arity == 3 or (arity == 2 and not second_is_ep) else 1
     ep = detected[2] if arity == 3 else (detected[1] if arity == 2 and second_is_ep else 1)
-    tp_a = _int_arg(args, "tensor_model_parallel_size", label0)
+    tp_a = int_arg(args, "tensor_model_parallel_size", label0)
     want = {"tensor_model_parallel_size": (tp_a, tp), "pipeline_model_parallel_size": (pp_a, pp),
             "expert_model_parallel_size": (ep_a, ep)}
     for name, (a, d) in want.items():
@@ -289,11 +276,11 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
     if extra:
         raise FormatError(f"{iter_dir}: unexpected rank directory {extra[0]} for tp={tp}, pp={pp}, ep={ep}")
 
-    vpp_a = _int_arg(args, "virtual_pipeline_model_parallel_size", label0)
+    vpp_a = int_arg(args, "virtual_pipeline_model_parallel_size", label0)
     if vpp_a is not None and vpp_a != vpp:
         raise FormatError(f"{label0}: args say virtual_pipeline_model_parallel_size={vpp_a}, but the file holds "
                           f"{vpp} model chunk(s)")
-    etp = _int_arg(args, "expert_tensor_parallel_size", label0)
+    etp = int_arg(args, "expert_tensor_parallel_size", label0)
     if cfg.is_moe and etp is not None and etp != tp:
         raise LayoutError(f"{label0}: expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; "
                           "legacy rank files do not say which expert-TP rank they hold, so only etp == tp is "
@@ -302,14 +289,14 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
                  "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
                  "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
                  "account_for_loss_in_pipeline_split"):
-        if _arg(args, name):
-            raise LayoutError(f"{label0}: args.{name}={_arg(args, name)!r}: uneven pipeline stages are not supported "
+        if arg(args, name):
+            raise LayoutError(f"{label0}: args.{name}={arg(args, name)!r}: uneven pipeline stages are not supported "
                               "(every stage must hold num_layers / (pp x vpp) layers)")
     if version is not None and (not isinstance(version, (int, float)) or version < CHECKPOINT_VERSION):
         raise FormatError(f"{label0}: checkpoint_version {version!r}: only megatron-core checkpoints (version "
                           f"{CHECKPOINT_VERSION}, QKV grouped by query group) are supported")
-    cfg = _with_megatron_vocab(cfg, args, tp, label0)
-    _check_args_against_config(args, cfg, label0)
+    cfg = with_args_vocab(cfg, args, tp, label0)
+    check_args(args, cfg, label0)
     layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep)
     try:
         layout.check(cfg)
@@ -319,42 +306,6 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
     return LegacySource(root, iter_dir, iteration, layout, files, args, cfg, version)
 
 
-def _with_megatron_vocab(cfg: ModelConfig, args: Any, tp: int, label: str) -> ModelConfig:
-    div = _arg(args, "make_vocab_size_divisible_by")
-    if isinstance(div, int) and not isinstance(div, bool) and div > 0 and div != cfg.make_vocab_size_divisible_by:
-        cfg = dataclasses.replace(cfg, make_vocab_size_divisible_by=div)
-    padded = _arg(args, "padded_vocab_size")
-    if isinstance(padded, int) and padded != cfg.padded_vocab_size(tp):
-        raise ConfigError(f"{label}: args say padded_vocab_size={padded}, but the model config's vocab_size "
-                          f"{cfg.vocab_size} pads to {cfg.padded_vocab_size(tp)} at tp={tp} "
-                          f"(make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}); is the model config "
-                          "for this checkpoint?")
-    return cfg
-
-
-def _check_args_against_config(args: Any, cfg: ModelConfig, label: str) -> None:
-    if args is None:
-        return
-    pairs = [("num_layers", cfg.num_layers), ("hidden_size", cfg.hidden_size),
-             ("num_attention_heads", cfg.num_attention_heads)]
-    if not cfg.multi_latent_attention:
-        pairs.append(("kv_channels", cfg.kv_channels))
-        if _arg(args, "group_query_attention"):
-            pairs.append(("num_query_groups", cfg.num_query_groups))
-    pairs.append(("num_experts", cfg.num_moe_experts))
-    if cfg.is_moe:
-        pairs.append(("moe_router_topk", cfg.moe_router_topk))
-    untie = _arg(args, "untie_embeddings_and_output_weights")
-    if untie is not None and bool(untie) == cfg.tie_word_embeddings:
-        raise ConfigError(f"{label}: args say untie_embeddings_and_output_weights={untie}, but the model config has "
-                          f"tie_word_embeddings={cfg.tie_word_embeddings}; is the model config for this checkpoint?")
-    for name, want in pairs:
-        got = _arg(args, name)
-        if got is not None and got != want:
-            raise ConfigError(f"{label}: args say {name}={got!r}, but the model config has {want!r}; is the model "
-                              "config for this checkpoint?")
-
-
 # -- module keys -> canonical tensors ----------------------------------------------------------------------------------
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -362,14 +313,6 @@ _MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _SEQ_EXPERT = re.compile(r"^(.*)mlp\.experts\.local_experts\.(\d+)\.(.+)$")  # SequentialMLP
 _TE_EXPERT = re.compile(r"^(.*)mlp\.experts\.(linear_fc[12]\.(?:weight|bias))(\d+)$")  # TEGroupedMLP
 _EXPERTS = "mlp.experts.experts."
-# megatron-core's local spec (and separate norms) name these where the canonical (TE) names fuse the norm into the
-# following linear; which one applies depends on the layer (a MoE layer keeps pre_mlp_layernorm).
-_ALIASES = (
-    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
-    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-    ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
-    ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
-)
 
 
 def _expert(rest: str) -> tuple[str, int | None]:
@@ -380,14 +323,6 @@ def _expert(rest: str) -> tuple[str, int | None]:
     if m:
         return m.group(1) + _EXPERTS + m.group(2), int(m.group(3))
     return rest, None
-
-
-def _candidates(base: str, rest: str) -> list[str]:
-    out = [base + rest]
-    for local, canon in _ALIASES:
-        if rest == local or rest.endswith("." + local):
-            out.append(base + rest[: len(rest) - len(local)] + canon)
-    return out
 
 
 def resolve_key(key: str, layer_start: int, cfg: ModelConfig, names: set[str]) -> tuple[str, tuple[int, ...]] | None:
@@ -412,7 +347,7 @@ def resolve_key(key: str, layer_start: int, cfg: ModelConfig, names: set[str]) -
             return (key, ()) if key in names and not key.startswith(("decoder.layers.", "mtp.")) else None
     if e is not None:
         lead += (e,)
-    for name in _candidates(base, rest):
+    for name in (base + c for c in canonical_candidates(rest)):  # the local spec's separate norms: TE names
         if name in names:
             return name, lead
     return None
@@ -772,127 +707,6 @@ def legacy_to_native(src_root: str | Path, out: str | Path, cfg: ModelConfig, *,
                                    "layout": layout.to_dict(), "files": src.fingerprint()},
                         "seconds": round(time.time() - started, 3)})
         return w.commit(manifest)
-
-
-# -- model config from Megatron-LM args --------------------------------------------------------------------------------
-
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "llama", *,
-                              vocab_size: int | None = None) -> ModelConfig:
-    """The model config of a Megatron-LM run from its `args` (dense LLaMA / Mistral / Qwen2-style, or Mixtral-style
-    MoE; `hf_model_type` "llama" becomes "mixtral" when the args have experts). Megatron's args usually carry only
-    the padded vocabulary size: pass the true `vocab_size` (tokenizer / HF config) unless `args.vocab_size` is set.
-    Raises ConfigError naming the argument for anything the HF families cannot express."""
-    if not isinstance(args, argparse.Namespace):
-        raise ConfigError(f"Megatron args must be an argparse.Namespace, got {type(args).__name__}")
-    src = "Megatron args"
-
-    def get(name: str, default: Any = None) -> Any:
-        return _arg(args, name, default)
-
-    def refuse(cond: bool, name: str, why: str) -> None:
-        if cond:
-            raise ConfigError(f"{src}: {name}={get(name)!r}: {why}")
-
-    experts = get("num_experts") or get("num_moe_experts")
-    mt = "mixtral" if experts and hf_model_type == "llama" else hf_model_type
-    if mt not in ("llama", "mistral", "qwen2", "mixtral"):
-        raise ConfigError(f"{src}: hf_model_type {hf_model_type!r} is not supported here (llama, mistral, qwen2, "
-                          "mixtral); for DeepSeek pass the model config from its HF config.json")
-    refuse(bool(get("multi_latent_attention")), "multi_latent_attention",
-           "pass the model config from the HF config.json (DeepSeek)")
-    refuse(get("normalization", "LayerNorm") != "RMSNorm", "normalization", "only RMSNorm is supported")
-    refuse(not get("swiglu", False), "swiglu", "only SwiGLU MLPs are supported")
-    refuse(bool(get("apply_layernorm_1p")), "apply_layernorm_1p", "zero-centred norms are not supported")
-    refuse(bool(get("qk_layernorm")), "qk_layernorm", "QK norms are not supported for these families")
-    refuse(get("position_embedding_type", "rope") != "rope", "position_embedding_type", "only rope is supported")
-    refuse(get("rotary_percent", 1.0) != 1.0, "rotary_percent", "partial rotary embeddings are not supported")
-    refuse(bool(get("rotary_interleaved")), "rotary_interleaved", "interleaved RoPE is not supported for " + mt)
-    refuse(bool(get("mtp_num_layers")), "mtp_num_layers", "multi-token prediction is not supported for " + mt)
-    refuse(get("window_size") is not None, "window_size", "sliding-window attention: pass the model config from "
-                                                          "the HF config.json")
-    refuse(bool(get("add_bias_linear")) and mt == "qwen2", "add_bias_linear", "qwen2 has no output/MLP biases")
-    refuse(bool(get("add_qkv_bias")) and not get("add_bias_linear") and mt != "qwen2", "add_qkv_bias",
-           "a QKV bias without output/MLP biases is Qwen2's layout; pass hf_model_type='qwen2'")
-    refuse(mt == "qwen2" and not get("add_qkv_bias"), "add_qkv_bias", "qwen2 needs add_qkv_bias=True")
-    refuse(bool(get("add_bias_linear")) and mt in ("mistral", "mixtral"), "add_bias_linear",
-           f"{mt} has no linear biases")
-
-    def integer(name: str, *alts: str) -> int:
-        for n in (name, *alts):
-            v = get(n)
-            if v is not None:
-                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                    raise ConfigError(f"{src}: {n}={v!r} is not a positive integer")
-                return v
-        raise ConfigError(f"{src}: missing {name}")
-
-    layers, hidden, heads = integer("num_layers"), integer("hidden_size"), integer("num_attention_heads")
-    groups = integer("num_query_groups") if get("group_query_attention") or (
-        get("group_query_attention") is None and get("num_query_groups")) else heads
-    head_dim = get("kv_channels") or (hidden // heads if hidden % heads == 0 else None)
-    if head_dim is None:
-        raise ConfigError(f"{src}: kv_channels is missing and hidden_size {hidden} is not divisible by "
-                          f"num_attention_heads {heads}")
-    vocab = vocab_size if vocab_size is not None else get("vocab_size")
-    if vocab is None:
-        raise ConfigError(f"{src}: the true vocabulary size is unknown (args hold only padded_vocab_size="
-                          f"{get('padded_vocab_size')}); pass vocab_size (from the tokenizer or the HF config.json)")
-    eps = get("norm_epsilon", get("layernorm_epsilon", 1e-5))
-    dtype = _DTYPES.get(get("params_dtype")) or ("bfloat16" if get("bf16") else "float16" if get("fp16") else "float32")
-    hf: dict[str, Any] = dict(
-        model_type=mt, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=groups, head_dim=head_dim,
-        max_position_embeddings=integer("max_position_embeddings", "seq_length"), rms_norm_eps=float(eps),
-        rope_theta=float(get("rotary_base", 10000)), hidden_act="silu",
-        tie_word_embeddings=not get("untie_embeddings_and_output_weights", False), torch_dtype=dtype)
-    interp = get("rotary_seq_len_interpolation_factor")
-    if get("use_rope_scaling") and interp:
-        raise ConfigError(f"{src}: use_rope_scaling and rotary_seq_len_interpolation_factor are both set")
-    if get("use_rope_scaling"):  # Megatron's llama3 scaling (RotaryEmbedding._apply_scaling defaults)
-        hf["rope_scaling"] = {"rope_type": "llama3", "factor": float(get("rope_scaling_factor", 8.0)),
-                              **MEGATRON_LLAMA3_ROPE}
-    elif interp:  # positions divided by the factor = linear scaling
-        hf["rope_scaling"] = {"rope_type": "linear", "factor": float(interp)}
-    if mt == "llama":
-        bias = bool(get("add_bias_linear"))
-        hf.update(attention_bias=bias, mlp_bias=bias)
-    if mt == "mixtral":
-        if not experts:
-            raise ConfigError(f"{src}: hf_model_type 'mixtral' but num_experts is not set")
-        freq = get("moe_layer_freq", 1)
-        refuse(not (freq == 1 or (isinstance(freq, (list, tuple)) and set(freq) == {1})), "moe_layer_freq",
-               "Mixtral has an MoE MLP in every layer")
-        refuse(bool(get("moe_shared_expert_intermediate_size")), "moe_shared_expert_intermediate_size",
-               "Mixtral has no shared experts")
-        refuse(get("moe_router_score_function", "softmax") != "softmax", "moe_router_score_function",
-               "Mixtral routes with softmax")
-        refuse(bool(get("moe_router_pre_softmax")), "moe_router_pre_softmax",
-               "Mixtral renormalises the top-k probabilities")
-        refuse(get("moe_router_topk_scaling_factor") not in (None, 1, 1.0), "moe_router_topk_scaling_factor",
-               "Mixtral does not scale routing weights")
-        refuse(bool(get("moe_router_num_groups")), "moe_router_num_groups", "Mixtral routes without groups")
-        refuse(bool(get("moe_router_enable_expert_bias")), "moe_router_enable_expert_bias",
-               "Mixtral has no expert bias")
-        refuse(bool(get("add_bias_linear")), "add_bias_linear", "Mixtral has no biases")
-        hf.update(intermediate_size=integer("moe_ffn_hidden_size", "ffn_hidden_size"), num_local_experts=experts,
-                  num_experts_per_tok=integer("moe_router_topk"),
-                  router_aux_loss_coef=float(get("moe_aux_loss_coeff", 0.0)))
-    else:
-        hf["intermediate_size"] = integer("ffn_hidden_size")
-    cfg = ModelConfig.from_hf(hf, source=src)
-    div = get("make_vocab_size_divisible_by")
-    if isinstance(div, int) and not isinstance(div, bool) and div > 0:
-        cfg = dataclasses.replace(cfg, make_vocab_size_divisible_by=div)
-    padded, tp = get("padded_vocab_size"), get("tensor_model_parallel_size", 1)
-    if isinstance(padded, int) and isinstance(tp, int) and padded != cfg.padded_vocab_size(tp):
-        raise ConfigError(f"{src}: vocab_size {vocab} pads to {cfg.padded_vocab_size(tp)} at tp={tp} "
-                          f"(make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}), but the args say "
-                          f"padded_vocab_size={padded}; is vocab_size right?")
-    return cfg
 
 
 __all__ = ["legacy_to_native", "config_from_megatron_args", "read_legacy_args", "is_legacy_checkpoint",

@@ -19,12 +19,10 @@ native optimizer entries; other optimizer objects, RNG state and `_extra_state` 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import itertools
 import json
-import math
 import multiprocessing as mp
 import shutil
 import sys
@@ -43,26 +41,20 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError, WriteError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
+from checkpoint.megatron import (CHECKPOINT_VERSION, DENSE_ORDER, EXPERT_ORDER, KEY_NAMINGS, layout_from_args,
+                                 megatron_args, rank_of, rank_sizes, sharded_key)
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint, ReadPlan
 from checkpoint.safety import check_output
 from checkpoint.sharding import (OPTIMIZER_STATES, Rule, TensorSpec, owner,
                                  split_optimizer_key)
-from checkpoint.torch_dist import (CHECKPOINT_VERSION, DCPWriter, TorchDistCheckpoint, check_output_root,
-                                   commit_iteration_dir, none_object_bytes, read_torch_dist, writing_iteration_dir,
-                                   write_common)
+from checkpoint.torch_dist import (DCPWriter, TorchDistCheckpoint, check_output_root, commit_iteration_dir,
+                                   none_object_bytes, read_torch_dist, writing_iteration_dir, write_common)
 
 from .hf_to_mcore import VERSION
 from .reshard import plan_reshard, read_padded, vocab_padding
 from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
-KEY_NAMINGS = ("te", "local")
-# megatron-core's local layer spec names these differently from the TE spec (through its sharded-state-dict key map)
-_LOCAL_SUFFIXES = {
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
-    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
-}
 SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
 
 
@@ -79,11 +71,7 @@ def stored_key(name: str, key_naming: str) -> str:
     opt = split_optimizer_key(name)
     if opt is not None:
         return f"optimizer.state.{MEGATRON_OPTIM_STATE[opt[0]]}.{stored_key(opt[1], key_naming)}"
-    if key_naming == "local":
-        for te, local in _LOCAL_SUFFIXES.items():
-            if name.endswith("." + te) or name == te:
-                return name[: len(name) - len(te)] + local
-    return name
+    return sharded_key(name, key_naming)
 
 
 def source_keys(name: str) -> list[str]:
@@ -103,15 +91,6 @@ def source_keys(name: str) -> list[str]:
 
 # -- Megatron rank numbering ------------------------------------------------------------------------------------------
 
-def _stage_size(layout: Layout) -> int:
-    """Ranks per pipeline stage: enough for TP x DP to hold the expert grid ETP x EP (Megatron's default order)."""
-    return math.lcm(layout.tp, layout.expert_tp * layout.ep)
-
-
-def world_size(layout: Layout) -> int:
-    return _stage_size(layout) * layout.pp
-
-
 def chunk_rank(spec: TensorSpec, layout: Layout, box: tuple[tuple[int, int], ...], num_layers: int) -> int:
     """The (data-parallel rank 0) Megatron rank that owns a box of `spec` lying inside one rank's shard."""
     if spec.per_layer:
@@ -128,12 +107,11 @@ def chunk_rank(spec: TensorSpec, layout: Layout, box: tuple[tuple[int, int], ...
             r = (box[ax][0] % half) // (half // n)
         else:
             r = box[ax][0] // (spec.shape[ax] // n)
-    stage = _stage_size(layout) * pp
     if spec.expert:
         e_axis = int(spec.per_layer)
         ep = box[e_axis][0] // (spec.shape[e_axis] // layout.ep)
-        return stage + r + layout.expert_tp * ep
-    return stage + r
+        return rank_of(rank_sizes(layout, expert=True), EXPERT_ORDER, etp=r, ep=ep, pp=pp)
+    return rank_of(rank_sizes(layout), DENSE_ORDER, tp=r, pp=pp)
 
 
 def extra_state_objects(spec: TensorSpec, layout: Layout, num_layers: int) -> list[tuple[str, int]]:
@@ -155,74 +133,6 @@ def extra_state_objects(spec: TensorSpec, layout: Layout, num_layers: int) -> li
         box += [(0, s) for s in spec.shape[spec.lead:]]
         out.append((key, chunk_rank(spec, layout, tuple(box), num_layers)))
     return out
-
-
-# -- Megatron-LM args -----------------------------------------------------------------------------------------------
-
-def megatron_args(cfg: ModelConfig, layout: Layout, key_naming: str = "te", dtype: str | None = None
-                  ) -> argparse.Namespace:
-    """The Megatron-LM arguments describing this model and layout (the names `--use-checkpoint-args` reads)."""
-    dtype = dtype or cfg.params_dtype
-    moe = cfg.is_moe
-    bias = bool(cfg.add_proj_bias or cfg.add_mlp_bias)
-    a = dict(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
-        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-        group_query_attention=cfg.num_query_groups != cfg.num_attention_heads, kv_channels=cfg.kv_channels,
-        max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=cfg.padded_vocab_size(layout.tp),
-        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
-        position_embedding_type="rope", use_rotary_position_embeddings=True, rotary_base=cfg.rotary_base,
-        rotary_percent=1.0, rotary_interleaved=cfg.rotary_interleaved,
-        use_rope_scaling=bool(cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "llama3"),
-        rope_scaling_factor=float((cfg.rope_scaling or {}).get("factor", 8.0)),
-        normalization="RMSNorm", norm_epsilon=cfg.norm_epsilon, swiglu=True, apply_layernorm_1p=False,
-        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
-        add_bias_linear=bias, disable_bias_linear=not bias, add_qkv_bias=cfg.add_qkv_bias,
-        attention_dropout=0.0, hidden_dropout=0.0,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        num_layers_per_virtual_pipeline_stage=(layout.layers_per_chunk(cfg.num_layers) if layout.vpp > 1 else None),
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
-        world_size=world_size(layout), data_parallel_size=_stage_size(layout) // layout.tp,
-        num_experts=cfg.num_moe_experts if moe else None,
-        moe_router_topk=cfg.moe_router_topk,
-        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size if moe else None,
-        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-        moe_layer_freq=list(cfg.moe_layer_freq) if moe else 1,
-        moe_router_score_function=cfg.moe_router_score_function,
-        moe_router_pre_softmax=moe and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_norm_topk,
-        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
-        moe_router_num_groups=cfg.moe_router_num_groups, moe_router_group_topk=cfg.moe_router_group_topk,
-        moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
-        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_grouped_gemm=False,
-        multi_latent_attention=cfg.multi_latent_attention, q_lora_rank=cfg.q_lora_rank,
-        kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
-        v_head_dim=cfg.v_head_dim, mtp_num_layers=cfg.mtp_num_layers or None,
-        params_dtype=store.torch_dtype(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16",
-        transformer_impl="transformer_engine" if key_naming == "te" else "local",
-        ckpt_format="torch_dist", use_dist_ckpt=True, data_parallel_random_init=False,
-        consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
-        # no RNG state is written, nor optimizer state for a weights-only checkpoint (_common clears no_save_optim
-        # when there is): Megatron-LM must not try to restore them
-        no_save_optim=True, no_save_rng=True,
-    )
-    return argparse.Namespace(**a)
-
-
-def layout_from_args(args: argparse.Namespace | None) -> Layout | None:
-    """The layout a torch_dist checkpoint was saved with, from its Megatron-LM args (None if absent or odd)."""
-    if args is None:
-        return None
-    try:
-        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-        vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-        ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
-        etp = getattr(args, "expert_tensor_parallel_size", None)
-        etp = int(etp) if etp is not None and int(etp) != tp else None
-        return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
-    except (TypeError, ValueError, ShardkitError):
-        return None
 
 
 # -- native -> torch_dist ---------------------------------------------------------------------------------------------
@@ -566,5 +476,5 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, la
         return w.commit(manifest)
 
 
-__all__ = ["write_torch_dist", "via_native", "torch_dist_to_native", "read_torch_dist", "megatron_args", "stored_key",
-           "source_keys", "chunk_rank", "extra_state_objects", "KEY_NAMINGS"]
+__all__ = ["write_torch_dist", "via_native", "torch_dist_to_native", "read_torch_dist", "stored_key", "source_keys",
+           "chunk_rank", "extra_state_objects"]

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
+from checkpoint.megatron import DENSE_ORDER, EXPERT_ORDER, span
 from checkpoint.sharding import Rule, model_specs
 
 from .memory import DTYPE_BYTES, ParallelLayout, TrainSettings, param_bytes_per_rank, stage_layers, total_params
@@ -112,12 +113,15 @@ def step_time(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Ha
     compute = tokens_step * (gemm_flops / gemm_peak + attn_flops / attn_peak) / world
     bubble = compute * (pp - 1) / (v * m)
 
+    # how many consecutive ranks each group spans under Megatron's rank order (checkpoint.megatron)
+    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    expert_sizes = {"etp": layout.expert_tp, "ep": layout.ep, "edp": layout.expert_dp, "pp": pp}
     T = s.seq_length // cp * s.micro_batch_size  # tokens per rank per micro-batch (before the TP split)
     h = cfg.hidden_size
     a = DTYPE_BYTES[s.params_dtype]
     layers_rank = max(len(x) for x in stage_layers(cfg.num_layers, pp, v))
     passes = 12 if s.recompute == "full" else 8
-    t_tp = m * layers_rank * passes * _ring(a * T * h, tp, tp, hw)
+    t_tp = m * layers_rank * passes * _ring(a * T * h, tp, span("tp", sizes, DENSE_ORDER), hw)
     # CP: K and V of this rank's tokens go round the ring; dK, dV come back in the backward
     if cfg.multi_latent_attention:
         kv_width = cfg.num_attention_heads * (cfg.q_head_dim + cfg.v_head_dim)
@@ -125,26 +129,27 @@ def step_time(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Ha
         kv_width = 2 * cfg.num_query_groups * cfg.kv_channels
     t_cp = 0.0
     if cp > 1:
-        per_layer = 3 * (cp - 1) * a * T * kv_width / tp / _bandwidth(tp * cp, hw)
+        per_layer = 3 * (cp - 1) * a * T * kv_width / tp / _bandwidth(span("cp", sizes, DENSE_ORDER), hw)
         attn_layer = T * f["attention"] / (cfg.num_layers + cfg.mtp_num_layers) / (tp * attn_peak)
         t_cp = m * layers_rank * max(0.0, per_layer - attn_layer)
     t_ep = 0.0
     if cfg.is_moe and layout.ep > 1:
         moe_layers = sum(cfg.is_moe_layer(i) for i in stage_layers(cfg.num_layers, pp, v)[0])
         vol = a * h * cfg.moe_router_topk * T * layout.expert_tp / tp
-        t_ep = m * moe_layers * 4 * vol * (layout.ep - 1) / layout.ep / _bandwidth(layout.expert_tp * layout.ep, hw)
+        t_ep = (m * moe_layers * 4 * vol * (layout.ep - 1) / layout.ep
+                / _bandwidth(span("ep", expert_sizes, EXPERT_ORDER), hw))
     t_pp = 0.0
     if pp > 1:
-        t_pp = 2 * m * v * a * T * h / tp / _bandwidth(tp * cp * dp * pp, hw)
+        t_pp = 2 * m * v * a * T * h / tp / _bandwidth(span("pp", sizes, DENSE_ORDER), hw)
     # DP: gradients out, parameters back (distributed optimizer); all-reduce = both directions of grads
     p = param_bytes_per_rank(cfg, layout, dtype=s.params_dtype, grad_dtype=s.grad_dtype)
     g, w = DTYPE_BYTES[s.grad_dtype], DTYPE_BYTES[s.params_dtype]
-    span = tp * cp * dp
-    t_dp_grads = (_ring(p["dense_params"] * g, dp * cp, span, hw) + _ring(p["expert_params"] * g, layout.expert_dp,
-                                                                          span, hw))
+    dp_span = span("dp", sizes, DENSE_ORDER)
+    t_dp_grads = (_ring(p["dense_params"] * g, dp * cp, dp_span, hw) + _ring(p["expert_params"] * g, layout.expert_dp,
+                                                                             dp_span, hw))
     if s.distributed_optimizer:
-        t_dp_params = (_ring(p["dense_params"] * w, dp * cp, span, hw)
-                       + _ring(p["expert_params"] * w, layout.expert_dp, span, hw))
+        t_dp_params = (_ring(p["dense_params"] * w, dp * cp, dp_span, hw)
+                       + _ring(p["expert_params"] * w, layout.expert_dp, dp_span, hw))
     else:
         t_dp_grads, t_dp_params = 2 * t_dp_grads, 0.0
     per_mb = compute / m

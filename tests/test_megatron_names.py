@@ -2,7 +2,8 @@
 
 The one documented difference: megatron-core's *local* spec renames an MoE layer's pre-MLP norm through its key map to
 `mlp.linear_fc1.layer_norm_weight`, while the Transformer Engine spec that real runs use keeps
-`pre_mlp_layernorm.weight`; shardkit uses TE naming (docs/FORMAT.md), so that one key is translated before comparing.
+`pre_mlp_layernorm.weight`; shardkit uses TE naming (docs/FORMAT.md), so keys are translated before comparing with
+checkpoint.megatron.sharded_key(name, "local"), the table the torch_dist writer's `--key-naming local` uses.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
+from checkpoint.megatron import sharded_key
 from checkpoint.sharding import model_specs
 
 # megatron-core runs only in the oracle subprocess: importing it here would register its pickle safe globals in
@@ -24,7 +26,6 @@ from checkpoint.sharding import model_specs
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 ORACLE = Path(__file__).with_name("megatron_oracle.py")
-LOCAL_SPEC_KEYMAP = {"decoder.layers.pre_mlp_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight"}
 
 
 def oracle(cfg: ModelConfig, layout: Layout) -> dict[str, list[int]]:
@@ -45,7 +46,7 @@ def oracle(cfg: ModelConfig, layout: Layout) -> dict[str, list[int]]:
 def ours(cfg: ModelConfig, layout: Layout) -> dict[str, list[int]]:
     out = {}
     for s in model_specs(cfg, layout):
-        out[LOCAL_SPEC_KEYMAP.get(s.name, s.name) if cfg.is_moe else s.name] = list(s.shape)
+        out[sharded_key(s.name, "local")] = list(s.shape)
     return out
 
 

@@ -1,14 +1,14 @@
 """The parallel dimensions of a run and their process groups, built explicitly (no module-level globals).
 
-Ranks are laid out as Megatron does by default (order tp-cp-dp-pp, tp fastest):
+Ranks are laid out as Megatron does by default (checkpoint.megatron.DENSE_ORDER, tp-cp-dp-pp, tp fastest):
     rank = tp + TP * (cp + CP * (dp + DP * pp))
 so a tensor-parallel group is a block of consecutive ranks (one node with TP <= 8) and pipeline stages are furthest
 apart. Everything that needs a group takes a `Groups` object.
 
 Expert parallelism re-lays the DP x CP ranks of a (tp, pp) position, as Megatron's expert rank generator does
-(expert TP = TP): with j = cp + CP * dp, the rank's EP index is j % EP and its expert-data-parallel index j // EP, so an
-EP group is EP consecutive DP x CP ranks and the expert-data-parallel group (size DP * CP / EP) holds the replicas of
-one expert shard.
+(checkpoint.megatron.EXPERT_ORDER etp-ep-edp-pp, expert TP = TP): with j = cp + CP * dp, the rank's EP index is j % EP
+and its expert-data-parallel index j // EP, so an EP group is EP consecutive DP x CP ranks and the expert-data-parallel
+group (size DP * CP / EP) holds the replicas of one expert shard.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from checkpoint.errors import LayoutError
 from checkpoint.layout import Layout, RankCoord
+from checkpoint.megatron import DENSE_ORDER, EXPERT_ORDER, coords_of, rank_of
 
 
 @dataclass(frozen=True)
@@ -53,14 +54,21 @@ class ParallelDims:
     def world(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The dimensions of Megatron's dense rank order (tp-cp-dp-pp)."""
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+
+    @property
+    def expert_sizes(self) -> dict[str, int]:
+        """The dimensions of Megatron's expert rank order (etp-ep-edp-pp, expert TP = TP) over the same ranks."""
+        return {"etp": self.tp, "ep": self.ep, "edp": self.edp, "pp": self.pp}
+
     def coords(self, rank: int) -> dict[str, int]:
-        tp, rest = rank % self.tp, rank // self.tp
-        cp, rest = rest % self.cp, rest // self.cp
-        dp, pp = rest % self.dp, rest // self.dp
-        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+        return coords_of(rank, self.sizes, DENSE_ORDER)
 
     def rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+        return rank_of(self.sizes, DENSE_ORDER, tp=tp, cp=cp, dp=dp, pp=pp)
 
     def layout(self) -> Layout:
         """The model-parallel layout (what the checkpoint's sharding table sees)."""
@@ -68,9 +76,8 @@ class ParallelDims:
 
     def expert_coords(self, rank: int) -> tuple[int, int]:
         """(ep index, expert-data-parallel index) of a rank."""
-        c = self.coords(rank)
-        j = c["cp"] + self.cp * c["dp"]
-        return j % self.ep, j // self.ep
+        c = coords_of(rank, self.expert_sizes, EXPERT_ORDER)
+        return c["ep"], c["edp"]
 
 
 @dataclass

@@ -1,0 +1,403 @@
+"""What shardkit knows about Megatron-LM / megatron-core conventions, in one place.
+
+- Constants of a Megatron checkpoint root: the tracker file, `checkpoint_version`, the `iter_NNNNNNN` directory names.
+- Key naming both ways: megatron-core's local layer spec vs its Transformer Engine spec (whose names are shardkit's
+  canonical names), for module state dicts (legacy `--ckpt-format torch` rank files) and for sharded state dicts
+  (`--ckpt-format torch_dist`).
+- Megatron-LM arguments both ways: the `argparse.Namespace` written into a checkpoint (`megatron_args`), and the model
+  config and layout read back from one (`config_from_megatron_args`, `layout_from_args`, `check_args`).
+- Rank order: Megatron's default `tp-cp-ep-dp-pp` numbering (dense groups tp-cp-dp-pp, expert groups etp-ep-edp-pp),
+  which the trainer's process groups, the torch_dist writer and the planner's link model all use.
+
+It lives in `checkpoint`, not `convert`: checkpoint/torch_dist.py needs its constants, and `checkpoint` imports neither
+`convert` nor `train` (DESIGN.md), while `convert`, `train` and `plan` can all import it from here.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from . import store
+from .config import ModelConfig
+from .errors import ConfigError, FormatError, ShardkitError
+from .layout import Layout
+
+# -- constants --------------------------------------------------------------------------------------------------------
+
+TRACKER = "latest_checkpointed_iteration.txt"  # "N" or "release", in the checkpoint root
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's checkpoint_version for megatron-core models: QKV grouped by query group
+RELEASE = "release"  # the iteration directory (and tracker text) of a release checkpoint
+ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+def iter_dirname(iteration: int) -> str:
+    """Megatron-LM's iteration directory name (the native format uses the same)."""
+    return f"iter_{iteration:07d}"
+
+
+def iteration_of(name: str) -> int | None:
+    """The iteration of an `iter_NNNNNNN` directory name, else None."""
+    m = ITER_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+# -- key naming: local spec <-> Transformer Engine spec ----------------------------------------------------------------
+
+# The norms megatron-core's TE spec fuses into the following linear (`<linear>.layer_norm_weight`) are separate modules
+# in its local spec. Per layer-relative key: (TE spec = canonical name, local spec's module state-dict key, local spec's
+# sharded-state-dict key). The local spec's `sharded_state_dict_keys_map` (gpt_layer_specs.get_gpt_layer_local_spec:
+# "input_layernorm." -> "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm." -> "mlp.linear_fc1.layer_norm_")
+# gives most of them their TE names back in torch_dist; it also renames an MoE layer's pre-MLP norm, which the TE spec
+# keeps as `pre_mlp_layernorm`.
+LOCAL_NAMES: tuple[tuple[str, str, str], ...] = (
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight",
+     "self_attention.linear_qkv.layer_norm_weight"),
+    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+    ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),  # an MoE layer
+    ("self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.q_layernorm.weight",
+     "self_attention.q_layernorm.weight"),
+    ("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.kv_layernorm.weight",
+     "self_attention.kv_layernorm.weight"),
+)
+KEY_NAMINGS = ("te", "local")
+
+
+def _with_suffix(name: str, old: str, new: str) -> str | None:
+    if name == old or name.endswith("." + old):
+        return name[: len(name) - len(old)] + new
+    return None
+
+
+def canonical_candidates(key: str) -> list[str]:
+    """Canonical names a module state-dict key may stand for: itself (TE spec), then its TE name if it is one of the
+    local spec's separate norms (which one applies depends on the layer: an MoE layer keeps `pre_mlp_layernorm`)."""
+    out = [key]
+    for te, local, _ in LOCAL_NAMES:
+        if te != local:
+            renamed = _with_suffix(key, local, te)
+            if renamed is not None:
+                out.append(renamed)
+    return out
+
+
+def sharded_key(name: str, key_naming: str = "te") -> str:
+    """The sharded-state-dict (torch_dist) key of canonical tensor `name` under a layer spec's naming."""
+    if key_naming == "local":
+        for te, _, local in LOCAL_NAMES:
+            if te != local:
+                renamed = _with_suffix(name, te, local)
+                if renamed is not None:
+                    return renamed
+    return name
+
+
+# -- Megatron-LM args: written -----------------------------------------------------------------------------------------
+
+def megatron_args(cfg: ModelConfig, layout: Layout, key_naming: str = "te", dtype: str | None = None
+                  ) -> argparse.Namespace:
+    """The Megatron-LM arguments describing this model and layout (the names `--use-checkpoint-args` reads)."""
+    dtype = dtype or cfg.params_dtype
+    moe = cfg.is_moe
+    bias = bool(cfg.add_proj_bias or cfg.add_mlp_bias)
+    a = dict(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+        group_query_attention=cfg.num_query_groups != cfg.num_attention_heads, kv_channels=cfg.kv_channels,
+        max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=cfg.padded_vocab_size(layout.tp),
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        position_embedding_type="rope", use_rotary_position_embeddings=True, rotary_base=cfg.rotary_base,
+        rotary_percent=1.0, rotary_interleaved=cfg.rotary_interleaved,
+        use_rope_scaling=bool(cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "llama3"),
+        rope_scaling_factor=float((cfg.rope_scaling or {}).get("factor", 8.0)),
+        normalization="RMSNorm", norm_epsilon=cfg.norm_epsilon, swiglu=True, apply_layernorm_1p=False,
+        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+        add_bias_linear=bias, disable_bias_linear=not bias, add_qkv_bias=cfg.add_qkv_bias,
+        attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=(layout.layers_per_chunk(cfg.num_layers) if layout.vpp > 1 else None),
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
+        world_size=world_size(layout), data_parallel_size=rank_sizes(layout)["dp"],
+        num_experts=cfg.num_moe_experts if moe else None,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size if moe else None,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_layer_freq=list(cfg.moe_layer_freq) if moe else 1,
+        moe_router_score_function=cfg.moe_router_score_function,
+        moe_router_pre_softmax=moe and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_norm_topk,
+        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+        moe_router_num_groups=cfg.moe_router_num_groups, moe_router_group_topk=cfg.moe_router_group_topk,
+        moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_grouped_gemm=False,
+        multi_latent_attention=cfg.multi_latent_attention, q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
+        v_head_dim=cfg.v_head_dim, mtp_num_layers=cfg.mtp_num_layers or None,
+        params_dtype=store.torch_dtype(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16",
+        transformer_impl="transformer_engine" if key_naming == "te" else "local",
+        ckpt_format="torch_dist", use_dist_ckpt=True, data_parallel_random_init=False,
+        consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
+        # no RNG state is written, nor optimizer state for a weights-only checkpoint (_common clears no_save_optim
+        # when there is): Megatron-LM must not try to restore them
+        no_save_optim=True, no_save_rng=True,
+    )
+    return argparse.Namespace(**a)
+
+
+# -- Megatron-LM args: read --------------------------------------------------------------------------------------------
+
+def arg(args: Any, name: str, default: Any = None) -> Any:
+    """`args.<name>`, or `default` when the args (or the attribute) are missing or None."""
+    v = getattr(args, name, None) if args is not None else None
+    return default if v is None else v
+
+
+def int_arg(args: Any, name: str, label: str) -> int | None:
+    """A positive integer argument, or None when absent; FormatError naming `label` for anything else."""
+    v = arg(args, name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise FormatError(f"{label}: args.{name}={v!r} is not a positive integer")
+    return v
+
+
+def layout_from_args(args: argparse.Namespace | None) -> Layout | None:
+    """The layout a checkpoint was saved with, from its Megatron-LM args (None if absent or odd)."""
+    if args is None:
+        return None
+    try:
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+        etp = getattr(args, "expert_tensor_parallel_size", None)
+        etp = int(etp) if etp is not None and int(etp) != tp else None
+        return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    except (TypeError, ValueError, ShardkitError):
+        return None
+
+
+def with_args_vocab(cfg: ModelConfig, args: Any, tp: int, label: str) -> ModelConfig:
+    """`cfg` with the args' make_vocab_size_divisible_by; ConfigError if the args' padded_vocab_size disagrees."""
+    div = arg(args, "make_vocab_size_divisible_by")
+    if isinstance(div, int) and not isinstance(div, bool) and div > 0 and div != cfg.make_vocab_size_divisible_by:
+        cfg = dataclasses.replace(cfg, make_vocab_size_divisible_by=div)
+    padded = arg(args, "padded_vocab_size")
+    if isinstance(padded, int) and padded != cfg.padded_vocab_size(tp):
+        raise ConfigError(f"{label}: args say padded_vocab_size={padded}, but the model config's vocab_size "
+                          f"{cfg.vocab_size} pads to {cfg.padded_vocab_size(tp)} at tp={tp} "
+                          f"(make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}); is the model config "
+                          "for this checkpoint?")
+    return cfg
+
+
+def check_args(args: Any, cfg: ModelConfig, label: str) -> None:
+    """ConfigError naming `label` and the argument where Megatron-LM args contradict the model config."""
+    if args is None:
+        return
+    pairs = [("num_layers", cfg.num_layers), ("hidden_size", cfg.hidden_size),
+             ("num_attention_heads", cfg.num_attention_heads)]
+    if not cfg.multi_latent_attention:
+        pairs.append(("kv_channels", cfg.kv_channels))
+        if arg(args, "group_query_attention"):
+            pairs.append(("num_query_groups", cfg.num_query_groups))
+    pairs.append(("num_experts", cfg.num_moe_experts))
+    if cfg.is_moe:
+        pairs.append(("moe_router_topk", cfg.moe_router_topk))
+    untie = arg(args, "untie_embeddings_and_output_weights")
+    if untie is not None and bool(untie) == cfg.tie_word_embeddings:
+        raise ConfigError(f"{label}: args say untie_embeddings_and_output_weights={untie}, but the model config has "
+                          f"tie_word_embeddings={cfg.tie_word_embeddings}; is the model config for this checkpoint?")
+    for name, want in pairs:
+        got = arg(args, name)
+        if got is not None and got != want:
+            raise ConfigError(f"{label}: args say {name}={got!r}, but the model config has {want!r}; is the model "
+                              "config for this checkpoint?")
+
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "llama", *,
+                              vocab_size: int | None = None) -> ModelConfig:
+    """The model config of a Megatron-LM run from its `args` (dense LLaMA / Mistral / Qwen2-style, or Mixtral-style
+    MoE; `hf_model_type` "llama" becomes "mixtral" when the args have experts). Megatron's args usually carry only
+    the padded vocabulary size: pass the true `vocab_size` (tokenizer / HF config) unless `args.vocab_size` is set.
+    Raises ConfigError naming the argument for anything the HF families cannot express."""
+    if not isinstance(args, argparse.Namespace):
+        raise ConfigError(f"Megatron args must be an argparse.Namespace, got {type(args).__name__}")
+    src = "Megatron args"
+
+    def get(name: str, default: Any = None) -> Any:
+        return arg(args, name, default)
+
+    def refuse(cond: bool, name: str, why: str) -> None:
+        if cond:
+            raise ConfigError(f"{src}: {name}={get(name)!r}: {why}")
+
+    experts = get("num_experts") or get("num_moe_experts")
+    mt = "mixtral" if experts and hf_model_type == "llama" else hf_model_type
+    if mt not in ("llama", "mistral", "qwen2", "mixtral"):
+        raise ConfigError(f"{src}: hf_model_type {hf_model_type!r} is not supported here (llama, mistral, qwen2, "
+                          "mixtral); for DeepSeek pass the model config from its HF config.json")
+    refuse(bool(get("multi_latent_attention")), "multi_latent_attention",
+           "pass the model config from the HF config.json (DeepSeek)")
+    refuse(get("normalization", "LayerNorm") != "RMSNorm", "normalization", "only RMSNorm is supported")
+    refuse(not get("swiglu", False), "swiglu", "only SwiGLU MLPs are supported")
+    refuse(bool(get("apply_layernorm_1p")), "apply_layernorm_1p", "zero-centred norms are not supported")
+    refuse(bool(get("qk_layernorm")), "qk_layernorm", "QK norms are not supported for these families")
+    refuse(get("position_embedding_type", "rope") != "rope", "position_embedding_type", "only rope is supported")
+    refuse(get("rotary_percent", 1.0) != 1.0, "rotary_percent", "partial rotary embeddings are not supported")
+    refuse(bool(get("rotary_interleaved")), "rotary_interleaved", "interleaved RoPE is not supported for " + mt)
+    refuse(bool(get("mtp_num_layers")), "mtp_num_layers", "multi-token prediction is not supported for " + mt)
+    refuse(get("window_size") is not None, "window_size", "sliding-window attention: pass the model config from "
+                                                          "the HF config.json")
+    refuse(bool(get("add_bias_linear")) and mt == "qwen2", "add_bias_linear", "qwen2 has no output/MLP biases")
+    refuse(bool(get("add_qkv_bias")) and not get("add_bias_linear") and mt != "qwen2", "add_qkv_bias",
+           "a QKV bias without output/MLP biases is Qwen2's layout; pass hf_model_type='qwen2'")
+    refuse(mt == "qwen2" and not get("add_qkv_bias"), "add_qkv_bias", "qwen2 needs add_qkv_bias=True")
+    refuse(bool(get("add_bias_linear")) and mt in ("mistral", "mixtral"), "add_bias_linear",
+           f"{mt} has no linear biases")
+
+    def integer(name: str, *alts: str) -> int:
+        for n in (name, *alts):
+            v = get(n)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise ConfigError(f"{src}: {n}={v!r} is not a positive integer")
+                return v
+        raise ConfigError(f"{src}: missing {name}")
+
+    layers, hidden, heads = integer("num_layers"), integer("hidden_size"), integer("num_attention_heads")
+    groups = integer("num_query_groups") if get("group_query_attention") or (
+        get("group_query_attention") is None and get("num_query_groups")) else heads
+    head_dim = get("kv_channels") or (hidden // heads if hidden % heads == 0 else None)
+    if head_dim is None:
+        raise ConfigError(f"{src}: kv_channels is missing and hidden_size {hidden} is not divisible by "
+                          f"num_attention_heads {heads}")
+    vocab = vocab_size if vocab_size is not None else get("vocab_size")
+    if vocab is None:
+        raise ConfigError(f"{src}: the true vocabulary size is unknown (args hold only padded_vocab_size="
+                          f"{get('padded_vocab_size')}); pass vocab_size (from the tokenizer or the HF config.json)")
+    eps = get("norm_epsilon", get("layernorm_epsilon", 1e-5))
+    dtype = _DTYPES.get(get("params_dtype")) or ("bfloat16" if get("bf16") else "float16" if get("fp16") else "float32")
+    hf: dict[str, Any] = dict(
+        model_type=mt, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=groups, head_dim=head_dim,
+        max_position_embeddings=integer("max_position_embeddings", "seq_length"), rms_norm_eps=float(eps),
+        rope_theta=float(get("rotary_base", 10000)), hidden_act="silu",
+        tie_word_embeddings=not get("untie_embeddings_and_output_weights", False), torch_dtype=dtype)
+    interp = get("rotary_seq_len_interpolation_factor")
+    if get("use_rope_scaling") and interp:
+        raise ConfigError(f"{src}: use_rope_scaling and rotary_seq_len_interpolation_factor are both set")
+    if get("use_rope_scaling"):  # Megatron's llama3 scaling (RotaryEmbedding._apply_scaling defaults)
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": float(get("rope_scaling_factor", 8.0)),
+                              **MEGATRON_LLAMA3_ROPE}
+    elif interp:  # positions divided by the factor = linear scaling
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": float(interp)}
+    if mt == "llama":
+        bias = bool(get("add_bias_linear"))
+        hf.update(attention_bias=bias, mlp_bias=bias)
+    if mt == "mixtral":
+        if not experts:
+            raise ConfigError(f"{src}: hf_model_type 'mixtral' but num_experts is not set")
+        freq = get("moe_layer_freq", 1)
+        refuse(not (freq == 1 or (isinstance(freq, (list, tuple)) and set(freq) == {1})), "moe_layer_freq",
+               "Mixtral has an MoE MLP in every layer")
+        refuse(bool(get("moe_shared_expert_intermediate_size")), "moe_shared_expert_intermediate_size",
+               "Mixtral has no shared experts")
+        refuse(get("moe_router_score_function", "softmax") != "softmax", "moe_router_score_function",
+               "Mixtral routes with softmax")
+        refuse(bool(get("moe_router_pre_softmax")), "moe_router_pre_softmax",
+               "Mixtral renormalises the top-k probabilities")
+        refuse(get("moe_router_topk_scaling_factor") not in (None, 1, 1.0), "moe_router_topk_scaling_factor",
+               "Mixtral does not scale routing weights")
+        refuse(bool(get("moe_router_num_groups")), "moe_router_num_groups", "Mixtral routes without groups")
+        refuse(bool(get("moe_router_enable_expert_bias")), "moe_router_enable_expert_bias",
+               "Mixtral has no expert bias")
+        refuse(bool(get("add_bias_linear")), "add_bias_linear", "Mixtral has no biases")
+        hf.update(intermediate_size=integer("moe_ffn_hidden_size", "ffn_hidden_size"), num_local_experts=experts,
+                  num_experts_per_tok=integer("moe_router_topk"),
+                  router_aux_loss_coef=float(get("moe_aux_loss_coeff", 0.0)))
+    else:
+        hf["intermediate_size"] = integer("ffn_hidden_size")
+    cfg = ModelConfig.from_hf(hf, source=src)
+    div = get("make_vocab_size_divisible_by")
+    if isinstance(div, int) and not isinstance(div, bool) and div > 0:
+        cfg = dataclasses.replace(cfg, make_vocab_size_divisible_by=div)
+    padded, tp = get("padded_vocab_size"), get("tensor_model_parallel_size", 1)
+    if isinstance(padded, int) and isinstance(tp, int) and padded != cfg.padded_vocab_size(tp):
+        raise ConfigError(f"{src}: vocab_size {vocab} pads to {cfg.padded_vocab_size(tp)} at tp={tp} "
+                          f"(make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}), but the args say "
+                          f"padded_vocab_size={padded}; is vocab_size right?")
+    return cfg
+
+
+# -- rank order --------------------------------------------------------------------------------------------------------
+
+# megatron-core's default order "tp-cp-ep-dp-pp" (parallel_state.initialize_model_parallel(order=...)), fastest first.
+# Its two rank generators read it as: dense groups tp-cp-dp-pp (ep = 1), expert groups etp-ep-edp-pp (cp folded into
+# the expert data-parallel size), over the same ranks.
+RANK_ORDER = ("tp", "cp", "ep", "dp", "pp")
+DENSE_ORDER = ("tp", "cp", "dp", "pp")
+EXPERT_ORDER = ("etp", "ep", "edp", "pp")
+
+
+def rank_of(sizes: Mapping[str, int], order: Sequence[str] = DENSE_ORDER, **coords: int) -> int:
+    """The global rank at `coords` (missing ones 0), the first dimension of `order` fastest."""
+    rank, stride = 0, 1
+    for d in order:
+        rank += coords.get(d, 0) * stride
+        stride *= sizes[d]
+    return rank
+
+
+def coords_of(rank: int, sizes: Mapping[str, int], order: Sequence[str] = DENSE_ORDER) -> dict[str, int]:
+    """The inverse of rank_of."""
+    out = {}
+    for d in order:
+        rank, out[d] = divmod(rank, sizes[d])
+    return out
+
+
+def span(dim: str, sizes: Mapping[str, int], order: Sequence[str] = DENSE_ORDER) -> int:
+    """How many consecutive ranks one group of `dim` spreads over: the product of the sizes up to and including
+    `dim` (a TP group is TP consecutive ranks, a DP group reaches over TP x CP x DP, a PP group over the world)."""
+    n = 1
+    for d in order:
+        n *= sizes[d]
+        if d == dim:
+            return n
+    raise ValueError(f"{dim!r} is not in the rank order {order}")
+
+
+def stage_size(layout: Layout) -> int:
+    """Ranks per pipeline stage of the smallest world for `layout`: enough for TP x DP to hold the expert grid ETP x EP
+    (the dense and expert orders number the same stage)."""
+    return math.lcm(layout.tp, layout.expert_tp * layout.ep)
+
+
+def rank_sizes(layout: Layout, expert: bool = False) -> dict[str, int]:
+    """The sizes of the dense (or expert) order's dimensions in the smallest world that runs `layout` (no CP)."""
+    stage = stage_size(layout)
+    if expert:
+        return {"etp": layout.expert_tp, "ep": layout.ep, "edp": stage // (layout.expert_tp * layout.ep),
+                "pp": layout.pp}
+    return {"tp": layout.tp, "cp": 1, "dp": stage // layout.tp, "pp": layout.pp}
+
+
+def world_size(layout: Layout) -> int:
+    """The smallest world size that runs `layout`."""
+    return span("pp", rank_sizes(layout))
+
+
+__all__ = ["TRACKER", "CHECKPOINT_VERSION", "RELEASE", "iter_dirname", "iteration_of", "LOCAL_NAMES", "KEY_NAMINGS",
+           "canonical_candidates", "sharded_key", "megatron_args", "arg", "int_arg", "layout_from_args",
+           "with_args_vocab", "check_args", "config_from_megatron_args", "MEGATRON_LLAMA3_ROPE", "RANK_ORDER",
+           "DENSE_ORDER", "EXPERT_ORDER", "rank_of", "coords_of", "span", "stage_size", "rank_sizes", "world_size"]
