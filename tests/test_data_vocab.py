@@ -38,7 +38,8 @@ def test_out_of_vocab_ids_stop_before_step_one(setup, tmp_path, nproc, extra, ba
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("shardkit: error:")]
     expected = (f"shardkit: error: {prefix}.bin: largest token id {bad_id} is beyond the model's vocabulary of 1000 "
                 f"tokens (checkpoint {setup / 'ck' / 'iter_0000000'})")
-    assert len(lines) == nproc and all(ln.startswith(expected) for ln in lines), r.stderr[-3000:]  # every rank
+    # every rank raises it (torchrun may stop a rank before it prints once another has failed: at least one line)
+    assert 1 <= len(lines) <= nproc and all(ln.startswith(expected) for ln in lines), r.stderr[-3000:]
     if nproc == 1:
         assert r.stderr.strip() == lines[0]  # one line, no traceback
     assert "iteration 1" not in r.stdout
