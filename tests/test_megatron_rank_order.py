@@ -15,7 +15,7 @@ import pytest
 
 from checkpoint.layout import Layout
 from checkpoint.megatron import DENSE_ORDER, EXPERT_ORDER, rank_of, rank_sizes, span, world_size
-from train.parallel.groups import ParallelDims
+from train.parallel.groups import ParallelDims, _expert_groups
 
 # megatron-core runs in a subprocess only: importing it here would register its pickle safe globals in this process
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -70,6 +70,9 @@ def test_groups_match_megatron_rank_generator(megatron, case):
     es = dims.expert_sizes
     for token, dim in {"tp": "etp", "ep": "ep", "dp": "edp", "pp": "pp"}.items():
         assert groups(es, EXPERT_ORDER, (dim,)) == ew[token], token
+    built = list(_expert_groups(dims))  # what build_groups makes the trainer's ep / edp process groups from
+    assert sorted(sorted(g) for ep_groups, _ in built for g in ep_groups) == ew["ep"]
+    assert sorted(sorted(g) for _, edp_groups in built for g in edp_groups) == ew["dp"]
     for r in range(dims.world):  # the trainer's coordinates are the same order
         c = dims.coords(r)
         assert dims.rank(**c) == r

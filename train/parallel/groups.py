@@ -175,9 +175,12 @@ def build_groups(dims: ParallelDims) -> Groups:
 
 
 def _expert_groups(dims: ParallelDims):
-    """Per (tp, pp) position: its EP groups and its expert-data-parallel groups (global ranks, by index)."""
+    """Per (tp, pp) position: its EP groups and its expert-data-parallel groups (global ranks, by index), in Megatron's
+    expert rank order."""
+    es = dims.expert_sizes
     for pp in range(dims.pp):
         for tp in range(dims.tp):
-            ranks = [dims.rank(tp=tp, cp=j % dims.cp, dp=j // dims.cp, pp=pp) for j in range(dims.dp * dims.cp)]
-            yield ([ranks[e * dims.ep:(e + 1) * dims.ep] for e in range(dims.edp)],
-                   [ranks[e::dims.ep] for e in range(dims.ep)])
+            def rank(e: int, k: int) -> int:
+                return rank_of(es, EXPERT_ORDER, etp=tp, ep=e, edp=k, pp=pp)
+            yield ([[rank(e, k) for e in range(dims.ep)] for k in range(dims.edp)],
+                   [[rank(e, k) for k in range(dims.edp)] for e in range(dims.ep)])
