@@ -434,7 +434,8 @@ def test_json_outputs_are_strict(ckpt, capsys):
     from checkpoint.progress import json_text
 
     assert json.loads(json_text({"a": float("nan"), "b": [float("inf"), 1.5]})) == {"a": None, "b": [None, 1.5]}
-    for argv in (["inspect", ckpt, "--json"], ["verify", ckpt, "--json"]):
+    for argv in (["inspect", ckpt, "--json"], ["verify", ckpt, "--json"],
+                 ["plan", "--model", "llama3-8b", "--gpus", "8", "--json", "--top", "2"]):
         capsys.readouterr()
         assert main([str(a) for a in argv]) == 0
         json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"bare {c} in {argv[0]} --json"))

@@ -210,8 +210,7 @@ def test_the_table_is_a_few_dozen():
     assert len(CASE_IDS) >= 40
 
 
-@pytest.mark.parametrize("case", ["h2m --workers 0", "preprocess lone surrogate", "plot under a regular file",
-                                  "train --config lr = 'fast'"])
+@pytest.mark.parametrize("case", ["h2m --workers 0", "plot under a regular file", "m2h --max-shard-size infGB"])
 def test_bad_invocation_through_the_real_entry_point(case, w):
     _, argv, words = next(c for c in _cases(w) if c[0] == case)
     rc, _, err = run_real(argv)
