@@ -327,6 +327,8 @@ def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "ll
                   router_aux_loss_coef=float(get("moe_aux_loss_coeff", 0.0)))
     else:
         hf["intermediate_size"] = integer("ffn_hidden_size")
+    if mt in ("mistral", "mixtral"):  # full attention, as Megatron ran it (an absent field means transformers' 4096)
+        hf["sliding_window"] = None
     cfg = ModelConfig.from_hf(hf, source=src)
     div = get("make_vocab_size_divisible_by")
     if isinstance(div, int) and not isinstance(div, bool) and div > 0:
