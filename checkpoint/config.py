@@ -578,9 +578,10 @@ _SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size
 
 def _with_hf_defaults(hf: dict, model_type: str) -> dict:
     """hf with transformers' reading of every absent field that the converter reads (only computed when one is)."""
-    wanted = [k for k in _FAMILY_FIELDS[model_type] if k in _FIELD_TYPES and k not in _NO_DEFAULT and k not in hf]
     theta_missing = "rope_theta" not in hf and "rope_theta" not in (hf.get("rope_parameters") or {})
-    if not wanted:
+    wanted = [k for k in _FAMILY_FIELDS[model_type] if k in _FIELD_TYPES and k not in _NO_DEFAULT and k not in hf
+              and (k != "rope_theta" or theta_missing)]
+    if not wanted:  # a complete config.json (what save_pretrained writes) never imports transformers (~2 s of CPU)
         return hf
     import transformers
 

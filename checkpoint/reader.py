@@ -42,7 +42,12 @@ def count_nonfinite(a: np.ndarray) -> int:
     if bits is None:
         return 0 if np.dtype(a.dtype).kind in "biu" else int(np.count_nonzero(~np.isfinite(a)))
     utype, mask, value = bits
-    flat = np.ascontiguousarray(a).reshape(-1).view(utype)
+    if a.ndim == 0 or a.size == 0:
+        return int(a.size and count_nonfinite(a.reshape(1)))
+    if not a.flags.c_contiguous:  # a column slice: one block of rows at a time, never a copy of the whole
+        rows = max(1, _NONFINITE_BLOCK // max(1, a[0].size))
+        return sum(count_nonfinite(np.ascontiguousarray(a[i:i + rows])) for i in range(0, a.shape[0], rows))
+    flat = a.reshape(-1).view(utype)
     buf = np.empty(min(flat.size, _NONFINITE_BLOCK), utype)
     n = 0
     for i in range(0, flat.size, _NONFINITE_BLOCK):
