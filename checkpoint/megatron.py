@@ -20,7 +20,6 @@ import math
 import re
 from typing import Any, Mapping, Sequence
 
-import torch
 
 from . import store
 from .config import ModelConfig
@@ -220,7 +219,8 @@ def check_args(args: Any, cfg: ModelConfig, label: str) -> None:
                               "config for this checkpoint?")
 
 
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# by the dtype's name (args.params_dtype is a torch.dtype): no torch import, so the converters stay torch-free
+_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -286,7 +286,7 @@ def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "ll
         raise ConfigError(f"{src}: the true vocabulary size is unknown (args hold only padded_vocab_size="
                           f"{get('padded_vocab_size')}); pass vocab_size (from the tokenizer or the HF config.json)")
     eps = get("norm_epsilon", get("layernorm_epsilon", 1e-5))
-    dtype = _DTYPES.get(get("params_dtype")) or ("bfloat16" if get("bf16") else "float16" if get("fp16") else "float32")
+    dtype = _DTYPES.get(str(get("params_dtype"))) or ("bfloat16" if get("bf16") else "float16" if get("fp16") else "float32")
     hf: dict[str, Any] = dict(
         model_type=mt, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=groups, head_dim=head_dim,
