@@ -137,15 +137,20 @@ def grid_position(flat: int, shape: Sequence[int], chunk: Sequence[int]) -> tupl
     return tuple(reversed(out))
 
 
-def read_trailer(path: Path) -> int:
-    """The crc32c a chunk file carries (its last 4 bytes, little endian): what its writer computed over its bytes.
-    CorruptionError when the file is missing or shorter than the trailer."""
+def _open_chunk(path: Path) -> int:
+    """A chunk file's descriptor for reading; CorruptionError naming the file when it is gone or cannot be opened."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise CorruptionError(f"missing (its file {path} is gone); the checkpoint is damaged") from None
     except OSError as e:
         raise CorruptionError(f"cannot open {path} ({e.strerror or e})") from None
+
+
+def read_trailer(path: Path) -> int:
+    """The crc32c a chunk file carries (its last 4 bytes, little endian): what its writer computed over its bytes.
+    CorruptionError when the file is missing or shorter than the trailer."""
+    fd = _open_chunk(path)
     try:
         size = os.fstat(fd).st_size
         if size < TRAILER:
@@ -195,12 +200,7 @@ def map_chunk(path: Path, shape: Sequence[int], dtype: np.dtype, expect: int | N
     carries another. The mapping lives as long as any view of the array does."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CorruptionError(f"missing (its file {path} is gone); the checkpoint is damaged") from None
-    except OSError as e:
-        raise CorruptionError(f"cannot open {path} ({e.strerror or e})") from None
+    fd = _open_chunk(path)
     try:
         size = os.fstat(fd).st_size
         if size != nbytes + TRAILER:
