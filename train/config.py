@@ -269,6 +269,24 @@ class RunLength:
     scheduler: SchedulerConfig
 
 
+_UNIT = {"iters": ("iteration", "--train-iters"), "samples": ("sample", "--train-samples")}
+
+
+def _refuse_other_unit(s, run: str) -> None:
+    """The run counts in `run` ("iters" or "samples"), as Megatron's arguments.py asserts: a schedule flag in the other
+    unit, or --lr-warmup-fraction beside an explicit warmup, is a ConfigError naming the flag."""
+    other = "samples" if run == "iters" else "iters"
+    for stem, unset in (("lr_decay", None), ("lr_warmup", 0), ("lr_wsd_decay", None)):
+        v = getattr(s, f"{stem}_{other}")
+        if v != unset:
+            flag = "--" + f"{stem}_{other}".replace("_", "-")
+            raise ConfigError(f"{flag} {v}: {_UNIT[other][0]}-based, but the run is {_UNIT[run][0]}-based "
+                              f"({_UNIT[run][1]}); use {flag.replace(other, run)} or {_UNIT[other][1]}")
+    warm = getattr(s, f"lr_warmup_{run}")
+    if s.lr_warmup_fraction is not None and warm != 0:
+        raise ConfigError(f"--lr-warmup-fraction {s.lr_warmup_fraction} and --lr-warmup-{run} {warm}: give one")
+
+
 def run_length(cfg: TrainConfig) -> RunLength:
     """--train-iters / --train-samples and the schedule flags -> iterations, dataset size and the scheduler's
     arguments in samples (Megatron-LM training.py get_optimizer_param_scheduler and arguments.py validate_args);
@@ -279,15 +297,7 @@ def run_length(cfg: TrainConfig) -> RunLength:
         raise ConfigError("--train-iters and --train-samples: give one (iteration-based or sample-based training)")
     if s.train_samples is None:  # iteration-based
         iters = 100 if s.train_iters is None else s.train_iters
-        for flag, v, bad in (("--lr-decay-samples", s.lr_decay_samples, s.lr_decay_samples is not None),
-                             ("--lr-warmup-samples", s.lr_warmup_samples, s.lr_warmup_samples != 0),
-                             ("--lr-wsd-decay-samples", s.lr_wsd_decay_samples, s.lr_wsd_decay_samples is not None)):
-            if bad:
-                raise ConfigError(f"{flag} {v}: sample-based, but the run is iteration-based (--train-iters); use "
-                                  f"{flag.replace('samples', 'iters')} or --train-samples")
-        if s.lr_warmup_fraction is not None and s.lr_warmup_iters != 0:
-            raise ConfigError(f"--lr-warmup-fraction {s.lr_warmup_fraction} and --lr-warmup-iters "
-                              f"{s.lr_warmup_iters}: give one")
+        _refuse_other_unit(s, "iters")
         if iters < 1:
             raise ConfigError(f"continue-pretrain: --train-iters must be >= 1, got {iters}")
         decay_iters = iters if s.lr_decay_iters is None else s.lr_decay_iters
@@ -298,15 +308,7 @@ def run_length(cfg: TrainConfig) -> RunLength:
                   else s.lr_warmup_iters * gbs)
         samples, decay_flag, wsd_flag = iters * gbs, "--lr-decay-iters", "--lr-wsd-decay-iters"
     else:  # sample-based
-        for flag, v, bad in (("--lr-decay-iters", s.lr_decay_iters, s.lr_decay_iters is not None),
-                             ("--lr-warmup-iters", s.lr_warmup_iters, s.lr_warmup_iters != 0),
-                             ("--lr-wsd-decay-iters", s.lr_wsd_decay_iters, s.lr_wsd_decay_iters is not None)):
-            if bad:
-                raise ConfigError(f"{flag} {v}: iteration-based, but the run is sample-based (--train-samples); use "
-                                  f"{flag.replace('iters', 'samples')} or --train-iters")
-        if s.lr_warmup_fraction is not None and s.lr_warmup_samples != 0:
-            raise ConfigError(f"--lr-warmup-fraction {s.lr_warmup_fraction} and --lr-warmup-samples "
-                              f"{s.lr_warmup_samples}: give one")
+        _refuse_other_unit(s, "samples")
         samples = s.train_samples
         iters = samples // gbs
         if iters < 1:
