@@ -12,6 +12,7 @@ weight; those of `exp_avg` / `exp_avg_sq` are zeros (no update history). `train_
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import shutil
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.config import ModelConfig
-from checkpoint.errors import ShardkitError
+from checkpoint.errors import LayoutError, ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.reader import Checkpoint, ReadPlan
@@ -34,6 +35,76 @@ from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
 if TYPE_CHECKING:  # not imported at run time: a reshard moves numpy views (torch's import is ~1.5 CPU-s)
     import torch
+
+
+LAYOUT_FLAGS = ("tp", "pp", "vpp", "ep", "etp")
+
+
+def keep_layout(source: Layout | None, cfg: ModelConfig, tp: int | None = None, pp: int | None = None,
+                vpp: int | None = None, ep: int | None = None, etp: int | None = None) -> Layout:
+    """The layout `reshard SRC DST [--tp N] ...` writes: each flag not given (None) keeps the source's value, as
+    Megatron users think ("change TP to 4"). --etp not given follows the destination's --tp (Megatron's
+    --expert-tensor-parallel-size defaults to the TP size) where the source's expert TP followed its TP (etp == tp,
+    or a dense model); an expert TP the source set apart from its TP (tp2 etp1) is kept. A kept --vpp that no
+    longer fits a new --pp, or any kept value the model refuses at the new layout, is a LayoutError naming the
+    flags. `source` None (a torch_dist source without Megatron args): flags not given are 1."""
+    given = {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp}
+    src = source or Layout()
+    new_tp = src.tp if tp is None else tp
+    if etp is None and source is not None and new_tp != src.tp:
+        tied = src.etp is None or src.etp == src.tp or not cfg.is_moe
+        etp = None if tied else src.etp
+    elif etp is None:
+        etp = src.etp
+    layout = Layout(tp=new_tp, pp=src.pp if pp is None else pp, vpp=src.vpp if vpp is None else vpp,
+                    ep=src.ep if ep is None else ep, etp=etp)
+    if source is None:
+        layout.check(cfg)
+        return layout
+    n = cfg.num_layers
+    if vpp is None and pp is not None and layout.vpp > 1:  # the source's virtual stages, for the new --pp
+        fits = [v for v in range(1, n // layout.pp + 1) if n % (layout.pp * v) == 0] if layout.pp > 1 else [1]
+        stages = layout.pp * layout.vpp
+        why = ("--vpp > 1 needs --pp > 1 (virtual stages interleave the pipeline ranks)" if layout.pp == 1 else
+               f"{stages} pipeline stages exceed num_hidden_layers={n}" if stages > n else
+               f"num_hidden_layers={n} is not divisible by {stages} pipeline stages" if n % stages else None)
+        if why and fits:
+            raise LayoutError(f"--pp {layout.pp} with the source's --vpp {layout.vpp} (kept: --vpp not given): {why}; "
+                              f"pass --vpp N (for --pp {layout.pp}: {', '.join(map(str, fits))})")
+    try:
+        layout.check(cfg)
+    except LayoutError as e:
+        named = set(re.findall(r"--(tp|pp|vpp|ep|etp)\b", str(e)))
+        notes = [f"--{f} {getattr(layout, f)} kept from the source" for f in LAYOUT_FLAGS[:4]
+                 if f in named and given[f] is None]
+        if "etp" in named and given["etp"] is None:
+            notes.append("--etp not given follows --tp, as Megatron's --expert-tensor-parallel-size does"
+                         if layout.etp is None else f"--etp {layout.etp} kept from the source")
+        if not notes:
+            raise
+        raise LayoutError(f"{e} ({'; '.join(notes)}: pass the flag to change it)") from None
+    return layout
+
+
+def layout_text(layout: Layout, moe: bool) -> str:
+    """tp=4 pp=2 vpp=1 (and ep, etp for a MoE model), as the reshard command prints it."""
+    text = f"tp={layout.tp} pp={layout.pp} vpp={layout.vpp}"
+    return f"{text} ep={layout.ep} etp={layout.expert_tp}" if moe else text
+
+
+def layout_change(source: Layout | None, layout: Layout, cfg: ModelConfig, given: dict[str, int | None],
+                  unknown: str = "") -> str:
+    """The line `reshard` prints before it starts: source layout -> destination layout, and which flags were kept."""
+    moe = cfg.is_moe
+    if source is None:
+        return f"reshard: layout unknown ({unknown}) -> {layout_text(layout, moe)} (flags not given: 1)"
+    flags = LAYOUT_FLAGS if moe else LAYOUT_FLAGS[:3]
+    kept = [f for f in flags if given.get(f) is None and (f != "etp" or layout.expert_tp == source.expert_tp)]
+    notes = [f"kept from the source: {', '.join(kept)}"] if kept else []
+    if moe and given.get("etp") is None and "etp" not in kept:
+        notes.append("etp follows tp")
+    return (f"reshard: {layout_text(source, moe)} -> {layout_text(layout, moe)}"
+            + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 def plan_reshard(ck: Checkpoint, layout: Layout, dtype: str | None) -> dict[str, TensorEntry]:

@@ -10,17 +10,23 @@ import sys
 from pathlib import Path
 
 
-def _layout_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1,
-                   help="tensor-parallel size (default 1)")
-    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1,
-                   help="pipeline-parallel size (default 1)")
-    p.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int, default=1,
-                   help="virtual pipeline stages (model chunks) per pipeline rank (default 1)")
-    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
-                   help="expert-parallel size: splits the experts of MoE models (default 1)")
+def _layout_flags(p: argparse.ArgumentParser, keep: bool = False) -> None:
+    """The layout flags; `keep` (reshard): a flag not given is None and keeps the source's value."""
+    default, text = (None, "the source's") if keep else (1, "1")
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=default,
+                   help=f"tensor-parallel size (default: {text})")
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=default,
+                   help=f"pipeline-parallel size (default: {text})")
+    p.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp", type=int, default=default,
+                   help=f"virtual pipeline stages (model chunks) per pipeline rank (default: {text}"
+                        + ("; a kept one must fit the new --pp" if keep else "") + ")")
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=default,
+                   help=f"expert-parallel size: splits the experts of MoE models (default: {text})")
     p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int, default=None,
-                   help="tensor-parallel size inside each expert (default: same as --tp)")
+                   help="tensor-parallel size inside each expert (default: "
+                        + ("the source's where it differs from the source's TP, else the destination's TP: "
+                           "Megatron's --expert-tensor-parallel-size defaults to --tp)" if keep else
+                           "same as --tp, Megatron's default)"))
 
 
 def _skip_verify_flag(p: argparse.ArgumentParser) -> None:
@@ -121,16 +127,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     m2m.add_argument("--overwrite", action="store_true")
     m2m.add_argument("--quiet", action="store_true")
 
-    rs = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP/VPP/EP layout (offline)")
+    rs = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP/VPP/EP layout (offline); flags not "
+                        "given keep the source's values")
     rs.add_argument("src", help="a native checkpoint, or a torch_dist one (with --hf-config)")
     rs.add_argument("dst")
-    _layout_flags(rs)
+    _layout_flags(rs, keep=True)
     _format_flags(rs)
     _hf_config_flag(rs)
     _dtype_flag(rs, "cast weights to bf16|fp16|fp32 (default: keep; kept-FP8 weights stay FP8)")
     rs.add_argument("--workers", type=_workers, default=None, help="writer processes (at most the CPU count)")
     rs.add_argument("--overwrite", action="store_true", help="allow a non-empty destination directory")
-    rs.add_argument("--quiet", action="store_true", help="no progress bar")
+    rs.add_argument("--quiet", action="store_true", help="no progress bar, no layout line")
     _skip_verify_flag(rs)
 
     ins = sub.add_parser("inspect", help="layout, model config and tensor table of a checkpoint")
@@ -377,11 +384,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         return 0
     if args.cmd == "reshard":
-        from checkpoint.layout import Layout
-        from convert.reshard import reshard
+        from convert.reshard import LAYOUT_FLAGS, keep_layout, layout_change, reshard
 
-        layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
         dtype = _check_dtype(args.dtype)
+        given = {f: getattr(args, f) for f in LAYOUT_FLAGS}
+        source, cfg, unknown = _reshard_source(args)
+        layout = keep_layout(source, cfg, **given)  # a flag not given keeps the source's value
+        if not args.quiet:  # before it starts, on stderr with the notes and the progress bar
+            print(layout_change(source, layout, cfg, given, unknown), file=sys.stderr)
         if _is_torch_dist(args.src):  # torch_dist -> native (-> torch_dist): the import already re-chunks
             path = _write(args, args.dst, lambda out: _import_torch_dist(args, args.src, out, layout, dtype))
         elif args.format == "torch_dist":  # native -> torch_dist: reshard and export in one pass, no staging copy
@@ -441,15 +451,36 @@ def _is_torch_dist(path: str) -> bool:
         (p / ".metadata").is_file()
 
 
-def _import_torch_dist(args: argparse.Namespace, src: str, out, layout, dtype):
+def _reshard_source(args: argparse.Namespace):
+    """reshard: the source's layout (None where a torch_dist source's common.pt has no Megatron args, with the
+    reason), and the model config the destination layout is checked against."""
+    if not _is_torch_dist(args.src):
+        from checkpoint.reader import Checkpoint
+
+        ck = Checkpoint(args.src)
+        return ck.layout, ck.config, ""
+    from checkpoint.megatron import layout_from_args
+    from checkpoint.torch_dist import read_torch_dist
+
+    cfg = _torch_dist_config(args, args.src)
+    td = read_torch_dist(args.src)
+    return layout_from_args(td.args), cfg, f"{td.path / 'common.pt'} holds no usable Megatron args"
+
+
+def _torch_dist_config(args: argparse.Namespace, src: str):
     from checkpoint.config import ModelConfig
     from checkpoint.errors import ShardkitError
-    from convert.torch_dist_io import torch_dist_to_native
 
     if not args.hf_config:
         raise ShardkitError(f"{src} is a torch_dist checkpoint: pass --hf-config HF_DIR (the HF model directory whose "
                             "config.json describes it) so shardkit knows the model")
-    return torch_dist_to_native(src, out, ModelConfig.from_hf_dir(args.hf_config), layout, dtype=dtype,
+    return ModelConfig.from_hf_dir(args.hf_config)
+
+
+def _import_torch_dist(args: argparse.Namespace, src: str, out, layout, dtype):
+    from convert.torch_dist_io import torch_dist_to_native
+
+    return torch_dist_to_native(src, out, _torch_dist_config(args, src), layout, dtype=dtype,
                                 hf_dir=args.hf_config, workers=getattr(args, "workers", None),
                                 overwrite=args.overwrite, quiet=args.quiet)
 

@@ -106,7 +106,7 @@ def test_every_pair_of_formats(tmp_path):
     assert (tmp_path / "td1" / "latest_checkpointed_iteration.txt").is_file()
     assert main(["reshard", td1, td2, "--tp", "4", "--pp", "2", "--format", "torch_dist", "--hf-config", str(hf),
                  "--quiet"]) == 0
-    assert main(["reshard", td2, nat, "--tp", "1", "--hf-config", str(hf), "--quiet"]) == 0
+    assert main(["reshard", td2, nat, "--tp", "1", "--pp", "1", "--hf-config", str(hf), "--quiet"]) == 0
     assert Checkpoint(nat).layout == Layout(tp=1)
     assert main(["convert", "mcore-to-hf", td2, back, "--hf-config", str(hf), "--quiet"]) == 0
     x, y = hf_tensors(hf), hf_tensors(back)
@@ -116,3 +116,119 @@ def test_every_pair_of_formats(tmp_path):
     # a torch_dist source without a model description is a one-line error naming the flag
     assert main(["reshard", td1, str(tmp_path / "x"), "--quiet"]) == 1
     assert not (tmp_path / "x" / "latest").exists()
+
+
+# -- flags not given keep the source's layout ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A 4-layer LLaMA (4 heads, 4 KV heads) and its checkpoints at tp2 pp2 and at pp2 vpp2."""
+    root = tmp_path_factory.mktemp("keep")
+    hf = build_tiny_llama(root / "hf", num_hidden_layers=4, hidden_size=64, intermediate_size=96, vocab_size=300,
+                          num_key_value_heads=4)
+    convert_hf_to_mcore(hf, root / "tp2pp2", Layout(tp=2, pp=2), quiet=True)
+    convert_hf_to_mcore(hf, root / "pp2vpp2", Layout(pp=2, vpp=2), quiet=True)
+    return root
+
+
+def layout_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.startswith("reshard: ")]
+
+
+def test_tp_alone_keeps_pp_and_prints_the_layout(dense, tmp_path, capsys):
+    out = tmp_path / "tp4"
+    assert main(["reshard", str(dense / "tp2pp2"), str(out), "--tp", "4"]) == 0
+    assert Checkpoint(out).layout == Layout(tp=4, pp=2)
+    err = capsys.readouterr().err
+    assert layout_lines(err) == ["reshard: tp=2 pp=2 vpp=1 -> tp=4 pp=2 vpp=1 (kept from the source: pp, vpp)"], err
+    convert_hf_to_mcore(dense / "hf", tmp_path / "direct", Layout(tp=4, pp=2), quiet=True)
+    same_checkpoints(out, tmp_path / "direct")
+    # --quiet: no layout line (nor a progress bar), only the result
+    assert main(["reshard", str(dense / "tp2pp2"), str(tmp_path / "q"), "--tp", "4", "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert cap.err == "" and cap.out.startswith("wrote "), cap
+
+
+def test_pp_alone_keeps_tp_and_vpp(dense, tmp_path, capsys):
+    assert main(["reshard", str(dense / "tp2pp2"), str(tmp_path / "pp1"), "--pp", "1"]) == 0
+    assert Checkpoint(tmp_path / "pp1").layout == Layout(tp=2)
+    assert layout_lines(capsys.readouterr().err) == [
+        "reshard: tp=2 pp=2 vpp=1 -> tp=2 pp=1 vpp=1 (kept from the source: tp, vpp)"]
+    # a kept vpp that still fits the new pp stays: 4 layers, pp2 vpp2 -> tp2 pp2 vpp2
+    assert main(["reshard", str(dense / "pp2vpp2"), str(tmp_path / "tp2"), "--tp", "2", "--quiet"]) == 0
+    assert Checkpoint(tmp_path / "tp2").layout == Layout(tp=2, pp=2, vpp=2)
+
+
+@pytest.mark.parametrize("flags,needles,fix", [
+    (["--pp", "4"], ("--pp 4 with the source's --vpp 2", "8 pipeline stages exceed num_hidden_layers=4",
+                     "for --pp 4: 1"), ["--vpp", "1"]),
+    (["--pp", "1"], ("--pp 1 with the source's --vpp 2", "--vpp > 1 needs --pp > 1", "pass --vpp"), ["--vpp", "1"]),
+    (["--vpp", "4"], ("--pp 2 x --vpp 4", "exceed num_hidden_layers=4", "--pp 2 kept from the source"),
+     ["--pp", "1"]),
+])
+def test_a_kept_value_that_no_longer_fits_is_one_line(dense, tmp_path, capsys, flags, needles, fix):
+    out = tmp_path / "out"
+    assert main(["reshard", str(dense / "pp2vpp2"), str(out), *flags]) == 1
+    cap = capsys.readouterr()
+    lines = [ln for ln in cap.err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardkit: error: "), cap.err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert not out.exists() and cap.out == ""
+    # passing the flag it names fixes it
+    assert main(["reshard", str(dense / "pp2vpp2"), str(out), *flags, *fix, "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("src_layout,flags,want,line", [
+    # etp followed tp in the source (Megatron's default): it follows the new tp; ep is kept
+    (Layout(ep=2), ["--tp", "2"], Layout(tp=2, ep=2),
+     "tp=1 pp=1 vpp=1 ep=2 etp=1 -> tp=2 pp=1 vpp=1 ep=2 etp=2 (kept from the source: pp, vpp, ep; etp follows tp)"),
+    # an expert TP set apart from TP is kept
+    (Layout(tp=2, ep=2, etp=1), ["--tp", "4"], Layout(tp=4, ep=2, etp=1),
+     "tp=2 pp=1 vpp=1 ep=2 etp=1 -> tp=4 pp=1 vpp=1 ep=2 etp=1 (kept from the source: pp, vpp, ep, etp)"),
+])
+def test_moe_keeps_ep_and_etp_follows_tp(tmp_path, capsys, src_layout, flags, want, line):
+    hf = build("mixtral", tmp_path / "hf")
+    convert_hf_to_mcore(hf, tmp_path / "a", src_layout, quiet=True)
+    assert main(["reshard", str(tmp_path / "a"), str(tmp_path / "b"), *flags]) == 0
+    assert Checkpoint(tmp_path / "b").layout == want
+    assert layout_lines(capsys.readouterr().err) == [f"reshard: {line}"]
+    convert_hf_to_mcore(hf, tmp_path / "direct", want, quiet=True)
+    same_checkpoints(tmp_path / "b", tmp_path / "direct")
+
+
+def test_torch_dist_source_keeps_its_layout(dense, tmp_path, capsys):
+    """The source layout of a torch_dist checkpoint comes from its Megatron args; reshard --format torch_dist keeps
+    what is not given too."""
+    from checkpoint.megatron import layout_from_args
+    from checkpoint.torch_dist import read_torch_dist
+
+    hf, td, td4, nat = (str(x) for x in (dense / "hf", tmp_path / "td", tmp_path / "td4", tmp_path / "nat"))
+    assert main(["reshard", str(dense / "tp2pp2"), td, "--format", "torch_dist", "--quiet"]) == 0
+    assert layout_from_args(read_torch_dist(td).args) == Layout(tp=2, pp=2)  # no flags: the same layout
+    capsys.readouterr()
+    assert main(["reshard", td, td4, "--tp", "4", "--format", "torch_dist", "--hf-config", hf]) == 0
+    assert layout_from_args(read_torch_dist(td4).args) == Layout(tp=4, pp=2)
+    assert layout_lines(capsys.readouterr().err) == [
+        "reshard: tp=2 pp=2 vpp=1 -> tp=4 pp=2 vpp=1 (kept from the source: pp, vpp)"]
+    assert main(["reshard", td4, nat, "--pp", "1", "--hf-config", hf, "--quiet"]) == 0
+    assert Checkpoint(nat).layout == Layout(tp=4)
+
+
+def test_torch_dist_source_without_args(dense, tmp_path, capsys):
+    """A torch_dist checkpoint whose common.pt has no Megatron args (as megatron-core's own dist_checkpointing.save
+    writes) has no known layout: flags not given are 1, and the line says so."""
+    from checkpoint.torch_dist import load_common, read_torch_dist, write_common
+
+    td = tmp_path / "td"
+    assert main(["reshard", str(dense / "tp2pp2"), str(td), "--format", "torch_dist", "--quiet"]) == 0
+    it = read_torch_dist(td).path
+    common, _ = load_common(it / "common.pt")
+    del common["args"]
+    write_common(it, common)
+    capsys.readouterr()
+    assert main(["reshard", str(td), str(tmp_path / "nat"), "--tp", "2", "--hf-config", str(dense / "hf")]) == 0
+    assert Checkpoint(tmp_path / "nat").layout == Layout(tp=2)
+    assert layout_lines(capsys.readouterr().err) == [
+        f"reshard: layout unknown ({it / 'common.pt'} holds no usable Megatron args) -> tp=2 pp=1 vpp=1 "
+        "(flags not given: 1)"]
