@@ -390,8 +390,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         given = {f: getattr(args, f) for f in LAYOUT_FLAGS}
         source, cfg, unknown = _reshard_source(args)
         layout = keep_layout(source, cfg, **given)  # a flag not given keeps the source's value
-        if not args.quiet:  # before it starts, on stderr with the notes and the progress bar
-            print(layout_change(source, layout, cfg, given, unknown), file=sys.stderr)
+        if not args.quiet:  # before it starts; stdout with the "wrote" line (a piped stderr stays empty)
+            print(layout_change(source, layout, cfg, given, unknown), flush=True)
         if _is_torch_dist(args.src):  # torch_dist -> native (-> torch_dist): the import already re-chunks
             path = _write(args, args.dst, lambda out: _import_torch_dist(args, args.src, out, layout, dtype))
         elif args.format == "torch_dist":  # native -> torch_dist: reshard and export in one pass, no staging copy

@@ -131,28 +131,29 @@ def dense(tmp_path_factory):
     return root
 
 
-def layout_lines(err: str) -> list[str]:
-    return [ln for ln in err.splitlines() if ln.startswith("reshard: ")]
+def layout_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("reshard: ")]
 
 
 def test_tp_alone_keeps_pp_and_prints_the_layout(dense, tmp_path, capsys):
     out = tmp_path / "tp4"
     assert main(["reshard", str(dense / "tp2pp2"), str(out), "--tp", "4"]) == 0
     assert Checkpoint(out).layout == Layout(tp=4, pp=2)
-    err = capsys.readouterr().err
-    assert layout_lines(err) == ["reshard: tp=2 pp=2 vpp=1 -> tp=4 pp=2 vpp=1 (kept from the source: pp, vpp)"], err
+    out_text = capsys.readouterr().out
+    assert layout_lines(out_text) == ["reshard: tp=2 pp=2 vpp=1 -> tp=4 pp=2 vpp=1 (kept from the source: pp, vpp)"]
+    assert out_text.splitlines()[-1] == f"wrote {out / 'iter_0000000'}"  # the layout line came first
     convert_hf_to_mcore(dense / "hf", tmp_path / "direct", Layout(tp=4, pp=2), quiet=True)
     same_checkpoints(out, tmp_path / "direct")
     # --quiet: no layout line (nor a progress bar), only the result
     assert main(["reshard", str(dense / "tp2pp2"), str(tmp_path / "q"), "--tp", "4", "--quiet"]) == 0
     cap = capsys.readouterr()
-    assert cap.err == "" and cap.out.startswith("wrote "), cap
+    assert cap.err == "" and cap.out == f"wrote {tmp_path / 'q' / 'iter_0000000'}\n", cap
 
 
 def test_pp_alone_keeps_tp_and_vpp(dense, tmp_path, capsys):
     assert main(["reshard", str(dense / "tp2pp2"), str(tmp_path / "pp1"), "--pp", "1"]) == 0
     assert Checkpoint(tmp_path / "pp1").layout == Layout(tp=2)
-    assert layout_lines(capsys.readouterr().err) == [
+    assert layout_lines(capsys.readouterr().out) == [
         "reshard: tp=2 pp=2 vpp=1 -> tp=2 pp=1 vpp=1 (kept from the source: tp, vpp)"]
     # a kept vpp that still fits the new pp stays: 4 layers, pp2 vpp2 -> tp2 pp2 vpp2
     assert main(["reshard", str(dense / "pp2vpp2"), str(tmp_path / "tp2"), "--tp", "2", "--quiet"]) == 0
@@ -192,7 +193,7 @@ def test_moe_keeps_ep_and_etp_follows_tp(tmp_path, capsys, src_layout, flags, wa
     convert_hf_to_mcore(hf, tmp_path / "a", src_layout, quiet=True)
     assert main(["reshard", str(tmp_path / "a"), str(tmp_path / "b"), *flags]) == 0
     assert Checkpoint(tmp_path / "b").layout == want
-    assert layout_lines(capsys.readouterr().err) == [f"reshard: {line}"]
+    assert layout_lines(capsys.readouterr().out) == [f"reshard: {line}"]
     convert_hf_to_mcore(hf, tmp_path / "direct", want, quiet=True)
     same_checkpoints(tmp_path / "b", tmp_path / "direct")
 
@@ -209,7 +210,7 @@ def test_torch_dist_source_keeps_its_layout(dense, tmp_path, capsys):
     capsys.readouterr()
     assert main(["reshard", td, td4, "--tp", "4", "--format", "torch_dist", "--hf-config", hf]) == 0
     assert layout_from_args(read_torch_dist(td4).args) == Layout(tp=4, pp=2)
-    assert layout_lines(capsys.readouterr().err) == [
+    assert layout_lines(capsys.readouterr().out) == [
         "reshard: tp=2 pp=2 vpp=1 -> tp=4 pp=2 vpp=1 (kept from the source: pp, vpp)"]
     assert main(["reshard", td4, nat, "--pp", "1", "--hf-config", hf, "--quiet"]) == 0
     assert Checkpoint(nat).layout == Layout(tp=4)
@@ -229,6 +230,6 @@ def test_torch_dist_source_without_args(dense, tmp_path, capsys):
     capsys.readouterr()
     assert main(["reshard", str(td), str(tmp_path / "nat"), "--tp", "2", "--hf-config", str(dense / "hf")]) == 0
     assert Checkpoint(tmp_path / "nat").layout == Layout(tp=2)
-    assert layout_lines(capsys.readouterr().err) == [
+    assert layout_lines(capsys.readouterr().out) == [
         f"reshard: layout unknown ({it / 'common.pt'} holds no usable Megatron args) -> tp=2 pp=1 vpp=1 "
         "(flags not given: 1)"]
