@@ -62,7 +62,7 @@ def keep_layout(source: Layout | None, cfg: ModelConfig, tp: int | None = None, 
         layout.check(cfg)
         return layout
     n = cfg.num_layers
-    if vpp is None and pp is not None and layout.vpp > 1:  # the source's virtual stages, for the new --pp
+    if vpp is None and pp not in (None, src.pp) and layout.vpp > 1:  # the source's virtual stages, for a new --pp
         fits = [v for v in range(1, n // layout.pp + 1) if n % (layout.pp * v) == 0] if layout.pp > 1 else [1]
         stages = layout.pp * layout.vpp
         why = ("--vpp > 1 needs --pp > 1 (virtual stages interleave the pipeline ranks)" if layout.pp == 1 else
@@ -77,7 +77,7 @@ def keep_layout(source: Layout | None, cfg: ModelConfig, tp: int | None = None, 
         named = set(re.findall(r"--(tp|pp|vpp|ep|etp)\b", str(e)))
         notes = [f"--{f} {getattr(layout, f)} kept from the source" for f in LAYOUT_FLAGS[:4]
                  if f in named and given[f] is None]
-        if "etp" in named and given["etp"] is None:
+        if "etp" in named and given["etp"] is None and cfg.is_moe:
             notes.append("--etp not given follows --tp, as Megatron's --expert-tensor-parallel-size does"
                          if layout.etp is None else f"--etp {layout.etp} kept from the source")
         if not notes:

@@ -187,7 +187,7 @@ def test_a_kept_value_that_no_longer_fits_is_one_line(dense, tmp_path, capsys, f
     # an expert TP set apart from TP is kept
     (Layout(tp=2, ep=2, etp=1), ["--tp", "4"], Layout(tp=4, ep=2, etp=1),
      "tp=2 pp=1 vpp=1 ep=2 etp=1 -> tp=4 pp=1 vpp=1 ep=2 etp=1 (kept from the source: pp, vpp, ep, etp)"),
-])
+], ids=["etp-follows-tp", "etp-set-apart-kept"])
 def test_moe_keeps_ep_and_etp_follows_tp(tmp_path, capsys, src_layout, flags, want, line):
     hf = build("mixtral", tmp_path / "hf")
     convert_hf_to_mcore(hf, tmp_path / "a", src_layout, quiet=True)
@@ -233,3 +233,22 @@ def test_torch_dist_source_without_args(dense, tmp_path, capsys):
     assert layout_lines(capsys.readouterr().out) == [
         f"reshard: layout unknown ({it / 'common.pt'} holds no usable Megatron args) -> tp=2 pp=1 vpp=1 "
         "(flags not given: 1)"]
+
+
+def test_keep_layout_rules(dense, tmp_path):
+    """The rules without writing anything: what etp does when tp changes, a pp the source had, the notes."""
+    from checkpoint.config import ModelConfig
+    from convert.reshard import keep_layout
+
+    llama = Checkpoint(dense / "tp2pp2").config
+    moe = ModelConfig.from_hf_dir(build("mixtral", tmp_path / "mixtral"))
+    assert keep_layout(Layout(tp=2, pp=2), llama) == Layout(tp=2, pp=2)  # nothing given: the same layout
+    assert keep_layout(Layout(tp=2, etp=2), moe, tp=4) == Layout(tp=4)  # etp == tp: follows the new tp
+    assert keep_layout(Layout(tp=2, etp=2), moe) == Layout(tp=2, etp=2)  # tp not changed: etp as stored
+    assert keep_layout(Layout(tp=2, etp=1), moe, tp=1) == Layout(tp=1, etp=1)
+    assert keep_layout(Layout(tp=2, etp=1), llama, tp=4) == Layout(tp=4)  # a dense model has no expert TP to keep
+    assert keep_layout(Layout(tp=2, etp=1), moe, etp=2) == Layout(tp=2, etp=2)
+    assert keep_layout(Layout(pp=1, vpp=2), llama, pp=1) == Layout(vpp=2)  # the source's own pp: nothing to refit
+    assert keep_layout(None, llama, tp=2) == Layout(tp=2)  # no source layout: 1
+    with pytest.raises(LayoutError, match=r"^--ep/--etp apply to MoE models only; \S+ has no experts$"):
+        keep_layout(Layout(tp=2), llama, ep=2)  # the flag given is the culprit: no note
