@@ -93,7 +93,7 @@ _FIELD_TYPES: dict[str, tuple[str, Any, bool]] = {
     "model_type": ("str", None, False),
     "vocab_size": ("int", 1, False), "hidden_size": ("int", 1, False), "intermediate_size": ("int", 1, False),
     "num_hidden_layers": ("int", 1, False), "num_attention_heads": ("int", 1, False),
-    "num_key_value_heads": ("int", 1, False), "head_dim": ("int", 1, True),
+    "num_key_value_heads": ("int", 1, True),  # null: as many as the attention heads (transformers) "head_dim": ("int", 1, True),
     "max_position_embeddings": ("int", 1, False), "hidden_act": ("str", None, True),
     "rms_norm_eps": ("num", ">0", False), "rope_theta": ("num", ">0", False),
     "rope_scaling": ("dict", None, True), "rope_parameters": ("dict", None, True),
@@ -120,6 +120,8 @@ _ROPE_KEYS: dict[str, tuple[str, Any]] = {
     "high_freq_factor": ("num", ">0"), "attention_factor": ("num", ">0"), "beta_fast": ("num", ">0"),
     "beta_slow": ("num", ">0"), "mscale": ("num", 0), "mscale_all_dim": ("num", 0), "truncate": ("bool", None),
 }
+# yarn's optional parameters: null means transformers' default for them
+_ROPE_OPTIONAL = frozenset({"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"})
 _ROPE_ALLOWED = {
     "default": set(), "linear": {"factor"}, "dynamic": {"factor", "original_max_position_embeddings"},
     "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
@@ -179,7 +181,7 @@ def _check_fields(hf: dict, source: str) -> None:
     for key in ("rope_scaling", "rope_parameters"):
         for name, v in (hf.get(key) or {}).items():
             if name in _ROPE_KEYS:
-                check_value(source, f"{key}.{name}", v, *_ROPE_KEYS[name])
+                check_value(source, f"{key}.{name}", v, *_ROPE_KEYS[name], nullable=name in _ROPE_OPTIONAL)
     if hf.get("layer_types") is not None and not all(isinstance(t, str) for t in hf["layer_types"]):
         raise ConfigError(f"{source}: layer_types={_show(hf['layer_types'])} must be a list of strings")
 
@@ -341,12 +343,12 @@ class ModelConfig:
             # transformers' default for all these families is untied
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             params_dtype=dtype, hf_config=verbatim)
-        if hidden % heads:  # transformers' config classes refuse it too, even with an explicit head_dim
-            raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
-        if mt.startswith("deepseek"):
+        if mt.startswith("deepseek"):  # MLA sizes its heads itself (qk_*_head_dim, v_head_dim)
             if attention_bias or hf.get("mlp_bias"):
                 raise ConfigError(f"{source}: attention_bias / mlp_bias are not supported for {mt}")
             return cls(**common, **_read_deepseek(hf, source, integer, layers))
+        if hidden % heads:  # transformers' Llama-family config classes refuse it too, even with an explicit head_dim
+            raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
 
         groups = integer("num_key_value_heads", hf.get("num_key_value_heads") or heads)
         head_dim = hf.get("head_dim")
@@ -578,7 +580,8 @@ _SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size
 
 def _with_hf_defaults(hf: dict, model_type: str) -> dict:
     """hf with transformers' reading of every absent field that the converter reads (only computed when one is)."""
-    theta_missing = "rope_theta" not in hf and "rope_theta" not in (hf.get("rope_parameters") or {})
+    theta_missing = "rope_theta" not in hf and not any("rope_theta" in (hf.get(k) or {})
+                                                       for k in ("rope_parameters", "rope_scaling"))
     wanted = [k for k in _FAMILY_FIELDS[model_type] if k in _FIELD_TYPES and k not in _NO_DEFAULT and k not in hf
               and (k != "rope_theta" or theta_missing)]
     if not wanted:  # a complete config.json (what save_pretrained writes) never imports transformers (~2 s of CPU)

@@ -224,9 +224,15 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
 
     out = Path(out)
     check_output(out, [("checkpoint", ckpt_path)])
+    if out.is_symlink() and not out.exists():
+        raise ShardkitError(f"{out}: is a symlink to nothing ({os.readlink(out)}); remove it or name another output")
     if out.exists() and not out.is_dir():
         raise ShardkitError(f"{out}: output exists and is not a directory")
-    if out.is_dir() and any(p.name != EXPORT_PARTIAL for p in out.iterdir()) and not overwrite:
+    try:
+        holds = out.is_dir() and any(p.name != EXPORT_PARTIAL for p in out.iterdir())
+    except OSError as e:
+        raise ShardkitError(f"{out}: cannot list the output directory ({e.strerror or e})") from None
+    if holds and not overwrite:
         raise ShardkitError(f"{out}: output exists and is not empty; pass --overwrite to replace the model files in "
                             "it (other files stay as they are)")
     # blocks are row slices of chunks (a QKV chunk is sliced once per query group for each of q, k and v; a 125 MB
@@ -267,6 +273,8 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
                     shutil.copyfile(asset, tmp / asset.name)
             if into:
                 _move_in(tmp, out)
+            else:
+                replace_dir(tmp, out)  # fsyncs every file and directory first
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise WriteError(f"{out}: export failed while writing ({e.strerror or e}); "
@@ -274,8 +282,6 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if not into:
-            replace_dir(tmp, out)  # fsyncs every file and directory first
         return out
 
 
@@ -292,6 +298,15 @@ def _move_in(tmp: Path, out: Path) -> None:
         if dest.is_dir() and not dest.is_symlink():
             raise ShardkitError(f"{dest}: is a directory; the export would replace it with its file {name}: move "
                                 "it away first")
+        if _SHARD_RE.match(name) and (dest.exists() or dest.is_symlink()) and name not in stale:
+            raise ShardkitError(f"{dest}: a shard-named file that no index of an earlier export lists (the user's?); "
+                                f"the export would replace it: move it away first")
+    # the old index and config go first, so that a stop half-way leaves a directory that is visibly incomplete (no
+    # index / config over a mix of shards), never one that loads; rerunning the export completes it
+    for name in (INDEX, "config.json", SINGLE):
+        if name in stale and (out / name).is_file():
+            (out / name).unlink()
+    fsync_path(out)
     for name in [n for n in new if n not in last] + last:
         os.replace(tmp / name, out / name)  # a symlink there is replaced itself, never followed
     for name in sorted(stale - set(new) - {"generation_config.json"}):

@@ -282,3 +282,24 @@ def test_resume_into_the_load_root_is_allowed(good, tmp_path, capsys):
 
 def test_table_counts():
     assert len(REFUSED) >= 20 and len(WRITERS) >= 10
+
+
+def test_mcore_to_hf_refuses_a_dangling_symlink_and_a_users_shard_name(good, tmp_path, capsys):
+    """OUT a symlink to nothing: one line, nothing created beside it. A `model-XXXXX-of-YYYYY.safetensors` that no
+    earlier index listed but that the new export would write: the user's, refused before anything moves in."""
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "nowhere")
+    rc, err = run(["convert", "mcore-to-hf", good["ck"], link, "--quiet"], capsys)
+    assert rc == 1 and len(err) == 1 and "symlink to nothing" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling"]
+    out = tmp_path / "hf"
+    out.mkdir()
+    rc, err = run(["convert", "mcore-to-hf", good["ck"], out, "--quiet", "--max-shard-size", "40KB"], capsys)
+    assert rc == 0, err
+    shards = sorted(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    (out / "model.safetensors.index.json").unlink()  # now no index lists them: they read as the user's files
+    before = tree(out)
+    rc, err = run(["convert", "mcore-to-hf", good["ck"], out, "--quiet", "--overwrite", "--max-shard-size", "40KB"],
+                  capsys)
+    assert rc == 1 and len(err) == 1 and shards[0] in err[0] and "move it away" in err[0], err
+    assert tree(out) == before

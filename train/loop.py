@@ -177,8 +177,9 @@ class Trainer:
         if self.groups.rank == 0:
             try:
                 check_vocab(d.data_path, self.model_cfg.vocab_size, f"checkpoint {self.src}")
-            except DataError as e:
-                problem = [str(e)]
+            except Exception as e:  # noqa: BLE001 -- whatever it is, every rank must leave the broadcast below
+                problem = [str(e) if isinstance(e, DataError) else
+                           f"{', '.join(d.data_path)}: reading the token ids failed ({type(e).__name__}: {e})"]
         if self.dims.world > 1:
             dist.broadcast_object_list(problem, src=0)
         if problem[0]:
@@ -292,10 +293,13 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     def _check_weights_finite(self) -> None:
-        """Refuse to save weights that hold NaN/inf (whatever --check-for-nan-in-loss-and-grad says): every rank
-        counts its own, one all-reduce, and the first bad tensor of each rank is named."""
+        """Refuse to save weights or optimizer state that hold NaN/inf (whatever --check-for-nan-in-loss-and-grad
+        says; an inf exp_avg_sq leaves the weight finite): every rank counts its own, one all-reduce, and the first
+        bad tensor of each rank is named."""
         bad = [(lp.name, int((~torch.isfinite(lp.param.detach())).sum())) for lp in self.table
                if lp.param.is_floating_point()]
+        bad += [(f"{state} of {self.opt.names[i]}", int((~torch.isfinite(v)).sum()))
+                for i in self.opt.owned() for state, v in self.opt.state_of(i).items()]
         bad = [(n, c) for n, c in bad if c]
         t = torch.tensor([sum(c for _, c in bad)], dtype=torch.float64, device=self.device)
         if self.dims.world > 1:
@@ -307,13 +311,14 @@ class Trainer:
             first = [None] * self.dims.world
             dist.all_gather_object(first, bad[0] if bad else None)
         rank, (name, count) = next((r, x) for r, x in enumerate(first) if x is not None)
-        raise NonFiniteError(f"iteration {self.iteration}: {int(float(t))} non-finite weight values ({name}: {count} "
+        raise NonFiniteError(f"iteration {self.iteration}: {int(float(t))} non-finite values ({name}: {count} "
                              f"on rank {rank}); checkpoint not saved: lower --lr (or clip with --clip-grad), keep "
                              f"--check-for-nan-in-loss-and-grad on and {self._resume_hint()}")
 
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
+        self.wait_for_save()  # a background save of a finite state in flight is committed, whatever happens next
         self._check_weights_finite()  # before anything is written: `latest` stays on the last finite checkpoint
         state = {"iteration": self.iteration, "consumed_samples": self.consumed, "data_fingerprint": self.fingerprint,
                  "data_identity": self.train_ds.identity,
