@@ -179,17 +179,23 @@ def run(job: dict) -> None:
                 "fs_model_space_error": fs_error}, job["out"])
 
 
-def main() -> None:
+def run_jobs(run_one) -> None:
+    """An oracle's main: megatron-core on CPU with the distributed optimizer's CUDA shims, seed 0, then `run_one` for
+    each job of the JSON list in argv[1] (each writes its job's `out`)."""
     cuda_as_cpu()
-    tolerate_adam_step()
     init_megatron_cpu()
     torch.manual_seed(0)
     with open(sys.argv[1]) as f:
         jobs = json.load(f)
     for job in jobs:
-        run(job)
-        print(f"ORACLE done {job['mode']} -> {job['out']}", flush=True)
+        run_one(job)
+        print(f"ORACLE done {job.get('mode', 'run')} -> {job['out']}", flush=True)
     torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    tolerate_adam_step()
+    run_jobs(run)
 
 
 if __name__ == "__main__":  # its save spawns processes

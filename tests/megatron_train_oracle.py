@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.megatron_data_oracle import _Tokenizer  # noqa: E402
-from tests.megatron_optimizer_oracle import cuda_as_cpu  # noqa: E402
-from tests.megatron_torch_dist_oracle import build, init_megatron_cpu  # noqa: E402
+from tests.megatron_optimizer_oracle import run_jobs  # noqa: E402
+from tests.megatron_torch_dist_oracle import build  # noqa: E402
 
 
 def train_dataset(data: dict, train_samples: int):
@@ -155,18 +155,14 @@ def run(job: dict) -> dict:
     return out
 
 
+def _run_and_dump(job: dict) -> None:
+    out = run(job)
+    with open(job["out"], "w") as f:
+        json.dump(out, f)
+
+
 def main() -> None:
-    cuda_as_cpu()
-    init_megatron_cpu()
-    torch.manual_seed(0)
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        out = run(job)
-        with open(job["out"], "w") as f:
-            json.dump(out, f)
-        print(f"ORACLE done -> {job['out']}", flush=True)
-    torch.distributed.destroy_process_group()
+    run_jobs(_run_and_dump)
 
 
 if __name__ == "__main__":  # dist_checkpointing may spawn processes
