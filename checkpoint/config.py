@@ -120,8 +120,6 @@ _ROPE_KEYS: dict[str, tuple[str, Any]] = {
     "high_freq_factor": ("num", ">0"), "attention_factor": ("num", ">0"), "beta_fast": ("num", ">0"),
     "beta_slow": ("num", ">0"), "mscale": ("num", 0), "mscale_all_dim": ("num", 0), "truncate": ("bool", None),
 }
-# yarn's optional parameters: null means transformers' default for them
-_ROPE_OPTIONAL = frozenset({"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"})
 _ROPE_ALLOWED = {
     "default": set(), "linear": {"factor"}, "dynamic": {"factor", "original_max_position_embeddings"},
     "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
@@ -181,7 +179,7 @@ def _check_fields(hf: dict, source: str) -> None:
     for key in ("rope_scaling", "rope_parameters"):
         for name, v in (hf.get(key) or {}).items():
             if name in _ROPE_KEYS:
-                check_value(source, f"{key}.{name}", v, *_ROPE_KEYS[name], nullable=name in _ROPE_OPTIONAL)
+                check_value(source, f"{key}.{name}", v, *_ROPE_KEYS[name])
     if hf.get("layer_types") is not None and not all(isinstance(t, str) for t in hf["layer_types"]):
         raise ConfigError(f"{source}: layer_types={_show(hf['layer_types'])} must be a list of strings")
 
