@@ -6,8 +6,6 @@ what is left of the world size (the trainer derives it), so it is checked here, 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import re
 import shlex
 import sys
@@ -71,32 +69,30 @@ def check(spec: LaunchSpec) -> None:
             raise PlanError(f"--env {e!r}: expected KEY=VALUE")
 
 
+class _TrainerParser(argparse.ArgumentParser):
+    """continue-pretrain's flags (train.config.add_arguments), parsed at launch time: a refusal is a PlanError in
+    the words `shardkit continue-pretrain` would use."""
+
+    def error(self, message: str):
+        raise PlanError(f"continue-pretrain arguments after `--`: continue-pretrain: {message} (see shardkit "
+                        "continue-pretrain --help)")
+
+
 def check_trainer_args(spec: LaunchSpec) -> None:
-    """Parse the continue-pretrain command line with the real parser now, not when the job starts after hours in a
-    queue: a flag the trainer does not know (a layout dimension it does not implement yet, a typo) is an error here.
-    Skipped when this installation has no continue-pretrain command."""
-    from shardkit.cli import build_parser
+    """Parse the continue-pretrain command line with the trainer's flags now, not when the job starts after hours in
+    a queue: a flag the trainer does not know (a layout dimension it does not implement yet, a typo) is an error
+    here."""
+    from train.config import add_arguments
 
     check(spec)
-    subs = [a for a in build_parser(["continue-pretrain"])._actions if isinstance(a, argparse._SubParsersAction)]
-    parser = subs[0].choices.get("continue-pretrain") if subs else None
-    if parser is None:
-        return
-    known = {s for a in parser._actions for s in a.option_strings}
+    parser = _TrainerParser(prog="shardkit continue-pretrain", add_help=False)
+    known = {s for a in add_arguments(parser) for s in a.option_strings}
     args = trainer_args(spec)
     for a in args[:len(args) - len(spec.args)]:
         if a.startswith("--") and a not in known:
             raise PlanError(f"--layout {spec.layout.label()}: continue-pretrain has no {a}; this layout cannot be "
                             "launched with this version of shardkit")
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            ns = parser.parse_args(args)
-        except SystemExit:
-            msg = err.getvalue().strip().splitlines()
-            raise PlanError("continue-pretrain arguments after `--`: " +
-                            (msg[-1].split("error: ", 1)[-1] if msg else "rejected")) from None
-    _check_batch(spec, ns)
+    _check_batch(spec, parser.parse_args(args))
 
 
 def _check_batch(spec: LaunchSpec, ns: argparse.Namespace) -> None:

@@ -55,7 +55,27 @@ def _dtype_flag(p: argparse.ArgumentParser, help: str) -> None:
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line like every other shardkit error (not the usage block): it names the
-    command, the flag and what was wrong, and points at --help. Exit status 2, as argparse has it."""
+    command, the flag and what was wrong, and points at --help. Exit status 2, as argparse has it.
+
+    `later_flags(parser)` adds flags the first time the parser is used (parsed, or its help shown): continue-pretrain's
+    come from train.config, which imports torch (~1.5 s of CPU), and convert/reshard/inspect do not pay for it."""
+
+    def __init__(self, *args, later_flags=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._later_flags = later_flags
+
+    def _add_later_flags(self) -> None:
+        add, self._later_flags = self._later_flags, None
+        if add is not None:
+            add(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._add_later_flags()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._add_later_flags()
+        return super().format_help()
 
     def error(self, message: str):
         command = self.prog.removeprefix("shardkit").strip()
@@ -76,7 +96,20 @@ def _workers(text: str) -> int:
     return min(n, os.cpu_count() or 1)
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+def _trainer_flags(p: argparse.ArgumentParser) -> None:
+    """continue-pretrain's flags; their help shows the dataclasses' defaults (argparse's are None: a TOML value
+    wins)."""
+    from train.config import add_arguments, flag_default
+
+    for action in add_arguments(p):
+        try:
+            action.shown_default = flag_default(action.dest)
+        except KeyError:
+            pass
+    _show_defaults(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="shardkit", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -152,20 +185,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     ver.add_argument("--json", action="store_true")
     ver.add_argument("--quiet", action="store_true")
 
-    cpt = sub.add_parser("continue-pretrain", help="train from a checkpoint (torchrun for several processes); "
-                         "Megatron-LM's flag names")
-    # its flags come from train.config, which imports torch (~1.5 s of CPU): added only when this command is run,
-    # so convert/reshard/inspect do not pay for it
-    if "continue-pretrain" in (sys.argv[1:] if argv is None else argv):
-        from train.config import add_arguments, flag_default
-
-        add_arguments(cpt)
-        for action in cpt._actions:  # argparse's defaults are None (a TOML value wins); show the dataclasses' own
-            try:
-                action.shown_default = flag_default(action.dest)
-            except KeyError:
-                pass
-
+    sub.add_parser("continue-pretrain", help="train from a checkpoint (torchrun for several processes); "
+                   "Megatron-LM's flag names", later_flags=_trainer_flags)
     _data_parsers(sub)  # preprocess-data, plot
 
     demo = sub.add_parser("demo", help="build a tiny LLaMA locally and run the whole pipeline on it")
@@ -232,7 +253,7 @@ def _data_parsers(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     from checkpoint.errors import ShardkitError
 
-    args = build_parser(argv).parse_args(argv)
+    args = build_parser().parse_args(argv)
     from checkpoint.malloc import tune_malloc
 
     tune_malloc()

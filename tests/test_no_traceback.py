@@ -98,7 +98,7 @@ def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> li
     return out
 
 
-COMMANDS = _commands(build_parser(["continue-pretrain"]))
+COMMANDS = _commands(build_parser())
 
 
 def test_every_subcommand_is_walked():

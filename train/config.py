@@ -139,10 +139,15 @@ _RENAMES = {"expert_model_parallel_size": ("parallel", "ep"), "expert_tensor_par
             "virtual_pipeline_model_parallel_size": ("parallel", "vpp"), "fp8": ("fp8", "fp8_format")}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Megatron-LM's flag names (short aliases where users know them). Defaults are None so that a TOML value is
-    only overridden by flags actually given."""
-    a = p.add_argument
+def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Add continue-pretrain's flags to `p` and return them: Megatron-LM's flag names (short aliases where users know
+    them). Defaults are None so that a TOML value is only overridden by flags actually given (`flag_default` has the
+    real one)."""
+    actions = []
+
+    def a(*names, **kwargs):
+        actions.append(p.add_argument(*names, **kwargs))
+
     a("--config", help="TOML file with the same keys as the flags (underscores); flags win")
     a("--load", help="checkpoint to start from: a converted model (weights only) or a training checkpoint")
     a("--save", help="directory for training checkpoints")
@@ -253,6 +258,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "without a network)")
     a("--wandb-exp-name", help="W&B run name")
     a("--wandb-save-dir", help="W&B files directory (default: <save>/wandb)")
+    return actions
 
 
 def _decay_style(v: str) -> str:
