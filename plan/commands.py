@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from . import report
-    from .memory import ParallelLayout, TrainSettings
+    from checkpoint.run_layout import RunLayout
+
+    from .memory import TrainSettings
     from .perf import Hardware
     from .search import check_gpus, plan
 
@@ -113,7 +115,7 @@ def _plan(args: argparse.Namespace) -> int:
     modes = ["none", "selective", "full"] if args.recompute == "auto" else [args.recompute]
     if args.max_cp is not None and args.max_cp < 1:
         raise PlanError(f"--max-cp must be positive, got {args.max_cp}")
-    layouts = [ParallelLayout.parse(x) for x in args.layout or []]
+    layouts = [RunLayout.parse(x) for x in args.layout or []]
     cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, max_cp=args.max_cp)
     requested = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, layouts=layouts) if layouts else []
     title = (f"{name}: {args.gpus} GPUs x {gpu_memory / 2**30:.1f} GiB, seq {s.seq_length}, micro batch "
@@ -138,12 +140,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from .launch import LaunchSpec, check_trainer_args, render_scripts, write_scripts
-    from .memory import ParallelLayout
+    from checkpoint.run_layout import RunLayout
+
 
     extra = list(args.trainer_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    spec = LaunchSpec(layout=ParallelLayout.parse(args.layout), log_dir=str(Path(args.out).resolve() / "logs"), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+    spec = LaunchSpec(layout=RunLayout.parse(args.layout), log_dir=str(Path(args.out).resolve() / "logs"), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                       args=tuple(extra), master_addr=args.master_addr, master_port=args.master_port,
                       job_name=args.job_name, time=args.time, sbatch_extra=tuple(x if x.startswith("-") else "--" + x for x in args.sbatch), env=tuple(args.env))
     check_trainer_args(spec)

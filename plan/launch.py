@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoint.errors import WriteError
+from checkpoint.run_layout import RunLayout
 
-from .memory import ParallelLayout
 from .units import PlanError
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "scripts"
@@ -33,7 +33,7 @@ _LAYOUT_FLAGS = {
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    layout: ParallelLayout
+    layout: RunLayout
     nodes: int
     gpus_per_node: int
     args: tuple[str, ...]  # continue-pretrain arguments after `--`

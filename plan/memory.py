@@ -28,12 +28,11 @@ stage adds the logits of one micro-batch. The estimate is the largest stage.
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from checkpoint.config import ModelConfig
-from checkpoint.errors import LayoutError
 from checkpoint.layout import Layout
+from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import local_shape, model_specs
 
 from .units import GiB, PlanError
@@ -41,75 +40,6 @@ from .units import GiB, PlanError
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 RECOMPUTE = ("none", "selective", "full")
 KERNELS = ("fused", "eager")
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """A whole training layout: the model-parallel part (checkpoint.layout.Layout) plus context and data parallel.
-    Megatron's rank order tp-cp-ep-dp-pp: TP innermost (inside a node), PP outermost."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None  # expert tensor parallel; None = tp
-    dp: int = 1
-
-    def __post_init__(self) -> None:
-        for k in ("tp", "pp", "vpp", "cp", "ep", "dp"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise LayoutError(f"layout: {k} must be a positive integer, got {v!r}")
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @property
-    def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    @property
-    def expert_dp(self) -> int:
-        """Replicas of each expert shard: the ranks of one pipeline stage over the expert-model-parallel size."""
-        return max(1, self.tp * self.cp * self.dp // (self.expert_tp * self.ep))
-
-    @property
-    def model(self) -> Layout:
-        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp)
-
-    def label(self) -> str:
-        parts = [f"tp{self.tp}", f"pp{self.pp}"]
-        if self.vpp > 1:
-            parts.append(f"vpp{self.vpp}")
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}")
-        if self.ep > 1:
-            parts.append(f"ep{self.ep}")
-        if self.etp is not None and self.etp != self.tp:
-            parts.append(f"etp{self.etp}")
-        parts.append(f"dp{self.dp}")
-        return " ".join(parts)
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "etp": self.expert_tp, "world": self.world}
-
-    @classmethod
-    def parse(cls, text: str, flag: str = "--layout") -> "ParallelLayout":
-        """'tp=4,pp=4,dp=4' (any of tp pp vpp cp ep etp dp; missing ones are 1)."""
-        out: dict[str, int] = {}
-        for item in filter(None, re.split(r"[,\s]+", text.strip())):
-            m = re.fullmatch(r"(tp|pp|vpp|cp|ep|etp|dp)=([0-9]+)", item)
-            if not m:
-                raise PlanError(f"{flag}: cannot parse {item!r} in {text!r}; write e.g. tp=4,pp=4,dp=4 "
-                                "(keys: tp pp vpp cp ep etp dp)")
-            if m.group(1) in out:
-                raise PlanError(f"{flag}: {m.group(1)} given twice in {text!r}")
-            out[m.group(1)] = int(m.group(2))
-        if not out:
-            raise PlanError(f"{flag}: empty layout; write e.g. tp=4,pp=4,dp=4")
-        return cls(**out)
 
 
 @dataclass(frozen=True)
@@ -203,7 +133,7 @@ def _param_table_uncached(cfg: ModelConfig, tp: int, ep: int, etp: int | None) -
     return _ParamTable(tuple(dense), tuple(expert), first, last_dense, last_expert)
 
 
-def param_counts_per_stage(cfg: ModelConfig, layout: ParallelLayout) -> list[dict[str, int]]:
+def param_counts_per_stage(cfg: ModelConfig, layout: RunLayout) -> list[dict[str, int]]:
     """Elements held by one rank of each pipeline stage: {"dense": ..., "expert": ...} (dense = replicated over
     DP x CP, expert = replicated over the expert-DP group). Every TP/EP rank of a stage holds the same count: the
     sharding table's regions, plus the last stage's copy of a tied embedding when pp > 1."""
@@ -228,7 +158,7 @@ def _shard(n: int, parts: int) -> int:
     return -(-n // parts)
 
 
-def param_bytes_per_rank(cfg: ModelConfig, layout: ParallelLayout | Layout, dp: int = 1,
+def param_bytes_per_rank(cfg: ModelConfig, layout: RunLayout | Layout, dp: int = 1,
                          distributed_optimizer: bool = False, dtype: str = "bfloat16", *, cp: int = 1,
                          grad_dtype: str = "float32", pp_rank: int | None = None,
                          main_params: bool | None = None) -> dict:
@@ -240,9 +170,9 @@ def param_bytes_per_rank(cfg: ModelConfig, layout: ParallelLayout | Layout, dp: 
     With the distributed optimizer the optimizer state of dense parameters is split over DP x CP and that of expert
     parameters over the expert-DP group, each as a flat buffer cut into equal pieces (Megatron; an optimizer that
     hands whole tensors to DP ranks holds the same total over the DP group, unevenly). `dp` and `cp` are read when
-    `layout` is a model-parallel checkpoint.layout.Layout; a ParallelLayout carries its own."""
+    `layout` is a model-parallel checkpoint.layout.Layout; a RunLayout carries its own."""
     if isinstance(layout, Layout):
-        layout = ParallelLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, etp=layout.etp, dp=dp,
+        layout = RunLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, etp=layout.etp, dp=dp,
                                 cp=cp)
     stages = param_counts_per_stage(cfg, layout)
     r = max(range(len(stages)), key=lambda i: stages[i]["dense"] + stages[i]["expert"]) if pp_rank is None \
@@ -251,7 +181,7 @@ def param_bytes_per_rank(cfg: ModelConfig, layout: ParallelLayout | Layout, dp: 
                                    grad_dtype, main_params)}
 
 
-def _bytes(dense: int, expert: int, layout: ParallelLayout, distributed_optimizer: bool, dtype: str,
+def _bytes(dense: int, expert: int, layout: RunLayout, distributed_optimizer: bool, dtype: str,
            grad_dtype: str, main_params: bool | None = None) -> dict:
     if dtype not in DTYPE_BYTES or grad_dtype not in DTYPE_BYTES:
         raise PlanError(f"unknown dtype {dtype!r} / {grad_dtype!r}; one of {', '.join(DTYPE_BYTES)}")
@@ -259,7 +189,7 @@ def _bytes(dense: int, expert: int, layout: ParallelLayout, distributed_optimize
     w, g = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_dtype]
     main = 4 if (main_params if main_params is not None else w != 4) else 0
     if distributed_optimizer:
-        opt_elems = _shard(dense, layout.dp * layout.cp) + (_shard(expert, layout.expert_dp) if expert else 0)
+        opt_elems = _shard(dense, layout.dp * layout.cp) + (_shard(expert, layout.edp) if expert else 0)
     else:
         opt_elems = n
     return {
@@ -285,7 +215,7 @@ def total_params(cfg: ModelConfig) -> dict[str, int]:
 
 # -- activations: Korthikanti et al., term by term ---------------------------------------------------------------------
 
-def layer_activation_terms(cfg: ModelConfig, moe: bool, s: TrainSettings, layout: ParallelLayout) -> dict[str, float]:
+def layer_activation_terms(cfg: ModelConfig, moe: bool, s: TrainSettings, layout: RunLayout) -> dict[str, float]:
     """Bytes one rank stores for one layer and one micro-batch with no recompute, by term. Tokens per rank:
     T = seq/cp * micro_batch; every term is divided by tp (sequence parallel)."""
     T = s.seq_length // layout.cp * s.micro_batch_size
@@ -352,7 +282,7 @@ def _eager(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int) -> None
     terms["silu_out"] = a * F
 
 
-def layer_activation_bytes(cfg: ModelConfig, moe: bool, s: TrainSettings, layout: ParallelLayout) -> float:
+def layer_activation_bytes(cfg: ModelConfig, moe: bool, s: TrainSettings, layout: RunLayout) -> float:
     """Bytes stored per layer and micro-batch under the chosen recompute (what stays resident in the pipeline)."""
     terms = layer_activation_terms(cfg, moe, s, layout)
     if s.recompute == "none":
@@ -363,7 +293,7 @@ def layer_activation_bytes(cfg: ModelConfig, moe: bool, s: TrainSettings, layout
     return DTYPE_BYTES[s.params_dtype] * cfg.hidden_size * T / layout.tp  # full: the layer's input only
 
 
-def in_flight(layout: ParallelLayout, microbatches: int, pp_rank: int) -> int:
+def in_flight(layout: RunLayout, microbatches: int, pp_rank: int) -> int:
     """Model chunks whose activations pipeline rank `pp_rank` holds at its peak (1F1B / interleaved warm-up + 1)."""
     pp, v = layout.pp, layout.vpp
     if v == 1:
@@ -371,7 +301,7 @@ def in_flight(layout: ParallelLayout, microbatches: int, pp_rank: int) -> int:
     return min(microbatches * v, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1)
 
 
-def stage_activation_bytes(cfg: ModelConfig, s: TrainSettings, layout: ParallelLayout, pp_rank: int,
+def stage_activation_bytes(cfg: ModelConfig, s: TrainSettings, layout: RunLayout, pp_rank: int,
                            layers: list[int] | None = None) -> dict[str, float]:
     """Activations of one pipeline stage at its peak: the layers' stored activations times the chunks in flight, the
     recompute working set (full recompute), token ids on the first stage, logits (and MTP) on the last."""
@@ -401,7 +331,7 @@ def stage_activation_bytes(cfg: ModelConfig, s: TrainSettings, layout: ParallelL
     return out
 
 
-def comm_buffer_bytes(cfg: ModelConfig, s: TrainSettings, layout: ParallelLayout) -> dict[str, float]:
+def comm_buffer_bytes(cfg: ModelConfig, s: TrainSettings, layout: RunLayout) -> dict[str, float]:
     """Transient communication buffers: the sequence-parallel all-gather of one layer input (full sequence), the
     pipeline send/recv buffers (activation and gradient, each way), the MoE all-to-all send/recv buffers."""
     T = s.seq_length // layout.cp * s.micro_batch_size
@@ -452,7 +382,7 @@ class MemoryEstimate:
                 "activation_terms": self.activation_terms, "stages": self.stages}
 
 
-def estimate_memory(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings) -> MemoryEstimate:
+def estimate_memory(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> MemoryEstimate:
     """Every stage's memory; the estimate is the stage with the largest total."""
     best: MemoryEstimate | None = None
     totals = []

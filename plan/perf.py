@@ -26,9 +26,10 @@ from dataclasses import asdict, dataclass
 from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
 from checkpoint.megatron import DENSE_ORDER, EXPERT_ORDER, span
+from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import Rule, model_specs
 
-from .memory import DTYPE_BYTES, ParallelLayout, TrainSettings, param_bytes_per_rank, stage_layers, total_params
+from .memory import DTYPE_BYTES, TrainSettings, param_bytes_per_rank, stage_layers, total_params
 
 
 CP_ATTENTION_EFFICIENCY = 0.9
@@ -97,7 +98,7 @@ def _ring(volume: float, n: int, span: int, hw: Hardware) -> float:
     return 0.0 if n <= 1 else volume * (n - 1) / n / _bandwidth(span, hw)
 
 
-def step_time(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Hardware) -> dict:
+def step_time(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardware) -> dict:
     """Seconds per optimizer step by component, tokens/s per GPU and MFU (Megatron's FLOP convention)."""
     tp, pp, v, cp, dp = layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp
     m = s.microbatches(dp)
@@ -114,8 +115,7 @@ def step_time(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Ha
     bubble = compute * (pp - 1) / (v * m)
 
     # how many consecutive ranks each group spans under Megatron's rank order (checkpoint.megatron)
-    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
-    expert_sizes = {"etp": layout.expert_tp, "ep": layout.ep, "edp": layout.expert_dp, "pp": pp}
+    sizes, expert_sizes = layout.sizes, layout.expert_sizes
     T = s.seq_length // cp * s.micro_batch_size  # tokens per rank per micro-batch (before the TP split)
     h = cfg.hidden_size
     a = DTYPE_BYTES[s.params_dtype]
@@ -145,11 +145,11 @@ def step_time(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Ha
     p = param_bytes_per_rank(cfg, layout, dtype=s.params_dtype, grad_dtype=s.grad_dtype)
     g, w = DTYPE_BYTES[s.grad_dtype], DTYPE_BYTES[s.params_dtype]
     dp_span = span("dp", sizes, DENSE_ORDER)
-    t_dp_grads = (_ring(p["dense_params"] * g, dp * cp, dp_span, hw) + _ring(p["expert_params"] * g, layout.expert_dp,
+    t_dp_grads = (_ring(p["dense_params"] * g, dp * cp, dp_span, hw) + _ring(p["expert_params"] * g, layout.edp,
                                                                              dp_span, hw))
     if s.distributed_optimizer:
         t_dp_params = (_ring(p["dense_params"] * w, dp * cp, dp_span, hw)
-                       + _ring(p["expert_params"] * w, layout.expert_dp, dp_span, hw))
+                       + _ring(p["expert_params"] * w, layout.edp, dp_span, hw))
     else:
         t_dp_grads, t_dp_params = 2 * t_dp_grads, 0.0
     per_mb = compute / m

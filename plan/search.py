@@ -11,15 +11,16 @@ from dataclasses import dataclass, field, replace
 
 from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
+from checkpoint.run_layout import RunLayout
 
-from .memory import RECOMPUTE, MemoryEstimate, ParallelLayout, TrainSettings, estimate_memory
+from .memory import RECOMPUTE, MemoryEstimate, TrainSettings, estimate_memory
 from .perf import Hardware, step_time
 from .units import PlanError
 
 
 @dataclass
 class Candidate:
-    layout: ParallelLayout
+    layout: RunLayout
     settings: TrainSettings
     memory: MemoryEstimate
     perf: dict
@@ -49,7 +50,7 @@ def check_gpus(gpus: int, gpus_per_node: int) -> None:
         raise PlanError(f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}: nodes are used whole")
 
 
-def violations(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, gpus: int, gpus_per_node: int) -> list[str]:
+def violations(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, gpus: int, gpus_per_node: int) -> list[str]:
     """Every constraint the layout breaks, each named (empty = valid)."""
     out = []
     if layout.world != gpus:
@@ -57,7 +58,7 @@ def violations(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, gpus:
     if layout.tp > gpus_per_node:
         out.append(f"tp {layout.tp} > --gpus-per-node {gpus_per_node}: TP must stay inside a node")
     try:
-        layout.model.check(cfg)
+        layout.model_parallel.check(cfg)
     except LayoutError as e:
         out.append(str(e))
     if layout.cp > 1 and s.seq_length % (2 * layout.cp):
@@ -74,7 +75,7 @@ def violations(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, gpus:
     return out
 
 
-def evaluate(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Hardware, gpus: int,
+def evaluate(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardware, gpus: int,
              gpu_memory: int) -> Candidate:
     mem = estimate_memory(cfg, layout, s)
     perf = step_time(cfg, layout, s, hw)
@@ -93,7 +94,7 @@ def evaluate(cfg: ModelConfig, layout: ParallelLayout, s: TrainSettings, hw: Har
 
 
 def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_length: int,
-                      max_vpp: int = 8, max_cp: int | None = None) -> list[ParallelLayout]:
+                      max_vpp: int = 8, max_cp: int | None = None) -> list[RunLayout]:
     """TP dividing the node, then PP, CP, DP over the rest; VPP for pp > 1; EP (and ETP in {1, tp}) for MoE.
     Combinations that break a model constraint are kept (and named later); those that cannot be built at all are
     not generated."""
@@ -115,12 +116,12 @@ def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_lengt
                         for etp in ([None, 1] if cfg.is_moe and tp > 1 else [None]):
                             if cfg.is_moe and (tp * cp * dp) % ((tp if etp is None else etp) * ep):
                                 continue
-                            out.append(ParallelLayout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=dp))
+                            out.append(RunLayout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=dp))
     return out
 
 
 def plan(cfg: ModelConfig, gpus: int, gpu_memory: int, s: TrainSettings, hw: Hardware,
-         recompute: list[str] | None = None, layouts: list[ParallelLayout] | None = None,
+         recompute: list[str] | None = None, layouts: list[RunLayout] | None = None,
          max_cp: int | None = None) -> list[Candidate]:
     """All candidates, ranked: fitting ones by step time, then valid ones that do not fit by memory, then invalid.
     `recompute` lists the recompute modes to try (default: the one in `s`)."""

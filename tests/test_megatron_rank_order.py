@@ -1,6 +1,6 @@
 """checkpoint.megatron's rank order against megatron-core's own RankGenerator (parallel_state), which
 initialize_model_parallel uses to build every group: the dense generator (tp-cp-dp-pp) and the expert one
-(etp-ep-edp-pp) over the same ranks. The trainer's groups (ParallelDims) and the torch_dist writer's rank of each
+(etp-ep-edp-pp) over the same ranks. The trainer's groups (RunLayout) and the torch_dist writer's rank of each
 chunk are built from these helpers.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import pytest
 
 from checkpoint.layout import Layout
 from checkpoint.megatron import DENSE_ORDER, EXPERT_ORDER, rank_of, rank_sizes, span, world_size
-from train.parallel.groups import ParallelDims, _expert_groups
+from checkpoint.run_layout import RunLayout
+from train.parallel.groups import _expert_groups
 
 # megatron-core runs in a subprocess only: importing it here would register its pickle safe globals in this process
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -61,7 +62,7 @@ def megatron():
 def test_groups_match_megatron_rank_generator(megatron, case):
     tp, cp, dp, pp, ep = CASES[case]
     want = {k: sorted(sorted(g) for g in v) for k, v in megatron[case]["dense"].items()}
-    dims = ParallelDims(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+    dims = RunLayout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
     s = dims.sizes
     for token, vary in {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp-cp": ("cp", "dp"),
                         "tp-pp": ("tp", "pp")}.items():

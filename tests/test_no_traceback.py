@@ -280,13 +280,14 @@ def test_plan_marks_invalid_layouts_and_small_step_times(w, tmp_path, capsys):
                                   real_close(fig))
     try:
         from plan.commands import resolve_model
-        from plan.memory import ParallelLayout, TrainSettings
+        from checkpoint.run_layout import RunLayout
+        from plan.memory import TrainSettings
         from plan.perf import Hardware
         from plan.search import plan as search
 
         _, cfg = resolve_model(str(w["hf"]))
         cands = search(cfg, 4, 80 << 30, TrainSettings(), Hardware(),
-                       layouts=[ParallelLayout.parse("tp=4,pp=1,dp=1")])
+                       layouts=[RunLayout.parse("tp=4,pp=1,dp=1")])
         plot_png(cands, str(tmp_path / "p2.png"), 80 << 30, "t")
     finally:
         plt.close = real_close

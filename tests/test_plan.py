@@ -12,12 +12,12 @@ import pytest
 
 from checkpoint import presets
 from checkpoint.config import ModelConfig
-from checkpoint.errors import ConfigError, ShardkitError
+from checkpoint.errors import ConfigError, LayoutError, ShardkitError
 from checkpoint.layout import Layout, RankCoord
+from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import model_specs, regions
 from plan.launch import LaunchSpec, render_scripts
-from plan.memory import (ParallelLayout, TrainSettings, estimate_memory, in_flight, param_bytes_per_rank,
-                         stage_layers, total_params)
+from plan.memory import TrainSettings, estimate_memory, in_flight, param_bytes_per_rank, stage_layers, total_params
 from plan.perf import Hardware, flops_per_token, step_time
 from plan.search import plan
 from plan.units import GiB, PlanError, parse_bytes
@@ -115,20 +115,36 @@ def test_param_bytes_equal_sharding_table(hf, layouts):
 
 def test_distributed_optimizer_shards_dense_over_dp_cp_and_experts_over_expert_dp():
     cfg = ModelConfig.from_hf(TINY_DSV3)
-    lay = ParallelLayout(tp=2, ep=4, etp=1, dp=4, cp=1)  # 8 ranks per stage; experts replicated 8/(1*4) = 2 times
+    lay = RunLayout(tp=2, ep=4, etp=1, dp=4, cp=1)  # 8 ranks per stage; experts replicated 8/(1*4) = 2 times
     b = param_bytes_per_rank(cfg, lay, distributed_optimizer=True, dtype="bfloat16")
-    assert lay.expert_dp == 2
+    assert lay.edp == 2
     dense, expert = b["dense_params"], b["expert_params"]
     assert expert > 0 and b["optimizer"] == 12 * (-(-dense // 4) + -(-expert // 2))
+
+
+def test_run_layout_from_world():
+    """The trainer's and the planner's layout: DP is what is left, expert DP the replicas of an expert shard (= DP x CP
+    / EP when ETP = TP), the expert grid must fit a stage."""
+    lay = RunLayout.from_world(48, tp=2, pp=2, cp=3, vpp=2, ep=2)
+    assert (lay.dp, lay.world, lay.edp) == (4, 48, 4 * 3 // 2)
+    assert lay.model_parallel == Layout(tp=2, pp=2, vpp=2, ep=2)
+    assert RunLayout.from_world(8, tp=2, pp=1, ep=4, etp=1).edp == 2
+    with pytest.raises(LayoutError, match=r"world size 6 is not divisible by --tp 4 x --pp 1 x --cp 1 = 4"):
+        RunLayout.from_world(6, tp=4, pp=1)
+    with pytest.raises(LayoutError, match=r"--expert-model-parallel-size 4 x --expert-tensor-parallel-size 2 must "
+                                          r"divide the tp x cp x dp = 4 ranks"):
+        RunLayout.from_world(4, tp=1, pp=1, ep=4, etp=2)
+    with pytest.raises(LayoutError, match="layout: dp must be a positive integer, got 0"):
+        RunLayout(dp=0)
 
 
 # -- activations and the pipeline ----------------------------------------------------------------------------------
 
 def test_in_flight_microbatches():
-    lay = ParallelLayout(tp=1, pp=4, dp=1)
+    lay = RunLayout(tp=1, pp=4, dp=1)
     assert [in_flight(lay, 256, r) for r in range(4)] == [4, 3, 2, 1]  # 1F1B: pp - r
     assert in_flight(lay, 2, 0) == 2  # fewer micro-batches than stages
-    v = ParallelLayout(tp=1, pp=4, vpp=2, dp=1)
+    v = RunLayout(tp=1, pp=4, vpp=2, dp=1)
     # interleaved warm-up 2*(pp-1) + (vpp-1)*pp, plus the chunk in progress: Megatron's
     # L*(1 + (pp-1)/(pp*vpp)) on the first stage = (L/8) * 11 chunks
     assert in_flight(v, 256, 0) == 2 * 3 + 1 * 4 + 1 == 11
@@ -147,7 +163,7 @@ def test_folklore_llama3_70b_64_gpus_tp4_pp4_dp4():
     m = LLAMA3_70B
     h, nh, ng, hd, F = m["h"], m["nh"], m["ng"], m["hd"], m["F"]
     cfg = presets.model_config("llama3-70b")
-    lay = ParallelLayout(tp=4, pp=4, dp=4)
+    lay = RunLayout(tp=4, pp=4, dp=4)
     s = TrainSettings(seq_length=4096, micro_batch_size=1, global_batch_size=1024, recompute="selective",
                       distributed_optimizer=True)
     e = estimate_memory(cfg, lay, s)
@@ -182,7 +198,7 @@ def test_folklore_llama31_405b_128_gpus_tp8_pp8_cp2():
     first stage needs more than 80 GiB."""
     h, nh, ng, hd, F = 16384, 128, 8, 128, 53248
     cfg = presets.model_config("llama3.1-405b")
-    lay = ParallelLayout(tp=8, pp=8, cp=2, dp=1)
+    lay = RunLayout(tp=8, pp=8, cp=2, dp=1)
     s = TrainSettings(seq_length=8192, global_batch_size=1024, recompute="selective", distributed_optimizer=True)
     c = plan(cfg, 128, 80 * GiB, s, Hardware(), layouts=[lay])[0]
     assert not c.valid and any("num_hidden_layers=126 is not divisible by --pp 8" in v for v in c.violations)
@@ -202,7 +218,7 @@ def test_folklore_70b_at_tp4_needs_80gb():
     param is 106 GB before any optimizer state, so TP4 alone does not train a 70B model on 80 GB GPUs."""
     m = LLAMA3_70B
     cfg = presets.model_config("llama3-70b")
-    lay = ParallelLayout(tp=4, pp=1, dp=16)
+    lay = RunLayout(tp=4, pp=1, dp=16)
     n = 80 * _llama_layer_params_per_rank(t=4, **m) + 2 * 128512 * m["h"] // 4 + m["h"]  # all layers, emb, out, norm
     b = param_bytes_per_rank(cfg, lay, distributed_optimizer=True, dtype="bfloat16", grad_dtype="bfloat16")
     assert b["weights"] + b["grads"] == 4 * n
@@ -234,7 +250,7 @@ def test_step_time_model_by_hand():
     cfg = presets.model_config("llama3-8b")
     hw = Hardware(peak_tflops=1000.0, compute_efficiency=0.5)
     s = TrainSettings(seq_length=4096, global_batch_size=8)
-    r = step_time(cfg, ParallelLayout(), s, hw)
+    r = step_time(cfg, RunLayout(), s, hw)
     h, L, nh, ng, hd, F, V = 4096, 32, 32, 8, 128, 14336, 128256
     gemm = L * ((nh + 2 * ng) * hd * h + h * nh * hd + 3 * h * F) + V * h  # layers + output layer (no lookup, norms)
     # attention: QK^T and AV, 2 * 2 * s * (nh*hd) per token forward, x3 with backward, halved for causal masking
@@ -246,8 +262,8 @@ def test_step_time_model_by_hand():
 
 
 @pytest.mark.parametrize("name,layout,published", [
-    ("llama2-7b", ParallelLayout(tp=2, dp=4), 0.47),  # Megatron-Core, H100 BF16, seq 4096: 7.1B TP2 47% MFU
-    ("llama2-70b", ParallelLayout(tp=8, pp=2, dp=4), 0.42),  # 70B TP8 PP2 42%
+    ("llama2-7b", RunLayout(tp=2, dp=4), 0.47),  # Megatron-Core, H100 BF16, seq 4096: 7.1B TP2 47% MFU
+    ("llama2-70b", RunLayout(tp=8, pp=2, dp=4), 0.42),  # 70B TP8 PP2 42%
 ])
 def test_step_time_model_near_published_mfu(name, layout, published):
     """The default compute efficiency (0.52) puts the stated model within 2 points of the published anchors."""
@@ -342,7 +358,7 @@ def test_launch_writes_valid_shell(tmp_path, capsys):
         subprocess.run(["bash", "-n", str(p)], check=True)  # syntax only
     assert "export NCCL_SOCKET_IFNAME=eth0" in (tmp_path / "torchrun.sh").read_text()
     assert (tmp_path / "logs").is_dir()
-    scripts = render_scripts(LaunchSpec(ParallelLayout(tp=4, cp=2, ep=8, etp=1, dp=1), 1, 8, ("--save", "x")))
+    scripts = render_scripts(LaunchSpec(RunLayout(tp=4, cp=2, ep=8, etp=1, dp=1), 1, 8, ("--save", "x")))
     assert ("--context-parallel-size 2 \\\n    --expert-model-parallel-size 8 \\\n    --expert-tensor-parallel-size 1"
             in scripts["torchrun.sh"])
 
@@ -370,7 +386,7 @@ def test_moe_mla_layer_activations_by_hand():
     """DeepSeek-V3-style layer (MLA + routed and shared experts) at tp 2, etp 1, bf16: the terms written out."""
     cfg = ModelConfig.from_hf(TINY_DSV3)
     h, nh, ql, kvl, dqk, v, E, k, F, S = 64, 4, 48, 32, 16 + 8, 16, 8, 2, 32, 32
-    lay = ParallelLayout(tp=2, ep=2, etp=1, dp=2)
+    lay = RunLayout(tp=2, ep=2, etp=1, dp=2)
     s = TrainSettings(seq_length=64, micro_batch_size=2)
     T = 64 * 2
     from plan.memory import layer_activation_terms
@@ -418,27 +434,29 @@ def test_cli_plan_from_checkpoint(tmp_path, capsys):
     convert_hf_to_mcore(hf, tmp_path / "ckpt", Layout(tp=2), workers=1, quiet=True)
     assert main(["plan", "--model", str(tmp_path / "ckpt"), "--gpus", "2", "--json", "--top", "1"]) == 0
     best = json.loads(capsys.readouterr().out)["layouts"][0]
-    lay = ParallelLayout(**{k: v for k, v in best["layout"].items() if k != "world"})
+    lay = RunLayout(**{k: v for k, v in best["layout"].items() if k != "world"})
     assert best["memory"]["weights"] == 2 * param_bytes_per_rank(ModelConfig.from_hf_dir(hf), lay)["params"]
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_param_bytes_equal_trainer_shards(tied):
-    """The trainer's own stage builder (train.parallel.pipeline.build_stage, on the meta device) holds exactly the
+    """The trainer's own stage builder (train.parallel.parallelize.parallelize, on the meta device) holds exactly the
     weights the estimator counts, its fp32 main-grad buffer the grads; its ZeRO-1 optimizer (whole tensors handed to
     DP ranks by train.optim.owners) holds the estimator's optimizer bytes in total over the DP group."""
-    pipeline = pytest.importorskip("train.parallel.pipeline")
+    parallelize = pytest.importorskip("train.parallel.parallelize")
     import torch
 
+    from train.config import ParallelConfig
     from train.optim import owners
-    from train.parallel.groups import Groups, ParallelDims
+    from train.parallel.groups import Groups
 
     cfg = ModelConfig.from_hf({**TINY_LLAMA, "tie_word_embeddings": tied})
     for tp, pp, dp in [(1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 1), (4, 1, 2), (1, 4, 3)]:
-        dims = ParallelDims(tp=tp, pp=pp, dp=dp)
+        dims = RunLayout(tp=tp, pp=pp, dp=dp)
         for pp_rank in range(pp):
             groups = Groups(dims, dims.rank(pp=pp_rank), 0, 0, 0, pp_rank)
-            model = pipeline.build_stage(cfg, groups, torch.bfloat16, torch.device("meta"), sequence_parallel=tp > 1)
+            model = parallelize.parallelize(cfg, groups, torch.device("meta"), torch.bfloat16,
+                                            ParallelConfig(tp=tp, pp=pp, sequence_parallel=tp > 1)).model
             sizes = [p.numel() for p in model.parameters()]
             est = param_bytes_per_rank(cfg, Layout(tp=tp, pp=pp), dp=dp, distributed_optimizer=True,
                                        dtype="bfloat16", pp_rank=pp_rank)
@@ -483,9 +501,9 @@ def test_activations_equal_what_the_trainers_model_saves():
     from plan.memory import layer_activation_bytes
 
     s = TrainSettings(seq_length=256, micro_batch_size=2, params_dtype="float32", kernels="eager")
-    eager = layer_activation_bytes(cfg, False, s, ParallelLayout())
+    eager = layer_activation_bytes(cfg, False, s, RunLayout())
     fused = layer_activation_bytes(cfg, False, TrainSettings(seq_length=256, micro_batch_size=2,
-                                                             params_dtype="float32"), ParallelLayout())
+                                                             params_dtype="float32"), RunLayout())
     print(f"per layer: measured {measured:.0f} B, eager estimate {eager:.0f} B, fused estimate {fused:.0f} B")
     assert abs(eager - measured) <= 0.05 * measured
     assert 0.6 * measured < fused < measured

@@ -263,11 +263,11 @@ def test_bad_expert_layouts(root):
 
     from checkpoint.errors import ConfigError, LayoutError
     from checkpoint.layout import Layout
+    from checkpoint.run_layout import RunLayout
     from train.config import add_arguments, from_namespace, validate_moe
-    from train.parallel.groups import ParallelDims
 
     with pytest.raises(LayoutError, match="--expert-model-parallel-size 4 must divide data-parallel x context"):
-        ParallelDims.from_world(2, tp=1, pp=1, ep=4)
+        RunLayout.from_world(2, tp=1, pp=1, ep=4)
     mixtral = Checkpoint(root / "mixtral-ck" / "iter_0000000").config
     with pytest.raises(LayoutError, match="--ep 3 does not divide the number of experts"):
         Layout(ep=3).check(mixtral)

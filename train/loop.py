@@ -23,6 +23,7 @@ from checkpoint.manifest import iter_dirname
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError, ShardkitError
 from checkpoint.reader import Checkpoint
+from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
 from train import moe
@@ -34,7 +35,7 @@ from train.metrics import (MetricsLogger, check_wandb, flops_per_step, format_li
                            throughput)
 from train.optim import DistributedOptimizer, ParamScheduler, is_scheduler_state
 from train.parallel.context import apply_context_parallel, packing_from, prepare_micro_batch
-from train.parallel.groups import Groups, ParallelDims, build_groups
+from train.parallel.groups import Groups, build_groups
 from train.parallel.interleaved import InterleavedPipeline
 from train.parallel.pipeline import StageStep, build_stage, forward_backward, forward_only
 
@@ -78,13 +79,13 @@ class Trainer:
         self.cfg = cfg
         p, d = cfg.parallel, cfg.data
         world = dist.get_world_size()
-        dims = ParallelDims.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep)
+        dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep)
         if d.global_batch_size % (d.micro_batch_size * dims.dp):
             raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
                               f"{d.micro_batch_size} x data-parallel size {dims.dp}")
         self.dims = dims
         self.groups: Groups = build_groups(dims)
-        self.layout = dims.layout()
+        self.layout = dims.model_parallel
         self.src = resolve_iteration(cfg.checkpoint.load)
         self.ck = Checkpoint(self.src, check=not cfg.checkpoint.skip_verify)
         self.model_cfg = self.ck.config

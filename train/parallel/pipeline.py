@@ -29,7 +29,7 @@ def build_stage(cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: to
                 sequence_parallel: bool, recompute: str | None = None) -> GPTModel:
     """This rank's part of the model, uninitialised (every parameter is then loaded from a checkpoint)."""
     dims = groups.dims
-    layout = dims.layout()
+    layout = dims.model_parallel
     layout.check(cfg)
     padded = cfg.padded_vocab_size(dims.tp)
     with torch.device("meta"):
@@ -79,7 +79,7 @@ class StageStep:
         layers = self.model.decoder.layers
         if chunk is None:
             return list(layers.values())
-        start, stop = self.groups.dims.layout().layer_range(self.cfg.num_layers, self.groups.pp_rank, chunk)
+        start, stop = self.groups.dims.model_parallel.layer_range(self.cfg.num_layers, self.groups.pp_rank, chunk)
         return [layers[str(i)] for i in range(start, stop)]
 
     @property
