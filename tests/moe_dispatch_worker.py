@@ -20,10 +20,10 @@ def _case(rank: int, world: int, idle: bool, grouped_mm: bool) -> bool:
                       moe_layer_freq=[1])
     torch.manual_seed(0)
     full = Experts(cfg)  # the same weights on every rank
-    local = cfg.num_moe_experts // world
     ep = ExpertParallelExperts(cfg, dist.group.WORLD, world, rank)
     ep.grouped_mm = grouped_mm and ep.grouped_mm  # the grouped GEMMs where torch has them, and the loop
-    mine = slice(rank * local, (rank + 1) * local)
+    mine = slice(ep.first, ep.first + ep.num_local)
+    assert mine == slice(rank * 4 // world, (rank + 1) * 4 // world)  # the table's block of E / EP experts
     with torch.no_grad():
         for name in ("linear_fc1", "linear_fc2"):
             getattr(ep.experts, name).weight.copy_(getattr(full.experts, name).weight[mine])

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from checkpoint.config import ModelConfig
+from checkpoint.layout import Layout, RankCoord
+from checkpoint.sharding import model_specs, regions
 from train.model import Experts, GroupedMLP, MoELayer
 
 
@@ -86,8 +88,12 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, group, ep: int, ep_rank: int) -> None:
         super().__init__()
         self.num_experts = cfg.num_moe_experts
-        self.num_local = cfg.num_moe_experts // ep
-        self.first = ep_rank * self.num_local
+        # the global experts [first, first + num_local) this rank holds: its box of the expert axis in the table
+        layout = Layout(ep=ep)
+        spec = next(s for s in model_specs(cfg, layout) if s.expert)
+        box = regions(spec, layout, RankCoord(ep=ep_rank), cfg.num_layers)[0]
+        axis = int(spec.per_layer)
+        self.first, self.num_local = box.global_offset[axis], box.shape[axis]
         self.group = group
         self.experts = GroupedMLP(dataclasses.replace(cfg, num_moe_experts=self.num_local))
         self.timer = CommTimer()
