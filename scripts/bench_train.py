@@ -5,7 +5,7 @@ One training step = forward, backward and optimizer step (with global-norm clipp
 `--mbs` sequences of `--seq` tokens, fp32 on the CPU. Three implementations train the same Llama-shaped config from
 the SAME weights on the SAME batch:
 
-- ours:     train/model.py's GPTModel built by `train.parallel.pipeline.build_stage`, run by `StageStep` through
+- ours:     train/model.py's GPTModel built by `train.parallel.parallelize.parallelize`, run by `StageStep` through
             `forward_backward` (the 1F1B driver the trainer uses), then `DistributedOptimizer` reduce/clip/step
             (fp32 main params and gradient buffer, AdamW) -- the trainer's own path, on a process group of one;
 - hf:       transformers' LlamaForCausalLM (SDPA attention) with its own loss and torch.optim.AdamW, clipped with
@@ -191,7 +191,7 @@ class Impl:
 
 
 class Ours(Impl):
-    """The trainer's path: build_stage -> StageStep -> forward_backward -> DistributedOptimizer reduce/clip/step."""
+    """The trainer's path: parallelize -> StageStep -> forward_backward -> DistributedOptimizer reduce/clip/step."""
 
     def setup(self) -> dict:
         import torch
@@ -201,7 +201,9 @@ class Ours(Impl):
         from train.loop import init_distributed
         from train.optim import DistributedOptimizer, OptimizerConfig
         from train.parallel.groups import ParallelDims, build_groups
-        from train.parallel.pipeline import StageStep, build_stage
+        from train.config import ParallelConfig
+        from train.parallel.parallelize import parallelize
+        from train.parallel.pipeline import StageStep
 
         s = self.spec
         init_distributed(10.0)
@@ -209,7 +211,7 @@ class Ours(Impl):
         dims = ParallelDims.from_world(1, 1, 1)
         groups = build_groups(dims)
         layout = dims.layout()
-        model = build_stage(cfg, groups, torch.float32, torch.device("cpu"), sequence_parallel=False)
+        model = parallelize(cfg, groups, torch.device("cpu"), torch.float32, ParallelConfig()).model
         table = ckpt_io.param_table(model, cfg, layout, groups)
         canonical = _canonical_from_hf(cfg, self.weights)
         ckpt_io.load_model(_InMemoryCheckpoint(canonical), table, layout, groups)
@@ -220,7 +222,7 @@ class Ours(Impl):
         ocfg = OptimizerConfig(lr=s.lr, weight_decay=s.weight_decay, adam_beta1=s.beta1, adam_beta2=s.beta2,
                                adam_eps=s.eps, clip_grad=s.clip_grad)
         self.opt = DistributedOptimizer(trainable, groups, ocfg, replicated, tied, cfg.tie_word_embeddings)
-        self.stage = StageStep(model, groups, cfg, False)
+        self.stage = StageStep(model, groups)
         self.ids, self.labels = batch(s)
         self.act_shape = (s.mbs, s.seq, s.hidden)
         return {"params": sum(p.numel() for p in model.parameters())}

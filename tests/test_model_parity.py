@@ -103,6 +103,29 @@ def test_logits_match_hf(case: str) -> None:
     assert diff <= TOL
 
 
+@pytest.mark.parametrize("case", ["llama_gqa", "llama_tied", "mistral_sliding_window"])
+def test_trainer_stage_loss_matches_hf(case: str) -> None:
+    """The trainer's own path (parallelize -> StageStep, one rank) is GPTModel's forward: its loss is HF's."""
+    from checkpoint.run_layout import RunLayout
+    from train.config import ParallelConfig
+    from train.parallel.groups import Groups
+    from train.parallel.parallelize import parallelize
+    from train.parallel.pipeline import StageStep
+
+    config_cls, overrides, seq_len = CASES[case]
+    hf = make_hf(config_cls, overrides)
+    cfg, tensors = canonical(hf)
+    groups = Groups(RunLayout(), 0, 0, 0, 0, 0)
+    model = parallelize(cfg, groups, torch.device("cpu"), torch.float32, ParallelConfig()).model
+    model.load_canonical(tensors)
+    ids, labels = torch.randint(0, VOCAB, (2, seq_len)), torch.randint(0, VOCAB, (2, seq_len))
+    with torch.no_grad():
+        ours = StageStep(model, groups)(None, ids, labels)
+        ref = torch.nn.functional.cross_entropy(hf(input_ids=ids, use_cache=False).logits.flatten(0, 1),
+                                                labels.flatten())
+    assert abs(ours.item() - ref.item()) <= TOL
+
+
 def test_dynamic_rope_short_long_short() -> None:
     """Dynamic NTK only kicks in past max_position_embeddings and resets for short sequences, as in HF."""
     config_cls, overrides, _ = CASES["llama_rope_dynamic"]

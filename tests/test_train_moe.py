@@ -274,7 +274,7 @@ def test_bad_expert_layouts(root):
     from train.parallel.tensor import local_config
 
     with pytest.raises(LayoutError, match="trains at --tp 1 .split its experts with --expert-model-parallel-size"):
-        local_config(mixtral, 2, mixtral.padded_vocab_size(2))
+        local_config(mixtral, Layout(tp=2))
     p = argparse.ArgumentParser()
     add_arguments(p)
     cfg = from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--ep", "2",

@@ -34,10 +34,11 @@ from train.failures import bound_every_group
 from train.metrics import (MetricsLogger, check_wandb, flops_per_step, format_line, memory_stats, peak_flops,
                            throughput)
 from train.optim import DistributedOptimizer, ParamScheduler, is_scheduler_state
-from train.parallel.context import apply_context_parallel, packing_from, prepare_micro_batch
+from train.parallel.context import packing_from, prepare_micro_batch
 from train.parallel.groups import Groups, build_groups
 from train.parallel.interleaved import InterleavedPipeline
-from train.parallel.pipeline import StageStep, build_stage, forward_backward, forward_only
+from train.parallel.parallelize import parallelize
+from train.parallel.pipeline import StageStep, forward_backward, forward_only
 
 
 def init_distributed(timeout_minutes: float) -> None:
@@ -97,17 +98,12 @@ class Trainer:
             raise ConfigError(f"--sequence-parallel: --seq-length {d.seq_length} is not divisible by --tp {dims.tp}")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
-        self.model = build_stage(self.model_cfg, self.groups, self.dtype, self.device, self.sp,
-                                 cfg.run.recompute_granularity)
-        # context parallelism / packed documents / flash-attn: attention replaced from outside (train/parallel/context.py)
         self.packing = packing_from(d, self.model_cfg, self.ck.hf_dir())
-        self.attention, self.attention_line = apply_context_parallel(
-            self.model, self.groups, p.cp_comm_type, self.packing, cfg.run.recompute_granularity == "selective",
-            self.device, self.dtype)
-        # --transformer-impl / --fp8: before the parameters are registered (TE rebuilds the layers, same names)
-        self.backend = precision.setup(cfg, self.model_cfg, self.model, self.groups, self.sp)
-        # MoE: load-balancing losses, expert-bias updates, MTP loss, expert-load statistics (train/moe.py)
-        self.moe = moe.setup(cfg.moe, self.model_cfg, self.model, self.groups, self.packing.active)
+        # PP split, EP, TP, CP, recompute, TE/FP8, MoE training: in one place and order (train/parallel/parallelize.py)
+        par = parallelize(self.model_cfg, self.groups, self.device, self.dtype, p, cfg.run, cfg.fp8, cfg.moe,
+                          self.packing)
+        self.model, self.backend, self.moe = par.model, par.backend, par.moe
+        self.attention, self.attention_line = par.attention, par.attention_line
         self.table = ckpt_io.param_table(self.model, self.model_cfg, self.layout, self.groups)
         ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
         trainable = [(lp.name, lp.param) for lp in self.table if lp.param.requires_grad]
@@ -138,8 +134,7 @@ class Trainer:
         if self.state is not None:
             self.notes += self._load_scheduler()
         self._data()
-        self.step = StageStep(self.model, self.groups, self.model_cfg, self.sp, cfg.run.recompute_granularity,
-                              self.attention, moe=self.moe)
+        self.step = StageStep(self.model, self.groups, self.attention, self.moe)
         seq = d.seq_length // dims.cp  # a CP rank's tokens
         seq = seq // dims.tp if self.sp else seq
         self.act_shape = (d.micro_batch_size, seq, self.model_cfg.hidden_size)

@@ -37,16 +37,19 @@ a stack that mixes dense and MoE layers (DeepSeek's first_k_dense_replace) keeps
 The math follows HF transformers (the oracle in tests/test_model_parity*.py): RMSNorm in fp32, rotate-half RoPE (or
 DeepSeek's interleaved pairs) with the frequency tables taken from transformers' own functions, SwiGLU, causal SDPA
 (with Mistral's sliding window), dropless top-k routing with each family's router exactly as HF computes it.
-No parallelism here: train/parallel applies it from outside (torchtitan's habit). Tensor parallelism builds the model
-from a per-rank config (`local_config`: heads, groups and ffn divided by tp) and hooks collectives onto the linears
-(`NormLinear.parallel_input` is the one hook point a forward hook cannot reach: between the fused norm and its
-linear); pipeline parallelism deletes the layers a stage does not own from `TransformerBlock.layers`, a ModuleDict
-keyed by the global layer index so that parameter names stay global.
+One forward, in pieces that a pipeline stage also composes (train/parallel/pipeline.py): `embed`, `rope`, the
+decoder's layers (`TransformerBlock.forward` runs all of them or a given chunk), `token_losses` (final norm, `logits`,
+`cross_entropy`) and `mtp_forward`. No parallelism here: train/parallel/parallelize.py applies it from outside
+(torchtitan's habit). Tensor parallelism builds the model from a per-rank config (`local_config`: its share of heads,
+groups, ffn and vocabulary rows), hooks collectives onto the linears (`NormLinear.parallel_input` and
+`GPTModel.head_input` are the hook points a forward hook cannot reach), swaps in a vocab-parallel embedding and sets
+`cross_entropy` to the vocab-parallel loss; pipeline parallelism deletes the layers a stage does not own from
+`TransformerBlock.layers`, a ModuleDict keyed by the global layer index so that parameter names stay global.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +108,13 @@ def linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     if bias:
         nn.init.zeros_(layer.bias)
     return layer
+
+
+def token_cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
+    """Per-token cross-entropy [...] of logits [..., vocab] (fp32 math)."""
+    logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+                           ).view(target.shape)
 
 
 # -- rotary position embedding -----------------------------------------------------------------------------------------
@@ -469,10 +479,12 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_layers)})
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, final_norm: bool = True) -> Tensor:
-        for layer in self.layers.values():
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layers: Iterable[nn.Module] | None = None) -> Tensor:
+        """Run `layers` (default: all this model holds, in order; a pipeline chunk passes its own) on x. The final
+        norm is not applied: its input is also MTP's."""
+        for layer in self.layers.values() if layers is None else layers:
             x = layer(x, cos, sin)
-        return self.final_layernorm(x) if final_norm else x
+        return x
 
 
 class MTPLayer(nn.Module):
@@ -548,11 +560,42 @@ class GPTModel(nn.Module):
 
         position_ids (default 0..s-1) only feed RoPE; attention is causal over token order, as in HF when no
         attention mask is given. The MTP layers take no part (HF's forward ignores them too)."""
-        x = self.embedding(input_ids)
-        cos, sin = self._rope(input_ids, position_ids, x.dtype)
-        hidden = self.decoder(x, cos, sin, final_norm=False)
-        logits = self._logits(self.decoder.final_layernorm(hidden))
+        x = self.embed(input_ids)
+        hidden = self.decoder(x, *self.rope(input_ids, position_ids, x.dtype))
+        logits = self.logits(self.decoder.final_layernorm(hidden))
         return (logits, hidden) if return_hidden else logits
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token embeddings [b, s, h] (tensor parallelism swaps in a vocab-parallel embedding)."""
+        return self.embedding(input_ids)
+
+    def rope(self, input_ids: Tensor, position_ids: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, sin) [b, s, head_dim] for the batch's positions (default 0..s-1)."""
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device)[None, :]
+        return self.rotary_pos_emb(position_ids.expand(b, s), dtype)
+
+    @staticmethod
+    def head_input(x: Tensor) -> Tensor:
+        """Applied to the final-normed hidden states before the output head; tensor parallelism sets it to its
+        copy/all-gather."""
+        return x
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Output head on final-normed hidden states (tied embeddings use the embedding): one logit per vocabulary
+        row up to cfg.vocab_size, so padding rows never become logits."""
+        weight = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
+        return F.linear(self.head_input(x), weight[: self.cfg.vocab_size])
+
+    def cross_entropy(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Per-token losses (fp32) of `logits` for `labels`; tensor parallelism replaces it with the vocab-parallel
+        loss over this rank's rows."""
+        return token_cross_entropy(logits, labels)
+
+    def token_losses(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        """Per-token losses [b, s] of the decoder's output `hidden` (before its final norm) for `labels`."""
+        return self.cross_entropy(self.logits(self.decoder.final_layernorm(hidden)), labels)
 
     def mtp_forward(self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor | None = None) -> list[Tensor]:
         """DeepSeek-V3 multi-token prediction (for training): one logits tensor [b, s, vocab] per MTP depth.
@@ -563,23 +606,13 @@ class GPTModel(nn.Module):
         roll_tensor) and must be left out of the loss."""
         if self.mtp is None:
             raise ValueError("this model has no MTP layers (cfg.mtp_num_layers == 0)")
-        cos, sin = self._rope(input_ids, position_ids, hidden.dtype)
+        cos, sin = self.rope(input_ids, position_ids, hidden.dtype)
         out, ids = [], input_ids
         for layer in self.mtp.layers:
             ids = F.pad(ids[:, 1:], (0, 1))  # token t+1 at position t
-            hidden = layer(hidden, self.embedding(ids), cos, sin)
-            out.append(self._logits(layer.final_layernorm(hidden)))
+            hidden = layer(hidden, self.embed(ids), cos, sin)
+            out.append(self.logits(layer.final_layernorm(hidden)))
         return out
-
-    def _rope(self, input_ids: Tensor, position_ids: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        b, s = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device)[None, :]
-        return self.rotary_pos_emb(position_ids.expand(b, s), dtype)
-
-    def _logits(self, x: Tensor) -> Tensor:
-        weight = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        return F.linear(x, weight[: self.cfg.vocab_size])  # padding rows never become logits
 
     # -- canonical (stacked) form ---------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The trainer's numeric backend in one place: which implementation builds the layers (`--transformer-impl`) and
-whether their GEMMs run in FP8 (`--fp8-format`), applied to a stage built by `build_stage` before its parameters are
-registered in the sharding table, plus the FP8 scaling state that a checkpoint carries.
+whether their GEMMs run in FP8 (`--fp8-format`), applied to a stage by train/parallel/parallelize.py before its
+parameters are registered in the sharding table, plus the FP8 scaling state that a checkpoint carries.
 
     local              the plain-PyTorch model; with --fp8, train/fp8.py swaps the decoder's linears in place
     transformer_engine train/te.py rebuilds the decoder layers from TE modules (GPU + Transformer Engine), FP8 through
@@ -20,6 +20,7 @@ from torch import nn
 from checkpoint.config import ModelConfig
 from train import fp8 as fp8_mod
 from train import te as te_mod
+from train.config import RunConfig
 from train.parallel.groups import Groups
 
 
@@ -62,20 +63,20 @@ class Backend:
         return "backend local"
 
 
-def setup(cfg, model_cfg: ModelConfig, model: nn.Module, groups: Groups, sequence_parallel: bool) -> Backend:
-    """Apply the backend and FP8 flags of `cfg` (a TrainConfig) to a freshly built stage (on its device)."""
+def setup(model: nn.Module, model_cfg: ModelConfig, groups: Groups, run: RunConfig, fp8: fp8_mod.FP8Config,
+          cp_comm_type: str, sequence_parallel: bool) -> Backend:
+    """Apply --transformer-impl and the FP8 flags to a freshly built stage (on its device)."""
     device = next(model.parameters()).device
-    impl = te_mod.resolve_impl(cfg.run.transformer_impl, device,
-                               why_not=te_mod.unsupported(model_cfg, cfg.fp8, cfg.run.recompute_granularity))
+    impl = te_mod.resolve_impl(run.transformer_impl, device,
+                               why_not=te_mod.unsupported(model_cfg, fp8, run.recompute_granularity))
     if impl == "transformer_engine":
-        return Backend(impl, te=te_mod.TEBackend.build(model, model_cfg, groups, cfg.fp8, sequence_parallel,
-                                                       cfg.run.recompute_granularity,
-                                                       getattr(cfg.parallel, "cp_comm_type", "p2p")))
-    if not cfg.fp8.enabled:
+        return Backend(impl, te=te_mod.TEBackend.build(model, model_cfg, groups, fp8, sequence_parallel,
+                                                       run.recompute_granularity, cp_comm_type))
+    if not fp8.enabled:
         return Backend(impl)
     group = None
-    if cfg.fp8.fp8_recipe == "delayed" and groups.dims.world > 1:
+    if fp8.fp8_recipe == "delayed" and groups.dims.world > 1:
         group = fp8_mod.amax_reduction_group(groups.dims, groups.pp_rank)
-    f = fp8_mod.Float8Training(cfg.fp8, model_cfg.num_layers, group)
+    f = fp8_mod.Float8Training(fp8, model_cfg.num_layers, group)
     f.convert(model)
     return Backend(impl, fp8=f)

@@ -1,66 +1,24 @@
-"""Pipeline parallelism: each stage builds only its layers, and micro-batches run in Megatron's 1F1B order.
+"""Pipeline parallelism: a stage runs its part of the model's one forward, and micro-batches run in Megatron's 1F1B
+order.
 
-A stage is the plain GPTModel with the parts it does not own removed: other stages' layers (the layer dict is keyed
-by global index, so names stay global), the embedding (kept on the last stage too when the embeddings are tied or
-the MTP layers, which live on the last stage, need it: its gradient is then all-reduced between the first and last
-stage), the final norm and the output layer. The model is built on the meta device and materialised after pruning
-(and after expert parallelism swapped in the rank's experts), so a rank never allocates another rank's weights.
+A stage is the plain GPTModel with the parts it does not own removed (`parallelize.apply_pipeline_split`); `StageStep`
+composes the model's own pieces (embed, rope, the decoder's layers of one model chunk, token losses, MTP), so the
+trainer runs the same code as `GPTModel.forward`. Tensor parallelism lives in those pieces (installed by
+`apply_tensor_parallel`), recompute in the layers (`apply_recompute`).
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+from torch import Tensor, nn
 
-from checkpoint.config import ModelConfig
 from train.model import GPTModel
 
-from .expert import apply_expert_parallel
 from .groups import Groups
-from .tensor import apply_tensor_parallel, embed, head_loss, head_losses, local_config
-
-
-def build_stage(cfg: ModelConfig, groups: Groups, dtype: torch.dtype, device: torch.device,
-                sequence_parallel: bool, recompute: str | None = None) -> GPTModel:
-    """This rank's part of the model, uninitialised (every parameter is then loaded from a checkpoint)."""
-    dims = groups.dims
-    layout = dims.model_parallel
-    layout.check(cfg)
-    padded = cfg.padded_vocab_size(dims.tp)
-    with torch.device("meta"):
-        model = GPTModel(local_config(cfg, dims.tp, padded), padded // dims.tp)
-    mine = set().union(*(range(*layout.layer_range(cfg.num_layers, groups.pp_rank, v)) for v in range(dims.vpp)))
-    for key in list(model.decoder.layers.keys()):
-        if int(key) not in mine:  # (with --vpp the rank's chunks: layers of several ranges)
-            del model.decoder.layers[key]
-    tied_last = (cfg.tie_word_embeddings or cfg.mtp_num_layers > 0) and groups.last_stage
-    if not groups.first_stage and not tied_last:
-        model.embedding = None
-    if not groups.last_stage:
-        model.decoder.final_layernorm = None
-        model.output_layer = None
-        model.mtp = None
-    with torch.device("meta"):
-        apply_expert_parallel(model, cfg, groups.ep, groups.ep_rank)
-    model = model.to_empty(device=device).to(dtype)
-    apply_tensor_parallel(model, groups.tp, sequence_parallel)
-    if recompute == "selective":
-        for layer in model.decoder.layers.values():
-            att = layer.self_attention
-            att.core_attention = _recomputed(att.core_attention)
-    return model
-
-
-def _recomputed(fn: Callable) -> Callable:
-    def run(*args):
-        return checkpoint(fn, *args, use_reentrant=False)
-
-    return run
 
 
 @dataclass
@@ -69,59 +27,36 @@ class StageStep:
 
     model: GPTModel
     groups: Groups
-    cfg: ModelConfig
-    sequence_parallel: bool
-    recompute: str | None = None
     attention: Any = None  # context.AttentionState when attention was replaced (CP, packed documents, flash-attn)
     moe: Any = None  # train.moe.MoETraining of an MoE model: adds the MTP loss on the last stage
+    chunks: list[list[nn.Module]] = field(init=False)  # the layers of each model chunk, in order
 
-    def _chunk_layers(self, chunk: int | None) -> list:
-        layers = self.model.decoder.layers
-        if chunk is None:
-            return list(layers.values())
-        start, stop = self.groups.dims.model_parallel.layer_range(self.cfg.num_layers, self.groups.pp_rank, chunk)
-        return [layers[str(i)] for i in range(start, stop)]
+    def __post_init__(self) -> None:
+        g, layers = self.groups, self.model.decoder.layers
+        layout, n = g.dims.model_parallel, self.model.cfg.num_layers
+        self.chunks = [[layers[str(i)] for i in range(*layout.layer_range(n, g.pp_rank, v))]
+                       for v in range(g.dims.vpp)]
 
-    @property
-    def vocab_start(self) -> int:
-        return self.groups.tp_rank * (self.cfg.padded_vocab_size(self.groups.dims.tp) // self.groups.dims.tp)
-
-    def __call__(self, inp: Tensor, ids: Tensor, labels: Tensor, extras: Any = None, chunk: int | None = None
+    def __call__(self, inp: Tensor | None, ids: Tensor, labels: Tensor, extras: Any = None, chunk: int = 0
                  ) -> Tensor:
         """`extras` (context.MicroBatchExtras): RoPE positions, per-token loss weights and the attention layout of a
-        CP-split or packed micro-batch; without it positions are 0..s-1 and the loss is the token mean. `chunk`:
-        run only that model chunk of an interleaved pipeline (--vpp); None runs every layer of the stage."""
+        CP-split or packed micro-batch; without it positions are 0..s-1 and the loss is the token mean. `chunk`: the
+        model chunk to run (0..vpp-1 of an interleaved pipeline, --vpp; 0 without one). The first chunk of the first
+        stage embeds `ids`, the others take `inp`; the last chunk of the last stage returns the loss."""
         m, g = self.model, self.groups
-        dtype = next(m.parameters()).dtype
-        layers = self._chunk_layers(chunk)
-        first = g.first_stage and not chunk
-        last = g.last_stage and (chunk is None or chunk == g.dims.vpp - 1)
-        if first:
-            h = embed(m, ids, g.tp, self.vocab_start, self.sequence_parallel)
-        else:
-            h = inp
-        b, s = ids.shape
-        pos = torch.arange(s, device=ids.device)[None, :].expand(b, s) if extras is None else extras.position_ids
-        cos, sin = m.rotary_pos_emb(pos, dtype)
+        first = g.first_stage and chunk == 0
+        last = g.last_stage and chunk == g.dims.vpp - 1
+        h = m.embed(ids) if first else inp
+        cos, sin = m.rope(ids, None if extras is None else extras.position_ids, next(m.parameters()).dtype)
         att = self.attention
-        # a recomputed layer must see its own micro-batch's attention layout, also under 1F1B
-        ckpt = {} if att is None else {"context_fn": att.recompute_context}
         with contextlib.nullcontext() if att is None or extras is None else att.use(extras.layout):
-            for layer in layers:
-                if self.recompute == "full":
-                    h = checkpoint(layer, h, cos, sin, use_reentrant=False, **ckpt)
-                else:
-                    h = layer(h, cos, sin)
+            h = m.decoder(h, cos, sin, self.chunks[chunk])
         if not last:
             return h
-        hidden, h = h, m.decoder.final_layernorm(h)
-        if extras is None:
-            loss = head_loss(m, h, labels, g.tp, self.vocab_start, self.cfg.vocab_size, self.sequence_parallel)
-        else:
-            losses = head_losses(m, h, labels, g.tp, self.vocab_start, self.cfg.vocab_size, self.sequence_parallel)
-            loss = (losses * extras.loss_weight).sum()
+        losses = m.token_losses(h, labels)
+        loss = losses.mean() if extras is None else (losses * extras.loss_weight).sum()
         if self.moe is not None and m.mtp is not None:
-            loss = self.moe.add_mtp_loss(m, loss, hidden, ids, labels)
+            loss = self.moe.add_mtp_loss(m, loss, h, ids, labels)
         return loss
 
 

@@ -1,14 +1,16 @@
 """Tensor parallelism with sequence parallelism, applied to the plain model from outside (Megatron-LM's scheme).
 
-Each TP rank builds the model from `local_config` (its share of heads, query groups and ffn) and holds exactly the
-local shards the sharding table assigns it, so loading is `Checkpoint.read_local`. Then:
+Each TP rank builds the model from `local_config` (its share of heads, query groups, ffn and vocabulary, the sharding
+table's local shapes) and holds exactly the local shards the table assigns it, so loading is `Checkpoint.read_local`.
+Then `apply_tensor_parallel` hooks on:
 
 - column-parallel linears (linear_qkv, linear_fc1) get `copy_to_tp` (or, with sequence parallelism, the all-gather
   of the sequence) between their fused norm and the matmul;
 - row-parallel linears (linear_proj, linear_fc2) get an all-reduce (or a reduce-scatter of the sequence) on their
   output;
-- the embedding is vocab-parallel (each rank looks up its rows, the partial results are summed) and the loss is a
-  vocab-parallel cross-entropy that never gathers the logits.
+- the embedding becomes vocab-parallel (each rank looks up its rows, the partial results are summed), the output
+  head gets the copy (all-gather) on its input, and the model's `cross_entropy` is a vocab-parallel cross-entropy
+  that never gathers the logits (this rank's first row from the table's region of the embedding).
 
 With sequence parallelism the residual stream between those points is split along the sequence, so the norms see
 a slice of the tokens: their gradients are partial and are all-reduced over TP (params marked `sequence_parallel`).
@@ -25,25 +27,42 @@ from torch import Tensor, nn
 
 from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
+from checkpoint.layout import Layout, RankCoord
+from checkpoint.sharding import local_shape, model_specs, regions
+from train.model import GPTModel, token_cross_entropy
 
 from . import comm
 
+EMBEDDING = "embedding.word_embeddings.weight"
 
-def local_config(cfg: ModelConfig, tp: int, padded_vocab: int) -> ModelConfig:
-    """The model one TP rank builds: heads, query groups, ffn and the padded vocab divided by tp. The RoPE tables
-    come from the global HF config, which is kept."""
-    if tp == 1:
-        return dataclasses.replace(cfg, vocab_size=padded_vocab)
-    if cfg.is_moe or cfg.multi_latent_attention or cfg.mtp_num_layers:
+
+def local_config(cfg: ModelConfig, layout: Layout) -> ModelConfig:
+    """The model one TP rank builds: its share of heads, query groups, ffn and vocabulary rows (`vocab_size` = the
+    padded vocabulary's rows it holds), read from the sharding table's local shapes. The RoPE tables come from the
+    global HF config, which is kept."""
+    tp = layout.tp
+    if tp > 1 and (cfg.is_moe or cfg.multi_latent_attention or cfg.mtp_num_layers):
         raise LayoutError(f"--tp {tp}: the trainer runs tensor parallelism on dense LLaMA-family models only so far; "
                           f"{cfg.model_type} (MoE / multi-latent attention / MTP) trains at --tp 1 (split its "
                           "experts with --expert-model-parallel-size instead)")
-    if cfg.add_proj_bias:
+    if tp > 1 and cfg.add_proj_bias:
         raise LayoutError(f"--tp {tp}: row-parallel biases (attention output / MLP down projection) are not "
                           "supported by the trainer; use --tp 1")
-    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
-                               num_query_groups=cfg.num_query_groups // tp,
-                               ffn_hidden_size=cfg.ffn_hidden_size // tp, vocab_size=padded_vocab // tp)
+    specs = {s.name: s for s in model_specs(cfg, layout)}
+    vocab = local_shape(specs[EMBEDDING], layout)[0]
+    if tp == 1:
+        return dataclasses.replace(cfg, vocab_size=vocab)
+    groups = local_shape(specs["decoder.layers.self_attention.linear_qkv.weight"], layout)[-2] // (
+        (cfg.heads_per_group + 2) * cfg.kv_channels)
+    return dataclasses.replace(cfg, num_attention_heads=groups * cfg.heads_per_group, num_query_groups=groups,
+                               ffn_hidden_size=local_shape(specs["decoder.layers.mlp.linear_fc2.weight"], layout)[-1],
+                               vocab_size=vocab)
+
+
+def vocab_start(cfg: ModelConfig, layout: Layout, tp_rank: int) -> int:
+    """The first vocabulary row a TP rank holds (its region of the embedding, as the first stage stores it)."""
+    spec = next(s for s in model_specs(cfg, layout) if s.name == EMBEDDING)
+    return regions(spec, layout, RankCoord(tp=tp_rank, pp=0))[0].global_offset[0]
 
 
 def _entry(group, sp: bool):
@@ -59,8 +78,14 @@ def _exit_hook(group, sp: bool):
     return hook
 
 
-def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> None:
-    """Hook the TP collectives onto a model built from `local_config` (no-op for a group of one)."""
+def apply_tensor_parallel(model: GPTModel, cfg: ModelConfig, layout: Layout, tp_rank: int, group,
+                          sequence_parallel: bool) -> None:
+    """Make a model built from `local_config` this TP rank's: its loss counts the real vocabulary (`cfg` is the
+    global config; the padding rows are excluded at tp 1 too), and with tp > 1 the collectives are hooked onto the
+    linears and the output head and the embedding becomes vocab-parallel."""
+    start = vocab_start(cfg, layout, tp_rank)
+    model.cross_entropy = partial(vocab_parallel_cross_entropy, vocab_start=start, vocab_size=cfg.vocab_size,
+                                  group=group)
     if group is None or dist.get_world_size(group) == 1:
         return
     for layer in model.decoder.layers.values():
@@ -69,23 +94,34 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
         att.linear_proj.register_forward_hook(_exit_hook(group, sequence_parallel))
         mlp.linear_fc1.parallel_input = _entry(group, sequence_parallel)
         mlp.linear_fc2.register_forward_hook(_exit_hook(group, sequence_parallel))
+    model.head_input = _entry(group, sequence_parallel)
+    if model.embedding is not None:
+        model.embedding = VocabParallelEmbedding(model.embedding.word_embeddings, start, group, sequence_parallel)
     if sequence_parallel:
         for name, p in model.named_parameters():
             if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight"):
                 p.sequence_parallel = True  # type: ignore[attr-defined]
 
 
-def embed(model: nn.Module, ids: Tensor, group, vocab_start: int, sequence_parallel: bool) -> Tensor:
-    """Vocab-parallel embedding lookup: ids outside this rank's rows contribute zeros; partial sums are reduced
-    (and, with sequence parallelism, scattered along the sequence)."""
-    weight = model.embedding.word_embeddings.weight
-    if group is None or dist.get_world_size(group) == 1:
-        return F.embedding(ids, weight)
-    local = ids - vocab_start
-    outside = (local < 0) | (local >= weight.shape[0])
-    out = F.embedding(local.masked_fill(outside, 0), weight)
-    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-    return comm.reduce_scatter_seq(out, group) if sequence_parallel else comm.reduce_from_tp(out, group)
+class VocabParallelEmbedding(nn.Module):
+    """Vocab-parallel embedding lookup over this rank's rows (the model's `word_embeddings`, same parameter name):
+    ids outside them contribute zeros; partial sums are reduced (and, with sequence parallelism, scattered along
+    the sequence)."""
+
+    def __init__(self, word_embeddings: nn.Embedding, vocab_start: int, group, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.word_embeddings = word_embeddings
+        self.vocab_start, self.group, self.sequence_parallel = vocab_start, group, sequence_parallel
+
+    def forward(self, ids: Tensor) -> Tensor:
+        weight = self.word_embeddings.weight
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return comm.reduce_scatter_seq(out, self.group)
+        return comm.reduce_from_tp(out, self.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -127,23 +163,5 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, vocab_start: in
     torch's fused log-softmax cross-entropy over the unpadded columns (the same values within float rounding, about
     half the time of the three-collective form, which needs its intermediates only to combine ranks)."""
     if group is None or dist.get_world_size(group) == 1:
-        true = logits[..., : vocab_size - vocab_start].float()
-        return F.cross_entropy(true.reshape(-1, true.shape[-1]), target.reshape(-1), reduction="none"
-                               ).view(target.shape)
+        return token_cross_entropy(logits[..., : vocab_size - vocab_start], target)
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group)
-
-
-def head_loss(model: nn.Module, hidden: Tensor, labels: Tensor, group, vocab_start: int, vocab_size: int,
-              sequence_parallel: bool) -> Tensor:
-    """Mean token loss of the output head on the final-normed hidden states (tied embeddings use the embedding)."""
-    return head_losses(model, hidden, labels, group, vocab_start, vocab_size, sequence_parallel).mean()
-
-
-def head_losses(model: nn.Module, hidden: Tensor, labels: Tensor, group, vocab_start: int, vocab_size: int,
-                sequence_parallel: bool) -> Tensor:
-    """Per-token losses [b, s] of the output head (for loss masks and context parallelism's weights)."""
-    if group is not None and dist.get_world_size(group) > 1:
-        hidden = comm.gather_seq(hidden, group) if sequence_parallel else comm.copy_to_tp(hidden, group)
-    weight = model.output_layer.weight if model.output_layer is not None else model.embedding.word_embeddings.weight
-    logits = F.linear(hidden, weight)
-    return vocab_parallel_cross_entropy(logits, labels, vocab_start, vocab_size, group)
