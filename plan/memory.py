@@ -158,9 +158,8 @@ def _shard(n: int, parts: int) -> int:
     return -(-n // parts)
 
 
-def param_bytes_per_rank(cfg: ModelConfig, layout: RunLayout | Layout, dp: int = 1,
-                         distributed_optimizer: bool = False, dtype: str = "bfloat16", *, cp: int = 1,
-                         grad_dtype: str = "float32", pp_rank: int | None = None,
+def param_bytes_per_rank(cfg: ModelConfig, layout: RunLayout, distributed_optimizer: bool = False,
+                         dtype: str = "bfloat16", *, grad_dtype: str = "float32", pp_rank: int | None = None,
                          main_params: bool | None = None) -> dict:
     """Bytes of parameters, gradients and Adam state on one rank of pipeline stage `pp_rank` (default: the stage
     with the most parameters).
@@ -169,11 +168,7 @@ def param_bytes_per_rank(cfg: ModelConfig, layout: RunLayout | Layout, dp: int =
     the weights are already fp32, Megatron's rule; `main_params=True` keeps a copy anyway), exp_avg and exp_avg_sq.
     With the distributed optimizer the optimizer state of dense parameters is split over DP x CP and that of expert
     parameters over the expert-DP group, each as a flat buffer cut into equal pieces (Megatron; an optimizer that
-    hands whole tensors to DP ranks holds the same total over the DP group, unevenly). `dp` and `cp` are read when
-    `layout` is a model-parallel checkpoint.layout.Layout; a RunLayout carries its own."""
-    if isinstance(layout, Layout):
-        layout = RunLayout(tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, etp=layout.etp, dp=dp,
-                                cp=cp)
+    hands whole tensors to DP ranks holds the same total over the DP group, unevenly)."""
     stages = param_counts_per_stage(cfg, layout)
     r = max(range(len(stages)), key=lambda i: stages[i]["dense"] + stages[i]["expert"]) if pp_rank is None \
         else pp_rank

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,20 +95,22 @@ def _owned(cfg: ModelConfig, layout: Layout, coord: RankCoord) -> int:
 
 
 @pytest.mark.parametrize("hf,layouts", [
-    (TINY_LLAMA, [Layout(), Layout(tp=2, pp=2), Layout(tp=4, pp=1), Layout(tp=2, pp=2, vpp=2), Layout(tp=1, pp=4)]),
-    (TINY_DSV3, [Layout(), Layout(tp=2, ep=2), Layout(tp=2, pp=2, ep=4, etp=1), Layout(pp=2, vpp=2, ep=2)]),
+    (TINY_LLAMA, [RunLayout(), RunLayout(tp=2, pp=2), RunLayout(tp=4, pp=1), RunLayout(tp=2, pp=2, vpp=2),
+                  RunLayout(tp=1, pp=4)]),
+    (TINY_DSV3, [RunLayout(), RunLayout(tp=2, ep=2), RunLayout(tp=2, pp=2, ep=4, etp=1),
+                 RunLayout(pp=2, vpp=2, ep=2)]),
 ])
 def test_param_bytes_equal_sharding_table(hf, layouts):
     cfg = ModelConfig.from_hf(hf)
     for lay in layouts:
         for pp_rank in range(lay.pp):
-            owned = _owned(cfg, lay, RankCoord(tp=0, pp=pp_rank, ep=0))
+            owned = _owned(cfg, lay.model_parallel, RankCoord(tp=0, pp=pp_rank, ep=0))
             for dist in (False, True):
-                b = param_bytes_per_rank(cfg, lay, dp=2, distributed_optimizer=dist, dtype="bfloat16",
+                b = param_bytes_per_rank(cfg, replace(lay, dp=2), distributed_optimizer=dist, dtype="bfloat16",
                                          pp_rank=pp_rank)
                 assert b["params"] == owned, (lay, pp_rank)
                 assert b["weights"] == 2 * owned and b["grads"] == 4 * owned
-            b32 = param_bytes_per_rank(cfg, lay, dp=1, distributed_optimizer=False, dtype="float32", pp_rank=pp_rank)
+            b32 = param_bytes_per_rank(cfg, lay, distributed_optimizer=False, dtype="float32", pp_rank=pp_rank)
             assert b32["optimizer"] == 8 * owned  # fp32 weights are the main params: exp_avg + exp_avg_sq only
             copy = param_bytes_per_rank(cfg, lay, dtype="float32", pp_rank=pp_rank, main_params=True)
             assert copy["optimizer"] == 12 * owned and copy["main_params"] == 4 * owned
@@ -458,12 +461,12 @@ def test_param_bytes_equal_trainer_shards(tied):
             model = parallelize.parallelize(cfg, groups, torch.device("meta"), torch.bfloat16,
                                             ParallelConfig(tp=tp, pp=pp, sequence_parallel=tp > 1)).model
             sizes = [p.numel() for p in model.parameters()]
-            est = param_bytes_per_rank(cfg, Layout(tp=tp, pp=pp), dp=dp, distributed_optimizer=True,
+            est = param_bytes_per_rank(cfg, dims, distributed_optimizer=True,
                                        dtype="bfloat16", pp_rank=pp_rank)
             assert est["weights"] == sum(p.numel() * p.element_size() for p in model.parameters()), (tp, pp, pp_rank)
             assert est["grads"] == 4 * sum(sizes)
             owned = [sum(n for n, o in zip(sizes, owners(sizes, dp)) if o == r) for r in range(dp)]
-            full = param_bytes_per_rank(cfg, Layout(tp=tp, pp=pp), dp=dp, dtype="bfloat16", pp_rank=pp_rank)
+            full = param_bytes_per_rank(cfg, dims, dtype="bfloat16", pp_rank=pp_rank)
             assert full["optimizer"] == 12 * sum(owned)  # fp32 main params + exp_avg + exp_avg_sq
             assert est["optimizer"] == 12 * -(-sum(sizes) // dp) <= 12 * max(owned)  # flat split vs whole tensors
 
