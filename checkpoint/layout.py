@@ -1,4 +1,6 @@
-"""A parallel layout (TP x PP x VPP) and the checks that it fits a model. Pure functions, no process groups."""
+"""The model-parallel layout a checkpoint is sharded for (TP x PP x VPP, EP x ETP) and the checks that it fits a model.
+Pure functions, no process groups. A whole training run's layout (adding CP and DP) is checkpoint.run_layout.RunLayout,
+whose `model_parallel` is this one."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
