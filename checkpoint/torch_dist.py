@@ -402,9 +402,6 @@ class TorchDistCheckpoint:
                     raise FormatError(f"{src}: tensor {name} chunk at {list(off)} has no storage entry")
 
     # -- items ----------------------------------------------------------------------------------------------------
-    def item_info(self, name: str, offsets: tuple[int, ...] | None):
-        return self._storage[(name, offsets)]
-
     def read_item(self, name: str, offsets: tuple[int, ...]) -> torch.Tensor:
         """One stored chunk of a tensor, loaded with torch.load(weights_only=True) (memory-mapped when large)."""
         key = (name, offsets)

@@ -276,9 +276,6 @@ class HFSource:
             raise FormatError(f"{self.dir}: FP8 tensor {unscaled[0]} has no {SCALE_SUFFIX} block scale")
         return scales
 
-    def assets(self) -> list[Path]:
-        return find_assets(self.dir)
-
     def fingerprint(self) -> list[dict]:
         return self.file_info
 

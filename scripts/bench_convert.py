@@ -256,16 +256,6 @@ def try_drop_caches() -> bool:
         return False
 
 
-def cached_mb() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("Cached:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 # What the converter imports: re-read untimed after each drop so a timed step pays for reading the model, not for
 # reading torch/tensorstore from disk (cp's own code is a few hundred KB and always cached).
 WARM_CODE = "import convert.hf_to_mcore, convert.mcore_to_hf, checkpoint.reader, shardkit.cli"

@@ -23,10 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_convert import (GB, MB, Cache, Code, Run, dir_bytes, machine_facts, median, run_measured,  # noqa: E402
-                           shape_for, shardkit_bin, synthesize, timed)
+# a sibling script: run as `python scripts/bench_reshard.py`, Python puts scripts/ first on sys.path
+from bench_convert import (GB, MB, Cache, Code, Run, dir_bytes, machine_facts, median, run_measured, shape_for,
+                           shardkit_bin, synthesize, timed)
 
 
 def uptime() -> str:

@@ -518,15 +518,6 @@ def gather_state(fp8: Float8Training, groups) -> dict | None:
     return dict(parts[0], tensors=tensors)
 
 
-def describe_backend(x_is_cuda: bool, recipe: str) -> str:
-    """Which GEMM path the local backend takes, for the log."""
-    if recipe == "blockwise":
-        return "blockwise FP8 emulated (dequantize + high-precision GEMM; TE's Float8BlockScaling has the fast kernel)"
-    if x_is_cuda and torch.cuda.get_device_capability() >= (8, 9):
-        return "torch._scaled_mm (FP8 tensor cores)"
-    return "exact FP8 emulation (FP8 values multiplied in fp32, then scaled)"
-
-
 __all__ = [
     "DelayedScalingState",
     "FP8Config",
