@@ -40,6 +40,7 @@ from checkpoint.errors import ConfigError
 from train.fp8 import STATE_VERSION, FP8Config, _b64, _unb64, bf16_layers
 from train.model import apply_rope
 from train.parallel.groups import Groups
+from train.parallel.tensor import local_config
 
 INSTALL = ("pip install --no-build-isolation 'transformer-engine[pytorch]' (needs CUDA torch, nvcc and cuDNN), "
            "or use --transformer-impl local")
@@ -166,13 +167,15 @@ def _sbh(x: Tensor) -> Tensor:
 
 
 class TESelfAttention(nn.Module):
-    """GQA self-attention over the canonical fused QKV (per query group [q heads; k; v]) with TE modules."""
+    """GQA self-attention over the canonical fused QKV (per query group [q heads; k; v]) with TE modules. TE takes the
+    global sizes (`cfg`) and splits them itself; this rank's heads and query groups are those of `local` (local_config:
+    the sharding table's local shapes)."""
 
-    def __init__(self, te, cfg: ModelConfig, par: _Parallel, dtype: torch.dtype, device: torch.device,
-                 selective_recompute: bool) -> None:
+    def __init__(self, te, cfg: ModelConfig, local: ModelConfig, par: _Parallel, dtype: torch.dtype,
+                 device: torch.device, selective_recompute: bool) -> None:
         super().__init__()
         h, tp = cfg.hidden_size, par.tp_size
-        self.heads, self.groups = cfg.num_attention_heads // tp, cfg.num_query_groups // tp
+        self.heads, self.groups = local.num_attention_heads, local.num_query_groups
         self.heads_per_group, self.head_dim = cfg.heads_per_group, cfg.kv_channels
         common = dict(tp_group=par.tp_group, tp_size=tp, sequence_parallel=par.sequence_parallel, params_dtype=dtype,
                       device=device)
@@ -281,8 +284,9 @@ class TEBackend:
 
                 group = amax_reduction_group(dims, groups.pp_rank)
         backend = cls(te, model, fp8, recipe, group, keep)
+        local = local_config(cfg, dims.model_parallel)
         for key, layer in model.decoder.layers.items():
-            att = TESelfAttention(te, cfg, par, dtype, device, recompute == "selective")
+            att = TESelfAttention(te, cfg, local, par, dtype, device, recompute == "selective")
             mlp = TEMLP(te, cfg, par, dtype, device)
             layer.self_attention, layer.mlp = att, mlp
             if int(key) in keep:  # FP8 off inside this layer, its names unchanged
