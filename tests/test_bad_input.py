@@ -6,6 +6,7 @@ failure); the rest call `shardkit.cli.main` in-process to keep the file fast.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
@@ -216,6 +217,9 @@ def test_unknown_dtype(hf, out, capsys):
 
 # -- 10: write failures ---------------------------------------------------------------------------------------------
 
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE = 24, 1  # <linux/prctl.h>, <linux/capability.h>
+
+
 def _limit_file_size(nbytes: int):
     def preexec() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
@@ -249,19 +253,22 @@ def test_write_failure_output_is_a_file(hf, tmp_path, capsys):
     assert out.read_text() == "not a directory"
 
 
-def test_write_failure_read_only_output_dir(hf, out, capsys):
+def _without_dac_override() -> None:
+    """preexec_fn: root loses CAP_DAC_OVERRIDE (dropped from the bounding set, so exec does not give it back), so
+    a directory without write permission refuses its writes as it refuses everyone else's."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
+
+
+def test_write_failure_read_only_output_dir(hf, out):
     out.mkdir()
     out.chmod(0o555)
     try:
-        try:
-            (out / "probe").write_text("x")
-        except PermissionError:
-            pass
-        else:
-            pytest.skip("chmod does not stop writes here (root); the RLIMIT_FSIZE test covers write failures")
-        rc, err = run_inproc(convert_argv(hf, out), capsys)
+        rc, err = run_sub(convert_argv(hf, out), preexec_fn=_without_dac_override)
         assert_one_line_error(rc, err, str(out))
-        assert_nothing_complete(out)
+        assert list(out.iterdir()) == []
     finally:
         out.chmod(0o755)
 
