@@ -9,7 +9,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
@@ -284,8 +284,9 @@ class Checkpoint:
 
     def read_local(self, name: str, layout: Layout, coord: RankCoord) -> dict[int, torch.Tensor]:
         """One rank's local tensors of `name` (per model chunk) for any target layout, read through the sharding
-        table. Vocab tensors follow the target's padding: rows past the stored ones read as zeros, stored padding
-        rows past the target's are not read."""
+        table. Vocab tensors follow the target's padding: stored rows read as stored, rows past them are
+        `vocab_fill`'s (the last real row repeated; zeros for Adam moments), stored rows past the target's are not
+        read."""
         layout.check(self.config)
         target = {s.name: s for s in Manifest(0, self.config, layout, {}, fp8=self.manifest.fp8,
                                               optimizer=self.manifest.optimizer).specs()}.get(name)
@@ -301,6 +302,10 @@ class Checkpoint:
             gs, ls = list(r.global_slices()), list(r.local_slices())
             if target.rule is Rule.VOCAB and gs[0].stop > stored_rows:
                 keep = max(0, stored_rows - gs[0].start)
+                real = self.config.vocab_size
+                fill = slice(ls[0].start + keep, ls[0].stop)
+                last = self.read(name, (slice(real - 1, real), *gs[1:]))
+                out[r.vstage][(fill, *ls[1:])] = vocab_fill(name, last, fill.stop - fill.start)
                 gs[0] = slice(gs[0].start, gs[0].start + keep)
                 ls[0] = slice(ls[0].start, ls[0].start + keep)
                 if keep == 0:
@@ -424,6 +429,44 @@ class ReadPlan:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join()
+
+
+Array = TypeVar("Array", "torch.Tensor", np.ndarray)
+
+
+def vocab_fill(name: str, last_row: Array, rows: int) -> Array:
+    """The one vocab-padding rule (docs/FORMAT.md): the `rows` padding rows of vocab tensor `name` (or of its
+    optimizer state) after its last real row `last_row` (shape [1, ...], numpy or torch) are that row repeated, as
+    Megatron's converter pads; the Adam moments' (exp_avg, exp_avg_sq: no update history) are zeros. A broadcast
+    view, not a copy."""
+    shape = (rows, *last_row.shape[1:])
+    moment = (split_optimizer_key(name) or ("fp32_param",))[0] != "fp32_param"
+    if isinstance(last_row, np.ndarray):
+        return np.broadcast_to(np.zeros_like(last_row) if moment else last_row, shape)
+    import torch
+
+    return (torch.zeros_like(last_row) if moment else last_row).expand(*shape)
+
+
+def read_padded(read: Callable[[tuple[slice, ...]], Array], name: str, box: tuple[tuple[int, int], ...],
+                true_rows: int | None) -> Array:
+    """A box of tensor `name` at a layout with other vocab padding, from `read(index)` of the source tensor (torch
+    tensors or numpy arrays): rows from `true_rows` (the true vocabulary; None: not a vocab tensor) on are
+    `vocab_fill`'s, whatever the source stores there."""
+    (a, b), *_ = box
+    index = tuple(slice(x, y) for x, y in box)
+    if true_rows is None or b <= true_rows:
+        return read(index)
+    cols = index[1:]
+    parts = [read((slice(a, true_rows), *cols))] if a < true_rows else []
+    parts.append(vocab_fill(name, read((slice(true_rows - 1, true_rows), *cols)), b - max(a, true_rows)))
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    import torch
+
+    return torch.cat(parts)
 
 
 def entry_nbytes(e: TensorEntry) -> int:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
+from checkpoint.reader import vocab_fill
+
 if TYPE_CHECKING:
     import torch
 
@@ -31,8 +33,8 @@ class TensorMap:
     """One canonical tensor, or one (layer[, expert]) slice of a stacked one (`lead` = its leading indices), as row
     blocks of HF tensors.
 
-    Rows [pad_start, rows) are vocab padding: filled with the last real row (what Megatron's saver does) and never
-    exported."""
+    Rows [pad_start, rows) are vocab padding: filled by the one rule (checkpoint.reader.vocab_fill: the last real
+    row repeated, as Megatron's converter does) and never exported."""
 
     canonical: str
     lead: tuple[int, ...]
@@ -62,8 +64,7 @@ def assemble(tm: TensorMap, start: int, stop: int, read: HFReader, cols: slice |
     if tm.pad_start is not None and stop > tm.pad_start:
         last = tm.segments[-1]
         row = read(last.hf_name, last.hf_start + last.stop - last.start - 1, last.hf_start + last.stop - last.start, cols)
-        shape = (stop - max(start, tm.pad_start), *row.shape[1:])
-        parts.append(np.broadcast_to(row, shape) if isinstance(row, np.ndarray) else row.expand(*shape))
+        parts.append(vocab_fill(tm.canonical, row, stop - max(start, tm.pad_start)))
     if len(parts) == 1:
         return parts[0]
     if isinstance(parts[0], np.ndarray):

@@ -2,7 +2,7 @@
 
 Arrays are global, so resharding is re-chunking: every destination chunk reads exactly the source box it covers
 (tensorstore fetches only the source chunks that box touches). Vocab padding is recomputed for the destination TP
-the way hf-to-mcore pads (the last real row repeated), so reshard(convert(hf, A), B) equals convert(hf, B) byte for
+by the one rule (checkpoint.reader.vocab_fill, as hf-to-mcore pads: the last real row repeated), so reshard(convert(hf, A), B) equals convert(hf, B) byte for
 byte, and the true vocabulary never changes.
 
 A training checkpoint's optimizer state (`optimizer.state.<state>.<name>`, fp32, same specs as the weights) moves the
@@ -16,9 +16,6 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
-
-import numpy as np
 
 from checkpoint import store
 from checkpoint.commit import IterationWriter
@@ -26,16 +23,12 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError, ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
-from checkpoint.reader import Checkpoint, ReadPlan
+from checkpoint.reader import Checkpoint, ReadPlan, read_padded
 from checkpoint.safety import check_output
 from checkpoint.sharding import Rule, check_fp8_layout, model_specs, optimizer_specs, split_optimizer_key
 
 from .hf_to_mcore import VERSION
 from .writer import ChunkSink, Task, chunk_tasks, write_chunks
-
-if TYPE_CHECKING:  # not imported at run time: a reshard moves numpy views (torch's import is ~1.5 CPU-s)
-    import torch
-
 
 LAYOUT_FLAGS = ("tp", "pp", "vpp", "ep", "etp")
 
@@ -124,17 +117,11 @@ def plan_reshard(ck: Checkpoint, layout: Layout, dtype: str | None) -> dict[str,
     return entries
 
 
-def vocab_padding(cfg: ModelConfig, layout: Layout, optimizer: list[str] | None) -> dict[str, tuple[int, bool]]:
-    """Vocab tensors of the destination: name -> (true rows, whether padding rows are zeros rather than the last
-    real row repeated). Moments (exp_avg, exp_avg_sq) of padding rows are zeros; weights and fp32_param repeat."""
+def vocab_padding(cfg: ModelConfig, layout: Layout, optimizer: list[str] | None) -> dict[str, int]:
+    """Vocab tensors of the destination (and their optimizer state): name -> true rows (read_padded fills the rest)."""
     base = [s for s in model_specs(cfg, layout) if s.rule is Rule.VOCAB]
-    out = {s.name: (cfg.vocab_size, False) for s in base}
-    for s in optimizer_specs(base, optimizer or ()):
-        out[s.name] = (cfg.vocab_size, split_optimizer_key(s.name)[0] != "fp32_param")
-    return out
+    return {s.name: cfg.vocab_size for s in [*base, *optimizer_specs(base, optimizer or ())]}
 
-
-Array = TypeVar("Array", "torch.Tensor", np.ndarray)
 
 # -- worker side ----------------------------------------------------------------------------------------------------
 _W: dict = {}
@@ -142,7 +129,7 @@ SOURCE_CACHE_BYTES = 512 << 20  # > READ_AHEAD_BYTES + the chunks in use (chunks
 READ_AHEAD_BYTES = 256 << 20
 
 
-def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, tuple[int, bool]],
+def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, int],
                  tasks: list[Task]) -> None:
     # A destination chunk is often a part of a source chunk (a higher TP splits it): keep source chunks until their
     # last destination chunk is written, so each is read and checksummed once; read ahead in-process only.
@@ -155,36 +142,9 @@ def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict
 def _run_task(task: Task) -> tuple[str, int]:
     src: Checkpoint = _W["src"]
     # numpy views of the cached source chunks, handed to the sink as they are (no copy where a box is contiguous)
-    value = read_padded(lambda idx: src.read_numpy(task.name, idx), task.box, _W["vocab"].get(task.name))
+    value = read_padded(lambda idx: src.read_numpy(task.name, idx), task.name, task.box, _W["vocab"].get(task.name))
     _W["plan"].done(task.name, task.index)
     return _W["sink"].write(task, value)
-
-
-def read_padded(read: Callable[[tuple[slice, ...]], Array], box: tuple[tuple[int, int], ...],
-                pad: tuple[int, bool] | None) -> Array:
-    """A box of a destination tensor, from `read(index)` of the source tensor (torch tensors or numpy arrays).
-    `pad` = (true rows, zeros) for a vocab tensor: rows past the true vocabulary are the last real row repeated (as
-    hf-to-mcore pads), or zeros for optimizer moments."""
-    (a, b), *rest = box
-    index = tuple(slice(x, y) for x, y in box)
-    if pad is None or b <= pad[0]:
-        return read(index)
-    true_rows, zeros = pad
-    cols = index[1:]
-    parts = [read((slice(a, true_rows), *cols))] if a < true_rows else []
-    last = read((slice(true_rows - 1, true_rows), *cols))
-    rows = (b - max(a, true_rows), *last.shape[1:])
-    if isinstance(last, np.ndarray):
-        if zeros:  # optimizer moments: padding rows have no update history
-            last = np.zeros_like(last)
-        parts.append(np.broadcast_to(last, rows))
-        return np.concatenate(parts) if len(parts) > 1 else parts[0]
-    import torch
-
-    if zeros:
-        last = torch.zeros_like(last)
-    parts.append(last.expand(*rows))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 # -- main side ------------------------------------------------------------------------------------------------------

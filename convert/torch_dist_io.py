@@ -44,15 +44,14 @@ from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.megatron import (CHECKPOINT_VERSION, DENSE_ORDER, EXPERT_ORDER, KEY_NAMINGS, layout_from_args,
                                  megatron_args, rank_of, rank_sizes, sharded_key)
 from checkpoint.progress import progress_bar
-from checkpoint.reader import Checkpoint, ReadPlan
+from checkpoint.reader import Checkpoint, ReadPlan, read_padded
 from checkpoint.safety import check_output
-from checkpoint.sharding import (OPTIMIZER_STATES, Rule, TensorSpec, owner,
-                                 split_optimizer_key)
+from checkpoint.sharding import OPTIMIZER_STATES, Region, Rule, TensorSpec, regions, split_optimizer_key
 from checkpoint.torch_dist import (DCPWriter, TorchDistCheckpoint, check_output_root, commit_iteration_dir,
                                    none_object_bytes, read_torch_dist, writing_iteration_dir, write_common)
 
 from .hf_to_mcore import VERSION
-from .reshard import plan_reshard, read_padded, vocab_padding
+from .reshard import plan_reshard, vocab_padding
 from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
 SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
@@ -92,26 +91,25 @@ def source_keys(name: str) -> list[str]:
 # -- Megatron rank numbering ------------------------------------------------------------------------------------------
 
 def chunk_rank(spec: TensorSpec, layout: Layout, box: tuple[tuple[int, int], ...], num_layers: int) -> int:
-    """The (data-parallel rank 0) Megatron rank that owns a box of `spec` lying inside one rank's shard."""
-    if spec.per_layer:
-        chunk = box[0][0] // layout.layers_per_chunk(spec.shape[0])
-        pp = chunk % layout.pp
-    else:
-        pp = owner(spec, layout, num_layers)[0]
-    ax = spec.tp_axis
-    r = 0
-    if ax is not None:
-        n = layout.expert_tp if spec.expert else layout.tp
-        if spec.rule is Rule.GATE_UP:
-            half = spec.shape[ax] // 2
-            r = (box[ax][0] % half) // (half // n)
+    """The (data-parallel rank 0) Megatron rank whose shard (its primary regions in the sharding table) holds the
+    first element of a box of `spec` (a stored chunk, or a whole layer's box for its TP rank 0 object)."""
+    for region, rank in _shard_owners(spec, layout, num_layers):
+        if all(o <= a < o + s for (a, _), o, s in zip(box, region.global_offset, region.shape)):
+            return rank
+    raise ShardkitError(f"internal: tensor {spec.name}: box {list(box)} starts in no rank's shard")
+
+
+@functools.lru_cache(maxsize=64)
+def _shard_owners(spec: TensorSpec, layout: Layout, num_layers: int) -> list[tuple[Region, int]]:
+    """Every primary region of `spec` with the Megatron rank that owns it (TP fastest, then EP, then PP)."""
+    out = []
+    for c in layout.ranks(expert=spec.expert):
+        if spec.expert:
+            rank = rank_of(rank_sizes(layout, expert=True), EXPERT_ORDER, etp=c.etp, ep=c.ep, pp=c.pp)
         else:
-            r = box[ax][0] // (spec.shape[ax] // n)
-    if spec.expert:
-        e_axis = int(spec.per_layer)
-        ep = box[e_axis][0] // (spec.shape[e_axis] // layout.ep)
-        return rank_of(rank_sizes(layout, expert=True), EXPERT_ORDER, etp=r, ep=ep, pp=pp)
-    return rank_of(rank_sizes(layout), DENSE_ORDER, tp=r, pp=pp)
+            rank = rank_of(rank_sizes(layout), DENSE_ORDER, tp=c.tp, pp=c.pp)
+        out += [(r, rank) for r in regions(spec, layout, c, num_layers) if r.primary]
+    return out
 
 
 def extra_state_objects(spec: TensorSpec, layout: Layout, num_layers: int) -> list[tuple[str, int]]:
@@ -174,7 +172,7 @@ def _prefetched(ck: Checkpoint, items: list, pads: dict) -> Iterator[np.ndarray]
     plan = ReadPlan(ck, [(name, idx) for (name, _), idx in zip(items, index)], READ_AHEAD_BYTES)
     try:
         for k, (name, box) in enumerate(items):
-            value = read_padded(functools.partial(ck.read_numpy, name), box, pads.get(name))
+            value = read_padded(functools.partial(ck.read_numpy, name), name, box, pads.get(name))
             plan.done(name, index[k])
             yield value
             del value  # its chunk's buffer goes back to the pool once written
@@ -410,7 +408,7 @@ def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype
 _W: dict = {}
 
 
-def _init_worker(td_path: str, keys: dict[str, str], vocab: dict[str, tuple[int, bool]], out_dir: str,
+def _init_worker(td_path: str, keys: dict[str, str], vocab: dict[str, int], out_dir: str,
                  dtypes: dict[str, str]) -> None:
     torch.set_num_threads(1)
     td = TorchDistCheckpoint(td_path)
@@ -421,7 +419,7 @@ def _init_worker(td_path: str, keys: dict[str, str], vocab: dict[str, tuple[int,
 def _run_task(task: Task) -> tuple[str, int]:
     td: TorchDistCheckpoint = _W["td"]
     key = _W["keys"][task.name]
-    value = read_padded(lambda idx: td.read(key, tuple((s.start, s.stop) for s in idx)), task.box,
+    value = read_padded(lambda idx: td.read(key, tuple((s.start, s.stop) for s in idx)), task.name, task.box,
                         _W["vocab"].get(task.name))
     return _W["sink"].write(task, value)
 

@@ -33,7 +33,8 @@ from checkpoint.errors import FormatError, WriteError
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.manifest import Manifest, TensorEntry, iter_dirname, tensor_path
 from checkpoint.reader import Checkpoint, entry_nbytes
-from checkpoint.sharding import OPTIMIZER_STATES, TensorSpec, model_specs, optimizer_key, owner, regions
+from checkpoint.sharding import (OPTIMIZER_STATES, TensorSpec, chunk_shape, local_shape, model_specs, optimizer_key,
+                                 owner, regions)
 from train.model import canonical_name
 from train.optim import DistributedOptimizer
 from train.parallel.groups import Groups
@@ -66,6 +67,10 @@ def param_table(model: nn.Module, cfg: ModelConfig, layout: Layout, groups: Grou
         if cname not in specs:
             raise FormatError(f"parameter {name}: no canonical tensor {cname} in the sharding table")
         spec = specs[cname]
+        want = local_shape(spec, layout)[1 if layer is not None else 0:]  # a stacked layer: one layer of it
+        if tuple(p.shape) != want:
+            raise FormatError(f"parameter {name}: local shape {list(p.shape)}, but the sharding table gives "
+                              f"{cname} the local shape {list(want)} at tp={layout.tp} pp={layout.pp} ep={layout.ep}")
         tied_copy = spec.stage == "first" and not groups.first_stage
         if layer is not None:
             v, start = chunk_start[layer]
