@@ -27,7 +27,6 @@ from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
 from train import moe
-from train import precision
 from train.config import TrainConfig, run_length, validate
 from train.data import DataConfig, DataError, build_datasets, check_vocab, micro_batches
 from train.failures import bound_every_group
