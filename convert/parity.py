@@ -6,7 +6,7 @@ vocab) were assembled wrongly, the logits differ. Both models run in fp32 on the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -17,6 +17,24 @@ from train.model import GPTModel
 
 # HF's SDPA path runs the same kernels in the same order as GPTModel (bitwise equal on CPU); eager differs by ~1e-6.
 HF_ATTN_IMPLEMENTATION = "sdpa"
+
+
+def load_quietly(build: Callable[[], Any], hf_dir: str | Path) -> Any:
+    """Run `build` (a transformers load) without HF's loading bars and load report (e.g. DeepSeek-V3's MTP layers,
+    which transformers does not load): our own output is the report, and a wrong or missing weight shows as a logit
+    difference. A model transformers cannot load is one line."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        return build()
+    except (OSError, ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ShardkitError(f"--against {hf_dir}: transformers cannot load it ({first})") from None
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
 
 
 def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | Path, *, batch: int = 2,
@@ -37,19 +55,8 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
     ours.load_canonical(tensors)  # copy_ upcasts bf16/fp16 sources exactly
     ours.eval()
 
-    # our own output is the report: HF's loading bar and its load report (e.g. DeepSeek-V3's MTP layers, which
-    # transformers does not load) are noise here; a wrong or missing weight shows as a logit difference
-    transformers.utils.logging.disable_progress_bar()
-    verbosity = transformers.utils.logging.get_verbosity()
-    transformers.utils.logging.set_verbosity_error()
-    try:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            hf_dir, dtype=torch.float32, attn_implementation=HF_ATTN_IMPLEMENTATION, trust_remote_code=False)
-    except (OSError, ValueError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ShardkitError(f"--against {hf_dir}: transformers cannot load it ({first})") from None
-    finally:
-        transformers.utils.logging.set_verbosity(verbosity)
+    hf = load_quietly(lambda: transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation=HF_ATTN_IMPLEMENTATION, trust_remote_code=False), hf_dir)
     hf.eval()
 
     generator = torch.Generator().manual_seed(seed)
@@ -67,3 +74,20 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
         "seq_len": seq_len,
         "dtype": "float32",
     }
+
+
+def against_hf(ck, hf_dir: str | Path, *, seq_len: int = 32, tolerance: float = 1e-4, streaming: bool = False,
+               memory_budget: int | None = None, progress: Callable[[int], None] | None = None) -> dict:
+    """`verify --against`: the whole-model comparison, or the streaming one (convert/streaming.py) when asked or when
+    both fp32 models would not fit in `memory_budget` (default: half the available memory)."""
+    from .streaming import choose_mode, stream_parity
+
+    mode, memory = choose_mode(ck, streaming, memory_budget)
+    if mode == "streaming":
+        out = stream_parity(ck, hf_dir, seq_len=seq_len, tolerance=tolerance, progress=progress)
+    else:
+        out = {**logit_parity(ck.config, ck.state_dict(dequantize=True), hf_dir, seq_len=seq_len), "mode": "whole"}
+    out["memory"] = memory
+    out["tolerance"] = tolerance
+    out["ok"] = out["max_abs_diff"] <= tolerance  # False for a NaN difference
+    return out

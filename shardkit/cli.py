@@ -182,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--against", metavar="HF_DIR", help="HF model directory to compare logits with (fp32)")
     ver.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference allowed (1e-4)")
     ver.add_argument("--seq-length", type=int, default=32)
+    ver.add_argument("--streaming", action="store_true",
+                     help="with --against: compare layer by layer, one layer's weights in memory at a time (default: "
+                          "only when both fp32 models would not fit in --memory-budget)")
+    ver.add_argument("--memory-budget", metavar="SIZE", default=None,
+                     help="with --against: memory the comparison may use, e.g. 64GiB (default: half the available)")
     ver.add_argument("--json", action="store_true")
     ver.add_argument("--quiet", action="store_true")
 
@@ -562,12 +567,17 @@ def _verify(args: argparse.Namespace) -> int:
     result = {"path": str(ckpt.path), "chunks_ok": True, **result}
     ok = finite = not result["nonfinite"]
     if args.against:
-        from convert.parity import logit_parity
+        from convert.parity import against_hf
+        from plan.units import parse_bytes
 
-        parity = logit_parity(ckpt.config, ckpt.state_dict(dequantize=True), args.against, seq_len=args.seq_length)
-        parity["tolerance"] = args.tolerance
-        parity["ok"] = close = parity["max_abs_diff"] <= args.tolerance  # False for a NaN difference
-        ok = ok and close
+        budget = None if args.memory_budget is None else parse_bytes(args.memory_budget, "--memory-budget")
+        # streaming: bytes read from both sides (each about once) and layers done
+        with progress_bar("compare", total=2 * ckpt.nbytes(), items=ckpt.config.num_layers, unit="layers",
+                          disable=args.quiet or args.json) as bar:
+            parity = against_hf(ckpt, args.against, seq_len=args.seq_length, tolerance=args.tolerance,
+                                streaming=args.streaming, memory_budget=budget,
+                                progress=lambda nbytes: bar.advance(nbytes, items=1))
+        ok = ok and parity["ok"]
         result["parity"] = parity
     result["ok"] = ok
     if args.json:
@@ -586,6 +596,17 @@ def _verify(args: argparse.Namespace) -> int:
             p = result["parity"]
             print(f"logits vs {args.against} (fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| = "
                   f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if ok else 'FAIL'}")
+            if p["mode"] == "streaming":
+                moe = [r for r in p["layers"] if "experts" in r]
+                print(f"  streamed layer by layer (each on HF's hidden state): worst layer |diff| "
+                      f"{max(r['max_abs_diff'] for r in p['layers']):.3e}"
+                      + (f"; experts exercised {sum(r['experts_exercised'] for r in moe)}/"
+                         f"{sum(r['experts'] for r in moe)}" if moe else ""))
+                for r in p["layers"]:
+                    if not r["max_abs_diff"] <= p["tolerance"]:
+                        where = f"layer {r['layer']}" + (f", expert {r['expert']} ({r['expert_max_abs_diff']:.3e})"
+                                                          if "expert" in r else "")
+                        print(f"  {where}: |diff| {r['max_abs_diff']:.3e} beyond the tolerance")
     if not finite:
         bad = result["nonfinite"]
         first = next(iter(bad))
@@ -594,6 +615,12 @@ def _verify(args: argparse.Namespace) -> int:
               "iteration", file=sys.stderr)
         return 1
     if not ok:
+        first = result["parity"].get("first_layer_beyond_tolerance")
+        if first is not None:
+            print(f"shardkit: error: layer {first} is the first to differ from {args.against} beyond "
+                  f"{args.tolerance:.0e} (on HF's own input of that layer); the checkpoint does not reproduce that "
+                  "model", file=sys.stderr)
+            return 1
         print(f"shardkit: error: logits differ from {args.against} by {result['parity']['max_abs_diff']:.3e} > "
               f"{args.tolerance:.0e}; the checkpoint does not reproduce that model", file=sys.stderr)
         return 1

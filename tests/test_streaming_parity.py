@@ -1,0 +1,168 @@
+"""verify --against in streaming mode (convert/streaming.py): one layer in memory at a time, the same verdict and the
+same numbers as the whole-model mode, a planted error named at its layer (and expert), bad input in one line.
+
+The reference per-layer numbers are computed here independently of the streaming code: transformers' whole model
+loaded by from_pretrained, its decoder layers' inputs and outputs captured by hooks, and our whole GPTModel's layer i
+run on HF's input of layer i."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from checkpoint.layout import Layout
+from checkpoint.reader import Checkpoint
+from convert.hf_to_mcore import convert_hf_to_mcore
+from convert.parity import HF_ATTN_IMPLEMENTATION, against_hf, logit_parity
+from convert.streaming import choose_mode, stream_parity
+from tests import moe_models
+from tests.test_model_parity import CASES, make_hf
+from train.model import GPTModel
+
+DENSE = ["llama_gqa", "llama_tied", "llama_rope_yarn", "llama_bias", "mistral_sliding_window", "qwen2"]
+MOE = ["mixtral", "deepseek_v2_lite", "deepseek_v3"]
+
+
+def _hf_dir(tmp_path, case):
+    d = tmp_path / f"hf-{case}"
+    if case in MOE:
+        moe_models.build(case, d)
+        return d, 32
+    cls, overrides, seq = CASES[case]
+    make_hf(cls, overrides).save_pretrained(d)
+    return d, seq
+
+
+def _convert(tmp_path, hf_dir, **layout):
+    return Checkpoint(convert_hf_to_mcore(hf_dir, tmp_path / "ck", Layout(**layout), quiet=True).parent)
+
+
+def whole_layer_diffs(ck: Checkpoint, hf_dir, seq_len: int) -> list[float]:
+    """Each of our layers on HF's input of that layer, with both models whole: max |ours - HF| per layer."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                           attn_implementation=HF_ATTN_IMPLEMENTATION).eval()
+    seen = []
+    for layer in hf.model.layers:
+        layer.register_forward_hook(
+            lambda m, a, kw, out: seen.append((a[0] if a else kw["hidden_states"],
+                                               out[0] if isinstance(out, tuple) else out)), with_kwargs=True)
+    cfg = ck.config
+    sd = ck.state_dict()
+    with torch.device("meta"):
+        ours = GPTModel(cfg, sd["embedding.word_embeddings.weight"].shape[0])
+    ours = ours.to_empty(device="cpu").float()
+    ours.load_canonical(sd)
+    ids = torch.randint(0, cfg.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hf(input_ids=ids, use_cache=False)
+        cos, sin = ours.rope(ids, None, torch.float32)
+        return [(ours.decoder.layers[str(i)](h_in, cos, sin) - h_out).abs().max().item()
+                for i, (h_in, h_out) in enumerate(seen)]
+
+
+@pytest.mark.parametrize("case", DENSE + MOE)
+def test_streaming_equals_whole(tmp_path, case):
+    hf_dir, seq = _hf_dir(tmp_path, case)
+    ck = _convert(tmp_path, hf_dir, **({"ep": 2} if case in MOE else {"tp": 2}))
+    s = stream_parity(ck, hf_dir, seq_len=seq)
+    whole = logit_parity(ck.config, ck.state_dict(), hf_dir, seq_len=seq)
+    assert s["max_abs_diff"] == whole["max_abs_diff"] and s["max_abs_diff"] <= 1e-4, (s, whole)
+    assert s["mean_abs_diff"] == pytest.approx(whole["mean_abs_diff"], rel=1e-6)
+    per_layer = [r["max_abs_diff"] for r in s["layers"] if r["layer"] != "embedding"]
+    assert per_layer == pytest.approx(whole_layer_diffs(ck, hf_dir, seq), abs=1e-7)
+    assert s["first_layer_beyond_tolerance"] is None
+    if case in MOE:
+        moe_rows = [r for r in s["layers"] if "experts" in r]
+        assert moe_rows and all(0 < r["experts_exercised"] <= r["experts"] for r in moe_rows)
+
+
+def _plant(hf_dir, key, fn):
+    f = hf_dir / "model.safetensors"
+    sd = load_file(str(f))
+    sd[key] = fn(sd[key].clone())
+    save_file(sd, str(f), metadata={"format": "pt"})
+
+
+def test_planted_expert_error_is_named(tmp_path):
+    hf_dir, seq = _hf_dir(tmp_path, "mixtral")
+    ck = _convert(tmp_path, hf_dir)
+
+    def bump(t):
+        t[0] += 0.5
+        return t
+
+    _plant(hf_dir, "model.layers.1.block_sparse_moe.experts.2.w1.weight", bump)
+    s = stream_parity(ck, hf_dir, seq_len=seq)
+    assert s["first_layer_beyond_tolerance"] == 1
+    row = s["layers"][2]
+    assert row["layer"] == 1 and row["expert"] == 2 and row["expert_max_abs_diff"] > 1e-4, row
+    assert s["layers"][1]["max_abs_diff"] <= 1e-4  # layer 0 is fine
+
+
+def test_planted_qkv_group_error_is_named_via_cli(tmp_path):
+    hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
+    ck = _convert(tmp_path, hf_dir, tp=2)
+    cfg = ck.config
+    group = slice(cfg.kv_channels, 2 * cfg.kv_channels)  # the second KV head's rows of k_proj
+
+    def bump(t):
+        t[group] *= 1.5
+        return t
+
+    last = cfg.num_layers - 1
+    _plant(hf_dir, f"model.layers.{last}.self_attn.k_proj.weight", bump)
+    r = subprocess.run([sys.executable, "-m", "shardkit", "verify", str(ck.path), "--against", str(hf_dir),
+                        "--streaming", "--seq-length", str(seq), "--json"], capture_output=True, text=True)
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)["parity"]
+    assert out["mode"] == "streaming" and out["first_layer_beyond_tolerance"] == last
+    assert f"layer {last} is the first to differ" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_mode_follows_the_memory_budget(tmp_path):
+    hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
+    ck = _convert(tmp_path, hf_dir)
+    mode, memory = choose_mode(ck, False, None)
+    assert mode == "whole" and memory["streaming"] < memory["whole"] <= memory["budget"]
+    assert choose_mode(ck, False, memory["whole"] - 1)[0] == "streaming"
+    assert choose_mode(ck, True, None)[0] == "streaming"
+    r = against_hf(ck, hf_dir, seq_len=seq, memory_budget=memory["whole"] - 1)
+    assert r["mode"] == "streaming" and r["ok"]
+    with pytest.raises(Exception, match=f"{memory['streaming']:,} bytes in fp32"):
+        choose_mode(ck, False, memory["streaming"] - 1)
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True)
+
+
+def test_bad_input_is_one_line(tmp_path):
+    hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
+    ck = _convert(tmp_path, hf_dir)
+    # a model whose config differs (a field that changes the math)
+    other = tmp_path / "other"
+    cls, overrides, _ = CASES["llama_gqa"]
+    make_hf(cls, {**overrides, "rms_norm_eps": 1e-3}).save_pretrained(other)
+    # HF weights missing for a layer
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    for f in hf_dir.iterdir():
+        (missing / f.name).write_bytes(f.read_bytes())
+    sd = load_file(str(missing / "model.safetensors"))
+    del sd["model.layers.1.mlp.down_proj.weight"]
+    save_file(sd, str(missing / "model.safetensors"), metadata={"format": "pt"})
+    cases = [(["--against", str(other), "--streaming"], "norm_epsilon"),
+             (["--against", str(missing), "--streaming"], "model.layers.1.mlp.down_proj.weight"),
+             (["--against", str(hf_dir), "--memory-budget", "1000"], "too small"),
+             (["--against", str(hf_dir), "--memory-budget", "lots"], "--memory-budget")]
+    for extra, needle in cases:
+        r = _cli("verify", str(ck.path), "--seq-length", str(seq), *extra)
+        assert r.returncode != 0, extra
+        err = r.stderr.strip().splitlines()
+        assert len(err) == 1 and needle in err[0] and "Traceback" not in r.stderr, (extra, r.stderr)
