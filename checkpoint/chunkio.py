@@ -17,8 +17,9 @@ import mmap
 import os
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -260,6 +261,47 @@ def sync_chunk(path: Path, fd: int, label: str) -> None:
         fsync_path(path.parent)
     except OSError as e:
         raise _write_error(label, path, e) from None
+
+
+class ChunkWriter:
+    """The one writer of chunk files (conversions, reshard, training saves): `threads` threads write and fsync whole
+    chunks concurrently, so the filesystem commits many small files' fsyncs together and the disk never waits for
+    us. At most `inflight_bytes` of values handed over and not yet written are held (`submit` waits); a submit's
+    future completes once its chunk is durable."""
+
+    def __init__(self, threads: int = 16, inflight_bytes: int = 128 << 20):
+        self.inflight_bytes = inflight_bytes
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-write")
+        self._unwritten = 0  # bytes of values handed to the threads, not yet written
+        self._cv = threading.Condition()
+
+    def submit(self, path: Path, data: np.ndarray, label: str,
+               on_written: Callable[[], None] | None = None) -> Future:
+        """Write `data` (contiguous, the chunk's full shape; handed over: never modified afterwards) as the chunk
+        file `path`; `on_written()` runs once its bytes are in the page cache, before the fsync."""
+        nbytes = data.nbytes
+        with self._cv:
+            while self._unwritten and self._unwritten + nbytes > self.inflight_bytes:
+                self._cv.wait()
+            self._unwritten += nbytes
+        return self._pool.submit(self._write_then_sync, path, [data], label, nbytes, on_written)
+
+    def _write_then_sync(self, path: Path, holder: list, label: str, nbytes: int,
+                         on_written: Callable[[], None] | None) -> None:
+        """The chunk's buffer is released as soon as its bytes are written (the holder list is the only reference)."""
+        try:
+            fd = write_chunk(path, holder.pop(), label)
+        finally:
+            with self._cv:
+                self._unwritten -= nbytes
+                self._cv.notify_all()
+        if on_written is not None:
+            on_written()
+        sync_chunk(path, fd, label)
+
+    def close(self) -> None:
+        """Wait for every write in flight."""
+        self._pool.shutdown(wait=True)
 
 
 def write_durable(path: Path, data: np.ndarray, label: str) -> None:

@@ -12,7 +12,6 @@ import itertools
 import multiprocessing as mp
 import os
 import sys
-import threading
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,9 +85,7 @@ class ChunkSink:
         # writes not yet durable, oldest first: (task, nbytes, bytes of ours it holds (tensorstore), durable future)
         self._pending: collections.deque = collections.deque()
         self._pending_bytes = self._held_bytes = 0
-        self._threads: ThreadPoolExecutor | None = None
-        self._unwritten = 0  # bytes of chunk values handed to the writer threads, not yet written
-        self._unwritten_cv = threading.Condition()
+        self._writer: chunkio.ChunkWriter | None = None
 
     def write(self, task: Task, value: "torch.Tensor | np.ndarray") -> tuple[str, int]:
         """Write one chunk. In a worker process it is durable on return (the parent records it). In-process
@@ -115,13 +112,10 @@ class ChunkSink:
             if rec is None:
                 chunkio.write_durable(path, data, task.name)
                 return task.id, nbytes
-            with self._unwritten_cv:  # bounded memory: wait while the writer threads hold INFLIGHT_BYTES of ours
-                while self._unwritten and self._unwritten + nbytes > INFLIGHT_BYTES:
-                    self._unwritten_cv.wait()
-                self._unwritten += nbytes
-            if self._threads is None:
-                self._threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="shardkit-write")
-            done, held = self._threads.submit(self._write_then_sync, path, [data], task.name, nbytes, rec), 0
+            if self._writer is None:  # bounded memory: submit waits while the threads hold INFLIGHT_BYTES of ours
+                self._writer = chunkio.ChunkWriter(WRITE_THREADS, INFLIGHT_BYTES)
+            # the chunk's bytes show on the progress bar when written; it is counted done (recorded) once durable
+            done, held = self._writer.submit(path, data, task.name, lambda: rec.bar.advance(nbytes, 1)), 0
             del data
         else:
             try:
@@ -140,19 +134,6 @@ class ChunkSink:
         if self._over_budget():
             self._retire(rec)
         return task.id, nbytes
-
-    def _write_then_sync(self, path: Path, holder: list, label: str, nbytes: int, rec: "_Recorder") -> None:
-        """Writer thread: write the chunk (its buffer is released as soon as the bytes are in the page cache: the
-        holder list is the only reference), show its bytes on the progress bar, then make it durable (the chunk is
-        counted done, and recorded for resume, only then)."""
-        try:
-            fd = chunkio.write_chunk(path, holder.pop(), label)
-        finally:
-            with self._unwritten_cv:
-                self._unwritten -= nbytes
-                self._unwritten_cv.notify_all()
-        rec.bar.advance(nbytes, 1)
-        chunkio.sync_chunk(path, fd, label)
 
     def _over_budget(self) -> bool:
         return self._held_bytes > INFLIGHT_BYTES or self._pending_bytes > SYNC_BACKLOG_BYTES

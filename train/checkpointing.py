@@ -3,14 +3,17 @@ table, so a checkpoint saved at one layout loads at any other (after `shardkit r
 region, not by file).
 
 Saving is parallel and atomic: rank 0 opens `<root>/iter_N.partial` (checkpoint.commit.IterationWriter) and creates
-every array with chunks aligned to the rank regions (a chunk never has two writers); each parameter's owner (the DP
-rank whose optimizer shard holds it; TP rank 0 for TP-replicated tensors) writes the weight and its optimizer state;
-after a barrier rank 0 writes train_state.json and the manifest and renames the directory into place, `latest` last.
-With --async-save the waiting and the commit run in a background thread on a process group of their own.
+every array chunked exactly as the converters chunk (chunk_shape: inside one rank's region, so a chunk never has two
+writers); each parameter's owner (the DP rank whose optimizer shard holds it; TP rank 0 for TP-replicated tensors)
+writes the weight's and its optimizer state's chunk files with the converters' writer (chunkio.ChunkWriter); after a
+barrier rank 0 writes train_state.json and the manifest and renames the directory into place, `latest` last. With
+--async-save this rank's chunks are copied first, and the writing, the waiting and the commit run in a background
+thread on a process group of their own.
 """
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import random
 import shutil
@@ -19,22 +22,23 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkpoint import store
+from checkpoint import chunkio, store
 from checkpoint.commit import PARTIAL_SUFFIX, IterationWriter
 from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, WriteError
+from checkpoint.faults import fault_point
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.manifest import Manifest, TensorEntry, iter_dirname, tensor_path
 from checkpoint.reader import Checkpoint, entry_nbytes
-from checkpoint.sharding import (OPTIMIZER_STATES, TensorSpec, chunk_shape, local_shape, model_specs, optimizer_key,
-                                 owner, regions)
+from checkpoint.sharding import (OPTIMIZER_STATES, TensorSpec, local_shape, model_specs, optimizer_key,
+                                 optimizer_specs, owner, regions)
 from train.model import canonical_name
 from train.optim import DistributedOptimizer
 from train.parallel.groups import Groups
@@ -122,32 +126,18 @@ def load_optimizer(ck: Checkpoint, table: list[LocalParam], opt: DistributedOpti
             opt.load_state(index[lp.name], vals, step)
 
 
-def aligned_chunk(spec: TensorSpec, layout: Layout, num_layers: int) -> list[int]:
-    """One chunk per layer, expert and rank region: ranks never write into the same chunk."""
-    for coord in layout.ranks(expert=spec.expert):
-        rs = regions(spec, layout, coord, num_layers)
-        if rs:
-            return [1] * spec.lead + list(rs[0].shape[spec.lead:])
-    raise AssertionError(f"{spec.name}: no rank holds it")
-
-
-def _entries(cfg: ModelConfig, layout: Layout, dtypes: dict[str, str], optimizer: bool) -> dict[str, TensorEntry]:
-    out = {}
+def _entries(cfg: ModelConfig, layout: Layout, dtypes: dict[str, str]) -> dict[str, TensorEntry]:
+    """Every array of a training checkpoint, chunked as the converters chunk (chunk_shape: one layer of a rank's
+    shard, split under 128 MiB), so ranks never share a chunk; optimizer state in fp32."""
     specs = model_specs(cfg, layout)
-    for spec in specs:
-        chunk = aligned_chunk(spec, layout, cfg.num_layers)
-        out[spec.name] = TensorEntry(list(spec.shape), dtypes[spec.name], chunk, spec.rule.value, spec.per_layer,
-                                     spec.expert)
-        if optimizer:
-            for s in OPTIMIZER_STATES:
-                out[optimizer_key(s, spec.name)] = TensorEntry(list(spec.shape), "float32", chunk, spec.rule.value,
-                                                               spec.per_layer, spec.expert)
+    out = {s.name: TensorEntry.of(s, layout, dtypes[s.name]) for s in specs}
+    out.update({s.name: TensorEntry.of(s, layout, "float32") for s in optimizer_specs(specs)})
     return out
 
 
-def _write_param(arrays: dict, key: str, lp: LocalParam, value: torch.Tensor, layout: Layout, groups: Groups,
-                 num_layers: int) -> list:
-    futures = []
+def _chunks(partial: Path, key: str, entry: TensorEntry, lp: LocalParam, value: torch.Tensor, layout: Layout,
+            groups: Groups, num_layers: int) -> Iterator[tuple[Path, torch.Tensor]]:
+    """The chunk files of `key` this rank writes for one parameter, with their values (views of `value`)."""
     for r in regions(lp.spec, layout, groups.coord, num_layers):
         if not r.primary or r.vstage != lp.vstage:
             continue
@@ -157,16 +147,10 @@ def _write_param(arrays: dict, key: str, lp: LocalParam, value: torch.Tensor, la
             part = value[tuple(ls[1:])].unsqueeze(0)
         else:
             part = value[tuple(ls)]
-        futures.append(store.write(arrays[key], tuple(gs), part.detach().contiguous()))
-    return futures
-
-
-def _open_for_write(path: Path, ctx):
-    """An array rank 0 created; all-zero chunks are stored too (a missing chunk must mean damage, never zeros)."""
-    import tensorstore as ts
-
-    return ts.open({**store.array_spec(path), "store_data_equal_to_fill_value": True}, open=True,
-                   context=ctx).result()
+        for offs in itertools.product(*[range(g.start, g.stop, c) for g, c in zip(gs, entry.chunk)]):
+            grid = [o // c for o, c in zip(offs, entry.chunk)]
+            view = part[tuple(slice(o - g.start, o - g.start + c) for o, g, c in zip(offs, gs, entry.chunk))]
+            yield partial / tensor_path(key) / chunkio.chunk_path(Path(), grid), view.detach()
 
 
 def rng_state() -> dict:
@@ -189,8 +173,7 @@ def set_rng_state(state: dict) -> None:
 class AsyncSave:
     """A save whose bytes are still being written and committed by a background thread (`--async-save`).
 
-    Training may go on at once: every region was handed to tensorstore, which copied it, before this object
-    existed. `wait()` joins the thread and raises its error; the next save and the end of training call it, so at
+    Training may go on at once: this rank's chunks were copied before this object existed. `wait()` joins the thread and raises its error; the next save and the end of training call it, so at
     most one save is in flight and a run never ends before its last checkpoint is committed."""
 
     def __init__(self, finish: Callable[[], Path | None]) -> None:
@@ -218,8 +201,8 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
     """Write one training checkpoint with all ranks; returns the committed iteration dir on rank 0.
 
     With `async_group` (a process group used by nothing else, so that a background thread may run collectives on it
-    while training uses the others) only the array creation and the hand-over of this rank's regions to tensorstore
-    happen here; waiting for the bytes, the error exchange and the commit run in the background (`AsyncSave`)."""
+    while training uses the others) only the array creation and the copy of this rank's chunks happen here; writing
+    them, the error exchange and the commit run in the background (`AsyncSave`)."""
     root = Path(root)
     dtype = {lp.spec.name: store.dtype_name(lp.param.dtype) for lp in table}
     if dist.get_world_size() > 1:  # every rank knows its own tensors' dtypes; the model dtype is uniform
@@ -227,7 +210,7 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
         dist.all_gather_object(names, dtype)
         for d in names:
             dtype.update(d)
-    entries = _entries(cfg, layout, dtype, optimizer=True)
+    entries = _entries(cfg, layout, dtype)
     writer = None
     err: list = [None]
     if groups.rank == 0:
@@ -248,10 +231,8 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
             err = [f"{type(e).__name__}: {e}"]
     _broadcast_error(err)
     partial = root / f"{iter_dirname(iteration)}{PARTIAL_SUFFIX}"
-    ctx = store.context()
     index = {n: i for i, n in enumerate(opt.names)}
-    futures = []
-    arrays: dict = {}
+    jobs: list[tuple[str, Path, torch.Tensor]] = []  # (array key, chunk file, value) this rank writes
     try:
         for lp in table:
             if lp.tied_copy:
@@ -272,11 +253,10 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
                                optimizer_key("exp_avg_sq", lp.spec.name):
                                    torch.zeros_like(lp.param, dtype=torch.float32)})
             for key, value in values.items():
-                if key not in arrays:
-                    arrays[key] = _open_for_write(partial / tensor_path(key), ctx)
-                futures += _write_param(arrays, key, lp, value, layout, groups, cfg.num_layers)
-        for f in futures:  # tensorstore holds its own copy of every region: the parameters may change now
-            f.copy.result()
+                jobs += [(key, path, v) for path, v in _chunks(partial, key, entries[key], lp, value, layout, groups,
+                                                                cfg.num_layers)]
+        if async_group is not None:  # training goes on at once and changes the parameters: write copies
+            jobs = [(key, path, v.to("cpu", copy=True)) for key, path, v in jobs]
         err = [None]
     except Exception as e:
         err = [f"rank {groups.rank}: {type(e).__name__}: {e}"]
@@ -285,10 +265,10 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
     def finish() -> Path | None:
         if not err[0]:
             try:
-                for f in futures:
-                    f.result()
+                _write_chunks(jobs)
             except Exception as e:
                 err[0] = f"rank {groups.rank}: {type(e).__name__}: {e}"
+        jobs.clear()  # the copies of an async save
         try:
             _gather_errors(err, async_group)
         except Exception:
@@ -315,6 +295,21 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
         return out
 
     return finish() if async_group is None else AsyncSave(finish)
+
+
+def _write_chunks(jobs: list[tuple[str, Path, torch.Tensor]]) -> None:
+    """Write this rank's chunk files with the converters' writer (chunkio.ChunkWriter); every one is durable on
+    return. WriteError naming the tensor and the file on a failure."""
+    writer = chunkio.ChunkWriter()
+    futures = []
+    try:
+        for key, path, value in jobs:
+            fault_point("store.write")
+            futures.append(writer.submit(path, store.to_numpy(value), key))
+    finally:
+        writer.close()
+    for f in futures:
+        f.result()
 
 
 def _broadcast_error(err: list) -> None:
