@@ -181,13 +181,31 @@ def space_note(path: Path, needed: int | None) -> str:
     return f"; {need}{free:,} bytes free on that filesystem"
 
 
-class IterationWriter:
-    """Owns `<root>/<iter>.partial` for one job. Use as a context manager; call `commit(manifest)` at the end."""
+def check_output_root(root: Path, overwrite: bool, ignore: tuple[str, ...] | set[str] = ()) -> None:
+    """Refuse an output root that is a file, or a non-empty directory (names in `ignore` aside) without
+    `overwrite`."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ShardkitError(f"{root}: output path exists and is not a directory")
+    if root.exists() and not overwrite:
+        others = sorted(p.name for p in root.iterdir() if p.name not in ignore)
+        if others:
+            raise ShardkitError(f"{root}: output directory is not empty ({', '.join(others[:3])}"
+                                f"{', ...' if len(others) > 3 else ''}); pass --overwrite to replace it")
 
-    def __init__(self, root: str | Path, iteration: int, job: dict, overwrite: bool = False):
+
+class IterationWriter:
+    """Owns `<root>/<iter>.partial` for one job. Use as a context manager; call `commit(manifest)` at the end.
+
+    `pointer` (file name, text) is what the commit writes last: `latest` naming the iteration by default; a
+    torch_dist export's is Megatron's tracker file."""
+
+    def __init__(self, root: str | Path, iteration: int, job: dict, overwrite: bool = False,
+                 pointer: tuple[str, str] | None = None):
         self.root = Path(root)
         self.iteration = iteration
         self.name = iter_dirname(iteration)
+        self.pointer = pointer or (LATEST, self.name + "\n")
         self.final = self.root / self.name
         self.partial = self.root / (self.name + PARTIAL_SUFFIX)
         self.job = job
@@ -279,18 +297,11 @@ class IterationWriter:
             raise err
 
     def _check_root(self) -> None:
-        root = self.root
-        if root.exists() and not root.is_dir():
-            raise ShardkitError(f"{root}: output path exists and is not a directory")
-        if not root.exists() or self.overwrite:
-            return
-        ours = {LATEST, LOCK, self.partial.name, f".{LATEST}.tmp", f".{self.name}.old"}
-        if not (root / LATEST).exists():  # our iteration, renamed into place by a run killed before `latest`
+        pointer = self.pointer[0]
+        ours = {pointer, LOCK, self.partial.name, f".{pointer}.tmp", f".{self.name}.old"}
+        if not (self.root / pointer).exists():  # our iteration, renamed into place by a run killed before `latest`
             ours.add(self.name)
-        others = sorted(p.name for p in root.iterdir() if p.name not in ours)
-        if others:
-            raise ShardkitError(f"{root}: output directory is not empty ({', '.join(others[:3])}"
-                                f"{', ...' if len(others) > 3 else ''}); pass --overwrite to replace it")
+        check_output_root(self.root, self.overwrite, ours)
 
     # -- progress -----------------------------------------------------------------------------------------------
     def path(self, rel: str) -> Path:
@@ -314,20 +325,22 @@ class IterationWriter:
         self.done.update(tasks)
 
     # -- commit -------------------------------------------------------------------------------------------------
-    def commit(self, manifest: Manifest) -> Path:
-        """Write the manifest, make everything durable, put the iteration in place, then point `latest` at it."""
+    def commit(self, manifest: Manifest | None) -> Path:
+        """Write the manifest (None: a torch_dist export, whose metadata is among its files), make everything
+        durable, put the iteration in place, then write the pointer (`latest`) naming it."""
         self._log.close()
         self._log = None
         for f in ("done.log", "job.json"):
             (self.partial / f).unlink(missing_ok=True)
         fault_point("commit.begin")
-        from .chunkio import record_chunk_crcs
+        if manifest is not None:
+            from .chunkio import record_chunk_crcs
 
-        record_chunk_crcs(manifest, self.partial)  # every chunk's crc32c, so a chunk in the wrong place is found
-        write_file_atomic(self.partial / MANIFEST, manifest.to_json())
+            record_chunk_crcs(manifest, self.partial)  # every chunk's crc32c, so a chunk in the wrong place is found
+            write_file_atomic(self.partial / MANIFEST, manifest.to_json())
         replace_dir(self.partial, self.final)
         fault_point("commit.latest")
-        write_file_atomic(self.root / LATEST, self.name + "\n")
+        write_file_atomic(self.root / self.pointer[0], self.pointer[1])
         # interrupted writes of other iterations (a killed training save) are never resumed once a newer write
         # committed here: free their space
         for p in self.root.glob(f"iter_*{PARTIAL_SUFFIX}"):

@@ -13,19 +13,19 @@ the metadata are checked before any file is opened (plain names inside the itera
 byte range must lie inside its file.
 
 Writing is the inverse with bounded memory: `DCPWriter` appends one item at a time to the file of the rank that owns
-it and keeps only the small metadata in memory; `commit_iteration_dir` publishes the iteration atomically.
+it and keeps only the small metadata in memory. The export (convert/torch_dist_io.py) writes them into an
+`IterationWriter`'s partial directory and commits it like every other writer (checkpoint/commit.py), the tracker file
+last.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import os
 import pickle
 import pickletools
 import re
-import shutil
 import tempfile
 import uuid
 import zipfile
@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -44,12 +44,11 @@ from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint import planner as _dcp_planner
 
 from . import chunkio, store
-from .commit import LOCK, output_lock, recover_root, replace_dir, write_file_atomic
-from .faults import fault_point
+from .commit import write_file_atomic
 from .megatron import CHECKPOINT_VERSION, RELEASE, TRACKER, iter_dirname, iteration_of
 from .safe_load import load_torch
 from .safety import read_pointer, safe_path
-from .errors import FormatError, ShardkitError, WriteError
+from .errors import FormatError
 
 METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
@@ -610,50 +609,6 @@ def none_object_bytes() -> bytes:
     return buf.getvalue()
 
 
-def check_output_root(root: Path, overwrite: bool, ignore: tuple[str, ...] = ()) -> None:
-    """Refuse an output root that is a file, or a non-empty directory without `overwrite`."""
-    root = Path(root)
-    if root.exists() and not root.is_dir():
-        raise ShardkitError(f"{root}: output path exists and is not a directory")
-    if root.exists() and not overwrite:
-        others = sorted(p.name for p in root.iterdir() if p.name not in ignore)
-        if others:
-            raise ShardkitError(f"{root}: output directory is not empty ({', '.join(others[:3])}"
-                                f"{', ...' if len(others) > 3 else ''}); pass --overwrite to replace it")
-
-
-@contextlib.contextmanager
-def writing_iteration_dir(root: Path, iteration: int, overwrite: bool) -> Iterator[tuple[Path, Path]]:
-    """Check the output root, hold its writer lock, and create `<root>/.iter_N.partial` (yielded with the final
-    path); the lock is held until the block ends, so commit_iteration_dir must run inside it."""
-    root = Path(root)
-    final = root / iter_dirname(iteration)
-    tmp = root / f".{final.name}.partial"
-    check_output_root(root, overwrite, ignore=(tmp.name, LOCK, f".{TRACKER}.tmp"))
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise WriteError(f"{root}: cannot create the output directory ({e.strerror or e})") from None
-    with output_lock(root):
-        try:
-            recover_root(root)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        except OSError as e:
-            raise WriteError(f"{root}: cannot create the output directory ({e.strerror or e})") from None
-        yield tmp, final
-
-
-def commit_iteration_dir(tmp: Path, final: Path, iteration: int) -> Path:
-    """fsync everything, put `.iter_N.partial` in place as `iter_N` (replacing an old one), then write the tracker
-    file: the same commit as the native format's (checkpoint.commit)."""
-    replace_dir(tmp, final)
-    fault_point("commit.latest")
-    write_file_atomic(final.parent / TRACKER, f"{iteration}\n")
-    return final
-
-
 def write_common(directory: Path, common: dict) -> None:
     buf = io.BytesIO()
     torch.save(common, buf)
@@ -662,5 +617,5 @@ def write_common(directory: Path, common: dict) -> None:
 
 
 __all__ = ["TorchDistCheckpoint", "TDTensor", "read_torch_dist", "resolve_torch_dist", "load_dcp_metadata",
-           "load_common", "DCPWriter", "RankFile", "check_output_root", "writing_iteration_dir", "commit_iteration_dir", "write_common",
+           "load_common", "DCPWriter", "RankFile", "write_common",
            "none_object_bytes", "BACKEND", "TRACKER", "CHECKPOINT_VERSION"]

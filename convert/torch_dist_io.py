@@ -36,19 +36,18 @@ import numpy as np
 import torch
 
 from checkpoint import store
-from checkpoint.commit import IterationWriter
+from checkpoint.commit import IterationWriter, check_output_root
 from checkpoint.config import ModelConfig
-from checkpoint.errors import FormatError, ShardkitError, WriteError
+from checkpoint.errors import FormatError, ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
-from checkpoint.megatron import (CHECKPOINT_VERSION, DENSE_ORDER, EXPERT_ORDER, KEY_NAMINGS, layout_from_args,
-                                 megatron_args, rank_of, rank_sizes, sharded_key)
+from checkpoint.megatron import (CHECKPOINT_VERSION, DENSE_ORDER, EXPERT_ORDER, KEY_NAMINGS, TRACKER,
+                                 layout_from_args, megatron_args, rank_of, rank_sizes, sharded_key)
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint, ReadPlan, read_padded
 from checkpoint.safety import check_output
 from checkpoint.sharding import OPTIMIZER_STATES, Region, Rule, TensorSpec, regions, split_optimizer_key
-from checkpoint.torch_dist import (DCPWriter, TorchDistCheckpoint, check_output_root, commit_iteration_dir,
-                                   none_object_bytes, read_torch_dist, writing_iteration_dir, write_common)
+from checkpoint.torch_dist import DCPWriter, TorchDistCheckpoint, none_object_bytes, read_torch_dist, write_common
 
 from .hf_to_mcore import VERSION
 from .reshard import plan_reshard, vocab_padding
@@ -251,42 +250,38 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
                 declared.append((key,))
                 per_rank.setdefault(r, ([], []))[1].append(key)
 
-    with writing_iteration_dir(Path(out_root), ck.manifest.iteration, overwrite) as (tmp, final):
-        try:
-            w_meta = DCPWriter(tmp)
-            for d in declared:
-                if len(d) > 1:
-                    w_meta.declare_tensor(*d)
-                else:
-                    w_meta.declare_object(d[0])
-            # One process with reads prefetched keeps the disk busy; each spawned worker first spends seconds importing
-            # torch, which only pays off with idle cores: opt in with --workers (as for the native writers).
-            nworkers = max(1, workers or 1)
-            files = _split_files(per_rank, entries, -(-nworkers // len(per_rank)))
-            nworkers = min(nworkers, len(files))
-            with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar:
-                if nworkers == 1:  # every file at once, in the source's chunk order
-                    storage, _ = _write_rank((str(ck.path), str(tmp), files, key_naming, pads, dtypes),
-                                             advance=lambda n: bar.advance(n, 1))
-                    w_meta.storage_data.update(storage)
-                else:
-                    jobs = [(str(ck.path), str(tmp), [f], key_naming, pads, dtypes) for f in files]
-                    with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn")) as pool:
-                        futures = {pool.submit(_write_rank, j): j for j in jobs}
-                        for fut in as_completed(futures):
-                            storage, nbytes = fut.result()
-                            w_meta.storage_data.update(storage)
-                            bar.advance(nbytes, len(futures[fut][2][0][1]))
-            w_meta.write_metadata(str(final))
-            write_common(tmp, _common(ck, layout, key_naming, dtype))
-            return commit_iteration_dir(tmp, final, ck.manifest.iteration)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise WriteError(f"{out_root}: writing the torch_dist checkpoint failed ({e.strerror or e}); nothing was "
-                             "left behind") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    iteration = ck.manifest.iteration
+    # not resumable (a rerun starts afresh: the nonce), committed like every other write (checkpoint.commit)
+    with IterationWriter(out_root, iteration, {"kind": "torch_dist-export", "nonce": time.time_ns()}, overwrite,
+                         pointer=(TRACKER, f"{iteration}\n")) as w:
+        tmp = w.partial
+        w_meta = DCPWriter(tmp)
+        for d in declared:
+            if len(d) > 1:
+                w_meta.declare_tensor(*d)
+            else:
+                w_meta.declare_object(d[0])
+        # One process with reads prefetched keeps the disk busy; each spawned worker first spends seconds importing
+        # torch, which only pays off with idle cores: opt in with --workers (as for the native writers).
+        nworkers = max(1, workers or 1)
+        files = _split_files(per_rank, entries, -(-nworkers // len(per_rank)))
+        nworkers = min(nworkers, len(files))
+        with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar:
+            if nworkers == 1:  # every file at once, in the source's chunk order
+                storage, _ = _write_rank((str(ck.path), str(tmp), files, key_naming, pads, dtypes),
+                                         advance=lambda n: bar.advance(n, 1))
+                w_meta.storage_data.update(storage)
+            else:
+                jobs = [(str(ck.path), str(tmp), [f], key_naming, pads, dtypes) for f in files]
+                with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn")) as pool:
+                    futures = {pool.submit(_write_rank, j): j for j in jobs}
+                    for fut in as_completed(futures):
+                        storage, nbytes = fut.result()
+                        w_meta.storage_data.update(storage)
+                        bar.advance(nbytes, len(futures[fut][2][0][1]))
+        w_meta.write_metadata(str(w.final))
+        write_common(tmp, _common(ck, layout, key_naming, dtype))
+        return w.commit(None)
 
 
 # OptimizerParamScheduler.state_dict()'s keys (megatron-core 0.16): what Megatron-LM's load reads back
