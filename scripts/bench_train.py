@@ -12,7 +12,7 @@ the SAME weights on the SAME batch:
             clip_grad_norm_ (what HF's Trainer does);
 - megatron: megatron-core's GPTModel with the local layer spec (`get_gpt_layer_local_spec`) wrapped in its
             DistributedDataParallel (fp32 grad buffer) and its DistributedOptimizer (torch AdamW underneath on CPU),
-            built with the CPU shims of tests/megatron_optimizer_oracle.py on a gloo group of one.
+            built with the CPU shims of tests/megatron_oracle.py on a gloo group of one.
 
 The weights are a randomly initialised LlamaForCausalLM (seeded) saved once with save_pretrained; ours loads them
 through the converter's mapping (convert.llama.tensor_maps -> canonical tensors), megatron-core through its own
@@ -28,6 +28,7 @@ stepping (VmHWM reset after setup) and over its life, and achieved FLOP/s from t
 (Megatron's convention; MFU when --peak-tflops is given).
 
     .venv/bin/python scripts/bench_train.py                          # ~100M-param Llama, 2 threads each
+    .venv/bin/python scripts/bench_train.py --size 25m --steps 12    # the 25M Llama of issue 16
     .venv/bin/python scripts/bench_train.py --layers 2 --steps 3 --json out.json --markdown out.md
     .venv/bin/python scripts/bench_train.py --frameworks ours,hf --profile ours   # torch.profiler table of ours
 
@@ -47,7 +48,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -55,13 +55,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench_convert import machine_facts  # noqa: E402 -- the sibling script (scripts/ is this script's sys.path[0])
+from checkpoint.errors import LayoutError  # noqa: E402
+from checkpoint.run_layout import RunLayout  # noqa: E402
 
 FRAMEWORKS = ("ours", "hf", "megatron")
 MB = 1 << 20
@@ -149,6 +153,13 @@ def ensure_weights(spec: Spec, workdir: Path, log: Callable[[str], None]) -> Pat
     return weights
 
 
+# the named sizes (--size): the project's ~100M bench and issue 16's small model, where per-step fixed cost shows
+SIZES = {"100m": Spec(),
+         "25m": Spec(hidden=512, layers=6, heads=8, kv_heads=4, ffn=1792, vocab=4096, mbs=4)}
+# the flags that override a size's field
+SPEC_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq", "mbs", "threads", "seed", "experts",
+              "topk")
+
 # what the weights depend on (not the batch, threads or optimizer settings)
 _MODEL_FIELDS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seed", "experts", "topk", "rms_eps",
                  "rope_theta")
@@ -200,17 +211,18 @@ class Ours(Impl):
         from train import checkpointing as ckpt_io
         from train.loop import init_distributed
         from train.optim import DistributedOptimizer, OptimizerConfig
-        from train.parallel.groups import ParallelDims, build_groups
+        from checkpoint.run_layout import RunLayout
         from train.config import ParallelConfig
+        from train.parallel.groups import build_groups
         from train.parallel.parallelize import parallelize
         from train.parallel.pipeline import StageStep
 
         s = self.spec
         init_distributed(10.0)
         cfg = s.model_config()
-        dims = ParallelDims.from_world(1, 1, 1)
-        groups = build_groups(dims)
-        layout = dims.layout()
+        run = RunLayout()
+        groups = build_groups(run)
+        layout = run.model_parallel
         model = parallelize(cfg, groups, torch.device("cpu"), torch.float32, ParallelConfig()).model
         table = ckpt_io.param_table(model, cfg, layout, groups)
         canonical = _canonical_from_hf(cfg, self.weights)
@@ -300,8 +312,7 @@ class Megatron(Impl):
     def setup(self) -> dict:
         import torch
 
-        from tests.megatron_optimizer_oracle import cuda_as_cpu
-        from tests.megatron_torch_dist_oracle import build, global_tensors, init_megatron_cpu
+        from tests.megatron_oracle import build, cuda_as_cpu, global_tensors, init_megatron_cpu
 
         cuda_as_cpu()
         init_megatron_cpu(port_span=20000)
@@ -515,6 +526,8 @@ def loadavg() -> list[float]:
 
 def run_compare(spec: Spec, frameworks: list[str], warmup: int, steps: int, workdir: Path, peak_tflops: float | None,
                 profile: list[str], log: Callable[[str], None] = print) -> dict:
+    import torch
+
     from train.metrics import flops_per_step
 
     weights = ensure_weights(spec, workdir, log)
@@ -592,7 +605,8 @@ def run_compare(spec: Spec, frameworks: list[str], warmup: int, steps: int, work
                   "max_rel_diff": max((abs(v - ref) / abs(ref) for v in first.values()), default=0.0) if ref else None}
     return {"spec": asdict(spec), "describe": spec.describe(), "warmup": warmup, "steps": steps,
             "flops_per_step": flops, "results": results, "ratios": ratios, "loss_check": loss_check,
-            "load": load, "machine": machine_facts(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+            "load": load, "machine": machine_facts(workdir), "torch": torch.__version__,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
 
 
 def _env_with_repo() -> dict:
@@ -605,25 +619,6 @@ def _env_with_repo() -> dict:
     return env
 
 
-
-
-def machine_facts() -> dict:
-    facts: dict[str, Any] = {"nproc": os.cpu_count(), "python": platform.python_version(),
-                             "platform": platform.platform()}
-    try:
-        import torch
-
-        facts["torch"] = torch.__version__
-        facts["torch_parallel_info"] = [ln for ln in torch.__config__.parallel_info().splitlines()
-                                        if "ATen" in ln or "OpenMP" in ln or "MKL" in ln][:4]
-    except ImportError:
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            facts["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
-    except OSError:
-        pass
-    return facts
 
 
 def markdown_compare(res: dict) -> str:
@@ -648,38 +643,23 @@ def markdown_compare(res: dict) -> str:
         "(rotating order). ours / this > 1 means ours is faster: (wall) median over rounds of this step's time / "
         "ours' in the same round; (CPU time) ratio of the median process CPU seconds per step.",
         f"Load average (1, 5, 15 min) at start {res['load']['start']}, at end {res['load']['end']}; "
-        f"{res['machine'].get('nproc')} CPUs ({res['machine'].get('cpu')}), torch {res['machine'].get('torch')}.",
+        f"torch {res['torch']}.",
         f"First-step losses agree to {lc['max_rel_diff']:.1e} relative (same weights, same batch).", "",
-        *rows])
+        *rows, "", "```", res["machine"], "```"])
 
 
 # -- torchrun mode: the real trainer at several layouts ---------------------------------------------------------------
 
-LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "ep")
-LAYOUT_FLAGS = {"tp": "--tp", "pp": "--pp", "cp": "--cp", "ep": "--ep"}
+LAYOUT_FLAGS = ("tp", "pp", "vpp", "cp", "ep", "etp")  # the RunLayout fields continue-pretrain takes as --<name>
 
 
-def parse_layout(text: str) -> dict[str, int]:
-    """'tp=2,cp=2' -> {'tp': 2, 'pp': 1, 'cp': 2, 'dp': 1, 'ep': 1}; DP defaults to EP (experts split over DP)."""
-    out = {k: 1 for k in LAYOUT_KEYS}
-    given = set()
-    for part in filter(None, text.replace(" ", "").split(",")):
-        k, _, v = part.partition("=")
-        if k not in out or not v.isdigit() or int(v) < 1:
-            raise SystemExit(f"--layout {text!r}: expected comma-separated {'/'.join(LAYOUT_KEYS)}=N")
-        out[k] = int(v)
-        given.add(k)
-    if "dp" not in given:
-        out["dp"] = out["ep"]
-    return out
-
-
-def world_of(layout: dict[str, int]) -> int:
-    return layout["tp"] * layout["pp"] * layout["cp"] * layout["dp"]
-
-
-def layout_name(layout: dict[str, int]) -> str:
-    return " ".join(f"{k}{v}" for k, v in layout.items() if v > 1 or k == "tp") if layout else ""
+def parse_layout(text: str) -> RunLayout:
+    """'tp=2,cp=2' -> RunLayout(tp=2, cp=2); DP defaults to EP (experts split over DP)."""
+    try:
+        lay = RunLayout.parse(text)
+    except LayoutError as e:
+        raise SystemExit(str(e)) from None
+    return lay if "dp=" in text else replace(lay, dp=lay.ep)
 
 
 def prepare_trainer_inputs(spec: Spec, workdir: Path, iters: int, global_batch: int,
@@ -706,29 +686,29 @@ def run_torchrun(spec: Spec, layouts: list[dict[str, int]], warmup: int, steps: 
                  log: Callable[[str], None] = print, timeout: float = 1800) -> dict:
     """Each layout `repeats` times, interleaved (A B A B ...); tokens/s from the trainer's metrics.jsonl (iterations
     after `warmup`), communication share from the collectives timed inside the ranks (rank 0's view, and the mean)."""
-    gbs = {id(lay): spec.mbs * lay["dp"] for lay in layouts}
+    gbs = {lay: spec.mbs * lay.dp for lay in layouts}
     iters = warmup + steps
     ckpt, prefix = prepare_trainer_inputs(spec, workdir, iters, max(gbs.values()), log)
-    per: dict[str, dict] = {layout_name(lay): {"layout": lay, "runs": []} for lay in layouts}
+    per: dict[str, dict] = {lay.label(): {"layout": lay.to_dict(), "runs": []} for lay in layouts}
     load = {"start": loadavg()}
     for rep in range(repeats):
         for lay in layouts:
-            name = layout_name(lay)
+            name = lay.label()
             out = workdir / "runs" / f"{name.replace(' ', '_')}_{rep}"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir(parents=True)
-            nproc = world_of(lay)
+            nproc = lay.world
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                    str(Path(__file__).resolve()), "--rank-main", str(out / "comm"), "--",
                    "continue-pretrain", "--load", str(ckpt), "--data", str(prefix), "--save", str(out / "save"),
-                   "--micro-batch-size", str(spec.mbs), "--global-batch-size", str(gbs[id(lay)]),
+                   "--micro-batch-size", str(spec.mbs), "--global-batch-size", str(gbs[lay]),
                    "--seq-length", str(spec.seq), "--train-iters", str(iters), "--log-interval", "1",
                    "--lr", str(spec.lr), "--weight-decay", str(spec.weight_decay), "--clip-grad",
                    str(spec.clip_grad), "--lr-decay-style", "constant", "--save-interval", str(10 ** 6),
                    "--eval-interval", "0", "--split", "100,0,0"]
-            for k, flag in LAYOUT_FLAGS.items():
-                if lay[k] > 1:
-                    cmd += [flag, str(lay[k])]
+            for k in LAYOUT_FLAGS:
+                if (getattr(lay, k) or 1) > 1:
+                    cmd += [f"--{k}", str(getattr(lay, k))]
             env = _env_with_repo()
             env["OMP_NUM_THREADS"] = str(max(1, spec.threads // nproc))  # every layout gets --threads cores in all
             t0 = time.perf_counter()
@@ -750,7 +730,7 @@ def run_torchrun(spec: Spec, layouts: list[dict[str, int]], warmup: int, steps: 
                 f"{run['median_step_seconds']:.2f} s, communication {100 * run['comm_share_rank0']:.0f}% "
                 f"(rank 0), load {loadavg()}")
     load["end"] = loadavg()
-    base = layout_name(layouts[0])
+    base = layouts[0].label()
     for name, p in per.items():
         if not p["runs"]:
             continue
@@ -760,7 +740,7 @@ def run_torchrun(spec: Spec, layouts: list[dict[str, int]], warmup: int, steps: 
         if per[base].get("runs"):
             p[f"vs_{base.replace(' ', '_')}"] = p["tokens_per_second"] / per[base]["tokens_per_second"]
     return {"spec": asdict(spec), "describe": spec.describe(), "warmup": warmup, "steps": steps, "repeats": repeats,
-            "layouts": per, "baseline": base, "load": load, "machine": machine_facts(),
+            "layouts": per, "baseline": base, "load": load, "machine": machine_facts(workdir),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
 
 
@@ -848,9 +828,9 @@ def markdown_torchrun(res: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, p in res["layouts"].items():
         if not p.get("runs"):
-            rows.append(f"| {name} | {world_of(p['layout'])} | failed: {p.get('error', '')[:80]} | | | | 0 |")
+            rows.append(f"| {name} | {p['layout']['world']} | failed: {p.get('error', '')[:80]} | | | | 0 |")
             continue
-        rows.append(f"| {name} | {world_of(p['layout'])} | {p['tokens_per_second']:.0f} | "
+        rows.append(f"| {name} | {p['layout']['world']} | {p['tokens_per_second']:.0f} | "
                     f"{p.get(f'vs_{base}', float('nan')):.2f}x | {100 * p['comm_share_rank0']:.0f}% | "
                     f"{100 * p['comm_share_mean']:.0f}% | {len(p['runs'])} |")
     return "\n".join([
@@ -859,29 +839,23 @@ def markdown_torchrun(res: dict) -> str:
         f"of {res['steps']} iterations, median of {res['repeats']} runs per layout (layouts interleaved). Comm share: "
         "time inside torch.distributed calls and waits / step time (on gloo over shared cores it includes waiting "
         "for the slower rank).",
-        f"Load average at start {res['load']['start']}, at end {res['load']['end']}; "
-        f"{res['machine'].get('nproc')} CPUs.", "", *rows])
+        f"Load average at start {res['load']['start']}, at end {res['load']['end']}.", "", *rows,
+        "", "```", res["machine"], "```"])
 
 
 # -- command line ------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    d = Spec()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--hidden", type=int, default=d.hidden)
-    a("--layers", type=int, default=d.layers)
-    a("--heads", type=int, default=d.heads)
-    a("--kv-heads", type=int, default=d.kv_heads)
-    a("--ffn", type=int, default=d.ffn)
-    a("--vocab", type=int, default=d.vocab)
-    a("--seq", type=int, default=d.seq)
-    a("--mbs", type=int, default=d.mbs, help="micro-batch size (sequences per step)")
-    a("--threads", type=int, default=d.threads, help="torch threads of each implementation")
-    a("--seed", type=int, default=d.seed)
-    a("--experts", type=int, default=0, help="Mixtral-style MoE with N experts (torchrun mode)")
-    a("--topk", type=int, default=d.topk)
+    a("--size", choices=sorted(SIZES), default="100m",
+      help="named model and batch: 100m (hidden 768, 8 layers, vocab 32000, micro-batch 2) or 25m (hidden 512, "
+           "6 layers, vocab 4096, micro-batch 4); the flags below override its fields")
+    for flag in SPEC_FLAGS:
+        a(f"--{flag.replace('_', '-')}", type=int,
+          help={"mbs": "micro-batch size (sequences per step)", "threads": "torch threads of each implementation",
+                "experts": "Mixtral-style MoE with N experts (torchrun mode)"}.get(flag))
     a("--steps", type=int, default=5, help="timed steps (rounds) per implementation; the median is reported")
     a("--warmup", type=int, default=1, help="untimed steps first")
     a("--frameworks", default=",".join(FRAMEWORKS), help="comma-separated subset of ours,hf,megatron")
@@ -906,12 +880,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def spec_from(args: argparse.Namespace) -> Spec:
     if args.spec_json:
         return Spec(**json.loads(args.spec_json))
-    if args.hidden % args.heads or args.heads % args.kv_heads:
-        raise SystemExit(f"--hidden {args.hidden} / --heads {args.heads} / --kv-heads {args.kv_heads}: hidden must "
+    spec = replace(SIZES[args.size], **{k: getattr(args, k) for k in SPEC_FLAGS if getattr(args, k) is not None})
+    if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
+        raise SystemExit(f"--hidden {spec.hidden} / --heads {spec.heads} / --kv-heads {spec.kv_heads}: hidden must "
                          "divide by heads and heads by KV heads")
-    return Spec(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
-                vocab=args.vocab, seq=args.seq, mbs=args.mbs, threads=args.threads, seed=args.seed,
-                experts=args.experts, topk=args.topk)
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:

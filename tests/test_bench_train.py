@@ -46,10 +46,23 @@ def test_bench_train_torchrun_layouts(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
-    one, two = res["layouts"]["tp1"], res["layouts"]["tp1 cp2"]
+    one, two = res["layouts"]["tp1 pp1 dp1"], res["layouts"]["tp1 pp1 cp2 dp1"]
     for p in (one, two):
         assert "error" not in p and len(p["runs"]) == 1 and p["tokens_per_second"] > 0, p
     assert one["comm_share_rank0"] == 0.0 and two["comm_share_rank0"] > 0.0
     assert sorted(two["runs"][0]["comm_share_by_rank"]) == ["0", "1"]
     a, b = one["runs"][0]["losses"], two["runs"][0]["losses"]
     assert len(a) == len(b) == 3 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)), (a, b)
+
+
+def test_bench_train_sizes_and_layouts(monkeypatch) -> None:
+    """--size names a model and batch that the flags override; --layout is the run's RunLayout, DP defaulting to EP."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench_train
+
+    spec = bench_train.spec_from(bench_train.parse_args(["--size", "25m", "--layers", "2"]))
+    assert (spec.hidden, spec.layers, spec.vocab, spec.mbs, spec.seq) == (512, 2, 4096, 4, 256)
+    assert bench_train.spec_from(bench_train.parse_args([])) == bench_train.Spec()
+    lay = bench_train.parse_layout("ep=2")
+    assert (lay.ep, lay.dp, lay.world) == (2, 2, 2)
+    assert bench_train.parse_layout("tp=2,dp=1").label() == "tp2 pp1 dp1"
