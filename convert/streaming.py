@@ -39,9 +39,13 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 class HFWeights:
-    """Lazy access to an HF model directory's safetensors: key -> tensor, reading only that tensor."""
+    """Lazy access to an HF model directory's safetensors: key -> tensor, reading only that tensor. Block-FP8 weights
+    (DeepSeek-V3's hub format: e4m3 + `weight_scale_inv` per block) come back dequantized as DeepSeek's reference
+    `weight_dequant` does: fp32(weight) * the scale of its block, cast to the model's dtype."""
 
-    def __init__(self, hf_dir: Path) -> None:
+    def __init__(self, hf_dir: Path, fp8_block: tuple[int, int] = (128, 128),
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self.fp8_block, self.dtype = fp8_block, dtype
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():
             files = json.loads(index.read_text())["weight_map"]
@@ -63,19 +67,38 @@ class HFWeights:
         if path not in self._open:
             self._open[path] = safe_open(str(path), "pt")
         t = self._open[path].get_tensor(key)
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ShardkitError(f"--against {self.hf_dir}: {key} is block-FP8; streaming parity of FP8 sources is "
-                                "not supported yet (verify without --streaming)")
         self.bytes_read += t.numel() * t.element_size()
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = key + SCALE_SUFFIX
+            if scale not in self.file_of:
+                raise ShardkitError(f"--against {self.hf_dir}: {key} is FP8 but there is no {scale}")
+            s = self.get(scale)
+            br, bc = self.fp8_block
+            r, c = t.shape
+            if s.shape != (-(-r // br), -(-c // bc)):
+                raise ShardkitError(f"--against {self.hf_dir}: {scale} has shape {tuple(s.shape)}, expected "
+                                    f"{(-(-r // br), -(-c // bc))} for {key} {tuple(t.shape)} in {br}x{bc} blocks")
+            t = (t.float() * s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:r, :c]).to(self.dtype)
         return t
 
     def layer_keys(self) -> dict[int | None, list[str]]:
         """Keys by decoder layer (None: outside the layers)."""
         out: dict[int | None, list[str]] = {}
         for k in self.file_of:
+            if k.endswith(SCALE_SUFFIX):  # read with its weight
+                continue
             m = _LAYER.match(k)
             out.setdefault(int(m.group(1)) if m else None, []).append(k)
         return out
+
+
+def _fp8_settings(hf_dir: Path) -> tuple[tuple[int, int], torch.dtype]:
+    """(block, dtype) of a block-FP8 source's dequantization: its quantization_config's weight_block_size and the
+    dtype config.json names (DeepSeek-V3: 128x128, bfloat16)."""
+    raw = json.loads((hf_dir / "config.json").read_text())
+    block = tuple((raw.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+    name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    return block, getattr(torch, name, torch.bfloat16) if isinstance(name, str) else torch.bfloat16
 
 
 def _free(module: nn.Module) -> None:
@@ -92,6 +115,8 @@ class _HFSide:
         self.transformers = transformers
         self.config = transformers.AutoConfig.from_pretrained(hf_dir)
         self.config._attn_implementation = HF_ATTN_IMPLEMENTATION
+        if hasattr(self.config, "quantization_config"):  # HFWeights hands out dequantized weights
+            del self.config.quantization_config
         with torch.device("meta"):
             self.model = transformers.AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
         inner = self.model.model
@@ -256,7 +281,7 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
                             "(verify without --streaming)")
     theirs = ModelConfig.from_hf_dir(hf_dir)
     check_same_math(cfg, theirs, hf_dir)
-    weights = HFWeights(hf_dir)
+    weights = HFWeights(hf_dir, *_fp8_settings(hf_dir))
     hf = load_quietly(lambda: _HFSide(hf_dir, weights, cfg.num_layers), hf_dir)
     ours = _OurSide(ck)
     inner = hf.model.model

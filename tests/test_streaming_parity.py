@@ -166,3 +166,26 @@ def test_bad_input_is_one_line(tmp_path):
         assert r.returncode != 0, extra
         err = r.stderr.strip().splitlines()
         assert len(err) == 1 and needle in err[0] and "Traceback" not in r.stderr, (extra, r.stderr)
+
+
+def test_block_fp8_source_dequantized_as_the_reference(tmp_path):
+    """DeepSeek-V3's hub format (e4m3 + weight_scale_inv): streaming reads the FP8 directory itself, dequantizing as
+    DeepSeek's weight_dequant does, and gives the whole mode's numbers on the reference-dequantized copy."""
+    hf_dir = tmp_path / "fp8"
+    moe_models.build("deepseek_v3", hf_dir)
+    originals = moe_models.quantize_fp8(hf_dir)
+    ck = _convert(tmp_path, hf_dir, ep=2)
+    src = moe_models.hf_tensors(hf_dir)
+    ref = tmp_path / "dequant"
+    ref.mkdir()
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    dtype = getattr(torch, cfg.get("torch_dtype") or cfg["dtype"])  # the dtype the model names (float32 here)
+    tensors = {k: v for k, v in src.items() if not k.endswith("_scale_inv")}
+    for k in originals:
+        tensors[k] = moe_models.reference_dequant(src[k], src[k + "_scale_inv"]).to(dtype)
+    save_file(tensors, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    del cfg["quantization_config"]
+    (ref / "config.json").write_text(json.dumps(cfg))
+    s = stream_parity(ck, hf_dir, seq_len=40)
+    whole = logit_parity(ck.config, ck.state_dict(), ref, seq_len=40)
+    assert s["max_abs_diff"] == whole["max_abs_diff"] <= 1e-4, (s, whole)
