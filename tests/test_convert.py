@@ -148,15 +148,15 @@ def test_interrupted_conversion_resumes_bitwise(tmp_path, monkeypatch):
     ref = convert_hf_to_mcore(hf_dir, tmp_path / "ref", Layout(tp=2, pp=2), quiet=True)
 
     calls = {"n": 0}
-    real = hf_to_mcore._run_task
+    real = hf_to_mcore._Worker.__call__
 
-    def flaky(task):
+    def flaky(self, task):
         calls["n"] += 1
         if calls["n"] == 20:
             raise KeyboardInterrupt  # as if killed mid-way
-        return real(task)
+        return real(self, task)
 
-    monkeypatch.setattr(hf_to_mcore, "_run_task", flaky)
+    monkeypatch.setattr(hf_to_mcore._Worker, "__call__", flaky)
     with pytest.raises(KeyboardInterrupt):
         convert_hf_to_mcore(hf_dir, tmp_path / "out", Layout(tp=2, pp=2), workers=1, quiet=True)
     assert not (tmp_path / "out" / "latest").exists()

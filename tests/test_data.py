@@ -16,7 +16,7 @@ from shardkit.demo import save_tiny_tokenizer
 from train.data import (DataConfig, DataError, GPTDataset, IndexedDataset, build_blending_indices, build_datasets,
                         bundled_corpus, micro_batches, preprocess_jsonl, save_corpus_tokenizer, split_matrix, token_dtype, write_indexed)
 
-ORACLE = Path(__file__).with_name("megatron_data_oracle.py")
+ORACLE = Path(__file__).with_name("megatron_oracle.py")
 
 
 @pytest.fixture(scope="module")
@@ -154,11 +154,12 @@ def test_sample_order_equals_megatron_core(tmp_path):
     ]
     for i, j in enumerate(jobs):
         j["cache"] = str(tmp_path / f"cache{i}")  # megatron-core caches indices; never share between jobs
+        j["out"] = str(tmp_path / f"out{i}.json")
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    r = subprocess.run([sys.executable, str(ORACLE), str(tmp_path / "jobs.json"), str(tmp_path / "out.json")],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(ORACLE), "data", str(tmp_path / "jobs.json")], capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    ref = json.loads((tmp_path / "out.json").read_text())
+    ref = [json.loads(Path(j["out"]).read_text()) for j in jobs]
     separate = False
     for job, res in zip(jobs, ref):
         train, valid = build_datasets(DataConfig(tuple(job["blend"]), job["seq_length"], job["seed"], job["split"]),

@@ -39,7 +39,7 @@ from checkpoint.reader import Checkpoint
 from convert.mcore_to_hf import convert_mcore_to_hf
 from convert.megatron_legacy import is_legacy_checkpoint, legacy_to_native, load_rank_file, read_legacy_args
 
-ORACLE = Path(__file__).with_name("megatron_legacy_oracle.py")
+ORACLE = Path(__file__).with_name("megatron_oracle.py")
 TOL = 1e-4
 SEQ = 16
 VOCAB, PADDED = 1000, 1024  # 1024 = Megatron's padding of 1000 at tp 1, 2 and 4 (multiples of 128 * tp)
@@ -87,12 +87,12 @@ def oracle(tmp_path_factory):
     jobs, out = [], {"dir": w, "ids": ids}
     for kind, m, seed in (("dense", DENSE, 1), ("moe", MOE, 2)):
         model = dict(m, padded_vocab_size=PADDED, max_sequence_length=64, rotary_base=ROPE_BASE, tied=False,
-                     vocab_size=VOCAB)
+                     vocab_size=VOCAB, add_bias_linear=False)
         jobs.append({"root": str(w / f"{kind}_meg"), "iteration": 100, "seed": seed, "model": model,
                      "input_ids": str(w / "ids.pt"), "out": str(w / f"{kind}_out.pt")})
     (w / "jobs.json").write_text(json.dumps(jobs))
     t = time.time()
-    r = subprocess.run([sys.executable, str(ORACLE), str(w / "jobs.json")], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(ORACLE), "legacy", str(w / "jobs.json")], capture_output=True, text=True,
                        timeout=300, cwd=str(w))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     print(f"megatron-core oracle: {time.time() - t:.1f}s")

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,14 +34,17 @@ def oracle(cfg: ModelConfig, layout: Layout) -> dict[str, list[int]]:
               num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels, ffn_hidden_size=cfg.ffn_hidden_size,
               add_bias_linear=cfg.add_proj_bias, add_qkv_bias=cfg.add_qkv_bias,
               padded_vocab_size=cfg.padded_vocab_size(layout.tp), max_sequence_length=64,
-              tied=cfg.tie_word_embeddings)
+              rotary_base=cfg.rotary_base, tied=cfg.tie_word_embeddings)
     if cfg.is_moe:
         mc.update(num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
                   moe_ffn_hidden_size=cfg.moe_ffn_hidden_size)
-    r = subprocess.run([sys.executable, str(ORACLE), json.dumps(mc)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("ORACLE ")][-1]
-    return json.loads(line[len("ORACLE "):])
+    with tempfile.TemporaryDirectory() as d:
+        jobs, out = Path(d) / "jobs.json", Path(d) / "out.json"
+        jobs.write_text(json.dumps([{"model": mc, "out": str(out)}]))
+        r = subprocess.run([sys.executable, str(ORACLE), "names", str(jobs)], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(out.read_text())
 
 
 def ours(cfg: ModelConfig, layout: Layout) -> dict[str, list[int]]:

@@ -1,5 +1,5 @@
 """`shardkit continue-pretrain` trains as Megatron-LM would: the same run through megatron-core's own pieces
-(tests/megatron_train_oracle.py: GPTModel from our torch_dist export, BlendedMegatronDatasetBuilder(GPTDataset), DDP,
+(tests/megatron_oracle.py train: GPTModel from our torch_dist export, BlendedMegatronDatasetBuilder(GPTDataset), DDP,
 the distributed optimizer, OptimizerParamScheduler, Megatron-LM's train_step) sees the same token ids in every
 micro-batch, takes the same LR and reaches the same loss every iteration (gradient accumulation, weight decay,
 clipping, fp32)."""
@@ -22,7 +22,7 @@ from checkpoint.reader import Checkpoint  # noqa: E402
 from tests.test_torch_dist import megatron_model  # noqa: E402
 from tests.test_train import launch  # noqa: E402
 
-ORACLE = Path(__file__).with_name("megatron_train_oracle.py")
+ORACLE = Path(__file__).with_name("megatron_oracle.py")
 ITERS, MBS, GBS, SEQ, SEED, SPLIT = 10, 2, 4, 32, 1234, "969,30,1"  # 2 micro-batches per step at DP 1
 OPTIM = dict(lr=1e-3, min_lr=1e-4, weight_decay=0.1, clip_grad=0.5, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
 SCHEDULES = {"constant": dict(lr_warmup_iters=0, lr_decay_style="constant"),
@@ -86,7 +86,7 @@ def theirs(work) -> dict[str, dict]:
                            lr_warmup_init=0.0, lr_decay_iters=None, use_distributed_optimizer=dist)}
             for name, dist in runs]
     (work / "jobs.json").write_text(json.dumps(jobs))
-    r = subprocess.run([sys.executable, str(ORACLE), str(work / "jobs.json")], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(ORACLE), "train", str(work / "jobs.json")], capture_output=True, text=True,
                        timeout=300, cwd=str(work))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     return {(name if dist else f"{name} plain"): json.loads(Path(job["out"]).read_text())

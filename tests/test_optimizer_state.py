@@ -267,9 +267,9 @@ def test_megatron_distributed_optimizer_both_ways(tmp_path):
              "out": str(tmp_path / "meg.pt"), "model": model},
             {"mode": "load", "ckpt": str(export), "out": str(tmp_path / "loaded.pt"), "model": model}]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    oracle = Path(__file__).with_name("megatron_optimizer_oracle.py")
-    r = subprocess.run([sys.executable, str(oracle), str(tmp_path / "jobs.json")], capture_output=True, text=True,
-                       timeout=600)
+    oracle = Path(__file__).with_name("megatron_oracle.py")
+    r = subprocess.run([sys.executable, str(oracle), "optimizer", str(tmp_path / "jobs.json")], capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     spellings = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 

@@ -1,7 +1,7 @@
 """The LR / weight-decay schedule is megatron-core's OptimizerParamScheduler to the last step: for every decay style,
 warmup form and weight-decay style, the values continue-pretrain applies (flags -> train.config.run_length ->
 train.optim.ParamScheduler) equal, as floats, those megatron-core's own scheduler gives when driven as Megatron-LM
-drives it (tests/megatron_schedule_oracle.py, in a subprocess), at every iteration, and across a resume
+drives it (tests/megatron_oracle.py schedule, in a subprocess), at every iteration, and across a resume
 (state_dict / load_state_dict with the default check, --override-opt_param-scheduler and
 --use-checkpoint-opt_param-scheduler). Also: the flag errors Megatron's arguments.py has, one line each."""
 from __future__ import annotations
@@ -103,12 +103,14 @@ def megatron(tmp_path_factory):
     d = tmp_path_factory.mktemp("schedule")
     cases = [{"args": a, "resume": None} for a in STRAIGHT.values()]
     cases += [{"args": a, "resume": {"after": k, "args": b, "mode": mode}} for a, k, b, mode, _ in RESUME.values()]
+    for i, case in enumerate(cases):
+        case["out"] = str(d / f"out{i}.json")
     (d / "cases.json").write_text(json.dumps(cases))
-    oracle = Path(__file__).with_name("megatron_schedule_oracle.py")
-    r = subprocess.run([sys.executable, str(oracle), str(d / "cases.json"), str(d / "out.json")], capture_output=True,
+    oracle = Path(__file__).with_name("megatron_oracle.py")
+    r = subprocess.run([sys.executable, str(oracle), "schedule", str(d / "cases.json")], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads((d / "out.json").read_text())
+    res = [json.loads(Path(case["out"]).read_text()) for case in cases]
     return dict(zip(list(STRAIGHT) + list(RESUME), res))
 
 

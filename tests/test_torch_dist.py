@@ -39,7 +39,7 @@ from convert.torch_dist_io import (chunk_rank, extra_state_objects, stored_key, 
 # process and make the weights-only loads under test more permissive than in real use
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
-ORACLE = Path(__file__).with_name("megatron_torch_dist_oracle.py")
+ORACLE = Path(__file__).with_name("megatron_oracle.py")
 TOL = 1e-4
 SEQ = 16
 
@@ -110,8 +110,8 @@ def work(tmp_path_factory):
                  "model": megatron_model(cfg, cfg.padded_vocab_size(1))})
 
     (w / "jobs.json").write_text(json.dumps(jobs))
-    r = subprocess.run([sys.executable, str(ORACLE), str(w / "jobs.json")], capture_output=True, text=True,
-                       timeout=300, cwd=str(w))
+    r = subprocess.run([sys.executable, str(ORACLE), "torch_dist", str(w / "jobs.json")], capture_output=True,
+                       text=True, timeout=300, cwd=str(w))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     for kind in ("llama", "mixtral", "saved"):
         out[kind]["meg"] = torch.load(w / f"{kind}_meg.pt")
