@@ -164,21 +164,46 @@ def fp8_provenance(src: HFSource, block: tuple[int, int], kept: bool) -> dict:
 
 
 # -- worker side ----------------------------------------------------------------------------------------------------
-_W: dict = {}
 
+class _Worker:
+    """Assembles and writes chunks from the HF shards (convert.writer.Workers)."""
 
-def _init_worker(hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, dtypes: dict[str, str],
+    def __init__(self, hf_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, dtypes: dict[str, str],
                  fp8: dict | None, allow_nonfinite: bool = False) -> None:
-    # one thread for the torch casts, if any (a same-dtype conversion never imports torch)
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
-    else:
-        os.environ["OMP_NUM_THREADS"] = "1"
-    cfg = ModelConfig.from_dict(cfg_dict)
-    layout = Layout.from_dict(layout_dict)
-    _W.update(src=_LazySource(hf_dir, None if fp8 else fp8_block(cfg)), sink=ChunkSink(out_dir, dtypes),
-              allow_nonfinite=allow_nonfinite, hf_dir=hf_dir,
-              maps={(tm.canonical, tm.lead): tm for tm in families.tensor_maps(cfg, layout, fp8)})
+        # one thread for the torch casts, if any (a same-dtype conversion never imports torch)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(1)
+        else:
+            os.environ["OMP_NUM_THREADS"] = "1"
+        cfg = ModelConfig.from_dict(cfg_dict)
+        layout = Layout.from_dict(layout_dict)
+        self.src = _LazySource(hf_dir, None if fp8 else fp8_block(cfg))
+        self.sink = ChunkSink(out_dir, dtypes)
+        self.allow_nonfinite, self.hf_dir = allow_nonfinite, hf_dir
+        self.maps = {(tm.canonical, tm.lead): tm for tm in families.tensor_maps(cfg, layout, fp8)}
+
+    def __call__(self, task: Task) -> tuple[str, int]:
+        """Assemble one chunk from the HF rows (and columns) it needs and write it."""
+        tm = self.maps[(task.name, task.lead)]
+        rows, *rest = task.box[len(task.lead):]
+        value = assemble(tm, rows[0], rows[1], self.src.read, slice(*rest[0]) if rest else None)
+        if not self.allow_nonfinite:
+            _check_finite(self.hf_dir, tm, rows[0], value)
+        try:
+            return self.sink.write(task, value.reshape((1,) * len(task.lead) + tuple(value.shape)))
+        finally:
+            self.src.release()  # the sink holds the value: unmap the shards now and then so the pages leave our RSS
+
+    def prefetch(self, task: Task) -> None:
+        """Read-ahead hint for the HF rows one chunk will read (whole rows; column-split chunks need the rest
+        soon)."""
+        tm = self.maps[(task.name, task.lead)]
+        src = self.src.source()
+        a, b = task.box[len(task.lead)]
+        for seg in tm.segments:
+            lo, hi = max(a, seg.start), min(b, seg.stop)
+            if lo < hi:
+                src.willneed(seg.hf_name, seg.hf_start + lo - seg.start, seg.hf_start + hi - seg.start)
 
 
 # Shards are unmapped (their touched pages leave our RSS) once this many bytes were read through the mappings; not
@@ -216,18 +241,7 @@ class _LazySource:
         self.release(-1)
 
 
-def _prefetch_task(task: Task) -> None:
-    """Read-ahead hint for the HF rows one chunk will read (whole rows; column-split chunks need the rest soon)."""
-    tm = _W["maps"][(task.name, task.lead)]
-    src = _W["src"].source()
-    a, b = task.box[len(task.lead)]
-    for seg in tm.segments:
-        lo, hi = max(a, seg.start), min(b, seg.stop)
-        if lo < hi:
-            src.willneed(seg.hf_name, seg.hf_start + lo - seg.start, seg.hf_start + hi - seg.start)
-
-
-def _check_finite(tm: TensorMap, start: int, value: np.ndarray) -> None:
+def _check_finite(hf_dir: str, tm: TensorMap, start: int, value: np.ndarray) -> None:
     """Refuse NaN/Inf source weights, naming the HF tensor and its rows: checked on the chunk being written (a bit
     test on the exponent, streaming), so it costs no extra read."""
     bad = count_nonfinite(value)
@@ -237,22 +251,9 @@ def _check_finite(tm: TensorMap, start: int, value: np.ndarray) -> None:
     row = start + next(i for i in range(flat.shape[0]) if count_nonfinite(flat[i]))
     seg = next((s for s in tm.segments if s.start <= row < s.stop), tm.segments[-1])
     hf_row = seg.hf_start + min(row, seg.stop - 1) - seg.start
-    raise FormatError(f"{_W['hf_dir']}: tensor {seg.hf_name} holds non-finite values (NaN/Inf), first in row "
+    raise FormatError(f"{hf_dir}: tensor {seg.hf_name} holds non-finite values (NaN/Inf), first in row "
                       f"{hf_row} ({bad:,} in the rows converted with it); refusing to convert them "
                       "(--allow-nonfinite converts them as they are)")
-
-
-def _run_task(task: Task) -> tuple[str, int]:
-    """Assemble one chunk from the HF rows (and columns) it needs and write it."""
-    tm = _W["maps"][(task.name, task.lead)]
-    rows, *rest = task.box[len(task.lead):]
-    value = assemble(tm, rows[0], rows[1], _W["src"].read, slice(*rest[0]) if rest else None)
-    if not _W["allow_nonfinite"]:
-        _check_finite(tm, rows[0], value)
-    try:
-        return _W["sink"].write(task, value.reshape((1,) * len(task.lead) + tuple(value.shape)))
-    finally:
-        _W["src"].release()  # the sink holds the value: unmap the shards now and then so the pages leave our RSS
 
 
 # -- main side ------------------------------------------------------------------------------------------------------
@@ -273,10 +274,9 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
            "dtype": dtype, "fp8": fp8, "model": _jsonable(cfg.to_dict())}
     started = time.time()
     with IterationWriter(out, 0, job, overwrite=overwrite) as w:
-        init_args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial),
-                     {n: e.dtype for n, e in entries.items()}, fp8, allow_nonfinite)
-        write_chunks(w, entries, "hf-to-mcore", _init_worker, init_args, _run_task, workers, quiet,
-                     prefetch=_prefetch_task)
+        args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial), {n: e.dtype for n, e in entries.items()},
+                fp8, allow_nonfinite)
+        write_chunks(w, entries, "hf-to-mcore", _Worker, args, workers, quiet)
         copy_assets(hf_dir, w.path("hf"))
         manifest = Manifest(
             iteration=0, model=cfg, layout=layout, tensors=entries, fp8=fp8,

@@ -30,13 +30,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import multiprocessing as mp
 import os
 import re
 import sys
 import time
 import zipfile
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -56,7 +54,7 @@ from checkpoint.safe_load import SAFE_GLOBALS, MegatronObject, load_torch  # noq
 from checkpoint.sharding import TensorSpec, local_shape, model_specs, regions
 
 from .hf_to_mcore import VERSION
-from .writer import WORKER_MIN_BYTES, ChunkSink, Task, chunk_tasks
+from .writer import WORKER_MIN_BYTES, ChunkSink, Task, Workers, chunk_tasks
 
 MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
 BATCH_BYTES = 256 << 20  # a write job covers at most this much of one rank file (progress, parallelism, resume)
@@ -515,33 +513,63 @@ def plan_rank_file(state: dict, rf: RankFile, cfg: ModelConfig, layout: Layout, 
 
 
 # -- worker side ----------------------------------------------------------------------------------------------------
-_W: dict = {}
 
+class _Worker:
+    """Writes (or checks) the chunks of rank files, one file held at a time (convert.writer.Workers)."""
 
-def _init_worker(cfg_dict: dict, layout_dict: dict, out_dir: str, entries: dict[str, dict]) -> None:
-    torch.set_num_threads(1)
-    cfg = ModelConfig.from_dict(cfg_dict)
-    layout = Layout.from_dict(layout_dict)
-    ents = {n: TensorEntry(**e) for n, e in entries.items()}
-    _W.clear()
-    _W.update(cfg=cfg, layout=layout, specs={s.name: s for s in model_specs(cfg, layout)}, entries=ents,
-              out=Path(out_dir), sink=ChunkSink(out_dir, {n: e.dtype for n, e in ents.items()}), cache=None,
-              arrays={}, ctx=store.context())
+    def __init__(self, cfg_dict: dict, layout_dict: dict, out_dir: str, entries: dict[str, dict]) -> None:
+        torch.set_num_threads(1)
+        self.cfg = ModelConfig.from_dict(cfg_dict)
+        self.layout = Layout.from_dict(layout_dict)
+        self.entries = {n: TensorEntry(**e) for n, e in entries.items()}
+        self.specs = {s.name: s for s in model_specs(self.cfg, self.layout)}
+        self.out = Path(out_dir)
+        self.sink = ChunkSink(out_dir, {n: e.dtype for n, e in self.entries.items()})
+        self.cache: tuple | None = None
+        self.arrays: dict = {}
+        self.ctx = store.context()
 
+    def _open(self, rf: RankFile) -> tuple[dict, dict[str, Piece]]:
+        """The rank file and its pieces by chunk id; one file is held at a time."""
+        if self.cache is not None and self.cache[0] == rf:
+            return self.cache[1], self.cache[2]
+        self.cache = None
+        state = load_rank_file(rf.path)
+        pieces = plan_rank_file(state, rf, self.cfg, self.layout, self.specs, dict(self.entries))
+        by_id: dict[str, Piece] = {}
+        for p in pieces:
+            by_id.setdefault(p.task.id + ("" if p.write else "|copy"), p)
+        self.cache = (rf, state, by_id)
+        return state, by_id
 
-def _open(rf: RankFile) -> tuple[dict, dict[str, Piece]]:
-    """The rank file and its pieces by chunk id; one file is held at a time."""
-    cached = _W["cache"]
-    if cached is not None and cached[0] == rf:
-        return cached[1], cached[2]
-    _W["cache"] = None
-    state = load_rank_file(rf.path)
-    pieces = plan_rank_file(state, rf, _W["cfg"], _W["layout"], _W["specs"], dict(_W["entries"]))
-    by_id: dict[str, Piece] = {}
-    for p in pieces:
-        by_id.setdefault(p.task.id + ("" if p.write else "|copy"), p)
-    _W["cache"] = (rf, state, by_id)
-    return state, by_id
+    def __call__(self, job: tuple, report: Callable | None = None) -> tuple[str, list[tuple[str, int]]]:
+        """Write (or check) some chunks of one rank file. Returns the written chunk ids, or reports each one as soon
+        as it is durable when run in-process (`report`)."""
+        kind, rf, ids, writers = job
+        state, by_id = self._open(rf)
+        done = []
+        if kind == "write":
+            for i in ids:
+                result = self.sink.write(by_id[i].task, _value(state, by_id[i]))
+                if report is not None:
+                    report((kind, [result]))
+                else:
+                    done.append(result)
+            return kind, done
+        for i in ids:  # a copy: compare bit for bit with the chunk written from its owner's file
+            p = by_id[i + "|copy"]
+            name = p.task.name
+            arr = self.arrays.get(name)
+            if arr is None:
+                arr = self.arrays[name] = store.open_existing(self.out / tensor_path(name), self.ctx, name)
+            stored = store.read(arr, p.task.index, name)
+            value = _value(state, p).to(stored.dtype)
+            if not _same_bits(value, stored):
+                box = ", ".join(f"{a}:{b}" for a, b in p.task.box)
+                raise FormatError(f"{rf.label}: '{p.chunk}': {p.key} differs from the copy in {writers.get(i, '?')} "
+                                  f"(tensor {name}[{box}]); Megatron keeps these copies identical, so the checkpoint "
+                                  "is inconsistent")
+        return kind, done
 
 
 def _value(state: dict, p: Piece) -> torch.Tensor:
@@ -556,57 +584,16 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
-def _run_job(job: tuple, report: Callable | None = None) -> tuple[str, list[tuple[str, int]]]:
-    """Write (or check) some chunks of one rank file. Returns the written chunk ids, or reports each one as soon as
-    it is durable when run in-process (`report`)."""
-    kind, rf, ids, writers = job
-    state, by_id = _open(rf)
-    done = []
-    if kind == "write":
-        for i in ids:
-            result = _W["sink"].write(by_id[i].task, _value(state, by_id[i]))
-            if report is not None:
-                report((kind, [result]))
-            else:
-                done.append(result)
-        return kind, done
-    for i in ids:  # a copy: compare bit for bit with the chunk written from its owner's file
-        p = by_id[i + "|copy"]
-        name = p.task.name
-        arr = _W["arrays"].get(name)
-        if arr is None:
-            arr = _W["arrays"][name] = store.open_existing(_W["out"] / tensor_path(name), _W["ctx"], name)
-        stored = store.read(arr, p.task.index, name)
-        value = _value(state, p).to(stored.dtype)
-        if not _same_bits(value, stored):
-            box = ", ".join(f"{a}:{b}" for a, b in p.task.box)
-            raise FormatError(f"{rf.label}: '{p.chunk}': {p.key} differs from the copy in {writers.get(i, '?')} "
-                              f"(tensor {name}[{box}]); Megatron keeps these copies identical, so the checkpoint is "
-                              "inconsistent")
-    return kind, done
-
-
-def _run_rounds(rounds: list[list[tuple]], init_args: tuple, nworkers: int, on_result: Callable) -> None:
-    if nworkers <= 1:
-        _init_worker(*init_args)
-        try:
-            for jobs in rounds:
+def _run_rounds(rounds: list[list[tuple]], args: tuple, nworkers: int, on_result: Callable) -> None:
+    """Every chunk is written (first round) before any copy is compared with it (second round)."""
+    with Workers(_Worker, args, nworkers) as pool:
+        for jobs in rounds:
+            if pool.local is not None:
                 for job in jobs:
-                    on_result(_run_job(job, on_result))
-        finally:
-            _W.clear()
-        return
-    with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                             initargs=init_args) as pool:
-        for jobs in rounds:  # every chunk is written before any copy is compared with it
-            futures = [pool.submit(_run_job, j) for j in jobs]
-            try:
-                for f in as_completed(futures):
-                    on_result(f.result())
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+                    on_result(pool.local(job, on_result))
+            else:
+                for result in pool.run(jobs):
+                    on_result(result)
 
 
 # -- main side ------------------------------------------------------------------------------------------------------

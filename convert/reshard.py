@@ -124,27 +124,31 @@ def vocab_padding(cfg: ModelConfig, layout: Layout, optimizer: list[str] | None)
 
 
 # -- worker side ----------------------------------------------------------------------------------------------------
-_W: dict = {}
 SOURCE_CACHE_BYTES = 512 << 20  # > READ_AHEAD_BYTES + the chunks in use (chunks are at most 128 MiB)
 READ_AHEAD_BYTES = 256 << 20
 
 
-def _init_worker(src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, int],
+class _Worker:
+    """Writes destination chunks read from the source's boxes (convert.writer.Workers)."""
+
+    def __init__(self, src_dir: str, out_dir: str, dtypes: dict[str, str], vocab: dict[str, int],
                  tasks: list[Task]) -> None:
-    # A destination chunk is often a part of a source chunk (a higher TP splits it): keep source chunks until their
-    # last destination chunk is written, so each is read and checksummed once; read ahead in-process only.
-    src = Checkpoint(src_dir, cache_bytes=SOURCE_CACHE_BYTES)
-    ahead = READ_AHEAD_BYTES if mp.parent_process() is None else 0
-    _W.update(src=src, plan=ReadPlan(src, [(t.name, t.index) for t in tasks], ahead), sink=ChunkSink(out_dir, dtypes),
-              vocab=vocab)
+        # A destination chunk is often a part of a source chunk (a higher TP splits it): keep source chunks until
+        # their last destination chunk is written, so each is read and checksummed once; read ahead in-process only.
+        self.src = Checkpoint(src_dir, cache_bytes=SOURCE_CACHE_BYTES)
+        ahead = READ_AHEAD_BYTES if mp.parent_process() is None else 0
+        self.plan = ReadPlan(self.src, [(t.name, t.index) for t in tasks], ahead)
+        self.sink, self.vocab = ChunkSink(out_dir, dtypes), vocab
 
+    def __call__(self, task: Task) -> tuple[str, int]:
+        # numpy views of the cached source chunks, handed to the sink as they are (no copy where a box is contiguous)
+        value = read_padded(lambda idx: self.src.read_numpy(task.name, idx), task.name, task.box,
+                            self.vocab.get(task.name))
+        self.plan.done(task.name, task.index)
+        return self.sink.write(task, value)
 
-def _run_task(task: Task) -> tuple[str, int]:
-    src: Checkpoint = _W["src"]
-    # numpy views of the cached source chunks, handed to the sink as they are (no copy where a box is contiguous)
-    value = read_padded(lambda idx: src.read_numpy(task.name, idx), task.name, task.box, _W["vocab"].get(task.name))
-    _W["plan"].done(task.name, task.index)
-    return _W["sink"].write(task, value)
+    def close(self) -> None:
+        self.plan.close()  # stop its read-ahead
 
 
 # -- main side ------------------------------------------------------------------------------------------------------
@@ -168,13 +172,8 @@ def reshard(src_path: str | Path, out: str | Path, layout: Layout, dtype: str | 
            "dtype": dtype}
     started = time.time()
     with IterationWriter(out, ck.manifest.iteration, job, overwrite=overwrite) as w:
-        init_args = (str(ck.path), str(w.partial), {n: e.dtype for n, e in entries.items()}, vocab,
-                     chunk_tasks(entries))
-        try:
-            write_chunks(w, entries, "reshard", _init_worker, init_args, _run_task, workers, quiet)
-        finally:
-            if "plan" in _W:  # in-process: stop its read-ahead
-                _W.pop("plan").close()
+        args = (str(ck.path), str(w.partial), {n: e.dtype for n, e in entries.items()}, vocab, chunk_tasks(entries))
+        write_chunks(w, entries, "reshard", _Worker, args, workers, quiet)
         if ck.hf_dir().is_dir():
             shutil.copytree(ck.hf_dir(), w.path("hf"), dirs_exist_ok=True)
         if ck.train_state_path() is not None:  # carried verbatim; committed (fsynced, renamed) with the rest

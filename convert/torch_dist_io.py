@@ -23,12 +23,10 @@ import contextlib
 import functools
 import itertools
 import json
-import multiprocessing as mp
 import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -51,7 +49,7 @@ from checkpoint.torch_dist import DCPWriter, TorchDistCheckpoint, none_object_by
 
 from .hf_to_mcore import VERSION
 from .reshard import plan_reshard, vocab_padding
-from .writer import ChunkSink, Task, chunk_tasks, write_chunks
+from .writer import ChunkSink, Task, Workers, chunk_tasks, write_chunks
 
 SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
 
@@ -160,6 +158,13 @@ def _write_rank(args: tuple, advance: Callable[[int], None] | None = None) -> tu
             for key in objects:
                 f.add_bytes(key, blob)
     return w.storage_data, nbytes
+
+
+class _RankWriter:
+    """A worker process's rank files (convert.writer.Workers): _write_rank of one job, with its item count."""
+
+    def __call__(self, job: tuple) -> tuple[dict, int, int]:
+        return (*_write_rank(job), sum(len(items) for _, items, _ in job[2]))
 
 
 def _prefetched(ck: Checkpoint, items: list, pads: dict) -> Iterator[np.ndarray]:
@@ -273,12 +278,10 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
                 w_meta.storage_data.update(storage)
             else:
                 jobs = [(str(ck.path), str(tmp), [f], key_naming, pads, dtypes) for f in files]
-                with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn")) as pool:
-                    futures = {pool.submit(_write_rank, j): j for j in jobs}
-                    for fut in as_completed(futures):
-                        storage, nbytes = fut.result()
+                with Workers(_RankWriter, (), nworkers) as pool:
+                    for storage, nbytes, items in pool.run(jobs):
                         w_meta.storage_data.update(storage)
-                        bar.advance(nbytes, len(futures[fut][2][0][1]))
+                        bar.advance(nbytes, items)
         w_meta.write_metadata(str(w.final))
         write_common(tmp, _common(ck, layout, key_naming, dtype))
         return w.commit(None)
@@ -400,23 +403,21 @@ def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype
     return entries, keys
 
 
-_W: dict = {}
+class _ImportWorker:
+    """Writes native chunks gathered from a torch_dist checkpoint's items (convert.writer.Workers)."""
 
-
-def _init_worker(td_path: str, keys: dict[str, str], vocab: dict[str, int], out_dir: str,
+    def __init__(self, td_path: str, keys: dict[str, str], vocab: dict[str, int], out_dir: str,
                  dtypes: dict[str, str]) -> None:
-    torch.set_num_threads(1)
-    td = TorchDistCheckpoint(td_path)
-    td.spool_dir = Path(out_dir)  # large items are memory-mapped from a copy on the output's disk
-    _W.update(td=td, keys=keys, vocab=vocab, sink=ChunkSink(out_dir, dtypes))
+        torch.set_num_threads(1)
+        self.td = TorchDistCheckpoint(td_path)
+        self.td.spool_dir = Path(out_dir)  # large items are memory-mapped from a copy on the output's disk
+        self.keys, self.vocab, self.sink = keys, vocab, ChunkSink(out_dir, dtypes)
 
-
-def _run_task(task: Task) -> tuple[str, int]:
-    td: TorchDistCheckpoint = _W["td"]
-    key = _W["keys"][task.name]
-    value = read_padded(lambda idx: td.read(key, tuple((s.start, s.stop) for s in idx)), task.name, task.box,
-                        _W["vocab"].get(task.name))
-    return _W["sink"].write(task, value)
+    def __call__(self, task: Task) -> tuple[str, int]:
+        key = self.keys[task.name]
+        value = read_padded(lambda idx: self.td.read(key, tuple((s.start, s.stop) for s in idx)), task.name, task.box,
+                            self.vocab.get(task.name))
+        return self.sink.write(task, value)
 
 
 def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, layout: Layout | None = None, *,
@@ -450,8 +451,8 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, la
     started = time.time()
     iteration = td.iteration
     with IterationWriter(out, iteration, job, overwrite=overwrite) as w:
-        init_args = (str(td.path), keys, vocab, str(w.partial), {n: e.dtype for n, e in entries.items()})
-        write_chunks(w, entries, "torch_dist-to-mcore", _init_worker, init_args, _run_task, workers, quiet)
+        args = (str(td.path), keys, vocab, str(w.partial), {n: e.dtype for n, e in entries.items()})
+        write_chunks(w, entries, "torch_dist-to-mcore", _ImportWorker, args, workers, quiet)
         if hf_dir is not None:
             from .hf_source import copy_assets
 

@@ -1,9 +1,10 @@
-"""Writing a native checkpoint chunk by chunk, shared by hf-to-mcore and reshard.
+"""Writing a native checkpoint chunk by chunk, shared by hf-to-mcore, reshard, torch_dist import and
+megatron-to-mcore.
 
-A producer supplies a worker initialiser and a task function that computes one storage chunk; this module plans the
-chunks, creates the arrays, skips chunks a previous run finished, runs the tasks in spawned worker processes (fork
-after tensorstore's threads start can hang) or in-process when the work is small, records each finished chunk for
-resume, and shows progress.
+A producer supplies a worker class (built from picklable arguments; called with one task, it computes one storage
+chunk and writes it through its ChunkSink); this module plans the chunks, creates the arrays, skips chunks a previous
+run finished, runs the tasks through `Workers` (the one worker pool: in-process, or in spawned worker processes -
+fork after tensorstore's threads start can hang), records each finished chunk for resume, and shows progress.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -39,7 +40,6 @@ INFLIGHT_BYTES = 128 << 20
 # many small files' fsyncs together (a 64-expert MoE has thousands of chunks) and the disk never waits for us.
 SYNC_BACKLOG_BYTES = 512 << 20
 WRITE_THREADS = 16
-_RECORDER: "_Recorder | None" = None  # set by write_chunks while it runs tasks in this process
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ class ChunkSink:
 
     def __init__(self, out_dir: str | Path, dtypes: dict[str, str]):
         self.out, self.dtypes = Path(out_dir), dtypes
+        self.recorder: _Recorder | None = None  # in-process under write_chunks: writes are pipelined and recorded
         self.ctx = store.context()
         self.arrays: dict = {}
         self.chunks: dict[str, list[int] | None] = {}  # chunk shape of arrays chunkio writes, None: tensorstore
@@ -89,7 +90,7 @@ class ChunkSink:
 
     def write(self, task: Task, value: "torch.Tensor | np.ndarray") -> tuple[str, int]:
         """Write one chunk. In a worker process it is durable on return (the parent records it). In-process
-        (write_chunks set a recorder) it returns once a writer thread (or tensorstore) holds `value`, and the
+        (write_chunks set `recorder`) it returns once a writer thread (or tensorstore) holds `value`, and the
         recorder marks the chunk done when its write is durable (memory and backlog bounded, see INFLIGHT_BYTES).
 
         `value` is handed over: producers pass fresh tensors or read-only views of their sources and never modify
@@ -101,7 +102,7 @@ class ChunkSink:
             self.chunks[task.name] = md["chunk_grid"]["configuration"]["chunk_shape"] if chunkio.supports(md) else None
         value = store.cast(value, self.dtypes[task.name])
         nbytes = value.nbytes if isinstance(value, np.ndarray) else value.numel() * value.element_size()
-        rec = _RECORDER
+        rec = self.recorder
         chunk = self.chunks[task.name]
         if chunk is not None and list(value.shape) == chunk and all(a % c == 0 for (a, _), c in zip(task.box, chunk)):
             fault_point("store.write")
@@ -127,7 +128,6 @@ class ChunkSink:
             except ValueError as e:
                 raise self._error(task, e) from None
             done, held = fut.commit, nbytes
-        rec.sinks.add(self)
         self._pending.append((task, nbytes, held, done))
         self._pending_bytes += nbytes
         self._held_bytes += held
@@ -175,7 +175,7 @@ class ChunkSink:
 
 class _Recorder:
     def __init__(self, w: IterationWriter, bar):
-        self.w, self.bar, self.sinks = w, bar, set()
+        self.w, self.bar = w, bar
 
     def durable(self, chunks: list[tuple[str, int]]) -> None:
         """Record chunks whose writes are durable: (task id, bytes the progress bar has not been shown yet; 0 for
@@ -191,18 +191,66 @@ class _Recorder:
                 fault_point("chunk")
 
 
-def _init_spawned(init: Callable, *args) -> None:
+_PROCESS_WORKER: list = []  # in a spawned worker process only: the worker its initialiser built
+
+
+def _start_process(make: Callable, args: tuple) -> None:
     tune_malloc()
-    init(*args)
+    _PROCESS_WORKER.append(make(*args))
 
 
-def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str,
-                 init: Callable, init_args: tuple, run: Callable[[Task], tuple[str, int]],
-                 workers: int | None = None, quiet: bool = False,
-                 prefetch: Callable[[Task], None] | None = None) -> None:
-    """Create every array under `w`, then run `run(task)` for each chunk not already done (after `init(*init_args)`
-    in each worker process). In-process, `prefetch(next_task)` (a read-ahead hint, run on a helper thread) is called
-    before each task runs, so the next chunk's source is read while this one is encoded and written."""
+def _call_process_worker(task):
+    return _PROCESS_WORKER[0](task)
+
+
+class Workers:
+    """The one worker pool of the converters: `make(*args)` builds a worker (a callable, one task -> one result) in
+    this process (`processes` <= 1; `local` is it) or in each of `processes` spawned processes (`local` is None).
+    Every worker's state lives in its object; a spawned process keeps only its one worker. Use as a context
+    manager; an in-process worker's `close()`, where it has one, runs at the end."""
+
+    def __init__(self, make: Callable, args: tuple, processes: int):
+        self.make, self.args, self.processes = make, args, processes
+        self.local = None
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> "Workers":
+        if self.processes <= 1:
+            self.local = self.make(*self.args)
+        else:
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=mp.get_context("spawn"),
+                                             initializer=_start_process, initargs=(self.make, self.args))
+        return self
+
+    def run(self, tasks: list) -> Iterator:
+        """The tasks' results: in order in-process, as they complete in worker processes (a failure cancels the
+        rest and is raised)."""
+        if self.local is not None:
+            for t in tasks:
+                yield self.local(t)
+            return
+        futures = [self._pool.submit(_call_process_worker, t) for t in tasks]
+        try:
+            for f in as_completed(futures):
+                yield f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        elif self.local is not None and hasattr(self.local, "close"):
+            self.local.close()
+
+
+def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str, make: Callable, args: tuple,
+                 workers: int | None = None, quiet: bool = False) -> None:
+    """Create every array under `w`, then run each chunk not already done through a worker `make(*args)` (see
+    Workers; its `sink` is its ChunkSink). In-process, a worker's `prefetch(next_task)` (a read-ahead hint, run on a
+    helper thread), where it has one, is called before each task runs, so the next chunk's source is read while this
+    one is encoded and written."""
     tasks = chunk_tasks(entries)
     todo = [t for t in tasks if not w.is_done(t.id)]
     total = sum(t.nbytes(entries[t.name]) for t in tasks)
@@ -221,42 +269,30 @@ def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str
     # importing torch and maps the sources again, so more only pay off for CPU-heavy chunks: opt in with --workers.
     # (never more processes than CPUs: each imports torch and maps the sources, so extra ones only cost memory)
     nworkers = max(1, min(workers or 1, len(todo) or 1, os.cpu_count() or 1))
-    with progress_bar(label, total=total, items=len(tasks), disable=quiet) as bar:
+    with progress_bar(label, total=total, items=len(tasks), disable=quiet) as bar, \
+            Workers(make, args, nworkers) as pool:
         bar.advance(total - left, len(tasks) - len(todo))
-
-        def drain(results) -> None:
-            for task_id, nbytes in results:
+        worker = pool.local
+        if worker is None:
+            for task_id, nbytes in pool.run(todo):
                 w.mark_done(task_id)
                 bar.advance(nbytes, 1)
                 fault_point("chunk")
-
-        if nworkers == 1:
-            global _RECORDER
-            rec = _RECORDER = _Recorder(w, bar)
-            ok = False
-            hints = ThreadPoolExecutor(1, thread_name_prefix="shardkit-prefetch") if prefetch else None
-            try:
-                init(*init_args)
-                if hints is not None and todo:
-                    hints.submit(prefetch, todo[0])
-                for i, task in enumerate(todo):  # chunks are recorded by rec as their writes become durable
-                    if hints is not None and i + 1 < len(todo):
-                        hints.submit(prefetch, todo[i + 1])
-                    run(task)
-                ok = True
-            finally:
-                if hints is not None:
-                    hints.shutdown(wait=True, cancel_futures=True)
-                _RECORDER = None
-                for sink in rec.sinks:  # also when interrupted: what is in flight gets recorded, a rerun skips it
-                    sink.flush(rec, raise_errors=ok)
             return
-        with ProcessPoolExecutor(nworkers, mp_context=mp.get_context("spawn"), initializer=_init_spawned,
-                                 initargs=(init, *init_args)) as pool:
-            futures = [pool.submit(run, t) for t in todo]
-            try:
-                drain(f.result() for f in as_completed(futures))
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        rec = worker.sink.recorder = _Recorder(w, bar)  # chunks are recorded as their writes become durable
+        prefetch = getattr(worker, "prefetch", None)
+        hints = ThreadPoolExecutor(1, thread_name_prefix="shardkit-prefetch") if prefetch else None
+        ok = False
+        try:
+            if hints is not None and todo:
+                hints.submit(prefetch, todo[0])
+            for i, task in enumerate(todo):
+                if hints is not None and i + 1 < len(todo):
+                    hints.submit(prefetch, todo[i + 1])
+                worker(task)
+            ok = True
+        finally:
+            if hints is not None:
+                hints.shutdown(wait=True, cancel_futures=True)
+            worker.sink.recorder = None
+            worker.sink.flush(rec, raise_errors=ok)  # also when interrupted: what is in flight gets recorded
