@@ -26,7 +26,7 @@ def test_start_up_block_and_checkpoint_lines(setup, tmp_path):  # noqa: F811
     got = lines[start:start + 11]
     assert got[0] == ("model: llama, 961,664 parameters, 4 layers, hidden 128, ffn 352, 8 heads / 2 query groups, "
                       "vocab 1000 (padded 1024 for TP 1)"), got[0]
-    assert got[1] == "layout: TP 1, PP 1, VPP 1, DP 1, CP 1, EP 1, SP off (1 rank)"
+    assert got[1] == "layout: TP 1, PP 1, VPP 1, DP 1, CP 1, EP 1, SP off (1 rank, CPU)"
     assert got[2].startswith("precision: bf16 (fp32 main weights, grads and optimizer state); FP8 off; backend "), got
     assert got[3].startswith("attention: "), got
     assert re.fullmatch(r"data: 2 prefixes, \d+ train samples of 32 tokens \(seed 7, split 969,30,1\)", got[4]), got

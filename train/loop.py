@@ -358,6 +358,11 @@ class Trainer:
                      f"{Path(self.cfg.checkpoint.save) / iter_dirname(iteration)}")
 
     # -- what the run says about itself (rank 0) --------------------------------------------------------------------
+    def _device_line(self) -> str:
+        if self.device.type != "cuda":
+            return "CPU"
+        return f"{torch.cuda.get_device_name(self.device)} per rank"
+
     def startup_block(self) -> list[str]:
         """One block at the start: model, layout, precision, attention, data, tokens per step, load and save."""
         m, dims, c, d = self.model_cfg, self.dims, self.cfg, self.cfg.data
@@ -374,7 +379,8 @@ class Trainer:
         if m.mtp_num_layers:
             model += f", {m.mtp_num_layers} MTP layer{'s' if m.mtp_num_layers > 1 else ''}"
         layout = (f"layout: TP {dims.tp}, PP {dims.pp}, VPP {dims.vpp}, DP {dims.dp}, CP {dims.cp}, EP {dims.ep}, "
-                  f"SP {'on' if self.sp else 'off'} ({dims.world} rank{'s' if dims.world > 1 else ''})")
+                  f"SP {'on' if self.sp else 'off'} ({dims.world} rank{'s' if dims.world > 1 else ''}, "
+                  f"{self._device_line()})")
         prec = "bf16 (fp32 main weights, grads and optimizer state)" if c.run.bf16 else "fp32"
         fp8 = (f"FP8 {c.fp8.fp8_format}, {c.fp8.fp8_recipe} recipe" if c.fp8.enabled else "FP8 off")
         precision_line = f"precision: {prec}; {fp8}; {self.backend.describe()}"
