@@ -56,16 +56,12 @@ def real_rows(ck: Checkpoint) -> dict[str, torch.Tensor]:
 def setup(tmp_path_factory):
     from shardkit.cli import main as cli
     from shardkit.demo import build_tiny_llama
-    from train.data import write_indexed
+    from tests.corpus import write_pattern_corpus
 
     root = tmp_path_factory.mktemp("train")
     build_tiny_llama(root / "hf", dtype=torch.float32)
     assert cli(["convert", "hf-to-mcore", str(root / "hf"), str(root / "ck"), "--quiet"]) == 0
-    rng = np.random.default_rng(0)
-    # a learnable corpus: documents from a small vocabulary with a repeated pattern
-    docs = [np.tile(rng.integers(3, 60, size=int(rng.integers(3, 9))), 12)[: int(rng.integers(30, 120))]
-            for _ in range(400)]
-    write_indexed(root / "data", docs, np.uint16)
+    write_pattern_corpus(root / "data")
     return root
 
 

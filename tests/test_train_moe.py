@@ -41,16 +41,13 @@ RUNS = {"mixtral": [("ep4", 4, ["--ep", "4", "--exit-interval", "3"], None),
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     from shardkit.cli import main as cli
-    from train.data import write_indexed
+    from tests.corpus import write_pattern_corpus
 
     root = tmp_path_factory.mktemp("train_moe")
     for kind in FLAGS:
         moe_models.build(kind, root / f"{kind}-hf", **OVERRIDES[kind])
         assert cli(["convert", "hf-to-mcore", str(root / f"{kind}-hf"), str(root / f"{kind}-ck"), "--quiet"]) == 0
-    rng = np.random.default_rng(0)
-    docs = [np.tile(rng.integers(3, 60, size=int(rng.integers(3, 9))), 12)[: int(rng.integers(30, 120))]
-            for _ in range(400)]
-    write_indexed(root / "data", docs, np.uint16)
+    write_pattern_corpus(root / "data")
     return root
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import socket
 import tempfile
 import time
 from dataclasses import asdict
