@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardkit-installed
 LOCK := constraints.txt
 TORCH := torch==2.13.0
 
-.PHONY: demo test install lock bench bench-train clean
+.PHONY: demo test install slurm lock bench bench-train clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml $(LOCK)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# slurm-wlm and munge for tests/test_slurm.py (a one-node SLURM the tests start themselves); without them those
+# tests skip, saying why. .ci/run calls it before `make test`.
+slurm:
+	scripts/install_slurm.sh
 
 demo: $(STAMP)
 	$(VENV)/bin/shardkit demo

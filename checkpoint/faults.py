@@ -3,8 +3,9 @@
 `SHARDKIT_FAULT_AT=<site>:<n>[@<rank>][!stop][,...]` kills this process with SIGKILL (no cleanup, no `finally`, exactly
 what kill -9 or a node loss does) the n-th time (1-based) it reaches `fault_point(<site>)`; with `@<rank>` only the
 process whose RANK environment variable equals <rank>; with `!stop` it freezes instead (SIGSTOP: a hung rank, alive
-but silent). Unset, as always outside the tests, a site costs one
-environment lookup.
+but silent); with `!hang` it blocks there for good, says so on stderr, and still runs its signal handlers (a write to a
+filesystem that stopped answering: the job's SIGTERM is caught, and only SLURM's SIGKILL after KillWait ends it).
+Unset, as always outside the tests, a site costs one environment lookup.
 
 Sites (where a crash is most likely to break an invariant):
     chunk           a chunk of a conversion / reshard / torch_dist import was recorded durable (writer.py)
@@ -32,8 +33,16 @@ def fault_point(site: str) -> None:
         return
     _hits[site] = n = _hits.get(site, 0) + 1
     for item in spec.split(","):
-        item, stop = item.strip().removesuffix("!stop"), item.strip().endswith("!stop")
+        item, _, mode = item.strip().partition("!")
         name, _, rest = item.partition(":")
         count, _, rank = rest.partition("@")
         if name == site and count.isdigit() and int(count) == n and (not rank or rank == os.environ.get("RANK")):
-            os.kill(os.getpid(), signal.SIGSTOP if stop else signal.SIGKILL)
+            if mode == "hang":
+                import sys
+                import time
+
+                print(f"{ENV}: {site}:{n} hangs here (rank {os.environ.get('RANK', '0')})", file=sys.stderr,
+                      flush=True)
+                while True:
+                    time.sleep(3600)
+            os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)

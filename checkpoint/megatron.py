@@ -4,8 +4,9 @@
 - Key naming both ways: megatron-core's local layer spec vs its Transformer Engine spec (whose names are shardkit's
   canonical names), for module state dicts (legacy `--ckpt-format torch` rank files) and for sharded state dicts
   (`--ckpt-format torch_dist`).
-- Megatron-LM arguments both ways: the `argparse.Namespace` written into a checkpoint (`megatron_args`), and the model
-  config and layout read back from one (`config_from_megatron_args`, `layout_from_args`, `check_args`).
+- Megatron-LM arguments both ways: the `argparse.Namespace` written into a checkpoint (`megatron_args`: Megatron-LM's
+  whole namespace, from the argument list and defaults in megatron_lm_args.py, generated data), and the model config
+  and layout read back from one (`config_from_megatron_args`, `layout_from_args`, `check_args`, `missing_model_args`).
 - Rank order: Megatron's default `tp-cp-ep-dp-pp` numbering (dense groups tp-cp-dp-pp, expert groups etp-ep-edp-pp),
   which the trainer's process groups, the torch_dist writer and the planner's link model all use.
 
@@ -18,13 +19,15 @@ import argparse
 import dataclasses
 import math
 import re
+import signal
 from typing import Any, Mapping, Sequence
 
 
+from . import megatron_lm_args as _mlm
 from . import store
 from .config import ModelConfig
 from .errors import ConfigError, FormatError, ShardkitError
-from .layout import Layout
+from .layout import Layout, PipelineSplit
 
 # -- constants --------------------------------------------------------------------------------------------------------
 
@@ -97,48 +100,127 @@ def sharded_key(name: str, key_naming: str = "te") -> str:
 
 # -- Megatron-LM args: written -----------------------------------------------------------------------------------------
 
-def megatron_args(cfg: ModelConfig, layout: Layout, key_naming: str = "te", dtype: str | None = None
-                  ) -> argparse.Namespace:
-    """The Megatron-LM arguments describing this model and layout (the names `--use-checkpoint-args` reads)."""
+# Every argument Megatron-LM's parser defines with its default, for the release we test with (generated data: see
+# checkpoint/megatron_lm_args.py and scripts/megatron_lm_args.py, which record the tag and commit).
+MEGATRON_LM_SOURCE: dict = _mlm.SOURCE
+
+
+class MegatronEnum:
+    """A member of one of Megatron's enums in the args we write (e.g. `attention_backend=AttnBackend.auto`). Written
+    into common.pt the way pickle writes the real member (its class by import path, called with the value: what
+    Megatron-LM's own checkpoints hold, so readers that build a TransformerConfig from the args get a real enum) without
+    importing Megatron (checkpoint.torch_dist.write_common); read back through checkpoint.safe_load it is the inert
+    stand-in of that class."""
+
+    __slots__ = ("path", "member", "value")
+
+    def __init__(self, path: str, member: str, value: Any) -> None:
+        self.path, self.member, self.value = path, member, value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MegatronEnum):
+            return NotImplemented
+        return (self.path, self.member, self.value) == (other.path, other.member, other.value)
+
+    def __hash__(self) -> int:
+        return hash((self.path, self.member, self.value))
+
+    def __repr__(self) -> str:
+        return f"<{self.path.rsplit('.', 1)[-1]}.{self.member}: {self.value!r}>"
+
+
+def megatron_lm_defaults() -> dict[str, Any]:
+    """A fresh copy of Megatron-LM's argument defaults (every argument its parser defines; enums as MegatronEnum,
+    `exit_signal` as the signal.Signals member it is)."""
+    out: dict[str, Any] = {}
+    for name, v in _mlm.DEFAULTS.items():
+        if isinstance(v, dict):
+            v = signal.Signals(v["value"]) if v["enum"] == "signal.Signals" else MegatronEnum(v["enum"], v["member"],
+                                                                                               v["value"])
+        elif isinstance(v, list):
+            v = list(v)
+        out[name] = v
+    return out
+
+
+def model_args(cfg: ModelConfig, layout: Layout, key_naming: str = "te", dtype: str | None = None) -> dict[str, Any]:
+    """The Megatron-LM arguments this model and layout decide, by Megatron's names (the rest keep their defaults).
+    MoE and MLA arguments are set only for models that have them."""
     dtype = dtype or cfg.params_dtype
     moe = cfg.is_moe
     bias = bool(cfg.add_proj_bias or cfg.add_mlp_bias)
+    rope = cfg.rope_scaling or {}
+    rope_type = rope.get("rope_type")
     a = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
         group_query_attention=cfg.num_query_groups != cfg.num_attention_heads, kv_channels=cfg.kv_channels,
         max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=cfg.padded_vocab_size(layout.tp),
-        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+        # the true vocabulary (Megatron-LM: "size of vocab before EOD or padding"), so the args alone describe it
+        vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
         position_embedding_type="rope", use_rotary_position_embeddings=True, rotary_base=cfg.rotary_base,
         rotary_percent=1.0, rotary_interleaved=cfg.rotary_interleaved,
-        use_rope_scaling=bool(cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "llama3"),
-        rope_scaling_factor=float((cfg.rope_scaling or {}).get("factor", 8.0)),
-        normalization="RMSNorm", norm_epsilon=cfg.norm_epsilon, swiglu=True, apply_layernorm_1p=False,
-        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+        normalization="RMSNorm", layernorm_epsilon=cfg.norm_epsilon, norm_epsilon=cfg.norm_epsilon, swiglu=True,
+        apply_layernorm_1p=False, untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
         add_bias_linear=bias, disable_bias_linear=not bias, add_qkv_bias=cfg.add_qkv_bias,
         attention_dropout=0.0, hidden_dropout=0.0,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        num_layers_per_virtual_pipeline_stage=(layout.layers_per_chunk(cfg.num_layers) if layout.vpp > 1 else None),
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
+        mtp_num_layers=cfg.mtp_num_layers or None,
+        bf16=dtype == "bfloat16", fp16=dtype == "float16",
+        transformer_impl="transformer_engine" if key_naming == "te" else "local", ckpt_format="torch_dist",
+    )
+    if rope_type == "llama3":
+        a.update(use_rope_scaling=True, rope_scaling_factor=float(rope.get("factor", 8.0)))
+    elif rope_type == "linear":  # positions divided by the factor
+        a.update(rotary_seq_len_interpolation_factor=float(rope["factor"]))
+    if moe:
+        a.update(
+            num_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+            moe_layer_freq=list(cfg.moe_layer_freq), moe_router_score_function=cfg.moe_router_score_function,
+            moe_router_pre_softmax=cfg.moe_router_score_function == "softmax" and not cfg.moe_router_norm_topk,
+            moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+            moe_router_num_groups=cfg.moe_router_num_groups, moe_router_group_topk=cfg.moe_router_group_topk,
+            moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            moe_grouped_gemm=False)
+    if cfg.multi_latent_attention:
+        a.update(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                 qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim)
+        if rope_type == "yarn":
+            a.update(rope_type="yarn", rotary_scaling_factor=float(rope.get("factor", 1.0)),
+                     mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
+        else:
+            a.update(rope_type="rope")
+    return a
+
+
+def split_args(split: PipelineSplit | None) -> dict:
+    """Megatron-LM's arguments for an uneven pipeline split (their defaults when even)."""
+    split = split or PipelineSplit()
+    return dict(decoder_first_pipeline_num_layers=split.first, decoder_last_pipeline_num_layers=split.last,
+                account_for_embedding_in_pipeline_split=split.embedding,
+                account_for_loss_in_pipeline_split=split.loss, pipeline_model_parallel_layout=split.layout)
+
+
+def megatron_args(cfg: ModelConfig, layout: Layout, key_naming: str = "te", dtype: str | None = None
+                  ) -> argparse.Namespace:
+    """The complete Megatron-LM argument namespace for this model and layout: every argument Megatron-LM's parser
+    defines, at its default unless the model or layout decides it (model_args), plus the attributes Megatron-LM's
+    validate_args() and trainer derive that readers look for (params_dtype, data_parallel_size,
+    virtual_pipeline_model_parallel_size, use_dist_ckpt, consumed samples). Readers that expect a Megatron-LM checkpoint
+    (Megatron-Bridge builds its TransformerConfig from every field the namespace has) find every attribute."""
+    dtype = dtype or cfg.params_dtype
+    a = megatron_lm_defaults()
+    a.update(model_args(cfg, layout, key_naming, dtype))
+    a.update(
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=(layout.chunk_layers(cfg.num_layers)[0]
+                                               if layout.vpp > 1 and layout.split is None else None),
+        **split_args(layout.split),
         world_size=world_size(layout), data_parallel_size=rank_sizes(layout)["dp"],
-        num_experts=cfg.num_moe_experts if moe else None,
-        moe_router_topk=cfg.moe_router_topk,
-        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size if moe else None,
-        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-        moe_layer_freq=list(cfg.moe_layer_freq) if moe else 1,
-        moe_router_score_function=cfg.moe_router_score_function,
-        moe_router_pre_softmax=moe and cfg.moe_router_score_function == "softmax" and not cfg.moe_router_norm_topk,
-        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
-        moe_router_num_groups=cfg.moe_router_num_groups, moe_router_group_topk=cfg.moe_router_group_topk,
-        moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
-        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_grouped_gemm=False,
-        multi_latent_attention=cfg.multi_latent_attention, q_lora_rank=cfg.q_lora_rank,
-        kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
-        v_head_dim=cfg.v_head_dim, mtp_num_layers=cfg.mtp_num_layers or None,
-        params_dtype=store.torch_dtype(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16",
-        transformer_impl="transformer_engine" if key_naming == "te" else "local",
-        ckpt_format="torch_dist", use_dist_ckpt=True, data_parallel_random_init=False,
+        params_dtype=store.torch_dtype(dtype), use_dist_ckpt=True, data_parallel_random_init=False,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
         # no RNG state is written, nor optimizer state for a weights-only checkpoint (_common clears no_save_optim
         # when there is): Megatron-LM must not try to restore them
@@ -176,31 +258,38 @@ def layout_from_args(args: argparse.Namespace | None) -> Layout | None:
         ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
         etp = getattr(args, "expert_tensor_parallel_size", None)
         etp = int(etp) if etp is not None and int(etp) != tp else None
-        return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+        return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, split=PipelineSplit.from_args(args))
     except (TypeError, ValueError, ShardkitError):
         return None
 
 
-def with_args_vocab(cfg: ModelConfig, args: Any, tp: int, label: str) -> ModelConfig:
-    """`cfg` with the args' make_vocab_size_divisible_by; ConfigError if the args' padded_vocab_size disagrees."""
+def with_args_vocab(cfg: ModelConfig, args: Any, tp: int, label: str, origin: str = "the model config"
+                    ) -> ModelConfig:
+    """`cfg` with the args' make_vocab_size_divisible_by; ConfigError if the args' padded_vocab_size (or their true
+    vocab_size, where they have one) disagrees. `origin` names where `cfg` came from, for the message."""
     div = arg(args, "make_vocab_size_divisible_by")
     if isinstance(div, int) and not isinstance(div, bool) and div > 0 and div != cfg.make_vocab_size_divisible_by:
         cfg = dataclasses.replace(cfg, make_vocab_size_divisible_by=div)
+    true = arg(args, "vocab_size")
+    if isinstance(true, int) and not isinstance(true, bool) and true != cfg.vocab_size:
+        raise ConfigError(f"{label}: args say vocab_size={true}, but {origin} has vocab_size={cfg.vocab_size}; is it "
+                          "the model config of this checkpoint?")
     padded = arg(args, "padded_vocab_size")
     if isinstance(padded, int) and padded != cfg.padded_vocab_size(tp):
-        raise ConfigError(f"{label}: args say padded_vocab_size={padded}, but the model config's vocab_size "
+        raise ConfigError(f"{label}: args say padded_vocab_size={padded}, but {origin}'s vocab_size "
                           f"{cfg.vocab_size} pads to {cfg.padded_vocab_size(tp)} at tp={tp} "
-                          f"(make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}); is the model config "
-                          "for this checkpoint?")
+                          f"(make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}); is it the model config "
+                          "of this checkpoint?")
     return cfg
 
 
-def check_args(args: Any, cfg: ModelConfig, label: str) -> None:
-    """ConfigError naming `label` and the argument where Megatron-LM args contradict the model config."""
+def check_args(args: Any, cfg: ModelConfig, label: str, origin: str = "the model config") -> None:
+    """ConfigError naming `label`, the argument and both values where Megatron-LM args contradict the model config
+    (`origin` names where it came from: --hf-config DIR, shardkit.json, ...)."""
     if args is None:
         return
-    pairs = [("num_layers", cfg.num_layers), ("hidden_size", cfg.hidden_size),
-             ("num_attention_heads", cfg.num_attention_heads)]
+    pairs: list[tuple[str, Any]] = [("num_layers", cfg.num_layers), ("hidden_size", cfg.hidden_size),
+                                    ("num_attention_heads", cfg.num_attention_heads)]
     if not cfg.multi_latent_attention:
         pairs.append(("kv_channels", cfg.kv_channels))
         if arg(args, "group_query_attention"):
@@ -208,15 +297,51 @@ def check_args(args: Any, cfg: ModelConfig, label: str) -> None:
     pairs.append(("num_experts", cfg.num_moe_experts))
     if cfg.is_moe:
         pairs.append(("moe_router_topk", cfg.moe_router_topk))
+        if arg(args, "moe_ffn_hidden_size") is not None:
+            pairs.append(("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size))
+    else:  # an MoE model's ffn_hidden_size is its dense layers' (which Megatron sets even where there are none)
+        pairs.append(("ffn_hidden_size", cfg.ffn_hidden_size))
     untie = arg(args, "untie_embeddings_and_output_weights")
     if untie is not None and bool(untie) == cfg.tie_word_embeddings:
-        raise ConfigError(f"{label}: args say untie_embeddings_and_output_weights={untie}, but the model config has "
-                          f"tie_word_embeddings={cfg.tie_word_embeddings}; is the model config for this checkpoint?")
+        raise ConfigError(f"{label}: args say untie_embeddings_and_output_weights={untie}, but {origin} has "
+                          f"tie_word_embeddings={cfg.tie_word_embeddings}; is it the model config of this checkpoint?")
     for name, want in pairs:
         got = arg(args, name)
         if got is not None and got != want:
-            raise ConfigError(f"{label}: args say {name}={got!r}, but the model config has {want!r}; is the model "
-                              "config for this checkpoint?")
+            raise ConfigError(f"{label}: args say {name}={got!r}, but {origin} has {want!r}; is it the model config "
+                              "of this checkpoint?")
+    floats = [("rotary_base", cfg.rotary_base),
+              ("norm_epsilon" if arg(args, "norm_epsilon") is not None else "layernorm_epsilon", cfg.norm_epsilon)]
+    for name, want in floats:
+        got = arg(args, name)
+        if isinstance(got, (int, float)) and not isinstance(got, bool) and not math.isclose(got, want, rel_tol=1e-6):
+            raise ConfigError(f"{label}: args say {name}={got!r}, but {origin} has {want!r}; is it the model config "
+                              "of this checkpoint?")
+
+
+def hf_model_type_of(args: Any) -> str:
+    """The HF family config_from_megatron_args should read Megatron-LM args as: mixtral with experts, qwen2 for a QKV
+    bias without other linear biases, else llama."""
+    if arg(args, "num_experts") or arg(args, "num_moe_experts"):
+        return "mixtral"
+    if arg(args, "add_qkv_bias") and not arg(args, "add_bias_linear"):
+        return "qwen2"
+    return "llama"
+
+
+def missing_model_args(args: Any, vocab_size: int | None = None) -> list[str]:
+    """The arguments config_from_megatron_args needs that `args` lacks (absent or None), by Megatron's names; with
+    "vocab_size" (the true vocabulary, which Megatron-LM's args rarely carry: they hold padded_vocab_size) unless
+    `vocab_size` is given."""
+    experts = arg(args, "num_experts") or arg(args, "num_moe_experts")
+    need: list[tuple[str, ...]] = [("num_layers",), ("hidden_size",), ("num_attention_heads",),
+                                   ("moe_ffn_hidden_size", "ffn_hidden_size") if experts else ("ffn_hidden_size",),
+                                   ("max_position_embeddings", "seq_length")]
+    if experts:
+        need.append(("moe_router_topk",))
+    if vocab_size is None:
+        need.append(("vocab_size",))
+    return [names[0] for names in need if all(arg(args, n) is None for n in names)]
 
 
 # by the dtype's name (args.params_dtype is a torch.dtype): no torch import, so the converters stay torch-free
@@ -401,5 +526,7 @@ def world_size(layout: Layout) -> int:
 
 __all__ = ["TRACKER", "CHECKPOINT_VERSION", "RELEASE", "iter_dirname", "iteration_of", "LOCAL_NAMES", "KEY_NAMINGS",
            "canonical_candidates", "sharded_key", "megatron_args", "arg", "int_arg", "layout_from_args",
-           "with_args_vocab", "check_args", "config_from_megatron_args", "MEGATRON_LLAMA3_ROPE", "RANK_ORDER",
+           "with_args_vocab", "check_args", "config_from_megatron_args", "hf_model_type_of", "missing_model_args",
+           "MEGATRON_LM_SOURCE", "MegatronEnum", "megatron_lm_defaults", "model_args", "MEGATRON_LLAMA3_ROPE",
+           "RANK_ORDER",
            "DENSE_ORDER", "EXPERT_ORDER", "rank_of", "coords_of", "span", "stage_size", "rank_sizes", "world_size"]

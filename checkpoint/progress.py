@@ -130,3 +130,66 @@ def print_description(d: dict, console=None) -> None:
         con.print(f"[bold]total[/]: {total[1]}, {total[5]} bytes")
     if d["hf_files"]:
         con.print("hf files: " + escape(", ".join(d["hf_files"])))
+
+
+def _files_text(files: list[str], most: int = 3) -> str:
+    shown = [f.removesuffix(".distcp") for f in files[:most]]
+    return ", ".join(shown) + (f" +{len(files) - most}" if len(files) > most else "")
+
+
+def print_torch_dist_description(d: dict, console=None) -> None:
+    """`shardkit inspect` of a torch_dist checkpoint: header, layout (from the Megatron args), the model config where
+    something describes it, the tensor table of DCP's metadata (key, global shape, dtype, shards, rank files, bytes),
+    the optimizer state, objects and shardkit's own files."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .config import applicable_fields
+
+    con = console or Console()
+    con.print(f"[bold]{escape(str(d['path']))}[/]  {d['format']}  iteration {d['iteration']}")
+    lay = d["layout"]
+    if lay:
+        con.print(escape(f"layout: tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} ep={lay['ep']}"
+                         + (f" etp={lay['etp']}" if lay.get("etp") is not None else "")
+                         + f" (from {d['layout_from']})"))
+    else:
+        con.print("layout: unknown (common.pt holds no usable Megatron args)")
+    if d["model"] is not None:
+        v = d["vocab"]
+        con.print(f"vocab: {v['size']} (padded {v['padded_size']})")
+        con.print(escape(f"model (from {d['model_from']}): "
+                         + ", ".join(f"{k}={x}" for k, x in applicable_fields(d["model"]).items())))
+    else:
+        con.print(escape(f"model: unknown ({d['model_unknown']})"))
+    rows = [(r["name"], str(tuple(r["shape"])), r["dtype"], str(r["shards"]), _files_text(r["files"]),
+             f"{r['bytes']:,}") for r in d["tensors"]]
+    total = ("total", f"{d['total_params']:,} params", "", "", f"{len(d['files'])} files", f"{d['total_bytes']:,}")
+    widths = [max(len(r[i]) for r in rows + [total]) for i in range(6)]
+    if widths[0] + widths[2] + widths[3] + widths[5] + 2 * 9 + 12 + 7 + 12 <= con.width:
+        t = Table(show_lines=False)
+        t.add_column("key", no_wrap=True, min_width=widths[0])
+        for col in ("global shape", "dtype", "shards", "files", "bytes"):
+            t.add_column(col, justify="right" if col in ("shards", "bytes") else "left",
+                         no_wrap=col not in ("global shape", "files"))
+        for r in rows:
+            t.add_row(*(escape(c) for c in r))
+        t.add_row(*(f"[bold]{c}[/]" if c else c for c in total))
+        con.print(t)
+    else:
+        for name, shape, dtype, shards, files, nbytes in rows:
+            con.print(escape(name), style="bold", soft_wrap=True)
+            con.print(escape(f"    shape {shape}  {dtype}  {shards} shards in {files}  {nbytes} bytes"))
+        con.print(f"[bold]total[/]: {total[1]}, {total[5]} bytes in {total[4]}")
+    o = d["optimizer"]
+    if o["present"]:
+        con.print(escape(f"optimizer state: {', '.join(o['states']) or 'other'} ({o['tensors']} tensors, "
+                         f"{o['bytes']:,} bytes" + (f", {o['sharding_type']}" if o["sharding_type"] else "") + ")"))
+    else:
+        con.print("optimizer state: none (weights only)")
+    con.print(f"objects: {d['objects']}")
+    if d["hf_files"]:
+        con.print("hf files: " + escape(", ".join(d["hf_files"])))
+    for note in d["notes"]:
+        con.print(escape(f"note: {note}"))

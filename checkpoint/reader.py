@@ -298,7 +298,7 @@ class Checkpoint:
         out: dict[int, torch.Tensor] = {}
         for r in regions(target, layout, coord, self.config.num_layers):
             if r.vstage not in out:
-                out[r.vstage] = torch.zeros(local_shape(target, layout), dtype=store.torch_dtype(self.entry(name).dtype))
+                out[r.vstage] = torch.zeros(local_shape(target, layout, coord.pp, r.vstage), dtype=store.torch_dtype(self.entry(name).dtype))
             gs, ls = list(r.global_slices()), list(r.local_slices())
             if target.rule is Rule.VOCAB and gs[0].stop > stored_rows:
                 keep = max(0, stored_rows - gs[0].start)

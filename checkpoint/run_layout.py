@@ -12,7 +12,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from .errors import LayoutError
-from .layout import Layout
+from .layout import Layout, PipelineSplit
 from .megatron import DENSE_ORDER, EXPERT_ORDER, coords_of, rank_of
 
 
@@ -27,6 +27,7 @@ class RunLayout:
     ep: int = 1
     etp: int | None = None  # expert tensor parallel; None = tp
     dp: int = 1
+    split: PipelineSplit | None = None  # uneven pipeline stages (None: even)
 
     def __post_init__(self) -> None:
         for k in ("tp", "pp", "vpp", "cp", "ep", "dp"):
@@ -36,12 +37,12 @@ class RunLayout:
 
     @classmethod
     def from_world(cls, world: int, tp: int, pp: int, cp: int = 1, vpp: int = 1, ep: int = 1,
-                   etp: int | None = None) -> "RunLayout":
+                   etp: int | None = None, split: PipelineSplit | None = None) -> "RunLayout":
         """The layout of `world` ranks: DP is what is left, and the expert grid must fit the ranks of a stage."""
         mp = tp * pp * cp
         if world % mp:
             raise LayoutError(f"world size {world} is not divisible by --tp {tp} x --pp {pp} x --cp {cp} = {mp}")
-        lay = cls(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=world // mp)
+        lay = cls(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=world // mp, split=split)
         stage = tp * cp * lay.dp
         if stage % (lay.expert_tp * ep) == 0:
             return lay
@@ -69,7 +70,7 @@ class RunLayout:
     @property
     def model_parallel(self) -> Layout:
         """The model-parallel layout: what the checkpoint's sharding table and manifest see."""
-        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp)
+        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp, split=self.split)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -103,10 +104,20 @@ class RunLayout:
         if self.etp is not None and self.etp != self.tp:
             parts.append(f"etp{self.etp}")
         parts.append(f"dp{self.dp}")
+        if self.split is not None:  # Megatron's flag names, shortened: first15 last15 / layout=...
+            d = self.split.as_dict()
+            parts += [f"{k}{d[k]}" for k in ("first", "last") if k in d]
+            parts += [f"{k}-in-split" for k in ("embedding", "loss") if d.get(k)]
+            if "layout" in d:
+                parts.append(f"layout={d['layout']}")
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "etp": self.expert_tp, "world": self.world}
+        d = {**asdict(self), "etp": self.expert_tp, "world": self.world}
+        d.pop("split")
+        if self.split is not None:
+            d["pipeline_split"] = self.split.as_dict()
+        return d
 
     @classmethod
     def parse(cls, text: str, flag: str = "--layout") -> "RunLayout":

@@ -223,11 +223,12 @@ def _tp_size(spec: TensorSpec, layout: Layout) -> int:
     return layout.expert_tp if spec.expert else layout.tp
 
 
-def local_shape(spec: TensorSpec, layout: Layout) -> tuple[int, ...]:
-    """Shape of one rank's local tensor for one model chunk."""
+def local_shape(spec: TensorSpec, layout: Layout, pp_rank: int = 0, vstage: int = 0) -> tuple[int, ...]:
+    """Shape of one rank's local tensor for model chunk `vstage` of pipeline rank `pp_rank` (a stacked tensor's layer
+    count differs between chunks only with an uneven pipeline split)."""
     shape = list(spec.shape)
     if spec.per_layer:
-        shape[0] //= layout.pp * layout.vpp
+        shape[0] = layout.layer_count(spec.shape[0], pp_rank, vstage)
     if spec.expert:
         shape[int(spec.per_layer)] //= layout.ep
     if spec.tp_axis is not None:
@@ -268,9 +269,7 @@ def owner(spec: TensorSpec, layout: Layout, num_layers: int | None = None) -> tu
     if spec.layer is not None:
         if num_layers is None:
             raise ValueError(f"{spec.name}: owner of a per-layer key needs num_layers")
-        n = layout.layers_per_chunk(num_layers)
-        chunk = spec.layer // n
-        return chunk % layout.pp, chunk // layout.pp
+        return layout.chunk_of_layer(spec.layer, num_layers)
     if spec.stage == "first":
         return 0, 0
     return layout.pp - 1, layout.vpp - 1
@@ -280,7 +279,6 @@ def regions(spec: TensorSpec, layout: Layout, coord: RankCoord, num_layers: int 
     """The boxes of `spec`'s global array owned by the rank at `coord`, for each of its model chunks.
 
     Dense tensors read coord.tp; expert tensors read coord.ep and coord.etp (see RankCoord)."""
-    loc = local_shape(spec, layout)
     if spec.per_layer:
         vstages = list(range(layout.vpp))
     else:
@@ -292,6 +290,9 @@ def regions(spec: TensorSpec, layout: Layout, coord: RankCoord, num_layers: int 
     tp_rank = coord.etp if spec.expert else coord.tp
     out: list[Region] = []
     for v in vstages:
+        loc = local_shape(spec, layout, coord.pp, v)
+        if spec.per_layer and not loc[0]:  # an empty model chunk (an uneven split may leave one)
+            continue
         g_off = [0] * len(spec.shape)
         if spec.per_layer:
             g_off[0] = layout.layer_range(spec.shape[0], coord.pp, v)[0]

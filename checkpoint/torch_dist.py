@@ -5,6 +5,9 @@
     <root>/iter_000000N/common.pt                torch.save of the non-sharded state (iteration, args, ...)
     <root>/iter_000000N/.metadata                pickled torch.distributed.checkpoint.metadata.Metadata
     <root>/iter_000000N/__<rank>_<k>.distcp      items: each a torch.save(tensor) blob at an offset
+    <root>/iter_000000N/shardkit.json            (shardkit's exports) model config incl. the true vocab, layout,
+                                                 dtype, provenance: read back with no flags
+    <root>/iter_000000N/hf/                      (shardkit's exports) config.json + tokenizer / generation files
 
 Reading never runs pickle code it does not know: `.metadata` goes through an unpickler that resolves only DCP's own
 metadata classes (anything else is refused, naming the file and the global); items and `common.pt` go through
@@ -20,12 +23,14 @@ last.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
 import pickle
 import pickletools
 import re
+import sys
 import tempfile
 import uuid
 import zipfile
@@ -45,10 +50,14 @@ from torch.distributed.checkpoint import planner as _dcp_planner
 
 from . import chunkio, store
 from .commit import write_file_atomic
-from .megatron import CHECKPOINT_VERSION, RELEASE, TRACKER, iter_dirname, iteration_of
-from .safe_load import load_torch
+from .config import ModelConfig
+from .errors import ConfigError, FormatError, LayoutError
+from .layout import Layout
+from .megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, RELEASE, TRACKER, MegatronEnum, arg, check_args,
+                       config_from_megatron_args, hf_model_type_of, iter_dirname, iteration_of, layout_from_args,
+                       missing_model_args, with_args_vocab)
+from .safe_load import MegatronObject, load_torch
 from .safety import read_pointer, safe_path
-from .errors import FormatError
 
 METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
@@ -56,6 +65,13 @@ COMMON_PT = "common.pt"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
 DCP_VERSION = "1.0.0"
+# shardkit's own files beside Megatron's in an iteration it exported (Megatron-LM and megatron-core read only the
+# files they name): the model config, layout, dtype and provenance, and the HF config.json + tokenizer files.
+SIDECAR = "shardkit.json"
+SIDECAR_FORMAT = "shardkit-torch_dist"
+SIDECAR_VERSION = 1
+SIDECAR_MAX = 16 << 20  # bytes; a larger shardkit.json is damage or hostile
+HF_SUBDIR = "hf"
 # Items larger than this are spooled to a temporary file and memory-mapped instead of read into memory.
 ITEM_MMAP_BYTES = 256 << 20
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
@@ -297,6 +313,7 @@ class TorchDistCheckpoint:
         self.tensors: dict[str, TDTensor] = {}
         self.objects: list[str] = []
         self._storage: dict[tuple[str, tuple[int, ...] | None], _dcp_fs._StorageInfo] = {}
+        self._files: dict[str, int] = {}
         try:
             self._validate(md)
         except (TypeError, ValueError, AttributeError) as e:
@@ -304,6 +321,7 @@ class TorchDistCheckpoint:
         self.common, note = load_common(self.path / COMMON_PT)
         if note:
             self.notes.append(note)
+        self.sidecar: dict | None = load_sidecar(self.path)
         self._cache: tuple | None = None
         self.spool_dir: Path | None = None  # where items > ITEM_MMAP_BYTES are copied to be memory-mapped
 
@@ -320,6 +338,68 @@ class TorchDistCheckpoint:
     def args(self) -> argparse.Namespace | None:
         a = (self.common or {}).get("args")
         return a if isinstance(a, argparse.Namespace) else None
+
+    @property
+    def layout(self) -> Layout | None:
+        """The layout it was saved with: from the Megatron-LM args (None without usable args)."""
+        return layout_from_args(self.args)
+
+    def hf_dir(self) -> Path | None:
+        """`hf/` of a shardkit export (config.json, tokenizer files), checked to stay inside the iteration; None
+        when there is none."""
+        p = safe_path(self.path, HF_SUBDIR, f"{self.path}: {HF_SUBDIR}")
+        return p if p.is_dir() else None
+
+    def item_file(self, name: str, offsets: tuple[int, ...]) -> str:
+        """The `.distcp` file (name inside the iteration directory) that holds one stored chunk of a tensor."""
+        return self._storage[(name, offsets)].relative_path
+
+    def files(self) -> dict[str, int]:
+        """Every storage file the metadata names, with its size in bytes."""
+        return dict(sorted(self._files.items()))
+
+    def model_config(self, hf_config: str | Path | None = None, vocab_size: int | None = None
+                     ) -> tuple[ModelConfig, str]:
+        """The model config this checkpoint holds, and where it came from: `hf_config` (an HF model directory) when
+        given, else the shardkit.json of a shardkit export, else the Megatron-LM args in common.pt (with the true
+        `vocab_size` when they hold only the padded one). Whatever the source, Megatron's args must agree with it
+        (one line naming the argument and both values). ConfigError naming exactly what is missing, and how to
+        supply it, when nothing describes the model."""
+        args = self.args
+        common = self.path / COMMON_PT
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                       or vocab_size < 1):
+            raise ConfigError(f"--vocab-size {vocab_size!r}: expected a positive number of tokens")
+        if hf_config is not None:
+            cfg, origin = ModelConfig.from_hf_dir(hf_config), f"--hf-config {hf_config}"
+        elif self.sidecar is not None:
+            cfg, origin = self.sidecar["model"], str(self.path / SIDECAR)
+        else:
+            if args is None:
+                why = next((n for n in self.notes if COMMON_PT in n), f"{common} holds no Megatron args")
+                raise ConfigError(f"{self.path}: nothing describes the model: no {SIDECAR} (not exported by shardkit) "
+                                  f"and no usable Megatron args ({why}); pass --hf-config HF_DIR (the HF model "
+                                  "directory whose config.json describes it)")
+            missing = missing_model_args(args, vocab_size)
+            if missing:
+                padded = arg(args, "padded_vocab_size")
+                what = ", ".join(f"{m} (the true vocabulary size; they hold only padded_vocab_size={padded})"
+                                 if m == "vocab_size" and padded is not None else m for m in missing)
+                how = ("pass --vocab-size N (the true vocabulary size, e.g. the tokenizer's) or --hf-config HF_DIR "
+                       "(the HF model directory whose config.json describes the model)" if missing == ["vocab_size"]
+                       else "pass --hf-config HF_DIR (the HF model directory whose config.json describes the model); "
+                            "--vocab-size N supplies only vocab_size")
+                raise ConfigError(f"{common}: its Megatron-LM args lack {what}; {how}")
+            cfg = config_from_megatron_args(args, hf_model_type_of(args), vocab_size=vocab_size)
+            origin = f"{common} args" + (f" with --vocab-size {vocab_size}" if vocab_size is not None else "")
+        if vocab_size is not None and vocab_size != cfg.vocab_size:
+            raise ConfigError(f"--vocab-size {vocab_size} contradicts {origin}, which has vocab_size={cfg.vocab_size}")
+        if args is not None:
+            tp = (self.layout or Layout()).tp
+            label = f"{common}"
+            cfg = with_args_vocab(cfg, args, tp, label, origin)
+            check_args(args, cfg, label, origin)
+        return cfg, origin
 
     def _check_backend(self) -> None:
         p = self.path / METADATA_JSON
@@ -395,6 +475,7 @@ class TorchDistCheckpoint:
                                   f"has {sizes[rel]}; the file is truncated")
             key = (idx.fqn, None if idx.offset is None else tuple(int(x) for x in idx.offset))
             self._storage[key] = info
+        self._files = sizes
         for name, t in self.tensors.items():
             for off, _ in t.chunks:
                 if (name, off) not in self._storage:
@@ -609,13 +690,117 @@ def none_object_bytes() -> bytes:
     return buf.getvalue()
 
 
+class _GlobalRef:
+    """Base of the stand-in classes _ArgsPickler writes as a global by name (`_pickle_as`: module.Class)."""
+
+    _pickle_as = ""
+
+
+@functools.lru_cache(maxsize=None)
+def _global_ref(path: str) -> type:
+    return type(path.rsplit(".", 1)[-1], (_GlobalRef,), {"_pickle_as": path})
+
+
+class _ArgsPickler(pickle._Pickler):
+    """torch.save's pickler for common.pt: a Megatron enum member in the args (checkpoint.megatron.MegatronEnum, or
+    safe_load's inert stand-in of one read from another checkpoint) is written as pickle writes the real member
+    (GLOBAL <module> <Class>, called with its value) without importing Megatron; everything else as pickle does.
+    The pure-Python pickler, for its save_global hook: common.pt is small."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, MegatronEnum):
+            return _global_ref(obj.path), (obj.value,)
+        if isinstance(obj, MegatronObject):
+            if set(vars(obj)) != {"args"} or len(obj.args) != 1:
+                raise FormatError(f"cannot write {obj!r} back into common.pt: shardkit keeps only its data")
+            return _global_ref(obj.qualname), obj.args
+        return NotImplemented
+
+    def save_global(self, obj, name=None):
+        if isinstance(obj, type) and issubclass(obj, _GlobalRef):
+            module, qual = obj._pickle_as.rsplit(".", 1)
+            self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qual.encode("utf-8") + b"\n")
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+_ARGS_PICKLE = type(sys)("shardkit_common_pickle")
+_ARGS_PICKLE.Pickler = _ArgsPickler
+
+
 def write_common(directory: Path, common: dict) -> None:
     buf = io.BytesIO()
-    torch.save(common, buf)
+    torch.save(common, buf, pickle_module=_ARGS_PICKLE)
     write_file_atomic(Path(directory) / COMMON_PT, buf.getvalue())
     write_file_atomic(Path(directory) / METADATA_JSON, json.dumps(BACKEND))
 
 
+# -- shardkit.json ----------------------------------------------------------------------------------------------------
+
+def _digest(body: dict) -> str:
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_sidecar(directory: Path, *, iteration: int, model: ModelConfig, layout: Layout, dtype: str,
+                  key_naming: str, optimizer: list[str] | None, provenance: dict) -> None:
+    """shardkit.json: what shardkit needs to read the export back with no flags (docs/FORMAT.md)."""
+    body = {"format": SIDECAR_FORMAT, "format_version": SIDECAR_VERSION, "iteration": iteration,
+            "model": model.to_dict(), "layout": layout.to_dict(),
+            "vocab": {"size": model.vocab_size, "padded_size": model.padded_vocab_size(layout.tp),
+                      "divisible_by": model.make_vocab_size_divisible_by},
+            "dtype": dtype, "key_naming": key_naming, "optimizer": list(optimizer) if optimizer else None,
+            "provenance": provenance}
+    body["digest"] = _digest(body)
+    write_file_atomic(Path(directory) / SIDECAR, json.dumps(body, indent=1) + "\n")
+
+
+def load_sidecar(iter_dir: Path) -> dict | None:
+    """The shardkit.json of an iteration (None when there is none), checked: a regular file of bounded size, strict
+    JSON, our format and version, the digest, a bounded model config and a layout that fits it, the vocab and key
+    naming consistent. `model` and `layout` come back as ModelConfig and Layout."""
+    p = Path(iter_dir) / SIDECAR
+    if not os.path.lexists(p):
+        return None
+    safe_path(iter_dir, SIDECAR, f"{iter_dir}: {SIDECAR}")
+    if not p.is_file():
+        raise FormatError(f"{p}: not a regular file")
+    size = p.stat().st_size
+    if size > SIDECAR_MAX:
+        raise FormatError(f"{p}: {size:,} bytes, more than a {SIDECAR}'s {SIDECAR_MAX:,}; refusing it")
+    try:
+        d = json.loads(p.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FormatError(f"{p}: not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(d, dict) or d.get("format") != SIDECAR_FORMAT or d.get("format_version") != SIDECAR_VERSION:
+        got = (d.get("format"), d.get("format_version")) if isinstance(d, dict) else type(d).__name__
+        raise FormatError(f"{p}: format {got!r} is not {SIDECAR_FORMAT!r} version {SIDECAR_VERSION}")
+    digest = d.pop("digest", None)
+    if digest != _digest(d):
+        raise FormatError(f"{p}: digest mismatch; the file was edited or damaged")
+    try:
+        model = ModelConfig.from_dict(d["model"])
+        layout = Layout.from_dict(d["layout"])
+        layout.check(model)
+        vocab = d["vocab"]
+        want = {"size": model.vocab_size, "padded_size": model.padded_vocab_size(layout.tp),
+                "divisible_by": model.make_vocab_size_divisible_by}
+        if vocab != want:
+            raise FormatError(f"vocab {vocab} disagrees with the model config ({want})")
+        if d["key_naming"] not in KEY_NAMINGS or not isinstance(d["dtype"], str) or d["dtype"] not in store.NP_DTYPES:
+            raise FormatError(f"key_naming {d['key_naming']!r} / dtype {d['dtype']!r} unknown")
+        if not isinstance(d.get("provenance"), dict):
+            raise FormatError("provenance is not an object")
+    except (FormatError, ConfigError, LayoutError) as e:
+        raise FormatError(f"{p}: {str(e).removeprefix('manifest: ')}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise FormatError(f"{p}: malformed ({type(e).__name__}: {e})") from None
+    return {**d, "model": model, "layout": layout}
+
+
 __all__ = ["TorchDistCheckpoint", "TDTensor", "read_torch_dist", "resolve_torch_dist", "load_dcp_metadata",
-           "load_common", "DCPWriter", "RankFile", "write_common",
+           "load_common", "DCPWriter", "RankFile", "write_common", "write_sidecar", "load_sidecar", "SIDECAR",
+           "HF_SUBDIR",
            "none_object_bytes", "BACKEND", "TRACKER", "CHECKPOINT_VERSION"]

@@ -77,17 +77,31 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
 
 
 def against_hf(ck, hf_dir: str | Path, *, seq_len: int = 32, tolerance: float = 1e-4, streaming: bool = False,
-               memory_budget: int | None = None, progress: Callable[[int], None] | None = None) -> dict:
-    """`verify --against`: the whole-model comparison, or the streaming one (convert/streaming.py) when asked or when
-    both fp32 models would not fit in `memory_budget` (default: half the available memory)."""
-    from .streaming import choose_mode, stream_parity
+               memory_budget: int | None = None, all_experts: bool = False,
+               progress: Callable[[int], None] | None = None) -> dict:
+    """`verify --against`: the whole-model comparison, or the streaming one (convert/streaming.py) when asked, when
+    both fp32 models would not fit in `memory_budget` (default: half the available memory), or with `all_experts`.
+    The HF config is checked first in both modes: a field that changes the math differing is one line.
 
-    mode, memory = choose_mode(ck, streaming, memory_budget)
+    Verdict: the end-to-end logits within `tolerance` (as ever) and, in streaming mode, every per-layer number (each
+    layer, expert, head and MTP depth on HF's own input) within it too."""
+    import time
+
+    from .streaming import HFWeights, check_same_math, choose_mode, hf_config, stream_parity
+
+    started = time.perf_counter()
+    hf_dir = Path(hf_dir)
+    if (hf_dir / "config.json").is_file() and ((hf_dir / "model.safetensors").is_file()
+                                               or (hf_dir / "model.safetensors.index.json").is_file()):
+        check_same_math(ck.config, hf_config(hf_dir, HFWeights(hf_dir)), hf_dir)
+    mode, memory = choose_mode(ck, streaming or all_experts, memory_budget)
     if mode == "streaming":
-        out = stream_parity(ck, hf_dir, seq_len=seq_len, tolerance=tolerance, progress=progress)
+        out = stream_parity(ck, hf_dir, seq_len=seq_len, tolerance=tolerance, all_experts=all_experts,
+                            memory_budget=memory["budget"], progress=progress)
     else:
         out = {**logit_parity(ck.config, ck.state_dict(dequantize=True), hf_dir, seq_len=seq_len), "mode": "whole"}
     out["memory"] = memory
     out["tolerance"] = tolerance
-    out["ok"] = out["max_abs_diff"] <= tolerance  # False for a NaN difference
+    out["ok"] = out["max_abs_diff"] <= tolerance and out.get("layers_ok", True)  # False for a NaN difference
+    out["seconds"] = round(time.perf_counter() - started, 3)
     return out

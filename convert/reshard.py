@@ -21,7 +21,7 @@ from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError, ShardkitError
-from checkpoint.layout import Layout
+from checkpoint.layout import Layout, PipelineSplit
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.reader import Checkpoint, ReadPlan, read_padded
 from checkpoint.safety import check_output
@@ -34,7 +34,8 @@ LAYOUT_FLAGS = ("tp", "pp", "vpp", "ep", "etp")
 
 
 def keep_layout(source: Layout | None, cfg: ModelConfig, tp: int | None = None, pp: int | None = None,
-                vpp: int | None = None, ep: int | None = None, etp: int | None = None) -> Layout:
+                vpp: int | None = None, ep: int | None = None, etp: int | None = None,
+                split: PipelineSplit | None = None) -> Layout:
     """The layout `reshard SRC DST [--tp N] ...` writes: each flag not given (None) keeps the source's value, as
     Megatron users think ("change TP to 4"). --etp not given follows the destination's --tp (Megatron's
     --expert-tensor-parallel-size defaults to the TP size) where the source's expert TP followed its TP (etp == tp,
@@ -49,8 +50,10 @@ def keep_layout(source: Layout | None, cfg: ModelConfig, tp: int | None = None, 
         etp = None if tied else src.etp
     elif etp is None:
         etp = src.etp
-    layout = Layout(tp=new_tp, pp=src.pp if pp is None else pp, vpp=src.vpp if vpp is None else vpp,
-                    ep=src.ep if ep is None else ep, etp=etp)
+    new_pp, new_vpp = src.pp if pp is None else pp, src.vpp if vpp is None else vpp
+    if split is None and (new_pp, new_vpp) == (src.pp, src.vpp):  # an uneven split is kept while the stages are
+        split = src.split
+    layout = Layout(tp=new_tp, pp=new_pp, vpp=new_vpp, ep=src.ep if ep is None else ep, etp=etp, split=split)
     if source is None:
         layout.check(cfg)
         return layout
@@ -82,6 +85,8 @@ def keep_layout(source: Layout | None, cfg: ModelConfig, tp: int | None = None, 
 def layout_text(layout: Layout, moe: bool) -> str:
     """tp=4 pp=2 vpp=1 (and ep, etp for a MoE model), as the reshard command prints it."""
     text = f"tp={layout.tp} pp={layout.pp} vpp={layout.vpp}"
+    if layout.split is not None:
+        text += f" ({' '.join(layout.split.flags())})"
     return f"{text} ep={layout.ep} etp={layout.expert_tp}" if moe else text
 
 

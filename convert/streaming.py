@@ -1,15 +1,27 @@
-"""Streaming logit parity: `verify --against` for checkpoints too big to build whole, one layer in memory at a time.
+"""Streaming logit parity: `verify --against` for checkpoints too big to build whole, a bounded piece in memory at a time.
 
-transformers runs its own forward over a model built on the meta device; a forward pre-hook fills each piece (the
-embedding, one decoder layer without its routed experts, the final norm, the head) from the HF safetensors through
-transformers' own loader (`convert_and_load_state_dict_in_model`, so its key renaming and expert fusing apply, not
-ours) and a forward hook frees it again. Routed experts are loaded one at a time, and only those the test tokens
-select: a one-expert copy of transformers' experts module takes each expert's tensors and its tokens in turn.
+transformers runs its own forward over a model built on the meta device; a forward pre-hook fills each piece (one
+decoder layer without its MLP's big parts, the final norm) from the HF safetensors through transformers' own loader
+(`convert_and_load_state_dict_in_model`, so its key renaming and expert fusing apply, not ours) and a forward hook
+frees it again. Sub-layer pieces, so that the memory stays under `--memory-budget` whatever the width:
 
-When HF's decoder layer i has run, ours runs twice on the same weights, read from the checkpoint's chunks for that
-layer only: once on HF's input of the layer (the per-layer number: each layer compared on the HF hidden state, so a
-wrong layer is named instead of drifting into the next) and once on our own chain (whose final logits are the
-end-to-end number, the same computation as the whole-model mode). Everything runs in fp32 on the CPU.
+- routed experts are loaded, applied and freed one at a time, and only those the test tokens select (with
+  `all_experts`, every expert also runs on a few synthetic rows): a one-expert copy of transformers' experts module
+  takes each expert's tensors and its tokens in turn; router and shared experts are loaded whole;
+- a dense MLP too wide for the budget runs as a sum of narrower copies of transformers' own MLP module, each holding a
+  contiguous range of the intermediate rows (the ranges are those `checkpoint.sharding.regions` gives a virtual
+  tensor-parallel split, so our side reads exactly its storage chunks);
+- the embedding reads only the rows of the test tokens, the output head runs in vocabulary blocks.
+
+When HF's decoder layer i has run, ours runs on the same weights, read from the checkpoint's chunks for that layer
+only, on two inputs at once (so each of our experts and MLP pieces is read once): HF's input of the layer (the
+per-layer number: each layer compared on the HF hidden state, so a wrong layer is named instead of drifting into the
+next) and our own chain (whose final logits are the end-to-end number, the same computation as the whole-model mode).
+Each expert is also compared alone on the rows HF gave it, so a wrong expert is named. DeepSeek-V3's MTP layers run
+after the decoder: transformers has no MTP forward, so the HF side composes transformers' own modules (its RMSNorm, a
+Linear for eh_proj, its decoder layer for index L + j, built and loaded by transformers) the way DeepSeek defines the
+depth: eh_proj([enorm(embedding of the next token); hnorm(hidden)]), the layer, shared_head.norm, shared_head.head.
+Everything runs in fp32 on the CPU.
 """
 from __future__ import annotations
 
@@ -18,30 +30,37 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
+from checkpoint.layout import Layout, RankCoord
 from checkpoint.reader import Checkpoint
-from checkpoint.sharding import SCALE_SUFFIX, split_optimizer_key
-from train.model import GPTModel, RotaryEmbedding, canonical_name
+from checkpoint.sharding import SCALE_SUFFIX, Rule, TensorSpec, regions, split_optimizer_key
+from train.model import MLP, GPTModel, RotaryEmbedding, canonical_name
 
 from .parity import HF_ATTN_IMPLEMENTATION, load_quietly
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")  # an MTP layer's pieces outside its block
+SYNTHETIC_ROWS = 4  # rows driven through an expert no test token selected (--all-experts)
+FP32 = 4
 
 
 class HFWeights:
-    """Lazy access to an HF model directory's safetensors: key -> tensor, reading only that tensor. Block-FP8 weights
-    (DeepSeek-V3's hub format: e4m3 + `weight_scale_inv` per block) come back dequantized as DeepSeek's reference
-    `weight_dequant` does: fp32(weight) * the scale of its block, cast to the model's dtype."""
+    """Lazy access to an HF model directory's safetensors: key -> tensor (or a row/column range of a 2-D tensor),
+    reading only that. Block-FP8 weights (DeepSeek-V3's hub format: e4m3 + `weight_scale_inv` per block) come back
+    dequantized as DeepSeek's reference `weight_dequant` does: fp32(weight) * the scale of its block, cast to the model's
+    dtype. `reads` counts every read per (key, rows, cols), so a test can prove no tensor is read twice."""
 
     def __init__(self, hf_dir: Path, fp8_block: tuple[int, int] = (128, 128),
                  dtype: torch.dtype = torch.bfloat16) -> None:
@@ -59,27 +78,58 @@ class HFWeights:
         self._open: dict[Path, Any] = {}
         self.hf_dir = hf_dir
         self.bytes_read = 0
+        self.reads: dict[tuple, int] = {}
 
-    def get(self, key: str) -> Tensor:
+    def _file(self, key: str):
         path = self.file_of.get(key)
         if path is None:
             raise ShardkitError(f"--against {self.hf_dir}: the HF weights have no tensor {key}")
         if path not in self._open:
             self._open[path] = safe_open(str(path), "pt")
-        t = self._open[path].get_tensor(key)
+        return self._open[path]
+
+    def has(self, key: str) -> bool:
+        return key in self.file_of
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._file(key).get_slice(key).get_shape())
+
+    def get(self, key: str, rows: slice | None = None, cols: slice | None = None) -> Tensor:
+        f = self._file(key)
+        if rows is None and cols is None:
+            t = f.get_tensor(key)
+        else:
+            sl = f.get_slice(key)
+            ndim = len(sl.get_shape())
+            t = sl[rows or slice(None)] if ndim == 1 else sl[rows or slice(None), cols or slice(None)]
+        tag = (key, None if rows is None else (rows.start, rows.stop), None if cols is None else (cols.start, cols.stop))
+        self.reads[tag] = self.reads.get(tag, 0) + 1
         self.bytes_read += t.numel() * t.element_size()
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             scale = key + SCALE_SUFFIX
             if scale not in self.file_of:
                 raise ShardkitError(f"--against {self.hf_dir}: {key} is FP8 but there is no {scale}")
-            s = self.get(scale)
             br, bc = self.fp8_block
-            r, c = t.shape
-            if s.shape != (-(-r // br), -(-c // bc)):
+            full = self.shape(key)
+            r0 = 0 if rows is None else rows.start
+            c0 = 0 if cols is None else cols.start
+            if r0 % br or c0 % bc:
+                raise ShardkitError(f"--against {self.hf_dir}: {key}: a read at ({r0}, {c0}) is not aligned to its "
+                                    f"{br}x{bc} FP8 blocks")
+            s = self.get(scale, None if rows is None else slice(r0 // br, -(-(r0 + t.shape[0]) // br)),
+                         None if cols is None else slice(c0 // bc, -(-(c0 + t.shape[1]) // bc)))
+            want = (-(-full[0] // br), -(-full[1] // bc)) if rows is None and cols is None else \
+                (-(-t.shape[0] // br), -(-t.shape[1] // bc))
+            if tuple(s.shape) != want:
                 raise ShardkitError(f"--against {self.hf_dir}: {scale} has shape {tuple(s.shape)}, expected "
-                                    f"{(-(-r // br), -(-c // bc))} for {key} {tuple(t.shape)} in {br}x{bc} blocks")
+                                    f"{want} for {key} {tuple(t.shape)} in {br}x{bc} blocks")
+            r, c = t.shape
             t = (t.float() * s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:r, :c]).to(self.dtype)
         return t
+
+    def release(self) -> None:
+        """Close the files (their mapped pages leave this process's RSS); reopened on the next read."""
+        self._open.clear()
 
     def layer_keys(self) -> dict[int | None, list[str]]:
         """Keys by decoder layer (None: outside the layers)."""
@@ -101,6 +151,11 @@ def _fp8_settings(hf_dir: Path) -> tuple[tuple[int, int], torch.dtype]:
     return block, getattr(torch, name, torch.bfloat16) if isinstance(name, str) else torch.bfloat16
 
 
+def _is_fp8_source(hf_dir: Path) -> bool:
+    raw = json.loads((hf_dir / "config.json").read_text())
+    return bool(raw.get("quantization_config"))
+
+
 def _free(module: nn.Module) -> None:
     module.to_empty(device="meta")
 
@@ -108,7 +163,7 @@ def _free(module: nn.Module) -> None:
 class _HFSide:
     """transformers' model on the meta device, filled piece by piece from the safetensors."""
 
-    def __init__(self, hf_dir: Path, weights: HFWeights, num_layers: int) -> None:
+    def __init__(self, hf_dir: Path, weights: HFWeights, num_layers: int, mtp_layers: int) -> None:
         import transformers
         from transformers.conversion_mapping import get_model_conversion_mapping
 
@@ -125,10 +180,11 @@ class _HFSide:
         self.weights = weights
         self.mapping = get_model_conversion_mapping(self.model)
         self.keys = weights.layer_keys()
-        self.num_layers = num_layers
+        self.num_layers, self.mtp_layers = num_layers, mtp_layers
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
 
-    def load(self, module: nn.Module, keys: list[str], model: nn.Module | None = None, rename=None) -> None:
+    def load(self, module: nn.Module, keys: list[str], model: nn.Module | None = None, mapping=None,
+             rename=None) -> None:
         """Materialise `module` (a part of `model`, default the whole meta model) and fill it with `keys` through
         transformers' own loader."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
@@ -137,7 +193,7 @@ class _HFSide:
         module.to_empty(device="cpu")
         sd = {(rename(k) if rename else k): self.weights.get(k) for k in keys}
         target = self.model if model is None else model
-        mapping = self.mapping if model is None else self._mini_mapping
+        mapping = self.mapping if mapping is None else mapping
         info, _ = convert_and_load_state_dict_in_model(
             target, sd, LoadStateDictConfig(weight_mapping=mapping, dtype=torch.float32))
         prefixes = self._prefixes(module, target)
@@ -170,6 +226,29 @@ class _HFSide:
             self._mini_mapping = get_model_conversion_mapping(self._mini)
         return self._mini
 
+    # -- a dense MLP in pieces ---------------------------------------------------------------------------------
+    def mlp_piece(self, mlp: nn.Module, rows: int) -> nn.Module:
+        """transformers' own MLP module of `mlp`'s class, `rows` intermediate rows wide (on the CPU, uninitialised)."""
+        c = copy.copy(self.config)
+        c.intermediate_size = rows
+        with torch.device("meta"):
+            piece = type(mlp)(c)
+        return piece.to_empty(device="cpu")
+
+    # -- DeepSeek-V3's MTP layers ------------------------------------------------------------------------------
+    def mtp_model(self) -> nn.Module:
+        """A meta copy of the model with the MTP layers' indices as decoder layers, for transformers' own layer
+        module (index L + j) and its loader."""
+        if not hasattr(self, "_mtp"):
+            from transformers.conversion_mapping import get_model_conversion_mapping
+
+            c = copy.deepcopy(self.config)
+            c.num_hidden_layers = self.num_layers + self.mtp_layers
+            with torch.device("meta"):
+                self._mtp = self.transformers.AutoModelForCausalLM.from_config(c, dtype=torch.float32)
+            self._mtp_mapping = get_model_conversion_mapping(self._mtp)
+        return self._mtp
+
 
 def _hf_experts_module(layer: nn.Module) -> tuple[nn.Module, str] | None:
     mlp = getattr(layer, "mlp", None)
@@ -180,98 +259,316 @@ def _hf_experts_module(layer: nn.Module) -> tuple[nn.Module, str] | None:
 class _StreamedHFExperts(nn.Module):
     """Stands in for transformers' experts module of one layer: the same call, each hit expert run by transformers'
     own experts module (of the one-expert copy) with that expert's tensors, in expert order as transformers runs
-    them."""
+    them. Each expert is read once; its rows and its (unweighted) output are kept to compare ours with, and with
+    `all_experts` every expert no token selected runs on a few synthetic rows too."""
 
-    def __init__(self, side: _HFSide, layer: int, expert_keys: dict[int, list[str]], counter: dict) -> None:
+    def __init__(self, side: _HFSide, layer: int, expert_keys: dict[int, list[str]], num_experts: int,
+                 all_experts: bool) -> None:
         super().__init__()
-        self.side, self.layer, self.expert_keys, self.counter = side, layer, expert_keys, counter
-        self.inputs: dict[int, Tensor] = {}  # expert -> the rows it saw (to name a wrong expert afterwards)
+        self.side, self.layer, self.expert_keys = side, layer, expert_keys
+        self.num_experts, self.all_experts = num_experts, all_experts
+        self.inputs: dict[int, Tensor] = {}  # expert -> the rows it saw
+        self.outputs: dict[int, Tensor] = {}  # expert -> its unweighted output on them
+        self.selected: set[int] = set()
 
-    def _run(self, e: int, rows: Tensor, weights: Tensor) -> Tensor:
+    def _run(self, e: int, rows: Tensor) -> Tensor:
         mini = self.side.mini()
         one = _hf_experts_module(mini.model.layers[0])[0]
         pat = re.compile(rf"^model\.layers\.{self.layer}\.(.*)\.experts\.{e}\.")
-        self.side.load(one, self.expert_keys[e], model=mini,
+        self._check_complete(e)
+        self.side.load(one, self.expert_keys[e], model=mini, mapping=self.side._mini_mapping,
                        rename=lambda k: pat.sub(r"model.layers.0.\1.experts.0.", k))
-        y = one(rows, torch.zeros(rows.shape[0], 1, dtype=torch.long), weights[:, None])
+        # unit weights: the module's `y * w` is then y exactly, and the caller applies the routing weight itself
+        y = one(rows, torch.zeros(rows.shape[0], 1, dtype=torch.long), torch.ones(rows.shape[0], 1, dtype=rows.dtype))
         _free(one)
+        self.side.weights.release()
         return y
 
-    def run_one(self, e: int, rows: Tensor) -> Tensor:
-        """Expert e alone on `rows`, unweighted."""
-        return self._run(e, rows, torch.ones(rows.shape[0], dtype=rows.dtype))
+    def _check_complete(self, e: int) -> None:
+        """Expert e has every tensor the layer's other experts have: else one line naming the HF tensor missing."""
+        tails = {}
+        for keys in self.expert_keys.values():
+            for k in keys:
+                head, tail = re.split(r"\.experts\.\d+\.", k, maxsplit=1)
+                tails[tail] = head
+        have = {re.split(r"\.experts\.\d+\.", k, maxsplit=1)[1] for k in self.expert_keys.get(e, [])}
+        for tail in sorted(set(tails) - have):
+            raise ShardkitError(f"--against {self.side.weights.hf_dir}: HF weights missing for "
+                                f"{tails[tail]}.experts.{e}.{tail}")
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         out = torch.zeros_like(hidden)
-        for e in torch.unique(top_k_index).tolist():
+        hit = torch.unique(top_k_index).tolist()
+        for e in hit:
             token, slot = torch.where(top_k_index == e)
             rows = self.inputs[e] = hidden.index_select(0, token)
-            out.index_add_(0, token, self._run(e, rows, top_k_weights[token, slot]).to(out.dtype))
-            self.counter.setdefault(self.layer, set()).add(e)
+            y = self.outputs[e] = self._run(e, rows)
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        self.selected = set(hit)
+        if self.all_experts:
+            synthetic = hidden[:SYNTHETIC_ROWS]
+            for e in range(self.num_experts):
+                if e not in self.selected:
+                    self.inputs[e] = synthetic
+                    self.outputs[e] = self._run(e, synthetic)
         return out
 
 
-class _OurSide:
-    """Our model on the meta device; one decoder layer at a time filled from the checkpoint's chunks."""
+class _ChunkedHFMLP(nn.Module):
+    """Stands in for transformers' dense MLP of one layer: the sum over intermediate-row ranges of transformers' own
+    MLP module holding that range (gate/up rows, down columns; a down bias in the first piece only)."""
 
-    def __init__(self, ck: Checkpoint) -> None:
-        self.ck, self.cfg = ck, ck.config
+    def __init__(self, side: _HFSide, layer: int, mlp: nn.Module, ranges: list[tuple[int, int]],
+                 prefix: str) -> None:
+        super().__init__()
+        self.side, self.layer, self.ranges, self.prefix = side, layer, ranges, prefix
+        self.template = [mlp]  # not a submodule: no parameters of its own here
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, p = self.side.weights, self.prefix
+        out = None
+        for n, (a, b) in enumerate(self.ranges):
+            piece = self.side.mlp_piece(self.template[0], b - a)
+            sd = {"gate_proj.weight": w.get(p + "gate_proj.weight", rows=slice(a, b)),
+                  "up_proj.weight": w.get(p + "up_proj.weight", rows=slice(a, b)),
+                  "down_proj.weight": w.get(p + "down_proj.weight", cols=slice(a, b))}
+            if piece.gate_proj.bias is not None:
+                sd["gate_proj.bias"] = w.get(p + "gate_proj.bias", rows=slice(a, b))
+                sd["up_proj.bias"] = w.get(p + "up_proj.bias", rows=slice(a, b))
+                sd["down_proj.bias"] = (w.get(p + "down_proj.bias") if n == 0 else
+                                        torch.zeros(piece.down_proj.bias.shape))
+            piece.load_state_dict(sd, strict=True)  # copied into the fp32 parameters, cast on the way
+            del sd
+            w.release()
+            y = piece(x)
+            out = y if out is None else out + y
+            del piece
+        return out
+
+
+class _Gathered(nn.Module):
+    """An embedding of only the rows `ids` (sorted, unique): the same lookup as the whole table for those ids."""
+
+    def __init__(self, ids: Tensor, rows: Tensor) -> None:
+        super().__init__()
+        self.ids, self.rows = ids, rows
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return F.embedding(torch.searchsorted(self.ids, input_ids), self.rows)
+
+
+class _DeferredHead(nn.Module):
+    """Stands in for HF's lm_head (a bias-free Linear): keeps its input; the logits are computed afterwards in
+    vocabulary blocks, F.linear exactly as nn.Linear does, once the MTP layers' head inputs are known too."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.input = vocab, None
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.input = x
+        return x.new_zeros(*x.shape[:-1], self.vocab)
+
+
+# -- our side --------------------------------------------------------------------------------------------------------
+
+def _expert_mlp(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+    """train.model.GroupedMLP.forward for one expert's [gate; up] and down weights (the same operations)."""
+    gate, up = F.linear(x, w1).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+class _OurSide:
+    """Our model on the meta device; one piece at a time filled from the checkpoint's chunks."""
+
+    def __init__(self, ck: Checkpoint, plan: dict) -> None:
+        self.ck, self.cfg, self.plan = ck, ck.config, plan
         padded = ck.entry("embedding.word_embeddings.weight").shape[0]
         with torch.device("meta"):
             self.model = GPTModel(self.cfg, padded)
         self.model.rotary_pos_emb = RotaryEmbedding(self.cfg)
         self.stacked = not self.cfg.heterogeneous
         self.bytes_read = 0
-        self.expert_names: set[str] = set()
+        self.reads: dict[tuple, int] = {}
 
-    def _read(self, name: str, index: tuple[slice, ...] | None = None) -> Tensor:
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> Tensor:
+        if name not in self.ck.tensors:
+            raise ShardkitError(f"{self.ck.path}: the checkpoint has no tensor {name}")
         t = self.ck.read(name, index)
+        tag = (name, None if index is None else tuple((s.start, s.stop) for s in index))
+        self.reads[tag] = self.reads.get(tag, 0) + 1
         self.bytes_read += t.numel() * t.element_size()
         return t
 
-    def fill(self, prefix: str, module: nn.Module, skip: Callable[[str], bool] = lambda n: False) -> None:
+    def fill(self, prefix: str, module: nn.Module) -> None:
         """Materialise `module` (the model's `prefix`) with its tensors read from the checkpoint."""
         module.to_empty(device="cpu")
         with torch.no_grad():
             for name, p in module.named_parameters():
-                if skip(name):
-                    continue
                 cname, index = canonical_name(prefix + name, self.stacked)
-                if cname not in self.ck.tensors:
-                    raise ShardkitError(f"{self.ck.path}: the checkpoint has no tensor {cname}")
-                p.copy_(self._read(cname, None if index is None else (slice(index, index + 1),))[0]
-                        if index is not None else self._read(cname))
+                p.copy_(self.read(cname, (slice(index, index + 1),))[0] if index is not None else self.read(cname))
 
+    def _fill_region(self, p: Tensor, prefix: str, name: str, n: int, r: int) -> None:
+        """Piece r of n of a dense MLP tensor: the boxes `checkpoint.sharding.regions` gives rank r of a virtual
+        tensor-parallel split into n, placed where that rank's local tensor holds them."""
+        cname, index = canonical_name(prefix + name, self.stacked)
+        spec = self._spec(cname)
+        for reg in regions(spec, Layout(tp=n), RankCoord(tp=r)):
+            box, local = list(reg.global_slices()), list(reg.local_slices())
+            if index is not None:  # the stacked layer axis: this layer only
+                box[0] = slice(index, index + 1)
+                local = local[1:]
+            t = self.read(cname, tuple(box))
+            p[tuple(local)] = t[0] if index is not None else t
 
-class _StreamedOurExperts(nn.Module):
-    """Stands in for our GroupedMLP: `forward(x, e)` reads expert e of this layer and runs a one-expert GroupedMLP."""
+    def _spec(self, name: str) -> TensorSpec:
+        e = self.ck.entry(name)
+        return TensorSpec(name, tuple(e.shape), Rule(e.rule), e.per_layer)
 
-    def __init__(self, side: _OurSide, prefix: str, grouped: nn.Module) -> None:
-        super().__init__()
-        self.side, self.prefix = side, prefix
-        with torch.device("meta"):
-            self.one = type(grouped)(replace(side.cfg, num_moe_experts=1))
+    def mlp_ranges(self, prefix: str, n: int) -> list[tuple[int, int]]:
+        """The intermediate rows [a, b) of each of the n pieces (the columns of linear_fc2 rank r's box)."""
+        cname, _ = canonical_name(prefix + "mlp.linear_fc2.weight", self.stacked)
+        spec = self._spec(cname)
+        out = []
+        for r in range(n):
+            (reg,) = regions(spec, Layout(tp=n), RankCoord(tp=r))
+            ax = len(spec.shape) - 1
+            out.append((reg.global_offset[ax], reg.global_offset[ax] + reg.shape[ax]))
+        return out
 
-    def forward(self, x: Tensor, expert: int) -> Tensor:
-        return self.run_one(expert, x)
-
-    def run_one(self, expert: int, x: Tensor) -> Tensor:
-        side = self.side
-        self.one.to_empty(device="cpu")
+    def layer(self, prefix: str, mine: nn.Module, streams: list[Tensor], cos: Tensor, sin: Tensor, *,
+              pieces: int = 1, hf_experts: _StreamedHFExperts | None = None, report: dict | None = None
+              ) -> list[Tensor]:
+        """train.model.TransformerLayer.forward on each of `streams`, the same operations in the same order, the
+        layer's weights read once for all of them: attention, then the MLP whole, in `pieces` (dense), or expert by
+        expert (MoE; each expert also compared on the rows HF gave it, into `report`)."""
+        self.fill(prefix + "input_layernorm.", mine.input_layernorm)
+        self.fill(prefix + "self_attention.", mine.self_attention)
+        self.fill(prefix + "pre_mlp_layernorm.", mine.pre_mlp_layernorm)
         with torch.no_grad():
-            for name, p in self.one.named_parameters():
-                cname, index = canonical_name(self.prefix + name, side.stacked)
-                box = ((slice(index, index + 1),) if index is not None else ()) + (slice(expert, expert + 1),)
-                t = side._read(cname, box)
-                p.copy_(t.reshape(p.shape))
-        y = self.one(x, 0)
-        _free(self.one)
-        return y
+            mids = [x + mine.self_attention(mine.input_layernorm(x), cos, sin) for x in streams]
+            us = [mine.pre_mlp_layernorm(m) for m in mids]
+        for m in (mine.input_layernorm, mine.self_attention, mine.pre_mlp_layernorm):
+            _free(m)
+        mlp = mine.mlp
+        with torch.no_grad():
+            if hasattr(mlp, "router"):
+                ys = self._moe(prefix + "mlp.", mlp, us, hf_experts, report)
+            elif pieces == 1:
+                self.fill(prefix + "mlp.", mlp)
+                ys = [mlp(u) for u in us]
+                _free(mlp)
+            else:
+                ys = [None] * len(us)
+                cfg = self.cfg
+                whole: dict[str, Tensor] = {}
+                for r in range(pieces):
+                    with torch.device("meta"):
+                        piece = MLP(cfg.hidden_size, cfg.ffn_hidden_size // pieces, cfg.add_mlp_bias, cfg.norm_epsilon)
+                    piece.to_empty(device="cpu")
+                    for name, p in piece.named_parameters():
+                        if name == "linear_fc2.bias" and r > 0:  # added once, by the first piece
+                            p.zero_()
+                        elif name in ("linear_fc1.layer_norm_weight", "linear_fc2.bias"):  # whole, read once
+                            if name not in whole:
+                                cname, index = canonical_name(prefix + "mlp." + name, self.stacked)
+                                whole[name] = (self.read(cname, (slice(index, index + 1),))[0] if index is not None
+                                               else self.read(cname))
+                            p.copy_(whole[name])
+                        else:
+                            self._fill_region(p, prefix + "mlp.", name, pieces, r)
+                    ys = [piece(u) if y is None else y + piece(u) for u, y in zip(us, ys)]
+                    del piece
+        return [m + y for m, y in zip(mids, ys)]
 
+    def _moe(self, prefix: str, moe: nn.Module, us: list[Tensor], hf_experts: _StreamedHFExperts | None,
+             report: dict | None) -> list[Tensor]:
+        """train.model.MoELayer.forward + Experts.forward on each stream, each expert read once."""
+        self.fill(prefix + "router.", moe.router)
+        routes = []
+        for u in us:
+            tokens = u.reshape(-1, u.shape[-1])
+            weights, indices = moe.router(tokens)
+            routes.append((tokens, weights, indices, torch.zeros_like(tokens)))
+        _free(moe.router)
+        wanted = set()
+        for _, _, indices, _ in routes:
+            wanted.update(torch.unique(indices).tolist())
+        theirs = hf_experts.outputs if hf_experts is not None else {}
+        wanted.update(theirs)
+        worst = (None, 0.0)
+        w1_name, i1 = canonical_name(prefix + "experts.experts.linear_fc1.weight", self.stacked)
+        w2_name, i2 = canonical_name(prefix + "experts.experts.linear_fc2.weight", self.stacked)
+        lead = () if i1 is None else (slice(i1, i1 + 1),)
+        for e in sorted(wanted):
+            box = lead + (slice(e, e + 1),)
+            w1 = self.read(w1_name, box).float().reshape(self.read_shape(w1_name)[-2:])
+            w2 = self.read(w2_name, box).float().reshape(self.read_shape(w2_name)[-2:])
+            for tokens, weights, indices, out in routes:
+                token, slot = torch.where(indices == e)
+                if token.numel() == 0:
+                    continue
+                y = _expert_mlp(tokens.index_select(0, token), w1, w2) * weights[token, slot, None]
+                out.index_add_(0, token, y.to(out.dtype))
+            if e in theirs:
+                d = (_expert_mlp(hf_experts.inputs[e], w1, w2) - theirs[e]).abs().max().item()
+                if worst[0] is None or not d <= worst[1]:
+                    worst = (e, d)
+            del w1, w2
+        if report is not None:
+            report["experts_loaded"] = len(wanted)
+            report["worst_expert"] = worst
+        ys = [out.view(u.shape) for u, (_, _, _, out) in zip(us, routes)]
+        if moe.shared_experts is not None:
+            self.fill(prefix + "shared_experts.", moe.shared_experts)
+            ys = [y + moe.shared_experts(u) for u, y in zip(us, ys)]
+            _free(moe.shared_experts)
+        return ys
+
+    def read_shape(self, name: str) -> list[int]:
+        return self.ck.entry(name).shape
+
+    def embedding_rows(self, ids: Tensor) -> Tensor:
+        """Rows `ids` (sorted, unique) of our embedding, fp32, each storage chunk read once."""
+        name = "embedding.word_embeddings.weight"
+        e = self.ck.entry(name)
+        step = e.chunk[0]
+        out = torch.empty(len(ids), e.shape[1])
+        for block in sorted({int(i) // step for i in ids}):
+            a, b = block * step, min((block + 1) * step, e.shape[0])
+            sel = ((ids >= a) & (ids < b)).nonzero().flatten()
+            t = self.read(name, (slice(a, b), slice(None)))
+            out[sel] = t[ids[sel] - a].float()
+            del t
+        return out
+
+    def head_name(self) -> str:
+        return "embedding.word_embeddings.weight" if self.cfg.tie_word_embeddings else "output_layer.weight"
+
+
+def _blocked_logits(read: Callable[[int, int], Tensor], inputs: list[Tensor], vocab: int, block: int,
+                    release: Callable[[], None] | None = None) -> list[Tensor]:
+    """F.linear(x, W[:vocab]) for each x, W read in row blocks [a, a + block) (one block: exactly the whole)."""
+    outs = [x.new_empty(*x.shape[:-1], vocab) for x in inputs]
+    for a in range(0, vocab, block):
+        b = min(a + block, vocab)
+        w = read(a, b).float()
+        for x, o in zip(inputs, outs):
+            o[..., a:b] = F.linear(x, w)
+        del w
+        if release is not None:
+            release()
+    return outs
+
+
+# -- the comparison ----------------------------------------------------------------------------------------------------
 
 def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len: int = 32, seed: int = 0,
-                  tolerance: float = 1e-4, progress: Callable[[int], None] | None = None) -> dict:
-    """Per-layer and end-to-end |ours - HF| with one layer's weights in memory at a time (see the module doc)."""
+                  tolerance: float = 1e-4, all_experts: bool = False, memory_budget: int | None = None,
+                  progress: Callable[[int], None] | None = None) -> dict:
+    """Per-layer and end-to-end |ours - HF| with a bounded piece of either model in memory at a time (see the module
+    doc). `memory_budget` (bytes) sizes the pieces (None: whole layers, blocks of one storage chunk)."""
+    started = time.perf_counter()
     hf_dir = Path(hf_dir)
     cfg: ModelConfig = ck.config
     if seq_len < 1 or batch < 1:
@@ -279,172 +576,397 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
     if ck.manifest.fp8:
         raise ShardkitError(f"{ck.path}: kept block-FP8 weights; streaming parity of them is not supported yet "
                             "(verify without --streaming)")
-    theirs = ModelConfig.from_hf_dir(hf_dir)
-    check_same_math(cfg, theirs, hf_dir)
     weights = HFWeights(hf_dir, *_fp8_settings(hf_dir))
-    hf = load_quietly(lambda: _HFSide(hf_dir, weights, cfg.num_layers), hf_dir)
-    ours = _OurSide(ck)
+    check_same_math(cfg, hf_config(hf_dir, weights), hf_dir)
+    plan = piece_plan(ck, memory_budget, fp8_block=_fp8_settings(hf_dir)[0] if _is_fp8_source(hf_dir) else None)
+    hf = load_quietly(lambda: _HFSide(hf_dir, weights, cfg.num_layers, cfg.mtp_num_layers), hf_dir)
+    ours = _OurSide(ck, plan)
     inner = hf.model.model
     keys = hf.keys
-    exercised: dict[int, set[int]] = {}
     layers: list[dict] = []
-    routed_standins: dict[int, _StreamedHFExperts] = {}
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator)
     cos, sin = ours.model.rope(input_ids, None, torch.float32)
-    state = {"chain": None}
+    next_ids = []  # MTP depth d reads the token d + 1 ahead (zero fill), as GPTModel.mtp_forward
+    ids = input_ids
+    for _ in range(cfg.mtp_num_layers):
+        ids = F.pad(ids[:, 1:], (0, 1))
+        next_ids.append(ids)
+    needed = torch.unique(torch.cat([input_ids.flatten()] + [n.flatten() for n in next_ids]))
+    state: dict[str, Any] = {"reported": 0}
 
-    def filled(module: nn.Module, keys_: list[str]):
-        def pre(m, args, kwargs=None):
-            hf.load(m, keys_)
-        return pre
+    def report_progress() -> None:
+        if progress:
+            total = ours.bytes_read + weights.bytes_read
+            progress(total - state["reported"])
+            state["reported"] = total
 
-    def freeing(m, args, out):
-        _free(m)
+    # embedding: the rows of the test tokens only, on both sides
+    hf_rows = torch.empty(len(needed), cfg.hidden_size)
+    runs = _runs(needed.tolist())
+    pos = 0
+    for a, b in runs:
+        hf_rows[pos:pos + b - a] = weights.get("model.embed_tokens.weight", rows=slice(a, b)).float()
+        pos += b - a
+    weights.release()
+    hf_embed = _Gathered(needed, hf_rows)
+    our_embed = _Gathered(needed, ours.embedding_rows(needed))
+    inner.embed_tokens = hf_embed
+    layers.append({"layer": "embedding", "max_abs_diff": (our_embed.rows - hf_rows).abs().max().item()})
+    state["chain"] = our_embed(input_ids)
 
-    # embedding
-    def embed_done(m, args, out):
-        ours.fill("embedding.", ours.model.embedding)
-        mine = ours.model.embed(input_ids)
-        layers.append({"layer": "embedding", "max_abs_diff": (mine - out).abs().max().item()})
-        state["chain"] = mine
-        _free(ours.model.embedding)
-        _free(m)
-
-    inner.embed_tokens.register_forward_pre_hook(filled(inner.embed_tokens, ["model.embed_tokens.weight"]))
-    inner.embed_tokens.register_forward_hook(embed_done)
-
+    standins: dict[int, _StreamedHFExperts] = {}
     for i, layer in enumerate(inner.layers):
         lk = keys.get(i, [])
         routed = _hf_experts_module(layer)
-        expert_keys: dict[int, list[str]] = {}
+        prefix = f"decoder.layers.{i}."
+        pieces = plan["mlp_pieces"].get(i, 1)
+        skip: set[str] = set()
         if routed is not None:
-            for k in lk:
-                m = _EXPERT.search(k)
-                if m and ".shared_expert" not in k:
-                    expert_keys.setdefault(int(m.group(1)), []).append(k)
-            layer.mlp.experts = routed_standins[i] = _StreamedHFExperts(hf, i, expert_keys, exercised)
-        flat = {k for ks in expert_keys.values() for k in ks}
-        rest = [k for k in lk if k not in flat]
+            expert_keys = _expert_keys(lk)
+            layer.mlp.experts = standins[i] = _StreamedHFExperts(hf, i, expert_keys, cfg.num_moe_experts,
+                                                                 all_experts)
+            skip = {k for ks in expert_keys.values() for k in ks}
+        elif pieces > 1:
+            mp = f"model.layers.{i}.mlp."
+            layer.mlp = _ChunkedHFMLP(hf, i, layer.mlp, ours.mlp_ranges(prefix, pieces), mp)
+            skip = {k for k in lk if k.startswith(mp)}
+        rest = [k for k in lk if k not in skip]
 
         def pre(m, args, kwargs, rest=rest):
-            hf.load(m, rest)  # the experts' stand-in holds no tensors: it reads its own
+            state["layer_kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            hf.load(m, rest)  # the stand-ins hold no tensors: they read their own
 
-        def post(m, args, kwargs, out, i=i):
+        def post(m, args, kwargs, out, i=i, prefix=prefix, pieces=pieces):
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = out[0] if isinstance(out, tuple) else out
             _free(m)
-            prefix = f"decoder.layers.{i}."
+            weights.release()
             mine = ours.model.decoder.layers[str(i)]
-            grouped = _our_grouped(mine)
-            if grouped is not None:
-                mine.mlp.experts.experts = _StreamedOurExperts(ours, prefix + "mlp.experts.experts.", grouped)
-            ours.fill(prefix, mine, skip=lambda n: n.startswith("mlp.experts.experts."))
-            with torch.no_grad():
-                on_hf = mine(h_in, cos, sin)
-                state["chain"] = mine(state["chain"], cos, sin)
-            row = {"layer": i, "max_abs_diff": (on_hf - h_out).abs().max().item()}
-            if grouped is not None:
-                row["experts_exercised"] = len(exercised.get(i, ()))
-                row["experts"] = cfg.num_moe_experts
-                if not row["max_abs_diff"] <= tolerance:  # name the expert: each one alone on the rows it saw
-                    theirs_, mine_ = routed_standins[i], mine.mlp.experts.experts
-                    worst = max(((e, (mine_.run_one(e, x) - theirs_.run_one(e, x)).abs().max().item())
-                                 for e, x in sorted(theirs_.inputs.items())), key=lambda t: t[1], default=None)
-                    if worst is not None and worst[1] > tolerance:
-                        row["expert"], row["expert_max_abs_diff"] = worst
-            layers.append(row)
-            mine.to_empty(device="meta")
-            if progress:
-                total = ours.bytes_read + weights.bytes_read
-                progress(total - state.get("reported", 0))
-                state["reported"] = total
+            rep: dict = {}
+            on_hf, state["chain"] = ours.layer(prefix, mine, [h_in, state["chain"]], cos, sin, pieces=pieces,
+                                               hf_experts=standins.get(i), report=rep)
+            state["last_hf"] = h_out
+            layers.append(_row(i, on_hf, h_out, rep, standins.get(i), cfg, tolerance, pieces))
+            if i in standins:  # the rows it kept are not needed any more
+                standins[i].inputs, standins[i].outputs = {}, {}
+            report_progress()
 
         layer.register_forward_pre_hook(pre, with_kwargs=True)
         layer.register_forward_hook(post, with_kwargs=True)
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and (routed is not None or pieces > 1):  # free attention before the MLP's pieces
+            attn.register_forward_hook(lambda m, a, o: _free(m))
 
-    inner.norm.register_forward_pre_hook(filled(inner.norm, ["model.norm.weight"]))
-    inner.norm.register_forward_hook(freeing)
-    head_key = "model.embed_tokens.weight" if hf.tied else "lm_head.weight"
-    lm_head = hf.model.lm_head
+    def norm_pre(m, args):
+        hf.load(m, ["model.norm.weight"])
 
-    def head_pre(m, args):
-        m.to_empty(device="cpu")
-        with torch.no_grad():
-            m.weight.copy_(weights.get(head_key).float())
-
-    lm_head.register_forward_pre_hook(head_pre)
-    lm_head.register_forward_hook(freeing)
+    inner.norm.register_forward_pre_hook(norm_pre)
+    inner.norm.register_forward_hook(lambda m, a, o: _free(m))
+    head = hf.model.lm_head = _DeferredHead(cfg.vocab_size)
 
     with torch.no_grad():
-        hf_logits = hf.model(input_ids=input_ids, use_cache=False).logits.float()
-        ours.fill("decoder.final_layernorm.", ours.model.decoder.final_layernorm)
-        head = "embedding." if ours.model.output_layer is None else "output_layer."
-        head_module = ours.model.embedding if ours.model.output_layer is None else ours.model.output_layer
-        ours.fill(head, head_module)
-        ours_logits = ours.model.logits(ours.model.decoder.final_layernorm(state["chain"]))
-    if ours_logits.shape != hf_logits.shape:
-        raise ShardkitError(f"logit shapes differ: ours {tuple(ours_logits.shape)}, HF {tuple(hf_logits.shape)}")
-    diff = (ours_logits - hf_logits).abs()
-    first_bad = next((r["layer"] for r in layers if not r["max_abs_diff"] <= tolerance), None)
-    return {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "batch": batch,
-            "seq_len": seq_len, "dtype": "float32", "mode": "streaming", "layers": layers,
-            "first_layer_beyond_tolerance": first_bad,
-            "bytes_read": {"ours": ours.bytes_read, "hf": weights.bytes_read}}
+        hf.model(input_ids=input_ids, use_cache=False)
+        hf_heads = [(head.input, "model.embed_tokens.weight" if hf.tied else "lm_head.weight")]
+        final = ours.model.decoder.final_layernorm
+        ours.fill("decoder.final_layernorm.", final)
+        our_heads = [final(state["chain"]), final(state["last_hf"])]  # end to end; the head on HF's hidden
+        _free(final)
+        mtp_rows = _mtp(hf, ours, weights, cfg, state, next_ids, hf_embed, our_embed, cos, sin, tolerance,
+                        all_experts, hf_heads, our_heads)
+        report_progress()
+        hf_logits = _hf_logits(weights, hf_heads, cfg.vocab_size, plan["head_rows"])
+        our_logits = _blocked_logits(lambda a, b: ours.read(ours.head_name(), (slice(a, b), slice(None))),
+                                     our_heads, cfg.vocab_size, plan["head_rows"])
+        report_progress()
+    if our_logits[0].shape != hf_logits[0].shape:
+        raise ShardkitError(f"logit shapes differ: ours {tuple(our_logits[0].shape)}, HF {tuple(hf_logits[0].shape)}")
+    diff = (our_logits[0] - hf_logits[0]).abs()
+    layers.append({"layer": "head", "max_abs_diff": (our_logits[1] - hf_logits[0]).abs().max().item()})
+    mtp_end = []
+    for j, row in enumerate(mtp_rows):
+        row["logits_max_abs_diff"] = (our_logits[3 + 2 * j] - hf_logits[1 + j]).abs().max().item()
+        mtp_end.append((our_logits[2 + 2 * j] - hf_logits[1 + j]).abs().max().item())
+        layers.append(row)
+    first = next((r for r in layers if _beyond(r, tolerance)), None)
+    moe = [r for r in layers if "experts" in r]
+    out = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "batch": batch,
+           "seq_len": seq_len, "dtype": "float32", "mode": "streaming", "layers": layers,
+           "first_layer_beyond_tolerance": None if first is None else first["layer"],
+           "first_expert_beyond_tolerance": None if first is None else first.get("expert"),
+           "layers_ok": first is None, "all_experts": all_experts,
+           "experts_exercised": sum(r["experts_exercised"] for r in moe),
+           "experts_total": sum(r["experts"] for r in moe),
+           "bytes_read": {"ours": ours.bytes_read, "hf": weights.bytes_read},
+           "max_reads_of_one_tensor": {"ours": max(ours.reads.values(), default=0),
+                                       "hf": max(weights.reads.values(), default=0)},
+           "pieces": {"mlp": {str(k): v for k, v in plan["mlp_pieces"].items() if v > 1},
+                      "head_rows": plan["head_rows"]},
+           "seconds": round(time.perf_counter() - started, 3)}
+    if mtp_end:
+        out["mtp_max_abs_diff"] = mtp_end
+    state.clear()
+    return out
 
 
-def _our_grouped(layer: nn.Module) -> nn.Module | None:
-    experts = getattr(getattr(layer, "mlp", None), "experts", None)
-    return getattr(experts, "experts", None)
+def _row(i, on_hf: Tensor, h_out: Tensor, rep: dict, standin, cfg: ModelConfig, tolerance: float, pieces: int) -> dict:
+    row: dict[str, Any] = {"layer": i, "max_abs_diff": (on_hf - h_out).abs().max().item()}
+    if pieces > 1:
+        row["mlp_pieces"] = pieces
+    if standin is not None:
+        row["experts"] = cfg.num_moe_experts
+        row["experts_selected"] = len(standin.selected)
+        row["experts_exercised"] = len(standin.outputs)
+        row["experts_loaded_ours"] = rep.get("experts_loaded", 0)
+        e, d = rep.get("worst_expert", (None, 0.0))
+        row["expert_max_abs_diff"] = d
+        if e is not None and not d <= tolerance:
+            row["expert"] = e
+    return row
 
 
-_MATH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                "vocab_size", "norm_epsilon", "rotary_base", "tie_word_embeddings", "num_moe_experts",
-                "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                "v_head_dim")
+def _beyond(row: dict, tolerance: float) -> bool:
+    return any(k in row and not row[k] <= tolerance
+               for k in ("max_abs_diff", "expert_max_abs_diff", "eh_proj_max_abs_diff", "logits_max_abs_diff"))
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids as contiguous [a, b) runs."""
+    out: list[list[int]] = []
+    for i in ids:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return [(a, b) for a, b in out]
+
+
+def _expert_keys(keys: list[str]) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for k in keys:
+        m = _EXPERT.search(k)
+        if m and ".shared_expert" not in k:
+            out.setdefault(int(m.group(1)), []).append(k)
+    return out
+
+
+def _hf_logits(weights: HFWeights, heads: list[tuple[Tensor, str]], vocab: int, block: int) -> list[Tensor]:
+    """HF's head(s) in row blocks: each head tensor read once, F.linear as nn.Linear."""
+    by_key: dict[str, list[int]] = {}
+    for n, (_, key) in enumerate(heads):
+        by_key.setdefault(key, []).append(n)
+    outs: list[Tensor | None] = [None] * len(heads)
+    for key, idx in by_key.items():
+        shape = weights.shape(key)
+        if shape[0] < vocab:
+            raise ShardkitError(f"--against {weights.hf_dir}: {key} has {shape[0]} rows, the vocabulary {vocab}")
+        whole = block >= vocab and shape[0] == vocab
+        res = _blocked_logits(lambda a, b: weights.get(key) if whole else weights.get(key, rows=slice(a, b)),
+                              [heads[n][0] for n in idx], vocab, block, release=weights.release)
+        for n, o in zip(idx, res):
+            outs[n] = o
+    return outs
+
+
+def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, state: dict, next_ids: list[Tensor],
+         hf_embed: _Gathered, our_embed: _Gathered, cos: Tensor, sin: Tensor, tolerance: float, all_experts: bool,
+         hf_heads: list, our_heads: list) -> list[dict]:
+    """DeepSeek-V3's MTP depths, each on HF's hidden state (and ours on our chain); appends each depth's head inputs
+    (HF's, ours end to end, ours on HF's hidden) for the blocked head pass. Returns one row per depth."""
+    rows = []
+    if not cfg.mtp_num_layers:
+        return rows
+    L, h = cfg.num_layers, cfg.hidden_size
+    model = hf.mtp_model()
+    norm_cls = type(hf.model.model.norm)
+    hf_prev, our_prev = state["last_hf"], state["chain"]
+    for j in range(cfg.mtp_num_layers):
+        p = f"model.layers.{L + j}."
+        keys = hf.keys.get(L + j, [])
+        if not keys:
+            raise ShardkitError(f"--against {weights.hf_dir}: HF weights missing for MTP layer {j} ({p}enorm.weight)")
+        layer = model.model.layers[L + j]
+        routed = _hf_experts_module(layer)
+        expert_keys = _expert_keys(keys) if routed is not None else {}
+        standin = None
+        if routed is not None:
+            layer.mlp.experts = standin = _StreamedHFExperts(hf, L + j, expert_keys, cfg.num_moe_experts, all_experts)
+        flat = {k for ks in expert_keys.values() for k in ks}
+        block = [k for k in keys if k not in flat and not k[len(p):].startswith(_MTP_OWN)]
+        with torch.device("meta"):
+            enorm, hnorm, snorm = (norm_cls(h, eps=cfg.norm_epsilon) for _ in range(3))
+            eh_proj = nn.Linear(2 * h, h, bias=False)
+        for mod, key in ((enorm, "enorm.weight"), (hnorm, "hnorm.weight"), (snorm, "shared_head.norm.weight"),
+                         (eh_proj, "eh_proj.weight")):
+            mod.to_empty(device="cpu")
+            mod.weight.copy_(weights.get(p + key).float())
+        emb = hf_embed(next_ids[j])
+        x_hf = eh_proj(torch.cat((enorm(emb), hnorm(hf_prev)), dim=-1))
+        hf.load(layer, block, model=model, mapping=hf._mtp_mapping)
+        out = layer(x_hf, **state["layer_kwargs"])
+        y_hf = out[0] if isinstance(out, tuple) else out
+        _free(layer)
+        weights.release()
+        head_key = p + "shared_head.head.weight"
+        hf_heads.append((snorm(y_hf), head_key if weights.has(head_key) else
+                         ("model.embed_tokens.weight" if hf.tied else "lm_head.weight")))
+        # ours
+        mine = ours.model.mtp.layers[j]
+        q = f"mtp.layers.{j}."
+        for name in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
+            ours.fill(q + name + ".", getattr(mine, name))
+        our_emb = our_embed(next_ids[j])
+        x_on_hf = mine.eh_proj(torch.cat((mine.enorm(our_emb), mine.hnorm(hf_prev)), dim=-1))
+        x_chain = mine.eh_proj(torch.cat((mine.enorm(our_emb), mine.hnorm(our_prev)), dim=-1))
+        rep: dict = {}
+        on_hf, chain = ours.layer(q + "transformer_layer.", mine.transformer_layer, [x_hf, x_chain], cos, sin,
+                                  hf_experts=standin, report=rep)
+        row = _row(f"mtp.{j}", on_hf, y_hf, rep, standin, cfg, tolerance, 1)
+        row["eh_proj_max_abs_diff"] = (x_on_hf - x_hf).abs().max().item()
+        rows.append(row)
+        our_heads.extend([mine.final_layernorm(chain), mine.final_layernorm(on_hf)])
+        for name in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
+            _free(getattr(mine, name))
+        hf_prev, our_prev = y_hf, chain
+    return rows
+
+
+def hf_config(hf_dir: Path, weights: HFWeights) -> ModelConfig:
+    """The HF model's config as we read it, its MTP layers counted as the weights have them (transformers saves a
+    DeepSeek-V3 claiming one MTP layer without its weights; the conversion drops it the same way)."""
+    theirs = ModelConfig.from_hf_dir(hf_dir)
+    if theirs.mtp_num_layers:
+        present = {int(m.group(1)) for k in weights.file_of if (m := _LAYER.match(k))}
+        have = sum(1 for j in range(theirs.mtp_num_layers) if theirs.num_layers + j in present)
+        if have != theirs.mtp_num_layers:
+            theirs = replace(theirs, mtp_num_layers=have)
+    return theirs
+
+
+# fields that do not change the forward's math (the comparison runs in fp32 from either side's stored values)
+_NOT_MATH = {"params_dtype", "make_vocab_size_divisible_by", "moe_aux_loss_coeff", "hf_config"}
 
 
 def check_same_math(ours: ModelConfig, theirs: ModelConfig, hf_dir: Path) -> None:
     """One line naming the first field (that changes the math) whose value differs, before any layer runs."""
+    import dataclasses
+
     if theirs.model_type != ours.model_type:
         raise ShardkitError(f"--against {hf_dir}: a {theirs.model_type} model, but the checkpoint is {ours.model_type}")
-    for f in _MATH_FIELDS:
-        a, b = getattr(ours, f, None), getattr(theirs, f, None)
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in _NOT_MATH:
+            continue
+        a, b = getattr(ours, f.name, None), getattr(theirs, f.name, None)
         if a != b:
-            raise ShardkitError(f"--against {hf_dir}: {f} is {b!r} there but {a!r} in the checkpoint")
+            raise ShardkitError(f"--against {hf_dir}: {f.name} is {b!r} there but {a!r} in the checkpoint; "
+                                "compare against the model it was converted from")
 
 
 # -- which mode, within what memory ------------------------------------------------------------------------------
 
-FP32 = 4
 
-
-def memory_needs(ck: Checkpoint) -> dict[str, int]:
-    """fp32 bytes: both whole models (whole mode), and what streaming holds at once, twice its largest piece (a
-    layer without its routed experts, one expert, the embedding or the head), from the manifest's shapes."""
-    num_layers = ck.config.num_layers
-    per_layer: dict[int, int] = {}
-    experts: dict[str, int] = {}  # one expert's fc1 + fc2, per layer key
-    whole = other = 0
+def _groups(ck: Checkpoint) -> dict:
+    """fp32 element counts per piece, from the manifest's shapes: per layer (decoder index or 'mtp.j') the part held
+    whole (attention, norms, router, shared experts: 'rest'), its dense MLP ('mlp', with the MLP tensors' names) and
+    one routed expert ('expert'); and the largest storage chunk of the embedding/head ('vocab_chunk')."""
+    cfg = ck.config
+    out: dict[Any, dict] = {}
+    vocab_chunk = 0
     for name, e in ck.tensors.items():
         if split_optimizer_key(name) is not None or name.endswith(SCALE_SUFFIX):
             continue
         n = math.prod(e.shape)
-        whole += n
-        m = re.match(r"decoder\.layers\.(\d+)\.", name)  # a per-layer key of a heterogeneous stack
-        if e.expert:  # [(L,) E, out, in]
-            key = m.group(1) if m else "stacked"
-            experts[key] = experts.get(key, 0) + e.shape[-1] * e.shape[-2]
-        elif m:
-            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + n
+        m = re.match(r"(decoder|mtp)\.layers\.(\d+)\.(.*)$", name)
+        if name.startswith(("embedding.", "output_layer.")):
+            vocab_chunk = max(vocab_chunk, math.prod(e.chunk))
+            continue
+        if m:
+            key: Any = int(m.group(2)) if m.group(1) == "decoder" else f"mtp.{m.group(2)}"
+            keys, rest = [key], m.group(3)
         elif name.startswith("decoder.layers."):  # stacked on the layer axis
-            for i in range(num_layers):
-                per_layer[i] = per_layer.get(i, 0) + n // num_layers
-        else:
-            other = max(other, n)
-    piece = max([other, *experts.values(), *per_layer.values()])
-    return {"whole": 2 * FP32 * whole, "streaming": 2 * FP32 * piece}
+            keys, rest, n = list(range(cfg.num_layers)), name[len("decoder.layers."):], n // cfg.num_layers
+        else:  # final norm
+            continue
+        rest = rest.removeprefix("transformer_layer.")
+        for k in keys:
+            g = out.setdefault(k, {"rest": 0, "mlp": 0, "expert": 0})
+            if e.expert:
+                g["expert"] += n // cfg.num_moe_experts
+            elif re.match(r"mlp\.linear_fc[12]\.", rest):
+                g["mlp"] += n
+            else:
+                g["rest"] += n
+    return {"layers": out, "vocab_chunk": vocab_chunk}
+
+
+def _mlp_options(ck: Checkpoint, layer: int, fp8_block: tuple[int, int] | None) -> list[int]:
+    """Piece counts n for layer's dense MLP in the order preferred: n divides the intermediate size; first the counts
+    whose pieces are whole storage chunks of linear_fc1 and linear_fc2 (fewest first), then finer ones; an FP8
+    source is cut at whole blocks only."""
+    cfg = ck.config
+    F_ = cfg.ffn_hidden_size
+    stacked = not cfg.heterogeneous
+    name1, _ = canonical_name(f"decoder.layers.{layer}.mlp.linear_fc1.weight", stacked)
+    name2, _ = canonical_name(f"decoder.layers.{layer}.mlp.linear_fc2.weight", stacked)
+    g = math.lcm(ck.entry(name1).chunk[-2], ck.entry(name2).chunk[-1])
+    if fp8_block:
+        g = math.lcm(g, fp8_block[0], fp8_block[1])
+    ns = [n for n in range(1, F_ + 1) if F_ % n == 0]
+    if fp8_block:  # an FP8 source can only be sliced at whole blocks
+        ns = [n for n in ns if n == 1 or (F_ // n) % math.lcm(*fp8_block) == 0]
+    aligned = [n for n in ns if (F_ // n) % g == 0]
+    # then finer cuts across storage chunks (a chunk straddling two pieces is read by both)
+    return aligned + [n for n in ns if n > aligned[-1]] if aligned else ns
+
+
+def piece_plan(ck: Checkpoint, budget: int | None, fp8_block: tuple[int, int] | None = None) -> dict:
+    """How finely streaming cuts: dense MLP pieces per layer and head rows per block, so that twice a piece in fp32
+    (its values and the read they come from) stays within `budget` (None: whole layers, the whole head)."""
+    cfg = ck.config
+    groups = _groups(ck)
+    mlp_pieces: dict[Any, int] = {}
+    for k, g in groups["layers"].items():
+        if not isinstance(k, int) or not g["mlp"] or budget is None:
+            continue
+        if 2 * FP32 * (g["rest"] + g["mlp"]) <= budget:
+            continue
+        opts = _mlp_options(ck, k, fp8_block)
+        mlp_pieces[k] = next((n for n in opts if 2 * FP32 * g["mlp"] // n <= budget), opts[-1])
+    h = cfg.hidden_size
+    if budget is None:
+        head_rows = cfg.vocab_size
+    else:
+        step = ck.entry("embedding.word_embeddings.weight").chunk[0]
+        if not cfg.tie_word_embeddings:
+            step = math.lcm(step, ck.entry("output_layer.weight").chunk[0])
+        head_rows = max(step, budget // (2 * FP32 * h) // step * step)
+        head_rows = min(head_rows, cfg.vocab_size)
+    return {"mlp_pieces": mlp_pieces, "head_rows": head_rows}
+
+
+def memory_needs(ck: Checkpoint) -> dict[str, int]:
+    """fp32 bytes: both whole models (whole mode), and the least streaming can hold at once: twice its largest
+    piece that cannot be cut further (a layer's attention and norms, or its router and shared experts; one routed
+    expert; a dense MLP's smallest piece; one storage chunk of the embedding or head), from the manifest's shapes."""
+    whole = 0
+    for name, e in ck.tensors.items():
+        if split_optimizer_key(name) is not None or name.endswith(SCALE_SUFFIX):
+            continue
+        whole += math.prod(e.shape)
+    groups = _groups(ck)
+    piece, what = groups["vocab_chunk"], "one storage chunk of the embedding"
+    for k, g in groups["layers"].items():
+        label = f"layer {k}" if isinstance(k, int) else k.replace("mtp.", "MTP layer ")
+        if g["rest"] > piece:
+            piece, what = g["rest"], f"{label}'s attention and norms" + (" (+ router and shared experts)"
+                                                                          if g["expert"] else "")
+        if g["expert"] > piece:
+            piece, what = g["expert"], f"one routed expert of {label}"
+        if g["mlp"] and isinstance(k, int):
+            least = g["mlp"] // _mlp_options(ck, k, None)[-1]
+            if least > piece:
+                piece, what = least, f"the smallest piece of {label}'s MLP"
+    return {"whole": 2 * FP32 * whole, "streaming": 2 * FP32 * piece, "streaming_piece": what}
 
 
 def available_memory() -> int:
@@ -470,6 +992,6 @@ def choose_mode(ck: Checkpoint, streaming: bool, budget: int | None) -> tuple[st
     mode = "streaming" if streaming or need["whole"] > budget else "whole"
     if mode == "streaming" and need["streaming"] > budget:
         what = f"--memory-budget {budget:,} bytes" if given else f"half of the available memory ({budget:,} bytes)"
-        raise ShardkitError(f"{what} is too small: streaming parity holds one layer (or one expert, or the "
-                            f"embedding) of {ck.path} at a time, {need['streaming']:,} bytes in fp32")
+        raise ShardkitError(f"{what} is too small: streaming parity holds {need['streaming_piece']} of {ck.path} "
+                            f"at once, {need['streaming']:,} bytes in fp32 (its values and the read they come from)")
     return mode, {**need, "budget": budget}

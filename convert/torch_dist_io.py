@@ -3,7 +3,9 @@
 write_torch_dist: every stored chunk of the native checkpoint becomes one DCP item in the `.distcp` file of the
 Megatron rank that owns it (TP fastest, then the expert ranks, then PP; replicated tensors once, by TP rank 0), plus
 the `_extra_state` objects megatron-core's GPTModel asks for on load (None: no FP8 state), `common.pt` (iteration,
-checkpoint_version, Megatron-LM `args`) and `metadata.json`. Keys and global shapes are GPTModel.sharded_state_dict()'s
+checkpoint_version, Megatron-LM's whole `args` namespace) and `metadata.json`, and shardkit's own description beside
+them (shardkit.json: model config with the true vocab, layout, dtype, provenance; hf/: config.json and tokenizer
+files), so the export reads back with no flags. Keys and global shapes are GPTModel.sharded_state_dict()'s
 (= the canonical names, Transformer Engine spec); `key_naming="local"` renames the few keys megatron-core's local
 spec names differently. Peak memory: one chunk per writer process, plus the metadata. Given another layout (or
 dtype), it writes the destination's chunks straight from the source boxes (vocab padding recomputed): reshard and
@@ -16,6 +18,10 @@ at a time, large ones memory-mapped), so any torch_dist checkpoint - Megatron's 
 to any native layout. Model-space optimizer state (`optimizer.state.{param|fp32_param,exp_avg,exp_avg_sq}.<key>`, as
 megatron-core's distributed optimizer saves it with `fully_reshardable` or `fully_sharded_model_space`) becomes the
 native optimizer entries; other optimizer objects, RNG state and `_extra_state` objects are skipped.
+
+In place (no staging copy): TorchDistSource reads a torch_dist checkpoint as a native Checkpoint is read (verify
+--against), describe_torch_dist is `inspect`, verify_torch_dist is `verify` (keys, shapes and rank shards against the
+model config and the sharding table, every item read).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import contextlib
 import functools
 import itertools
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -39,13 +46,14 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
-from checkpoint.megatron import (CHECKPOINT_VERSION, DENSE_ORDER, EXPERT_ORDER, KEY_NAMINGS, TRACKER,
+from checkpoint.megatron import (CHECKPOINT_VERSION, DENSE_ORDER, EXPERT_ORDER, KEY_NAMINGS, TRACKER, arg,
                                  layout_from_args, megatron_args, rank_of, rank_sizes, sharded_key)
 from checkpoint.progress import progress_bar
-from checkpoint.reader import Checkpoint, ReadPlan, read_padded
+from checkpoint.reader import Checkpoint, ReadPlan, count_nonfinite, entry_nbytes, read_padded
 from checkpoint.safety import check_output
 from checkpoint.sharding import OPTIMIZER_STATES, Region, Rule, TensorSpec, regions, split_optimizer_key
-from checkpoint.torch_dist import DCPWriter, TorchDistCheckpoint, none_object_bytes, read_torch_dist, write_common
+from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, TorchDistCheckpoint, none_object_bytes, read_torch_dist,
+                                   write_common, write_sidecar)
 
 from .hf_to_mcore import VERSION
 from .reshard import plan_reshard, vocab_padding
@@ -284,7 +292,33 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
                         bar.advance(nbytes, items)
         w_meta.write_metadata(str(w.final))
         write_common(tmp, _common(ck, layout, key_naming, dtype))
+        _write_description(ck, tmp, layout, entries, key_naming)
         return w.commit(None)
+
+
+def _write_description(ck: Checkpoint, directory: Path, layout: Layout, entries: dict[str, TensorEntry],
+                       key_naming: str) -> None:
+    """shardkit's own files beside Megatron's (which Megatron-LM and megatron-core never read): shardkit.json (the
+    model config with the true vocab, layout, dtype, provenance) and hf/ (config.json for the weights' dtype, the
+    source's tokenizer and generation files), so every shardkit command reads the export back with no flags."""
+    weights: dict[str, int] = {}
+    for name, e in entries.items():
+        if split_optimizer_key(name) is None:
+            weights[e.dtype] = weights.get(e.dtype, 0) + entry_nbytes(e)
+    dtype = max(weights, key=weights.get)
+    m = ck.manifest
+    write_sidecar(directory, iteration=m.iteration, model=ck.config, layout=layout, dtype=dtype,
+                  key_naming=key_naming, optimizer=m.optimizer,
+                  provenance={"tool": f"shardkit {VERSION}", "command": "torch_dist export",
+                              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "source": {"kind": "shardkit", "path": str(ck.path.resolve()), "iteration": m.iteration,
+                                         "layout": ck.layout.to_dict(), "provenance": m.provenance}})
+    hf = directory / HF_SUBDIR
+    hf.mkdir(exist_ok=True)
+    for asset in sorted(ck.hf_dir().glob("*")) if ck.hf_dir().is_dir() else []:
+        if asset.is_file() and not asset.is_symlink() and asset.name != "config.json":
+            shutil.copyfile(asset, hf / asset.name)
+    (hf / "config.json").write_text(json.dumps(ck.config.to_hf(dtype=dtype), indent=2) + "\n")
 
 
 # OptimizerParamScheduler.state_dict()'s keys (megatron-core 0.16): what Megatron-LM's load reads back
@@ -365,11 +399,9 @@ def import_optimizer_states(td: TorchDistCheckpoint) -> list[str]:
     return states
 
 
-def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype: str | None,
-                optimizer: list[str] | None = None) -> tuple[dict[str, TensorEntry], dict[str, str]]:
-    """Match every canonical tensor (and, with `optimizer`, its optimizer state) to its torch_dist key and check
-    shapes. Returns (entries, canonical -> key). Optimizer state is stored as fp32 whatever `dtype` says."""
-    specs = Manifest(0, cfg, layout, {}, optimizer=optimizer).specs()
+def match_keys(td: TorchDistCheckpoint, specs: list[TensorSpec]) -> tuple[dict[str, str], list[str], list[str]]:
+    """Every canonical tensor of `specs` matched to its torch_dist key: (canonical -> key, canonical names with no
+    key, stored tensor keys no spec claims; optimizer objects, RNG state and the like are not counted as either)."""
     keys, missing = {}, []
     for s in specs:
         k = next((k for k in source_keys(s.name) if k in td.tensors), None)
@@ -377,27 +409,62 @@ def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype
             missing.append(s.name)
         else:
             keys[s.name] = k
+    used = set(keys.values())
+    unexpected = sorted(k for k in td.tensors if k not in used and not k.startswith(SKIPPED_PREFIXES))
+    return keys, missing, unexpected
+
+
+def shape_problems(td: TorchDistCheckpoint, cfg: ModelConfig, specs: list[TensorSpec], keys: dict[str, str],
+                   origin: str = "the model config") -> list[str]:
+    """One line per stored tensor whose global shape the model config does not imply: a layer count, a vocabulary
+    (at least the true vocab; exactly the args' padded_vocab_size where they have one), or any other shape."""
+    padded = arg(td.args, "padded_vocab_size")
+    padded = padded if isinstance(padded, int) and not isinstance(padded, bool) else None
+    out = []
+    for s in specs:
+        k = keys.get(s.name)
+        if k is None:
+            continue
+        got, want = tuple(td.tensors[k].shape), tuple(s.shape)
+        if s.rule is Rule.VOCAB and got[1:] == want[1:] and len(got) == len(want):
+            model = split_optimizer_key(s.name) is None
+            if got[0] < cfg.vocab_size:
+                out.append(f"{td.path}: tensor {k} has {got[0]} rows, fewer than the vocab_size={cfg.vocab_size} of "
+                           f"{origin}")
+            elif model and padded is not None and got[0] != padded:
+                out.append(f"{td.path}: tensor {k} has {got[0]} rows, but {td.path / 'common.pt'} args say "
+                           f"padded_vocab_size={padded}")
+        elif got != want:
+            if s.per_layer and len(got) == len(want) and got[1:] == want[1:]:
+                out.append(f"{td.path}: tensor {k} stacks {got[0]} layers (global shape {list(got)}), but {origin} "
+                           f"says num_layers={cfg.num_layers}")
+            else:
+                out.append(f"{td.path}: tensor {k} has global shape {list(got)}, but {origin} implies {list(want)}")
+    return out
+
+
+def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype: str | None,
+                optimizer: list[str] | None = None, origin: str = "the model config"
+                ) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """Match every canonical tensor (and, with `optimizer`, its optimizer state) to its torch_dist key and check
+    shapes (`origin` names where `cfg` came from, for the messages). Returns (entries, canonical -> key). Optimizer
+    state is stored as fp32 whatever `dtype` says."""
+    specs = Manifest(0, cfg, layout, {}, optimizer=optimizer).specs()
+    keys, missing, unexpected = match_keys(td, specs)
     if missing:
         what = "optimizer state" if all(split_optimizer_key(n) for n in missing) else "tensor(s) the model config needs"
         raise FormatError(f"{td.path}: {len(missing)} {what} are missing, e.g. "
-                          f"{', '.join(missing[:3])}; is the model config right for this checkpoint?")
-    used = set(keys.values())
-    unexpected = sorted(k for k in td.tensors if k not in used and not k.startswith(SKIPPED_PREFIXES))
+                          f"{', '.join(missing[:3])}; is the model config ({origin}) right for this checkpoint?")
     if unexpected:
-        raise FormatError(f"{td.path}: {len(unexpected)} tensor(s) are not part of the model config, e.g. "
+        raise FormatError(f"{td.path}: {len(unexpected)} tensor(s) are not part of the model config ({origin}), e.g. "
                           f"{', '.join(unexpected[:3])}; refusing to drop them silently")
+    problems = shape_problems(td, cfg, specs, keys, origin)
+    if problems:
+        more = f" ({len(problems) - 1} more tensors disagree)" if len(problems) > 1 else ""
+        raise FormatError(problems[0] + more)
     entries = {}
     for s in specs:
         src = td.tensors[keys[s.name]]
-        want = tuple(s.shape)
-        if s.rule is Rule.VOCAB:
-            ok = src.shape[1:] == want[1:] and src.shape[0] >= cfg.vocab_size
-        else:
-            ok = src.shape == want
-        if not ok:
-            raise FormatError(f"{td.path}: tensor {keys[s.name]} has global shape {list(src.shape)}, but the model "
-                              f"config implies {list(want)}" + (f" (at least {cfg.vocab_size} rows)"
-                                                                 if s.rule is Rule.VOCAB else ""))
         dt = "float32" if split_optimizer_key(s.name) else dtype or store.dtype_name(src.dtype)
         entries[s.name] = TensorEntry.of(s, layout, dt)
     return entries, keys
@@ -420,14 +487,20 @@ class _ImportWorker:
         return self.sink.write(task, value)
 
 
-def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, layout: Layout | None = None, *,
-                         dtype: str | None = None, hf_dir: str | Path | None = None, workers: int | None = None,
-                         overwrite: bool = False, quiet: bool = False) -> Path:
+def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | None = None,
+                         layout: Layout | None = None, *, dtype: str | None = None, hf_dir: str | Path | None = None,
+                         workers: int | None = None, overwrite: bool = False, quiet: bool = False,
+                         vocab_size: int | None = None) -> Path:
     """Convert the model weights of a torch_dist checkpoint into a native checkpoint `<out>/iter_N` for `layout`
     (default: the layout in its Megatron-LM args, else tp=pp=1). `cfg` describes the model (e.g.
-    ModelConfig.from_hf_dir); `hf_dir` optionally supplies tokenizer files to carry along."""
+    ModelConfig.from_hf_dir); None: the checkpoint's own description (TorchDistCheckpoint.model_config: `hf_dir`,
+    else a shardkit export's shardkit.json, else its Megatron args with `vocab_size`). Tokenizer files come from
+    `hf_dir`, else from a shardkit export's own hf/."""
     check_output(out, [("source", path), ("--hf-config", hf_dir)])
     td = read_torch_dist(path)
+    origin = "the model config"
+    if cfg is None:
+        cfg, origin = td.model_config(hf_dir, vocab_size)
     if not quiet:
         for note in td.notes:
             print(f"shardkit: note: {note}", file=sys.stderr)
@@ -442,7 +515,7 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, la
             raise
     dtype = store.dtype_name(dtype) if dtype else None
     optimizer = import_optimizer_states(td) or None
-    entries, keys = plan_import(td, cfg, layout, dtype, optimizer)
+    entries, keys = plan_import(td, cfg, layout, dtype, optimizer, origin)
     vocab = vocab_padding(cfg, layout, optimizer)
     md = td.path / ".metadata"
     st = md.stat()
@@ -450,25 +523,199 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig, la
            "layout": layout.to_dict(), "dtype": dtype, "model": json.loads(json.dumps(cfg.to_dict()))}
     started = time.time()
     iteration = td.iteration
+    assets = hf_dir if hf_dir is not None else td.hf_dir()
     with IterationWriter(out, iteration, job, overwrite=overwrite) as w:
         args = (str(td.path), keys, vocab, str(w.partial), {n: e.dtype for n, e in entries.items()})
         write_chunks(w, entries, "torch_dist-to-mcore", _ImportWorker, args, workers, quiet)
-        if hf_dir is not None:
+        if assets is not None:
             from .hf_source import copy_assets
 
-            copy_assets(hf_dir, w.path("hf"))
+            copy_assets(assets, w.path("hf"))  # tokenizer / generation files (config.json is the manifest's)
         carried = (td.common or {}).get(TRAIN_STATE_KEY)
         if isinstance(carried, str):  # written by shardkit's export: back verbatim
             w.path(TRAIN_STATE).write_text(carried)
+        source = {"kind": "torch_dist", "path": str(td.path.resolve()), "iteration": iteration, "notes": td.notes,
+                  "model_from": origin}
+        if td.sidecar is not None:
+            source["shardkit"] = td.sidecar["provenance"]
         manifest = Manifest(
             iteration=iteration, model=cfg, layout=layout, tensors=entries, optimizer=optimizer,
             provenance={"tool": f"shardkit {VERSION}", "command": "convert torch-dist-to-mcore",
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "source": {"kind": "torch_dist", "path": str(td.path.resolve()), "iteration": iteration,
-                                   "notes": td.notes},
-                        "seconds": round(time.time() - started, 3)})
+                        "source": source, "seconds": round(time.time() - started, 3)})
         return w.commit(manifest)
 
 
+# -- reading a torch_dist checkpoint in place: verify --against, inspect, verify ------------------------------------
+
+class TorchDistSource:
+    """A torch_dist checkpoint read through a model config and the sharding table as a native Checkpoint is (config,
+    layout, manifest and tensor entries at the saving layout, `read` of whole tensors or boxes, `state_dict`): what
+    `verify --against` reads, straight from the items (one item in memory at a time, large ones memory-mapped), no
+    staging copy."""
+
+    def __init__(self, td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout | None = None,
+                 origin: str = "the model config"):
+        self.td, self.path = td, td.path
+        layout = layout or td.layout or Layout()
+        entries, self.keys = plan_import(td, cfg, layout, None, None, origin)
+        self.manifest = Manifest(td.iteration, cfg, layout, entries)
+        self.vocab = vocab_padding(cfg, layout, None)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.manifest.model
+
+    @property
+    def layout(self) -> Layout:
+        return self.manifest.layout
+
+    @property
+    def tensors(self) -> dict[str, TensorEntry]:
+        return self.manifest.tensors
+
+    def entry(self, name: str) -> TensorEntry:
+        if name not in self.tensors:
+            raise FormatError(f"{self.path}: no tensor {name!r}")
+        return self.tensors[name]
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        from checkpoint.reader import _box
+
+        box = tuple(_box(self.entry(name).shape, index, name))
+        key = self.keys[name]
+        return read_padded(lambda idx: self.td.read(key, tuple((x.start, x.stop) for x in idx)), name, box,
+                           self.vocab.get(name))
+
+    def state_dict(self, dequantize: bool = False, optimizer: bool = False) -> dict[str, torch.Tensor]:
+        return {name: self.read(name) for name in self.tensors}
+
+    def nbytes(self) -> int:
+        return sum(entry_nbytes(e) for e in self.tensors.values())
+
+
+def _rows(td: TorchDistCheckpoint, names: list[str]) -> list[dict]:
+    rows = []
+    for name in names:
+        t = td.tensors[name]
+        files = sorted({td.item_file(name, off) for off, _ in t.chunks})
+        rows.append({"name": name, "shape": list(t.shape), "dtype": store.dtype_name(t.dtype), "shards": len(t.chunks),
+                     "files": files, "bytes": math.prod(t.shape) * t.dtype.itemsize})
+    return rows
+
+
+def describe_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig | None = None, origin: str | None = None,
+                        why_unknown: str | None = None) -> dict:
+    """What `inspect` shows of a torch_dist checkpoint (`--json` prints it): the layout from the Megatron args, the
+    model config where something describes it (`origin`; else `why_unknown`), every tensor of DCP's metadata (key,
+    global shape, dtype, how many shards, which rank files), the optimizer state (present or not), the objects,
+    common.pt's entries and shardkit's own files."""
+    optim = sorted(k for k in td.tensors if k.startswith("optimizer."))
+    model = [k for k in td.tensors if not k.startswith("optimizer.")]
+    rows, optim_rows = _rows(td, model), _rows(td, optim)
+    layout = td.layout
+    content = (td.common or {}).get("content_metadata")
+    d = {
+        "path": str(td.path),
+        "format": "torch_dist (Megatron-LM)",
+        "iteration": td.iteration,
+        "layout": layout.to_dict() if layout else None,
+        "layout_from": f"{td.path / 'common.pt'} args" if layout else None,
+        "model_from": origin,
+        "model": {k: v for k, v in cfg.to_dict().items() if k != "hf_config"} if cfg else None,
+        "model_unknown": why_unknown if cfg is None else None,
+        "vocab": ({"size": cfg.vocab_size, "padded_size": arg(td.args, "padded_vocab_size",
+                                                               cfg.padded_vocab_size((layout or Layout()).tp)),
+                   "divisible_by": cfg.make_vocab_size_divisible_by} if cfg else None),
+        "tensors": rows,
+        "total_bytes": sum(r["bytes"] for r in rows),
+        "total_params": sum(math.prod(r["shape"]) for r in rows),
+        "optimizer": {"present": bool(optim), "states": import_optimizer_states(td), "tensors": len(optim_rows),
+                      "bytes": sum(r["bytes"] for r in optim_rows),
+                      "sharding_type": (content or {}).get("distrib_optim_sharding_type")
+                      if isinstance(content, dict) else None},
+        "objects": len(td.objects),
+        "files": td.files(),
+        "common": sorted(map(str, td.common)) if td.common else None,
+        "shardkit": bool(td.sidecar),
+        "hf_files": sorted(p.name for p in td.hf_dir().iterdir() if p.is_file()) if td.hf_dir() else [],
+        "provenance": td.sidecar["provenance"] if td.sidecar else None,
+        "notes": td.notes,
+    }
+    return d
+
+
+def shard_problems(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, specs: list[TensorSpec],
+                   keys: dict[str, str]) -> list[str]:
+    """One line per stored item that does not lie inside one rank's shard of `layout` (the args' layout) in the
+    sharding table: then the args do not describe how the items were saved."""
+    out = []
+    for s in specs:
+        k = keys.get(s.name)
+        if k is None or tuple(td.tensors[k].shape) != tuple(s.shape):
+            continue  # reported by shape_problems
+        owners = _shard_owners(s, layout, cfg.num_layers)
+        for off, size in td.tensors[k].chunks:
+            if not any(all(o <= a and a + n <= o + r for a, n, o, r in zip(off, size, reg.global_offset, reg.shape))
+                       for reg, _ in owners):
+                out.append(f"{td.path / td.item_file(k, off)}: item {k} at {list(off)} of size {list(size)} lies "
+                           f"across the rank shards of tp={layout.tp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep} "
+                           f"etp={layout.expert_tp} (the layout in common.pt's args); the args do not describe how "
+                           "it was saved")
+                break
+    return out
+
+
+def _nonfinite(value: torch.Tensor) -> int:
+    """NaN/Inf count of an item: the block-wise bit test for the dtypes the format stores, torch's own otherwise."""
+    try:
+        return count_nonfinite(store.to_numpy(value))
+    except (FormatError, KeyError):
+        return int((~torch.isfinite(value)).sum()) if value.is_floating_point() else 0
+
+
+def verify_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig, origin: str,
+                      progress: Callable[[int], None] | None = None) -> dict:
+    """`verify` of a torch_dist checkpoint: every key and global shape against the model config and the sharding
+    table at the args' layout (missing and unexpected keys, shapes, layer counts, vocab rows, items that straddle
+    rank shards), then every item read (torch.load(weights_only=True) of its bytes, its shape and dtype checked
+    against the metadata) with its non-finite values counted. Problems are collected, not raised; only unreadable
+    items raise (FormatError naming the file and the item)."""
+    layout = td.layout or Layout()
+    problems: list[str] = []
+    try:
+        layout.check(cfg)
+    except ShardkitError as e:
+        problems.append(f"{td.path / 'common.pt'}: the args' layout does not fit {origin}: {e}")
+    optimizer = import_optimizer_states(td) or None
+    specs = Manifest(0, cfg, layout, {}, optimizer=optimizer).specs()
+    keys, missing, unexpected = match_keys(td, specs)
+    problems += shape_problems(td, cfg, specs, keys, origin)
+    if not problems:
+        problems += shard_problems(td, cfg, layout, specs, keys)
+    nonfinite: dict[str, int] = {}
+    items = nbytes = 0
+    for name, t in td.tensors.items():
+        for off, _ in t.chunks:
+            value = td.read_item(name, off)
+            bad = _nonfinite(value)
+            if bad:
+                nonfinite[name] = nonfinite.get(name, 0) + bad
+            n = value.numel() * value.element_size()
+            del value
+            items += 1
+            nbytes += n
+            if progress:
+                progress(n)
+    return {"path": str(td.path), "format": "torch_dist", "iteration": td.iteration, "layout": layout.to_dict(),
+            "layout_from": f"{td.path / 'common.pt'} args" if td.layout else "none (tp=pp=1 assumed)",
+            "model_from": origin, "tensors": len(td.tensors), "items": items, "objects": len(td.objects),
+            "files": len(td.files()), "bytes": nbytes, "missing": missing, "unexpected": unexpected,
+            "problems": problems, "nonfinite": nonfinite, "optimizer": optimizer,
+            "keys_ok": not (missing or unexpected or problems)}
+
+
 __all__ = ["write_torch_dist", "via_native", "torch_dist_to_native", "read_torch_dist", "stored_key", "source_keys",
+           "match_keys", "shape_problems", "shard_problems", "plan_import", "TorchDistSource", "describe_torch_dist",
+           "verify_torch_dist",
            "chunk_rank", "extra_state_objects"]

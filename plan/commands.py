@@ -56,9 +56,22 @@ def add_parsers(sub) -> None:
     la.add_argument("--master-addr", default="127.0.0.1", help="rank-0 host for torchrun (SLURM sets its own)")
     la.add_argument("--master-port", type=int, default=29500)
     la.add_argument("--job-name", default="shardkit-pretrain")
-    la.add_argument("--time", default="24:00:00", help="SLURM time limit")
+    la.add_argument("--time", default="24:00:00",
+                    help="SLURM time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (default 24:00:00)")
+    la.add_argument("--partition", help="SLURM partition (or a comma-separated list)")
+    la.add_argument("--account", help="SLURM account to charge")
+    la.add_argument("--qos", help="SLURM quality of service")
+    la.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=True,
+                    help="whole nodes (#SBATCH --exclusive; the default) or --no-exclusive")
+    la.add_argument("--requeue", action="store_true",
+                    help="#SBATCH --requeue: a preempted or failed job is requeued and resumes from the newest "
+                         "complete checkpoint in --save (needs --load and --save after `--`)")
+    la.add_argument("--signal", default="USR1@300", metavar="SIG@SECONDS",
+                    help="SLURM sends SIG this many seconds before --time runs out; the trainer "
+                         "(--exit-signal-handler) saves and exits (default USR1@300; none: no signal)")
     la.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                    help="extra #SBATCH option: partition=gpu or --sbatch=--partition=gpu (repeatable)")
+                    help="extra #SBATCH option launch has no flag for: constraint=h100 or --sbatch=--constraint=h100 "
+                         "(repeatable)")
     la.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment (repeatable)")
     la.add_argument("trainer_args", nargs=argparse.REMAINDER,
                     help="after `--`: continue-pretrain arguments (--load, --save, --data, batch sizes, ...)")
@@ -89,9 +102,11 @@ def _plan(args: argparse.Namespace) -> int:
     from . import report
     from checkpoint.run_layout import RunLayout
 
+    from dataclasses import replace
+
     from .memory import TrainSettings
     from .perf import Hardware
-    from .search import check_gpus, plan
+    from .search import check_gpus, plan, uneven_split
 
     gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory")
     reserved = parse_bytes(args.reserved_memory, "--reserved-memory")
@@ -115,7 +130,9 @@ def _plan(args: argparse.Namespace) -> int:
     modes = ["none", "selective", "full"] if args.recompute == "auto" else [args.recompute]
     if args.max_cp is not None and args.max_cp < 1:
         raise PlanError(f"--max-cp must be positive, got {args.max_cp}")
-    layouts = [RunLayout.parse(x) for x in args.layout or []]
+    # a given layout whose stages do not divide the layers gets the uneven split the planner would pick
+    layouts = [replace(lay, split=uneven_split(cfg.num_layers, lay.pp, lay.vpp)) if lay.split is None else lay
+               for lay in (RunLayout.parse(x) for x in args.layout or [])]
     cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, max_cp=args.max_cp)
     requested = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, layouts=layouts) if layouts else []
     title = (f"{name}: {args.gpus} GPUs x {gpu_memory / 2**30:.1f} GiB, seq {s.seq_length}, micro batch "
@@ -148,7 +165,9 @@ def _launch(args: argparse.Namespace) -> int:
         extra = extra[1:]
     spec = LaunchSpec(layout=RunLayout.parse(args.layout), log_dir=str(Path(args.out).resolve() / "logs"), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                       args=tuple(extra), master_addr=args.master_addr, master_port=args.master_port,
-                      job_name=args.job_name, time=args.time, sbatch_extra=tuple(x if x.startswith("-") else "--" + x for x in args.sbatch), env=tuple(args.env))
+                      job_name=args.job_name, time=args.time, sbatch_extra=tuple(x if x.startswith("-") else "--" + x for x in args.sbatch), env=tuple(args.env),
+                      partition=args.partition, account=args.account, qos=args.qos, exclusive=args.exclusive,
+                      requeue=args.requeue, signal=args.signal)
     check_trainer_args(spec)
     if args.dry_run:
         out = Path(args.out).resolve()

@@ -43,8 +43,64 @@ class LaunchSpec:
     time: str = "24:00:00"
     log_dir: str = "logs"  # SLURM does not create it: write_scripts does
     python: str = sys.executable
-    sbatch_extra: tuple[str, ...] = ()  # extra '#SBATCH ...' lines, e.g. --partition=gpu
+    sbatch_extra: tuple[str, ...] = ()  # extra '#SBATCH ...' lines (options launch has no flag for)
     env: tuple[str, ...] = ()  # extra KEY=VALUE exports
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    exclusive: bool = True
+    requeue: bool = False  # '#SBATCH --requeue'; the job resumes from the newest complete checkpoint in --save
+    signal: str | None = "USR1@300"  # SLURM's --signal=SIG@SECONDS before the time limit; the trainer saves and exits
+
+
+# SLURM's --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (and no limit)
+_TIME = re.compile(r"(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
+                   r"|(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)|(?P<mm>\d+):(?P<ss>\d+)|(?P<min>\d+))")
+_NO_LIMIT = ("infinite", "unlimited")
+# partition / account / QOS names as sbatch takes them (a comma-separated list for --partition)
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+# options that have a launch flag (or that launch derives from the layout): not again through --sbatch
+_MANAGED = {"--partition": "--partition", "-p": "--partition", "--account": "--account", "-A": "--account",
+            "--qos": "--qos", "-q": "--qos", "--time": "--time", "-t": "--time", "--nodes": "--nodes",
+            "-N": "--nodes", "--gpus-per-node": "--gpus-per-node", "--exclusive": "--exclusive",
+            "--requeue": "--requeue", "--no-requeue": "--requeue", "--signal": "--signal", "--job-name": "--job-name",
+            "-J": "--job-name", "--ntasks": "--layout", "-n": "--layout", "--ntasks-per-node": "--layout",
+            "--gpus": "--gpus-per-node", "-G": "--gpus-per-node", "--output": "--out", "-o": "--out"}
+
+
+def time_seconds(value: str) -> int | None:
+    """SLURM's --time in seconds (None: no limit); a PlanError naming --time for a format sbatch would refuse."""
+    v = value.strip()
+    if v.lower() in _NO_LIMIT:
+        return None
+    m = _TIME.fullmatch(v)
+    if not m:
+        raise PlanError(f"--time {value!r}: not a SLURM time limit; use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                        "D-HH:MM:SS (e.g. 30, 4:00:00, 2-00:00:00)")
+    g = {k: int(x) for k, x in m.groupdict().items() if x is not None}
+    if "min" in g:
+        return g["min"] * 60
+    if "mm" in g:
+        return g["mm"] * 60 + g["ss"]
+    if "h" in g:
+        return g["h"] * 3600 + g["m"] * 60 + g["s"]
+    return g["d"] * 86400 + g["dh"] * 3600 + g.get("dm", 0) * 60 + g.get("ds", 0)
+
+
+def parse_signal(value: str | None) -> tuple[str, int] | None:
+    """--signal USR1@300 -> ("SIGUSR1", 300); none/off -> None."""
+    import signal as _signal
+
+    if value is None or value.lower() in ("none", "off", "no"):
+        return None
+    m = re.fullmatch(r"(?:SIG)?([A-Za-z0-9]+)@(\d+)", value.strip())
+    name = f"SIG{m.group(1).upper()}" if m else ""
+    if not m or name not in _signal.Signals.__members__:
+        raise PlanError(f"--signal {value!r}: expected SIGNAL@SECONDS before the time limit, e.g. USR1@300 (or none)")
+    secs = int(m.group(2))
+    if not 0 < secs <= 65535:
+        raise PlanError(f"--signal {value!r}: SLURM takes 1 to 65535 seconds before the time limit, got {secs}")
+    return name, secs
 
 
 def check(spec: LaunchSpec) -> None:
@@ -52,6 +108,9 @@ def check(spec: LaunchSpec) -> None:
     lay, world = spec.layout, spec.nodes * spec.gpus_per_node
     if spec.nodes < 1 or spec.gpus_per_node < 1:
         raise PlanError(f"--nodes {spec.nodes} and --gpus-per-node {spec.gpus_per_node} must be positive")
+    if lay.world > world:
+        raise PlanError(f"--layout {lay.label()} uses tp x pp x cp x dp = {lay.world} GPUs, one SLURM task each, more "
+                        f"than --nodes {spec.nodes} x --gpus-per-node {spec.gpus_per_node} = {world}")
     if lay.world != world:
         raise PlanError(f"--layout {lay.label()} uses tp x pp x cp x dp = {lay.world} GPUs but --nodes {spec.nodes} x "
                         f"--gpus-per-node {spec.gpus_per_node} = {world}")
@@ -67,6 +126,31 @@ def check(spec: LaunchSpec) -> None:
     for e in spec.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", e):
             raise PlanError(f"--env {e!r}: expected KEY=VALUE")
+    check_slurm(spec)
+
+
+def check_slurm(spec: LaunchSpec) -> None:
+    """The #SBATCH values sbatch would refuse (or take wrongly), refused before anything is submitted."""
+    limit = time_seconds(spec.time)
+    for flag, v in (("--partition", spec.partition), ("--account", spec.account), ("--qos", spec.qos)):
+        if v is None:
+            continue
+        names = v.split(",") if flag == "--partition" else [v]
+        if not all(_NAME.fullmatch(n) for n in names):
+            raise PlanError(f"{flag} {v!r}: not a SLURM {flag[2:]} name (letters, digits, '_', '.', '-'"
+                            f"{'; several separated by commas' if flag == '--partition' else ''})")
+    if not _NAME.fullmatch(spec.job_name):
+        raise PlanError(f"--job-name {spec.job_name!r}: use letters, digits, '_', '.', '-'")
+    sig = parse_signal(spec.signal)
+    if sig and limit is not None and sig[1] >= limit:
+        raise PlanError(f"--signal {spec.signal}: {sig[1]} s before the end is not inside --time {spec.time} "
+                        f"({limit} s); lower the lead or raise --time")
+    for x in spec.sbatch_extra:
+        opt = x.split("=", 1)[0].split()[0] if x.strip() else x
+        if not opt.startswith("-"):
+            raise PlanError(f"--sbatch {x!r}: expected an sbatch option, e.g. --sbatch constraint=h100")
+        if opt in _MANAGED:
+            raise PlanError(f"--sbatch {x}: launch writes {opt} itself; use {_MANAGED[opt]}")
 
 
 class _TrainerParser(argparse.ArgumentParser):
@@ -92,7 +176,14 @@ def check_trainer_args(spec: LaunchSpec) -> None:
         if a.startswith("--") and a not in known:
             raise PlanError(f"--layout {spec.layout.label()}: continue-pretrain has no {a}; this layout cannot be "
                             "launched with this version of shardkit")
-    _check_batch(spec, parser.parse_args(args))
+    ns = parser.parse_args(args)
+    _check_batch(spec, ns)
+    sig = parse_signal(spec.signal)
+    if sig and ns.exit_signal is not None and ns.exit_signal != sig[0]:
+        raise PlanError(f"--exit-signal {ns.exit_signal} after `--` is not --signal {spec.signal}'s {sig[0]}: the "
+                        "trainer would not catch what SLURM sends; give the signal once, in --signal")
+    if spec.requeue:
+        _resume_paths(spec)
 
 
 def _check_batch(spec: LaunchSpec, ns: argparse.Namespace) -> None:
@@ -123,7 +214,25 @@ def trainer_args(spec: LaunchSpec) -> list[str]:
         out += ["--expert-model-parallel-size", str(lay.ep)]
     if lay.etp is not None and lay.etp != lay.tp:
         out += ["--expert-tensor-parallel-size", str(lay.etp)]
+    sig = parse_signal(spec.signal)
+    if sig:  # SLURM sends it --signal's seconds before the time limit: save, then exit cleanly
+        names = {a.split("=", 1)[0] for a in spec.args}
+        if "--exit-signal-handler" not in names:
+            out.append("--exit-signal-handler")
+        if "--exit-signal" not in names:
+            out += ["--exit-signal", sig[0]]
     return out + list(spec.args)
+
+
+def _given(args: list[str], flag: str) -> tuple[int, str] | None:
+    """(index of the value, value) of the last `flag V` / `flag=V` in args."""
+    found = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            found = (i + 1, args[i + 1])
+        elif a.startswith(flag + "="):
+            found = (i, a.split("=", 1)[1])
+    return found
 
 
 def render(template: str, fields: dict[str, str], name: str) -> str:
@@ -148,23 +257,58 @@ def render_scripts(spec: LaunchSpec, torchrun_path: str = "torchrun.sh",
     """{"torchrun.sh": ..., "job.sbatch": ...}: the rendered launch scripts."""
     check(spec)
     args = trainer_args(spec)
-    groups: list[list[str]] = []
-    for a in args:  # one flag and its values per line
+    resume = ""
+    raw: set[int] = set()  # argument positions written unquoted (a shell variable)
+    if spec.requeue:
+        load, save = _resume_paths(spec)
+        resume = ("# --requeue: a requeued (or resubmitted) job resumes from the newest complete checkpoint in --save\n"
+                  f"SHARDKIT_LOAD={shlex.quote(load)}\n"
+                  f"if [[ -e {shlex.quote(save)}/latest ]]; then SHARDKIT_LOAD={shlex.quote(save)}; fi\n")
+        at = _given(args, "--load")
+        if at is None or "=" in args[at[0]]:
+            args += ["--load", '"$SHARDKIT_LOAD"']  # the last --load wins
+            raw.add(len(args) - 1)
+        else:
+            args[at[0]] = '"$SHARDKIT_LOAD"'
+            raw.add(at[0])
+    groups: list[list[tuple[int, str]]] = []
+    for i, a in enumerate(args):  # one flag and its values per line
         if not groups or (a.startswith("-") and not re.fullmatch(r"-[0-9.e+-]+", a)):
             groups.append([])
-        groups[-1].append(a)
-    lines = ["    " + " ".join(shlex.quote(a) for a in g) for g in groups]
+        groups[-1].append((i, a))
+    lines = ["    " + " ".join(a if i in raw else shlex.quote(a) for i, a in g) for g in groups]
     common = {"LAYOUT": spec.layout.label(), "WORLD": str(spec.layout.world), "NODES": str(spec.nodes),
               "GPUS_PER_NODE": str(spec.gpus_per_node), "MASTER_PORT": str(spec.master_port)}
     torchrun = render(_read_template(TORCHRUN_TEMPLATE, template_dir), {
         **common, "MASTER_ADDR": spec.master_addr, "PYTHON": shlex.quote(spec.python),
         "ENV": "".join(f"export {e.split('=', 1)[0]}={shlex.quote(e.split('=', 1)[1])}\n" for e in spec.env),
-        "ARGS": " \\\n".join(lines)}, TORCHRUN_TEMPLATE)
+        "RESUME": resume, "ARGS": " \\\n".join(lines)}, TORCHRUN_TEMPLATE)
+    sig = parse_signal(spec.signal)
+    extra = [f"--partition={spec.partition}" if spec.partition else "",
+             f"--account={spec.account}" if spec.account else "", f"--qos={spec.qos}" if spec.qos else "",
+             "--exclusive" if spec.exclusive else "",
+             "--requeue" if spec.requeue else "", "--open-mode=append" if spec.requeue else "",
+             f"--signal={sig[0][3:]}@{sig[1]}" if sig else "", *spec.sbatch_extra]
     sbatch = render(_read_template(SBATCH_TEMPLATE, template_dir), {
         **common, "JOB_NAME": spec.job_name, "TIME": spec.time, "LOG_DIR": spec.log_dir,
-        "SBATCH_EXTRA": "".join(f"#SBATCH {x}\n" for x in spec.sbatch_extra),
+        "SBATCH_EXTRA": "".join(f"#SBATCH {x}\n" for x in extra if x),
         "TORCHRUN_SCRIPT": shlex.quote(torchrun_path)}, SBATCH_TEMPLATE)
     return {"torchrun.sh": torchrun, "job.sbatch": sbatch}
+
+
+def _resume_paths(spec: LaunchSpec) -> tuple[str, str]:
+    """--requeue: (--load, --save) of the continue-pretrain command line (flags or --config); both are needed."""
+    from train.config import from_namespace
+
+    parser = _TrainerParser(prog="shardkit continue-pretrain", add_help=False)
+    from train.config import add_arguments
+
+    add_arguments(parser)
+    c = from_namespace(parser.parse_args(trainer_args(spec))).checkpoint
+    if not c.save or not c.load:
+        raise PlanError("--requeue: the continue-pretrain arguments after `--` need --load and --save (a requeued job "
+                        "resumes from the newest complete checkpoint in --save)")
+    return c.load, c.save
 
 
 def write_scripts(spec: LaunchSpec, out_dir: str | Path) -> dict[str, Path]:

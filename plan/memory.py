@@ -31,7 +31,8 @@ import math
 from dataclasses import dataclass, field
 
 from checkpoint.config import ModelConfig
-from checkpoint.layout import Layout
+from checkpoint.errors import LayoutError
+from checkpoint.layout import Layout, PipelineSplit
 from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import local_shape, model_specs
 
@@ -78,10 +79,16 @@ class TrainSettings:
 
 # -- parameters: the sharding table ------------------------------------------------------------------------------------
 
-def stage_layers(num_layers: int, pp: int, vpp: int = 1) -> list[list[int]]:
-    """Global layer indices held by each pipeline rank (Megatron's interleaving: chunk c = v*pp + r). A stack that
-    does not divide is dealt out with the larger chunks first, so an invalid layout still gets an estimate."""
+def stage_layers(num_layers: int, pp: int, vpp: int = 1, split: PipelineSplit | None = None) -> list[list[int]]:
+    """Global layer indices held by each pipeline rank (Megatron's interleaving: chunk c = v*pp + r), from the
+    checkpoint layout's own layer ranges (even, or the uneven `split`). A layout that does not fit the model is dealt
+    out with the larger chunks first, so an invalid layout still gets an estimate."""
     chunks = pp * vpp
+    try:
+        lay = Layout(pp=pp, vpp=vpp, split=split)
+        return [[i for v in range(vpp) for i in range(*lay.layer_range(num_layers, r, v))] for r in range(pp)]
+    except LayoutError:
+        pass
     base, extra = divmod(num_layers, chunks)
     sizes = [base + (c < extra) for c in range(chunks)]
     starts = [sum(sizes[:c]) for c in range(chunks)]
@@ -139,7 +146,7 @@ def param_counts_per_stage(cfg: ModelConfig, layout: RunLayout) -> list[dict[str
     sharding table's regions, plus the last stage's copy of a tied embedding when pp > 1."""
     t = _param_table(cfg, layout.tp, layout.ep, layout.etp)
     out = []
-    for r, layers in enumerate(stage_layers(cfg.num_layers, layout.pp, layout.vpp)):
+    for r, layers in enumerate(stage_layers(cfg.num_layers, layout.pp, layout.vpp, layout.split)):
         d = sum(t.layer_dense[i] for i in layers)
         e = sum(t.layer_expert[i] for i in layers)
         if r == 0:
@@ -301,7 +308,7 @@ def stage_activation_bytes(cfg: ModelConfig, s: TrainSettings, layout: RunLayout
     """Activations of one pipeline stage at its peak: the layers' stored activations times the chunks in flight, the
     recompute working set (full recompute), token ids on the first stage, logits (and MTP) on the last."""
     if layers is None:
-        layers = stage_layers(cfg.num_layers, layout.pp, layout.vpp)[pp_rank]
+        layers = stage_layers(cfg.num_layers, layout.pp, layout.vpp, layout.split)[pp_rank]
     m = s.microbatches(layout.dp)
     chunks = in_flight(layout, m, pp_rank)
     per_chunk = len(layers) / layout.vpp  # layers per model chunk
@@ -381,7 +388,7 @@ def estimate_memory(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> Me
     """Every stage's memory; the estimate is the stage with the largest total."""
     best: MemoryEstimate | None = None
     totals = []
-    layers_by_stage = stage_layers(cfg.num_layers, layout.pp, layout.vpp)
+    layers_by_stage = stage_layers(cfg.num_layers, layout.pp, layout.vpp, layout.split)
     comm = comm_buffer_bytes(cfg, s, layout)
     counts = param_counts_per_stage(cfg, layout)
     for r in range(layout.pp):

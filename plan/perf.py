@@ -119,7 +119,7 @@ def step_time(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardwar
     T = s.seq_length // cp * s.micro_batch_size  # tokens per rank per micro-batch (before the TP split)
     h = cfg.hidden_size
     a = DTYPE_BYTES[s.params_dtype]
-    layers_rank = max(len(x) for x in stage_layers(cfg.num_layers, pp, v))
+    layers_rank = max(len(x) for x in stage_layers(cfg.num_layers, pp, v, layout.split))
     passes = 12 if s.recompute == "full" else 8
     t_tp = m * layers_rank * passes * _ring(a * T * h, tp, span("tp", sizes, DENSE_ORDER), hw)
     # CP: K and V of this rank's tokens go round the ring; dK, dV come back in the backward
@@ -134,7 +134,7 @@ def step_time(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardwar
         t_cp = m * layers_rank * max(0.0, per_layer - attn_layer)
     t_ep = 0.0
     if cfg.is_moe and layout.ep > 1:
-        moe_layers = sum(cfg.is_moe_layer(i) for i in stage_layers(cfg.num_layers, pp, v)[0])
+        moe_layers = max(sum(map(cfg.is_moe_layer, st)) for st in stage_layers(cfg.num_layers, pp, v, layout.split))
         vol = a * h * cfg.moe_router_topk * T * layout.expert_tp / tp
         t_ep = (m * moe_layers * 4 * vol * (layout.ep - 1) / layout.ep
                 / _bandwidth(span("ep", expert_sizes, EXPERT_ORDER), hw))

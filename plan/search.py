@@ -1,7 +1,8 @@
 """Enumerate the parallel layouts of N GPUs, check each against the model, estimate memory and step time, rank.
 
 Model-parallel constraints are checkpoint.layout.Layout.check's (heads % tp, KV groups % tp, ffn % tp, experts % ep,
-layers % (pp x vpp)); the planner adds what only a training run has: seq % 2cp (zigzag context parallelism), the
+layers per model chunk: even, or for layers that do not divide the stages an uneven split with lighter first and
+last stages, `uneven_split`); the planner adds what only a training run has: seq % 2cp (zigzag context parallelism), the
 global batch divisible by micro batch x dp, the expert layout fitting the ranks of a stage, TP inside a node.
 A layout that breaks one is still estimated (layers dealt out unevenly) so the table can say what it would cost.
 """
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
+from checkpoint.layout import Layout, PipelineSplit
 from checkpoint.run_layout import RunLayout
 
 from .memory import RECOMPUTE, MemoryEstimate, TrainSettings, estimate_memory
@@ -93,6 +95,26 @@ def evaluate(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardware
     return c
 
 
+def uneven_split(num_layers: int, pp: int, vpp: int = 1) -> PipelineSplit | None:
+    """The split the field uses when the layers do not divide the stages (Llama-3.1-405B at PP 8, DeepSeek-V3 at
+    PP 16): first and last stages lighter (they also hold the embedding, and the head + loss), the middle stages even.
+    Tries equal first/last counts from the even share down, then a lighter first stage alone, then a lighter last
+    stage alone; None when the layers divide evenly or no such split exists."""
+    if pp < 2 or num_layers % (pp * vpp) == 0:
+        return None
+    share = num_layers // pp
+    forms = ([dict(first=f, last=f) for f in range(share, 0, -1)] + [dict(first=f) for f in range(share, 0, -1)]
+             + [dict(last=f) for f in range(share, 0, -1)])
+    for form in forms:
+        split = PipelineSplit(**form)
+        try:
+            Layout(pp=pp, vpp=vpp, split=split).chunk_layers(num_layers)
+        except LayoutError:
+            continue
+        return split
+    return None
+
+
 def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_length: int,
                       max_vpp: int = 8, max_cp: int | None = None) -> list[RunLayout]:
     """TP dividing the node, then PP, CP, DP over the rest; VPP for pp > 1; EP (and ETP in {1, tp}) for MoE.
@@ -116,7 +138,8 @@ def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_lengt
                         for etp in ([None, 1] if cfg.is_moe and tp > 1 else [None]):
                             if cfg.is_moe and (tp * cp * dp) % ((tp if etp is None else etp) * ep):
                                 continue
-                            out.append(RunLayout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=dp))
+                            out.append(RunLayout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=dp,
+                                                 split=uneven_split(cfg.num_layers, pp, vpp)))
     return out
 
 

@@ -2,8 +2,8 @@
 # shardkit continue-pretrain under torchrun: {{LAYOUT}} ({{WORLD}} GPUs: {{NODES}} node(s) x {{GPUS_PER_NODE}}).
 # Template: `shardkit launch` fills in the double-brace fields (scripts/torchrun.sh in the shardkit repository).
 # Run the rendered script once per node with NODE_RANK=0..NNODES-1 and MASTER_ADDR set to node 0, or submit the
-# sbatch script rendered beside it, which does that on every node of the allocation. Environment variables override
-# the rendered defaults.
+# sbatch script rendered beside it, which runs it once per rank under srun with SHARDKIT_LAUNCHER=srun (no torchrun:
+# each SLURM task is one rank). Environment variables override the rendered defaults.
 set -euo pipefail
 
 NNODES=${NNODES:-{{NODES}}}
@@ -20,9 +20,13 @@ export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
 export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-10}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-{{ENV}}
-exec {{PYTHON}} -m torch.distributed.run \
-    --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --node-rank "$NODE_RANK" \
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    -m shardkit continue-pretrain \
+{{ENV}}{{RESUME}}
+case ${SHARDKIT_LAUNCHER:-torchrun} in
+    torchrun) launcher=({{PYTHON}} -m torch.distributed.run
+                        --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --node-rank "$NODE_RANK"
+                        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT") ;;
+    srun) launcher=({{PYTHON}}) ;;  # this process is one rank: the trainer reads SLURM_PROCID, SLURM_NTASKS, MASTER_ADDR
+    *) echo "$0: SHARDKIT_LAUNCHER=$SHARDKIT_LAUNCHER: expected torchrun or srun" >&2; exit 2 ;;
+esac
+exec "${launcher[@]}" -m shardkit continue-pretrain \
 {{ARGS}}

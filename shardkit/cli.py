@@ -27,6 +27,25 @@ def _layout_flags(p: argparse.ArgumentParser, keep: bool = False) -> None:
                         + ("the source's where it differs from the source's TP, else the destination's TP: "
                            "Megatron's --expert-tensor-parallel-size defaults to --tp)" if keep else
                            "same as --tp, Megatron's default)"))
+    pipeline_split_flags(p, keep)
+
+
+def pipeline_split_flags(p: argparse.ArgumentParser, keep: bool = False) -> None:
+    """Megatron's uneven pipeline flags (checkpoint.layout.PipelineSplit); `keep` (reshard): none given keeps the
+    source's split where --pp and --vpp stay, else the split is even."""
+    g = p.add_argument_group("uneven pipeline stages (Megatron's flags; default: "
+                             + ("the source's split if --pp/--vpp stay, else even" if keep else "even") + ")")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
+                   help="decoder layers on the first pipeline stage; the middle stages share the rest evenly")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
+                   help="decoder layers on the last pipeline stage")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as one layer when splitting: the first stage holds one layer less")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the loss as one layer when splitting: the last stage holds one layer less")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help='the layers of each stage in chunk order, e.g. "Et*3|(tt|)*29,m|L" (E embedding, t decoder '
+                        "layer, m MTP, L loss, | between stages; megatron-core's PipelineParallelLayerLayout)")
 
 
 def _skip_verify_flag(p: argparse.ArgumentParser) -> None:
@@ -46,7 +65,11 @@ def _format_flags(p: argparse.ArgumentParser) -> None:
 
 def _hf_config_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-config", metavar="HF_DIR", default=None,
-                   help="for a torch_dist source: the HF model directory whose config.json describes the model")
+                   help="for a torch_dist checkpoint shardkit did not write: the HF model directory whose config.json "
+                        "describes the model (a shardkit export describes itself; this overrides it)")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="for a torch_dist checkpoint Megatron-LM wrote: the true vocabulary size, which its args "
+                        "usually lack (they hold the padded one); the rest of the model comes from the args")
 
 
 def _dtype_flag(p: argparse.ArgumentParser, help: str) -> None:
@@ -131,9 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--quiet", action="store_true", help="no progress bar")
     h2m.add_argument("--download", action="store_true",
                      help="HF_DIR is a hub repo id not yet in the local hub cache: download it (default: the cache only)")
+    h2m.add_argument("--verify", action="store_true",
+                     help="right after converting, prove the result: `verify --against HF_DIR` (logits and, streamed, "
+                          "every layer vs transformers' own forward); non-zero exit if it differs")
+    h2m.add_argument("--memory-budget", metavar="SIZE", default=None,
+                     help="with --verify: memory the comparison may use (default: half the available)")
 
     m2h = csub.add_parser("mcore-to-hf", help="shardkit checkpoint -> HF safetensors")
-    m2h.add_argument("ckpt", help="a native checkpoint, or a torch_dist one (with --hf-config)")
+    m2h.add_argument("ckpt", help="a native checkpoint, or a torch_dist one")
     m2h.add_argument("out")
     _hf_config_flag(m2h)
     _dtype_flag(m2h, "export as bf16|fp16|fp32 (default: the stored dtype)")
@@ -162,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rs = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP/VPP/EP layout (offline); flags not "
                         "given keep the source's values")
-    rs.add_argument("src", help="a native checkpoint, or a torch_dist one (with --hf-config)")
+    rs.add_argument("src", help="a native checkpoint, or a torch_dist one")
     rs.add_argument("dst")
     _layout_flags(rs, keep=True)
     _format_flags(rs)
@@ -173,12 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--quiet", action="store_true", help="no progress bar, no layout line")
     _skip_verify_flag(rs)
 
-    ins = sub.add_parser("inspect", help="layout, model config and tensor table of a checkpoint")
+    ins = sub.add_parser("inspect", help="layout, model config and tensor table of a checkpoint (native or "
+                         "torch_dist)")
     ins.add_argument("ckpt")
+    _hf_config_flag(ins)
     ins.add_argument("--json", action="store_true")
 
-    ver = sub.add_parser("verify", help="re-read every chunk; optionally compare logits with an HF model")
+    ver = sub.add_parser("verify", help="re-read every chunk (native) or item (torch_dist); optionally compare "
+                         "logits with an HF model")
     ver.add_argument("ckpt")
+    _hf_config_flag(ver)
     ver.add_argument("--against", metavar="HF_DIR", help="HF model directory to compare logits with (fp32)")
     ver.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference allowed (1e-4)")
     ver.add_argument("--seq-length", type=int, default=32)
@@ -187,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "only when both fp32 models would not fit in --memory-budget)")
     ver.add_argument("--memory-budget", metavar="SIZE", default=None,
                      help="with --against: memory the comparison may use, e.g. 64GiB (default: half the available)")
+    ver.add_argument("--all-experts", action="store_true",
+                     help="with --against (streaming): also drive synthetic tokens through every routed expert the "
+                          "test tokens do not select, and compare each")
     ver.add_argument("--json", action="store_true")
     ver.add_argument("--quiet", action="store_true")
 
@@ -377,11 +412,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         args.model = _hf_dir_arg(args.model)
     _check_outputs(args)
     if args.cmd == "convert" and args.direction == "hf-to-mcore":
-        from checkpoint.layout import Layout
+        from checkpoint.layout import Layout, PipelineSplit
         from convert.hf_to_mcore import convert_hf_to_mcore
 
         dtype = _check_dtype(args.dtype)
-        layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+        layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
+                        split=PipelineSplit.from_args(args))
+        if args.verify and args.format == "torch_dist":
+            raise ShardkitError("--verify with --format torch_dist: not supported here; convert to the native format "
+                                "with --verify, or run `shardkit verify OUT --against HF_DIR` on the export")
         if args.format == "torch_dist" and args.keep_fp8:
             raise ShardkitError("--keep-fp8 with --format torch_dist: Megatron's torch_dist has no block-FP8 "
                                 "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
@@ -389,6 +428,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             args.hf_dir, out, layout, dtype=dtype, workers=args.workers, overwrite=args.overwrite, quiet=args.quiet,
             keep_fp8=args.keep_fp8, allow_nonfinite=args.allow_nonfinite))
         print(f"wrote {path}")
+        if args.verify:
+            from convert.hf_to_mcore import verify_conversion
+
+            return verify_conversion(path, args.hf_dir, fmt=args.format, memory_budget=args.memory_budget,
+                                     quiet=args.quiet)
         return 0
     if args.cmd == "convert" and args.direction == "mcore-to-hf":
         from convert.mcore_to_hf import convert_mcore_to_hf
@@ -415,7 +459,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         dtype = _check_dtype(args.dtype)
         given = {f: getattr(args, f) for f in LAYOUT_FLAGS}
         source, cfg, unknown = _reshard_source(args)
-        layout = keep_layout(source, cfg, **given)  # a flag not given keeps the source's value
+        from checkpoint.layout import PipelineSplit
+
+        # a flag not given keeps the source's value
+        layout = keep_layout(source, cfg, **given, split=PipelineSplit.from_args(args))
         if not args.quiet:  # before it starts; stdout with the "wrote" line (a piped stderr stays empty)
             print(layout_change(source, layout, cfg, given, unknown), flush=True)
         if _is_torch_dist(args.src):  # torch_dist -> native (-> torch_dist): the import already re-chunks
@@ -485,29 +532,25 @@ def _reshard_source(args: argparse.Namespace):
 
         ck = Checkpoint(args.src)
         return ck.layout, ck.config, ""
-    from checkpoint.megatron import layout_from_args
+    td, cfg, _ = _torch_dist_model(args, args.src)
+    return td.layout, cfg, f"{td.path / 'common.pt'} holds no usable Megatron args"
+
+
+def _torch_dist_model(args: argparse.Namespace, src: str):
+    """A torch_dist checkpoint, its model config and where that came from (--hf-config, the checkpoint's own
+    shardkit.json, or its Megatron args with --vocab-size): one line naming what is missing otherwise."""
     from checkpoint.torch_dist import read_torch_dist
 
-    cfg = _torch_dist_config(args, args.src)
-    td = read_torch_dist(args.src)
-    return layout_from_args(td.args), cfg, f"{td.path / 'common.pt'} holds no usable Megatron args"
-
-
-def _torch_dist_config(args: argparse.Namespace, src: str):
-    from checkpoint.config import ModelConfig
-    from checkpoint.errors import ShardkitError
-
-    if not args.hf_config:
-        raise ShardkitError(f"{src} is a torch_dist checkpoint: pass --hf-config HF_DIR (the HF model directory whose "
-                            "config.json describes it) so shardkit knows the model")
-    return ModelConfig.from_hf_dir(args.hf_config)
+    td = read_torch_dist(src)
+    cfg, origin = td.model_config(getattr(args, "hf_config", None), getattr(args, "vocab_size", None))
+    return td, cfg, origin
 
 
 def _import_torch_dist(args: argparse.Namespace, src: str, out, layout, dtype):
     from convert.torch_dist_io import torch_dist_to_native
 
-    return torch_dist_to_native(src, out, _torch_dist_config(args, src), layout, dtype=dtype,
-                                hf_dir=args.hf_config, workers=getattr(args, "workers", None),
+    return torch_dist_to_native(src, out, None, layout, dtype=dtype, hf_dir=args.hf_config,
+                                vocab_size=args.vocab_size, workers=getattr(args, "workers", None),
                                 overwrite=args.overwrite, quiet=args.quiet)
 
 
@@ -528,7 +571,7 @@ def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):
     import shutil
     import tempfile
 
-
+    _torch_dist_model(args, src)  # the model config first: a missing or contradicting one writes nothing
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.native-", dir=target.parent))
@@ -540,12 +583,31 @@ def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from checkpoint.progress import json_text
+
+    if _is_torch_dist(args.ckpt):
+        from checkpoint.errors import ConfigError
+        from checkpoint.progress import print_torch_dist_description
+        from checkpoint.torch_dist import read_torch_dist
+        from convert.torch_dist_io import describe_torch_dist
+
+        td = read_torch_dist(args.ckpt)
+        try:
+            cfg, origin = td.model_config(args.hf_config, args.vocab_size)
+            d = describe_torch_dist(td, cfg, origin)
+        except ConfigError as e:
+            if args.hf_config is not None or args.vocab_size is not None:
+                raise  # what was given contradicts the checkpoint
+            d = describe_torch_dist(td, None, None, str(e))  # nothing describes the model: shown, not fatal
+        if args.json:
+            print(json_text(d))
+        else:
+            print_torch_dist_description(d)
+        return 0
     from checkpoint.reader import Checkpoint, describe
 
     d = describe(Checkpoint(args.ckpt))
     if args.json:
-        from checkpoint.progress import json_text
-
         print(json_text(d))
         return 0
     from checkpoint.progress import print_description
@@ -561,22 +623,15 @@ def _verify(args: argparse.Namespace) -> int:
 
     if not args.tolerance >= 0:  # also refuses NaN
         raise ShardkitError(f"--tolerance {args.tolerance}: expected a number >= 0")
+    if _is_torch_dist(args.ckpt):
+        return _verify_torch_dist(args)
     ckpt = Checkpoint(args.ckpt)
     with progress_bar("verify", total=ckpt.nbytes(), items=0, disable=args.quiet or args.json) as bar:
         result = ckpt.verify(progress=lambda n: bar.advance(n))
     result = {"path": str(ckpt.path), "chunks_ok": True, **result}
     ok = finite = not result["nonfinite"]
     if args.against:
-        from convert.parity import against_hf
-        from plan.units import parse_bytes
-
-        budget = None if args.memory_budget is None else parse_bytes(args.memory_budget, "--memory-budget")
-        # streaming: bytes read from both sides (each about once) and layers done
-        with progress_bar("compare", total=2 * ckpt.nbytes(), items=ckpt.config.num_layers, unit="layers",
-                          disable=args.quiet or args.json) as bar:
-            parity = against_hf(ckpt, args.against, seq_len=args.seq_length, tolerance=args.tolerance,
-                                streaming=args.streaming, memory_budget=budget,
-                                progress=lambda nbytes: bar.advance(nbytes, items=1))
+        parity = _parity(args, ckpt)
         ok = ok and parity["ok"]
         result["parity"] = parity
     result["ok"] = ok
@@ -603,7 +658,7 @@ def _verify(args: argparse.Namespace) -> int:
                       + (f"; experts exercised {sum(r['experts_exercised'] for r in moe)}/"
                          f"{sum(r['experts'] for r in moe)}" if moe else ""))
                 for r in p["layers"]:
-                    if not r["max_abs_diff"] <= p["tolerance"]:
+                    if not (r["max_abs_diff"] <= p["tolerance"] and r.get("expert_max_abs_diff", 0) <= p["tolerance"]):
                         where = f"layer {r['layer']}" + (f", expert {r['expert']} ({r['expert_max_abs_diff']:.3e})"
                                                           if "expert" in r else "")
                         print(f"  {where}: |diff| {r['max_abs_diff']:.3e} beyond the tolerance")
@@ -617,6 +672,8 @@ def _verify(args: argparse.Namespace) -> int:
     if not ok:
         first = result["parity"].get("first_layer_beyond_tolerance")
         if first is not None:
+            expert = result["parity"].get("first_expert_beyond_tolerance")
+            first = f"{first}" + (f" (expert {expert})" if expert is not None else "")
             print(f"shardkit: error: layer {first} is the first to differ from {args.against} beyond "
                   f"{args.tolerance:.0e} (on HF's own input of that layer); the checkpoint does not reproduce that "
                   "model", file=sys.stderr)
@@ -625,6 +682,88 @@ def _verify(args: argparse.Namespace) -> int:
               f"{args.tolerance:.0e}; the checkpoint does not reproduce that model", file=sys.stderr)
         return 1
     return 0
+
+
+def _parity(args: argparse.Namespace, ckpt) -> dict:
+    """verify --against: logits of `ckpt` (a native Checkpoint, or a torch_dist one read in place) vs HF's."""
+    from checkpoint.progress import progress_bar
+    from convert.parity import against_hf
+    from plan.units import parse_bytes
+
+    budget = None if args.memory_budget is None else parse_bytes(args.memory_budget, "--memory-budget")
+    # streaming: bytes read from both sides (each about once) and layers done
+    with progress_bar("compare", total=2 * ckpt.nbytes(), items=ckpt.config.num_layers, unit="layers",
+                      disable=args.quiet or args.json) as bar:
+        return against_hf(ckpt, args.against, seq_len=args.seq_length, tolerance=args.tolerance,
+                          streaming=args.streaming, memory_budget=budget,
+                          all_experts=getattr(args, "all_experts", False),
+                          progress=lambda nbytes: bar.advance(nbytes, items=1))
+
+
+def _verify_torch_dist(args: argparse.Namespace) -> int:
+    """verify of a torch_dist checkpoint: keys and shapes against the model config and the sharding table, every
+    item read, non-finite values counted, and with --against the logits compared (read in place, no staging copy)."""
+    from checkpoint.progress import json_text, progress_bar
+    from convert.torch_dist_io import TorchDistSource, verify_torch_dist
+
+    td, cfg, origin = _torch_dist_model(args, args.ckpt)
+    total = sum(t.dtype.itemsize * _numel(t.shape) for t in td.tensors.values())
+    with progress_bar("verify", total=total, items=0, disable=args.quiet or args.json) as bar:
+        result = verify_torch_dist(td, cfg, origin, progress=lambda n: bar.advance(n))
+    finite = not result["nonfinite"]
+    ok = finite and result["keys_ok"]
+    if args.against and result["keys_ok"]:
+        result["parity"] = _parity(args, TorchDistSource(td, cfg, td.layout, origin))
+        ok = ok and result["parity"]["ok"]
+    result["ok"] = ok
+    if args.json:
+        print(json_text(result))
+    else:
+        lay = result["layout"]
+        print(f"{result['path']}: torch_dist, iteration {result['iteration']}, tp={lay['tp']} pp={lay['pp']} "
+              f"vpp={lay['vpp']} ep={lay['ep']} (layout from {result['layout_from']}; model from {origin})")
+        print(f"  {result['tensors']} tensors, {result['items']} items in {result['files']} files, "
+              f"{result['bytes']:,} bytes: every item read"
+              + (", keys and global shapes match the model config and every item lies in one rank's shard"
+                 if result["keys_ok"] else ""))
+        for what in ("missing", "unexpected"):
+            if result[what]:
+                print(f"  {what} ({len(result[what])}): {', '.join(result[what])}")
+        for line in result["problems"]:
+            print(f"  {line}")
+        for name, count in result["nonfinite"].items():
+            print(f"  {name}: {count:,} non-finite value(s) (NaN/Inf)")
+        if "parity" in result:
+            p = result["parity"]
+            print(f"logits vs {args.against} (fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| = "
+                  f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if p['ok'] else 'FAIL'}")
+    if not result["keys_ok"]:
+        first = (result["problems"] or [None])[0]
+        if result["missing"] or result["unexpected"]:
+            first = (f"{td.path}: {len(result['missing'])} tensor(s) the model config ({origin}) needs are missing"
+                     + (f" (e.g. {result['missing'][0]})" if result["missing"] else "")
+                     + f", {len(result['unexpected'])} stored tensor(s) are not part of it"
+                     + (f" (e.g. {result['unexpected'][0]})" if result["unexpected"] else ""))
+        print(f"shardkit: error: {first}", file=sys.stderr)
+        return 1
+    if not finite:
+        bad = result["nonfinite"]
+        name = next(iter(bad))
+        print(f"shardkit: error: {len(bad)} tensor(s) hold non-finite values (NaN/Inf), e.g. {name} "
+              f"({bad[name]:,}); this checkpoint cannot be trained or exported as it is", file=sys.stderr)
+        return 1
+    if not ok:
+        print(f"shardkit: error: logits differ from {args.against} by {result['parity']['max_abs_diff']:.3e} > "
+              f"{args.tolerance:.0e}; the checkpoint does not reproduce that model", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
 
 
 if __name__ == "__main__":

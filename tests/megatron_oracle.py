@@ -413,15 +413,57 @@ def legacy(job: dict) -> dict:
 # dist_checkpointing.save() as Megatron-LM lays it out (<root>/iter_N + latest_checkpointed_iteration.txt, common.pt
 # with iteration/args). Result: the model's tensors (global, by sharded key) and its logits.
 
+def args_transformer_config(args: argparse.Namespace) -> dict:
+    """A TransformerConfig built from a checkpoint's Megatron-LM args the way Megatron-Bridge's reader does
+    (mlm_compat/arguments.py `_transformer_config_from_args`, after Megatron-LM's `core_transformer_config_from_args`:
+    every TransformerConfig field the namespace has, then its fix-ups), which fails on a namespace missing any
+    attribute it reads. `apply_rope_fusion` is turned off: it needs Transformer Engine, which this CPU has not."""
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(args, f.name)}
+    kw.update(persist_layer_norm=not args.no_persist_layer_norm, deallocate_pipeline_outputs=True,
+              pipeline_dtype=args.params_dtype, batch_p2p_comm=not args.overlap_p2p_comm,
+              num_moe_experts=args.num_experts, rotary_interleaved=args.rotary_interleaved,
+              num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+              num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers, fp8_param=args.fp8_param_gather,
+              config_logger_dir=args.config_logger_dir, apply_rope_fusion=False,
+              num_query_groups=args.num_query_groups if args.group_query_attention else None)
+    if args.swiglu:
+        kw.update(activation_func=F.silu, gated_linear_unit=True, bias_activation_fusion=args.bias_swiglu_fusion)
+    if args.rope_type is None:
+        kw.pop("rope_type", None)
+    if len(args.cp_comm_type) == 1:
+        kw["cp_comm_type"] = args.cp_comm_type[0]
+    if args.heterogeneous_layers_config_path is not None or args.multi_latent_attention:
+        raise ValueError("not a plain TransformerConfig")
+    tc = TransformerConfig(**kw)
+    return {"attention_backend_is_enum": isinstance(args.attention_backend, AttnBackend),
+            **{k: getattr(tc, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                           "num_query_groups", "kv_channels", "layernorm_epsilon", "normalization",
+                                           "gated_linear_unit", "add_bias_linear", "add_qkv_bias",
+                                           "num_moe_experts", "moe_router_topk", "tensor_model_parallel_size",
+                                           "pipeline_model_parallel_size", "expert_model_parallel_size")}}
+
+
 def torch_dist(job: dict) -> dict:
     from megatron.core import dist_checkpointing
 
     model = build(job["model"])
     ids = torch.load(job["input_ids"])
+    extra = {}
     if job["mode"] == "load":
         # as Megatron-LM does: the model's sharded state dict under "model", common.pt's entries merged around it
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, job["ckpt"])
         model.load_state_dict(state["model"], strict=True)
+        if job.get("args_config"):  # read common.pt's args as Megatron-Bridge's reader does
+            try:
+                extra["args_config"] = args_transformer_config(dist_checkpointing.load_common_state_dict(
+                    job["ckpt"])["args"])
+            except Exception as e:  # recorded: the test names it
+                extra["args_config"] = {"error": f"{type(e).__name__}: {e}"}
     elif job["mode"] == "save":
         randomize(model, job["seed"])
         it = job["iteration"]
@@ -432,7 +474,7 @@ def torch_dist(job: dict) -> dict:
         write_latest(job["root"], it)
     else:
         raise ValueError(job["mode"])
-    return {"tensors": global_tensors(model), "logits": logits(model, ids)}
+    return {"tensors": global_tensors(model), "logits": logits(model, ids), **extra}
 
 
 # -- optimizer -------------------------------------------------------------------------------------------------------
@@ -653,8 +695,50 @@ def train(job: dict) -> dict:
 # -- main ------------------------------------------------------------------------------------------------------------
 
 # topic: (its job, whether it needs the distributed optimizer's shims)
+def pipeline_split(job: dict) -> dict:
+    """megatron-core's decoder layers per model chunk for an (uneven) pipeline split: for each pipeline rank and
+    virtual stage, get_num_layers_to_build and get_transformer_layer_offset (or, for a layout string, the
+    PipelineParallelLayerLayout's own counts and offsets), in chunk order c = vstage * pp + pp_rank; or the reason
+    TransformerConfig refuses the split."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    pp, vpp = job["pp"], job["vpp"]
+    try:
+        cfg = TransformerConfig(num_layers=job["num_layers"], hidden_size=64, num_attention_heads=4,
+                                pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                                virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                num_layers_in_first_pipeline_stage=job.get("first"),
+                                num_layers_in_last_pipeline_stage=job.get("last"),
+                                account_for_embedding_in_pipeline_split=job.get("embedding", False),
+                                account_for_loss_in_pipeline_split=job.get("loss", False),
+                                pipeline_model_parallel_layout=job.get("layout"),
+                                mtp_num_layers=job.get("mtp") or None)
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+        counts, offsets = [], []
+        for c in range(pp * vpp):
+            rank, v = c % pp, c // pp
+            vs = v if vpp > 1 else None
+            lay = cfg.pipeline_model_parallel_layout
+            if lay is not None:
+                counts.append(lay.get_num_layers_to_build(LayerType.decoder, vp_stage=vs, pp_rank=rank))
+                offsets.append(lay.get_layer_offset(LayerType.decoder, vp_stage=vs, pp_rank=rank))
+            else:
+                counts.append(get_num_layers_to_build(cfg, vp_stage=vs, pp_rank=rank))
+                offsets.append(get_transformer_layer_offset(cfg, vp_stage=vs, pp_rank=rank))
+        return {"ok": True, "counts": counts, "offsets": offsets}
+    except (AssertionError, ValueError) as e:
+        return {"ok": False, "error": str(e)}
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+
+
 TOPICS = {"names": (names, False), "data": (data, False), "schedule": (schedule, False), "legacy": (legacy, False),
-          "torch_dist": (torch_dist, False), "optimizer": (optimizer, True), "train": (train, True)}
+          "torch_dist": (torch_dist, False), "optimizer": (optimizer, True), "train": (train, True),
+          "pipeline_split": (pipeline_split, False)}
 
 
 def main() -> None:

@@ -446,3 +446,122 @@ def test_json_outputs_are_strict(ckpt, capsys):
         capsys.readouterr()
         assert main([str(a) for a in argv]) == 0
         json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"bare {c} in {argv[0]} --json"))
+
+
+# -- torch_dist checkpoints (issue 17): missing or short .distcp, items vs args, args vs the HF config given ----------
+
+@pytest.fixture(scope="module")
+def tiny_td(tiny_hf, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("td") / "td"
+    assert main(["convert", "hf-to-mcore", str(tiny_hf), str(root), "--format", "torch_dist", "--quiet"]) == 0
+    return root
+
+
+@pytest.fixture
+def td(tiny_td, tmp_path) -> Path:
+    """A private copy of a good torch_dist export, free to damage."""
+    return Path(shutil.copytree(tiny_td, tmp_path / "td"))
+
+
+def _td_args(root: Path, strip_description: bool = False, **changes) -> None:
+    """Edit the Megatron-LM args in common.pt (and drop shardkit's own description, as Megatron-LM writes none)."""
+    from checkpoint.torch_dist import load_common, write_common
+
+    it = root / "iter_0000000"
+    common, _ = load_common(it / "common.pt")
+    for k, v in changes.items():
+        setattr(common["args"], k, v)
+    write_common(it, common)
+    if strip_description:
+        (it / "shardkit.json").unlink()
+        shutil.rmtree(it / "hf")
+
+
+TD_READERS = [lambda td, out: ["reshard", td, out, "--quiet"],
+              lambda td, out: ["convert", "mcore-to-hf", td, out, "--quiet"],
+              lambda td, out: ["verify", td, "--quiet"],
+              lambda td, out: ["inspect", td]]
+
+
+@pytest.mark.parametrize("reader", range(len(TD_READERS)))
+def test_torch_dist_metadata_names_a_missing_distcp(td, out, capsys, reader):
+    (td / "iter_0000000" / "__0_0.distcp").unlink()
+    rc, err = run_inproc(TD_READERS[reader](td, out), capsys)
+    assert_one_line_error(rc, err, "__0_0.distcp", "missing")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("reader", range(len(TD_READERS)))
+def test_torch_dist_metadata_names_a_short_distcp(td, out, capsys, reader):
+    f = td / "iter_0000000" / "__0_0.distcp"
+    size = f.stat().st_size
+    f.write_bytes(f.read_bytes()[:-10])
+    rc, err = run_inproc(TD_READERS[reader](td, out), capsys)
+    line = assert_one_line_error(rc, err, "__0_0.distcp", "truncated", f"the file has {size - 10}")
+    assert f"{size})" in line  # the bytes the item needs: both values
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(num_layers=4), ("decoder.layers.", "stacks 2 layers", "num_layers=4")),
+    (dict(padded_vocab_size=512, make_vocab_size_divisible_by=256),
+     ("embedding.word_embeddings.weight", "384 rows", "padded_vocab_size=512")),
+    (dict(hidden_size=128), ("embedding.word_embeddings.weight", "[384, 64]", "[384, 128]")),
+])
+@pytest.mark.parametrize("cmd", ["reshard", "verify"])
+def test_torch_dist_items_disagree_with_args(td, out, capsys, change, words, cmd):
+    """A Megatron-written checkpoint (no shardkit.json) whose items disagree with its args: the key, both values."""
+    _td_args(td, strip_description=True, **change)
+    argv = ["reshard", td, out, "--quiet"] if cmd == "reshard" else ["verify", td, "--quiet"]
+    rc, err = run_inproc(argv, capsys)
+    assert_one_line_error(rc, err, *words)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(num_attention_heads=4), ("common.pt", "num_attention_heads=4", "has 8")),
+    (dict(num_layers=3), ("common.pt", "num_layers=3", "has 2")),
+    (dict(vocab_size=256), ("common.pt", "vocab_size=256", "vocab_size=300")),
+    (dict(rotary_base=10000.0), ("common.pt", "rotary_base=10000.0", "has 500000.0")),
+])
+@pytest.mark.parametrize("cmd", ["reshard", "mcore-to-hf", "verify", "inspect"])
+def test_torch_dist_args_contradict_the_hf_config_given(td, tiny_hf, out, capsys, change, words, cmd):
+    _td_args(td, **change)
+    argv = {"reshard": ["reshard", td, out], "mcore-to-hf": ["convert", "mcore-to-hf", td, out],
+            "verify": ["verify", td], "inspect": ["inspect", td]}[cmd] + ["--hf-config", tiny_hf]
+    rc, err = run_inproc(argv + (["--quiet"] if cmd != "inspect" else []), capsys)
+    assert_one_line_error(rc, err, *words, "--hf-config")
+    assert not out.exists()
+
+
+def test_torch_dist_without_any_model_description(td, out, capsys):
+    """No shardkit.json and no args: the line says so and names --hf-config; args without the true vocab name it and
+    both flags."""
+    _td_args(td, strip_description=True, vocab_size=None)
+    rc, err = run_inproc(["reshard", td, out, "--quiet"], capsys)
+    assert_one_line_error(rc, err, "common.pt", "lack vocab_size", "padded_vocab_size=384", "--vocab-size N",
+                          "--hf-config HF_DIR")
+    assert main(["reshard", str(td), str(out), "--vocab-size", "300", "--quiet"]) == 0
+    from checkpoint.torch_dist import load_common, write_common
+
+    it = td / "iter_0000000"
+    common, _ = load_common(it / "common.pt")
+    del common["args"]
+    write_common(it, common)
+    rc, err = run_inproc(["verify", td, "--vocab-size", "300", "--quiet"], capsys)
+    assert_one_line_error(rc, err, "shardkit.json", "no usable Megatron args", "--hf-config")
+    rc, err = run_inproc(["reshard", td, out.with_name("o2"), "--vocab-size", "-3", "--quiet"], capsys)
+    assert_one_line_error(rc, err, "--vocab-size")
+
+
+def test_torch_dist_damaged_description_is_refused(td, out, capsys):
+    p = td / "iter_0000000" / "shardkit.json"
+    d = json.loads(p.read_text())
+    d["model"]["num_layers"] = 3
+    p.write_text(json.dumps(d))
+    rc, err = run_inproc(["reshard", td, out, "--quiet"], capsys)
+    assert_one_line_error(rc, err, "shardkit.json", "digest")
+    p.write_text("{")
+    rc, err = run_inproc(["inspect", td], capsys)
+    assert_one_line_error(rc, err, "shardkit.json", "JSON")
+    assert not out.exists()

@@ -238,7 +238,7 @@ def test_torch_dist_leaves_out_a_scheduler_megatron_cannot_load(trained, tmp_pat
     assert json.loads(td.common[TRAIN_STATE_KEY])["scheduler"] == old["scheduler"]
 
 
-def test_megatron_distributed_optimizer_both_ways(tmp_path):
+def test_megatron_distributed_optimizer_both_ways(tmp_path, capsys):
     """megatron-core on CPU (subprocess), with its DistributedDataParallel + DistributedOptimizer:
     (1) trains 2 steps and saves torch_dist with its optimizer state; we map it onto native optimizer entries at
         another layout: values equal megatron's;
@@ -289,6 +289,18 @@ def test_megatron_distributed_optimizer_both_ways(tmp_path):
         assert torch.equal(ck.read(optimizer_key("fp32_param", s.name))[rows], w)
     assert ck.read(optimizer_key("exp_avg_sq", "decoder.layers.mlp.linear_fc1.weight")).abs().sum() > 0
     ck.verify()
+    # inspect and verify read it in place: the optimizer state is there, every item lies in one rank's shard
+    from shardkit.cli import main
+
+    for root, hf_flag in ((tmp_path / "meg", ["--hf-config", str(hf)]), (export.parent, [])):
+        capsys.readouterr()
+        assert main(["inspect", str(root), "--json", *hf_flag]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["optimizer"]["present"] and info["optimizer"]["states"] == list(OPTIMIZER_STATES)
+        assert info["optimizer"]["sharding_type"] == "fully_reshardable"
+        assert main(["verify", str(root), "--json", "--quiet", *hf_flag]) == 0
+        v = json.loads(capsys.readouterr().out)
+        assert v["ok"] and v["problems"] == [] and v["optimizer"] == list(OPTIMIZER_STATES)
 
     # (2) our export -> megatron-core's distributed optimizer
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)

@@ -332,20 +332,20 @@ def test_parse_bytes():
 def test_launch_dry_run(capsys, tmp_path):
     out = tmp_path / "run"
     assert main(["launch", "--layout", "tp=4,pp=2,vpp=2,dp=4", "--nodes", "4", "--gpus-per-node", "8", "--slurm",
-                 "--dry-run", "--out", str(out), "--sbatch", "partition=gpu", "--sbatch=--account=llm", "--",
+                 "--dry-run", "--out", str(out), "--partition", "gpu", "--account", "llm", "--",
                  "--load", "/ckpt/llama", "--save", "/ckpt/run 1", "--data", "/d/a", "/d/b",
                  "--micro-batch-size", "1", "--global-batch-size", "512", "--seq-length", "8192"]) == 0
     text = capsys.readouterr().out
     sbatch, torchrun = text.split(f"# ---- {out / 'torchrun.sh'} ----\n")
     assert sbatch.startswith(f"# ---- {out / 'job.sbatch'} ----")
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --account=llm",
-                 f"exec bash {out / 'torchrun.sh'}"):
+                 f"srun --kill-on-bad-exit=1 bash {out / 'torchrun.sh'}"):
         assert line in sbatch
     assert "NNODES=${NNODES:-4}" in torchrun and "GPUS_PER_NODE=${GPUS_PER_NODE:-8}" in torchrun
     assert "-m shardkit continue-pretrain" in torchrun
     joined = " ".join(torchrun.replace("\\\n", " ").split())
     assert ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
-            "--load /ckpt/llama --save '/ckpt/run 1' --data /d/a /d/b") in joined
+            "--exit-signal-handler --exit-signal SIGUSR1 --load /ckpt/llama --save '/ckpt/run 1' --data /d/a /d/b") in joined
     assert "{{" not in text
     assert "    --data /d/a /d/b \\\n" in torchrun  # one flag and its values per line
     assert f"#SBATCH --output={out / 'logs'}/%x-%j.out" in sbatch

@@ -113,9 +113,19 @@ def test_every_pair_of_formats(tmp_path):
     assert sorted(x) == sorted(y)
     for k in x:
         assert torch.equal(x[k], y[k]), k
-    # a torch_dist source without a model description is a one-line error naming the flag
-    assert main(["reshard", td1, str(tmp_path / "x"), "--quiet"]) == 1
-    assert not (tmp_path / "x" / "latest").exists()
+    # our torch_dist exports describe themselves: no --hf-config needed (tests/test_torch_dist.py checks the bytes)
+    assert main(["reshard", td2, str(tmp_path / "x"), "--tp", "1", "--pp", "1", "--quiet"]) == 0
+    assert Checkpoint(tmp_path / "x").config.to_dict() == Checkpoint(nat).config.to_dict()
+    # one without (as Megatron-LM writes them, its args lacking the true vocab) is a one-line error naming the flags
+    from checkpoint.torch_dist import load_common, read_torch_dist, write_common
+
+    it = read_torch_dist(td1).path
+    (it / "shardkit.json").unlink()
+    common, _ = load_common(it / "common.pt")
+    common["args"].vocab_size = None
+    write_common(it, common)
+    assert main(["reshard", td1, str(tmp_path / "y"), "--quiet"]) == 1
+    assert not (tmp_path / "y" / "latest").exists()
 
 
 # -- flags not given keep the source's layout ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
-from checkpoint.layout import Layout, RankCoord
+from checkpoint.layout import Layout, PipelineSplit, RankCoord
 from checkpoint.sharding import Rule, chunk_shape, local_shape, model_specs, regions
 
 
@@ -27,7 +27,8 @@ def model_and_layout(draw):
     groups = tp * draw(st.integers(1, 2))
     hpg = draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([2, 4, 6]))
-    layers = pp * vpp * draw(st.integers(1, 2))
+    uneven = pp > 1 and draw(st.booleans())  # a --pipeline-model-parallel-layout: any layers per model chunk
+    layers = draw(st.integers(1, 7)) if uneven else pp * vpp * draw(st.integers(1, 2))
     kind = draw(st.sampled_from(["dense", "moe", "mla_moe"]))
     moe = {}
     if kind != "dense":
@@ -54,7 +55,15 @@ def model_and_layout(draw):
         etp = 1
     if cfg.is_moe and etp is None and cfg.moe_ffn_hidden_size % tp:
         etp = 1
-    return cfg, Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    split = None
+    if uneven:
+        cuts = sorted(draw(st.lists(st.integers(0, layers), min_size=pp * vpp - 1, max_size=pp * vpp - 1)))
+        counts = [b - a for a, b in zip([0, *cuts], [*cuts, layers])]
+        stages = ["t" * n for n in counts]
+        stages[0] = "E" + stages[0]
+        stages[-1] += "m" * (cfg.mtp_num_layers or 0) + "L"
+        split = PipelineSplit(layout="|".join(stages))
+    return cfg, Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, split=split)
 
 
 @settings(max_examples=150, deadline=None)
@@ -67,7 +76,8 @@ def test_regions_tile_every_tensor_exactly_once(ml, itemsize, max_bytes):
         chunk = chunk_shape(spec, layout, itemsize, max_bytes)
         assert all(s % c == 0 for s, c in zip(spec.shape, chunk)), (spec.name, chunk)
         for coord in layout.ranks(expert=spec.expert):
-            local_cover = {v: np.zeros(local_shape(spec, layout), dtype=np.int32) for v in range(layout.vpp)}
+            local_cover = {v: np.zeros(local_shape(spec, layout, coord.pp, v), dtype=np.int32)
+                           for v in range(layout.vpp)}
             rs = regions(spec, layout, coord, cfg.num_layers)
             for r in rs:
                 if r.primary:

@@ -95,7 +95,7 @@ def work(tmp_path_factory):
         torch.save(ids, w / f"{kind}_ids.pt")
         d["ids"] = ids
         jobs.append({"mode": "load", "ckpt": str(d["td"]), "input_ids": str(w / f"{kind}_ids.pt"),
-                     "out": str(w / f"{kind}_meg.pt"),
+                     "out": str(w / f"{kind}_meg.pt"), "args_config": True,
                      "model": megatron_model(ck.config, ck.tensors["embedding.word_embeddings.weight"].shape[0])})
 
     # megatron-core saves its own randomly initialised dense GQA model
@@ -126,6 +126,8 @@ def test_megatron_loads_our_export(work, kind, naming):
     ck = Checkpoint(d["nat"])
     meg = d["meg"]["tensors"]
     assert set(meg) == {stored_key(n, naming) for n in ck.tensors}
+    # shardkit's own files sit beside Megatron's in what megatron-core just loaded
+    assert (d["td"] / "shardkit.json").is_file() and (d["td"] / "hf" / "config.json").is_file()
     for name in ck.tensors:
         got, want = meg[stored_key(name, naming)], ck.read(name)
         assert got.shape == want.shape and torch.equal(got, want), name  # padding rows included
@@ -138,6 +140,27 @@ def test_megatron_loads_our_export(work, kind, naming):
     diff = (ours - ref).abs().max().item()
     print(f"{kind}: megatron-core (our torch_dist) vs HF: max |diff| = {diff:.3g}")
     assert diff <= TOL
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_megatron_bridge_style_reader_takes_our_args(work, kind):
+    """common.pt's args are Megatron-LM's whole namespace: a TransformerConfig builds from them the way
+    Megatron-Bridge's reader builds one (every field the namespace has; it failed on a missing
+    heterogeneous_layers_config_path), with a real AttnBackend enum, and it describes our model."""
+    got, cfg = work[kind]["meg"]["args_config"], work[kind]["cfg"]
+    assert "error" not in got, got
+    assert got["attention_backend_is_enum"]
+    ck = Checkpoint(work[kind]["nat"])
+    want = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                kv_channels=cfg.kv_channels, layernorm_epsilon=cfg.norm_epsilon, normalization="RMSNorm",
+                gated_linear_unit=True, add_bias_linear=False, add_qkv_bias=False, num_moe_experts=cfg.num_moe_experts,
+                num_query_groups=cfg.num_query_groups, tensor_model_parallel_size=ck.layout.tp,
+                pipeline_model_parallel_size=ck.layout.pp, expert_model_parallel_size=ck.layout.ep)
+    if cfg.is_moe:
+        want["moe_router_topk"] = cfg.moe_router_topk
+    else:
+        want["ffn_hidden_size"] = cfg.ffn_hidden_size
+    assert {k: got[k] for k in want} == want
 
 
 def test_export_layout_on_disk(work):
@@ -376,3 +399,183 @@ def test_export_refuses_non_empty_output(work, tmp_path):
         write_torch_dist(work["llama"]["nat"], tmp_path, quiet=True)
     with pytest.raises(ShardkitError, match="key-naming"):
         write_torch_dist(work["llama"]["nat"], tmp_path / "x", key_naming="apex", quiet=True)
+
+
+# -- self-describing exports; Megatron-LM's own checkpoints; inspect and verify ----------------------------------------
+
+def _run(argv: list, capsys) -> tuple[int, str, str]:
+    from shardkit.cli import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _one_error_line(err: str, *words: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardkit: error: "), err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+def _same_native(a: Path, b: Path) -> None:
+    x, y = Checkpoint(a), Checkpoint(b)
+    assert x.config.to_dict() == y.config.to_dict() and x.layout == y.layout and set(x.tensors) == set(y.tensors)
+    for name in x.tensors:
+        assert x.tensors[name].dtype == y.tensors[name].dtype
+        assert torch.equal(x.read(name), y.read(name)), name
+    assert sorted(p.name for p in x.hf_dir().iterdir()) == sorted(p.name for p in y.hf_dir().iterdir())
+    for p in x.hf_dir().iterdir():
+        assert p.read_bytes() == (y.hf_dir() / p.name).read_bytes(), p.name
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_export_reads_back_with_no_flags(work, kind, tmp_path, capsys):
+    """shardkit.json and hf/ make our export self-describing: reshard and mcore-to-hf take it with no --hf-config,
+    and the round trip native -> torch_dist -> native is the checkpoint it came from, config and bytes."""
+    d = work[kind]
+    td = read_torch_dist(d["td"])
+    ck = Checkpoint(d["nat"])
+    cfg, origin = td.model_config()
+    assert cfg.to_dict() == ck.config.to_dict() and origin.endswith("shardkit.json")  # hf_config included
+    assert td.sidecar["layout"] == ck.layout and td.sidecar["vocab"]["size"] == ck.config.vocab_size
+    assert td.sidecar["provenance"]["source"]["provenance"] == ck.manifest.provenance
+    assert json.loads((d["td"] / "hf" / "config.json").read_text()) == ck.config.to_hf(dtype="float32")
+    assert {p.name for p in ck.hf_dir().iterdir()} <= {p.name for p in (d["td"] / "hf").iterdir()}
+    rc, _, err = _run(["reshard", d["td"].parent, tmp_path / "back", "--quiet"], capsys)
+    assert rc == 0, err
+    _same_native(tmp_path / "back", d["nat"])
+    rc, _, err = _run(["convert", "mcore-to-hf", d["td"].parent, tmp_path / "hf_td", "--quiet"], capsys)
+    assert rc == 0, err
+    assert convert_mcore_to_hf(d["nat"], tmp_path / "hf_nat", quiet=True)
+    names = sorted(p.name for p in (tmp_path / "hf_nat").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "hf_td").iterdir())
+    for n in names:
+        assert (tmp_path / "hf_nat" / n).read_bytes() == (tmp_path / "hf_td" / n).read_bytes(), n
+
+
+def _with_args(root: Path, dst: Path, **args) -> Path:
+    """A copy of a torch_dist checkpoint whose common.pt carries `args` as its Megatron-LM namespace."""
+    shutil.copytree(root, dst)
+    it = tdmod.resolve_torch_dist(dst)
+    common, _ = tdmod.load_common(it / "common.pt")
+    common["args"] = argparse.Namespace(**args)
+    tdmod.write_common(it, common)
+    return dst
+
+
+MEG_ARGS = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                group_query_attention=True, kv_channels=16, max_position_embeddings=64, padded_vocab_size=384,
+                make_vocab_size_divisible_by=128, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                add_qkv_bias=False, untie_embeddings_and_output_weights=True, position_embedding_type="rope",
+                rotary_base=10000, layernorm_epsilon=1e-5, tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=1, params_dtype=torch.float32)
+
+
+def test_megatron_written_checkpoint_names_what_is_missing(work, tmp_path, capsys):
+    """Megatron-LM's args hold the padded vocabulary only: the error names exactly the missing fields and both ways
+    to supply them; --vocab-size then is enough, and gives what the HF config would."""
+    d = work["saved"]
+    # megatron_oracle's common.pt: a few args only
+    rc, _, err = _run(["reshard", d["root"], tmp_path / "x", "--quiet"], capsys)
+    line = _one_error_line(err, "common.pt", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                           "vocab_size", "padded_vocab_size=384", "--hf-config", "--vocab-size")
+    assert "num_layers" not in line and not (tmp_path / "x").exists()
+    # a full Megatron-LM namespace without the true vocabulary
+    full = _with_args(d["root"], tmp_path / "meg", **MEG_ARGS)
+    for cmd in (["reshard", full, tmp_path / "y", "--quiet"], ["verify", full, "--quiet"],
+                ["convert", "mcore-to-hf", full, tmp_path / "z", "--quiet"]):
+        rc, _, err = _run(cmd, capsys)
+        assert rc == 1
+        line = _one_error_line(err, "lack vocab_size", "padded_vocab_size=384", "--vocab-size N", "--hf-config")
+    assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+    rc, _, err = _run(["reshard", full, tmp_path / "y", "--vocab-size", "300", "--quiet"], capsys)
+    assert rc == 0, err
+    ref = torch_dist_to_native(d["root"], tmp_path / "ref", d["cfg"], quiet=True)
+    got, want = Checkpoint(tmp_path / "y"), Checkpoint(ref)
+    assert got.config.vocab_size == 300 and got.layout == Layout()
+    for name in want.tensors:
+        assert torch.equal(got.read(name), want.read(name)), name
+    # inspect shows it without a model config, naming what is missing; with --vocab-size, the model
+    rc, out, err = _run(["inspect", full, "--json"], capsys)
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["model"] is None and "vocab_size" in info["model_unknown"] and info["layout"]["tp"] == 1
+    rc, out, err = _run(["verify", full, "--vocab-size", "300", "--json", "--quiet"], capsys)
+    assert rc == 0, err
+    v = json.loads(out)
+    assert v["ok"] and v["keys_ok"] and v["model_from"].endswith("args with --vocab-size 300")
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_inspect_torch_dist(work, kind, capsys):
+    d = work[kind]
+    td = read_torch_dist(d["td"])
+    rc, out, err = _run(["inspect", d["td"].parent, "--json"], capsys)
+    assert rc == 0, err
+    info = json.loads(out)
+    ck = Checkpoint(d["nat"])
+    assert info["layout"] == ck.layout.to_dict() and info["model"]["num_layers"] == ck.config.num_layers
+    assert info["optimizer"]["present"] is False and info["shardkit"] is True and "config.json" in info["hf_files"]
+    rows = {r["name"]: r for r in info["tensors"]}
+    assert set(rows) == set(td.tensors)
+    md = load_dcp_metadata(d["td"] / ".metadata")
+    for name, r in rows.items():
+        m = md.state_dict_metadata[name]
+        assert r["shape"] == list(m.size) and r["shards"] == len(m.chunks)
+        files = {md.storage_data[i].relative_path for i in md.storage_data if i.fqn == name}
+        assert r["files"] == sorted(files)
+    assert sorted(info["files"]) == sorted(p.name for p in d["td"].glob("*.distcp"))
+    rc, out, err = _run(["inspect", d["td"].parent], capsys)
+    assert rc == 0 and "optimizer state: none" in out and "shardkit.json" in out
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_verify_torch_dist(work, kind, capsys):
+    d = work[kind]
+    rc, out, err = _run(["verify", d["td"].parent, "--against", d["hf"], "--json", "--quiet"], capsys)
+    assert rc == 0, err
+    v = json.loads(out)
+    td = read_torch_dist(d["td"])
+    assert v["ok"] and v["keys_ok"] and v["missing"] == [] and v["unexpected"] == [] and v["problems"] == []
+    assert v["items"] == sum(len(t.chunks) for t in td.tensors.values()) and v["nonfinite"] == {}
+    assert v["parity"]["ok"] and v["parity"]["max_abs_diff"] <= TOL
+
+
+def test_verify_reports_missing_extra_and_nonfinite(work, tmp_path, capsys):
+    """A key renamed in .metadata is reported missing (its canonical name) and unexpected (the new key); a NaN in
+    an item is counted: non-zero exit, one error line each time."""
+    root = tmp_path / "td"
+    shutil.copytree(work["llama"]["td"].parent, root)
+    it = root / "iter_0000000"
+    md = load_dcp_metadata(it / ".metadata")
+    name = "decoder.final_layernorm.weight"
+    md.state_dict_metadata["decoder.final_norm.weight"] = md.state_dict_metadata.pop(name)
+    for idx in list(md.storage_data):
+        if idx.fqn == name:
+            md.storage_data[type(idx)("decoder.final_norm.weight", idx.offset)] = md.storage_data.pop(idx)
+    (it / ".metadata").write_bytes(pickle.dumps(md))
+    rc, out, err = _run(["verify", root, "--json", "--quiet"], capsys)
+    v = json.loads(out)
+    assert rc == 1 and v["missing"] == [name] and v["unexpected"] == ["decoder.final_norm.weight"]
+    _one_error_line(err, "missing", name, "decoder.final_norm.weight")
+    # NaN: rewrite one item in place with the same size
+    shutil.rmtree(root)
+    shutil.copytree(work["llama"]["td"].parent, root)
+    md = load_dcp_metadata(it / ".metadata")
+    idx = next(i for i in md.storage_data if i.fqn == name)
+    info = md.storage_data[idx]
+    buf = io.BytesIO()
+    torch.save(torch.full(read_torch_dist(root).tensors[name].shape, float("nan")), buf)
+    assert len(buf.getvalue()) == info.length
+    raw = bytearray((it / info.relative_path).read_bytes())
+    raw[info.offset:info.offset + info.length] = buf.getvalue()
+    (it / info.relative_path).write_bytes(bytes(raw))
+    rc, out, err = _run(["verify", root, "--quiet"], capsys)
+    n = read_torch_dist(root).tensors[name].shape[0]
+    assert rc == 1 and f"{name}: {n:,} non-finite" in out
+    _one_error_line(err, "non-finite", name)

@@ -74,8 +74,12 @@ def baseline(setup):
 
 
 @pytest.mark.parametrize("nproc,layout", [(2, ["--tp", "2", "--sequence-parallel"]), (2, ["--pp", "2"]),
-                                          (2, ["--pp", "2", "--vpp", "2"]), (2, []), (4, ["--tp", "2", "--pp", "2"])],
-                         ids=["tp2-sp", "pp2", "pp2-vpp2", "dp2", "tp2pp2"])
+                                          (2, ["--pp", "2", "--vpp", "2"]), (2, []), (4, ["--tp", "2", "--pp", "2"]),
+                                          (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "1"]),
+                                          # uneven and interleaved, the last model chunk holds only the loss
+                                          (2, ["--pp", "2", "--vpp", "2", "--pipeline-model-parallel-layout",
+                                               "Et|t|tt|L"])],
+                         ids=["tp2-sp", "pp2", "pp2-vpp2", "dp2", "tp2pp2", "pp2-first1", "pp2-vpp2-layout"])
 def test_layouts_equal_one_process(setup, baseline, nproc, layout):
     out = setup / ("run-" + "-".join(layout).replace("--", "") + f"-n{nproc}")
     launch(nproc, "--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--save", str(out),

@@ -24,6 +24,12 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"  # p2p (ring attention) | all_gather (K/V)
     ep: int = 1  # expert parallel, inside data parallel x context parallel (train/parallel/expert.py)
     etp: int | None = None  # expert tensor parallel: only = tp (Megatron's default) is implemented
+    # uneven pipeline stages (checkpoint.layout.PipelineSplit; Megatron's names)
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    pipeline_model_parallel_layout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,9 @@ class ScheduleConfig:
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
     exit_interval: int = 0  # stop (saving first) after an iteration divisible by this; the schedule is unchanged
+    # Megatron's --exit-signal-handler / --exit-signal: on that signal (and SIGTERM) save, then exit cleanly
+    exit_signal_handler: bool = False
+    exit_signal: str = "SIGTERM"
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,15 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     a("--tensor-model-parallel-size", "--tp", dest="tensor_model_parallel_size", type=int)
     a("--pipeline-model-parallel-size", "--pp", dest="pipeline_model_parallel_size", type=int)
     a("--virtual-pipeline-model-parallel-size", "--vpp", dest="virtual_pipeline_model_parallel_size", type=int)
+    a("--decoder-first-pipeline-num-layers", type=int, help="uneven pipeline: decoder layers on the first stage "
+                                                             "(the middle stages share the rest evenly)")
+    a("--decoder-last-pipeline-num-layers", type=int, help="uneven pipeline: decoder layers on the last stage")
+    a("--account-for-embedding-in-pipeline-split", action="store_true", default=None,
+      help="count the embedding as one layer when splitting the pipeline")
+    a("--account-for-loss-in-pipeline-split", action="store_true", default=None,
+      help="count the loss as one layer when splitting the pipeline")
+    a("--pipeline-model-parallel-layout", help='layers per stage in chunk order, e.g. "Ettt|tttt|tttL" '
+                                               "(megatron-core's PipelineParallelLayerLayout)")
     a("--sequence-parallel", action="store_true", default=None)
     a("--context-parallel-size", "--cp", dest="context_parallel_size", type=int,
       help="split each sequence over N ranks (zigzag: 2N chunks, --seq-length divisible by 2N)")
@@ -230,6 +248,10 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     a("--save-interval", type=int)
     a("--exit-interval", type=int, help="stop after an iteration divisible by N (saving first); the run resumes "
                                         "later with the same schedule and data order")
+    a("--exit-signal-handler", action="store_true", default=None,
+      help="on --exit-signal (and SIGTERM): finish the iteration, save (or finish the async save), exit cleanly")
+    a("--exit-signal", type=_signal_name, help="the signal --exit-signal-handler waits for (Megatron's names: "
+                                               "SIGTERM, the default, SIGUSR1, ...)")
     a("--eval-interval", type=int)
     a("--eval-iters", type=int)
     a("--log-interval", type=int)
@@ -259,6 +281,16 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     a("--wandb-exp-name", help="W&B run name")
     a("--wandb-save-dir", help="W&B files directory (default: <save>/wandb)")
     return actions
+
+
+def _signal_name(v: str) -> str:
+    """--exit-signal: a signal name as Megatron takes it (signal.Signals member: SIGTERM, SIGUSR1); USR1 is accepted."""
+    import signal
+
+    name = v.upper() if v.upper().startswith("SIG") else "SIG" + v.upper()
+    if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
+        raise argparse.ArgumentTypeError(f"{v!r}: not a signal that can be caught (SIGTERM, SIGUSR1, SIGUSR2, ...)")
+    return name
 
 
 def _decay_style(v: str) -> str:
@@ -449,6 +481,10 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
 def validate(cfg: TrainConfig) -> None:
     """Errors that need no checkpoint and no process group."""
     d, c = cfg.data, cfg.checkpoint
+    if cfg.schedule.exit_signal_handler:
+        from .signals import ExitSignals
+
+        ExitSignals(cfg.schedule.exit_signal)  # a --config exit_signal that names no signal: one line, at start
     if not c.load:
         raise ConfigError("continue-pretrain: --load is required (a converted model or a training checkpoint)")
     if not d.data_path:

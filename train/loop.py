@@ -22,6 +22,7 @@ from checkpoint.manifest import iter_dirname
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError, ShardkitError
 from checkpoint.reader import Checkpoint
+from checkpoint.layout import PipelineSplit
 from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
@@ -29,6 +30,7 @@ from train import moe
 from train.config import TrainConfig, run_length, validate
 from train.data import DataConfig, DataError, build_datasets, check_vocab, micro_batches
 from train.failures import bound_every_group
+from train.signals import ExitSignals
 from train.metrics import (MetricsLogger, check_wandb, flops_per_step, format_line, memory_stats, peak_flops,
                            throughput)
 from train.optim import DistributedOptimizer, ParamScheduler, is_scheduler_state
@@ -44,10 +46,7 @@ def init_distributed(timeout_minutes: float) -> None:
     timeout = datetime.timedelta(minutes=timeout_minutes)
     bound_every_group(timeout)  # the TP/PP/DP/... groups too, not only the default one
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
-        os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
-        os.environ.setdefault("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
-        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    rendezvous_env(os.environ)
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
@@ -55,6 +54,32 @@ def init_distributed(timeout_minutes: float) -> None:
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def rendezvous_env(env) -> None:
+    """One SLURM task per rank (srun, as `shardkit launch`'s job.sbatch runs it): RANK, WORLD_SIZE and LOCAL_RANK from
+    SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID. A rank of a job of several without what the rendezvous needs is a
+    ConfigError naming what is missing, at start (not a traceback, nor a wait for ranks that never come)."""
+    how = "torchrun-style"
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        how = "a SLURM task (SLURM_PROCID)"
+        ntasks = env.get("SLURM_NTASKS", "1")  # set in srun steps and with --ntasks
+        if ntasks == "1" and not env.get("MASTER_ADDR"):
+            return  # one task (a batch script without srun, too): one process, no rendezvous
+        missing = [k for k in ("SLURM_NTASKS", "SLURM_LOCALID") if not env.get(k, "").isdigit()]
+        if missing:
+            raise ConfigError(f"continue-pretrain: SLURM task {env['SLURM_PROCID']} starts without "
+                              f"{' and '.join(missing)}: start one task per rank with srun (the job.sbatch `shardkit "
+                              "launch --slurm` writes does)")
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], ntasks
+        env.setdefault("LOCAL_RANK", env["SLURM_LOCALID"])
+    if "RANK" in env:
+        missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+        if missing:
+            raise ConfigError(f"continue-pretrain: rank {env['RANK']} ({how}) starts without "
+                              f"{', '.join(missing)}: the rendezvous needs the world size and rank 0's address and "
+                              "port; export MASTER_ADDR (the first node of SLURM_JOB_NODELIST) and MASTER_PORT before "
+                              "srun, as `shardkit launch --slurm`'s job.sbatch does, or start the ranks with torchrun")
 
 
 def check_model_flags(cfg: TrainConfig, m: ModelConfig, source: Path) -> None:
@@ -78,7 +103,7 @@ class Trainer:
         self.cfg = cfg
         p, d = cfg.parallel, cfg.data
         world = dist.get_world_size()
-        dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep)
+        dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, split=PipelineSplit.from_args(p))
         if d.global_batch_size % (d.micro_batch_size * dims.dp):
             raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
                               f"{d.micro_batch_size} x data-parallel size {dims.dp}")
@@ -464,6 +489,7 @@ class Trainer:
             log(self.loaded_line())
         if self.groups.rank == 0 and self.moe is not None:
             log(moe.describe(self.moe))
+        sigs = ExitSignals(c.schedule.exit_signal).install() if c.schedule.exit_signal_handler else None
         try:
             while self.iteration < self.train_iters:
                 t0 = time.perf_counter()
@@ -484,15 +510,21 @@ class Trainer:
                     log(format_line(self.iteration, m, self.train_iters))
                 last = self.iteration == self.train_iters
                 exiting = c.schedule.exit_interval and self.iteration % c.schedule.exit_interval == 0
-                if last or exiting or (c.checkpoint.save_interval
-                                       and self.iteration % c.checkpoint.save_interval == 0):
+                stop = sigs.received(self.dims.world, self.device) if sigs is not None else None
+                if last or exiting or stop or (c.checkpoint.save_interval
+                                               and self.iteration % c.checkpoint.save_interval == 0):
                     self.save()
-                if exiting:
+                if stop and self.groups.rank == 0:
+                    log(f"{stop} received (--exit-signal-handler): stopping after iteration {self.iteration}"
+                        f"{', saved' if c.checkpoint.save else ', nothing saved (no --save)'}")
+                if exiting or stop:
                     break
             self.wait_for_save()
             if self.groups.rank == 0:
                 log(self.final_line())
         finally:
+            if sigs is not None:
+                sigs.release()
             if logger is not None:
                 logger.close()
         return history

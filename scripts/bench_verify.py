@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""Benchmark streaming `verify --against` (issue 18) on wide checkpoints synthesised locally.
+
+Two models, from the real hub configs in /work/shared/hf-configs (or the repo's copy of them), only the depth cut:
+
+- llama: Meta-Llama-3-70B's width (hidden 8192, ffn 28672, 64 heads / 8 KV, vocab 128256), --llama-layers layers
+  (default 4: ~10 GB bf16);
+- deepseek_v3: DeepSeek-V3's width (hidden 7168, MLA q_lora 1536 / kv_lora 512 / rope 64 / nope 128 / v 128, 128 heads,
+  --experts routed experts (default 256) x ffn 2048, one shared expert, sigmoid group-limited top-8 with expert bias,
+  yarn RoPE), 2 layers: one dense (ffn 18432), one MoE; bf16 (no FP8, no MTP).
+
+For each: write random bf16 weights (std 0.02, norms ~1; save_pretrained's layout: shards + index, config.json), convert
+(`shardkit convert hf-to-mcore`, timed and RSS-polled: the conversion's own time), time `cat` of both checkpoints'
+files to /dev/null (the baseline: reading both once), then time the streaming parity alone (what `convert --verify`
+adds; `shardkit verify` also re-reads every chunk for its checksums first) in a subprocess whose process tree's RSS
+is polled. The page cache is dropped before each timed step when this runs as root with a writable
+/proc/sys/vm/drop_caches; otherwise the mode is said. Everything lives under --workdir, removed model by model.
+
+    .venv/bin/python scripts/bench_verify.py --json /tmp/bv.json --markdown /tmp/bv.md
+    .venv/bin/python scripts/bench_verify.py --tiny   # seconds: the smoke test's dims
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO))
+
+from bench_convert import machine_facts, run_measured, try_drop_caches  # noqa: E402
+
+GB = 1e9
+CONFIGS = Path("/work/shared/hf-configs")
+
+
+def _config(name: str) -> dict:
+    return json.loads((CONFIGS / name).read_text())
+
+
+def llama_model(layers: int, tiny: bool) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
+    cfg = _config("meta-llama--Meta-Llama-3-70B.json")
+    cfg["num_hidden_layers"] = layers
+    if tiny:
+        cfg.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    h, F_, nh, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // nh
+    out = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (nh * hd, h)),
+                (p + "self_attn.k_proj.weight", (kv * hd, h)), (p + "self_attn.v_proj.weight", (kv * hd, h)),
+                (p + "self_attn.o_proj.weight", (h, nh * hd)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (F_, h)), (p + "mlp.up_proj.weight", (F_, h)),
+                (p + "mlp.down_proj.weight", (h, F_))]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (cfg["vocab_size"], h))]
+    return cfg, out
+
+
+def deepseek_model(experts: int, tiny: bool) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
+    cfg = _config("deepseek-ai--DeepSeek-V3.json")
+    for k in ("quantization_config", "auto_map"):
+        cfg.pop(k, None)
+    cfg.update(num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0, n_routed_experts=experts)
+    if tiny:
+        cfg.update(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
+                   num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                   v_head_dim=16, vocab_size=1000, n_group=4, topk_group=2, num_experts_per_tok=2)
+        cfg["rope_scaling"] = {**cfg["rope_scaling"], "original_max_position_embeddings": 32}
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    E, Fe, S = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
+    out = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
+    for i in range(2):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)),
+                (p + "self_attn.q_a_proj.weight", (cfg["q_lora_rank"], h)),
+                (p + "self_attn.q_a_layernorm.weight", (cfg["q_lora_rank"],)),
+                (p + "self_attn.q_b_proj.weight", (nh * qk, cfg["q_lora_rank"])),
+                (p + "self_attn.kv_a_proj_with_mqa.weight", (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], h)),
+                (p + "self_attn.kv_a_layernorm.weight", (cfg["kv_lora_rank"],)),
+                (p + "self_attn.kv_b_proj.weight", (nh * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]),
+                                                    cfg["kv_lora_rank"])),
+                (p + "self_attn.o_proj.weight", (h, nh * cfg["v_head_dim"])),
+                (p + "post_attention_layernorm.weight", (h,))]
+        if i == 0:
+            F_ = cfg["intermediate_size"]
+            out += [(p + "mlp.gate_proj.weight", (F_, h)), (p + "mlp.up_proj.weight", (F_, h)),
+                    (p + "mlp.down_proj.weight", (h, F_))]
+        else:
+            out += [(p + "mlp.gate.weight", (E, h)), (p + "mlp.gate.e_score_correction_bias", (E,))]
+            for e in range(E):
+                q = f"{p}mlp.experts.{e}."
+                out += [(q + "gate_proj.weight", (Fe, h)), (q + "up_proj.weight", (Fe, h)),
+                        (q + "down_proj.weight", (h, Fe))]
+            out += [(p + "mlp.shared_experts.gate_proj.weight", (S, h)), (p + "mlp.shared_experts.up_proj.weight", (S, h)),
+                    (p + "mlp.shared_experts.down_proj.weight", (h, S))]
+    out += [("model.norm.weight", (h,)), ("lm_head.weight", (cfg["vocab_size"], h))]
+    return cfg, out
+
+
+def nbytes(tensors) -> int:
+    return sum(2 * math.prod(s) for _, s in tensors)
+
+
+def synthesize(out: Path, cfg: dict, tensors, shard_bytes: int = 2 << 30, seed: int = 0) -> None:
+    """Random bf16 safetensors shards (one shard in memory at a time) + index + config.json; std 0.02, norms 1 + 0.1 N,
+    DeepSeek's expert bias 0.5 N in fp32 (as the hub stores it)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    groups, size = [[]], 0
+    for name, shape in tensors:
+        n = 2 * math.prod(shape)
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, shape))
+        size += n
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        shard = {}
+        for name, shape in group:
+            if name.endswith("e_score_correction_bias"):
+                t = 0.5 * torch.randn(shape, generator=g)
+            elif len(shape) == 1:
+                t = (1 + 0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+            else:
+                t = torch.randn(shape, generator=g, dtype=torch.bfloat16).mul_(0.02)
+            shard[name] = t
+            total += t.numel() * t.element_size()
+            weight_map[name] = fname
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        del shard
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def files(*dirs: Path) -> list[str]:
+    return [str(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file() and not f.is_symlink()]
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+# the parity alone, with the budget given raised to the least streaming needs where that is larger (DeepSeek-V3's MoE
+# layer holds its attention, router and shared expert at once: 1.86 GB by the 2x-fp32 rule)
+PARITY = ("import json, sys; from checkpoint.reader import Checkpoint; from convert.parity import against_hf; "
+          "from convert.streaming import memory_needs; ck = Checkpoint(sys.argv[1]); "
+          "b = max(int(sys.argv[3]), memory_needs(ck)['streaming'] // 100_000_000 * 100_000_000 + 100_000_000); "
+          "r = against_hf(ck, sys.argv[2], streaming=True, memory_budget=b, "
+          "seq_len=int(sys.argv[4])); open(sys.argv[5], 'w').write(json.dumps(r))")
+
+
+def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
+    hf, ck = work / f"{name}-hf", work / f"{name}-ck"
+    for d in (hf, ck):
+        shutil.rmtree(d, ignore_errors=True)
+    t0 = time.perf_counter()
+    synthesize(hf, cfg, tensors)
+    synth_s = time.perf_counter() - t0
+    print(f"[{name}] synthesised {dir_bytes(hf) / GB:.2f} GB in {synth_s:.0f} s", flush=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    py = sys.executable
+    if drop:
+        try_drop_caches()
+    conv = run_measured(f"{name} convert", [py, "-m", "shardkit", "convert", "hf-to-mcore", str(hf), str(ck),
+                                            "--quiet"], args.poll, work / f"{name}-convert.log", env=env)
+    print(f"[{name}] convert {conv.wall_s:.1f} s, peak RSS {conv.peak_tree_rss / 2**20:.0f} MiB", flush=True)
+    if drop:
+        try_drop_caches()
+    fl = files(hf, ck)
+    t0 = time.perf_counter()
+    for i in range(0, len(fl), 500):
+        subprocess.run(["cat", *fl[i:i + 500]], stdout=subprocess.DEVNULL, check=True)
+    cat_s = time.perf_counter() - t0
+    print(f"[{name}] cat of both {cat_s:.1f} s", flush=True)
+    if drop:
+        try_drop_caches()
+    out_json = work / f"{name}-parity.json"
+    ver = run_measured(f"{name} verify", [py, "-c", PARITY, str(ck), str(hf), str(args.budget), str(args.seq_length),
+                                          str(out_json)], args.poll, work / f"{name}-verify.log", env=env)
+    p = json.loads(out_json.read_text())
+    print(f"[{name}] streaming parity {ver.wall_s:.1f} s, peak RSS {ver.peak_tree_rss / 2**20:.0f} MiB, "
+          f"max |diff| {p['max_abs_diff']:.3e}, ok {p['ok']}", flush=True)
+    row = {"model": name, "hf_gb": round(dir_bytes(hf) / GB, 2), "ck_gb": round(dir_bytes(ck) / GB, 2),
+           "layers": cfg["num_hidden_layers"], "experts": cfg.get("n_routed_experts", 0),
+           "convert_s": round(conv.wall_s, 2), "convert_peak_rss_mb": round(conv.peak_tree_rss / 2**20),
+           "cat_s": round(cat_s, 2), "verify_s": round(ver.wall_s, 2),
+           "verify_peak_rss_mb": round(ver.peak_tree_rss / 2**20),
+           "verify_peak_anon_mb": round(ver.peak_tree_anon / 2**20),
+           "verify_cpu_s": round(ver.cpu_s, 1), "ratio_vs_cat": round(ver.wall_s / max(cat_s, 1e-9), 2),
+           "ratio_vs_convert": round(ver.wall_s / max(conv.wall_s, 1e-9), 2), "ok": p["ok"],
+           "max_abs_diff": p["max_abs_diff"], "worst_layer_diff": max(r["max_abs_diff"] for r in p["layers"]),
+           "experts_exercised": p.get("experts_exercised"), "experts_total": p.get("experts_total"),
+           "bytes_read_gb": round((p["bytes_read"]["ours"] + p["bytes_read"]["hf"]) / GB, 2),
+           "max_reads_of_one_tensor": p["max_reads_of_one_tensor"], "pieces": p["pieces"],
+           "budget": p["memory"]["budget"], "synth_s": round(synth_s, 1)}
+    if not args.keep:
+        shutil.rmtree(hf, ignore_errors=True)
+        shutil.rmtree(ck, ignore_errors=True)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["model", "layers", "experts", "hf_gb", "ck_gb", "convert_s", "cat_s", "verify_s", "ratio_vs_cat",
+            "ratio_vs_convert", "verify_peak_rss_mb", "verify_peak_anon_mb", "convert_peak_rss_mb", "bytes_read_gb",
+            "experts_exercised", "max_abs_diff", "worst_layer_diff", "ok"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(f"{r[c]:.2e}" if isinstance(r[c], float) and "diff" in c else str(r[c])
+                                     for c in cols) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="llama,deepseek_v3")
+    ap.add_argument("--llama-layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--memory-budget", default="1.5GB",
+                    help="--memory-budget of the parity, raised to a model's least streaming needs (default 1.5GB)")
+    ap.add_argument("--seq-length", type=int, default=32)
+    ap.add_argument("--tiny", action="store_true", help="tiny dims (the smoke test)")
+    ap.add_argument("--poll", type=float, default=0.05)
+    ap.add_argument("--workdir", default="/tmp/shardkit-bench-verify")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", default=None)
+    args = ap.parse_args(argv)
+    from plan.units import parse_bytes
+
+    args.budget = parse_bytes("64MB" if args.tiny and args.memory_budget == "1.5GB" else args.memory_budget,
+                              "--memory-budget")
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    drop = try_drop_caches()
+    notes = [f"page cache: {'dropped before every timed step' if drop else 'not dropped (no permission): warm/partial'}"]
+    rows = []
+    for name in args.models.split(","):
+        if name == "llama":
+            cfg, tensors = llama_model(2 if args.tiny else args.llama_layers, args.tiny)
+        else:
+            experts = 8 if args.tiny else args.experts
+            cfg, tensors = deepseek_model(experts, args.tiny)
+            free = shutil.disk_usage(work).free
+            while experts > 8 and 2.1 * nbytes(tensors) > free - 5 * GB:  # HF + checkpoint + a margin
+                experts //= 2
+                cfg, tensors = deepseek_model(experts, args.tiny)
+            if experts != (8 if args.tiny else args.experts):
+                notes.append(f"deepseek_v3: {experts} routed experts instead of {args.experts}: "
+                             f"{free / GB:.0f} GB free under {work}")
+        free = shutil.disk_usage(work).free
+        if not args.tiny and 2.1 * nbytes(tensors) > free - 5 * GB:
+            raise SystemExit(f"{name}: needs ~{2.1 * nbytes(tensors) / GB:.0f} GB under {work}, {free / GB:.0f} free")
+        rows.append(bench(name, cfg, tensors, work, args, drop))
+    text = table(rows)
+    print(text)
+    for n in notes:
+        print("note:", n)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "notes": notes, "argv": sys.argv}, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n\n```\n"
+                                       + machine_facts(work) + "\n```\n")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
