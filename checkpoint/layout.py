@@ -3,6 +3,7 @@ Pure functions, no process groups. A whole training run's layout (adding CP and 
 whose `model_parallel` is this one."""
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import asdict, dataclass
 from typing import Iterator
@@ -123,8 +124,11 @@ def parse_pipeline_layout(text: str) -> list[str]:
     return stages
 
 
-def _split_counts(split: PipelineSplit, num_layers: int, pp: int, vpp: int, mtp_layers: int) -> list[int]:
-    """Decoder layers per model chunk (chunk c = vstage * pp + pp_rank), by megatron-core's rules and checks."""
+@functools.lru_cache(maxsize=256)  # every region of every tensor asks: resolve (and parse) a split once
+def _split_counts(split: PipelineSplit, num_layers: int, pp: int, vpp: int, mtp_layers: int | None
+                  ) -> tuple[int, ...]:
+    """Decoder layers per model chunk (chunk c = vstage * pp + pp_rank), by megatron-core's rules and checks
+    (`mtp_layers` None: a caller that only places decoder layers; a layout string's m are not checked then)."""
     if split.layout is not None:
         stages = parse_pipeline_layout(split.layout)
         flag = f"--pipeline-model-parallel-layout {split.layout!r}"
@@ -140,6 +144,8 @@ def _split_counts(split: PipelineSplit, num_layers: int, pp: int, vpp: int, mtp_
             raise LayoutError(f"{flag}: the loss (L) must come last, exactly once")
         if flat.count("t") != num_layers:
             raise LayoutError(f"{flag}: {flat.count('t')} decoder layers (t), but num_hidden_layers={num_layers}")
+        if mtp_layers is None:
+            mtp_layers = flat.count("m")
         if flat.count("m") != mtp_layers:
             raise LayoutError(f"{flag}: {flat.count('m')} MTP layers (m), but the model has {mtp_layers}")
         if "m" in flat and "t" in flat[flat.index("m"):]:
@@ -147,7 +153,7 @@ def _split_counts(split: PipelineSplit, num_layers: int, pp: int, vpp: int, mtp_
         if mtp_layers and stages[-1].count("m") != mtp_layers:
             raise LayoutError(f"{flag}: shardkit runs the MTP layers with the loss: put all {mtp_layers} (m) in the "
                               "last stage")
-        return [st.count("t") for st in stages]
+        return tuple(st.count("t") for st in stages)
     if split.first is not None or split.last is not None:
         rest, middle = num_layers, pp
         for flag, n in (("--decoder-first-pipeline-num-layers", split.first),
@@ -173,7 +179,7 @@ def _split_counts(split: PipelineSplit, num_layers: int, pp: int, vpp: int, mtp_
             per_stage[0] = split.first
         if split.last is not None:
             per_stage[-1] = split.last
-        return [per_stage[c % pp] // vpp for c in range(pp * vpp)]
+        return tuple(per_stage[c % pp] // vpp for c in range(pp * vpp))
     total = num_layers + int(split.embedding) + int(split.loss)
     if total % pp:
         raise LayoutError(f"num_hidden_layers={num_layers} + {total - num_layers} (embedding/loss counted by "
@@ -188,7 +194,7 @@ def _split_counts(split: PipelineSplit, num_layers: int, pp: int, vpp: int, mtp_
         counts[-1] -= 1
     if min(counts) < 0:
         raise LayoutError("not enough layers in the first/last model chunk for the embedding/loss to count as one")
-    return counts
+    return tuple(counts)
 
 
 @dataclass(frozen=True)
@@ -266,10 +272,7 @@ class Layout:
             return (num_layers // stages,) * stages
         if self.pp == 1:
             raise LayoutError(f"{' '.join(self.split.flags())}: an uneven pipeline split needs --pp > 1")
-        mtp = mtp_layers
-        if mtp is None and self.split.layout is not None:  # callers that only place layers: take the layout's m
-            mtp = "".join(parse_pipeline_layout(self.split.layout)).count("m")
-        return tuple(_split_counts(self.split, num_layers, self.pp, self.vpp, mtp or 0))
+        return _split_counts(self.split, num_layers, self.pp, self.vpp, mtp_layers)
 
     def layer_count(self, num_layers: int, pp_rank: int, vstage: int) -> int:
         """Decoder layers of model chunk `vstage` on pipeline rank `pp_rank`."""

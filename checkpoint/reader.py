@@ -58,7 +58,35 @@ def count_nonfinite(a: np.ndarray) -> int:
     return n
 
 
-class Checkpoint:
+class ManifestView:
+    """What every reader of a checkpoint through a manifest offers: its model config, layout, tensor entries, the
+    entry of one tensor and the bytes of all (a native Checkpoint, and a torch_dist checkpoint read in place)."""
+
+    path: Path
+    manifest: Manifest
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.manifest.model
+
+    @property
+    def layout(self) -> Layout:
+        return self.manifest.layout
+
+    @property
+    def tensors(self) -> dict[str, TensorEntry]:
+        return self.manifest.tensors
+
+    def entry(self, name: str) -> TensorEntry:
+        if name not in self.tensors:
+            raise FormatError(f"{self.path}: no tensor {name!r} in the manifest")
+        return self.tensors[name]
+
+    def nbytes(self) -> int:
+        return sum(entry_nbytes(e) for e in self.tensors.values())
+
+
+class Checkpoint(ManifestView):
     """A complete checkpoint iteration (resolved through `latest` when given a root)."""
 
     def __init__(self, path: str | Path, cache_bytes: int = 0, check: bool = False):
@@ -78,18 +106,6 @@ class Checkpoint:
             self.check()
 
     @property
-    def config(self) -> ModelConfig:
-        return self.manifest.model
-
-    @property
-    def layout(self) -> Layout:
-        return self.manifest.layout
-
-    @property
-    def tensors(self) -> dict[str, TensorEntry]:
-        return self.manifest.tensors
-
-    @property
     def has_optimizer(self) -> bool:
         """True for a training checkpoint carrying optimizer state (optimizer.state.<state>.<name> arrays)."""
         return bool(self.manifest.optimizer)
@@ -107,10 +123,6 @@ class Checkpoint:
         e = self.entry(name)
         return TensorSpec(name, tuple(e.shape), Rule(e.rule), e.per_layer)
 
-    def entry(self, name: str) -> TensorEntry:
-        if name not in self.tensors:
-            raise FormatError(f"{self.path}: no tensor {name!r} in the manifest")
-        return self.tensors[name]
 
     def array(self, name: str):
         """The tensorstore array of a manifest tensor, opened once; its metadata (shape, dtype, chunk, crc32c codec,
@@ -365,8 +377,6 @@ class Checkpoint:
         return {"tensors": len(self.tensors), "chunks": chunks, "bytes": total_bytes, "nonfinite": nonfinite,
                 "chunk_positions_checked": positions}
 
-    def nbytes(self) -> int:
-        return sum(entry_nbytes(e) for e in self.tensors.values())
 
 
 class ReadPlan:

@@ -49,7 +49,7 @@ from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.megatron import (CHECKPOINT_VERSION, DENSE_ORDER, EXPERT_ORDER, KEY_NAMINGS, TRACKER, arg,
                                  layout_from_args, megatron_args, rank_of, rank_sizes, sharded_key)
 from checkpoint.progress import progress_bar
-from checkpoint.reader import Checkpoint, ReadPlan, count_nonfinite, entry_nbytes, read_padded
+from checkpoint.reader import Checkpoint, ManifestView, ReadPlan, count_nonfinite, entry_nbytes, read_padded
 from checkpoint.safety import check_output
 from checkpoint.sharding import OPTIMIZER_STATES, Region, Rule, TensorSpec, regions, split_optimizer_key
 from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, TorchDistCheckpoint, none_object_bytes, read_torch_dist,
@@ -548,7 +548,7 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | N
 
 # -- reading a torch_dist checkpoint in place: verify --against, inspect, verify ------------------------------------
 
-class TorchDistSource:
+class TorchDistSource(ManifestView):
     """A torch_dist checkpoint read through a model config and the sharding table as a native Checkpoint is (config,
     layout, manifest and tensor entries at the saving layout, `read` of whole tensors or boxes, `state_dict`): what
     `verify --against` reads, straight from the items (one item in memory at a time, large ones memory-mapped), no
@@ -562,23 +562,6 @@ class TorchDistSource:
         self.manifest = Manifest(td.iteration, cfg, layout, entries)
         self.vocab = vocab_padding(cfg, layout, None)
 
-    @property
-    def config(self) -> ModelConfig:
-        return self.manifest.model
-
-    @property
-    def layout(self) -> Layout:
-        return self.manifest.layout
-
-    @property
-    def tensors(self) -> dict[str, TensorEntry]:
-        return self.manifest.tensors
-
-    def entry(self, name: str) -> TensorEntry:
-        if name not in self.tensors:
-            raise FormatError(f"{self.path}: no tensor {name!r}")
-        return self.tensors[name]
-
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         from checkpoint.reader import _box
 
@@ -589,9 +572,6 @@ class TorchDistSource:
 
     def state_dict(self, dequantize: bool = False, optimizer: bool = False) -> dict[str, torch.Tensor]:
         return {name: self.read(name) for name in self.tensors}
-
-    def nbytes(self) -> int:
-        return sum(entry_nbytes(e) for e in self.tensors.values())
 
 
 def _rows(td: TorchDistCheckpoint, names: list[str]) -> list[dict]:

@@ -204,29 +204,26 @@ def hf_config(s: Shape) -> dict:
     }
 
 
-def synthesize(out: Path, s: Shape, shard_bytes: int, seed: int = 0) -> int:
-    """Write `s` as random bf16 safetensors shards (one shard in memory at a time); returns the weight bytes."""
-    import torch
+def write_shards(out: Path, tensors, shard_bytes: int, make) -> tuple[dict[str, str], int]:
+    """Write (name, shape) `tensors` as safetensors shards of about `shard_bytes` (bf16 sizes; one shard in memory at
+    a time) + model.safetensors.index.json; `make(name, shape)` makes each tensor, in order. Returns the weight map
+    and the weight bytes. Shared by the benchmarks that synthesize hub checkpoints (bench_verify too)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True)
-    g = torch.Generator().manual_seed(seed)
     groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
-    for name, shape in s.tensors():
+    for name, shape in tensors:
         n = 2 * math.prod(shape)
         if groups[-1] and size + n > shard_bytes:
             groups.append([])
             size = 0
         groups[-1].append((name, shape))
         size += n
-    total = len(groups)
     weight_map, total_bytes = {}, 0
     for i, group in enumerate(groups):
-        fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-        shard = {name: torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
-                 if len(shape) == 1 else torch.randn(shape, generator=g, dtype=torch.bfloat16)
-                 for name, shape in group}
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        shard = {name: make(name, shape) for name, shape in group}
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         for name, t in shard.items():
             weight_map[name] = fname
@@ -234,6 +231,17 @@ def synthesize(out: Path, s: Shape, shard_bytes: int, seed: int = 0) -> int:
         del shard
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2) + "\n")
+    return weight_map, total_bytes
+
+
+def synthesize(out: Path, s: Shape, shard_bytes: int, seed: int = 0) -> int:
+    """Write `s` as random bf16 safetensors shards (one shard in memory at a time); returns the weight bytes."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    _, total_bytes = write_shards(out, s.tensors(), shard_bytes, lambda name, shape: (
+        torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16) if len(shape) == 1
+        else torch.randn(shape, generator=g, dtype=torch.bfloat16)))
     (out / "config.json").write_text(json.dumps(hf_config(s), indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 128000, "eos_token_id": 128001, "transformers_version": "4.45.0"}, indent=2) + "\n")

@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_convert import machine_facts, run_measured, try_drop_caches  # noqa: E402
+from bench_convert import dir_bytes, machine_facts, run_measured, try_drop_caches, write_shards  # noqa: E402
 
 GB = 1e9
 CONFIGS = Path("/work/shared/hf-configs")
@@ -114,45 +115,22 @@ def synthesize(out: Path, cfg: dict, tensors, shard_bytes: int = 2 << 30, seed: 
     """Random bf16 safetensors shards (one shard in memory at a time) + index + config.json; std 0.02, norms 1 + 0.1 N,
     DeepSeek's expert bias 0.5 N in fp32 (as the hub stores it)."""
     import torch
-    from safetensors.torch import save_file
 
-    out.mkdir(parents=True)
     g = torch.Generator().manual_seed(seed)
-    groups, size = [[]], 0
-    for name, shape in tensors:
-        n = 2 * math.prod(shape)
-        if groups[-1] and size + n > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, shape))
-        size += n
-    weight_map, total = {}, 0
-    for i, group in enumerate(groups):
-        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = {}
-        for name, shape in group:
-            if name.endswith("e_score_correction_bias"):
-                t = 0.5 * torch.randn(shape, generator=g)
-            elif len(shape) == 1:
-                t = (1 + 0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
-            else:
-                t = torch.randn(shape, generator=g, dtype=torch.bfloat16).mul_(0.02)
-            shard[name] = t
-            total += t.numel() * t.element_size()
-            weight_map[name] = fname
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        del shard
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}, indent=1))
+
+    def make(name: str, shape: tuple[int, ...]):
+        if name.endswith("e_score_correction_bias"):
+            return 0.5 * torch.randn(shape, generator=g)
+        if len(shape) == 1:
+            return (1 + 0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+        return torch.randn(shape, generator=g, dtype=torch.bfloat16).mul_(0.02)
+
+    write_shards(out, tensors, shard_bytes, make)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def files(*dirs: Path) -> list[str]:
     return [str(f) for d in dirs for f in sorted(d.rglob("*")) if f.is_file() and not f.is_symlink()]
-
-
-def dir_bytes(d: Path) -> int:
-    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 # the parity alone, with the budget given raised to the least streaming needs where that is larger (DeepSeek-V3's MoE
@@ -244,8 +222,9 @@ def main(argv=None) -> int:
 
     args.budget = parse_bytes("64MB" if args.tiny and args.memory_budget == "1.5GB" else args.memory_budget,
                               "--memory-budget")
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    # a fresh directory of this run inside --workdir: only it is removed at the end, never what was there before
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
     drop = try_drop_caches()
     notes = [f"page cache: {'dropped before every timed step' if drop else 'not dropped (no permission): warm/partial'}"]
     rows = []

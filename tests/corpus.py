@@ -15,3 +15,17 @@ def write_pattern_corpus(prefix: Path, *, docs: int = 400, seed: int = 0) -> Pat
     write_indexed(prefix, [np.tile(rng.integers(3, 60, size=int(rng.integers(3, 9))), 12)[: int(rng.integers(30, 120))]
                            for _ in range(docs)], np.uint16)
     return prefix
+
+
+def tiny_llama_setup(root: Path) -> Path:
+    """What the trainer tests start from, under `root`: the demo's tiny Llama in fp32 (hf/), converted (ck/), and the
+    pattern corpus (data)."""
+    import torch
+
+    from shardkit.cli import main as cli
+    from shardkit.demo import build_tiny_llama
+
+    build_tiny_llama(root / "hf", dtype=torch.float32)
+    assert cli(["convert", "hf-to-mcore", str(root / "hf"), str(root / "ck"), "--quiet"]) == 0
+    write_pattern_corpus(root / "data")
+    return root

@@ -50,15 +50,9 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from shardkit.cli import main as cli
-    from shardkit.demo import build_tiny_llama
-    from tests.corpus import write_pattern_corpus
+    from tests.corpus import tiny_llama_setup
 
-    root = tmp_path_factory.mktemp("slurm-train")
-    build_tiny_llama(root / "hf", dtype=torch.float32)
-    assert cli(["convert", "hf-to-mcore", str(root / "hf"), str(root / "ck"), "--quiet"]) == 0
-    write_pattern_corpus(root / "data")
-    return root
+    return tiny_llama_setup(tmp_path_factory.mktemp("slurm-train"))
 
 
 def launch(setup: Path, name: str, *flags: str, trainer: tuple[str, ...] = ()) -> Path:

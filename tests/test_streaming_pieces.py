@@ -15,7 +15,7 @@ from convert.parity import against_hf
 from convert.streaming import _groups, memory_needs, stream_parity
 from tests import moe_models
 from tests.test_model_parity import CASES, make_hf
-from tests.test_streaming_parity import _convert, _hf_dir, _plant, whole_layer_diffs
+from tests.test_streaming_parity import _cli, _convert, _hf_dir, _plant, whole_layer_diffs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -129,10 +129,6 @@ def test_pieces_within_a_small_budget_give_the_same_numbers(tmp_path, case):
     assert s["max_reads_of_one_tensor"]["ours"] == (2 if case == "llama_tied" else 1)  # tied: embedding, then head
 
 
-def _cli(*argv):
-    return subprocess.run([sys.executable, "-m", "shardkit", *argv], capture_output=True, text=True)
-
-
 def test_bad_input_one_line_each(tmp_path):
     hf_dir, seq = _hf_dir(tmp_path, "mixtral")
     ck = _convert(tmp_path, hf_dir)
@@ -179,6 +175,8 @@ def test_convert_verify(tmp_path, capsys):
 
 
 def test_bench_verify_smoke(tmp_path):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "mine.txt").write_text("a file the benchmark did not write")
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_verify.py"), "--tiny", "--workdir",
                         str(tmp_path / "w"), "--json", str(tmp_path / "out.json")],
                        capture_output=True, text=True, timeout=600)
@@ -186,3 +184,4 @@ def test_bench_verify_smoke(tmp_path):
     rows = json.loads((tmp_path / "out.json").read_text())["rows"]
     assert {row["model"] for row in rows} == {"llama", "deepseek_v3"}
     assert all(row["ok"] and row["verify_s"] > 0 and row["cat_s"] >= 0 for row in rows)
+    assert (tmp_path / "w" / "mine.txt").is_file() and not any((tmp_path / "w").glob("run-*"))  # only its own run dir goes

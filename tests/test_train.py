@@ -54,15 +54,9 @@ def real_rows(ck: Checkpoint) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from shardkit.cli import main as cli
-    from shardkit.demo import build_tiny_llama
-    from tests.corpus import write_pattern_corpus
+    from tests.corpus import tiny_llama_setup
 
-    root = tmp_path_factory.mktemp("train")
-    build_tiny_llama(root / "hf", dtype=torch.float32)
-    assert cli(["convert", "hf-to-mcore", str(root / "hf"), str(root / "ck"), "--quiet"]) == 0
-    write_pattern_corpus(root / "data")
-    return root
+    return tiny_llama_setup(tmp_path_factory.mktemp("train"))
 
 
 @pytest.fixture(scope="module")
