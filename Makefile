@@ -7,7 +7,7 @@ STAMP := $(VENV)/.shardkit-installed
 LOCK := constraints.txt
 TORCH := torch==2.13.0
 
-.PHONY: demo test install slurm lock bench bench-train clean
+.PHONY: demo test test-all install slurm lock bench bench-train clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# the slow cases too (pyproject.toml's `slow` marker), about twice the time of `make test`
+test-all: $(STAMP)
+	$(PY) -m pytest tests -m 'slow or not slow'
 
 bench: $(STAMP)
 	$(PY) scripts/bench_convert.py

@@ -1,6 +1,7 @@
 """Atomic, resumable writing of one checkpoint iteration.
 
-    <root>/iter_0000000.partial/   work in progress: job.json (what is being written), done.log (finished tasks)
+    <root>/iter_0000000.partial/   work in progress: job.json (what is being written), done.log (finished tasks;
+                                   rank N > 0 of a multi-rank conversion: done.rank<N>.log, see RankWriter)
     <root>/iter_0000000/           appears only by rename, after every array and the manifest are durable
     <root>/latest                  replaced last (tmp + fsync + rename)
 
@@ -28,6 +29,8 @@ from .manifest import MANIFEST, Manifest, iter_dirname, valid_iter_dirname
 LATEST = "latest"
 LOCK = ".shardkit.lock"
 PARTIAL_SUFFIX = ".partial"
+DONE_LOG = "done.log"  # finished tasks of a partial iteration (one process, or rank 0); others: RANK_LOG
+RANK_LOG = "done.rank{}.log"
 
 
 def fsync_path(path: Path) -> None:
@@ -212,6 +215,7 @@ class IterationWriter:
         self.overwrite = overwrite
         self.needed: int | None = None  # bytes this write still needs (see reserve), for error messages
         self.done: set[str] = set()
+        self.written: list[str] = []  # tasks this process recorded (a rank's report to rank 0, convert.distributed)
         self._stack = contextlib.ExitStack()
         self._log = None
 
@@ -233,16 +237,14 @@ class IterationWriter:
                 except (OSError, ValueError):
                     same = False
                 if same:
-                    log = self.partial / "done.log"
-                    if log.exists():
-                        self.done = {ln for ln in log.read_text().splitlines() if ln}
+                    self.done = read_done(self.partial)
                 else:
                     shutil.rmtree(self.partial)
             if not self.partial.exists():
                 self.partial.mkdir()
                 created = True
                 write_file_atomic(job_file, json.dumps(self.job, sort_keys=True))
-            self._log = open(self.partial / "done.log", "a")
+            self._log = open(self.partial / DONE_LOG, "a")
         except OSError as e:
             note = space_note(self.root, None)
             if created:  # nothing of it is worth resuming: no empty iter_*.partial is left behind (e.g. ENOSPC)
@@ -323,6 +325,7 @@ class IterationWriter:
         self._log.flush()
         os.fsync(self._log.fileno())
         self.done.update(tasks)
+        self.written += tasks
 
     # -- commit -------------------------------------------------------------------------------------------------
     def commit(self, manifest: Manifest | None) -> Path:
@@ -330,7 +333,7 @@ class IterationWriter:
         durable, put the iteration in place, then write the pointer (`latest`) naming it."""
         self._log.close()
         self._log = None
-        for f in ("done.log", "job.json"):
+        for f in ("job.json", *(p.name for p in done_logs(self.partial))):
             (self.partial / f).unlink(missing_ok=True)
         fault_point("commit.begin")
         if manifest is not None:
@@ -346,6 +349,77 @@ class IterationWriter:
         for p in self.root.glob(f"iter_*{PARTIAL_SUFFIX}"):
             shutil.rmtree(p, ignore_errors=True)
         return self.final
+
+
+def done_logs(partial: Path) -> list[Path]:
+    """The resume logs of a partial iteration: `done.log` (a single process, or rank 0 of several) and
+    `done.rank<N>.log` (rank N > 0 of a multi-rank conversion, convert.distributed)."""
+    return [p for p in (partial / DONE_LOG, *sorted(partial.glob(RANK_LOG.format("*")))) if p.is_file()]
+
+
+def read_done(partial: Path) -> set[str]:
+    """Every task any process (any number of ranks, any earlier run of the same job) recorded as durable. A line
+    torn by a crash names no task (task ids are whole boxes), so it only makes that task run again."""
+    done: set[str] = set()
+    for log in done_logs(partial):
+        done.update(ln for ln in log.read_text().splitlines() if ln)
+    return done
+
+
+class RankWriter:
+    """Rank N > 0 of a multi-rank write: the partial iteration that rank 0's IterationWriter owns (rank 0 holds the
+    lock, creates or discards `.partial`, writes job.json, creates the arrays and commits), seen from this rank. It
+    records the chunks it makes durable in its own log, `done.rank<N>.log`, and never removes anything: a failure
+    leaves what it finished for the rerun. `attach()` once rank 0 says the partial directory is ready."""
+
+    def __init__(self, root: str | Path, iteration: int, job: dict, rank: int):
+        self.root, self.iteration, self.job, self.rank = Path(root), iteration, job, rank
+        self.name = iter_dirname(iteration)
+        self.final = self.root / self.name
+        self.partial = self.root / (self.name + PARTIAL_SUFFIX)
+        self.done: set[str] = set()
+        self.written: list[str] = []
+        self.needed: int | None = None
+        self._log = None
+
+    def __enter__(self) -> "RankWriter":
+        return self
+
+    def attach(self) -> None:
+        """Check that the partial directory rank 0 prepared is visible here (a directory that is not shared between
+        the nodes is not) and is this job's, read what every rank recorded, and open this rank's log."""
+        job_file = self.partial / "job.json"
+        try:
+            same = json.loads(job_file.read_text()) == self.job
+        except FileNotFoundError:
+            raise WriteError(f"{self.partial}: rank 0 prepared it, but rank {self.rank} does not see it (no "
+                             f"{job_file.name}): the output directory must be on a filesystem every node shares") \
+                from None
+        except (OSError, ValueError) as e:
+            raise WriteError(f"{job_file}: rank {self.rank} cannot read it ({getattr(e, 'strerror', None) or e})") \
+                from None
+        if not same:
+            raise WriteError(f"{job_file}: rank {self.rank} sees another job's partial output than rank 0 prepared: "
+                             "the output directory must be one directory every node shares")
+        self.done = read_done(self.partial)
+        try:
+            self._log = open(self.partial / RANK_LOG.format(self.rank), "a")
+        except OSError as e:
+            raise WriteError(f"{self.partial}: rank {self.rank} cannot write there ({e.strerror or e})") from None
+
+    def __exit__(self, *exc) -> None:
+        if self._log is not None:
+            log, self._log = self._log, None
+            with contextlib.suppress(OSError):
+                log.close()
+
+    def reserve(self, total: int, left: int | None = None) -> None:
+        """Rank 0 checked the space for the whole job."""
+
+    path = IterationWriter.path
+    is_done = IterationWriter.is_done
+    mark_done = IterationWriter.mark_done
+    mark_done_many = IterationWriter.mark_done_many
 
 
 def complete_iterations(root: Path) -> list[Path]:

@@ -9,6 +9,9 @@ Unset, as always outside the tests, a site costs one environment lookup.
 
 Sites (where a crash is most likely to break an invariant):
     chunk           a chunk of a conversion / reshard / torch_dist import was recorded durable (writer.py)
+    chunk.unrecorded  chunks are durable, the resume log does not record them yet (writer.py)
+    rank.done       one rank of several wrote and recorded its share of the chunks, not yet reported (writer.py)
+    rank.committed  rank 0 committed a multi-rank conversion, the other ranks not yet told (convert/distributed.py)
     atomic.tmp      a small file's temporary copy is durable, not yet renamed over the old one (commit.py)
     commit.begin    every array is written; the manifest is not (commit.py)
     commit.rename   the new iteration is durable under its temporary name (commit.py)

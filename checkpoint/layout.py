@@ -287,6 +287,12 @@ class Layout:
         start = sum(counts[:c])
         return start, start + counts[c]
 
+    def idle_ranks(self, num_layers: int) -> list[int]:
+        """Pipeline ranks that hold nothing to train: no decoder layer in any of their model chunks, and neither the
+        embedding (first rank) nor the loss (last rank). Megatron's layout strings allow them ("Ett||ttL")."""
+        counts = self.chunk_layers(num_layers)
+        return [r for r in range(1, self.pp - 1) if not any(counts[v * self.pp + r] for v in range(self.vpp))]
+
     def chunk_of_layer(self, layer: int, num_layers: int) -> tuple[int, int]:
         """(pp_rank, vstage) of the model chunk holding global decoder layer `layer`."""
         start = 0

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import functools
+import itertools
 import re
 import signal
 from typing import Any, Mapping, Sequence
@@ -28,6 +30,7 @@ from . import store
 from .config import ModelConfig
 from .errors import ConfigError, FormatError, ShardkitError
 from .layout import Layout, PipelineSplit
+from .sharding import Region, TensorSpec, regions, split_optimizer_key
 
 # -- constants --------------------------------------------------------------------------------------------------------
 
@@ -129,6 +132,29 @@ class MegatronEnum:
         return f"<{self.path.rsplit('.', 1)[-1]}.{self.member}: {self.value!r}>"
 
 
+class TorchDtype:
+    """A torch dtype in the args we write (`params_dtype`), by name: written into common.pt as pickle writes the real
+    `torch.<name>` (a global) without importing torch (checkpoint.torch_dist.write_common), so an export stays
+    torch-free; read back it is the real dtype. Equal to the torch dtype of that name (their str() agree)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = store.dtype_name(name)
+
+    def __eq__(self, other: object) -> bool:
+        return str(self) == str(other) if isinstance(other, TorchDtype) or type(other).__name__ == "dtype" \
+            else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+    __repr__ = __str__
+
+
 def megatron_lm_defaults() -> dict[str, Any]:
     """A fresh copy of Megatron-LM's argument defaults (every argument its parser defines; enums as MegatronEnum,
     `exit_signal` as the signal.Signals member it is)."""
@@ -220,7 +246,7 @@ def megatron_args(cfg: ModelConfig, layout: Layout, key_naming: str = "te", dtyp
                                                if layout.vpp > 1 and layout.split is None else None),
         **split_args(layout.split),
         world_size=world_size(layout), data_parallel_size=rank_sizes(layout)["dp"],
-        params_dtype=store.torch_dtype(dtype), use_dist_ckpt=True, data_parallel_random_init=False,
+        params_dtype=TorchDtype(dtype), use_dist_ckpt=True, data_parallel_random_init=False,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
         # no RNG state is written, nor optimizer state for a weights-only checkpoint (_common clears no_save_optim
         # when there is): Megatron-LM must not try to restore them
@@ -524,9 +550,97 @@ def world_size(layout: Layout) -> int:
     return span("pp", rank_sizes(layout))
 
 
+# -- torch_dist: keys of tensors and optimizer state, the common.pt entries, which rank writes what ------------------
+
+SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
+
+
+# megatron-core's distributed optimizer (`fully_reshardable`, the model-space format megatron-core 0.16 can load) names
+# the fp32 main parameters `param`; its `fully_sharded_model_space` and the non-distributed mixed-precision optimizer
+# name them `fp32_param`, as shardkit does. We write `param` and read either.
+MEGATRON_OPTIM_STATE = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+MEGATRON_OPTIM_SHARDING = "fully_reshardable"
+TRAIN_STATE_KEY = "shardkit_train_state"  # common.pt: train_state.json carried verbatim as a string
+
+
+def stored_key(name: str, key_naming: str) -> str:
+    """The torch_dist key of canonical tensor `name` (or of its optimizer state) under a layer-spec naming."""
+    opt = split_optimizer_key(name)
+    if opt is not None:
+        return f"optimizer.state.{MEGATRON_OPTIM_STATE[opt[0]]}.{stored_key(opt[1], key_naming)}"
+    return sharded_key(name, key_naming)
+
+
+def source_keys(name: str) -> list[str]:
+    """torch_dist keys accepted for canonical tensor `name`: TE naming first, then the local spec's; for optimizer
+    state, Megatron's `param` and `fp32_param` spellings of the fp32 main parameters."""
+    opt = split_optimizer_key(name)
+    if opt is not None:
+        state, model = opt
+        spellings = ["param", "fp32_param"] if state == "fp32_param" else [state]
+        return [f"optimizer.state.{sp}.{k}" for k in source_keys(model) for sp in spellings]
+    keys = [name]
+    local = stored_key(name, "local")
+    if local != name:
+        keys.append(local)
+    return keys
+
+
+# -- Megatron rank numbering ------------------------------------------------------------------------------------------
+
+def chunk_rank(spec: TensorSpec, layout: Layout, box: tuple[tuple[int, int], ...], num_layers: int) -> int:
+    """The (data-parallel rank 0) Megatron rank whose shard (its primary regions in the sharding table) holds the
+    first element of a box of `spec` (a stored chunk, or a whole layer's box for its TP rank 0 object)."""
+    for region, rank in shard_owners(spec, layout, num_layers):
+        if all(o <= a < o + s for (a, _), o, s in zip(box, region.global_offset, region.shape)):
+            return rank
+    raise ShardkitError(f"internal: tensor {spec.name}: box {list(box)} starts in no rank's shard")
+
+
+@functools.lru_cache(maxsize=64)
+def shard_owners(spec: TensorSpec, layout: Layout, num_layers: int) -> list[tuple[Region, int]]:
+    """Every primary region of `spec` with the Megatron rank that owns it (TP fastest, then EP, then PP)."""
+    out = []
+    for c in layout.ranks(expert=spec.expert):
+        if spec.expert:
+            rank = rank_of(rank_sizes(layout, expert=True), EXPERT_ORDER, etp=c.etp, ep=c.ep, pp=c.pp)
+        else:
+            rank = rank_of(rank_sizes(layout), DENSE_ORDER, tp=c.tp, pp=c.pp)
+        out += [(r, rank) for r in regions(spec, layout, c, num_layers) if r.primary]
+    return out
+
+
+def extra_state_objects(spec: TensorSpec, layout: Layout, num_layers: int) -> list[tuple[str, int]]:
+    """The `<module>._extra_state/shard_<offsets>_<shape>` objects megatron-core's GPTModel has for the linear layer
+    whose weight is `spec` (one per layer, and per expert), with the rank that writes each (TP rank 0)."""
+    if not spec.name.endswith(".weight"):
+        return []
+    module = spec.name[: -len("weight")]
+    last = module.rstrip(".").rsplit(".", 1)[-1]
+    if not (last.startswith("linear_") or last == "eh_proj"):
+        return []
+    axes = spec.shape[: spec.lead]
+    if not axes:
+        axes = (1,)  # megatron-core: an object outside any stack gets offset (0,) of shape (1,)
+    out = []
+    for idx in itertools.product(*[range(n) for n in axes]):
+        key = f"{module}_extra_state/shard_{'.'.join(map(str, idx))}_{'.'.join(map(str, axes))}"
+        box = [(i, i + 1) for i in idx] if spec.lead else []
+        box += [(0, s) for s in spec.shape[spec.lead:]]
+        out.append((key, chunk_rank(spec, layout, tuple(box), num_layers)))
+    return out
+
+
+# OptimizerParamScheduler.state_dict()'s keys (megatron-core 0.16): what Megatron-LM's load reads back
+MEGATRON_SCHEDULER_KEYS = frozenset({"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
+                                     "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"})
+
+
 __all__ = ["TRACKER", "CHECKPOINT_VERSION", "RELEASE", "iter_dirname", "iteration_of", "LOCAL_NAMES", "KEY_NAMINGS",
            "canonical_candidates", "sharded_key", "megatron_args", "arg", "int_arg", "layout_from_args",
            "with_args_vocab", "check_args", "config_from_megatron_args", "hf_model_type_of", "missing_model_args",
-           "MEGATRON_LM_SOURCE", "MegatronEnum", "megatron_lm_defaults", "model_args", "MEGATRON_LLAMA3_ROPE",
-           "RANK_ORDER",
-           "DENSE_ORDER", "EXPERT_ORDER", "rank_of", "coords_of", "span", "stage_size", "rank_sizes", "world_size"]
+           "MEGATRON_LM_SOURCE", "MegatronEnum", "TorchDtype", "megatron_lm_defaults", "model_args",
+           "MEGATRON_LLAMA3_ROPE", "RANK_ORDER",
+           "DENSE_ORDER", "EXPERT_ORDER", "rank_of", "coords_of", "span", "stage_size", "rank_sizes", "world_size",
+           "SKIPPED_PREFIXES", "MEGATRON_OPTIM_STATE", "MEGATRON_OPTIM_SHARDING", "TRAIN_STATE_KEY",
+           "MEGATRON_SCHEDULER_KEYS", "stored_key", "source_keys", "chunk_rank", "shard_owners", "extra_state_objects"]

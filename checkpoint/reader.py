@@ -20,7 +20,8 @@ from .errors import CorruptionError, FormatError, ShardkitError
 from .layout import Layout, RankCoord
 from .manifest import MANIFEST, TRAIN_STATE, Manifest, TensorEntry, tensor_path
 from .safety import safe_path
-from .sharding import SCALE_SUFFIX, Rule, TensorSpec, local_shape, regions, split_optimizer_key
+from .sharding import (SCALE_SUFFIX, Rule, TensorSpec, local_shape, model_specs, optimizer_specs, regions,
+                       split_optimizer_key)
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a reshard or export moves numpy views end to end
     import torch
@@ -477,6 +478,12 @@ def read_padded(read: Callable[[tuple[slice, ...]], Array], name: str, box: tupl
     import torch
 
     return torch.cat(parts)
+
+
+def vocab_padding(cfg: ModelConfig, layout: Layout, optimizer: list[str] | None) -> dict[str, int]:
+    """Vocab tensors of the destination (and their optimizer state): name -> true rows (read_padded fills the rest)."""
+    base = [s for s in model_specs(cfg, layout) if s.rule is Rule.VOCAB]
+    return {s.name: cfg.vocab_size for s in [*base, *optimizer_specs(base, optimizer or ())]}
 
 
 def entry_nbytes(e: TensorEntry) -> int:

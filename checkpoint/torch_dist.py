@@ -15,49 +15,57 @@ checkpoint.safe_load (`torch.load(weights_only=True)` under its short allowlist)
 the metadata are checked before any file is opened (plain names inside the iteration directory), and every item's
 byte range must lie inside its file.
 
-Writing is the inverse with bounded memory: `DCPWriter` appends one item at a time to the file of the rank that owns
-it and keeps only the small metadata in memory. The export (convert/torch_dist_io.py) writes them into an
-`IterationWriter`'s partial directory and commits it like every other writer (checkpoint/commit.py), the tracker file
-last.
+Item values are read either with torch.load (read_item, read) or, for the import, as numpy views of the mapped
+`.distcp` file (item_array, read_numpy): the item's zip archive parsed and its data.pkl unpickled under a one-tensor
+allowlist (torch's tensor rebuild of one storage, nothing else; any other item goes to torch.load).
+
+Writing is the inverse with bounded memory, and needs no torch: `DCPWriter` appends one item at a time to the file
+of the rank that owns it (torch.save's exact bytes, written from numpy values by the file's writer thread) and keeps
+only the small metadata in memory; `.metadata` and common.pt are pickled from stand-ins that name DCP's and torch's
+classes (see "writing" below). The export (convert/torch_dist_io.py) writes them into an `IterationWriter`'s partial
+directory and commits it like every other writer (checkpoint/commit.py), the tracker file last.
 """
 from __future__ import annotations
 
 import argparse
+import copyreg
 import functools
 import io
 import json
+import mmap
 import os
 import pickle
 import pickletools
 import re
+import struct
 import sys
 import tempfile
+import threading
 import uuid
 import zipfile
+import zlib
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
-import torch
-from torch.distributed.checkpoint import filesystem as _dcp_fs
-from torch.distributed.checkpoint import metadata as _dcp_md
-from torch.distributed.checkpoint import planner as _dcp_planner
 
 from . import chunkio, store
 from .commit import write_file_atomic
 from .config import ModelConfig
-from .errors import ConfigError, FormatError, LayoutError
+from .errors import ConfigError, FormatError, LayoutError, WriteError
 from .layout import Layout
-from .megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, RELEASE, TRACKER, MegatronEnum, arg, check_args,
+from .megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, RELEASE, TRACKER, MegatronEnum, TorchDtype, arg, check_args,
                        config_from_megatron_args, hf_model_type_of, iter_dirname, iteration_of, layout_from_args,
                        missing_model_args, with_args_vocab)
-from .safe_load import MegatronObject, load_torch
 from .safety import read_pointer, safe_path
+
+if TYPE_CHECKING:
+    import torch
 
 METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
@@ -79,37 +87,54 @@ _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 # -- safe unpickling --------------------------------------------------------------------------------------------------
 
-class _MCoreMetadata(_dcp_md.Metadata):
-    """Stand-in for megatron-core's pickled `MCoreMetadata` (a DCP Metadata with `mcore_data`): data only."""
+@functools.lru_cache(maxsize=None)
+def _allowed() -> dict[tuple[str, str], Any]:
+    """The globals a DCP `.metadata` may name (torch is imported here, on the first read: writing needs none of it)."""
+    import torch
+    from torch.distributed.checkpoint import filesystem as dcp_fs
+    from torch.distributed.checkpoint import metadata as dcp_md
+    from torch.distributed.checkpoint import planner as dcp_planner
 
+    class _MCoreMetadata(dcp_md.Metadata):
+        """Stand-in for megatron-core's pickled `MCoreMetadata` (a DCP Metadata with `mcore_data`): data only."""
 
-class _MCoreSavePlan(_dcp_planner.SavePlan):
-    """Stand-in for megatron-core's pickled `MCoreSavePlan`: data only."""
+    class _MCoreSavePlan(dcp_planner.SavePlan):
+        """Stand-in for megatron-core's pickled `MCoreSavePlan`: data only."""
 
-
-def _layout(name: str) -> torch.layout:
     layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
-    if not isinstance(name, str) or name not in layouts:
-        raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
-    return layouts[name]
+
+    def _layout(name: str) -> torch.layout:
+        if not isinstance(name, str) or name not in layouts:
+            raise pickle.UnpicklingError(f"unknown torch layout {name!r}")
+        return layouts[name]
+
+    md, planner = "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner"
+    return {
+        **{(md, n): getattr(dcp_md, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                 "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                 "StorageMeta", "_MEM_FORMAT_ENCODING")},
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_fs._StorageInfo,
+        # megatron-core keeps its save plans in the metadata (`all_local_plans`) to reuse them: data classes too
+        **{(planner, n): getattr(dcp_planner, n) for n in ("SavePlan", "WriteItem", "WriteItemType",
+                                                           "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType")},
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): _MCoreMetadata,
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): _MCoreSavePlan,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): _layout,
+        ("collections", "OrderedDict"): OrderedDict,
+    }
 
 
-_MD = "torch.distributed.checkpoint.metadata"
-_PLANNER = "torch.distributed.checkpoint.planner"
-_ALLOWED: dict[tuple[str, str], Any] = {
-    **{(_MD, n): getattr(_dcp_md, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                               "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                               "StorageMeta", "_MEM_FORMAT_ENCODING")},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _dcp_fs._StorageInfo,
-    # megatron-core keeps its save plans in the metadata (`all_local_plans`) to reuse them: data classes too
-    **{(_PLANNER, n): getattr(_dcp_planner, n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
-                                                         "LoadPlan", "ReadItem", "LoadItemType")},
-    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"): _MCoreMetadata,
-    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): _MCoreSavePlan,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): _layout,
-    ("collections", "OrderedDict"): OrderedDict,
-}
+def _dcp_md():
+    from torch.distributed.checkpoint import metadata
+
+    return metadata
+
+
+def _dcp_fs():
+    from torch.distributed.checkpoint import filesystem
+
+    return filesystem
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -120,7 +145,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.source = source
 
     def find_class(self, module: str, name: str):
-        obj = _ALLOWED.get((module, name))
+        import torch
+
+        obj = _allowed().get((module, name))
         if obj is not None:
             return obj
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -132,7 +159,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise FormatError(f"{self.source}: unexpected persistent id in DCP metadata")
 
 
-def load_dcp_metadata(path: Path) -> _dcp_md.Metadata:
+def load_dcp_metadata(path: Path) -> Any:
     """Parse a DCP `.metadata` file without running anything but DCP's own data classes."""
     try:
         with open(path, "rb") as f:
@@ -144,9 +171,123 @@ def load_dcp_metadata(path: Path) -> _dcp_md.Metadata:
                           ".metadata last)") from None
     except Exception as e:  # truncated or garbage bytes
         raise FormatError(f"{path}: cannot parse DCP metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(md, _dcp_md.Metadata):
+    if not isinstance(md, _dcp_md().Metadata):
         raise FormatError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
     return md
+
+
+class _Light:
+    """Plain stand-ins of DCP's metadata classes, for reading `.metadata` without importing
+    torch.distributed.checkpoint (a second and a half of CPU: it imports torch.distributed.tensor): each takes the
+    state pickle gives it (a dict, or TensorProperties' tuple) and nothing else."""
+
+    class _Data:
+        _fields: tuple[str, ...] = ()
+
+        def __setstate__(self, state):
+            if isinstance(state, tuple) and len(state) == 2 and state[0] is None and isinstance(state[1], dict):
+                state = state[1]  # (no __dict__ state, slots): dataclasses with slots
+            if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+                raise pickle.UnpicklingError(f"{type(self).__name__}: unexpected state {type(state).__name__}")
+            self.__dict__.update(state)
+
+        def __getattr__(self, name):  # a field the pickle did not carry: the dataclass default (None)
+            if name.startswith("__") or name not in type(self)._fields:
+                raise AttributeError(name)
+            return None
+
+    class Metadata(_Data):
+        _fields = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version", "mcore_data")
+
+    class TensorStorageMetadata(_Data):
+        _fields = ("properties", "size", "chunks")
+
+    class BytesStorageMetadata(_Data):
+        pass
+
+    class ChunkStorageMetadata(_Data):
+        _fields = ("offsets", "sizes")
+
+    class TensorProperties(_Data):
+        _fields = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+
+        def __setstate__(self, state):
+            if not isinstance(state, tuple) or len(state) != 5:
+                raise pickle.UnpicklingError("TensorProperties: unexpected state")
+            self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+
+    class MetadataIndex(_Data):
+        _fields = ("fqn", "offset", "index")
+
+        def __hash__(self):
+            return hash((self.fqn, self.offset))
+
+        def __eq__(self, other):
+            return isinstance(other, _Light.MetadataIndex) and (self.fqn, self.offset) == (other.fqn, other.offset)
+
+    class _StorageInfo(_Data):
+        _fields = ("relative_path", "offset", "length", "transform_descriptors")
+
+    class StorageMeta(_Data):
+        _fields = ("checkpoint_id", "save_id", "load_id", "modules")
+
+    class Plan(_Data):  # megatron-core's saved plans (all_local_plans): carried, never used
+        _fields = ()
+
+        def __setstate__(self, state):
+            self.state = state
+
+    @staticmethod
+    def value(*args):  # enums (called with their value), torch.Size (called with a tuple), _get_layout
+        return args[0] if len(args) == 1 else args
+
+
+class _LightUnpickler(pickle.Unpickler):
+    """`.metadata` into _Light's stand-ins: the globals _allowed() lists, and nothing else (anything else: None, and
+    the metadata is read by _MetadataUnpickler, which refuses or takes it)."""
+
+    _MD = "torch.distributed.checkpoint.metadata"
+    _PLANNER = "torch.distributed.checkpoint.planner"
+
+    def find_class(self, module: str, name: str):
+        if module == self._MD and name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                           "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta"):
+            return getattr(_Light, name)
+        if (module, name) == ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"):
+            return _Light.Metadata
+        if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
+            return _Light._StorageInfo
+        if (module, name) in ((self._MD, "_MEM_FORMAT_ENCODING"), ("torch", "Size"),
+                              ("torch.serialization", "_get_layout")):
+            return _Light.value
+        if module == self._PLANNER and name in ("WriteItemType", "LoadItemType"):
+            return _Light.value
+        if (module == self._PLANNER and name in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem")
+                or (module, name) == ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")):
+            return _Light.Plan
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch":
+            import torch
+
+            if isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent id")
+
+
+def _load_metadata_light(path: Path) -> "_Light.Metadata | None":
+    """DCP's `.metadata` read into plain stand-ins (no torch.distributed import), or None where that does not work
+    (a missing, damaged or unusual file: load_dcp_metadata then reads it, or says why not)."""
+    try:
+        with open(path, "rb") as f:
+            md = _LightUnpickler(f).load()
+    except Exception:  # noqa: BLE001 - the full reader decides and names the problem
+        return None
+    return md if isinstance(md, _Light.Metadata) else None
+
 
 
 # Globals a Megatron-LM common.pt legitimately references besides plain data (megatron-core's own enums and configs,
@@ -208,6 +349,8 @@ def _torch_save_pickle(path: Path) -> bytes:
 def load_common(path: Path) -> tuple[dict | None, str | None]:
     """common.pt as (dict, None), or (None, note) when it cannot be loaded as plain data but references only benign
     Megatron data classes. Raises FormatError naming the file when it references anything that could run code."""
+    from .safe_load import load_torch
+
     if not path.is_file():
         return None, f"{path.name} is missing"
     try:
@@ -309,10 +452,12 @@ class TorchDistCheckpoint:
         self.path = resolve_torch_dist(path)
         self.notes: list[str] = []
         self._check_backend()
-        md = load_dcp_metadata(self.path / DCP_METADATA)
+        md = _load_metadata_light(self.path / DCP_METADATA)  # torch's DCP classes are only needed when it fails
+        if md is None:
+            md = load_dcp_metadata(self.path / DCP_METADATA)
         self.tensors: dict[str, TDTensor] = {}
         self.objects: list[str] = []
-        self._storage: dict[tuple[str, tuple[int, ...] | None], _dcp_fs._StorageInfo] = {}
+        self._storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}  # -> DCP's _StorageInfo
         self._files: dict[str, int] = {}
         try:
             self._validate(md)
@@ -323,6 +468,7 @@ class TorchDistCheckpoint:
             self.notes.append(note)
         self.sidecar: dict | None = load_sidecar(self.path)
         self._cache: tuple | None = None
+        self._array: tuple | None = None  # item_array's last item
         self.spool_dir: Path | None = None  # where items > ITEM_MMAP_BYTES are copied to be memory-mapped
 
     # -- basic facts ----------------------------------------------------------------------------------------------
@@ -413,7 +559,10 @@ class TorchDistCheckpoint:
             got = d.get("sharded_backend") if isinstance(d, dict) else d
             raise FormatError(f"{p}: sharded_backend {got!r} is not 'torch_dist'; only torch_dist is supported")
 
-    def _validate(self, md: _dcp_md.Metadata) -> None:
+    def _validate(self, md: Any) -> None:
+        import torch
+
+        dcp_md, dcp_fs = (_Light, _Light) if isinstance(md, _Light.Metadata) else (_dcp_md(), _dcp_fs())
         src = self.path / DCP_METADATA
         sdm = md.state_dict_metadata
         if not isinstance(sdm, dict):
@@ -421,10 +570,10 @@ class TorchDistCheckpoint:
         for name, m in sdm.items():
             if not isinstance(name, str):
                 raise FormatError(f"{src}: key {name!r} is not a string")
-            if isinstance(m, _dcp_md.BytesStorageMetadata):
+            if isinstance(m, dcp_md.BytesStorageMetadata):
                 self.objects.append(name)
                 continue
-            if not isinstance(m, _dcp_md.TensorStorageMetadata):
+            if not isinstance(m, dcp_md.TensorStorageMetadata):
                 raise FormatError(f"{src}: {name}: unexpected metadata type {type(m).__name__}")
             shape = tuple(int(s) for s in m.size)
             dtype = getattr(m.properties, "dtype", None)
@@ -455,7 +604,7 @@ class TorchDistCheckpoint:
             raise FormatError(f"{src}: storage_data is not a dict")
         sizes: dict[str, int] = {}
         for idx, info in sd.items():
-            if not isinstance(idx, _dcp_md.MetadataIndex) or not isinstance(info, _dcp_fs._StorageInfo):
+            if not isinstance(idx, dcp_md.MetadataIndex) or not isinstance(info, dcp_fs._StorageInfo):
                 raise FormatError(f"{src}: storage_data entry {idx!r} is malformed")
             rel = info.relative_path
             if not isinstance(rel, str) or not _FILE_RE.match(rel) or rel in (".", "..") or rel.startswith("."):
@@ -484,6 +633,10 @@ class TorchDistCheckpoint:
     # -- items ----------------------------------------------------------------------------------------------------
     def read_item(self, name: str, offsets: tuple[int, ...]) -> torch.Tensor:
         """One stored chunk of a tensor, loaded with torch.load(weights_only=True) (memory-mapped when large)."""
+        import torch
+
+        from .safe_load import load_torch
+
         key = (name, offsets)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
@@ -511,8 +664,63 @@ class TorchDistCheckpoint:
         self._cache = (key, value)
         return value
 
+    # -- items as numpy, without torch.load ------------------------------------------------------------------------
+    def read_numpy(self, name: str, box: tuple[tuple[int, int], ...] | None = None) -> np.ndarray:
+        """read() as a numpy array: each item's data memory-mapped from its `.distcp` file (a read-only view of the
+        mapping, no copy, where the box is one whole item) once its torch.save archive checks out (item_array);
+        an item that does not (another archive layout, another pickle) is read by read_item (torch.load)."""
+        if name not in self.tensors:
+            raise FormatError(f"{self.path}: no tensor {name!r}")
+        t = self.tensors[name]
+        box = tuple((0, s) for s in t.shape) if box is None else tuple(box)
+        if len(box) != len(t.shape) or any(not 0 <= a <= b <= s for (a, b), s in zip(box, t.shape)):
+            raise ValueError(f"tensor {name}: box {list(box)} is not inside its shape {list(t.shape)}")
+        parts = t.overlapping(box)
+        out, covered = None, 0
+        for off, size in parts:
+            inter = _intersect((off, size), box)
+            item = self.item_array(name, off)
+            src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, off))
+            if len(parts) == 1 and inter == box:
+                return item[src]
+            if out is None:
+                out = np.empty([b - a for a, b in box], dtype=item.dtype)
+            out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, box))] = item[src]
+            covered += _volume(inter)
+        if out is None or covered != out.size:
+            raise FormatError(f"{self.path}: tensor {name}: stored chunks cover {covered} of the "
+                              f"{_volume(box)} elements of box {list(box)}")
+        return out
+
+    def item_array(self, name: str, offsets: tuple[int, ...]) -> np.ndarray:
+        """One stored chunk as a read-only numpy view of its `.distcp` file's mapping: the item's zip archive parsed
+        (stored records, data.pkl and data/0 only), data.pkl unpickled by _ItemUnpickler (torch's tensor rebuild of
+        one storage, nothing else: anything else goes to read_item's torch.load), the tensor checked against the
+        metadata (dtype, shape, contiguous, inside the archive)."""
+        key = (name, offsets)
+        if self._array is not None and self._array[0] == key:
+            return self._array[1]
+        self._array = None
+        t = self.tensors[name]
+        size = t.chunk_size(offsets)
+        info = self._storage[key]
+        dtype = _dtype_str(t.dtype)
+        view = None
+        if dtype in _STORAGE_TYPES:
+            # the item's own mapping (from the page it starts in): its pages leave our RSS with the last view of it
+            base = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+            with open(self.path / info.relative_path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), info.offset + info.length - base, access=mmap.ACCESS_READ, offset=base)
+            view = _item_view(mm, info.offset - base, info.length, dtype, size)
+        if view is None:
+            view = store.to_numpy(self.read_item(name, offsets))
+        self._array = (key, view)
+        return view
+
     def read(self, name: str, box: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
         """A box ([start, stop) per axis) of a tensor, gathered from the stored chunks that overlap it."""
+        import torch
+
         if name not in self.tensors:
             raise FormatError(f"{self.path}: no tensor {name!r}")
         t = self.tensors[name]
@@ -534,9 +742,107 @@ class TorchDistCheckpoint:
         return out
 
 
+class _Rebuilt:
+    """What _ItemUnpickler makes of torch's _rebuild_tensor_v2 call: its arguments, nothing built."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, *args):
+        self.args = args
+
+
+class _ItemUnpickler(pickle.Unpickler):
+    """data.pkl of a tensor item as torch.save writes it: torch._utils._rebuild_tensor_v2 of the persistent storage
+    ('storage', torch.<Type>Storage, '0', 'cpu', numel), an empty OrderedDict of hooks. Every other global or
+    persistent id is refused (the item then goes to torch.load(weights_only=True), which decides); nothing is
+    built but the arguments."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _Rebuilt
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        storages = {v: k for k, v in _STORAGE_TYPES.items()}
+        if module == "torch" and name in storages:
+            return ("storage-type", storages[name])
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        if (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], tuple)
+                and pid[2] == "0" and pid[3] == "cpu" and isinstance(pid[4], int)):
+            return pid
+        raise pickle.UnpicklingError(f"persistent id {pid!r}")
+
+
+def _item_view(mm: mmap.mmap, start: int, length: int, dtype: str, size: tuple[int, ...]) -> np.ndarray | None:
+    """The data of a torch.save archive at bytes [start, start + length) of `mm` as a numpy array of `dtype` and
+    `size` (a view of the mapping), or None where the archive is not the plain one-tensor form (read_item decides)."""
+    try:
+        end = start + length
+        if length < 22 or mm[end - 22:end - 18] != b"PK\x05\x06":
+            return None
+        n, cd_size, cd_off = struct.unpack_from("<HII", mm, end - 12)
+        if cd_off == 0xFFFFFFFF or cd_size == 0xFFFFFFFF:
+            if mm[end - 42:end - 38] != b"PK\x06\x07":
+                return None
+            (z64,) = struct.unpack_from("<Q", mm, end - 34)
+            if mm[start + z64:start + z64 + 4] != b"PK\x06\x06":
+                return None
+            n, cd_size, cd_off = struct.unpack_from("<QQQ", mm, start + z64 + 32)
+        records, pos = {}, start + cd_off
+        for _ in range(n):
+            if mm[pos:pos + 4] != b"PK\x01\x02":
+                return None
+            method, crc, csize, usize, nlen, xlen, clen = struct.unpack_from("<HxxxxIIIHHH", mm, pos + 10)
+            (local,) = struct.unpack_from("<I", mm, pos + 42)
+            rec = bytes(mm[pos + 46:pos + 46 + nlen]).decode("utf-8", "replace").split("/", 1)[-1]
+            if method != 0 or csize != usize or 0xFFFFFFFF in (csize, local):
+                return None
+            records[rec] = (local, usize, crc)
+            pos += 46 + nlen + xlen + clen
+        if set(records) - {"data.pkl", "data/0", ".format_version", ".storage_alignment", "byteorder", "version",
+                           ".data/serialization_id"} or "data/0" not in records or "data.pkl" not in records:
+            return None
+        begin = {}
+        for rec in ("data.pkl", "data/0"):
+            local, usize, crc = records[rec]
+            h = start + local
+            if mm[h:h + 4] != b"PK\x03\x04":
+                return None
+            nlen, xlen = struct.unpack_from("<HH", mm, h + 26)
+            begin[rec] = h + 30 + nlen + xlen
+            if begin[rec] + usize > end:
+                return None
+        pkl = mm[begin["data.pkl"]:begin["data.pkl"] + records["data.pkl"][1]]
+        if zlib.crc32(pkl) != records["data.pkl"][2]:
+            return None
+        rebuilt = _ItemUnpickler(io.BytesIO(pkl)).load()
+        if not isinstance(rebuilt, _Rebuilt) or len(rebuilt.args) != 6:
+            return None
+        pid, offset, shape, stride, grad, hooks = rebuilt.args
+        numel = 1
+        for s in size:
+            numel *= s
+        want_stride, k = [], 1
+        for s in reversed(size):
+            want_stride.append(k)
+            k *= max(s, 1)
+        if (pid[1] != ("storage-type", dtype) or offset != 0 or tuple(shape) != tuple(size) or grad is not False
+                or hooks != OrderedDict() or tuple(stride) != tuple(reversed(want_stride)) or pid[4] < numel):
+            return None
+        nd = store.numpy_dtype(dtype)
+        if numel * nd.itemsize > records["data/0"][1]:
+            return None
+        return np.frombuffer(mm, dtype=nd, count=numel, offset=begin["data/0"]).reshape(size)
+    except (pickle.UnpicklingError, struct.error, ValueError, EOFError, TypeError, IndexError, AttributeError):
+        return None
+
+
 def _load_spooled(f, length: int, directory: Path | None) -> torch.Tensor:
     """A large item: copy its bytes to a temporary file in blocks and memory-map it (bounded memory). `directory`
     should be on disk (a tmpfs /tmp would hold the copy in memory)."""
+    from .safe_load import load_torch
+
     with tempfile.NamedTemporaryFile(prefix=".shardkit-item-", suffix=".pt", dir=directory) as tmp:
         left = length
         while left:
@@ -581,49 +887,338 @@ def read_torch_dist(path: str | Path) -> TorchDistCheckpoint:
     return TorchDistCheckpoint(path)
 
 
-# -- writing ----------------------------------------------------------------------------------------------------------
+# -- writing: torch.save's and DCP's bytes, without torch ---------------------------------------------------------
+#
+# An item of a `.distcp` file is what `torch.save(tensor, f)` writes: a zip archive (stored, not compressed) of the
+# records archive/data.pkl (a protocol-2 pickle: torch._utils._rebuild_tensor_v2 of a persistent storage id),
+# .format_version, .storage_alignment, byteorder, data/0 (the raw bytes, 64-byte aligned), version and
+# .data/serialization_id, laid out as PyTorch's stream writer (miniz) lays them out. Those bytes are written here
+# directly from the numpy values (no torch import, no copy of the data; one crc32 pass, which the zip needs), equal
+# byte for byte to torch.save's (tests/test_torch_dist.py compares them, for every dtype the format stores). The
+# `.metadata` pickle and common.pt are written the same way: stand-ins that pickle as DCP's and torch's own classes
+# (by their import paths), read back by torch itself. Items of 4 GiB and more (zip64 records), dtypes outside the
+# table and tensors inside common.pt fall back to torch.save itself.
+
+_ALIGN = 64  # torch.save's storage alignment (.storage_alignment)
+_ZIP32 = (1 << 32) - (1 << 20)  # beyond this the stream writer switches to zip64 records: torch.save writes those
+# PyTorch's serialization id begins with a hash of the set of record names (c10::hash of each name, combined in the
+# order of an std::unordered_set): a constant per record set, taken from torch.save's output and checked against it
+# in tests/test_torch_dist.py (test_item_bytes_equal_torch_save).
+_NAME_HASH = {True: 15728199511854643026,  # a tensor: data.pkl, .format_version, .storage_alignment, byteorder,
+                                           # data/0, version
+              False: 2908468677762923104}  # no storage (common.pt, a None object): the same without data/0
+# the dtypes whose tensors torch.save writes as _rebuild_tensor_v2 of a typed storage (FP8 takes another form, which
+# torch_dist exports never hold: torch.save writes it)
+_STORAGE_TYPES = {"bfloat16": "BFloat16Storage", "float16": "HalfStorage", "float32": "FloatStorage"}
+_MASK64 = (1 << 64) - 1
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    """c10::hash_combine on 64-bit size_t."""
+    return (seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _MASK64)) & _MASK64
+
+
+class _ZipParts:
+    """The byte pieces of one torch.save archive, as PyTorch's PyTorchStreamWriter writes them: each record's local
+    header (data descriptor flag, no timestamps, an "FB" extra field padding the data to 64 bytes), its data, its data
+    descriptor; then the serialization id, the central directory, zip64 end records and the end record."""
+
+    def __init__(self, crc32: Callable = zlib.crc32) -> None:
+        self.crc32 = crc32
+        self.parts: list = []
+        self.pos = 0
+        self.central: list[bytes] = []
+        self.crcs = 0  # hash_combine of every record's crc32, in write order
+
+    def record(self, name: str, data, nbytes: int | None = None) -> None:
+        full = f"archive/{name}".encode()
+        start = self.pos + 30 + len(full) + 4
+        pad = -start % _ALIGN
+        extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        n = len(data) if nbytes is None else nbytes
+        crc = self.crc32(data)
+        self.central.append(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 0, 0, 0x0808, 0, 0, 0, crc, n, n,
+                                        len(full), 0, 0, 0, 0, 0, self.pos) + full)
+        head = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 0, 0x0808, 0, 0, 0, 0, 0, 0, len(full), len(extra))
+        tail = struct.pack("<4sIII", b"PK\x07\x08", crc, n, n)
+        self.parts += [head + full + extra, data, tail]
+        self.pos += 30 + len(full) + len(extra) + n + len(tail)
+        self.crcs = _hash_combine(self.crcs, crc)
+
+    def finish(self, has_storage: bool) -> list:
+        self.record("version", b"3\n")
+        self.record(".data/serialization_id", f"{_NAME_HASH[has_storage]:020d}{self.crcs:020d}".encode())
+        cd = b"".join(self.central)
+        n, cd_off, eocd64 = len(self.central), self.pos, self.pos + len(cd)
+        self.parts.append(cd + struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 0x031E, 0x2D, 0, 0, n, n, len(cd), cd_off)
+                          + struct.pack("<4sIQI", b"PK\x06\x07", 0, eocd64, 1)
+                          + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, n, n, len(cd), cd_off, 0))
+        return self.parts
+
+
+def _archive(pickled: bytes, storage=None, nbytes: int = 0, crc32: Callable = zlib.crc32) -> list:
+    z = _ZipParts(crc32)
+    z.record("data.pkl", pickled)
+    z.record(".format_version", b"1")
+    z.record(".storage_alignment", str(_ALIGN).encode())
+    z.record("byteorder", sys.byteorder.encode())
+    if storage is not None:
+        z.record("data/0", storage, nbytes)
+    return z.finish(storage is not None)
+
+
+class _GlobalRef:
+    """Base of the stand-in classes the pickles here write as a global by name (`_pickle_as`: module.Class). An
+    instance pickles as an instance of that class (NEWOBJ, then BUILD with `_state` unless it is None), as pickle
+    writes a dataclass instance."""
+
+    _pickle_as = ""
+
+    def __reduce_ex__(self, protocol):
+        state = self.__dict__.get("_state")
+        return (copyreg.__newobj__, (type(self),)) if state is None else (copyreg.__newobj__, (type(self),), state)
+
+
+@functools.lru_cache(maxsize=None)
+def _global_ref(path: str) -> type:
+    return type(path.rsplit(".", 1)[-1], (_GlobalRef,), {"_pickle_as": path})
+
+
+def _instance(path: str, state: dict | tuple | None = None) -> _GlobalRef:
+    obj = object.__new__(_global_ref(path))
+    obj.__dict__["_state"] = state
+    return obj
+
+
+class _Call:
+    """Pickles as a call of the global `fn` (a _GlobalRef class) with `args`."""
+
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn: type, args: tuple):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+class _Storage:
+    """The storage of an item: pickled as torch.save's persistent id ('storage', <Type>Storage, '0', 'cpu', numel)."""
+
+    __slots__ = ("type", "numel")
+
+    def __init__(self, dtype: str, numel: int):
+        self.type, self.numel = _global_ref(f"torch.{_STORAGE_TYPES[dtype]}"), numel
+
+
+class _NeedsTorch(Exception):
+    """A value only torch can pickle (a tensor in common.pt): written by torch.save instead."""
+
+
+class _ArgsPickler(pickle._Pickler):
+    """The pickler for the files written here (torch.save's data.pkl with protocol 2, and DCP's `.metadata`): a Megatron
+    enum member in the args (checkpoint.megatron.MegatronEnum, or safe_load's inert stand-in of one read from another
+    checkpoint) is written as pickle writes the real member (GLOBAL <module> <Class>, called with its value) without
+    importing Megatron, a torch dtype by name (checkpoint.megatron.TorchDtype) as the global torch.<name> without
+    importing torch, the stand-ins above as the classes they name; everything else as pickle does. The pure-Python
+    pickler, for its save_global hook: these pickles are small."""
+
+    standalone = False  # True: writing torch.save's data.pkl here (tensors need torch.save), else inside torch.save
+
+    def persistent_id(self, obj):
+        if type(obj) is _Storage:
+            return ("storage", obj.type, "0", "cpu", obj.numel)
+        return None
+
+    def reducer_override(self, obj):
+        if isinstance(obj, MegatronEnum):
+            return _global_ref(obj.path), (obj.value,)
+        if isinstance(obj, TorchDtype):
+            return obj.name  # -> save_global
+        safe_load = sys.modules.get(f"{__package__}.safe_load")  # its stand-ins exist only once it is imported
+        if safe_load is not None and isinstance(obj, safe_load.MegatronObject):
+            if set(vars(obj)) != {"args"} or len(obj.args) != 1:
+                raise FormatError(f"cannot write {obj!r} back into common.pt: shardkit keeps only its data")
+            return _global_ref(obj.qualname), obj.args
+        torch = sys.modules.get("torch")
+        if self.standalone and torch is not None and isinstance(obj, torch.Tensor):
+            raise _NeedsTorch  # only torch.save writes its storage records
+        return NotImplemented
+
+    def save_global(self, obj, name=None):
+        if isinstance(obj, type) and issubclass(obj, _GlobalRef):
+            module, qual = obj._pickle_as.rsplit(".", 1)
+        elif isinstance(obj, TorchDtype):
+            module, qual = "torch", obj.name
+        else:
+            return super().save_global(obj, name)
+        self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qual.encode("utf-8") + b"\n")
+        self.memoize(obj)
+
+
+def _pickled(obj, protocol: int = 2) -> bytes:
+    buf = io.BytesIO()
+    p = _ArgsPickler(buf, protocol=protocol)
+    p.standalone = True
+    p.dump(obj)
+    return buf.getvalue()
+
+
+def tensor_item(value: np.ndarray, crc32: Callable = zlib.crc32) -> list | None:
+    """The bytes torch.save writes for a tensor of `value`'s dtype, shape and data, as pieces to write in order (the
+    data piece is a view of `value`), or None where only torch.save can write it (a dtype outside the format's, an item
+    of 4 GiB or more). (`crc32` lambda _: 0 gives the right lengths at no cost.)"""
+    try:
+        dtype = store.dtype_name(value.dtype)
+    except FormatError:
+        return None
+    if dtype not in _STORAGE_TYPES or value.nbytes >= _ZIP32 or value.size == 0:
+        return None
+    value = chunkio.contiguous(value)
+    shape = tuple(int(s) for s in value.shape)
+    stride, n = [], 1
+    for s in reversed(shape):
+        stride.append(n)
+        n *= max(s, 1)
+    rebuild = _Call(_global_ref("torch._utils._rebuild_tensor_v2"),
+                    (_Storage(dtype, value.size), 0, shape, tuple(reversed(stride)), False, OrderedDict()))
+    data = memoryview(value.reshape(-1).view(np.uint8))
+    return _archive(_pickled(rebuild), data, value.nbytes, crc32)
+
+
+def torch_save_bytes(obj) -> bytes:
+    """torch.save(obj)'s bytes for plain data (no tensors; Megatron enums and torch dtypes by name, see _ArgsPickler),
+    without torch; with a tensor inside, torch.save's own (torch is then imported anyway)."""
+    try:
+        return b"".join(bytes(p) for p in _archive(_pickled(obj)))
+    except _NeedsTorch:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(obj, buf, pickle_module=_ARGS_PICKLE)
+        return buf.getvalue()
+
+
+def _dtype_str(dtype) -> str:
+    """A torch dtype's name without the prefix, from a torch.dtype or a name (bf16, bfloat16, torch.bfloat16, ...)."""
+    name = str(dtype).removeprefix("torch.")
+    return store.DTYPE_ALIASES.get(name, name)
+
+
+def _size(dims) -> _Call:
+    return _Call(_global_ref("torch.Size"), (tuple(int(d) for d in dims),))
+
 
 class DCPWriter:
     """Append items to `__<rank>_<part>.distcp` files and build DCP's Metadata. Each file is written whole through
-    one `RankFile` (one file open at a time per process)."""
+    one `RankFile` (one file open at a time per process). Nothing here imports torch: the declarations and storage
+    entries are plain tuples (`metadata()` builds DCP's own objects from them, importing torch, for callers that
+    want them), and `.metadata` is pickled from stand-ins of DCP's classes."""
+
+    # bytes of values handed to the rank files' writer threads, not yet written (as convert.writer.INFLIGHT_BYTES)
+    IN_FLIGHT = 128 << 20
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
-        self.state_dict_metadata: dict[str, Any] = {}
-        self.storage_data: dict = {}
+        self.in_flight = _InFlight(self.IN_FLIGHT)
+        # name -> (global shape, dtype name, [(offsets, sizes)]) for a tensor, None for a bytes object
+        self.state_dict_metadata: dict[str, tuple | None] = {}
+        # (name, offsets or None) -> (file name, offset, length)
+        self.storage_data: dict[tuple, tuple[str, int, int]] = {}
 
-    def declare_tensor(self, name: str, shape: Iterable[int], dtype: torch.dtype,
+    def declare_tensor(self, name: str, shape: Iterable[int], dtype: "torch.dtype | str",
                        chunks: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
-        self.state_dict_metadata[name] = _dcp_md.TensorStorageMetadata(
-            properties=_dcp_md.TensorProperties(dtype=dtype), size=torch.Size(list(shape)),
-            chunks=[_dcp_md.ChunkStorageMetadata(offsets=torch.Size(list(o)), sizes=torch.Size(list(s)))
-                    for o, s in chunks])
+        self.state_dict_metadata[name] = (tuple(int(s) for s in shape), _dtype_str(dtype),
+                                          [(tuple(int(x) for x in o), tuple(int(x) for x in s)) for o, s in chunks])
 
     def declare_object(self, name: str) -> None:
-        self.state_dict_metadata[name] = _dcp_md.BytesStorageMetadata()
+        self.state_dict_metadata[name] = None
 
     def rank_file(self, rank: int, part: int = 0) -> "RankFile":
         return RankFile(self, f"__{rank}_{part}.distcp")
 
-    def metadata(self, checkpoint_id: str) -> _dcp_md.Metadata:
-        return _dcp_md.Metadata(state_dict_metadata=self.state_dict_metadata, planner_data=None,
-                                storage_data=self.storage_data,
-                                storage_meta=_dcp_md.StorageMeta(checkpoint_id=checkpoint_id,
-                                                                 save_id=str(uuid.uuid4())),
-                                version=DCP_VERSION)
+    def metadata(self, checkpoint_id: str, save_id: str | None = None) -> "Any":
+        """DCP's Metadata object of what was declared and written (imports torch)."""
+        import torch
+
+        md, fs = _dcp_md(), _dcp_fs()
+        sdm = {}
+        for name, d in self.state_dict_metadata.items():
+            if d is None:
+                sdm[name] = md.BytesStorageMetadata()
+                continue
+            shape, dtype, chunks = d
+            sdm[name] = md.TensorStorageMetadata(
+                properties=md.TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(shape),
+                chunks=[md.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks])
+        storage = {md.MetadataIndex(fqn, None if off is None else torch.Size(off)): fs._StorageInfo(*info)
+                   for (fqn, off), info in self.storage_data.items()}
+        return md.Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage,
+                           storage_meta=md.StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id or
+                                                       str(uuid.uuid4())),
+                           version=DCP_VERSION)
+
+    def metadata_bytes(self, checkpoint_id: str, save_id: str | None = None) -> bytes:
+        """`.metadata`: what pickle.dump of metadata() writes, pickled from stand-ins without torch."""
+        md = "torch.distributed.checkpoint.metadata."
+        layout = _Call(_global_ref("torch.serialization._get_layout"), ("torch.strided",))
+        contiguous = _Call(_global_ref(md + "_MEM_FORMAT_ENCODING"), (0,))
+        sdm = {}
+        for name, d in self.state_dict_metadata.items():
+            if d is None:
+                sdm[name] = _instance(md + "BytesStorageMetadata")
+                continue
+            shape, dtype, chunks = d
+            props = _instance(md + "TensorProperties", (_global_ref(f"torch.{dtype}"), layout, False, contiguous,
+                                                        False))
+            sdm[name] = _instance(md + "TensorStorageMetadata", {
+                "properties": props, "size": _size(shape),
+                "chunks": [_instance(md + "ChunkStorageMetadata", {"offsets": _size(o), "sizes": _size(s)})
+                           for o, s in chunks]})
+        storage = {}
+        for (fqn, off), (rel, start, length) in self.storage_data.items():
+            idx = _instance(md + "MetadataIndex", {"fqn": fqn, "index": None,
+                                                   "offset": None if off is None else _size(off)})
+            storage[idx] = _instance("torch.distributed.checkpoint.filesystem._StorageInfo",
+                                     {"relative_path": rel, "offset": start, "length": length})
+        meta = _instance(md + "StorageMeta", {"checkpoint_id": checkpoint_id, "save_id": save_id or str(uuid.uuid4()),
+                                              "load_id": None, "modules": []})
+        return _pickled(_instance(md + "Metadata", {"state_dict_metadata": sdm, "planner_data": None,
+                                                    "storage_data": storage, "storage_meta": meta,
+                                                    "version": DCP_VERSION}), protocol=pickle.DEFAULT_PROTOCOL)
 
     def write_metadata(self, checkpoint_id: str) -> None:
-        buf = io.BytesIO()
-        pickle.dump(self.metadata(checkpoint_id), buf)
-        write_file_atomic(self.dir / DCP_METADATA, buf.getvalue())
+        write_file_atomic(self.dir / DCP_METADATA, self.metadata_bytes(checkpoint_id))
+
+
+class _InFlight:
+    """Bytes handed to rank files' writer threads and not yet written (their values stay alive until then): `take`
+    waits while more than `limit` are in flight (one item alone always goes)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self.cond = threading.Condition()
+
+    def take(self, n: int) -> None:
+        with self.cond:
+            while self.held and self.held + n > self.limit:
+                self.cond.wait()
+            self.held += n
+
+    def give(self, n: int) -> None:
+        with self.cond:
+            self.held -= n
+            self.cond.notify_all()
 
 
 class RankFile:
     """One `.distcp` file: items are appended; the storage entries go to the writer's metadata on close.
 
-    Every SYNC_EVERY bytes an fsync of what is written so far starts on a helper thread, so the disk writes back
-    while the next items are read and serialised; the fsync at close then finds little left (it used to wait for the
-    whole file at the end: a quarter of the export's time)."""
+    An item's place in the file is fixed when it is added (its length does not depend on its data); its bytes are
+    computed (the crc32 the zip records need) and written by the file's own writer thread, in order, while the caller
+    reads the next one; memory is bounded by the writer's IN_FLIGHT bytes of values not yet written. Every SYNC_EVERY
+    bytes an fsync of what is written so far starts on a helper thread, so the disk writes back while the rest is
+    produced; close waits for every write and the last fsync (a write error is raised there, or by a later add)."""
 
     SYNC_EVERY = 128 << 20
 
@@ -631,41 +1226,90 @@ class RankFile:
         self.writer, self.name = writer, name
         self.entries: dict = {}
         self.f = open(writer.dir / name, "wb")
+        self.pos = 0
         self._unsynced = 0
         self._sync: Future | None = None
         self._syncer = ThreadPoolExecutor(1, thread_name_prefix="shardkit-sync")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="shardkit-distcp")
+        self._pending: list[Future] = []
 
     def add_tensor(self, name: str, offsets: tuple[int, ...], value: "torch.Tensor | np.ndarray") -> int:
-        if isinstance(value, np.ndarray):  # a torch view of it (gathered first when not contiguous): no copy
-            value = store.from_numpy(chunkio.contiguous(value))
-        value = value.detach().contiguous()
-        if value.untyped_storage().nbytes() != value.numel() * value.element_size():
-            value = value.clone()  # torch.save writes whole storages: never a view into a bigger one
-        start = self.f.tell()
-        torch.save(value, self.f)
-        length = self.f.tell() - start
-        self.entries[_dcp_md.MetadataIndex(name, offsets)] = _dcp_fs._StorageInfo(self.name, start, length)
+        """Append one tensor item (torch.save's bytes; written from numpy values without torch); its length."""
+        arr = value if isinstance(value, np.ndarray) else None
+        if arr is None:
+            try:
+                arr = store.to_numpy(value.detach().cpu())
+            except (FormatError, KeyError):  # a dtype numpy has no view for: torch.save below
+                arr = None
+        if arr is not None:
+            arr = chunkio.contiguous(arr)  # (gathered once, here, when it is not)
+        layout = tensor_item(arr, crc32=lambda _: 0) if arr is not None else None  # the lengths only
+        if layout is not None:
+            length = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in layout)
+            self._submit(length, arr.nbytes, functools.partial(tensor_item, arr))
+        else:
+            import torch
+
+            if isinstance(value, np.ndarray):
+                value = store.from_numpy(chunkio.contiguous(value))
+            value = value.detach().contiguous()
+            if value.untyped_storage().nbytes() != value.numel() * value.element_size():
+                value = value.clone()  # torch.save writes whole storages: never a view into a bigger one
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            data = buf.getvalue()
+            length = len(data)
+            self._submit(length, length, lambda: [data])
+        self.entries[(name, tuple(int(o) for o in offsets))] = (self.name, self.pos - length, length)
+        return length
+
+    def add_bytes(self, name: str, data: bytes) -> int:
+        data = bytes(data)
+        self._submit(len(data), len(data), lambda: [data])
+        self.entries[(name, None)] = (self.name, self.pos - len(data), len(data))
+        return len(data)
+
+    def _submit(self, length: int, held: int, parts: Callable[[], list]) -> None:
+        for f in [f for f in self._pending if f.done()]:
+            self._pending.remove(f)
+            f.result()  # a failed write is raised here
+        self.writer.in_flight.take(held)
+        try:
+            self._pending.append(self._writer.submit(self._write, parts, length, held))
+        except BaseException:
+            self.writer.in_flight.give(held)
+            raise
+        self.pos += length
+
+    def _write(self, parts: Callable[[], list], length: int, held: int) -> None:
+        try:
+            n = 0
+            for p in parts():
+                n += self.f.write(p)
+            if n != length:
+                raise WriteError(f"{self.writer.dir / self.name}: wrote {n} bytes of an item of {length}")
+        finally:
+            self.writer.in_flight.give(held)
         self._unsynced += length
         if self._unsynced >= self.SYNC_EVERY and (self._sync is None or self._sync.done()):
             if self._sync is not None:
                 self._sync.result()  # raise a failed background fsync here
             self.f.flush()
             self._sync, self._unsynced = self._syncer.submit(os.fsync, self.f.fileno()), 0
-        return length
-
-    def add_bytes(self, name: str, data: bytes) -> int:
-        start = self.f.tell()
-        self.f.write(data)
-        self.entries[_dcp_md.MetadataIndex(name)] = _dcp_fs._StorageInfo(self.name, start, len(data))
-        return len(data)
 
     def close(self) -> dict:
+        if self.f.closed:  # (closed already, e.g. by close_all)
+            return self.entries
         try:
+            self._writer.shutdown(wait=True)
+            for f in self._pending:
+                f.result()
             if self._sync is not None:
                 self._sync.result()
             self.f.flush()
             os.fsync(self.f.fileno())
         finally:
+            self._writer.shutdown(wait=True, cancel_futures=True)
             self._syncer.shutdown()
             self.f.close()
         self.writer.storage_data.update(self.entries)
@@ -678,51 +1322,29 @@ class RankFile:
         if exc_type is None:
             self.close()
         else:
+            self._writer.shutdown(wait=True, cancel_futures=True)  # nothing writes once the file is closed
             self._syncer.shutdown()  # waits for a background fsync: the file stays open until it is done
             self.f.close()
+
+
+def close_all(files: Iterable[RankFile]) -> None:
+    """Close rank files together: their last writes and fsyncs run concurrently (one after another, each close would
+    wait for its own file's write-back alone); the first failure is raised once all are done."""
+    files = list(files)
+    if len(files) <= 1:
+        for f in files:
+            f.close()
+        return
+    with ThreadPoolExecutor(min(len(files), 16), thread_name_prefix="shardkit-close") as pool:
+        done = [pool.submit(f.close) for f in files]
+    for d in done:
+        d.result()
 
 
 def none_object_bytes() -> bytes:
     """The item megatron-core writes for a ShardedObject whose data is None (e.g. a linear layer's _extra_state
     without FP8): torch.save of the list of local objects."""
-    buf = io.BytesIO()
-    torch.save([None], buf)
-    return buf.getvalue()
-
-
-class _GlobalRef:
-    """Base of the stand-in classes _ArgsPickler writes as a global by name (`_pickle_as`: module.Class)."""
-
-    _pickle_as = ""
-
-
-@functools.lru_cache(maxsize=None)
-def _global_ref(path: str) -> type:
-    return type(path.rsplit(".", 1)[-1], (_GlobalRef,), {"_pickle_as": path})
-
-
-class _ArgsPickler(pickle._Pickler):
-    """torch.save's pickler for common.pt: a Megatron enum member in the args (checkpoint.megatron.MegatronEnum, or
-    safe_load's inert stand-in of one read from another checkpoint) is written as pickle writes the real member
-    (GLOBAL <module> <Class>, called with its value) without importing Megatron; everything else as pickle does.
-    The pure-Python pickler, for its save_global hook: common.pt is small."""
-
-    def reducer_override(self, obj):
-        if isinstance(obj, MegatronEnum):
-            return _global_ref(obj.path), (obj.value,)
-        if isinstance(obj, MegatronObject):
-            if set(vars(obj)) != {"args"} or len(obj.args) != 1:
-                raise FormatError(f"cannot write {obj!r} back into common.pt: shardkit keeps only its data")
-            return _global_ref(obj.qualname), obj.args
-        return NotImplemented
-
-    def save_global(self, obj, name=None):
-        if isinstance(obj, type) and issubclass(obj, _GlobalRef):
-            module, qual = obj._pickle_as.rsplit(".", 1)
-            self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qual.encode("utf-8") + b"\n")
-            self.memoize(obj)
-            return
-        super().save_global(obj, name)
+    return torch_save_bytes([None])
 
 
 _ARGS_PICKLE = type(sys)("shardkit_common_pickle")
@@ -730,9 +1352,7 @@ _ARGS_PICKLE.Pickler = _ArgsPickler
 
 
 def write_common(directory: Path, common: dict) -> None:
-    buf = io.BytesIO()
-    torch.save(common, buf, pickle_module=_ARGS_PICKLE)
-    write_file_atomic(Path(directory) / COMMON_PT, buf.getvalue())
+    write_file_atomic(Path(directory) / COMMON_PT, torch_save_bytes(common))
     write_file_atomic(Path(directory) / METADATA_JSON, json.dumps(BACKEND))
 
 
@@ -801,6 +1421,6 @@ def load_sidecar(iter_dir: Path) -> dict | None:
 
 
 __all__ = ["TorchDistCheckpoint", "TDTensor", "read_torch_dist", "resolve_torch_dist", "load_dcp_metadata",
-           "load_common", "DCPWriter", "RankFile", "write_common", "write_sidecar", "load_sidecar", "SIDECAR",
+           "load_common", "DCPWriter", "RankFile", "close_all", "write_common", "write_sidecar", "load_sidecar", "SIDECAR",
            "HF_SUBDIR",
            "none_object_bytes", "BACKEND", "TRACKER", "CHECKPOINT_VERSION"]

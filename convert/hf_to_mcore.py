@@ -24,7 +24,7 @@ from checkpoint.reader import count_nonfinite
 from checkpoint.safety import check_output
 from checkpoint.sharding import SCALE_SUFFIX, TensorSpec, check_fp8_layout, fp8_scale_specs, model_specs
 
-from . import families
+from . import distributed, families
 from .hf_source import HFSource, copy_assets
 from .mapping import TensorMap, assemble
 from .writer import ChunkSink, Task, chunk_tasks, write_chunks
@@ -260,8 +260,10 @@ def _check_finite(hf_dir: str, tm: TensorMap, start: int, value: np.ndarray) -> 
 
 def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dtype: str | None = None,
                         workers: int | None = None, overwrite: bool = False, quiet: bool = False,
-                        keep_fp8: bool = False, allow_nonfinite: bool = False) -> Path:
-    """Convert and commit `<out>/iter_0000000`; returns the iteration directory."""
+                        keep_fp8: bool = False, allow_nonfinite: bool = False, group=None,
+                        estimate_above: int | None = None) -> Path:
+    """Convert and commit `<out>/iter_0000000`; returns the iteration directory. With `group` (one rank of several,
+    convert.distributed), this rank writes its share of the chunks and rank 0 commits."""
     hf_dir, out = Path(hf_dir), Path(out)
     check_output(out, [("HF_DIR", hf_dir)])  # never over, inside or around the source
     cfg = ModelConfig.from_hf_dir(hf_dir)
@@ -273,19 +275,29 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
     job = {"tool": VERSION, "source": str(hf_dir.resolve()), "files": src.fingerprint(), "layout": layout.to_dict(),
            "dtype": dtype, "fp8": fp8, "model": _jsonable(cfg.to_dict())}
     started = time.time()
-    with IterationWriter(out, 0, job, overwrite=overwrite) as w:
+    path = None
+    with distributed.open_writer(out, 0, job, overwrite, group) as w:
         args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial), {n: e.dtype for n, e in entries.items()},
                 fp8, allow_nonfinite)
-        write_chunks(w, entries, "hf-to-mcore", _Worker, args, workers, quiet)
-        copy_assets(hf_dir, w.path("hf"))
-        manifest = Manifest(
-            iteration=0, model=cfg, layout=layout, tensors=entries, fp8=fp8,
-            provenance={"tool": f"shardkit {VERSION}", "command": "convert hf-to-mcore",
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "source": {"kind": "hf", "path": str(hf_dir.resolve()), "files": src.fingerprint()},
-                        "seconds": round(time.time() - started, 3),
-                        **({"fp8": fp8_provenance(src, fp8_block(cfg), bool(fp8))} if fp8_block(cfg) else {})})
-        return w.commit(manifest)
+        write_chunks(w, entries, "hf-to-mcore", _Worker, args, workers, quiet, group=group,
+                     estimate_above=estimate_above)
+        if distributed.leads(group):
+            path = _commit(w, hf_dir, src, cfg, layout, entries, fp8, started)
+    return distributed.finish(group, path, out)
+
+
+def _commit(w: IterationWriter, hf_dir: Path, src: HFSource, cfg: ModelConfig, layout: Layout,
+            entries: dict[str, TensorEntry], fp8: dict | None, started: float) -> Path:
+    """The manifest (provenance: source files, time) and the commit, by the one process that commits."""
+    copy_assets(hf_dir, w.path("hf"))
+    manifest = Manifest(
+        iteration=0, model=cfg, layout=layout, tensors=entries, fp8=fp8,
+        provenance={"tool": f"shardkit {VERSION}", "command": "convert hf-to-mcore",
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "source": {"kind": "hf", "path": str(hf_dir.resolve()), "files": src.fingerprint()},
+                    "seconds": round(time.time() - started, 3),
+                    **({"fp8": fp8_provenance(src, fp8_block(cfg), bool(fp8))} if fp8_block(cfg) else {})})
+    return w.commit(manifest)
 
 
 def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native", memory_budget: str | None = None,

@@ -9,7 +9,10 @@
 checkpoints made with the distributed optimizer name the model file `model_rng.pt`.) Each file holds the rank's local
 megatron-core `GPTModel.state_dict()` under `model` (`model0`, `model1`, ... per virtual pipeline stage), with layer
 indices local to the stage and expert indices local to the expert rank, plus `args`, `iteration`, RNG, optimizer and
-scheduler state that are not model weights and are not converted.
+scheduler state that are not model weights and are not converted. Uneven pipeline stages are read as Megatron-LM
+writes them: the same files, each stage holding its own number of layers; the args' split flags
+(--decoder-first/last-pipeline-num-layers, --account-for-*-in-pipeline-split, --pipeline-model-parallel-layout) say
+which, and the converted checkpoint keeps that split.
 
 Every file is loaded with `torch.load(weights_only=True, mmap=True)` under a short explicit allowlist (see
 `SAFE_GLOBALS`); anything else in the pickle is refused with one line naming the file, and nothing is executed. Tensor
@@ -45,7 +48,7 @@ from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, LayoutError, ShardkitError, WriteError
-from checkpoint.layout import Layout, RankCoord
+from checkpoint.layout import Layout, PipelineSplit, RankCoord
 from checkpoint.manifest import Manifest, TensorEntry, tensor_path
 from checkpoint.megatron import (CHECKPOINT_VERSION, RELEASE, TRACKER, arg, canonical_candidates, check_args,
                                  config_from_megatron_args, int_arg, iter_dirname, iteration_of, with_args_vocab)
@@ -283,24 +286,28 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
         raise LayoutError(f"{label0}: expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size={tp}; "
                           "legacy rank files do not say which expert-TP rank they hold, so only etp == tp is "
                           "supported (convert from --ckpt-format torch_dist instead)")
-    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                 "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-                 "account_for_loss_in_pipeline_split"):
-        if arg(args, name):
-            raise LayoutError(f"{label0}: args.{name}={arg(args, name)!r}: uneven pipeline stages are not supported "
-                              "(every stage must hold num_layers / (pp x vpp) layers)")
+    # uneven pipeline stages: Megatron-LM saves them like any others (each stage's own layers, numbered from 0 in its
+    # file); where they sit comes from the split flags in the args (no args: the even split)
+    try:
+        split = PipelineSplit.from_args(args)
+    except LayoutError as e:
+        raise LayoutError(f"{label0}: the args' pipeline split: {e}") from None
+    for name, ours in (("num_layers_in_first_pipeline_stage", "first"), ("num_layers_in_last_pipeline_stage", "last")):
+        if arg(args, name) is not None and arg(args, name) != getattr(split or PipelineSplit(), ours):
+            raise FormatError(f"{label0}: args.{name}={arg(args, name)!r} disagrees with "
+                              f"args.decoder_{ours}_pipeline_num_layers={getattr(split or PipelineSplit(), ours)!r}")
     if version is not None and (not isinstance(version, (int, float)) or version < CHECKPOINT_VERSION):
         raise FormatError(f"{label0}: checkpoint_version {version!r}: only megatron-core checkpoints (version "
                           f"{CHECKPOINT_VERSION}, QKV grouped by query group) are supported")
     cfg = with_args_vocab(cfg, args, tp, label0)
     check_args(args, cfg, label0)
-    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep)
+    layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, split=split)
     try:
         layout.check(cfg)
     except LayoutError as e:
-        raise LayoutError(f"{iter_dir}: the checkpoint's layout (tp={tp}, pp={pp}, vpp={vpp}, ep={ep}) does not fit "
-                          f"the model config: {e}") from None
+        flags = "".join(" " + f for f in split.flags()) if split else ""
+        raise LayoutError(f"{iter_dir}: the checkpoint's layout (tp={tp}, pp={pp}, vpp={vpp}, ep={ep}{flags}) does "
+                          f"not fit the model config: {e}") from None
     return LegacySource(root, iter_dir, iteration, layout, files, args, cfg, version)
 
 

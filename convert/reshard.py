@@ -23,12 +23,13 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError, ShardkitError
 from checkpoint.layout import Layout, PipelineSplit
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
-from checkpoint.reader import Checkpoint, ReadPlan, read_padded
+from checkpoint.reader import Checkpoint, ReadPlan, read_padded, vocab_padding
 from checkpoint.safety import check_output
-from checkpoint.sharding import Rule, check_fp8_layout, model_specs, optimizer_specs, split_optimizer_key
+from checkpoint.sharding import Rule, check_fp8_layout, model_specs, split_optimizer_key
 
 from .hf_to_mcore import VERSION
-from .writer import ChunkSink, Task, chunk_tasks, write_chunks
+from . import distributed
+from .writer import ChunkSink, Task, write_chunks
 
 LAYOUT_FLAGS = ("tp", "pp", "vpp", "ep", "etp")
 
@@ -122,12 +123,6 @@ def plan_reshard(ck: Checkpoint, layout: Layout, dtype: str | None) -> dict[str,
     return entries
 
 
-def vocab_padding(cfg: ModelConfig, layout: Layout, optimizer: list[str] | None) -> dict[str, int]:
-    """Vocab tensors of the destination (and their optimizer state): name -> true rows (read_padded fills the rest)."""
-    base = [s for s in model_specs(cfg, layout) if s.rule is Rule.VOCAB]
-    return {s.name: cfg.vocab_size for s in [*base, *optimizer_specs(base, optimizer or ())]}
-
-
 # -- worker side ----------------------------------------------------------------------------------------------------
 SOURCE_CACHE_BYTES = 512 << 20  # > READ_AHEAD_BYTES + the chunks in use (chunks are at most 128 MiB)
 READ_AHEAD_BYTES = 256 << 20
@@ -159,12 +154,13 @@ class _Worker:
 # -- main side ------------------------------------------------------------------------------------------------------
 
 def reshard(src_path: str | Path, out: str | Path, layout: Layout, dtype: str | None = None,
-            workers: int | None = None, overwrite: bool = False, quiet: bool = False, skip_verify: bool = False
-            ) -> Path:
+            workers: int | None = None, overwrite: bool = False, quiet: bool = False, skip_verify: bool = False,
+            group=None, estimate_above: int | None = None) -> Path:
     """Write `<out>/iter_N` (N = the source's iteration) for `layout`; returns the iteration directory. The source is
-    checked first (Checkpoint.check) unless `skip_verify`; every chunk read is checksummed either way."""
+    checked first (Checkpoint.check; by rank 0 alone with `group`, one rank of several) unless `skip_verify`; every
+    chunk read is checksummed either way."""
     check_output(out, [("SRC", src_path)], "DST")  # never over, inside or around the source
-    ck = Checkpoint(src_path, check=not skip_verify)
+    ck = Checkpoint(src_path, check=not skip_verify and distributed.leads(group))
     out = Path(out)
     if out.resolve() == ck.path.parent.resolve():
         raise ShardkitError(f"{out}: the destination is the source's own root; write the resharded checkpoint "
@@ -176,20 +172,37 @@ def reshard(src_path: str | Path, out: str | Path, layout: Layout, dtype: str | 
     job = {"tool": VERSION, "source": str(ck.path.resolve()), "source_manifest": digest, "layout": layout.to_dict(),
            "dtype": dtype}
     started = time.time()
-    with IterationWriter(out, ck.manifest.iteration, job, overwrite=overwrite) as w:
-        args = (str(ck.path), str(w.partial), {n: e.dtype for n, e in entries.items()}, vocab, chunk_tasks(entries))
-        write_chunks(w, entries, "reshard", _Worker, args, workers, quiet)
-        if ck.hf_dir().is_dir():
-            shutil.copytree(ck.hf_dir(), w.path("hf"), dirs_exist_ok=True)
-        if ck.train_state_path() is not None:  # carried verbatim; committed (fsynced, renamed) with the rest
-            shutil.copyfile(ck.train_state_path(), w.path(TRAIN_STATE))
-        m = ck.manifest
-        manifest = Manifest(
-            iteration=m.iteration, model=m.model, layout=layout, tensors=entries, fp8=m.fp8, training=m.training,
-            optimizer=m.optimizer,
-            provenance={**m.provenance, "tool": f"shardkit {VERSION}", "command": "reshard",
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "seconds": round(time.time() - started, 3),
-                        "resharded_from": {"path": str(ck.path.resolve()), "layout": m.layout.to_dict(),
-                                           "source": m.provenance.get("source")}})
-        return w.commit(manifest)
+    path = None
+    with distributed.open_writer(out, ck.manifest.iteration, job, overwrite, group) as w:
+        dtypes = {n: e.dtype for n, e in entries.items()}
+        write_chunks(w, entries, "reshard", _Worker, lambda todo: (str(ck.path), str(w.partial), dtypes, vocab, todo),
+                     workers, quiet, group=group, region=lambda t: source_chunk(ck, t), estimate_above=estimate_above)
+        if distributed.leads(group):
+            path = _commit(w, ck, layout, entries, started)
+    return distributed.finish(group, path, out)
+
+
+def source_chunk(ck: Checkpoint, task: Task) -> tuple:
+    """The source chunk where a destination chunk starts: destination chunks that split one source chunk (a higher
+    TP) stay on one rank (convert.distributed.share), so it is read and checksummed once."""
+    chunk = ck.entry(task.name).chunk
+    return task.name, tuple(a // c for (a, _), c in zip(task.box, chunk))
+
+
+def _commit(w: IterationWriter, ck: Checkpoint, layout: Layout, entries: dict[str, TensorEntry],
+            started: float) -> Path:
+    """The carried files, the manifest and the commit, by the one process that commits."""
+    if ck.hf_dir().is_dir():
+        shutil.copytree(ck.hf_dir(), w.path("hf"), dirs_exist_ok=True)
+    if ck.train_state_path() is not None:  # carried verbatim; committed (fsynced, renamed) with the rest
+        shutil.copyfile(ck.train_state_path(), w.path(TRAIN_STATE))
+    m = ck.manifest
+    manifest = Manifest(
+        iteration=m.iteration, model=m.model, layout=layout, tensors=entries, fp8=m.fp8, training=m.training,
+        optimizer=m.optimizer,
+        provenance={**m.provenance, "tool": f"shardkit {VERSION}", "command": "reshard",
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "seconds": round(time.time() - started, 3),
+                    "resharded_from": {"path": str(ck.path.resolve()), "layout": m.layout.to_dict(),
+                                       "source": m.provenance.get("source")}})
+    return w.commit(manifest)

@@ -20,7 +20,9 @@ next) and our own chain (whose final logits are the end-to-end number, the same 
 Each expert is also compared alone on the rows HF gave it, so a wrong expert is named. DeepSeek-V3's MTP layers run
 after the decoder: transformers has no MTP forward, so the HF side composes transformers' own modules (its RMSNorm, a
 Linear for eh_proj, its decoder layer for index L + j, built and loaded by transformers) the way DeepSeek defines the
-depth: eh_proj([enorm(embedding of the next token); hnorm(hidden)]), the layer, shared_head.norm, shared_head.head.
+depth: eh_proj([enorm(embedding of the next token); hnorm(hidden)]), the layer, shared_head.norm, shared_head.head,
+with `hidden` what megatron-core feeds it: the final-normed decoder output, then the previous depth's shared_head.norm
+output.
 Everything runs in fp32 on the CPU.
 """
 from __future__ import annotations
@@ -772,14 +774,16 @@ def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, stat
          hf_embed: _Gathered, our_embed: _Gathered, cos: Tensor, sin: Tensor, tolerance: float, all_experts: bool,
          hf_heads: list, our_heads: list) -> list[dict]:
     """DeepSeek-V3's MTP depths, each on HF's hidden state (and ours on our chain); appends each depth's head inputs
-    (HF's, ours end to end, ours on HF's hidden) for the blocked head pass. Returns one row per depth."""
+    (HF's, ours end to end, ours on HF's hidden) for the blocked head pass. Returns one row per depth. Both sides
+    read what megatron-core's MTP block reads (GPTModel.mtp_forward): the decoder's final-normed output for the first
+    depth, each depth's output after its final norm (HF: shared_head.norm) for the next."""
     rows = []
     if not cfg.mtp_num_layers:
         return rows
     L, h = cfg.num_layers, cfg.hidden_size
     model = hf.mtp_model()
     norm_cls = type(hf.model.model.norm)
-    hf_prev, our_prev = state["last_hf"], state["chain"]
+    hf_prev, our_prev = hf_heads[0][0], our_heads[0]  # the final-normed decoder outputs, HF's and ours end to end
     for j in range(cfg.mtp_num_layers):
         p = f"model.layers.{L + j}."
         keys = hf.keys.get(L + j, [])
@@ -808,7 +812,8 @@ def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, stat
         _free(layer)
         weights.release()
         head_key = p + "shared_head.head.weight"
-        hf_heads.append((snorm(y_hf), head_key if weights.has(head_key) else
+        hf_out = snorm(y_hf)
+        hf_heads.append((hf_out, head_key if weights.has(head_key) else
                          ("model.embed_tokens.weight" if hf.tied else "lm_head.weight")))
         # ours
         mine = ours.model.mtp.layers[j]
@@ -824,10 +829,11 @@ def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, stat
         row = _row(f"mtp.{j}", on_hf, y_hf, rep, standin, cfg, tolerance, 1)
         row["eh_proj_max_abs_diff"] = (x_on_hf - x_hf).abs().max().item()
         rows.append(row)
-        our_heads.extend([mine.final_layernorm(chain), mine.final_layernorm(on_hf)])
+        our_out = mine.final_layernorm(chain)
+        our_heads.extend([our_out, mine.final_layernorm(on_hf)])
         for name in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
             _free(getattr(mine, name))
-        hf_prev, our_prev = y_hf, chain
+        hf_prev, our_prev = hf_out, our_out
     return rows
 
 

@@ -11,13 +11,18 @@ spec names differently. Peak memory: one chunk per writer process, plus the meta
 dtype), it writes the destination's chunks straight from the source boxes (vocab padding recomputed): reshard and
 export in one pass. A training checkpoint's optimizer state goes under megatron-core's distributed-optimizer keys
 (`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`, sharding type `fully_reshardable`) and train_state.json into
-common.pt.
+common.pt. No torch import on this path unless a dtype is cast: checkpoint.torch_dist writes torch.save's and DCP's
+bytes itself. convert_hf_to_torch_dist (`convert hf-to-mcore --format torch_dist`) writes the same items straight
+from the HF shards through hf_to_mcore's chunk worker (stream_torch_dist: no native copy in between); the result is
+byte for byte the export of the native conversion.
 
 torch_dist_to_native: every destination chunk is gathered from the stored items that overlap it (one item in memory
 at a time, large ones memory-mapped), so any torch_dist checkpoint - Megatron's own per-rank shards included - converts
-to any native layout. Model-space optimizer state (`optimizer.state.{param|fp32_param,exp_avg,exp_avg_sq}.<key>`, as
-megatron-core's distributed optimizer saves it with `fully_reshardable` or `fully_sharded_model_space`) becomes the
-native optimizer entries; other optimizer objects, RNG state and `_extra_state` objects are skipped.
+to any native layout, the items read as numpy views of the mapped files (TorchDistCheckpoint.read_numpy: no
+torch.load, no copy where a chunk is one item). Model-space optimizer state
+(`optimizer.state.{param|fp32_param,exp_avg,exp_avg_sq}.<key>`, as megatron-core's distributed optimizer saves it with
+`fully_reshardable` or `fully_sharded_model_space`) becomes the native optimizer entries; other optimizer objects, RNG
+state and `_extra_state` objects are skipped.
 
 In place (no staging copy): TorchDistSource reads a torch_dist checkpoint as a native Checkpoint is read (verify
 --against), describe_torch_dist is `inspect`, verify_torch_dist is `verify` (keys, shapes and rank shards against the
@@ -27,18 +32,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import json
 import math
 import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
-import torch
 
 from checkpoint import store
 from checkpoint.commit import IterationWriter, check_output_root
@@ -46,97 +50,24 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
-from checkpoint.megatron import (CHECKPOINT_VERSION, DENSE_ORDER, EXPERT_ORDER, KEY_NAMINGS, TRACKER, arg,
-                                 layout_from_args, megatron_args, rank_of, rank_sizes, sharded_key)
+from checkpoint.megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, MEGATRON_OPTIM_SHARDING, MEGATRON_SCHEDULER_KEYS,
+                                 TRACKER, TRAIN_STATE_KEY, arg, chunk_rank, extra_state_objects, layout_from_args,
+                                 megatron_args, shard_owners, stored_key)
 from checkpoint.progress import progress_bar
-from checkpoint.reader import Checkpoint, ManifestView, ReadPlan, count_nonfinite, entry_nbytes, read_padded
+from checkpoint.reader import Checkpoint, ReadPlan, count_nonfinite, entry_nbytes, read_padded, vocab_padding
 from checkpoint.safety import check_output
-from checkpoint.sharding import OPTIMIZER_STATES, Region, Rule, TensorSpec, regions, split_optimizer_key
-from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, TorchDistCheckpoint, none_object_bytes, read_torch_dist,
-                                   write_common, write_sidecar)
+from checkpoint.sharding import TensorSpec, split_optimizer_key
+from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, RankFile, TorchDistCheckpoint, close_all,
+                                   none_object_bytes, read_torch_dist, write_common, write_sidecar)
+from checkpoint.torch_dist_view import (TorchDistSource, import_optimizer_states, match_keys, plan_import,
+                                        shape_problems)
 
 from .hf_to_mcore import VERSION
-from .reshard import plan_reshard, vocab_padding
+from .reshard import plan_reshard
 from .writer import ChunkSink, Task, Workers, chunk_tasks, write_chunks
 
-SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
-
-
-# megatron-core's distributed optimizer (`fully_reshardable`, the model-space format megatron-core 0.16 can load) names
-# the fp32 main parameters `param`; its `fully_sharded_model_space` and the non-distributed mixed-precision optimizer
-# name them `fp32_param`, as shardkit does. We write `param` and read either.
-MEGATRON_OPTIM_STATE = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-MEGATRON_OPTIM_SHARDING = "fully_reshardable"
-TRAIN_STATE_KEY = "shardkit_train_state"  # common.pt: train_state.json carried verbatim as a string
-
-
-def stored_key(name: str, key_naming: str) -> str:
-    """The torch_dist key of canonical tensor `name` (or of its optimizer state) under a layer-spec naming."""
-    opt = split_optimizer_key(name)
-    if opt is not None:
-        return f"optimizer.state.{MEGATRON_OPTIM_STATE[opt[0]]}.{stored_key(opt[1], key_naming)}"
-    return sharded_key(name, key_naming)
-
-
-def source_keys(name: str) -> list[str]:
-    """torch_dist keys accepted for canonical tensor `name`: TE naming first, then the local spec's; for optimizer
-    state, Megatron's `param` and `fp32_param` spellings of the fp32 main parameters."""
-    opt = split_optimizer_key(name)
-    if opt is not None:
-        state, model = opt
-        spellings = ["param", "fp32_param"] if state == "fp32_param" else [state]
-        return [f"optimizer.state.{sp}.{k}" for k in source_keys(model) for sp in spellings]
-    keys = [name]
-    local = stored_key(name, "local")
-    if local != name:
-        keys.append(local)
-    return keys
-
-
-# -- Megatron rank numbering ------------------------------------------------------------------------------------------
-
-def chunk_rank(spec: TensorSpec, layout: Layout, box: tuple[tuple[int, int], ...], num_layers: int) -> int:
-    """The (data-parallel rank 0) Megatron rank whose shard (its primary regions in the sharding table) holds the
-    first element of a box of `spec` (a stored chunk, or a whole layer's box for its TP rank 0 object)."""
-    for region, rank in _shard_owners(spec, layout, num_layers):
-        if all(o <= a < o + s for (a, _), o, s in zip(box, region.global_offset, region.shape)):
-            return rank
-    raise ShardkitError(f"internal: tensor {spec.name}: box {list(box)} starts in no rank's shard")
-
-
-@functools.lru_cache(maxsize=64)
-def _shard_owners(spec: TensorSpec, layout: Layout, num_layers: int) -> list[tuple[Region, int]]:
-    """Every primary region of `spec` with the Megatron rank that owns it (TP fastest, then EP, then PP)."""
-    out = []
-    for c in layout.ranks(expert=spec.expert):
-        if spec.expert:
-            rank = rank_of(rank_sizes(layout, expert=True), EXPERT_ORDER, etp=c.etp, ep=c.ep, pp=c.pp)
-        else:
-            rank = rank_of(rank_sizes(layout), DENSE_ORDER, tp=c.tp, pp=c.pp)
-        out += [(r, rank) for r in regions(spec, layout, c, num_layers) if r.primary]
-    return out
-
-
-def extra_state_objects(spec: TensorSpec, layout: Layout, num_layers: int) -> list[tuple[str, int]]:
-    """The `<module>._extra_state/shard_<offsets>_<shape>` objects megatron-core's GPTModel has for the linear layer
-    whose weight is `spec` (one per layer, and per expert), with the rank that writes each (TP rank 0)."""
-    if not spec.name.endswith(".weight"):
-        return []
-    module = spec.name[: -len("weight")]
-    last = module.rstrip(".").rsplit(".", 1)[-1]
-    if not (last.startswith("linear_") or last == "eh_proj"):
-        return []
-    axes = spec.shape[: spec.lead]
-    if not axes:
-        axes = (1,)  # megatron-core: an object outside any stack gets offset (0,) of shape (1,)
-    out = []
-    for idx in itertools.product(*[range(n) for n in axes]):
-        key = f"{module}_extra_state/shard_{'.'.join(map(str, idx))}_{'.'.join(map(str, axes))}"
-        box = [(i, i + 1) for i in idx] if spec.lead else []
-        box += [(0, s) for s in spec.shape[spec.lead:]]
-        out.append((key, chunk_rank(spec, layout, tuple(box), num_layers)))
-    return out
-
+if TYPE_CHECKING:
+    import torch
 
 # -- native -> torch_dist ---------------------------------------------------------------------------------------------
 
@@ -145,7 +76,8 @@ def _write_rank(args: tuple, advance: Callable[[int], None] | None = None) -> tu
     of the destination applied) and objects. Several files are written together, their items in the order of the
     source's chunks, so that a source chunk feeding several ranks (a higher TP) is read once (ReadPlan)."""
     ckpt_path, tmp_dir, files, key_naming, pads, dtypes = args
-    torch.set_num_threads(1)
+    if "torch" in sys.modules:  # (casts only: the items are written without torch)
+        sys.modules["torch"].set_num_threads(1)
     from .reshard import SOURCE_CACHE_BYTES
 
     ck = Checkpoint(ckpt_path, cache_bytes=SOURCE_CACHE_BYTES)
@@ -165,6 +97,7 @@ def _write_rank(args: tuple, advance: Callable[[int], None] | None = None) -> tu
         for f, (_, _, objects) in zip(out, files):
             for key in objects:
                 f.add_bytes(key, blob)
+        close_all(out)
     return w.storage_data, nbytes
 
 
@@ -192,16 +125,28 @@ def _prefetched(ck: Checkpoint, items: list, pads: dict) -> Iterator[np.ndarray]
         plan.close()
 
 
+# Rank files are written together, each by its own thread (checkpoint.torch_dist.RankFile): a layout with fewer ranks
+# than this splits each rank's items over several files (`__<rank>_<k>.distcp`, as megatron-core's own writer does
+# with its thread count), so the crc32s and writes of a small layout run in parallel too.
+MIN_FILES = 4
+
+
+def _parts(per_rank: dict, workers: int = 1) -> int:
+    """Files per rank: enough for MIN_FILES files (and one per worker process) in all."""
+    return max(-(-MIN_FILES // len(per_rank)), -(-workers // len(per_rank)))
+
+
 def _split_files(per_rank: dict[int, tuple[list, list]], entries: dict[str, TensorEntry], parts: int
                  ) -> list[tuple[tuple[int, int], list, list]]:
-    """Each rank's items in up to `parts` files of similar size (so one rank's shard can be written in parallel)."""
+    """Each rank's items in up to `parts` files of similar size (so one rank's shard can be written in parallel);
+    which item goes where depends only on the items, not on their order."""
     out = []
     order = {name: i for i, name in enumerate(entries)}
     for rank, (items, objs) in sorted(per_rank.items()):
         n = max(1, min(parts, len(items)))
         bins: list[list] = [[] for _ in range(n)]
         sizes = [0] * n
-        for name, box in sorted(items, key=lambda it: -Task(it[0], (), it[1]).nbytes(entries[it[0]])):
+        for name, box in sorted(items, key=lambda it: (-Task(it[0], (), it[1]).nbytes(entries[it[0]]), it)):
             i = sizes.index(min(sizes))
             bins[i].append((name, box))
             sizes[i] += Task(name, (), box).nbytes(entries[name])
@@ -209,6 +154,36 @@ def _split_files(per_rank: dict[int, tuple[list, list]], entries: dict[str, Tens
             b.sort(key=lambda it: (order[it[0]], it[1]))
             out.append(((rank, k), b, objs if k == 0 else []))
     return out
+
+
+def _plan_items(specs: dict[str, TensorSpec], entries: dict[str, TensorEntry], tasks: list[Task], layout: Layout,
+                key_naming: str, num_layers: int) -> tuple[dict[int, tuple[list, list]], list[tuple], int]:
+    """Which rank file every item goes to: (rank -> ([(canonical name, box)], [object keys]), the declarations of
+    DCP's metadata (tensor: key, global shape, dtype, chunks; object: key), total bytes of the tensor items)."""
+    per_rank: dict[int, tuple[list, list]] = {}
+    chunks: dict[str, list] = {n: [] for n in entries}
+    total = 0
+    for t in tasks:
+        r = chunk_rank(specs[t.name], layout, t.box, num_layers)
+        per_rank.setdefault(r, ([], []))[0].append((t.name, t.box))
+        chunks[t.name].append((tuple(a for a, _ in t.box), tuple(b - a for a, b in t.box)))
+        total += t.nbytes(entries[t.name])
+    declared: list[tuple] = []
+    for name, spec in specs.items():
+        declared.append((stored_key(name, key_naming), spec.shape, entries[name].dtype, chunks[name]))
+        if split_optimizer_key(name) is None:
+            for key, r in extra_state_objects(spec, layout, num_layers):
+                declared.append((key,))
+                per_rank.setdefault(r, ([], []))[1].append(key)
+    return per_rank, declared, total
+
+
+def _declare(w: DCPWriter, declared: list[tuple]) -> None:
+    for d in declared:
+        if len(d) > 1:
+            w.declare_tensor(*d)
+        else:
+            w.declare_object(d[0])
 
 
 def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key_naming: str = "te",
@@ -220,12 +195,11 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
     At the checkpoint's own layout each stored chunk becomes one item; for another `layout` (or `dtype`, which casts
     model weights only) the items are the destination's chunks, read from the source boxes they cover with the vocab
     padding recomputed, in one pass. Optimizer state goes under megatron-core's distributed-optimizer keys, and
-    train_state.json into common.pt (see _common)."""
+    train_state.json into common.pt (see _common). No torch import unless a dtype is cast (checkpoint.torch_dist
+    writes torch.save's and DCP's bytes itself)."""
     check_output(out_root, [("source", ckpt.path if isinstance(ckpt, Checkpoint) else ckpt)])
     ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt, check=not skip_verify)
-    if key_naming not in KEY_NAMINGS:
-        raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' (Transformer Engine spec, Megatron-LM's default) "
-                            "or 'local' (megatron-core's local spec)")
+    _check_key_naming(key_naming)
     if ck.manifest.fp8:
         raise ShardkitError(f"{ck.path}: keeps block-FP8 weights with separate scales, which torch_dist has no key "
                             "for; dequantize first (convert hf-to-mcore without --keep-fp8)")
@@ -245,39 +219,27 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
     specs = {s.name: s for s in Manifest(0, cfg, layout, {}, optimizer=optim).specs()}
     tasks = chunk_tasks(entries)
     dtypes = {n: e.dtype for n, e in entries.items()}
-    L = cfg.num_layers
+    per_rank, declared, total = _plan_items(specs, entries, tasks, layout, key_naming, cfg.num_layers)
+    m = ck.manifest
+    ts_path = ck.train_state_path()
+    common = _common(cfg, layout, key_naming, dtype, m.iteration, optim, ts_path.read_text() if ts_path else None,
+                     ts_path)
+    provenance = {"tool": f"shardkit {VERSION}", "command": "torch_dist export",
+                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "source": {"kind": "shardkit", "path": str(ck.path.resolve()), "iteration": m.iteration,
+                             "layout": ck.layout.to_dict(), "provenance": m.provenance}}
 
-    per_rank: dict[int, tuple[list, list]] = {}
-    declared: list[tuple] = []
-    chunks: dict[str, list] = {n: [] for n in entries}
-    total = 0
-    for t in tasks:
-        r = chunk_rank(specs[t.name], layout, t.box, L)
-        per_rank.setdefault(r, ([], []))[0].append((t.name, t.box))
-        chunks[t.name].append((tuple(a for a, _ in t.box), tuple(b - a for a, b in t.box)))
-        total += t.nbytes(entries[t.name])
-    for name, spec in specs.items():
-        declared.append((stored_key(name, key_naming), spec.shape, store.torch_dtype(dtypes[name]), chunks[name]))
-        if split_optimizer_key(name) is None:
-            for key, r in extra_state_objects(spec, layout, L):
-                declared.append((key,))
-                per_rank.setdefault(r, ([], []))[1].append(key)
-
-    iteration = ck.manifest.iteration
+    iteration = m.iteration
     # not resumable (a rerun starts afresh: the nonce), committed like every other write (checkpoint.commit)
     with IterationWriter(out_root, iteration, {"kind": "torch_dist-export", "nonce": time.time_ns()}, overwrite,
                          pointer=(TRACKER, f"{iteration}\n")) as w:
         tmp = w.partial
         w_meta = DCPWriter(tmp)
-        for d in declared:
-            if len(d) > 1:
-                w_meta.declare_tensor(*d)
-            else:
-                w_meta.declare_object(d[0])
+        _declare(w_meta, declared)
         # One process with reads prefetched keeps the disk busy; each spawned worker first spends seconds importing
         # torch, which only pays off with idle cores: opt in with --workers (as for the native writers).
         nworkers = max(1, workers or 1)
-        files = _split_files(per_rank, entries, -(-nworkers // len(per_rank)))
+        files = _split_files(per_rank, entries, _parts(per_rank, nworkers))
         nworkers = min(nworkers, len(files))
         with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar:
             if nworkers == 1:  # every file at once, in the source's chunk order
@@ -290,68 +252,167 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
                     for storage, nbytes, items in pool.run(jobs):
                         w_meta.storage_data.update(storage)
                         bar.advance(nbytes, items)
-        w_meta.write_metadata(str(w.final))
-        write_common(tmp, _common(ck, layout, key_naming, dtype))
-        _write_description(ck, tmp, layout, entries, key_naming)
+        assets = [a for a in sorted(ck.hf_dir().glob("*")) if a.is_file() and not a.is_symlink()] \
+            if ck.hf_dir().is_dir() else []
+        _finish(w, w_meta, common, cfg, layout, entries, key_naming, iteration, optim, provenance, assets)
         return w.commit(None)
 
 
-def _write_description(ck: Checkpoint, directory: Path, layout: Layout, entries: dict[str, TensorEntry],
-                       key_naming: str) -> None:
+def _check_key_naming(key_naming: str) -> None:
+    if key_naming not in KEY_NAMINGS:
+        raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' (Transformer Engine spec, Megatron-LM's default) "
+                            "or 'local' (megatron-core's local spec)")
+
+
+def _finish(w: IterationWriter, meta: DCPWriter, common: dict, cfg: ModelConfig, layout: Layout,
+            entries: dict[str, TensorEntry], key_naming: str, iteration: int, optimizer: list[str] | None,
+            provenance: dict, assets: list[Path]) -> None:
+    """Everything of an export but the items: DCP's .metadata, common.pt + metadata.json, shardkit's description."""
+    meta.write_metadata(str(w.final))
+    write_common(w.partial, common)
+    _write_description(w.partial, cfg, layout, entries, key_naming, iteration, optimizer, provenance, assets)
+
+
+class _DCPSink:
+    """A ChunkSink's place in a converter's worker (convert.writer): each chunk it is handed becomes one DCP item,
+    appended to a file of the Megatron rank that owns it (files open together, items in task order)."""
+
+    def __init__(self, files: list[RankFile], owner: dict[tuple, tuple[int, str]], dtypes: dict[str, str],
+                 advance: Callable[[int], None]):
+        self.files, self.owner, self.dtypes, self.advance = files, owner, dtypes, advance
+
+    def write(self, task: Task, value) -> tuple[str, int]:
+        i, key = self.owner[(task.name, task.box)]
+        n = self.files[i].add_tensor(key, tuple(a for a, _ in task.box), store.cast(value, self.dtypes[task.name]))
+        self.advance(n)
+        return task.id, n
+
+
+def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout, entries: dict[str, TensorEntry],
+                      make: Callable, args: Callable[[Path], tuple], key_naming: str, overwrite: bool, quiet: bool,
+                      provenance: dict, assets: list[Path], label: str = "torch_dist") -> Path:
+    """`--format torch_dist` for a converter with no native checkpoint in between: its worker (`make(*args)`, a
+    convert.writer worker, `args` a function of the partial output directory; called with a Task, it computes the
+    chunk and hands it to its `sink`) writes every chunk of `entries` (the native layout's chunks, one DCP item each,
+    as write_torch_dist makes of a native checkpoint) straight into the rank files; then .metadata, common.pt and
+    shardkit's files, committed like every export. One process, the next chunk's source read ahead (the worker's
+    `prefetch`) while this one is written. The items equal those of an export of the native checkpoint the converter
+    would have written (same files, same order, same bytes)."""
+    _check_key_naming(key_naming)
+    specs = {s.name: s for s in Manifest(0, cfg, layout, {}).specs()}
+    tasks = sorted(chunk_tasks(entries), key=lambda t: (t.name, t.box))  # write_torch_dist's order: the same files
+    per_rank, declared, total = _plan_items(specs, entries, tasks, layout, key_naming, cfg.num_layers)
+    parts = _split_files(per_rank, entries, _parts(per_rank))
+    owner = {(name, box): (i, stored_key(name, key_naming)) for i, (_, items, _) in enumerate(parts)
+             for name, box in items}
+    common = _common(cfg, layout, key_naming, None, 0, None, None, None)
+    with IterationWriter(out_root, 0, {"kind": "torch_dist-export", "nonce": time.time_ns()}, overwrite,
+                         pointer=(TRACKER, "0\n")) as w:
+        meta = DCPWriter(w.partial)
+        _declare(meta, declared)
+        w.reserve(total, total)  # refuse a write the filesystem cannot hold before anything is written
+        with progress_bar(label, total=total, items=len(tasks), disable=quiet) as bar, \
+                contextlib.ExitStack() as stack, Workers(make, args(w.partial), 1) as pool:
+            files = [stack.enter_context(meta.rank_file(rank, part)) for (rank, part), _, _ in parts]
+            worker = pool.local
+            worker.sink = _DCPSink(files, owner, {n: e.dtype for n, e in entries.items()},
+                                   lambda n: bar.advance(n, 1))
+            prefetch = getattr(worker, "prefetch", None)
+            hints = ThreadPoolExecutor(1, thread_name_prefix="shardkit-prefetch") if prefetch else None
+            try:
+                if hints is not None and tasks:
+                    hints.submit(prefetch, tasks[0])
+                for i, task in enumerate(tasks):
+                    if hints is not None and i + 1 < len(tasks):
+                        hints.submit(prefetch, tasks[i + 1])
+                    worker(task)
+            finally:
+                if hints is not None:
+                    hints.shutdown(wait=True, cancel_futures=True)
+            blob = none_object_bytes()
+            for f, (_, _, objects) in zip(files, parts):
+                for key in objects:
+                    f.add_bytes(key, blob)
+            close_all(files)
+        _finish(w, meta, common, cfg, layout, entries, key_naming, 0, None, provenance, assets)
+        return w.commit(None)
+
+
+def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout, *, dtype: str | None = None,
+                             key_naming: str = "te", overwrite: bool = False, quiet: bool = False,
+                             allow_nonfinite: bool = False) -> Path:
+    """`convert hf-to-mcore --format torch_dist`: HF safetensors straight into a torch_dist `<out>/iter_0000000`
+    (hf_to_mcore's plan and chunk worker, stream_torch_dist's rank files; no native checkpoint in between). The items
+    are the chunks the native conversion writes, so the result equals the export of that conversion."""
+    from .hf_source import HFSource, find_assets
+    from .hf_to_mcore import _without_absent_mtp, _Worker, plan
+
+    hf_dir = Path(hf_dir)
+    check_output(out, [("HF_DIR", hf_dir)])  # never over, inside or around the source
+    _check_key_naming(key_naming)
+    cfg = ModelConfig.from_hf_dir(hf_dir)
+    layout.check(cfg)
+    dtype = store.dtype_name(dtype) if dtype else None
+    src = HFSource(hf_dir)
+    cfg = _without_absent_mtp(cfg, src, quiet)
+    entries, _, _ = plan(cfg, layout, src, dtype, quiet=quiet)
+    dtypes = {n: e.dtype for n, e in entries.items()}
+    provenance = {"tool": f"shardkit {VERSION}", "command": "convert hf-to-mcore --format torch_dist",
+                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "source": {"kind": "hf", "path": str(hf_dir.resolve()), "files": src.fingerprint()}}
+    return stream_torch_dist(out, cfg=cfg, layout=layout, entries=entries, make=_Worker,
+                             args=lambda partial: (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(partial), dtypes,
+                                                   None, allow_nonfinite),
+                             key_naming=key_naming, overwrite=overwrite, quiet=quiet, provenance=provenance,
+                             assets=find_assets(hf_dir), label="hf-to-torch_dist")
+
+
+def _write_description(directory: Path, cfg: ModelConfig, layout: Layout, entries: dict[str, TensorEntry],
+                       key_naming: str, iteration: int, optimizer: list[str] | None, provenance: dict,
+                       assets: list[Path]) -> None:
     """shardkit's own files beside Megatron's (which Megatron-LM and megatron-core never read): shardkit.json (the
     model config with the true vocab, layout, dtype, provenance) and hf/ (config.json for the weights' dtype, the
-    source's tokenizer and generation files), so every shardkit command reads the export back with no flags."""
+    tokenizer and generation files `assets`), so every shardkit command reads the export back with no flags."""
     weights: dict[str, int] = {}
     for name, e in entries.items():
         if split_optimizer_key(name) is None:
             weights[e.dtype] = weights.get(e.dtype, 0) + entry_nbytes(e)
     dtype = max(weights, key=weights.get)
-    m = ck.manifest
-    write_sidecar(directory, iteration=m.iteration, model=ck.config, layout=layout, dtype=dtype,
-                  key_naming=key_naming, optimizer=m.optimizer,
-                  provenance={"tool": f"shardkit {VERSION}", "command": "torch_dist export",
-                              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "source": {"kind": "shardkit", "path": str(ck.path.resolve()), "iteration": m.iteration,
-                                         "layout": ck.layout.to_dict(), "provenance": m.provenance}})
+    write_sidecar(directory, iteration=iteration, model=cfg, layout=layout, dtype=dtype, key_naming=key_naming,
+                  optimizer=optimizer, provenance=provenance)
     hf = directory / HF_SUBDIR
     hf.mkdir(exist_ok=True)
-    for asset in sorted(ck.hf_dir().glob("*")) if ck.hf_dir().is_dir() else []:
-        if asset.is_file() and not asset.is_symlink() and asset.name != "config.json":
+    for asset in assets:
+        if asset.name != "config.json":
             shutil.copyfile(asset, hf / asset.name)
-    (hf / "config.json").write_text(json.dumps(ck.config.to_hf(dtype=dtype), indent=2) + "\n")
+    (hf / "config.json").write_text(json.dumps(cfg.to_hf(dtype=dtype), indent=2) + "\n")
 
 
-# OptimizerParamScheduler.state_dict()'s keys (megatron-core 0.16): what Megatron-LM's load reads back
-MEGATRON_SCHEDULER_KEYS = frozenset({"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
-                                     "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"})
-
-
-def _common(ck: Checkpoint, layout: Layout, key_naming: str, dtype: str | None) -> dict:
+def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str | None, iteration: int,
+            optimizer: list[str] | None, train_state: str | None, train_state_path: Path | None = None) -> dict:
     """common.pt: what Megatron-LM keeps outside the sharded tensors. With optimizer state, Megatron's own entries
-    are filled from train_state.json where it has them (`optimizer.param_groups` (+ `optimizer.step`), `scheduler`,
-    `consumed_samples`), and the file itself rides along verbatim under `shardkit_train_state`. The iteration is the
-    manifest's."""
-    m = ck.manifest
-    args = megatron_args(ck.config, layout, key_naming, dtype)
-    common: dict = {"iteration": m.iteration, "checkpoint_version": CHECKPOINT_VERSION,
+    are filled from train_state.json (`train_state`, its text) where it has them (`optimizer.param_groups`
+    (+ `optimizer.step`), `scheduler`, `consumed_samples`), and the file itself rides along verbatim under
+    `shardkit_train_state`."""
+    args = megatron_args(cfg, layout, key_naming, dtype)
+    common: dict = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
                     "num_floating_point_operations_so_far": 0,
                     "content_metadata": {"singleton_local_shards": False}}
-    ts_path = ck.train_state_path()
     state = None
-    if ts_path is not None:
-        text = ts_path.read_text()
-        common[TRAIN_STATE_KEY] = text
+    if train_state is not None:
+        common[TRAIN_STATE_KEY] = train_state
         try:
-            state = json.loads(text)
+            state = json.loads(train_state)
         except ValueError:
-            raise FormatError(f"{ts_path}: not valid JSON; the checkpoint is damaged") from None
-    if m.optimizer:
+            raise FormatError(f"{train_state_path or 'train_state.json'}: not valid JSON; the checkpoint is "
+                              "damaged") from None
+    if optimizer:
         args.no_save_optim = None  # Megatron-LM restores the optimizer state from this checkpoint
         common["content_metadata"]["distrib_optim_sharding_type"] = MEGATRON_OPTIM_SHARDING
         common["optimizer"] = {"param_state_sharding_type": MEGATRON_OPTIM_SHARDING}
     if isinstance(state, dict):
         opt = state.get("optimizer")
-        if m.optimizer and isinstance(opt, dict) and isinstance(opt.get("param_groups"), list):
+        if optimizer and isinstance(opt, dict) and isinstance(opt.get("param_groups"), list):
             groups = [dict(g) for g in opt["param_groups"] if isinstance(g, dict)]
             step = opt.get("step")
             for g in groups:
@@ -389,92 +450,13 @@ def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: 
 
 # -- torch_dist -> native ---------------------------------------------------------------------------------------------
 
-def import_optimizer_states(td: TorchDistCheckpoint) -> list[str]:
-    """The optimizer states a torch_dist checkpoint holds in model space (optimizer.state.<state>.<key>)."""
-    states = []
-    for st in OPTIMIZER_STATES:
-        spellings = ("param", "fp32_param") if st == "fp32_param" else (st,)
-        if any(k.startswith(tuple(f"optimizer.state.{sp}." for sp in spellings)) for k in td.tensors):
-            states.append(st)
-    return states
-
-
-def match_keys(td: TorchDistCheckpoint, specs: list[TensorSpec]) -> tuple[dict[str, str], list[str], list[str]]:
-    """Every canonical tensor of `specs` matched to its torch_dist key: (canonical -> key, canonical names with no
-    key, stored tensor keys no spec claims; optimizer objects, RNG state and the like are not counted as either)."""
-    keys, missing = {}, []
-    for s in specs:
-        k = next((k for k in source_keys(s.name) if k in td.tensors), None)
-        if k is None:
-            missing.append(s.name)
-        else:
-            keys[s.name] = k
-    used = set(keys.values())
-    unexpected = sorted(k for k in td.tensors if k not in used and not k.startswith(SKIPPED_PREFIXES))
-    return keys, missing, unexpected
-
-
-def shape_problems(td: TorchDistCheckpoint, cfg: ModelConfig, specs: list[TensorSpec], keys: dict[str, str],
-                   origin: str = "the model config") -> list[str]:
-    """One line per stored tensor whose global shape the model config does not imply: a layer count, a vocabulary
-    (at least the true vocab; exactly the args' padded_vocab_size where they have one), or any other shape."""
-    padded = arg(td.args, "padded_vocab_size")
-    padded = padded if isinstance(padded, int) and not isinstance(padded, bool) else None
-    out = []
-    for s in specs:
-        k = keys.get(s.name)
-        if k is None:
-            continue
-        got, want = tuple(td.tensors[k].shape), tuple(s.shape)
-        if s.rule is Rule.VOCAB and got[1:] == want[1:] and len(got) == len(want):
-            model = split_optimizer_key(s.name) is None
-            if got[0] < cfg.vocab_size:
-                out.append(f"{td.path}: tensor {k} has {got[0]} rows, fewer than the vocab_size={cfg.vocab_size} of "
-                           f"{origin}")
-            elif model and padded is not None and got[0] != padded:
-                out.append(f"{td.path}: tensor {k} has {got[0]} rows, but {td.path / 'common.pt'} args say "
-                           f"padded_vocab_size={padded}")
-        elif got != want:
-            if s.per_layer and len(got) == len(want) and got[1:] == want[1:]:
-                out.append(f"{td.path}: tensor {k} stacks {got[0]} layers (global shape {list(got)}), but {origin} "
-                           f"says num_layers={cfg.num_layers}")
-            else:
-                out.append(f"{td.path}: tensor {k} has global shape {list(got)}, but {origin} implies {list(want)}")
-    return out
-
-
-def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype: str | None,
-                optimizer: list[str] | None = None, origin: str = "the model config"
-                ) -> tuple[dict[str, TensorEntry], dict[str, str]]:
-    """Match every canonical tensor (and, with `optimizer`, its optimizer state) to its torch_dist key and check
-    shapes (`origin` names where `cfg` came from, for the messages). Returns (entries, canonical -> key). Optimizer
-    state is stored as fp32 whatever `dtype` says."""
-    specs = Manifest(0, cfg, layout, {}, optimizer=optimizer).specs()
-    keys, missing, unexpected = match_keys(td, specs)
-    if missing:
-        what = "optimizer state" if all(split_optimizer_key(n) for n in missing) else "tensor(s) the model config needs"
-        raise FormatError(f"{td.path}: {len(missing)} {what} are missing, e.g. "
-                          f"{', '.join(missing[:3])}; is the model config ({origin}) right for this checkpoint?")
-    if unexpected:
-        raise FormatError(f"{td.path}: {len(unexpected)} tensor(s) are not part of the model config ({origin}), e.g. "
-                          f"{', '.join(unexpected[:3])}; refusing to drop them silently")
-    problems = shape_problems(td, cfg, specs, keys, origin)
-    if problems:
-        more = f" ({len(problems) - 1} more tensors disagree)" if len(problems) > 1 else ""
-        raise FormatError(problems[0] + more)
-    entries = {}
-    for s in specs:
-        src = td.tensors[keys[s.name]]
-        dt = "float32" if split_optimizer_key(s.name) else dtype or store.dtype_name(src.dtype)
-        entries[s.name] = TensorEntry.of(s, layout, dt)
-    return entries, keys
-
-
 class _ImportWorker:
     """Writes native chunks gathered from a torch_dist checkpoint's items (convert.writer.Workers)."""
 
     def __init__(self, td_path: str, keys: dict[str, str], vocab: dict[str, int], out_dir: str,
                  dtypes: dict[str, str]) -> None:
+        import torch
+
         torch.set_num_threads(1)
         self.td = TorchDistCheckpoint(td_path)
         self.td.spool_dir = Path(out_dir)  # large items are memory-mapped from a copy on the output's disk
@@ -482,8 +464,9 @@ class _ImportWorker:
 
     def __call__(self, task: Task) -> tuple[str, int]:
         key = self.keys[task.name]
-        value = read_padded(lambda idx: self.td.read(key, tuple((s.start, s.stop) for s in idx)), task.name, task.box,
-                            self.vocab.get(task.name))
+        # numpy views of the memory-mapped items (no torch.load, no copy where a chunk is one item)
+        value = read_padded(lambda idx: self.td.read_numpy(key, tuple((s.start, s.stop) for s in idx)), task.name,
+                            task.box, self.vocab.get(task.name))
         return self.sink.write(task, value)
 
 
@@ -548,32 +531,6 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | N
 
 # -- reading a torch_dist checkpoint in place: verify --against, inspect, verify ------------------------------------
 
-class TorchDistSource(ManifestView):
-    """A torch_dist checkpoint read through a model config and the sharding table as a native Checkpoint is (config,
-    layout, manifest and tensor entries at the saving layout, `read` of whole tensors or boxes, `state_dict`): what
-    `verify --against` reads, straight from the items (one item in memory at a time, large ones memory-mapped), no
-    staging copy."""
-
-    def __init__(self, td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout | None = None,
-                 origin: str = "the model config"):
-        self.td, self.path = td, td.path
-        layout = layout or td.layout or Layout()
-        entries, self.keys = plan_import(td, cfg, layout, None, None, origin)
-        self.manifest = Manifest(td.iteration, cfg, layout, entries)
-        self.vocab = vocab_padding(cfg, layout, None)
-
-    def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        from checkpoint.reader import _box
-
-        box = tuple(_box(self.entry(name).shape, index, name))
-        key = self.keys[name]
-        return read_padded(lambda idx: self.td.read(key, tuple((x.start, x.stop) for x in idx)), name, box,
-                           self.vocab.get(name))
-
-    def state_dict(self, dequantize: bool = False, optimizer: bool = False) -> dict[str, torch.Tensor]:
-        return {name: self.read(name) for name in self.tensors}
-
-
 def _rows(td: TorchDistCheckpoint, names: list[str]) -> list[dict]:
     rows = []
     for name in names:
@@ -634,7 +591,7 @@ def shard_problems(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, sp
         k = keys.get(s.name)
         if k is None or tuple(td.tensors[k].shape) != tuple(s.shape):
             continue  # reported by shape_problems
-        owners = _shard_owners(s, layout, cfg.num_layers)
+        owners = shard_owners(s, layout, cfg.num_layers)
         for off, size in td.tensors[k].chunks:
             if not any(all(o <= a and a + n <= o + r for a, n, o, r in zip(off, size, reg.global_offset, reg.shape))
                        for reg, _ in owners):
@@ -651,6 +608,8 @@ def _nonfinite(value: torch.Tensor) -> int:
     try:
         return count_nonfinite(store.to_numpy(value))
     except (FormatError, KeyError):
+        import torch
+
         return int((~torch.isfinite(value)).sum()) if value.is_floating_point() else 0
 
 

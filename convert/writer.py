@@ -181,10 +181,11 @@ class _Recorder:
         """Record chunks whose writes are durable: (task id, bytes the progress bar has not been shown yet; 0 for
         chunkio's writes, which showed their bytes and chunk when written)."""
         if chunks:
+            fault_point("chunk.unrecorded")
             try:
                 self.w.mark_done_many([task_id for task_id, _ in chunks])
             except OSError as e:  # e.g. the disk filled up: a WriteError, so flush still waits for the writes in flight
-                raise WriteError(f"{self.w.partial / 'done.log'}: recording finished chunks failed "
+                raise WriteError(f"{self.w.partial}: recording finished chunks in its resume log failed "
                                  f"({e.strerror or e})") from None
             self.bar.advance(sum(n for _, n in chunks), sum(1 for _, n in chunks if n))
             for _ in chunks:
@@ -245,36 +246,104 @@ class Workers:
             self.local.close()
 
 
-def write_chunks(w: IterationWriter, entries: dict[str, TensorEntry], label: str, make: Callable, args: tuple,
-                 workers: int | None = None, quiet: bool = False) -> None:
+def source_region(task: Task) -> tuple:
+    """The source region a chunk reads, for sharing chunks among ranks (convert.distributed.share): a stacked
+    tensor's layer (and expert) and the rows of the chunk's first split axis. Chunks that differ only in later axes
+    (a row-parallel weight's column halves) read the same rows of the same source tensor, so they stay together."""
+    return task.name, task.lead, task.box[len(task.lead)] if len(task.box) > len(task.lead) else ()
+
+
+def write_chunks(w, entries: dict[str, TensorEntry], label: str, make: Callable, args: tuple | Callable,
+                 workers: int | None = None, quiet: bool = False, group=None,
+                 region: Callable[[Task], tuple] = source_region, estimate_above: int | None = None) -> None:
     """Create every array under `w`, then run each chunk not already done through a worker `make(*args)` (see
     Workers; its `sink` is its ChunkSink). In-process, a worker's `prefetch(next_task)` (a read-ahead hint, run on a
     helper thread), where it has one, is called before each task runs, so the next chunk's source is read while this
-    one is encoded and written."""
+    one is encoded and written. `args` may be a function of the tasks this process runs, returning the tuple.
+
+    With `group` (convert.distributed.Group: one rank of several), `w` is rank 0's IterationWriter or another rank's
+    RankWriter: rank 0 creates the arrays, every rank takes its share of the chunks left (grouped by `region`, the
+    source region a chunk reads), writes and records them, and returns once every rank has; rank 0 then checks that
+    every chunk any rank recorded is there. Rank 0 alone shows progress, for all ranks.
+
+    A job with at least `estimate_above` bytes left (default convert.distributed.ESTIMATE_ABOVE) first measures the
+    output's durable write rate on every rank and prints the expected time (convert.distributed.estimate)."""
     tasks = chunk_tasks(entries)
+    lead = group is None or group.rank == 0
     todo = [t for t in tasks if not w.is_done(t.id)]
     total = sum(t.nbytes(entries[t.name]) for t in tasks)
     left = sum(t.nbytes(entries[t.name]) for t in todo)
-    w.reserve(total, left)  # refuse a write the filesystem cannot hold before anything is written
-    ctx = store.context()
-    for name, e in entries.items():
-        try:
-            store.create(w.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
-        except ValueError as err:
-            raise WriteError(f"tensor {name}: cannot create {w.path(tensor_path(name))}: {store.short_error(err)}") \
-                from None
-    if len(todo) < len(tasks) and not quiet:
-        print(f"resuming: {len(tasks) - len(todo)} of {len(tasks)} chunks already written", file=sys.stderr)
+    if lead:
+        from .distributed import clear_probes
+
+        clear_probes(w.partial)
+        w.reserve(total, left)  # refuse a write the filesystem cannot hold before anything is written
+        ctx = store.context()
+        for name, e in entries.items():
+            try:
+                store.create(w.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
+            except ValueError as err:
+                raise WriteError(f"tensor {name}: cannot create {w.path(tensor_path(name))}: "
+                                 f"{store.short_error(err)}") from None
+    resumed = len(tasks) - len(todo)
+    if group is not None:
+        from .distributed import todo_digest
+
+        if lead:
+            group.publish("setup")
+        else:  # rank 0 has taken the lock, prepared the partial output and created the arrays
+            group.wait("setup", [0], " while rank 0 prepared the output")
+            w.attach()
+            todo = [t for t in tasks if not w.is_done(t.id)]
+            resumed = len(tasks) - len(todo)
+        digests = group.exchange((todo_digest(todo), resumed), " while comparing the finished chunks")
+        for r, (digest, n) in enumerate(digests):
+            if digest != digests[0][0]:
+                raise WriteError(f"{w.partial}: rank {r} finds {n} finished chunks there, rank 0 "
+                                 f"{digests[0][1]}: the output directory must be one directory every node shares; "
+                                 "nothing was committed")
+    from .distributed import ESTIMATE_ABOVE, announce_estimate, share
+
+    left_all = sum(t.nbytes(entries[t.name]) for t in todo)  # the same on every rank
+    if left_all and left_all >= (ESTIMATE_ABOVE if estimate_above is None else estimate_above):
+        announce_estimate(w, left_all, group, quiet)
+    if group is not None:
+        todo = share(todo, lambda t: t.nbytes(entries[t.name]), region, group.rank, group.world)
+    if resumed and lead and not quiet:
+        print(f"resuming: {resumed} of {len(tasks)} chunks already written", file=sys.stderr)
+    if callable(args):
+        args = args(todo)
     # One process with pipelined writes keeps the disk busy; every spawned worker first spends seconds of CPU
     # importing torch and maps the sources again, so more only pay off for CPU-heavy chunks: opt in with --workers.
     # (never more processes than CPUs: each imports torch and maps the sources, so extra ones only cost memory)
     nworkers = max(1, min(workers or 1, len(todo) or 1, os.cpu_count() or 1))
-    with progress_bar(label, total=total, items=len(tasks), disable=quiet) as bar, \
-            Workers(make, args, nworkers) as pool:
-        bar.advance(total - left, len(tasks) - len(todo))
+    with progress_bar(label, total=total, items=len(tasks), disable=quiet or not lead) as shown:
+        bar = shown if group is None else group.progress(shown)
+        if lead:
+            bar.advance(total - left, resumed)
+        _run_tasks(w, todo, make, args, nworkers, bar)
+        if group is not None:
+            fault_point("rank.done")  # every chunk of this rank's share is durable and recorded; not yet reported
+            group.publish("done", {"chunks": len(w.written)})
+            group.wait("done", what=" while the ranks wrote their chunks")
+            group.stop_progress()
+    if group is not None:
+        from .distributed import check_recorded
+
+        reports = group.exchange(list(w.written), " while the ranks reported their chunks", to_rank0=True)
+        if lead:
+            check_recorded(group, w, reports, tasks, entries)
+            if not quiet:
+                print(f"{label}: {group.world} ranks wrote {' + '.join(str(len(r)) for r in reports)} chunks"
+                      + (f" ({resumed} already written)" if resumed else ""), file=sys.stderr)
+
+
+def _run_tasks(w, todo: list[Task], make: Callable, args: tuple, nworkers: int, bar) -> None:
+    with Workers(make, args, nworkers) as pool:
         worker = pool.local
         if worker is None:
             for task_id, nbytes in pool.run(todo):
+                fault_point("chunk.unrecorded")
                 w.mark_done(task_id)
                 bar.advance(nbytes, 1)
                 fault_point("chunk")

@@ -131,7 +131,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.max_cp is not None and args.max_cp < 1:
         raise PlanError(f"--max-cp must be positive, got {args.max_cp}")
     # a given layout whose stages do not divide the layers gets the uneven split the planner would pick
-    layouts = [replace(lay, split=uneven_split(cfg.num_layers, lay.pp, lay.vpp)) if lay.split is None else lay
+    layouts = [replace(lay, split=uneven_split(cfg.num_layers, lay.pp, lay.vpp, cfg.mtp_num_layers))
+               if lay.split is None else lay
                for lay in (RunLayout.parse(x) for x in args.layout or [])]
     cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, max_cp=args.max_cp)
     requested = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, layouts=layouts) if layouts else []

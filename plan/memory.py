@@ -14,7 +14,7 @@ tp. The paper's 34*s*b*h for GPT-3's layer is the same list: 4sbh of LayerNorm i
 [gate; up] and output, GQA's narrower K/V).
 
 ``kernels="eager"`` (TrainSettings) counts what plain PyTorch autograd keeps instead, as shardkit's own trainer does on
-CPU: equal to the bytes measured with saved_tensors_hooks (tests/test_plan.py), ~1.4x the fused list.
+CPU: equal to the bytes measured with saved_tensors_hooks (tests/test_plan.py), ~1.3x the fused list.
 
 Recompute (Megatron's --recompute-granularity): ``selective`` recomputes the core attention, dropping its s^2 or
 log-sum-exp term; ``full`` keeps only each layer's input (2 bytes per token and hidden unit) plus one layer's full
@@ -143,7 +143,7 @@ def _param_table_uncached(cfg: ModelConfig, tp: int, ep: int, etp: int | None) -
 def param_counts_per_stage(cfg: ModelConfig, layout: RunLayout) -> list[dict[str, int]]:
     """Elements held by one rank of each pipeline stage: {"dense": ..., "expert": ...} (dense = replicated over
     DP x CP, expert = replicated over the expert-DP group). Every TP/EP rank of a stage holds the same count: the
-    sharding table's regions, plus the last stage's copy of a tied embedding when pp > 1."""
+    sharding table's regions, plus the last stage's copy of the embedding when pp > 1 (tied, or read by MTP layers)."""
     t = _param_table(cfg, layout.tp, layout.ep, layout.etp)
     out = []
     for r, layers in enumerate(stage_layers(cfg.num_layers, layout.pp, layout.vpp, layout.split)):
@@ -154,8 +154,10 @@ def param_counts_per_stage(cfg: ModelConfig, layout: RunLayout) -> list[dict[str
         if r == layout.pp - 1:
             d += t.last_dense
             e += t.last_expert
-            if cfg.tie_word_embeddings and layout.pp > 1:
-                d += t.first  # Megatron (and our trainer) keep a copy of the tied embedding as the last stage's head
+            if (cfg.tie_word_embeddings or cfg.mtp_num_layers) and layout.pp > 1:
+                # Megatron (and our trainer) keep a copy of the embedding on the last stage: the tied head, and the
+                # MTP layers' input embedding (megatron-core's GPTModel builds it where mtp_process)
+                d += t.first
         out.append({"dense": d, "expert": e})
     return out
 
@@ -272,15 +274,14 @@ def layer_activation_terms(cfg: ModelConfig, moe: bool, s: TrainSettings, layout
 def _eager(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int) -> None:
     """What plain PyTorch autograd keeps beyond the fused kernels' list (shardkit's trainer, train/model.py):
     RMSNorm keeps its fp32 input (the upcast copy, or the input itself in fp32), the normalised value before the
-    weight and the fp32 rsqrt; GQA's K and V are expanded to every query head before attention; SwiGLU keeps
-    silu(gate) besides gate, up and the product.
+    weight and the fp32 rsqrt; SwiGLU keeps silu(gate) besides gate, up and the product. Q, K and V are kept at
+    their own widths, as the fused list counts them (GQA inside SDPA: K and V are not expanded to every query head).
     Dense GQA layers only: the eager MoE and MLA code paths are not modelled."""
     if moe or cfg.multi_latent_attention:
         raise PlanError("the eager activation model covers dense GQA layers only (not MoE or multi-latent attention)")
-    h, nh, hd, F = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_channels, cfg.ffn_hidden_size
+    h, F = cfg.hidden_size, cfg.ffn_hidden_size
     for norm in ("attn_norm_in", "mlp_norm_in"):
         terms[norm] = 4 * h + a * h + 4
-    terms["qkv"] = a * 3 * nh * hd
     terms["silu_out"] = a * F
 
 

@@ -52,6 +52,15 @@ def _settings(s: TrainSettings) -> dict:
     return asdict(s)
 
 
+def stage_memory_line(c: Candidate) -> str:
+    """Each pipeline stage's GiB per GPU and decoder layers, the heaviest (the one that decides "fits") marked."""
+    m, layers = c.memory, c.stage_layers
+    parts = [f"{'*' if r == m.pp_rank else ''}{r}: {number(t / GiB, 1)} ({n})" for r, (t, n) in
+             enumerate(zip(m.stages, layers))]
+    return (f"{c.layout.label()} [{c.settings.recompute}] per stage, GiB (decoder layers): {' | '.join(parts)}; "
+            f"heaviest: stage {m.pp_rank} ({number(m.total / GiB, 1)} GiB)")
+
+
 def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 10,
                 requested: list[Candidate] | None = None) -> None:
     from rich.console import Console
@@ -80,6 +89,9 @@ def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 
             number(c.perf['step_s'], 2), f"{c.perf['tokens_per_s_per_gpu']:,.0f}", f"{100 * c.perf['mfu']:.1f}%",
             note, style=style)
     con.print(t)
+    for c in requested or []:  # a layout asked for: every stage, not only the heaviest
+        if c.layout.pp > 1:
+            con.print(stage_memory_line(c), markup=False, highlight=False, soft_wrap=True)
     invalid = [c for c in cands if not c.valid]
     if invalid:
         kinds = Counter(constraint_name(v) for c in invalid for v in c.violations)
@@ -108,10 +120,18 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, title: str, top: in
     shown = cands[:top]
     if not shown:
         raise WriteError(f"--plot {path}: no layout to plot")
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len(shown)))
+    staged = next((c for c in shown if c.layout.pp > 1), None)  # its stages in a panel of their own
+    if staged is None:
+        fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len(shown)))
+    else:
+        fig, (ax, sx) = plt.subplots(2, 1, figsize=(12, 4.2 + 0.5 * len(shown)),
+                                     gridspec_kw={"height_ratios": [1 + 0.5 * len(shown), 3]})
+        stage_panel(sx, staged, gpu_memory)
 
     def label(c: Candidate) -> str:  # an invalid or non-fitting layout is never drawn as if it could run
         text = f"{c.layout.label()} [{c.settings.recompute}]"
+        if c.layout.pp > 1:
+            text += f" (stage {c.memory.pp_rank})"
         if not c.valid:
             return f"{text}  INVALID: {', '.join(dict.fromkeys(constraint_name(v) for v in c.violations))}"
         return text if c.fits else f"{text}  does not fit"
@@ -132,7 +152,7 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, title: str, top: in
         if not c.fits:
             tick.set_color("red" if not c.valid else "darkorange")
     ax.axvline(gpu_memory / GiB, color="black", linestyle="--", label=f"GPU memory {gpu_memory / GiB:.0f} GiB")
-    ax.set_xlabel("GiB per GPU (largest pipeline stage)")
+    ax.set_xlabel("GiB per GPU (heaviest pipeline stage, named after each layout)")
     ax.set_title(title, fontsize="small")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
@@ -145,3 +165,19 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, title: str, top: in
     finally:
         plt.close(fig)
     return out
+
+
+def stage_panel(ax, c: Candidate, gpu_memory: int) -> list:
+    """Bars of each pipeline stage's GiB per GPU for one layout, labelled with its decoder layers; the heaviest stage
+    (the one that decides whether the layout fits) drawn in red and annotated. Returns the bars."""
+    totals = [t / GiB for t in c.memory.stages]
+    heavy = c.memory.pp_rank
+    bars = ax.bar([f"{r}\n{n}L" for r, n in enumerate(c.stage_layers)], totals,
+                  color=["tab:red" if r == heavy else "tab:blue" for r in range(len(totals))])
+    ax.annotate(f"heaviest: stage {heavy}, {totals[heavy]:.1f} GiB", (heavy, totals[heavy]),
+                xytext=(0, 4), textcoords="offset points", ha="center", fontsize="small", color="tab:red")
+    ax.axhline(gpu_memory / GiB, color="black", linestyle="--")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_xlabel("pipeline stage (decoder layers)")
+    ax.set_title(f"{c.layout.label()} [{c.settings.recompute}]: memory per pipeline stage", fontsize="small")
+    return list(bars)

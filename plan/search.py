@@ -15,7 +15,7 @@ from checkpoint.errors import LayoutError
 from checkpoint.layout import Layout, PipelineSplit
 from checkpoint.run_layout import RunLayout
 
-from .memory import RECOMPUTE, MemoryEstimate, TrainSettings, estimate_memory
+from .memory import RECOMPUTE, MemoryEstimate, TrainSettings, estimate_memory, stage_layers
 from .perf import Hardware, step_time
 from .units import PlanError
 
@@ -29,16 +29,23 @@ class Candidate:
     violations: list[str] = field(default_factory=list)
     fits: bool = False
     reason: str = ""  # why it does not fit / is invalid, one line
+    num_layers: int = 0  # the model's decoder layers
 
     @property
     def valid(self) -> bool:
         return not self.violations
 
+    @property
+    def stage_layers(self) -> list[int]:
+        """Decoder layers held by each pipeline rank (all its model chunks)."""
+        lay = self.layout
+        return [len(x) for x in stage_layers(self.num_layers, lay.pp, lay.vpp, lay.split)]
+
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "label": self.layout.label(), "recompute": self.settings.recompute,
                 "distributed_optimizer": self.settings.distributed_optimizer, "valid": self.valid,
                 "violations": self.violations, "fits": self.fits, "reason": self.reason,
-                "memory": self.memory.to_dict(), "perf": self.perf}
+                "memory": self.memory.to_dict(), "stage_layers": self.stage_layers, "perf": self.perf}
 
 
 def divisors(n: int) -> list[int]:
@@ -82,7 +89,7 @@ def evaluate(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardware
     mem = estimate_memory(cfg, layout, s)
     perf = step_time(cfg, layout, s, hw)
     bad = violations(cfg, layout, s, gpus, hw.gpus_per_node)
-    c = Candidate(layout, s, mem, perf, bad)
+    c = Candidate(layout, s, mem, perf, bad, num_layers=cfg.num_layers)
     c.fits = not bad and mem.total <= gpu_memory
     if bad:
         c.reason = "; ".join(bad)
@@ -95,13 +102,21 @@ def evaluate(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardware
     return c
 
 
-def uneven_split(num_layers: int, pp: int, vpp: int = 1) -> PipelineSplit | None:
-    """The split the field uses when the layers do not divide the stages (Llama-3.1-405B at PP 8, DeepSeek-V3 at
-    PP 16): first and last stages lighter (they also hold the embedding, and the head + loss), the middle stages even.
-    Tries equal first/last counts from the even share down, then a lighter first stage alone, then a lighter last
-    stage alone; None when the layers divide evenly or no such split exists."""
+def uneven_split(num_layers: int, pp: int, vpp: int = 1, mtp_layers: int = 0) -> PipelineSplit | None:
+    """The split the field uses when the layers do not divide the model chunks (Llama-3.1-405B at PP 8: 15 | 16 x 6 |
+    15; DeepSeek-V3 at PP 16: 3 | 4 x 14 | 2 + MTP + loss): even middle chunks, lighter first and last chunks
+    (`balanced_counts`). Given by Megatron's --decoder-first/last-pipeline-num-layers where those can say it, else
+    (with --vpp) as a --pipeline-model-parallel-layout string. None when the layers divide evenly (or pp is 1) or no
+    such split exists; the older lighter-first/last flag search remains the fallback."""
     if pp < 2 or num_layers % (pp * vpp) == 0:
         return None
+    counts = balanced_counts(num_layers, pp * vpp, mtp_layers)
+    if counts is not None:
+        split = _as_flags(counts, num_layers, pp, vpp)
+        if split is None:
+            split = PipelineSplit(layout=layout_string(counts, mtp_layers))
+        if Layout(pp=pp, vpp=vpp, split=split).chunk_layers(num_layers, mtp_layers) == tuple(counts):
+            return split
     share = num_layers // pp
     forms = ([dict(first=f, last=f) for f in range(share, 0, -1)] + [dict(first=f) for f in range(share, 0, -1)]
              + [dict(last=f) for f in range(share, 0, -1)])
@@ -113,6 +128,61 @@ def uneven_split(num_layers: int, pp: int, vpp: int = 1) -> PipelineSplit | None
             continue
         return split
     return None
+
+
+def balanced_counts(num_layers: int, chunks: int, mtp_layers: int = 0) -> list[int] | None:
+    """Decoder layers per model chunk, the field's way: every middle chunk the same m layers, the first and last
+    chunks at most m (they also hold the embedding, and the loss and MTP layers, each counted as one layer as
+    --account-for-embedding/loss-in-pipeline-split count them), m and the first/last counts chosen so that the
+    heaviest chunk carries the fewest of these units (ties: the lighter last chunk). None when no such split exists
+    (e.g. 40 layers over 16 chunks: the first and last would need more than the middle)."""
+    if chunks < 2:
+        return None
+    middle = chunks - 2
+    best = None
+    for m in range(num_layers // middle if middle else 0, -1, -1):
+        rest = num_layers - middle * m
+        for first in range(min(m, rest) if middle else rest, -1, -1):
+            last = rest - first
+            if last < 0 or (middle and last > m):
+                continue
+            key = (max(m, first + 1, last + 1 + mtp_layers), last)
+            if best is None or key < best[0]:
+                best = (key, [first] + [m] * middle + [last])
+    return None if best is None else best[1]
+
+
+def _as_flags(counts: list[int], num_layers: int, pp: int, vpp: int) -> PipelineSplit | None:
+    """The same counts by --decoder-first/last-pipeline-num-layers, when those flags can say it (each stage's chunks
+    equal, the middle stages equal)."""
+    stages = [[counts[v * pp + r] for v in range(vpp)] for r in range(pp)]
+    if any(len(set(st)) != 1 for st in stages) or len({st[0] for st in stages[1:-1]}) > 1:
+        return None
+    first, last = sum(stages[0]), sum(stages[-1])
+    mid = sum(stages[1]) if pp > 2 else None
+    try:
+        split = PipelineSplit(first=None if first == mid else first, last=None if last == mid else last)
+        ok = split != PipelineSplit() and Layout(pp=pp, vpp=vpp, split=split).chunk_layers(num_layers) == tuple(counts)
+    except LayoutError:  # a stage without decoder layers: only a layout string says that
+        return None
+    return split if ok else None
+
+
+def layout_string(counts: list[int], mtp_layers: int = 0) -> str:
+    """A --pipeline-model-parallel-layout string for decoder layers per model chunk: E in the first chunk, MTP and L
+    in the last, runs of equal middle chunks written once (DeepSeek-V3 at PP 8 VPP 2: "Et*3|(t*4|)*14t*2mL")."""
+    def enc(n: int) -> str:
+        return "t" * n if n < 2 else f"t*{n}"
+
+    last = enc(counts[-1]) + "m" * mtp_layers + "L"
+    out, mid, i = ["E" + enc(counts[0]) + "|"], counts[1:-1], 0
+    while i < len(mid):
+        j = i
+        while j < len(mid) and mid[j] == mid[i]:
+            j += 1
+        out.append(f"({enc(mid[i])}|)*{j - i}" if j - i > 1 else enc(mid[i]) + "|")
+        i = j
+    return "".join(out) + last
 
 
 def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_length: int,
@@ -139,7 +209,8 @@ def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_lengt
                             if cfg.is_moe and (tp * cp * dp) % ((tp if etp is None else etp) * ep):
                                 continue
                             out.append(RunLayout(tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=dp,
-                                                 split=uneven_split(cfg.num_layers, pp, vpp)))
+                                                 split=uneven_split(cfg.num_layers, pp, vpp,
+                                                                    cfg.mtp_num_layers)))
     return out
 
 

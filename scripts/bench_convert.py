@@ -13,7 +13,11 @@ For each requested model size this script
 3. times `shardkit convert hf-to-mcore SRC OUT --tp 2 --pp 2 --quiet [--workers N]` as a subprocess while a thread
    polls the process tree (psutil, every --poll seconds) for the summed RSS of the tree, the largest single-process
    RSS and the summed anonymous RSS (RSS minus file-backed/shared pages, i.e. without the mmapped safetensors pages);
-4. optionally (--export) times `shardkit convert mcore-to-hf` back to HF.
+4. optionally (--export) times `shardkit convert mcore-to-hf` back to HF;
+5. with --formats native,torch_dist, step 3 once per output format (`--format torch_dist`: Megatron-LM's
+   torch_dist, written straight from the HF shards), each torch_dist row reported beside the native one of the same
+   layout, code and --workers ("vs native": wall, CPU and peak-RSS ratios; issue 17's goal: within 1.3x, RSS
+   unchanged).
 
 Before every timed step the page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`, needs root). When
 that is not possible the source is read once untimed (an untimed `cp -r`) so every timed step reads from a warm
@@ -447,7 +451,8 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
     sk = shardkit_bin()
     cps: list[tuple[float, float]] = []
     codes: list[Code] = args.codes
-    convs: dict[tuple[str, str], list[Run]] = {(c.label, w): [] for c in codes for w in args.workers}
+    convs: dict[tuple[str, str, str], list[Run]] = {(c.label, w, f): [] for c in codes for w in args.workers
+                                                    for f in args.formats}
     exports: dict[str, list[Run]] = {c.label: [] for c in codes}
     out_bytes = exp_bytes = out_chunks = 0
     # repeats are interleaved (cp, convert per tree and workers value, export, cp, ...): drift on a shared disk hits all
@@ -465,12 +470,13 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
             # (b) the converter
             who = f"[{code.label}] " if len(codes) > 1 else ""
             ck0 = base / f"mcore-{code.label}-w{args.workers[0]}"  # the checkpoint the export reads
-            for workers in args.workers:
-                out = base / f"mcore-{code.label}-w{workers}"
+            for workers, fmt in [(w, f) for w in args.workers for f in args.formats]:
+                native = fmt == "native"
+                out = base / (f"mcore-{code.label}-w{workers}" if native else f"td-{code.label}-w{workers}")
                 if out.exists():
                     shutil.rmtree(out)
                 cmd = [sk, "convert", "hf-to-mcore", str(src), str(out), "--tp", str(args.tp), "--pp", str(args.pp),
-                       "--quiet"]
+                       "--quiet"] + ([] if native else ["--format", fmt])
                 if args.vpp != 1:
                     cmd += ["--vpp", str(args.vpp)]
                 if args.ep != 1:
@@ -480,18 +486,23 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                 if workers != "default":
                     cmd += ["--workers", str(workers)]
                 cache.before_step()
-                r = run_measured(f"{who}convert (workers={workers})", cmd, args.poll,
-                                 base / f"convert-{code.label}-w{workers}.log", code.env)
-                out_bytes = dir_bytes(out)
-                out_chunks = sum(1 for f in out.glob("iter_*/model/*/c/**/*") if f.is_file())
-                manifest = json.loads(next(out.glob("iter_*/manifest.json")).read_text())
-                r.extra["inner_s"] = manifest.get("provenance", {}).get("seconds")
-                convs[(code.label, workers)].append(r)
-                print(f"{tag} {who}convert workers={workers}: {r.wall_s:.2f}s (inside shardkit "
-                      f"{r.extra['inner_s']}s), {src_bytes / GB / r.wall_s:.2f} GB/s; peak RSS tree "
+                r = run_measured(f"{who}convert (workers={workers}, {fmt})", cmd, args.poll,
+                                 base / f"convert-{code.label}-w{workers}-{fmt}.log", code.env)
+                if native:
+                    out_bytes = dir_bytes(out)
+                    out_chunks = sum(1 for f in out.glob("iter_*/model/*/c/**/*") if f.is_file())
+                    manifest = json.loads(next(out.glob("iter_*/manifest.json")).read_text())
+                    r.extra["inner_s"] = manifest.get("provenance", {}).get("seconds")
+                else:
+                    r.extra["out_bytes"] = dir_bytes(out)
+                    r.extra["inner_s"] = None
+                convs[(code.label, workers, fmt)].append(r)
+                inner = f" (inside shardkit {r.extra['inner_s']}s)" if r.extra["inner_s"] is not None else ""
+                print(f"{tag} {who}convert workers={workers} {fmt}: {r.wall_s:.2f}s{inner}, "
+                      f"{src_bytes / GB / r.wall_s:.2f} GB/s; peak RSS tree "
                       f"{r.peak_tree_rss / MB:.0f} MB (anon {r.peak_tree_anon / MB:.0f} MB, {r.peak_procs} procs), max "
-                      f"process {r.peak_max_rss / MB:.0f} MB; CPU {r.cpu_s:.1f}s; wrote {out_bytes / GB:.3f} GB",
-                      flush=True)
+                      f"process {r.peak_max_rss / MB:.0f} MB; CPU {r.cpu_s:.1f}s; wrote "
+                      f"{(out_bytes if native else r.extra['out_bytes']) / GB:.3f} GB", flush=True)
                 # disk: keep at most the checkpoint the export reads and this one
                 if not args.keep and (out != ck0 or not args.export):
                     shutil.rmtree(out)
@@ -521,17 +532,23 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                   experts=s.experts, expert_ffn=s.expert_ffn, hf_tensors=len(s.tensors()), out_chunks=out_chunks,
                   cp_s=cp_s, cp_sync_s=cp_sync_s, cp_gbs=src_bytes / GB / cp_s, cp_runs=cps, repeats=args.repeats)
     rows = []
-    for (label, workers), runs in convs.items():
+    for (label, workers, fmt), runs in convs.items():
         wall = median([r.wall_s for r in runs])
         inner = [r.extra["inner_s"] for r in runs]
-        rows.append(dict(common, kind="convert", code=label, workers=str(workers), convert_s=wall,
+        nat = convs.get((label, workers, "native")) if fmt != "native" else None
+        vs = (dict(vs_native_wall=wall / median([r.wall_s for r in nat]),
+                   vs_native_cpu=median([r.cpu_s for r in runs]) / median([r.cpu_s for r in nat]),
+                   vs_native_rss=max(r.peak_tree_rss for r in runs) / max(r.peak_tree_rss for r in nat))
+              if nat else {})
+        rows.append(dict(common, **vs, kind="convert", code=label, workers=str(workers), format=fmt, convert_s=wall,
                          convert_inner_s=median(inner) if None not in inner else None,
                          ratio=wall / cp_s, ratio_sync=wall / cp_sync_s, convert_gbs=src_bytes / GB / wall,
                          peak_tree_mb=max(r.peak_tree_rss for r in runs) / MB,
                          peak_max_mb=max(r.peak_max_rss for r in runs) / MB,
                          peak_anon_mb=max(r.peak_tree_anon for r in runs) / MB,
                          procs=max(r.peak_procs for r in runs), cpu_s=median([r.cpu_s for r in runs]),
-                         out_gb=out_bytes / GB, runs_s=[round(r.wall_s, 2) for r in runs],
+                         out_gb=(out_bytes if fmt == "native" else runs[-1].extra["out_bytes"]) / GB,
+                         runs_s=[round(r.wall_s, 2) for r in runs],
                          cmd=" ".join(runs[-1].cmd)))
     for label, runs_e in exports.items():
         if not runs_e:
@@ -546,9 +563,11 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
     for r in rows:
         who = f"[{r['code']}] " if len(codes) > 1 else ""
         if r["kind"] == "convert":
-            print(f"   => {who}convert workers={r['workers']}: median {r['convert_s']:.2f}s = {r['ratio']:.2f}x cp "
-                  f"({cp_s:.2f}s), {r['ratio_sync']:.2f}x cp+sync ({cp_sync_s:.2f}s); peak RSS tree "
-                  f"{r['peak_tree_mb']:.0f} MB, max process {r['peak_max_mb']:.0f} MB", flush=True)
+            vs = (f"; vs native: {r['vs_native_wall']:.2f}x wall, {r['vs_native_cpu']:.2f}x CPU, "
+                  f"{r['vs_native_rss']:.2f}x RSS" if "vs_native_wall" in r else "")
+            print(f"   => {who}convert workers={r['workers']} {r['format']}: median {r['convert_s']:.2f}s = "
+                  f"{r['ratio']:.2f}x cp ({cp_s:.2f}s), {r['ratio_sync']:.2f}x cp+sync ({cp_sync_s:.2f}s); peak RSS "
+                  f"tree {r['peak_tree_mb']:.0f} MB, max process {r['peak_max_mb']:.0f} MB{vs}", flush=True)
         else:
             print(f"   => {who}export: median {r['export_s']:.2f}s = {r['export_ratio']:.2f}x cp, "
                   f"{r['export_ratio_sync']:.2f}x cp+sync; peak RSS tree {r['export_peak_tree_mb']:.0f} MB",
@@ -593,7 +612,7 @@ def table(rows: list[dict]) -> str:
     multi = len({r["code"] for r in rows}) > 1
     head = ["size GB", "cp s", "convert s", "ratio", "convert GB/s", "peak RSS tree MB", "peak RSS max-process MB",
             "workers", "layers", "cp GB/s", "cp+sync s", "ratio vs cp+sync", "peak anon tree MB", "CPU s",
-            "chunks written"]
+            "chunks written", "format", "vs native: wall / CPU / RSS"]
     head += ["code"] if multi else []
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     for r in rows:
@@ -602,7 +621,10 @@ def table(rows: list[dict]) -> str:
         vals = [f"{r['size_gb']:.2f}", f"{r['cp_s']:.2f}", f"{r['convert_s']:.2f}", f"{r['ratio']:.2f}",
                 f"{r['convert_gbs']:.2f}", f"{r['peak_tree_mb']:.0f}", f"{r['peak_max_mb']:.0f}", r["workers"],
                 str(r["layers"]), f"{r['cp_gbs']:.2f}", f"{r['cp_sync_s']:.2f}", f"{r['ratio_sync']:.2f}",
-                f"{r['peak_anon_mb']:.0f}", f"{r['cpu_s']:.1f}", str(r["out_chunks"])] + ([r["code"]] if multi else [])
+                f"{r['peak_anon_mb']:.0f}", f"{r['cpu_s']:.1f}",
+                str(r["out_chunks"]) if r.get("format", "native") == "native" else "-", r.get("format", "native"),
+                (f"{r['vs_native_wall']:.2f}x / {r['vs_native_cpu']:.2f}x / {r['vs_native_rss']:.2f}x"
+                 if "vs_native_wall" in r else "-")] + ([r["code"]] if multi else [])
         lines.append("| " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
@@ -687,6 +709,9 @@ def parse_args(argv: list[str] | None = None):
                     help="benchmark the convert/, checkpoint/, shardkit/ packages in DIR (prepended to PYTHONPATH of "
                          "every shardkit subprocess) instead of the installed ones; repeat for an interleaved A/B, "
                          "'installed' names the installed tree, e.g. --src installed --src patched=/tmp/tree")
+    ap.add_argument("--formats", default="native",
+                    help="comma-separated output formats to convert to, each timed (native, torch_dist; default "
+                         "native), e.g. native,torch_dist: torch_dist rows get the 'vs native' ratios")
     ap.add_argument("--export", action="store_true", help="also time `shardkit convert mcore-to-hf` back")
     ap.add_argument("--check-export", action="store_true", help="with --export: compare every tensor bitwise")
     ap.add_argument("--repeats", type=int, default=1,
@@ -703,6 +728,11 @@ def parse_args(argv: list[str] | None = None):
     args = ap.parse_args(argv)
     args.size_list = [float(x) for x in args.sizes.split(",")] if args.sizes else [args.size_gb]
     args.workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if not args.formats or set(args.formats) - {"native", "torch_dist"}:
+        ap.error(f"--formats: {args.formats!r}: use native and/or torch_dist")
+    if args.export and "native" not in args.formats:
+        ap.error("--export reads the native checkpoint: add native to --formats")
     for w in args.workers:
         if w != "default" and not (w.isdigit() and int(w) >= 1):
             ap.error(f"--workers: {w!r} is neither 'default' nor a positive integer")

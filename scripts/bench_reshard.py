@@ -6,10 +6,14 @@ The source is a synthetic LLaMA-shaped HF model (bench_convert's `synthesize` / 
 to a native tp1pp1 checkpoint. Then, per repeat (interleaved, so drift on a shared disk hits all):
   (a) `cp -r` of that checkpoint, and the `sync` that makes its bytes durable (timed separately);
   (b) `shardkit reshard SRC DST --tp 4 --pp 2`;
-  (c) `shardkit reshard SRC DST --tp 1 --pp 1 --format torch_dist` (native -> torch_dist at the same layout);
-  (d) with --torch-dist-resharded: `... --tp 4 --pp 2 --format torch_dist` (reshard + export in one pass).
-shardkit fsyncs what it writes, so compare with cp+sync too. Cache mode as in bench_convert (cold when the page cache
-can be dropped, else the source files' pages evicted before each step). Goal: within 1.5x cp, peak RSS under 1.5 GB.
+  (c) `shardkit reshard SRC DST` (native -> native at the source's layout: the native baseline of (d) and (f));
+  (d) `shardkit reshard SRC DST --format torch_dist` (native -> torch_dist at the same layout);
+  (e) with --torch-dist-resharded: `... --tp 4 --pp 2 --format torch_dist` (reshard + export in one pass);
+  (f) `shardkit reshard TD DST` (torch_dist -> native at the same layout; TD is (d)'s output, written once untimed).
+Every torch_dist step is reported beside its native counterpart at the same layout (the "vs native" columns: wall and
+CPU time ratios; issue 17's goal: within 1.3x, peak RSS unchanged). shardkit fsyncs what it writes, so compare with
+cp+sync too. Cache mode as in bench_convert (cold when the page cache can be dropped, else the source files' pages
+evicted before each step). Goal (issue 4): within 1.5x cp, peak RSS under 1.5 GB.
 
     .venv/bin/python scripts/bench_reshard.py --size 2 --markdown /tmp/reshard.md
 """
@@ -82,14 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"   source checkpoint tp1pp1: {src_bytes / GB:.3f} GB (converted untimed in {time.perf_counter() - t0:.1f}s)",
           flush=True)
     extra = ["--workers", args.workers] if args.workers else []
-    steps = [("reshard tp1pp1->tp%dpp%d" % (args.tp, args.pp), ["--tp", str(args.tp), "--pp", str(args.pp)]),
-             ("native->torch_dist tp1pp1", ["--tp", "1", "--pp", "1", "--format", "torch_dist"])]
+    resharded = "reshard tp1pp1->tp%dpp%d" % (args.tp, args.pp)
+    same = "native->native tp1pp1"
+    td_src = work / "td-src"  # the import's source: native -> torch_dist at the same layout, untimed
+    subprocess.run([sk, "reshard", str(src), str(td_src), "--quiet", "--format", "torch_dist"], check=True,
+                   env=code.env)
+    cache.sources = [src, td_src]
+    # (label, source, flags, the native step at the same layout it is compared with)
+    steps = [(resharded, src, ["--tp", str(args.tp), "--pp", str(args.pp)], None),
+             (same, src, [], None),
+             ("native->torch_dist tp1pp1", src, ["--format", "torch_dist"], same)]
     if args.torch_dist_resharded:
-        steps.append((f"native tp1pp1->torch_dist tp{args.tp}pp{args.pp}",
-                      ["--tp", str(args.tp), "--pp", str(args.pp), "--format", "torch_dist"]))
+        steps.append((f"native tp1pp1->torch_dist tp{args.tp}pp{args.pp}", src,
+                      ["--tp", str(args.tp), "--pp", str(args.pp), "--format", "torch_dist"], resharded))
+    steps.append(("torch_dist->native tp1pp1", td_src, [], same))
     cps: list[tuple[float, float]] = []
     cp_cpu: list[float] = []  # user+sys seconds of cp: with other work on the CPUs, CPU time is the steadier measure
-    runs: dict[str, list[Run]] = {label: [] for label, _ in steps}
+    runs: dict[str, list[Run]] = {label: [] for label, *_ in steps}
     out_bytes: dict[str, int] = {}
     loads: list[str] = []
     for rep in range(args.repeats):
@@ -105,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(dst)
         print(f"{tag} cp -r {cp_s:.2f}s ({src_bytes / GB / cp_s:.2f} GB/s, CPU {cp.cpu_s:.1f}s), + sync {sync_s:.2f}s",
               flush=True)
-        for i, (label, flags) in enumerate(steps):
+        for i, (label, step_src, flags, _) in enumerate(steps):
             out = work / f"out{i}"
             cache.before_step()
-            r = run_measured(label, [sk, "reshard", str(src), str(out), "--quiet", *flags, *extra], args.poll,
+            r = run_measured(label, [sk, "reshard", str(step_src), str(out), "--quiet", *flags, *extra], args.poll,
                              work / f"step{i}.log", code.env)
             out_bytes[label] = dir_bytes(out)
             runs[label].append(r)
@@ -121,9 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     cp_sync_s = median([c + y for c, y in cps])
     cp_cpu_s = median(cp_cpu)
     rows = []
+    base_of = {label: base for label, _, _, base in steps}
     for label, rs in runs.items():
         wall = median([r.wall_s for r in rs])
-        rows.append(dict(step=label, size_gb=src_bytes / GB, cp_s=cp_s, cp_sync_s=cp_sync_s, wall_s=wall,
+        base = runs.get(base_of[label]) if base_of[label] else None
+        vs = (dict(vs_native=base_of[label], vs_native_wall=wall / median([r.wall_s for r in base]),
+                   vs_native_cpu=median([r.cpu_s for r in rs]) / median([r.cpu_s for r in base]),
+                   vs_native_rss=max(r.peak_tree_rss for r in rs) / max(r.peak_tree_rss for r in base))
+              if base else dict(vs_native=None))
+        rows.append(dict(step=label, size_gb=src_bytes / GB, cp_s=cp_s, cp_sync_s=cp_sync_s, wall_s=wall, **vs,
                          ratio=wall / cp_s, ratio_sync=wall / cp_sync_s,
                          peak_tree_mb=max(r.peak_tree_rss for r in rs) / MB,
                          peak_max_mb=max(r.peak_max_rss for r in rs) / MB, cpu_s=median([r.cpu_s for r in rs]),
@@ -135,12 +154,14 @@ def main(argv: list[str] | None = None) -> int:
           f"Source: native tp1pp1 checkpoint of a synthetic model, {s.describe()}, {src_bytes / GB:.2f} GB",
           "Load (`uptime`, before/after each repeat): " + " | ".join(f"`{u}`" for u in loads), "",
           "| step | size GB | cp s | cp+sync s | step s | ratio vs cp | ratio vs cp+sync | peak RSS tree MB | "
-          "peak RSS max-process MB | CPU s | cp CPU s | wrote GB | runs s |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+          "peak RSS max-process MB | CPU s | cp CPU s | wrote GB | runs s | vs native: wall / CPU / RSS |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
+        vs = (f"{r['vs_native_wall']:.2f}x / {r['vs_native_cpu']:.2f}x / {r['vs_native_rss']:.2f}x "
+              f"({r['vs_native']})" if r["vs_native"] else "-")
         md.append(f"| {r['step']} | {r['size_gb']:.2f} | {r['cp_s']:.2f} | {r['cp_sync_s']:.2f} | {r['wall_s']:.2f} | "
                   f"{r['ratio']:.2f} | {r['ratio_sync']:.2f} | {r['peak_tree_mb']:.0f} | {r['peak_max_mb']:.0f} | "
-                  f"{r['cpu_s']:.1f} | {r['cp_cpu_s']:.1f} | {r['out_gb']:.2f} | {r['runs_s']} |")
+                  f"{r['cpu_s']:.1f} | {r['cp_cpu_s']:.1f} | {r['out_gb']:.2f} | {r['runs_s']} | {vs} |")
     md += ["", "```", machine_facts(work), "```"]
     text = "\n".join(md) + "\n"
     print("\n" + text)

@@ -54,6 +54,17 @@ def _skip_verify_flag(p: argparse.ArgumentParser) -> None:
                         "writing; chunks are still checksummed as they are read")
 
 
+def _ranks_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed-timeout-minutes", type=float, default=None, metavar="MIN",
+                   help="started as several ranks (torchrun, srun): how long a rank waits for the rendezvous, for "
+                        "a rank that shows no sign of life, and in a collective, before it stops naming the rank "
+                        "(default: 10, as the trainer's)")
+    p.add_argument("--estimate-above", metavar="SIZE", default=None,
+                   help="a job with at least this much left to write first measures the output's durable write rate "
+                        "on every rank (64 MiB each) and prints the expected time, e.g. 1TB, 0 for any job "
+                        "(default: 64GiB)")
+
+
 def _format_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("native", "torch_dist"), default="native",
                    help="output format: shardkit's native tensorstore checkpoint, or Megatron-LM's torch_dist "
@@ -159,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "every layer vs transformers' own forward); non-zero exit if it differs")
     h2m.add_argument("--memory-budget", metavar="SIZE", default=None,
                      help="with --verify: memory the comparison may use (default: half the available)")
+    _ranks_flag(h2m)
 
     m2h = csub.add_parser("mcore-to-hf", help="shardkit checkpoint -> HF safetensors")
     m2h.add_argument("ckpt", help="a native checkpoint, or a torch_dist one")
@@ -200,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--overwrite", action="store_true", help="allow a non-empty destination directory")
     rs.add_argument("--quiet", action="store_true", help="no progress bar, no layout line")
     _skip_verify_flag(rs)
+    _ranks_flag(rs)
 
     ins = sub.add_parser("inspect", help="layout, model config and tensor table of a checkpoint (native or "
                          "torch_dist)")
@@ -298,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_malloc()
     try:
+        if args.cmd in ("convert", "reshard"):
+            return _across_ranks(args)
         return _dispatch(args)
-    except ShardkitError as e:
-        print(f"shardkit: error: {e}", file=sys.stderr)
+    except ShardkitError as e:  # one write per line: ranks sharing a stderr pipe never split each other's lines
+        sys.stderr.write(f"shardkit: error: {e}\n")
         return 1
     except KeyboardInterrupt:
         print("shardkit: interrupted; rerun the same command to resume", file=sys.stderr)
@@ -397,6 +412,42 @@ def _check_train_outputs(cfg) -> None:
             check_output(out, inputs, flag, same_ok=[load] if load else [])
 
 
+def _across_ranks(args: argparse.Namespace) -> int:
+    """hf-to-mcore and reshard started as several ranks (torchrun, or one SLURM task per rank): rendezvous, compare
+    the ranks' arguments, run the command with every rank writing its share (convert.distributed); a rank that
+    fails tells the others why, so they stop naming it. Other writing commands run as one process."""
+    from checkpoint.errors import ShardkitError
+    from checkpoint.rendezvous import rank_and_world
+    from convert import distributed
+
+    command = "reshard" if args.cmd == "reshard" else f"convert {args.direction}"
+    found = rank_and_world(os.environ, command)
+    if found is None or found[1] == 1:
+        return _dispatch(args)
+    if args.cmd == "convert" and args.direction != "hf-to-mcore":
+        raise ShardkitError(f"{command} runs as one process (rank {found[0]} of {found[1]} here): start it "
+                            "without torchrun/srun; hf-to-mcore and reshard run across ranks")
+    if args.format == "torch_dist":
+        raise ShardkitError(f"{command} --format torch_dist across ranks: not supported yet; write the native "
+                            "format across ranks, then export it (`reshard SRC DST --format torch_dist`) as one "
+                            "process")
+    if args.cmd == "reshard" and _is_torch_dist(args.src):
+        raise ShardkitError("reshard of a torch_dist source across ranks: not supported yet; run it as one process")
+    group = distributed.start(command, dict(vars(args)), args.distributed_timeout_minutes)
+    if group is None:
+        return _dispatch(args)
+    args.group = group
+    error = None
+    try:
+        return _dispatch(args)
+    except BaseException as e:
+        group.fail(e)
+        error = e
+        raise
+    finally:
+        group.close(error)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     from checkpoint.errors import ShardkitError
 
@@ -424,9 +475,20 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.format == "torch_dist" and args.keep_fp8:
             raise ShardkitError("--keep-fp8 with --format torch_dist: Megatron's torch_dist has no block-FP8 "
                                 "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
-        path = _write(args, args.out, lambda out: convert_hf_to_mcore(
-            args.hf_dir, out, layout, dtype=dtype, workers=args.workers, overwrite=args.overwrite, quiet=args.quiet,
-            keep_fp8=args.keep_fp8, allow_nonfinite=args.allow_nonfinite))
+        group = getattr(args, "group", None)
+        if args.format == "torch_dist" and group is None:  # straight into the rank files, no native copy between
+            from convert.torch_dist_io import convert_hf_to_torch_dist
+
+            path = convert_hf_to_torch_dist(args.hf_dir, args.out, layout, dtype=dtype, key_naming=args.key_naming,
+                                            overwrite=args.overwrite, quiet=args.quiet,
+                                            allow_nonfinite=args.allow_nonfinite)
+        else:
+            path = _write(args, args.out, lambda out: convert_hf_to_mcore(
+                args.hf_dir, out, layout, dtype=dtype, workers=args.workers, overwrite=args.overwrite,
+                quiet=args.quiet, keep_fp8=args.keep_fp8, allow_nonfinite=args.allow_nonfinite, group=group,
+                estimate_above=_estimate_above(args)))
+        if group is not None and group.rank:  # rank 0 says what was written (and verifies it)
+            return 0
         print(f"wrote {path}")
         if args.verify:
             from convert.hf_to_mcore import verify_conversion
@@ -463,7 +525,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         # a flag not given keeps the source's value
         layout = keep_layout(source, cfg, **given, split=PipelineSplit.from_args(args))
-        if not args.quiet:  # before it starts; stdout with the "wrote" line (a piped stderr stays empty)
+        group = getattr(args, "group", None)
+        if not args.quiet and (group is None or not group.rank):  # before it starts; stdout with the "wrote" line
             print(layout_change(source, layout, cfg, given, unknown), flush=True)
         if _is_torch_dist(args.src):  # torch_dist -> native (-> torch_dist): the import already re-chunks
             path = _write(args, args.dst, lambda out: _import_torch_dist(args, args.src, out, layout, dtype))
@@ -476,7 +539,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         else:
             path = _write(args, args.dst, lambda out: reshard(args.src, out, layout, dtype=dtype,
                                                               workers=args.workers, overwrite=args.overwrite,
-                                                              quiet=args.quiet, skip_verify=args.skip_verify))
+                                                              quiet=args.quiet, skip_verify=args.skip_verify,
+                                                              group=group, estimate_above=_estimate_above(args)))
+        if group is not None and group.rank:
+            return 0
         print(f"wrote {path}")
         return 0
     if args.cmd == "inspect":
@@ -515,6 +581,17 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_demo(args.out, keep=args.keep)
     raise AssertionError(args)
+
+
+def _estimate_above(args: argparse.Namespace) -> int | None:
+    """--estimate-above in bytes (None: the default threshold); "0" for every job."""
+    if args.estimate_above is None:
+        return None
+    if args.estimate_above.strip() == "0":
+        return 0
+    from plan.units import parse_bytes
+
+    return parse_bytes(args.estimate_above, "--estimate-above")
 
 
 def _is_torch_dist(path: str) -> bool:
@@ -704,7 +781,8 @@ def _verify_torch_dist(args: argparse.Namespace) -> int:
     """verify of a torch_dist checkpoint: keys and shapes against the model config and the sharding table, every
     item read, non-finite values counted, and with --against the logits compared (read in place, no staging copy)."""
     from checkpoint.progress import json_text, progress_bar
-    from convert.torch_dist_io import TorchDistSource, verify_torch_dist
+    from checkpoint.torch_dist_view import TorchDistSource
+    from convert.torch_dist_io import verify_torch_dist
 
     td, cfg, origin = _torch_dist_model(args, args.ckpt)
     total = sum(t.dtype.itemsize * _numel(t.shape) for t in td.tensors.values())

@@ -17,7 +17,16 @@ vocab_size). The topics, one section each below:
               "input_ids"}: dist_checkpointing load/save of GPTModel, its tensors and logits.
   optimizer   {"mode": "save", "root", "iteration", "seed", "steps", "model"} or {"mode": "load", "ckpt", "model"}:
               DistributedDataParallel + DistributedOptimizer trained and saved, or loaded, with the optimizer state.
-  train       {"ckpt", "model", "data", "train"}: a training run as Megatron-LM's pretrain_gpt.py does it.
+  train       {"ckpt", "model", "data", "train"}: a training run as Megatron-LM's pretrain_gpt.py does it; with
+              "save": {"root", "at"} also Megatron-LM's torch_dist training save (optimizer state included) after
+              iteration "at", with "final_tensors" the weights after the last iteration.
+  regions     {"model", "tp", "pp", "vpp", "ep"}: per rank and model chunk, the ShardedTensors (key, global shape,
+              offset, shape) of GPTModel built for that stage (uneven splits, layout strings, MLA + MoE + MTP).
+  legacy_stages {"root", "iteration", "seed", "model", "pp", "vpp"}: a `--ckpt-format torch` checkpoint of a
+              pipeline with (uneven) stages, one rank file per stage, and its global tensors.
+  mtp         {"model" (with mtp_num_layers), "seed", "input_ids", "labels"}: GPTModel with multi-token prediction,
+              one training forward and backward: main and per-depth MTP logits, the MTP block's output, the MTP
+              losses, the loss and every gradient.
 """
 from __future__ import annotations
 
@@ -689,12 +698,34 @@ def train(job: dict) -> dict:
         out["loss"].append(float(val[0] / val[1]))
         out["grad_norm"].append(float(grad_norm))
         out["tokens"].append(seen[first:])
+        if job.get("save") and len(out["loss"]) == job["save"]["at"]:
+            save_training(job, model, opt, sched, len(out["loss"]), len(out["loss"]) * gbs)
+    if job.get("final_tensors"):  # the weights and the optimizer state after the last iteration (a .pt "out")
+        out["tensors"] = global_tensors(model)
+        out["optimizer"] = _optimizer_state(model, opt)
     return out
+
+
+def save_training(job: dict, model, opt, sched, iteration: int, consumed: int) -> None:
+    """Megatron-LM's training save in torch_dist at `iteration` (job "save": {"root", "at"}): the model, the
+    distributed optimizer's state (fully_reshardable) and common.pt's iteration, args (with the consumed samples),
+    the scheduler's state_dict and the optimizer's param groups, then the tracker file."""
+    from megatron.core import dist_checkpointing
+
+    d = os.path.join(job["save"]["root"], f"iter_{iteration:07d}")
+    os.makedirs(d)
+    args = megatron_lm_args(job["model"])
+    args.consumed_train_samples = consumed
+    model_sd = model.sharded_state_dict(metadata=OPTIMIZER_META)
+    opt_sd = opt.sharded_state_dict(model_sd, metadata=OPTIMIZER_META)
+    dist_checkpointing.save({"model": model_sd, "optimizer": opt_sd, "iteration": iteration,
+                             "checkpoint_version": 3.0, "args": args, "opt_param_scheduler": sched.state_dict()}, d,
+                            content_metadata=OPTIMIZER_META)
+    write_latest(job["save"]["root"], iteration)
 
 
 # -- main ------------------------------------------------------------------------------------------------------------
 
-# topic: (its job, whether it needs the distributed optimizer's shims)
 def pipeline_split(job: dict) -> dict:
     """megatron-core's decoder layers per model chunk for an (uneven) pipeline split: for each pipeline rank and
     virtual stage, get_num_layers_to_build and get_transformer_layer_offset (or, for a layout string, the
@@ -736,9 +767,232 @@ def pipeline_split(job: dict) -> dict:
         parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
 
 
+# -- regions ---------------------------------------------------------------------------------------------------------
+# {"model": TransformerConfig fields (MLA fields make it an MLATransformerConfig) + padded_vocab_size,
+# max_sequence_length, tied; "tp", "pp", "vpp", "ep"}: megatron-core's own GPTModel built for every pipeline rank,
+# virtual stage, TP rank and EP rank the way Megatron-LM's pretrain_gpt.py model_provider builds it (the decoder block
+# spec sliced for that stage by get_gpt_decoder_block_spec, the MTP block spec by get_gpt_mtp_block_spec, pre/post
+# process on the first/last model chunk), each from a parallel state faked for that rank: the process groups the model
+# reads (tp, pp, ep, expt_tp, tp_ep) are stand-ins with that rank and size, and parallel_state's MPU overrides say the
+# same. Nothing communicates while a model is built or asked for its sharded_state_dict(), so one process does them
+# all. Result: one entry per (pp_rank, vstage, tp, ep): the ShardedTensors as [key, global_shape, global_offset,
+# shape (prepended axes as 1), primary (replica_id all 0)]. MLA's local spec needs Transformer Engine for two things
+# that hold no parameters: its core attention (a parameterless stand-in here) and an isinstance check against TE's
+# TELinear (a class nothing is an instance of).
+
+class _FakeGroup:
+    """A process group as model construction and sharded_state_dict() read it: its size and this rank's place."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+class _NoCoreAttention(torch.nn.Module):
+    """MLA's core attention without Transformer Engine: no parameters, never run (only the state dict is asked)."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__()
+
+
+_REAL_GROUPS = None
+
+
+def _fake_groups(tp: int, pp: int, ep: int, tp_rank: int, pp_rank: int, ep_rank: int):
+    """The process groups of one rank as stand-ins (see _FakeGroup), also what ProcessGroupCollection's default
+    (use_mpu_process_groups) gives to modules built without them; parallel_state's MPU overrides say the same."""
+    global _REAL_GROUPS
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ps.set_tensor_model_parallel_world_size(tp)
+    ps.set_tensor_model_parallel_rank(tp_rank)
+    ps.set_expert_model_parallel_world_size(ep)
+    ps.set_expert_model_parallel_rank(ep_rank)
+    ps.set_expert_tensor_parallel_world_size(tp)
+    ps.set_expert_tensor_parallel_rank(tp_rank)
+    if _REAL_GROUPS is None:
+        _REAL_GROUPS = ProcessGroupCollection.use_mpu_process_groups
+    groups = _REAL_GROUPS()
+    groups.tp, groups.pp = _FakeGroup(tp, tp_rank), _FakeGroup(pp, pp_rank)
+    groups.ep, groups.expt_tp = _FakeGroup(ep, ep_rank), _FakeGroup(tp, tp_rank)
+    groups.tp_ep = _FakeGroup(tp * ep, ep_rank * tp + tp_rank)
+    groups.embd = groups.pos_embd = None  # nothing to all-reduce at build time
+    ProcessGroupCollection.use_mpu_process_groups = classmethod(lambda cls, *a, **k: groups)
+    return groups
+
+
+def _reset_parallel_state() -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if _REAL_GROUPS is not None:
+        ProcessGroupCollection.use_mpu_process_groups = _REAL_GROUPS
+    for setter in ("pipeline_model_parallel_world_size", "pipeline_model_parallel_rank",
+                   "virtual_pipeline_model_parallel_world_size", "tensor_model_parallel_world_size",
+                   "tensor_model_parallel_rank", "expert_model_parallel_world_size", "expert_model_parallel_rank",
+                   "expert_tensor_parallel_world_size", "expert_tensor_parallel_rank"):
+        getattr(ps, "set_" + setter)(None)
+
+
+def _stage_model(m: dict, pp: int, vpp: int, rank: int, vstage, groups):
+    """GPTModel of one model chunk, as pretrain_gpt.py's model_provider builds it (local spec), on `groups`."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs,
+                                                          get_gpt_mtp_block_spec)
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    for name in ("TELinear", "TEColumnParallelLinear"):  # TE absent: a stand-in, or a class nothing is an instance of
+        if not isinstance(getattr(mla, name), type):
+            setattr(mla, name, type(f"No{name}", (), {}))
+    fields = {k: v for k, v in m.items() if k not in MODEL_EXTRA}
+    is_mla = bool(fields.get("multi_latent_attention"))
+    cls = MLATransformerConfig if is_mla else TransformerConfig
+    tc = cls(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", use_cpu_initialization=True,
+             params_dtype=torch.float32, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+             apply_rope_fusion=False, persist_layer_norm=False, moe_token_dispatcher_type="allgather",
+             pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+             **fields)
+    layer_specs = get_gpt_decoder_layer_specs(tc, False, "RMSNorm")
+    block = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vstage,
+                                       pp_rank=rank)
+    mtp = None
+    if tc.mtp_num_layers:
+        mtp = get_gpt_mtp_block_spec(tc, layer_specs[-1], use_transformer_engine=False, vp_stage=vstage, pp_rank=rank)
+    if is_mla:
+        for spec in [*block.layer_specs, layer_specs[-1]]:
+            spec.submodules.self_attention.submodules.core_attention = _NoCoreAttention
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vstage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vstage)
+    return GPTModel(tc, block, vocab_size=m["padded_vocab_size"], max_sequence_length=m["max_sequence_length"],
+                    position_embedding_type="rope", rotary_base=m.get("rotary_base", 10000),
+                    pre_process=first, post_process=last,
+                    share_embeddings_and_output_weights=m["tied"], mtp_block_spec=mtp, vp_stage=vstage,
+                    pg_collection=groups)
+
+
+def regions(job: dict) -> list:
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    tp, pp, vpp, ep = job["tp"], job["pp"], job["vpp"], job["ep"]
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the tied-embedding set-up moves a weight "to the GPU"
+    out = []
+    try:
+        for rank in range(pp):
+            for v in range(vpp):
+                for t in range(tp):
+                    for e in range(ep):
+                        ps.set_pipeline_model_parallel_world_size(pp)
+                        ps.set_pipeline_model_parallel_rank(rank)
+                        ps.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+                        groups = _fake_groups(tp, pp, ep, t, rank, e)
+                        model = _stage_model(job["model"], pp, vpp, rank, v if vpp > 1 else None, groups)
+                        sd = model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+                        boxes = [[st.key, list(st.global_shape), list(st.global_offset),
+                                  [1] * st.prepend_axis_num + list(st.local_shape),
+                                  all(i == 0 for i in (st.replica_id if isinstance(st.replica_id, tuple)
+                                                       else (st.replica_id,)))]
+                                 for st in sharded_tensors(sd)]
+                        out.append({"pp": rank, "vstage": v, "tp": t, "ep": e, "boxes": boxes})
+    finally:
+        _reset_parallel_state()
+    return out
+
+
+def legacy_stages(job: dict) -> dict:
+    """{"root", "iteration", "model", "pp", "vpp"} (tp = ep = 1): a Megatron-LM `--ckpt-format torch` checkpoint of
+    a pipeline with (uneven) stages, written as Megatron-LM's save_checkpoint writes one: each pipeline rank's file
+    mp_rank_00_PPP/model_optim_rng.pt holds the state_dict() of the GPTModel of each of its model chunks ("model", or
+    "model0", "model1", ... with virtual stages; layer numbers local to the chunk, as megatron-core's TransformerBlock
+    numbers its layers) and the run's args with the split by Megatron-LM's names. Every chunk's weights are random
+    (its own seed). Result: the global tensors by sharded key, assembled from every chunk's own sharded_state_dict()
+    (megatron-core's global layer offsets), the truth the conversion is checked against."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    m, pp, vpp, it = job["model"], job["pp"], job["vpp"], job["iteration"]
+    args = legacy_args(m, it)
+    args.pipeline_model_parallel_size = pp
+    args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+    args.decoder_first_pipeline_num_layers = m.get("num_layers_in_first_pipeline_stage")
+    args.decoder_last_pipeline_num_layers = m.get("num_layers_in_last_pipeline_stage")
+    args.account_for_embedding_in_pipeline_split = bool(m.get("account_for_embedding_in_pipeline_split"))
+    args.account_for_loss_in_pipeline_split = bool(m.get("account_for_loss_in_pipeline_split"))
+    args.pipeline_model_parallel_layout = m.get("pipeline_model_parallel_layout")
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    sharded = {}
+    try:
+        for rank in range(pp):
+            ps.set_pipeline_model_parallel_world_size(pp)
+            ps.set_pipeline_model_parallel_rank(rank)
+            ps.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+            state = {"args": args, "checkpoint_version": 3.0, "iteration": it}
+            for v in range(vpp):
+                groups = _fake_groups(1, pp, 1, 0, rank, 0)
+                model = _stage_model(m, pp, vpp, rank, v if vpp > 1 else None, groups)
+                randomize(model, job["seed"] + v * pp + rank)
+                state["model" if vpp == 1 else f"model{v}"] = model.state_dict()
+                sharded[f"{rank}.{v}"] = model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+            d = os.path.join(job["root"], f"iter_{it:07d}", f"mp_rank_00_{rank:03d}")
+            os.makedirs(d)
+            torch.save(state, os.path.join(d, "model_optim_rng.pt"))
+    finally:
+        _reset_parallel_state()
+    write_latest(job["root"], it)
+    return {"tensors": gather(sharded)}
+
+
+# -- mtp -------------------------------------------------------------------------------------------------------------
+# GPTModel with multi-token prediction as pretrain_gpt.py's model_provider builds it (_stage_model with one stage: the
+# MTP block spec from the decoder's last layer spec), random weights, one training forward on fixed ids and labels,
+# the loss taken as pretrain_gpt.py's loss_func takes it (the token mean; the MTP loss rides on the hidden states through
+# MTPLossAutoScaler, main_loss_backward_scale 1), then backward. Result: "tensors" (global, by sharded key), "logits"
+# [b, s, v] (the main head), "mtp_logits" one [b, s, v] per depth and "block" the MTP block's output chunks [b, s, h]
+# (chunk 0 what the block read: the decoder output; chunk d + 1 depth d's output), both captured by hooks (the output
+# layer runs once per depth, then for the main head); "mtp_losses" MTPLossLoggingHelper's tracker (each depth's mean
+# cross-entropy), "loss" and "grads" (global, by sharded key).
+
+def mtp(job: dict) -> dict:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    model = _stage_model(job["model"], 1, 1, 0, None, ProcessGroupCollection.use_mpu_process_groups())
+    randomize(model, job["seed"])
+    tensors = global_tensors(model)
+    heads, block = [], []  # copies: the vocab-parallel cross-entropy works on the logits in place
+    model.output_layer.register_forward_hook(lambda mod, a, out: heads.append(out[0].detach().transpose(0, 1).clone()))
+    model.mtp.register_forward_hook(lambda mod, a, out: block.append(out.detach().clone()))
+    ids, labels = torch.load(job["input_ids"]), torch.load(job["labels"])
+    b, s = ids.shape
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    MTPLossLoggingHelper.tracker.clear()
+    model.train()
+    loss = model(ids, torch.arange(s)[None, :].expand(b, -1), mask, labels=labels).float().mean()
+    loss.backward()
+    with torch.no_grad():  # the gradients in the parameters' place, so that the sharded keys name them
+        for p in model.parameters():
+            p.copy_(p.grad if p.grad is not None else torch.full_like(p, float("nan")))
+    depths = job["model"]["mtp_num_layers"]
+    return {"tensors": tensors, "logits": heads[-1], "mtp_logits": heads[:-1],
+            "block": [c.transpose(0, 1) for c in torch.chunk(block[0], 1 + depths, dim=0)],
+            "mtp_losses": MTPLossLoggingHelper.tracker["values"].clone(), "loss": loss.detach(),
+            "grads": global_tensors(model)}
+
+
+# topic: (its job, whether it needs the distributed optimizer's shims)
 TOPICS = {"names": (names, False), "data": (data, False), "schedule": (schedule, False), "legacy": (legacy, False),
           "torch_dist": (torch_dist, False), "optimizer": (optimizer, True), "train": (train, True),
-          "pipeline_split": (pipeline_split, False)}
+          "pipeline_split": (pipeline_split, False), "regions": (regions, False),
+          "legacy_stages": (legacy_stages, False), "mtp": (mtp, False)}
 
 
 def main() -> None:

@@ -196,10 +196,3 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         if not first or not first[0].split(";")[0].isdigit():
             raise RuntimeError(f"sbatch {script} refused ({p.returncode}): {p.stderr.strip()}")
         return int(first[0].split(";")[0]), p.returncode
-
-    def job_state(self, job: int) -> str:
-        out = self.run("scontrol", "show", "job", str(job), check=False).stdout
-        for tok in out.split():
-            if tok.startswith("JobState="):
-                return tok.split("=", 1)[1]
-        return "UNKNOWN"

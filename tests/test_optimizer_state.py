@@ -184,7 +184,8 @@ def test_reshard_chain_bitwise_with_optimizer(trained, tmp_path):
 
 def test_torch_dist_round_trip_with_optimizer(trained, tmp_path):
     from checkpoint.torch_dist import TorchDistCheckpoint
-    from convert.torch_dist_io import TRAIN_STATE_KEY, torch_dist_to_native, write_torch_dist
+    from checkpoint.megatron import TRAIN_STATE_KEY
+    from convert.torch_dist_io import torch_dist_to_native, write_torch_dist
 
     src = Checkpoint(trained)
     # export at another layout in one pass (reshard + export), then back at the source's layout
@@ -228,7 +229,8 @@ def test_torch_dist_leaves_out_a_scheduler_megatron_cannot_load(trained, tmp_pat
     as `opt_param_scheduler` it would break Megatron-LM's OptimizerParamScheduler.load_state_dict, so it is left out
     (the whole train_state.json still rides along)."""
     from checkpoint.torch_dist import TorchDistCheckpoint
-    from convert.torch_dist_io import TRAIN_STATE_KEY, write_torch_dist
+    from checkpoint.megatron import TRAIN_STATE_KEY
+    from convert.torch_dist_io import write_torch_dist
 
     old = dict(TRAIN_STATE_DOC, scheduler={"num_steps": 7, "max_lr": 3e-4})
     src = add_optimizer_state(Checkpoint(trained).path.parent.parent / "w", tmp_path / "t", seed=1, iteration=7,

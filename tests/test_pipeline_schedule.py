@@ -71,3 +71,176 @@ def test_interleaved_schedule_bounds_in_flight_activations():
 def test_interleaved_schedule_needs_micro_batches_multiple_of_pp():
     with pytest.raises(ConfigError, match="multiple of --pp 2"):
         schedule(2, 2, 0, 3)
+
+
+# -- the real schedules on stages of unequal size ----------------------------------------------------------------------
+# pipeline.forward_backward (1F1B) and InterleavedPipeline.forward_backward (--vpp) run as they run in the trainer, one
+# thread per pipeline rank, each on a real StageStep over a real GPTModel cut by parallelize.apply_pipeline_split for
+# an uneven split (model chunks of different sizes, chunks and whole ranks with no decoder layer, as Megatron's layout
+# strings allow). torch.distributed is replaced by a wire that behaves like NCCL: no buffering, a send completes only
+# when a matching receive has been posted, messages between two ranks on one group match in posting order. A rank that
+# waits for ever is a deadlock (the test fails after a timeout). Every (chunk, micro-batch) forward runs exactly once
+# (counted), and the gradients equal one process's (a backward missed or run twice would change them).
+
+import threading  # noqa: E402
+import types  # noqa: E402
+
+import torch  # noqa: E402
+
+from checkpoint.layout import Layout, PipelineSplit  # noqa: E402
+
+
+class _Wire:
+    """Point-to-point messages between threads with NCCL's rendezvous semantics."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sends: dict[tuple, list] = {}  # (src, dst, group) -> posted sends not yet matched
+        self.recvs: dict[tuple, list] = {}
+        self.local = threading.local()
+        self.log: list[tuple] = []  # (src, dst, group) of each matched message, in match order
+
+    class Req:
+        def __init__(self) -> None:
+            self.done = threading.Event()
+
+        def wait(self, timeout: float = 20.0) -> None:
+            if not self.done.wait(timeout):
+                raise TimeoutError("deadlock: a pipeline rank waited for a message that never came")
+
+    def _match(self, key: tuple) -> None:
+        s, r = self.sends.get(key), self.recvs.get(key)
+        while s and r:
+            (t, sreq), (buf, rreq) = s.pop(0), r.pop(0)
+            buf.copy_(t)
+            self.log.append(key)
+            sreq.done.set()
+            rreq.done.set()
+
+    def isend(self, t, dst, group=None):
+        req = self.Req()
+        with self.lock:
+            key = (self.local.rank, dst, group)
+            self.sends.setdefault(key, []).append((t.detach().clone(), req))
+            self._match(key)
+        return req
+
+    def irecv(self, buf, src, group=None):
+        req = self.Req()
+        with self.lock:
+            key = (src, self.local.rank, group)
+            self.recvs.setdefault(key, []).append((buf, req))
+            self._match(key)
+        return req
+
+    def recv(self, buf, src, group=None):
+        self.irecv(buf, src, group).wait()
+
+    def module(self):
+        return types.SimpleNamespace(isend=self.isend, irecv=self.irecv, recv=self.recv)
+
+
+def _tiny_cfg(layers: int):
+    from checkpoint.config import ModelConfig
+
+    return ModelConfig(model_type="llama", num_layers=layers, hidden_size=16, ffn_hidden_size=32,
+                       num_attention_heads=2, num_query_groups=1, kv_channels=8, vocab_size=64,
+                       max_position_embeddings=32, norm_epsilon=1e-5, rotary_base=1e4, params_dtype="float64")
+
+
+UNEVEN = [  # (layers, pp, vpp, split): chunk sizes in the comments (chunk c = vstage * pp + rank)
+    (10, 4, 1, PipelineSplit(first=2, last=2)),  # 2 | 3 | 3 | 2
+    (6, 3, 1, PipelineSplit(layout="Ett||ttttL")),  # 2 | 0 | 4: a rank with no decoder layer (no parameter at all)
+    (5, 2, 1, PipelineSplit(layout="E|tttttL")),  # 0 | 5: the first stage only embeds
+    (8, 2, 2, PipelineSplit(layout="Et|ttt||ttttL")),  # 1 | 3 | 0 | 4: an empty model chunk in the middle
+    (6, 4, 2, PipelineSplit(layout="E|t|tt||t|t|t|L")),  # 0 1 2 0 1 1 1 0
+    (12, 4, 2, PipelineSplit(first=2, last=2)),  # 1 2 2 1 | 1 2 2 1
+    (7, 3, 1, PipelineSplit(embedding=True, loss=True)),  # 2 | 3 | 2
+]
+
+
+@pytest.mark.parametrize("layers,pp,vpp,split", UNEVEN)
+def test_schedules_on_uneven_stages(layers, pp, vpp, split):
+    from checkpoint.run_layout import RunLayout
+    from train.model import GPTModel
+    from train.parallel import interleaved, pipeline
+    from train.parallel.groups import Groups
+    from train.parallel.parallelize import apply_pipeline_split
+
+    dims = RunLayout(pp=pp, vpp=vpp, split=split)
+    counts = dims.model_parallel.chunk_layers(layers)
+    assert len(set(counts)) > 1
+    cfg = _tiny_cfg(layers)
+    torch.manual_seed(0)
+    ref = GPTModel(cfg, 64).double()
+    n = 2 * pp  # micro-batches: a multiple of pp (the interleaved schedule needs one)
+    g = torch.Generator().manual_seed(1)
+    mbs = [(torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)) for _ in range(n)]
+    # one process: the mean of the micro-batch losses, as the pipeline's last stage scales them
+    total = sum(ref.token_losses(ref.decoder(ref.embed(ids), *ref.rope(ids, None, torch.float64)), lab).mean()
+                for ids, lab in mbs)
+    (total / n).backward()
+    want = {k: p.grad for k, p in ref.named_parameters()}
+
+    wire = _Wire()
+    forwards: list[tuple[int, int]] = []  # (virtual stage, micro-batch)
+    results, errors, stages = {}, {}, {}
+    for r in range(pp):
+        m = GPTModel(cfg, 64).double()
+        m.load_state_dict(ref.state_dict())
+        m.zero_grad(set_to_none=True)
+        grp = Groups(dims, r, 0, 0, 0, r, pp_ranks=list(range(pp)))
+        apply_pipeline_split(m, cfg, grp)
+        step = pipeline.StageStep(m, grp)
+        inner = step.__call__
+
+        def counted(inp, ids, labels, extras=None, chunk=0, _inner=inner, _r=r):
+            forwards.append((chunk * pp + _r, next(i for i, mb in enumerate(mbs) if mb[0] is ids)))
+            return _inner(inp, ids, labels, extras, chunk)
+        stages[r] = (m, grp, counted)
+
+    def run(r):
+        wire.local.rank = r
+        m, grp, counted = stages[r]
+
+        class Step:
+            model, groups = m, grp
+
+            def __call__(self, *a, **k):
+                return counted(*a, **k)
+        try:
+            if vpp == 1:
+                results[r] = pipeline.forward_backward(Step(), mbs, (2, 8, 16), torch.float64)
+            else:
+                ip = interleaved.InterleavedPipeline.__new__(interleaved.InterleavedPipeline)
+                ip.step, ip.g, ip.device = Step(), grp, torch.device("cpu")
+                ip.pp, ip.vpp, ip.rank = pp, vpp, r
+                ip.act_group, ip.grad_group = "act", "grad"
+                results[r] = ip.forward_backward(mbs, (2, 8, 16), torch.float64)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors[r] = e
+
+    saved = pipeline.dist, interleaved.dist
+    pipeline.dist = interleaved.dist = wire.module()
+    try:
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(pp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        pipeline.dist, interleaved.dist = saved
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert sorted(forwards) == sorted((s, i) for s in range(pp * vpp) for i in range(n))
+    assert float(results[pp - 1]) == pytest.approx(float(total.detach()), rel=1e-12)
+    got = {}
+    for r in range(pp):
+        for k, p in stages[r][0].named_parameters():
+            if k.startswith("embedding.") and r != 0:
+                continue  # a tied copy would be all-reduced by the trainer; none here (untied, no MTP)
+            assert k not in got, k
+            got[k] = p.grad
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)

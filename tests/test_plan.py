@@ -86,9 +86,11 @@ TINY_DSV3 = dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=96,
                  num_nextn_predict_layers=1, vocab_size=300, max_position_embeddings=128)
 
 
-def _owned(cfg: ModelConfig, layout: Layout, coord: RankCoord) -> int:
+def _owned(cfg: ModelConfig, layout: Layout, coord: RankCoord, prefix: str = "") -> int:
     n = 0
     for spec in model_specs(cfg, layout):
+        if not spec.name.startswith(prefix):
+            continue
         c = RankCoord(pp=coord.pp, ep=coord.ep, etp=coord.tp) if spec.expert else RankCoord(tp=coord.tp, pp=coord.pp)
         n += sum(math.prod(r.shape) for r in regions(spec, layout, c, cfg.num_layers))
     return n
@@ -105,6 +107,8 @@ def test_param_bytes_equal_sharding_table(hf, layouts):
     for lay in layouts:
         for pp_rank in range(lay.pp):
             owned = _owned(cfg, lay.model_parallel, RankCoord(tp=0, pp=pp_rank, ep=0))
+            if cfg.mtp_num_layers and lay.pp > 1 and pp_rank == lay.pp - 1:  # the MTP layers' copy of the embedding
+                owned += _owned(cfg, lay.model_parallel, RankCoord(tp=0, pp=0, ep=0), "embedding.")
             for dist in (False, True):
                 b = param_bytes_per_rank(cfg, replace(lay, dp=2), distributed_optimizer=dist, dtype="bfloat16",
                                          pp_rank=pp_rank)

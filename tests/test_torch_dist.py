@@ -27,13 +27,13 @@ from checkpoint import torch_dist as tdmod
 from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError
 from checkpoint.layout import Layout
+from checkpoint.megatron import chunk_rank, extra_state_objects, stored_key
 from checkpoint.reader import Checkpoint
 from checkpoint.sharding import model_specs, regions
 from checkpoint.torch_dist import load_dcp_metadata, read_torch_dist
 from convert.hf_to_mcore import convert_hf_to_mcore
 from convert.mcore_to_hf import convert_mcore_to_hf
-from convert.torch_dist_io import (chunk_rank, extra_state_objects, stored_key, torch_dist_to_native, via_native,
-                                   write_torch_dist)
+from convert.torch_dist_io import torch_dist_to_native, via_native, write_torch_dist
 
 # megatron-core runs only in the oracle subprocess: importing it here would also register its safe globals in this
 # process and make the weights-only loads under test more permissive than in real use
@@ -579,3 +579,144 @@ def test_verify_reports_missing_extra_and_nonfinite(work, tmp_path, capsys):
     n = read_torch_dist(root).tensors[name].shape[0]
     assert rc == 1 and f"{name}: {n:,} non-finite" in out
     _one_error_line(err, "non-finite", name)
+
+
+# -- the bytes shardkit writes itself (torch.save's and DCP's, without torch) -----------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_item_bytes_equal_torch_save(dtype):
+    """An item is what torch.save writes for the tensor, byte for byte (zip layout, alignment, crc32s, serialization
+    id), written from a numpy value without torch; so are the storage-less archives (an empty object, common.pt)."""
+    from checkpoint import store
+    from checkpoint.megatron import megatron_args
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(), (5,), (3, 7), (2, 3, 4), (1, 65, 3)]:
+        t = torch.randn(shape, generator=g).to(dtype)
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        ours = b"".join(bytes(p) for p in tdmod.tensor_item(store.to_numpy(t)))
+        assert ours == buf.getvalue(), shape
+    buf = io.BytesIO()
+    torch.save([None], buf)
+    assert tdmod.none_object_bytes() == buf.getvalue()
+    cfg = ModelConfig(model_type="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                      num_query_groups=2, kv_channels=16, vocab_size=300, max_position_embeddings=64,
+                      norm_epsilon=1e-5, rotary_base=10000.0)
+    args = megatron_args(cfg, Layout(tp=2), "te", store.dtype_name(dtype))
+    common = {"iteration": 7, "checkpoint_version": 3.0, "args": args}
+    real = argparse.Namespace(**{**vars(args), "params_dtype": dtype})  # what Megatron-LM's own args hold
+    buf = io.BytesIO()
+    torch.save({**common, "args": real}, buf, pickle_module=tdmod._ARGS_PICKLE)
+    assert tdmod.torch_save_bytes(common) == buf.getvalue()
+    # a tensor inside plain data goes through torch.save itself
+    buf = io.BytesIO()
+    torch.save({"t": torch.ones(2)}, buf, pickle_module=tdmod._ARGS_PICKLE)
+    assert tdmod.torch_save_bytes({"t": torch.ones(2)}) == buf.getvalue()
+
+
+def test_hand_written_checkpoint_reads_with_torch_dcp(tmp_path):
+    """A DCP checkpoint written by shardkit's writer alone (numpy values, one a column block that is not contiguous,
+    and a torch tensor; two rank files; an object) is read by torch's own reader: FileSystemReader's metadata equals
+    the Metadata DCP's classes build, dcp.load fills a state dict with the values, and each item's byte range is a
+    file torch.load reads."""
+    import ml_dtypes
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((6, 4)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((3,)).astype(np.float32)
+    c = torch.randn(2, 2, 5).to(torch.float16)
+    w = tdmod.DCPWriter(tmp_path)
+    w.declare_tensor("a", a.shape, "bfloat16", [((0, 0), (6, 2)), ((0, 2), (6, 2))])
+    w.declare_tensor("b", b.shape, torch.float32, [((0,), (3,))])
+    w.declare_tensor("c", c.shape, torch.float16, [((0, 0, 0), (1, 2, 5)), ((1, 0, 0), (1, 2, 5))])
+    w.declare_object("obj")
+    with w.rank_file(0) as f0, w.rank_file(1) as f1:
+        f0.add_tensor("a", (0, 0), a[:, :2])
+        f1.add_tensor("a", (0, 2), a[:, 2:])
+        f0.add_tensor("b", (0,), b)
+        f0.add_tensor("c", (0, 0, 0), c[:1])
+        f1.add_tensor("c", (1, 0, 0), c[1:])
+        f1.add_bytes("obj", tdmod.none_object_bytes())
+    w.write_metadata("ckpt-id")
+    md = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    md.storage_meta.load_id = None  # the reader's own
+    assert md == w.metadata("ckpt-id", save_id=md.storage_meta.save_id)
+    state = {"a": torch.zeros(6, 4, dtype=torch.bfloat16), "b": torch.zeros(3), "c": torch.zeros_like(c),
+             "obj": "placeholder"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed ... uninitialized, assuming ... a single process"
+        dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(state["a"].view(torch.int16), torch.from_numpy(a.view(np.int16)))
+    assert torch.equal(state["b"], torch.from_numpy(b)) and torch.equal(state["c"], c)
+    assert state["obj"] == [None]
+    for (name, off), (rel, start, length) in w.storage_data.items():
+        raw = (tmp_path / rel).read_bytes()[start:start + length]
+        item = torch.load(io.BytesIO(raw), weights_only=True)
+        if name == "c":
+            assert torch.equal(item, c[off[0]:off[0] + 1])
+
+
+def test_hf_to_torch_dist_streams_the_export(work, tmp_path):
+    """convert hf-to-mcore --format torch_dist writes straight into the rank files (no native copy between), and
+    what it writes is the export of the native conversion: the same .distcp and common.pt bytes, the same DCP
+    metadata, the same hf/ files; neither that nor the export of a native checkpoint imports torch."""
+    d = work["llama"]
+    code = ("import sys; from pathlib import Path; from checkpoint.layout import Layout; "
+            "from convert.torch_dist_io import convert_hf_to_torch_dist, write_torch_dist; "
+            f"convert_hf_to_torch_dist({str(d['hf'])!r}, {str(tmp_path / 'stream')!r}, Layout(tp=2, pp=2), "
+            "quiet=True); "
+            f"write_torch_dist({str(d['nat'])!r}, {str(tmp_path / 'export')!r}, quiet=True); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=str(Path(__file__).resolve().parents[1]))
+    assert r.returncode == 0, r.stderr[-2000:]
+    for out in ("stream", "export"):
+        it = tmp_path / out / "iter_0000000"
+        assert not list((tmp_path / out).glob(".*")), out  # nothing staged beside it
+        files = sorted(p.name for p in it.glob("*.distcp")) + ["common.pt"]
+        assert files == [f"__{r}_0.distcp" for r in range(4)] + ["common.pt"]
+        for f in files:
+            assert (it / f).read_bytes() == (d["td"] / f).read_bytes(), (out, f)
+        a, b = load_dcp_metadata(it / ".metadata"), load_dcp_metadata(d["td"] / ".metadata")
+        a.storage_meta = b.storage_meta = None
+        assert a == b
+        for f in (d["td"] / "hf").iterdir():
+            assert (it / "hf" / f.name).read_bytes() == f.read_bytes(), f.name
+    # and it reads back with no flags, as every export does
+    td = read_torch_dist(tmp_path / "stream")
+    assert td.sidecar["provenance"]["source"]["kind"] == "hf"
+    assert td.model_config()[0] == Checkpoint(d["nat"]).config
+
+
+def test_items_read_as_mapped_arrays(work, td_copy):
+    """The import reads items as numpy views of the memory-mapped `.distcp` files (item_array: the archive parsed,
+    data.pkl through a one-tensor allowlist) instead of torch.load: the same values as torch.load, for our export and
+    for what megatron-core saved; an item whose pickle is not the plain tensor form goes to torch.load, which
+    refuses it as before."""
+    import numpy as np
+
+    from checkpoint import store
+
+    for root in (work["llama"]["td"], work["saved"]["root"]):
+        td = read_torch_dist(root)
+        for name, t in td.tensors.items():
+            for off, _ in t.chunks:
+                a = td.item_array(name, off)
+                assert not a.flags.writeable and not a.flags.owndata, (name, off)  # a view of the mapping
+                b = store.to_numpy(td.read_item(name, off))
+                assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), (name, off)
+    # a pickle naming another global: not the fast path's; torch.load's allowlist refuses it
+    td = read_torch_dist(td_copy)
+    name, t = next(iter(td.tensors.items()))
+    info = td._storage[(name, t.chunks[0][0])]
+    raw = bytearray((td_copy / info.relative_path).read_bytes())
+    item = raw[info.offset:info.offset + info.length]
+    at = item.index(b"torch._utils\n_rebuild_tensor_v2")
+    raw[info.offset + at:info.offset + at + 12] = b"os\nsystem\n\n\n\n\n"[:12]
+    (td_copy / info.relative_path).write_bytes(bytes(raw))
+    with pytest.raises(FormatError) as e:
+        read_torch_dist(td_copy).item_array(name, t.chunks[0][0])
+    assert info.relative_path in _one_line(e)

@@ -111,18 +111,50 @@ def test_exact_resume(setup):
     assert state["iteration"] == 6 and state["consumed_samples"] == 24
 
 
-def test_resharded_resume(setup):
+@pytest.fixture(scope="module")
+def straight6(setup):
+    """The one-process run of 6 iterations that the resharded resumes follow."""
+    out = setup / "rs-straight"
+    launch(1, "--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--train-iters", "6", *COMMON,
+           "--save", str(out))
+    return out
+
+
+def test_resharded_resume(setup, straight6):
     from shardkit.cli import main as cli
 
-    straight, first = setup / "rs-straight", setup / "rs-first"
+    straight, first = straight6, setup / "rs-first"
     args = ["--data-path", str(setup / "data"), "--train-iters", "6", *COMMON]
-    launch(1, "--load", str(setup / "ck"), *args, "--save", str(straight))
     launch(2, "--load", str(setup / "ck"), *args, "--save", str(first), "--tp", "2", "--exit-interval", "3")
     moved = setup / "rs-moved"
     assert cli(["reshard", str(first), str(moved), "--tp", "1", "--pp", "2", "--quiet"]) == 0
     launch(2, "--load", str(moved), *args, "--save", str(moved), "--pp", "2")
     got = losses(first) + losses(moved)
     np.testing.assert_allclose(got, losses(straight), rtol=1e-5)
+
+
+def test_uneven_pipeline_resumes_after_reshard(setup, straight6):
+    """Trained at PP 4 with uneven stages (0 | 2 | 1 | 1 decoder layers: the first stage only embeds), then resharded
+    to an even PP 2 (`shardkit reshard`, weights and optimizer state) and resumed there: the losses follow the
+    straight one-process run and so do the final weights, and the checkpoints record their splits."""
+    from checkpoint.layout import PipelineSplit
+    from shardkit.cli import main as cli
+
+    straight, first = straight6, setup / "up-first"
+    args = ["--data-path", str(setup / "data"), "--train-iters", "6", *COMMON]
+    launch(4, "--load", str(setup / "ck"), *args, "--save", str(first), "--pp", "4",
+           "--pipeline-model-parallel-layout", "E|tt|t|tL", "--exit-interval", "3")
+    ck = Checkpoint(first / "iter_0000003")
+    assert ck.manifest.layout.split == PipelineSplit(layout="E|tt|t|tL")
+    moved = setup / "up-moved"
+    assert cli(["reshard", str(first), str(moved), "--pp", "2", "--quiet"]) == 0
+    assert Checkpoint(moved / "iter_0000003").manifest.layout.split is None
+    launch(2, "--load", str(moved), *args, "--save", str(moved), "--pp", "2")
+    np.testing.assert_allclose(losses(first) + losses(moved), losses(straight), rtol=1e-5)
+    a, b = real_rows(Checkpoint(straight / "iter_0000006")), real_rows(Checkpoint(moved / "iter_0000006"))
+    assert set(a) == set(b)
+    for name in a:
+        assert (a[name] - b[name]).norm().item() <= 1e-5 * a[name].norm().item(), name
 
 
 def test_bad_inputs(setup, tmp_path):

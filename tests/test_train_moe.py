@@ -268,35 +268,53 @@ def test_bad_expert_layouts(root):
     mixtral = Checkpoint(root / "mixtral-ck" / "iter_0000000").config
     with pytest.raises(LayoutError, match="--ep 3 does not divide the number of experts"):
         Layout(ep=3).check(mixtral)
-    from train.parallel.tensor import local_config
+    with pytest.raises(LayoutError, match="--etp 5 does not divide the expert ffn size .96."):
+        Layout(tp=2, ep=2, etp=5).check(mixtral)
+    with pytest.raises(LayoutError, match="--tp 3 does not divide num_attention_heads=4"):
+        Layout(tp=3).check(mixtral)
+    with pytest.raises(LayoutError, match="--expert-model-parallel-size 2 x --expert-tensor-parallel-size 2 must "
+                       "divide the tp x cp x dp = 2 ranks"):
+        RunLayout.from_world(2, tp=1, pp=1, ep=2, etp=2)
+    import types
 
-    with pytest.raises(LayoutError, match="trains at --tp 1 .split its experts with --expert-model-parallel-size"):
-        local_config(mixtral, Layout(tp=2))
+    from train.config import ParallelConfig
+    from train.parallel.parallelize import parallelize
+
+    # TP with MoE needs sequence parallelism (as Megatron asserts), refused before anything is built or read
+    with pytest.raises(ConfigError, match="--tp 2 with an MoE model .mixtral. needs --sequence-parallel"):
+        parallelize(mixtral, types.SimpleNamespace(dims=RunLayout(tp=2)), torch.device("cpu"), torch.float32,
+                    ParallelConfig(tp=2))
     p = argparse.ArgumentParser()
     add_arguments(p)
     cfg = from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--ep", "2",
-                                                    "--moe-token-dispatcher-type", "allgather"]))
+                                       "--moe-token-dispatcher-type", "flex"]))
     assert cfg.parallel.ep == 2
-    with pytest.raises(ConfigError, match="only alltoall"):
+    with pytest.raises(ConfigError, match="flex: megatron-core's flex dispatcher needs DeepEP .* GPU-only"):
         validate_moe(cfg)
-    cfg = from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--tp", "2", "--etp", "1"]))
-    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 1: .*expert TP = --tp 2"):
+    validate_moe(from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--ep", "2",
+                                              "--moe-token-dispatcher-type", "allgather"])))
+    validate_moe(from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--tp", "2", "--etp", "1"])))
+    cfg = from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--etp", "0"]))
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size must be >= 1, got 0"):
         validate_moe(cfg)
-    validate_moe(from_namespace(p.parse_args(["--load", "x", "--data-path", "d", "--etp", "1"])))  # = tp: fine
 
 
 
 def test_all_to_all_dispatch_equals_the_loop(tmp_path):
-    """Two EP ranks: outputs, input gradients and expert gradients equal the plain loop's, with tokens spread over
-    the experts and when one rank's experts get no token at all (its return all-to-all must stay in the backward
-    pass, or the peer waits forever); local experts as grouped GEMMs and one by one. Workers in
-    tests/moe_dispatch_worker.py (light imports for the spawn)."""
+    """Two EP ranks: outputs, input and router-weight gradients and expert gradients equal the plain loop's, with
+    tokens spread over the experts and when one rank's experts get no token at all (its return all-to-all must stay
+    in the backward pass, or the peer waits forever); local experts as grouped GEMMs and one by one. The same for two
+    expert-TP ranks (every expert's ffn split, rows gathered and partial outputs reduce-scattered) and for the
+    allgather dispatcher over EP and over expert TP. Workers in tests/moe_dispatch_worker.py (light imports for the
+    spawn)."""
     import torch.multiprocessing as mp
 
     from tests.moe_dispatch_worker import run
 
     mp.start_processes(run, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
-    assert {(tmp_path / str(r)).read_text() for r in range(2)} == {"spread ok, idle-rank ok, spread-loop ok"}
+    assert {(tmp_path / str(r)).read_text() for r in range(2)} == {
+        "spread ok, idle-rank ok, spread-loop ok, etp ok, etp-idle ok, allgather ok, allgather-idle ok, "
+        "allgather-etp ok"}
 
 
 def test_mtp_with_packed_documents_needs_its_loss_off(root):

@@ -135,9 +135,11 @@ def _entries(cfg: ModelConfig, layout: Layout, dtypes: dict[str, str]) -> dict[s
     return out
 
 
-def _chunks(partial: Path, key: str, entry: TensorEntry, lp: LocalParam, value: torch.Tensor, layout: Layout,
-            groups: Groups, num_layers: int) -> Iterator[tuple[Path, torch.Tensor]]:
-    """The chunk files of `key` this rank writes for one parameter, with their values (views of `value`)."""
+def _boxes(entry: TensorEntry, lp: LocalParam, value: torch.Tensor, layout: Layout, groups: Groups,
+           num_layers: int) -> Iterator[tuple[list[int], tuple[int, ...], torch.Tensor]]:
+    """The chunks of `entry` this rank writes for one parameter (chunk grid position, global offsets, value: a view
+    of `value`): the primary regions of its model chunk, cut on the entry's chunk grid. The native save writes each
+    as a chunk file, the torch_dist save (train/torch_dist_ckpt.py) as one DCP item."""
     for r in regions(lp.spec, layout, groups.coord, num_layers):
         if not r.primary or r.vstage != lp.vstage:
             continue
@@ -150,7 +152,51 @@ def _chunks(partial: Path, key: str, entry: TensorEntry, lp: LocalParam, value: 
         for offs in itertools.product(*[range(g.start, g.stop, c) for g, c in zip(gs, entry.chunk)]):
             grid = [o // c for o, c in zip(offs, entry.chunk)]
             view = part[tuple(slice(o - g.start, o - g.start + c) for o, g, c in zip(offs, gs, entry.chunk))]
-            yield partial / tensor_path(key) / chunkio.chunk_path(Path(), grid), view.detach()
+            yield grid, tuple(offs), view.detach()
+
+
+def _chunks(partial: Path, key: str, entry: TensorEntry, lp: LocalParam, value: torch.Tensor, layout: Layout,
+            groups: Groups, num_layers: int) -> Iterator[tuple[Path, torch.Tensor]]:
+    """The chunk files of `key` this rank writes for one parameter, with their values (views of `value`)."""
+    for grid, _, view in _boxes(entry, lp, value, layout, groups, num_layers):
+        yield partial / tensor_path(key) / chunkio.chunk_path(Path(), grid), view
+
+
+def saved_values(table: list[LocalParam], opt: DistributedOptimizer,
+                 groups: Groups) -> Iterator[tuple[LocalParam, dict[str, torch.Tensor]]]:
+    """What this rank saves: each parameter it owns (the DP rank whose optimizer shard holds it; TP rank 0 for
+    TP-replicated tensors; CP rank 0), with its values by array key: the weight and its optimizer state."""
+    index = {n: i for i, n in enumerate(opt.names)}
+    for lp in table:
+        if lp.tied_copy:
+            continue
+        i = index.get(lp.name)
+        mine = opt.is_mine(i) if i is not None else groups.dp_rank == 0
+        # CP ranks hold the same weights: one of them writes (an expert shard has one owner in its
+        # expert-data-parallel group, which spans DP x CP)
+        mine = mine and (groups.cp_rank == 0 or (i is not None and opt.expert[i]))
+        if not mine:
+            continue
+        values = {lp.spec.name: lp.param}
+        if i is not None:
+            values.update({optimizer_key(s, lp.spec.name): t for s, t in opt.state_of(i).items()})
+        else:  # not trained (e.g. DeepSeek's expert bias): its fp32 copy, zero moments
+            values.update({optimizer_key("fp32_param", lp.spec.name): lp.param.float(),
+                           optimizer_key("exp_avg", lp.spec.name): torch.zeros_like(lp.param, dtype=torch.float32),
+                           optimizer_key("exp_avg_sq", lp.spec.name):
+                               torch.zeros_like(lp.param, dtype=torch.float32)})
+        yield lp, values
+
+
+def gather_dtypes(table: list[LocalParam]) -> dict[str, str]:
+    """Every canonical tensor's dtype name (every rank knows its own tensors'; the model dtype is uniform)."""
+    dtype = {lp.spec.name: store.dtype_name(lp.param.dtype) for lp in table}
+    if dist.get_world_size() > 1:
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, dtype)
+        for d in names:
+            dtype.update(d)
+    return dtype
 
 
 def rng_state() -> dict:
@@ -204,13 +250,7 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
     while training uses the others) only the array creation and the copy of this rank's chunks happen here; writing
     them, the error exchange and the commit run in the background (`AsyncSave`)."""
     root = Path(root)
-    dtype = {lp.spec.name: store.dtype_name(lp.param.dtype) for lp in table}
-    if dist.get_world_size() > 1:  # every rank knows its own tensors' dtypes; the model dtype is uniform
-        names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, dtype)
-        for d in names:
-            dtype.update(d)
-    entries = _entries(cfg, layout, dtype)
+    entries = _entries(cfg, layout, gather_dtypes(table))
     writer = None
     err: list = [None]
     if groups.rank == 0:
@@ -231,27 +271,9 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
             err = [f"{type(e).__name__}: {e}"]
     _broadcast_error(err)
     partial = root / f"{iter_dirname(iteration)}{PARTIAL_SUFFIX}"
-    index = {n: i for i, n in enumerate(opt.names)}
     jobs: list[tuple[str, Path, torch.Tensor]] = []  # (array key, chunk file, value) this rank writes
     try:
-        for lp in table:
-            if lp.tied_copy:
-                continue
-            i = index.get(lp.name)
-            mine = opt.is_mine(i) if i is not None else groups.dp_rank == 0
-            # CP ranks hold the same weights: one of them writes (an expert shard has one owner in its
-            # expert-data-parallel group, which spans DP x CP)
-            mine = mine and (groups.cp_rank == 0 or (i is not None and opt.expert[i]))
-            if not mine:
-                continue
-            values = {lp.spec.name: lp.param}
-            if i is not None:
-                values.update({optimizer_key(s, lp.spec.name): t for s, t in opt.state_of(i).items()})
-            else:  # not trained (e.g. DeepSeek's expert bias): its fp32 copy, zero moments
-                values.update({optimizer_key("fp32_param", lp.spec.name): lp.param.float(),
-                               optimizer_key("exp_avg", lp.spec.name): torch.zeros_like(lp.param, dtype=torch.float32),
-                               optimizer_key("exp_avg_sq", lp.spec.name):
-                                   torch.zeros_like(lp.param, dtype=torch.float32)})
+        for lp, values in saved_values(table, opt, groups):
             for key, value in values.items():
                 jobs += [(key, path, v) for path, v in _chunks(partial, key, entries[key], lp, value, layout, groups,
                                                                 cfg.num_layers)]
@@ -275,26 +297,37 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
             if writer is not None:
                 writer.__exit__(*sys.exc_info())
             raise
-        out = None
-        if groups.rank == 0:
-            try:
-                (writer.partial / TRAIN_STATE).write_text(json.dumps(store_state, indent=1) + "\n")
-                if assets_from is not None and assets_from.is_dir():
-                    shutil.copytree(assets_from, writer.partial / "hf")
-                manifest = Manifest(iteration, cfg, layout, entries, provenance=provenance,
-                                    training={"iteration": iteration,
-                                              "consumed_samples": train_state.get("consumed_samples")},
-                                    optimizer=list(OPTIMIZER_STATES))
-                out = writer.commit(manifest)
-            except BaseException:  # remove the partial iteration; a write error names the path and the bytes
-                writer.__exit__(*sys.exc_info())
-                raise
-            writer.__exit__(None, None, None)
-        if dist.get_world_size() > 1:
-            dist.barrier(group=async_group)
-        return out
+        def commit() -> Path:
+            (writer.partial / TRAIN_STATE).write_text(json.dumps(store_state, indent=1) + "\n")
+            if assets_from is not None and assets_from.is_dir():
+                shutil.copytree(assets_from, writer.partial / "hf")
+            manifest = Manifest(iteration, cfg, layout, entries, provenance=provenance,
+                                training={"iteration": iteration,
+                                          "consumed_samples": train_state.get("consumed_samples")},
+                                optimizer=list(OPTIMIZER_STATES))
+            return writer.commit(manifest)
+
+        return commit_on_rank0(writer, groups, async_group, commit)
 
     return finish() if async_group is None else AsyncSave(finish)
+
+
+def commit_on_rank0(writer: IterationWriter | None, groups: Groups, async_group: Any,
+                    commit: Callable[[], Path]) -> Path | None:
+    """The end of every training save (native or torch_dist), once all ranks' chunks are durable: rank 0 writes the
+    iteration's own files and commits (`commit`); on any error it removes the partial iteration (the writer's error
+    names the path and the bytes) and raises. Every rank waits for it. Returns the committed directory on rank 0."""
+    out = None
+    if groups.rank == 0:
+        try:
+            out = commit()
+        except BaseException:
+            writer.__exit__(*sys.exc_info())
+            raise
+        writer.__exit__(None, None, None)
+    if dist.get_world_size() > 1:
+        dist.barrier(group=async_group)
+    return out
 
 
 def _write_chunks(jobs: list[tuple[str, Path, torch.Tensor]]) -> None:

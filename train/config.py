@@ -23,7 +23,7 @@ class ParallelConfig:
     cp: int = 1  # context parallel (zigzag chunks, train/parallel/context.py)
     cp_comm_type: str = "p2p"  # p2p (ring attention) | all_gather (K/V)
     ep: int = 1  # expert parallel, inside data parallel x context parallel (train/parallel/expert.py)
-    etp: int | None = None  # expert tensor parallel: only = tp (Megatron's default) is implemented
+    etp: int | None = None  # expert tensor parallel; None = tp (Megatron's default)
     # uneven pipeline stages (checkpoint.layout.PipelineSplit; Megatron's names)
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
@@ -101,6 +101,10 @@ class CheckpointConfig:
     no_load_rng: bool = False
     async_save: bool = False
     skip_verify: bool = False  # skip Checkpoint.check of --load (chunks are still checksummed as read)
+    save_format: str = "native"  # native | torch_dist (Megatron-LM's --ckpt-format torch_dist, optimizer included)
+    key_naming: str = "te"  # torch_dist keys: te (Megatron-LM's default spec) | local (megatron-core's local spec)
+    hf_config: str = ""  # a torch_dist --load without shardkit.json: the HF directory describing the model
+    vocab_size: int | None = None  # ... or the true vocab size its Megatron-LM args lack
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,15 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     a("--config", help="TOML file with the same keys as the flags (underscores); flags win")
     a("--load", help="checkpoint to start from: a converted model (weights only) or a training checkpoint")
     a("--save", help="directory for training checkpoints")
+    a("--save-format", "--ckpt-format", dest="save_format", choices=["native", "torch_dist"],
+      help="native (default) or torch_dist: Megatron-LM's --ckpt-format torch_dist with the distributed optimizer's "
+           "state, which Megatron-LM resumes (shardkit reads it back too)")
+    a("--key-naming", choices=["te", "local"],
+      help="torch_dist keys of --save-format torch_dist: te (Transformer Engine spec, Megatron-LM's default) or local")
+    a("--hf-config", metavar="HF_DIR", help="a torch_dist --load Megatron-LM wrote (no shardkit.json): the HF "
+                                           "directory whose config.json describes the model")
+    a("--vocab-size", type=int, metavar="N", help="a torch_dist --load Megatron-LM wrote: the true vocabulary size "
+                                                  "(its args hold only the padded one)")
     a("--data-path", "--data", dest="data_path", nargs="+", help="dataset prefixes, optionally weighted: 0.3 A 0.7 B")
     a("--split", help="train,valid,test proportions (default 969,30,1)")
     a("--tensor-model-parallel-size", "--tp", dest="tensor_model_parallel_size", type=int)
@@ -182,7 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     a("--expert-model-parallel-size", "--ep", dest="expert_model_parallel_size", type=int,
       help="split the experts over N ranks of data parallel x context parallel (tokens move by all-to-all)")
     a("--expert-tensor-parallel-size", "--etp", dest="expert_tensor_parallel_size", type=int,
-      help="tensor parallelism inside the experts: must equal --tp (the default)")
+      help="tensor parallelism inside the experts (default: --tp; e.g. 1 under --tp 2, DeepSeek-V3's recipe)")
     a("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"])
     a("--moe-aux-loss-coeff", type=float, help="load-balancing loss weight (default: the checkpoint's config)")
     a("--moe-router-bias-update-rate", type=float,
@@ -190,7 +203,7 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     a("--mtp-loss-scaling-factor", type=float, help="weight of the MTP loss, averaged over depths (default 0.1)")
     a("--moe-router-dtype", choices=["fp32", "fp64"], help="dtype of the router logits and scores")
     a("--moe-token-dispatcher-type", choices=["alltoall", "allgather", "flex"],
-      help="only alltoall (dropless) is implemented")
+      help="alltoall (default) or allgather, both dropless; flex needs DeepEP (GPU only)")
     a("--micro-batch-size", type=int)
     a("--global-batch-size", type=int)
     a("--seq-length", type=int)
@@ -489,6 +502,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("continue-pretrain: --load is required (a converted model or a training checkpoint)")
     if not d.data_path:
         raise ConfigError("continue-pretrain: --data-path is required (prefixes of .bin/.idx files)")
+    for flag, v, allowed in (("--save-format", c.save_format, ("native", "torch_dist")),
+                             ("--key-naming", c.key_naming, ("te", "local"))):
+        if v not in allowed:
+            raise ConfigError(f"continue-pretrain: {flag} {v!r}: expected {' or '.join(allowed)}")
     for flag, v in (("--micro-batch-size", d.micro_batch_size), ("--global-batch-size", d.global_batch_size),
                     ("--seq-length", d.seq_length)):
         if v < 1:
@@ -513,13 +530,15 @@ def validate_moe(cfg: TrainConfig) -> None:
     m = cfg.moe
     if cfg.parallel.ep < 1:
         raise ConfigError(f"continue-pretrain: --expert-model-parallel-size must be >= 1, got {cfg.parallel.ep}")
-    if cfg.parallel.etp is not None and cfg.parallel.etp != cfg.parallel.tp:
-        raise ConfigError(f"--expert-tensor-parallel-size {cfg.parallel.etp}: the trainer splits experts like the "
-                          f"dense layers (expert TP = --tp {cfg.parallel.tp}); drop the flag or set it to "
-                          f"{cfg.parallel.tp}")
-    if m.moe_token_dispatcher_type != "alltoall":
-        raise ConfigError(f"--moe-token-dispatcher-type {m.moe_token_dispatcher_type}: only alltoall (dropless) is "
-                          "implemented; use --moe-token-dispatcher-type alltoall")
+    if cfg.parallel.etp is not None and cfg.parallel.etp < 1:
+        raise ConfigError(f"continue-pretrain: --expert-tensor-parallel-size must be >= 1, got {cfg.parallel.etp}")
+    if m.moe_token_dispatcher_type == "flex":
+        raise ConfigError("--moe-token-dispatcher-type flex: megatron-core's flex dispatcher needs DeepEP (deep_ep) "
+                          "or HybridEP, GPU-only libraries (NVSHMEM / NVLink) the trainer does not use; use alltoall "
+                          "or allgather")
+    if m.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+        raise ConfigError(f"--moe-token-dispatcher-type {m.moe_token_dispatcher_type!r}: expected alltoall or "
+                          "allgather")
     if m.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
         raise ConfigError(f"--moe-router-load-balancing-type {m.moe_router_load_balancing_type!r}: expected aux_loss, "
                           "seq_aux_loss or none")

@@ -22,6 +22,7 @@ from checkpoint.manifest import iter_dirname
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError, ShardkitError
 from checkpoint.reader import Checkpoint
+from checkpoint.rendezvous import rendezvous_env
 from checkpoint.layout import PipelineSplit
 from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import Rule
@@ -46,7 +47,7 @@ def init_distributed(timeout_minutes: float) -> None:
     timeout = datetime.timedelta(minutes=timeout_minutes)
     bound_every_group(timeout)  # the TP/PP/DP/... groups too, not only the default one
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    rendezvous_env(os.environ)
+    rendezvous_env(os.environ, "continue-pretrain")
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
@@ -56,30 +57,28 @@ def init_distributed(timeout_minutes: float) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def rendezvous_env(env) -> None:
-    """One SLURM task per rank (srun, as `shardkit launch`'s job.sbatch runs it): RANK, WORLD_SIZE and LOCAL_RANK from
-    SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID. A rank of a job of several without what the rendezvous needs is a
-    ConfigError naming what is missing, at start (not a traceback, nor a wait for ranks that never come)."""
-    how = "torchrun-style"
-    if "RANK" not in env and "SLURM_PROCID" in env:
-        how = "a SLURM task (SLURM_PROCID)"
-        ntasks = env.get("SLURM_NTASKS", "1")  # set in srun steps and with --ntasks
-        if ntasks == "1" and not env.get("MASTER_ADDR"):
-            return  # one task (a batch script without srun, too): one process, no rendezvous
-        missing = [k for k in ("SLURM_NTASKS", "SLURM_LOCALID") if not env.get(k, "").isdigit()]
-        if missing:
-            raise ConfigError(f"continue-pretrain: SLURM task {env['SLURM_PROCID']} starts without "
-                              f"{' and '.join(missing)}: start one task per rank with srun (the job.sbatch `shardkit "
-                              "launch --slurm` writes does)")
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], ntasks
-        env.setdefault("LOCAL_RANK", env["SLURM_LOCALID"])
-    if "RANK" in env:
-        missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
-        if missing:
-            raise ConfigError(f"continue-pretrain: rank {env['RANK']} ({how}) starts without "
-                              f"{', '.join(missing)}: the rendezvous needs the world size and rank 0's address and "
-                              "port; export MASTER_ADDR (the first node of SLURM_JOB_NODELIST) and MASTER_PORT before "
-                              "srun, as `shardkit launch --slurm`'s job.sbatch does, or start the ranks with torchrun")
+def is_torch_dist(path: str | Path) -> bool:
+    """A Megatron torch_dist checkpoint: a root with latest_checkpointed_iteration.txt, or an iteration directory
+    with metadata.json / DCP's .metadata (a shardkit native one has `latest` / manifest.json)."""
+    from checkpoint.megatron import TRACKER
+
+    p = Path(path)
+    return os.path.lexists(p / TRACKER) or (p / "metadata.json").is_file() or (p / ".metadata").is_file()
+
+
+def check_save_format(save: str, save_format: str) -> None:
+    """One format per --save directory: a root holding the other format's checkpoints (its pointer file) is refused
+    before training, not left with two formats whose pointers disagree about the newest iteration."""
+    from checkpoint.commit import LATEST
+    from checkpoint.megatron import TRACKER
+
+    if not save:
+        return
+    pointer, other = (LATEST, "native") if save_format == "torch_dist" else (TRACKER, "torch_dist")
+    if os.path.lexists(Path(save) / pointer):
+        raise ConfigError(f"--save {save} holds {other} checkpoints ({pointer}); a --save-format {save_format} save "
+                          f"there would mix two formats in one directory: pass --save-format {other} to go on in its "
+                          "format, or another --save")
 
 
 def check_model_flags(cfg: TrainConfig, m: ModelConfig, source: Path) -> None:
@@ -103,18 +102,38 @@ class Trainer:
         self.cfg = cfg
         p, d = cfg.parallel, cfg.data
         world = dist.get_world_size()
-        dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, split=PipelineSplit.from_args(p))
+        dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp,
+                                    split=PipelineSplit.from_args(p))
         if d.global_batch_size % (d.micro_batch_size * dims.dp):
             raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
                               f"{d.micro_batch_size} x data-parallel size {dims.dp}")
         self.dims = dims
         self.groups: Groups = build_groups(dims)
         self.layout = dims.model_parallel
-        self.src = resolve_iteration(cfg.checkpoint.load)
-        self.ck = Checkpoint(self.src, check=not cfg.checkpoint.skip_verify)
+        self.notes: list[str] = []  # logged by rank 0 at the start of run()
+        c = cfg.checkpoint
+        if is_torch_dist(c.load):  # Megatron-LM's torch_dist (or shardkit's): read in place, by region
+            from train.torch_dist_ckpt import TorchDistLoad
+
+            self.ck = TorchDistLoad(c.load, c.hf_config or None, c.vocab_size, load_optim=not c.no_load_optim)
+            self.src = self.ck.path
+            self.state, notes = self.ck.train_state(d.global_batch_size)
+            self.notes += notes
+        else:
+            for flag, given in (("--hf-config", c.hf_config), ("--vocab-size", c.vocab_size)):
+                if given:
+                    raise ConfigError(f"{flag}: only for a torch_dist --load without shardkit.json; {c.load} is a "
+                                      "shardkit checkpoint, whose manifest describes the model (drop the flag)")
+            self.src = resolve_iteration(c.load)
+            self.ck = Checkpoint(self.src, check=not c.skip_verify)
+            self.state = ckpt_io.read_train_state(self.src)
         self.model_cfg = self.ck.config
         check_model_flags(cfg, self.model_cfg, self.src)
-        self.state = ckpt_io.read_train_state(self.src)
+        check_save_format(c.save, c.save_format)
+        idle = self.layout.idle_ranks(self.model_cfg.num_layers)
+        if idle:  # Megatron's layout strings allow a stage with nothing in it; shardkit's trainer does not run one
+            raise ConfigError(f"{' '.join(self.layout.split.flags())}: pipeline rank(s) {', '.join(map(str, idle))} "
+                              "would hold no decoder layer, embedding or loss; the trainer needs work on every stage")
         self.dtype = torch.bfloat16 if cfg.run.bf16 else torch.float32
         self.sp = p.sequence_parallel and dims.tp > 1
         if self.sp and d.seq_length % dims.tp:
@@ -135,8 +154,8 @@ class Trainer:
         # the MTP layers (last stage) read a copy of the embedding: tied to the first stage's like shared embeddings
         self.opt = DistributedOptimizer(trainable, self.groups, cfg.optimizer, replicated, tied,
                                         self.model_cfg.tie_word_embeddings or self.model_cfg.mtp_num_layers > 0,
-                                        expert={lp.name for lp in self.table if lp.spec.expert} if dims.ep > 1
-                                        else frozenset())
+                                        expert={lp.name for lp in self.table if lp.spec.expert}
+                                        if dims.ep > 1 or dims.expert_tp != dims.tp else frozenset())
         self.iteration, self.consumed = 0, 0
         if self.state is not None:
             self.iteration = int(self.state["iteration"])
@@ -153,7 +172,6 @@ class Trainer:
         self.length = run_length(cfg)
         self.train_iters = self.length.train_iters
         self.scheduler = ParamScheduler(self.length.scheduler)
-        self.notes: list[str] = []  # logged by rank 0 at the start of run()
         if self.state is not None:
             self.notes += self._load_scheduler()
         self._data()
@@ -173,7 +191,7 @@ class Trainer:
         (default: refuse a difference; --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler). A
         checkpoint of an older shardkit has none: the command line's schedule, at the consumed samples."""
         s = self.cfg.schedule
-        where = str(self.src / ckpt_io.TRAIN_STATE)
+        where = str(self.src / (ckpt_io.TRAIN_STATE if isinstance(self.ck, Checkpoint) else "common.pt"))
         sd = self.state.get("scheduler")
         if not is_scheduler_state(sd):
             self.scheduler.step(self.consumed)
@@ -351,15 +369,40 @@ class Trainer:
         if self.cfg.checkpoint.async_save and self.save_group is None and self.dims.world > 1:
             self.save_group = dist.new_group(backend="gloo")  # the background thread's own collectives
         t0 = time.perf_counter()
-        out = ckpt_io.save(Path(self.cfg.checkpoint.save), self.iteration, self.model_cfg, self.layout, self.table,
-                           self.opt, self.groups, state, self.ck.hf_dir(),
-                           {"tool": "shardkit continue-pretrain", "source": str(self.src)},
-                           async_group=(self.save_group or dist.group.WORLD) if self.cfg.checkpoint.async_save
-                           else None)
+        c = self.cfg.checkpoint
+        provenance = {"tool": "shardkit continue-pretrain", "source": str(self.src)}
+        async_group = (self.save_group or dist.group.WORLD) if c.async_save else None
+        if c.save_format == "torch_dist":  # Megatron-LM's --ckpt-format torch_dist, every rank its own items
+            from train import torch_dist_ckpt
+
+            o = self.cfg.optimizer
+            groups = torch_dist_ckpt.megatron_param_groups(self.opt, self.scheduler.lr, self.scheduler.wd, o.lr,
+                                                           o.min_lr, self.model_cfg.is_moe)
+            out = torch_dist_ckpt.save(Path(c.save), self.iteration, self.model_cfg, self.layout, self.table,
+                                       self.opt, self.groups, state, self.ck.hf_dir(), provenance, c.key_naming,
+                                       groups, self._megatron_training_args(), async_group=async_group)
+        else:
+            out = ckpt_io.save(Path(c.save), self.iteration, self.model_cfg, self.layout, self.table, self.opt,
+                               self.groups, state, self.ck.hf_dir(), provenance, async_group=async_group)
         if isinstance(out, ckpt_io.AsyncSave):
             self.pending_save = _TimedSave(out, self.iteration, t0)
         else:
             self._log_saved(self.iteration, time.perf_counter() - t0)
+
+    def _megatron_training_args(self) -> dict:
+        """The run's flags that Megatron-LM's args namespace names alike (data, schedule, optimizer; the flags keep
+        Megatron-LM's names), and the run's sizes, for a torch_dist save's common.pt."""
+        from checkpoint.megatron import megatron_lm_defaults
+
+        known = megatron_lm_defaults()
+        out = {k: (list(v) if isinstance(v, tuple) else v) for sec in ("data", "schedule", "optimizer")
+               for k, v in asdict(getattr(self.cfg, sec)).items() if k in known and v is not None
+               and k != "exit_signal"}
+        d = self.dims
+        out.update(train_iters=self.train_iters, world_size=d.world, data_parallel_size=d.dp,
+                   context_parallel_size=d.cp, sequence_parallel=self.sp, use_distributed_optimizer=True,
+                   bf16=self.cfg.run.bf16, seed=self.cfg.data.seed)
+        return out
 
     def wait_for_save(self) -> None:
         """Join an async save still in flight (its error, if any, surfaces here)."""
@@ -402,8 +445,9 @@ class Trainer:
                       f"({sum(1 for i in range(m.num_layers) if m.is_moe_layer(i))} MoE layers)")
         if m.mtp_num_layers:
             model += f", {m.mtp_num_layers} MTP layer{'s' if m.mtp_num_layers > 1 else ''}"
+        etp = f"ETP {dims.expert_tp}, " if dims.expert_tp != dims.tp else ""
         layout = (f"layout: TP {dims.tp}, PP {dims.pp}, VPP {dims.vpp}, DP {dims.dp}, CP {dims.cp}, EP {dims.ep}, "
-                  f"SP {'on' if self.sp else 'off'} ({dims.world} rank{'s' if dims.world > 1 else ''}, "
+                  f"{etp}SP {'on' if self.sp else 'off'} ({dims.world} rank{'s' if dims.world > 1 else ''}, "
                   f"{self._device_line()})")
         prec = "bf16 (fp32 main weights, grads and optimizer state)" if c.run.bf16 else "fp32"
         fp8 = (f"FP8 {c.fp8.fp8_format}, {c.fp8.fp8_recipe} recipe" if c.fp8.enabled else "FP8 off")
@@ -447,7 +491,12 @@ class Trainer:
         if not save:
             return f"done at iteration {self.iteration}: nothing saved (no --save)"
         try:
-            last = resolve_iteration(save)
+            if self.cfg.checkpoint.save_format == "torch_dist":
+                from checkpoint.torch_dist import resolve_torch_dist
+
+                last = resolve_torch_dist(save)
+            else:
+                last = resolve_iteration(save)
         except ShardkitError:
             return f"done at iteration {self.iteration}: no complete checkpoint in {save}"
         return f"done at iteration {self.iteration}: last complete checkpoint {last}"

@@ -28,7 +28,8 @@ is the reference for every name and shape):
     self_attention.linear_kv_up_proj.layer_norm_weight [kv_lora] / .weight [nh*(nope+v), kv_lora], per head [k; v]
     self_attention.linear_proj.weight [h, nh*v]
   Multi-token prediction (DeepSeek-V3): mtp.layers.{j}.enorm / hnorm / eh_proj [h, 2h] / final_layernorm and a
-    full MoE transformer layer mtp.layers.{j}.transformer_layer.… (not used by forward(), see `mtp_forward`).
+    full transformer layer mtp.layers.{j}.transformer_layer.… (MoE in an MoE model; not used by forward(), see
+    `mtp_forward`: as in megatron-core, MTP reads the final-normed decoder output).
 
 Canonical tensors (``checkpoint.sharding.model_specs``) drop the ``{i}`` and stack the layers on a leading axis;
 a stack that mixes dense and MoE layers (DeepSeek's first_k_dense_replace) keeps the per-layer keys instead.
@@ -110,11 +111,55 @@ def linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     return layer
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of x = [gate; up] (last axis) as one autograd node. The same kernels as the two-op form, so
+    the same values and gradients to the bit; the backward writes the gradients of both halves straight into one
+    tensor instead of concatenating them (chunk's backward), one full copy of the fc1 output's gradient less per
+    layer. Keeps what autograd keeps for the two-op form: x (gate and up are views of it) and silu(gate)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(x, act)
+        return act * up
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        x, act = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        grad_gate, grad_up = grad_x.chunk(2, dim=-1)
+        torch.mul(grad, act, out=grad_up)  # d(act * up)/d(up), as MulBackward0
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)  # as SiluBackward0
+        return grad_x
+
+
+def swiglu(x: Tensor) -> Tensor:
+    """silu(gate) * up for x = [gate; up] on the last axis (a dense MLP's fc1 output)."""
+    return _SwiGLU.apply(x)
+
+
 def token_cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
     """Per-token cross-entropy [...] of logits [..., vocab] (fp32 math)."""
     logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
                            ).view(target.shape)
+
+
+def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
+                  scale: float | None = None) -> Tensor:
+    """SDPA of query heads q [b, H, sq, d] over grouped K/V [b, G, sk, d*] (H = G * hpg, group-major: KV head g
+    serves query heads g*hpg .. (g+1)*hpg - 1, HF's order). GQA runs inside SDPA (`enable_gqa`, as HF's SDPA path
+    does) wherever its kernel takes it: on the CPU always, on CUDA in fp16/bf16 without a mask (flash); elsewhere
+    SDPA would fall back to its math kernel, so K/V are expanded to every query head first. Same forward values
+    either way; the K/V gradients sum over a group's query heads in another order."""
+    hpg = q.shape[1] // k.shape[1]
+    if hpg > 1 and not (q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))):
+        k, v = k.repeat_interleave(hpg, dim=1), v.repeat_interleave(hpg, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 # -- rotary position embedding -----------------------------------------------------------------------------------------
@@ -223,18 +268,17 @@ class SelfAttention(nn.Module):
         # one split (its backward is one cat) rather than three slices (each a zero-filled copy of qkv's gradient)
         q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
         q = q.reshape(b, s, self.num_heads, self.head_dim)
-        k, v = k.squeeze(3), v.squeeze(3)  # [b, s, ng, hd]
+        # [b, s, ng, hd]; v is copied out of qkv so that what SDPA keeps for backward does not hold all of qkv alive
+        k, v = k.squeeze(3), v.squeeze(3).contiguous()
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # GQA: each KV head serves heads_per_group consecutive query heads
-        k = k.repeat_interleave(self.heads_per_group, dim=1)
-        v = v.repeat_interleave(self.heads_per_group, dim=1)
         out = self.core_attention(q, k, v, self._sliding_window_mask(s, x.device))
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """softmax(q k^T) v: the part selective recompute re-runs in the backward pass."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        """softmax(q k^T) v: the part selective recompute re-runs in the backward pass. q [b, nh, s, hd], k and v
+        [b, ng, s, hd] (one head per query group)."""
+        return gqa_attention(q, k, v, mask, is_causal=mask is None)
 
     def _sliding_window_mask(self, s: int, device: torch.device) -> Tensor | None:
         """Mistral's window, as HF's `sliding_window_causal_mask_function`: query i sees key j iff
@@ -292,12 +336,19 @@ class MLASelfAttention(nn.Module):
         self.rope = apply_rope_interleaved if interleaved else apply_rope
         self.softmax_scale = mla_softmax_scale(cfg)
 
+    @staticmethod
+    def parallel_k_pe(k_pe: Tensor) -> Tensor:
+        """Applied to the shared RoPE key (read by every local head); tensor parallelism sets it to its
+        copy/all-gather, as the up-projections' `parallel_input`."""
+        return k_pe
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, s, _ = x.shape
         nh = self.num_heads
         q = self.linear_q_up_proj(self.linear_q_down_proj(x)) if self.q_lora else self.linear_q_proj(x)
+        b, s, _ = q.shape  # sequence parallelism: x holds a slice of the sequence, q all of it
         q_nope, q_pe = q.view(b, s, nh, -1).transpose(1, 2).split([self.nope_dim, self.rope_dim], dim=-1)
         kv, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_pe = self.parallel_k_pe(k_pe)
         kv = self.linear_kv_up_proj(kv).view(b, s, nh, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [b, nh, s, *]
         q_pe, k_pe = self.rope(q_pe, cos, sin), self.rope(k_pe.view(b, 1, s, self.rope_dim), cos, sin)
@@ -323,8 +374,7 @@ class MLP(nn.Module):
         self.linear_fc2 = linear(ffn, hidden, bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate) * up)
+        return self.linear_fc2(swiglu(self.linear_fc1(x)))
 
 
 class Router(nn.Module):
@@ -483,15 +533,16 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layers: Iterable[nn.Module] | None = None) -> Tensor:
         """Run `layers` (default: all this model holds, in order; a pipeline chunk passes its own) on x. The final
-        norm is not applied: its input is also MTP's."""
+        norm is not applied (the last stage applies it; its output feeds the head and MTP)."""
         for layer in self.layers.values() if layers is None else layers:
             x = layer(x, cos, sin)
         return x
 
 
 class MTPLayer(nn.Module):
-    """One DeepSeek-V3 multi-token-prediction depth: eh_proj([enorm(embedding of the next token); hnorm(hidden)]),
-    a full transformer layer, then its own final norm before the shared output head."""
+    """One DeepSeek-V3 multi-token-prediction depth (megatron-core's MultiTokenPredictionLayer): eh_proj([enorm(
+    embedding of the next token); hnorm(hidden)]), a full transformer layer, then its own final norm, whose output both
+    the shared output head and the next depth read."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -503,9 +554,10 @@ class MTPLayer(nn.Module):
         self.transformer_layer = TransformerLayer(cfg, cfg.is_moe)
 
     def forward(self, hidden: Tensor, next_embedded: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """-> this depth's hidden states before final_layernorm (the next depth's input)."""
+        """`hidden`: the previous depth's output (the decoder's final-normed output for the first depth) -> this
+        depth's output, after final_layernorm (megatron-core's `_postprocess`): the head's and the next depth's input."""
         x = self.eh_proj(torch.cat((self.enorm(next_embedded), self.hnorm(hidden)), dim=-1))
-        return self.transformer_layer(x, cos, sin)
+        return self.final_layernorm(self.transformer_layer(x, cos, sin))
 
 
 class MultiTokenPrediction(nn.Module):
@@ -557,15 +609,16 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, return_hidden: bool = False
                 ) -> Tensor | tuple[Tensor, Tensor]:
-        """input_ids [b, s] -> logits [b, s, cfg.vocab_size] (and, with return_hidden, the decoder's output before
-        its final norm, the input of `mtp_forward`).
+        """input_ids [b, s] -> logits [b, s, cfg.vocab_size] (and, with return_hidden, the decoder's final-normed
+        output: the head's input, and `mtp_forward`'s).
 
         position_ids (default 0..s-1) only feed RoPE; attention is causal over token order, as in HF when no
         attention mask is given. The MTP layers take no part (HF's forward ignores them too)."""
         x = self.embed(input_ids)
         hidden = self.decoder(x, *self.rope(input_ids, position_ids, x.dtype))
-        logits = self.logits(self.decoder.final_layernorm(hidden))
-        return (logits, hidden) if return_hidden else logits
+        normed = self.decoder.final_layernorm(hidden)
+        logits = self.logits(normed)
+        return (logits, normed) if return_hidden else logits
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """Token embeddings [b, s, h] (tensor parallelism swaps in a vocab-parallel embedding)."""
@@ -602,10 +655,12 @@ class GPTModel(nn.Module):
     def mtp_forward(self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor | None = None) -> list[Tensor]:
         """DeepSeek-V3 multi-token prediction (for training): one logits tensor [b, s, vocab] per MTP depth.
 
-        `hidden` is `forward(..., return_hidden=True)[1]`. Depth d (0-based) reads the previous depth's hidden
-        states (the main decoder's for d = 0) and the embedding of token t+d+1 at position t, and predicts token
-        t+d+2. Positions s-d-1.. see no real next token (the ids are shifted with zero fill, like Megatron's
-        roll_tensor) and must be left out of the loss."""
+        `hidden` is the decoder's output after its final norm (`forward(..., return_hidden=True)[1]`; the output
+        head's input). Depth d (0-based) reads the previous depth's output after that depth's final_layernorm
+        (`hidden` for d = 0) and the embedding of token t+d+1 at position t, and predicts token t+d+2: what
+        megatron-core's MultiTokenPredictionBlock reads (its decoder applies the final norm before the block; each
+        layer's `_postprocess` applies its final_layernorm before the next). Positions s-d-1.. see no real next token
+        (the ids are shifted with zero fill, like Megatron's roll_tensor) and must be left out of the loss."""
         if self.mtp is None:
             raise ValueError("this model has no MTP layers (cfg.mtp_num_layers == 0)")
         cos, sin = self.rope(input_ids, position_ids, hidden.dtype)
@@ -613,7 +668,7 @@ class GPTModel(nn.Module):
         for layer in self.mtp.layers:
             ids = F.pad(ids[:, 1:], (0, 1))  # token t+1 at position t
             hidden = layer(hidden, self.embed(ids), cos, sin)
-            out.append(self.logits(layer.final_layernorm(hidden)))
+            out.append(self.logits(hidden))
         return out
 
     # -- canonical (stacked) form ---------------------------------------------------------------------------------

@@ -112,14 +112,19 @@ def attach_loss(x: Tensor, loss: Tensor, scale: float) -> Tensor:
     return _AttachLoss.apply(x, loss, scale)
 
 
-def mtp_depth_losses(logits: list[Tensor], labels: Tensor) -> list[Tensor]:
+def mtp_depth_losses(logits: list[Tensor], labels: Tensor, cross_entropy=None) -> list[Tensor]:
     """Mean cross-entropy of each MTP depth: depth d (0-based) at position t predicts labels[t + d + 1]; the last
-    d + 1 positions have no label (Megatron rolls the labels and the loss mask with zero fill)."""
+    d + 1 positions have no label (Megatron rolls the labels and the loss mask with zero fill). `cross_entropy`:
+    the model's per-token loss (vocab-parallel under tensor parallelism); None: over whole logits."""
     s = labels.shape[1]
     out = []
     for d, lg in enumerate(logits):
         keep = s - d - 1
-        out.append(F.cross_entropy(lg[:, :keep].float().reshape(-1, lg.shape[-1]), labels[:, d + 1:].reshape(-1)))
+        if cross_entropy is None:
+            out.append(F.cross_entropy(lg[:, :keep].float().reshape(-1, lg.shape[-1]),
+                                       labels[:, d + 1:].reshape(-1)))
+        else:
+            out.append(cross_entropy(lg[:, :keep], labels[:, d + 1:]).mean())
     return out
 
 
@@ -143,7 +148,8 @@ class MoETraining:
     world all-reduce of the flat statistics serves the bias update and the logs on every rank."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, settings: MoESettings, token_group=None,
-                 tp: int = 1, ep: int = 1, cp: int = 1) -> None:
+                 tp: int = 1, ep: int = 1, cp: int = 1, sequence_parallel: bool = False, etp: int | None = None,
+                 dispatcher: str = "alltoall") -> None:
         from train.model import MoELayer
 
         if settings.load_balancing_type not in LOAD_BALANCING_TYPES:
@@ -154,7 +160,12 @@ class MoETraining:
         self.cfg, self.settings = cfg, settings
         self.token_group = token_group
         self.ep = ep
-        self.tp = tp  # without sequence parallelism TP ranks see the same tokens: their counts are divided out
+        self.tp = tp  # TP ranks compute the same (MTP) losses: divided out of the logs
+        # without sequence parallelism TP ranks also route the same tokens (their counts are divided out); with it
+        # each routes its slice of the sequence, and `token_group` spans TP x CP
+        self.token_repeat = 1 if sequence_parallel else tp
+        self.etp = tp if etp is None else etp
+        self.dispatcher = dispatcher
         self.backward_scale = 1.0  # gradient of an attached loss: the main loss's per-micro-batch scale
         self.cp = cp
         self.aux_scale = 1.0  # the load-balancing loss's: times cp, as the CP ranks' language-model losses are
@@ -212,12 +223,13 @@ class MoETraining:
     # -- MTP ----------------------------------------------------------------------------------------------------
     def add_mtp_loss(self, model: nn.Module, loss: Tensor, hidden: Tensor, ids: Tensor, labels: Tensor,
                      position_ids: Tensor | None = None) -> Tensor:
-        """The last stage's loss with the MTP loss attached (`hidden`: the decoder output before its final norm)."""
+        """The last stage's loss with the MTP loss attached (`hidden`: the decoder output after its final norm, what
+        megatron-core's MTP block reads; see GPTModel.mtp_forward)."""
         if not self.depths or self.settings.mtp_loss_scaling_factor == 0:
             return loss
         if not torch.is_grad_enabled():  # evaluation reports the language-model loss only
             return loss
-        losses = mtp_depth_losses(model.mtp_forward(hidden, ids, position_ids), labels)
+        losses = mtp_depth_losses(model.mtp_forward(hidden, ids, position_ids), labels, model.cross_entropy)
         if not _recomputing():
             self.mtp += torch.stack([x.detach().double() for x in losses])
         total = torch.stack(losses).sum() * (self.settings.mtp_loss_scaling_factor / self.depths)
@@ -245,8 +257,8 @@ class MoETraining:
         if world > 1:
             dist.all_reduce(flat)
         n_counts, n_aux = self.counts.numel(), self.aux.numel()
-        counts = flat[:n_counts].view_as(self.counts) / self.tp
-        aux = flat[n_counts:n_counts + n_aux] / (self.tp * replicas * self.micro_batches)
+        counts = flat[:n_counts].view_as(self.counts) / self.token_repeat
+        aux = flat[n_counts:n_counts + n_aux] / (self.token_repeat * replicas * self.micro_batches)
         mtp = flat[n_counts + n_aux:-1] / (self.tp * replicas * self.micro_batches)
         rate = self.settings.bias_update_rate
         for slot, router in self.routers.items():
@@ -273,7 +285,8 @@ class MoETraining:
         return str(slot) if slot < self.num_layers else f"mtp{slot - self.num_layers}"
 
 
-def setup(args, cfg: ModelConfig, model: nn.Module, groups, packed: bool) -> MoETraining | None:
+def setup(args, cfg: ModelConfig, model: nn.Module, groups, packed: bool, sequence_parallel: bool = False
+          ) -> MoETraining | None:
     """The MoE training state of this stage (None for a dense model). `args`: the run's MoEArgs; the aux-loss
     coefficient defaults to the checkpoint's (HF router_aux_loss_coef / aux_loss_alpha)."""
     if not cfg.is_moe:
@@ -285,14 +298,18 @@ def setup(args, cfg: ModelConfig, model: nn.Module, groups, packed: bool) -> MoE
     coeff = args.moe_aux_loss_coeff if args.moe_aux_loss_coeff is not None else cfg.moe_aux_loss_coeff
     settings = MoESettings(args.moe_router_load_balancing_type, float(coeff), args.moe_router_bias_update_rate,
                            args.mtp_loss_scaling_factor, args.moe_router_dtype)
-    # the ranks splitting one sequence (context parallel) share its token counts
-    return MoETraining(model, cfg, settings, token_group=groups.cp, tp=groups.dims.tp, ep=groups.dims.ep,
-                       cp=groups.dims.cp)
+    # the ranks splitting one sequence (context parallel, and TP under sequence parallelism) share its token counts
+    sp = sequence_parallel and groups.dims.tp > 1
+    return MoETraining(model, cfg, settings, token_group=groups.tp_cp if sp else groups.cp, tp=groups.dims.tp,
+                       ep=groups.dims.ep, cp=groups.dims.cp, sequence_parallel=sp,
+                       etp=getattr(groups.dims, "expert_tp", groups.dims.tp),
+                       dispatcher=args.moe_token_dispatcher_type)
 
 
 def describe(m: MoETraining) -> str:
     s, c = m.settings, m.cfg
-    parts = [f"MoE: {c.num_moe_experts} experts, top-{c.moe_router_topk}, ep {m.ep}, dispatch alltoall (dropless)",
+    parts = [f"MoE: {c.num_moe_experts} experts, top-{c.moe_router_topk}, ep {m.ep}"
+             + (f", expert tp {m.etp}" if m.etp > 1 or m.tp > 1 else "") + f", dispatch {m.dispatcher} (dropless)",
              f"load balancing {s.load_balancing_type} coeff {s.aux_loss_coeff:g}" if m.aux_enabled
              else "no load-balancing loss"]
     if c.moe_router_enable_expert_bias:

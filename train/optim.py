@@ -5,7 +5,8 @@ rank, chosen by a deterministic greedy balance of bytes. The owner keeps the fp3
 updates it; the new value is broadcast to the other DP ranks. Because a parameter's optimizer state lives whole on one
 rank, saving it in the canonical (reshardable) form is a plain write of that parameter's region, with no gather.
 
-Gradients accumulate in fp32 (`main_grad`, views into one flat buffer per rank) through post-accumulate hooks, are
+Gradients accumulate in fp32 (`main_grad`, views into one flat buffer per rank) through post-accumulate hooks (a
+parameter's first gradient of a step is copied in, later ones added: the buffer is never cleared as a whole), are
 averaged over DP in one all-reduce, summed over TP for sequence-parallel norm weights, and over the first/last
 pipeline stages for tied embeddings; then the global norm is clipped across every group, counting each element once.
 
@@ -14,6 +15,7 @@ samples, built with step(0), advanced by the global batch after each optimizer s
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -263,11 +265,14 @@ class DistributedOptimizer:
         dense_idx = [i for i, e in enumerate(self.expert) if not e]
         expert_idx = [i for i, e in enumerate(self.expert) if e]
         offset = 0
+        # per parameter: main_grad holds this step's gradient (else stale: copy, not add, the first one in)
+        self._filled = [False] * len(self.params)
+        self._end_queued = False  # _fill_missing is queued to run when the current backward pass ends
         for i in dense_idx + expert_idx:  # expert gradients last: their own reduction group
             p, n = self.params[i], numel[i]
             p.main_grad = self.buffer[offset: offset + n].view_as(p)  # type: ignore[attr-defined]
             offset += n
-            p.register_post_accumulate_grad_hook(_accumulate)
+            p.register_post_accumulate_grad_hook(functools.partial(self._accumulate, i))
         n_dense = sum(numel[i] for i in dense_idx)
         self.dense_buffer, self.expert_buffer = self.buffer[:n_dense], self.buffer[n_dense:]
         self.owner = [0] * len(self.params)
@@ -292,20 +297,46 @@ class DistributedOptimizer:
 
     # -- gradients ----------------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self.buffer.zero_()
+        """Start a step. The buffer is not cleared (a 4-bytes-per-parameter write each step): each parameter's first
+        gradient is copied into its main_grad, later ones added (0 + g is g), and when a backward pass ends, the
+        parameters it gave no gradient (an expert no token reached) are zeroed."""
+        self._filled = [False] * len(self._filled)
         for p in self.params:
             p.grad = None
 
+    def _accumulate(self, j: int, p: Tensor) -> None:
+        """Post-accumulate-grad hook of parameter j (p): move p.grad into p.main_grad."""
+        if self._filled[j]:
+            p.main_grad.add_(p.grad.float())  # type: ignore[attr-defined]
+        else:
+            p.main_grad.copy_(p.grad)  # type: ignore[attr-defined]
+            self._filled[j] = True
+        p.grad = None
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._fill_missing)
+
+    def _fill_missing(self) -> None:
+        """Zero the main_grad of every parameter that has had no gradient yet this step (at the end of a backward
+        pass, and before the gradients are reduced, should no backward pass have run)."""
+        self._end_queued = False
+        for j, done in enumerate(self._filled):
+            if not done:
+                self.params[j].main_grad.zero_()  # type: ignore[attr-defined]
+                self._filled[j] = True
+
     def reduce_grads(self, micro_batches_total: int | None = None) -> None:
+        self._fill_missing()
         g = self.groups
         # context parallelism: each CP rank's loss is its share of the sequence times cp (context.prepare_micro_batch),
         # so averaging over DP x CP sums the CP shares and averages over DP
         if g.dims.dp * g.dims.cp > 1:
             comm.all_reduce(self.dense_buffer, g.dp_cp if g.dims.cp > 1 else g.dp)
             self.dense_buffer.div_(g.dims.dp * g.dims.cp)
-            if self.expert_buffer.numel():  # the same on every rank of the group (one pipeline stage)
-                comm.all_reduce(self.expert_buffer, g.edp)
-                self.expert_buffer.div_(g.dims.dp * g.dims.cp)
+        # (the expert-data-parallel group may also span TP ranks when the expert TP size is smaller than TP)
+        if self.expert_buffer.numel() and (g.dims.edp > 1 or g.dims.dp * g.dims.cp > 1):
+            comm.all_reduce(self.expert_buffer, g.edp)  # the same on every rank of the group (one pipeline stage)
+            self.expert_buffer.div_(g.dims.dp * g.dims.cp)
         for p in self.params:
             if getattr(p, "sequence_parallel", False):
                 comm.all_reduce(p.main_grad, g.tp)
@@ -410,8 +441,3 @@ class DistributedOptimizer:
 def _main_copy(p: Tensor) -> Tensor:
     """The fp32 tensor AdamW updates for parameter p: p's own storage when p is fp32, else an fp32 copy."""
     return p.detach() if p.dtype == torch.float32 else p.detach().float().clone()
-
-
-def _accumulate(p: Tensor) -> None:
-    p.main_grad.add_(p.grad.float())  # type: ignore[attr-defined]
-    p.grad = None

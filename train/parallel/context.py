@@ -17,7 +17,8 @@ Attention over the split sequence, two ways (`--cp-comm-type`):
 - all_gather: K/V are all-gathered over CP (an autograd all-gather whose backward is a reduce-scatter) and each local
   query chunk attends to the key prefix that ends with it (causal aligned bottom-right), through flash-attn or SDPA.
 
-Only the query groups' own K/V travel (grouped-query attention's repeated heads are rebuilt on arrival).
+Only the query groups' own K/V travel: the model hands attention one K/V head per query group, and each group
+serves its query heads (SDPA's GQA, `train.model.gqa_attention`, or the ring's grouped blocks).
 
 Packed documents follow Megatron's `get_ltor_masks_and_position_ids`: with --reset-position-ids positions restart after
 each EOD token, with --reset-attention-mask a token attends only within its document, with --eod-mask-loss the loss
@@ -44,6 +45,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from checkpoint.errors import ConfigError, ShardkitError
+from train.model import gqa_attention
 
 from . import comm
 
@@ -445,13 +447,11 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float | N
     if backend == "flash" and q.shape[-1] == v.shape[-1]:
         return _flash_prefix(q, k, v, scale, window, docs_q, docs_k)
     sq, sk = q.shape[2], k.shape[2]
-    if hpg > 1:
-        k, v = k.repeat_interleave(hpg, dim=1), v.repeat_interleave(hpg, dim=1)
     if docs_q is None and window is None and sq == sk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return gqa_attention(q, k, v, is_causal=True, scale=scale)
     k_pos = torch.arange(sk, device=q.device)
     mask = block_mask(k_pos[sk - sq:], k_pos, docs_q, docs_k, window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return gqa_attention(q, k, v, mask, scale=scale)
 
 
 def _flash_prefix(q: Tensor, k: Tensor, v: Tensor, scale: float | None, window: int | None, docs_q: Tensor | None,
@@ -560,8 +560,6 @@ class AttentionState:
             layout = self.current
             if layout is None:
                 raise RuntimeError("context-parallel attention called outside StageStep (no micro-batch layout)")
-            if hpg > 1:  # the model repeated each query group's K/V; keep one copy (slicing's backward is exact)
-                k, v = k[:, ::hpg], v[:, ::hpg]
             if self.recompute:
                 return checkpoint(self.attend, q, k, v, hpg, scale, window, layout, use_reentrant=False)
             return self.attend(q, k, v, hpg, scale, window, layout)

@@ -14,6 +14,17 @@ Dispatch (Megatron's alltoall token dispatcher, dropless, variable split sizes):
      their experts (two grouped GEMMs for all local experts, `torch._grouped_mm`, or a loop where it is refused);
   5. the outputs go back by the inverse all-to-all, are weighted by the router and summed per token.
 The all-to-all is an autograd function whose backward is the all-to-all with the splits swapped.
+
+Expert tensor parallelism (ETP > 1: each expert's ffn split over the expert-TP group, the table's etp coordinate):
+after step 3 the received rows are all-gathered over the expert-TP group (variable sizes), every rank runs all of
+them through its ffn slice, and the partial outputs are reduce-scattered back before step 5, as Megatron's alltoall
+dispatcher does with tp_size > 1. Each rank routes its own tokens (its sequence-parallel slice under TP), and the
+groups are Megatron's (checkpoint.run_layout: etp-ep-edp-pp over the TP x CP x DP ranks of a stage), so ETP may differ
+from TP (DeepSeek-V3's recipe: TP 2, ETP 1).
+
+`--moe-token-dispatcher-type allgather` (Megatron's MoEAllGatherTokenDispatcher) swaps in `AllGatherExperts`: the
+tokens, router weights and routing of the expert TP x EP group are all-gathered, each rank runs the tokens routed to
+its experts, and the partial outputs are reduce-scattered back.
 """
 from __future__ import annotations
 
@@ -30,6 +41,8 @@ from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.sharding import model_specs, regions
 from train.model import Experts, GroupedMLP, MoELayer
+
+from . import comm
 
 
 def _size(group) -> int:
@@ -83,44 +96,62 @@ def exchange_counts(counts: Tensor, group, timer: CommTimer | None = None) -> Te
 
 
 class ExpertParallelExperts(nn.Module):
-    """This EP rank's E/EP experts and the all-to-all dispatch (same call signature as model.Experts)."""
+    """This rank's experts (E/EP of them, each with its expert-TP share of the ffn) and the all-to-all dispatch, over
+    the EP group and the expert-TP group (same call signature as model.Experts)."""
 
-    def __init__(self, cfg: ModelConfig, group, ep: int, ep_rank: int) -> None:
+    def __init__(self, cfg: ModelConfig, layout: Layout, group, ep_rank: int, etp_group=None, etp_rank: int = 0
+                 ) -> None:
         super().__init__()
         self.num_experts = cfg.num_moe_experts
-        # the global experts [first, first + num_local) this rank holds: its box of the expert axis in the table
-        layout = Layout(ep=ep)
-        spec = next(s for s in model_specs(cfg, layout) if s.expert)
-        box = regions(spec, layout, RankCoord(ep=ep_rank), cfg.num_layers)[0]
-        axis = int(spec.per_layer)
+        # the global experts [first, first + num_local) this rank holds and its share of their ffn: its box in the
+        # table (one pipeline stage: every stage's expert tensors split alike)
+        lay = Layout(tp=layout.tp, ep=layout.ep, etp=layout.etp)
+        fc2 = next(s for s in model_specs(cfg, lay) if s.expert and s.name.endswith("linear_fc2.weight"))
+        box = regions(fc2, lay, RankCoord(ep=ep_rank, etp=etp_rank), cfg.num_layers)[0]
+        axis = int(fc2.per_layer)
         self.first, self.num_local = box.global_offset[axis], box.shape[axis]
-        self.group = group
-        self.experts = GroupedMLP(dataclasses.replace(cfg, num_moe_experts=self.num_local))
+        self.group, self.etp_group = group, etp_group
+        self.experts = GroupedMLP(dataclasses.replace(cfg, num_moe_experts=self.num_local,
+                                                      moe_ffn_hidden_size=box.shape[-1]))
         self.timer = CommTimer()
         self.grouped_mm = hasattr(torch, "_grouped_mm")  # private API: used while it works, else the loop
 
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
-        k, ep, nl = indices.shape[1], _size(self.group), self.num_local
+        k, ep, nl, etp = indices.shape[1], _size(self.group), self.num_local, _size(self.etp_group)
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, hence by EP rank
         token = order // k
         counts = torch.bincount(flat, minlength=self.num_experts)
-        recv_counts = exchange_counts(counts, self.group, self.timer)  # [ep, nl]
+        recv_counts = exchange_counts(counts, self.group, self.timer) if ep > 1 else counts.view(1, nl)  # [ep, nl]
         in_splits = counts.view(ep, nl).sum(1).tolist()
         out_splits = recv_counts.sum(1).tolist()
         recv = all_to_all(x.index_select(0, token), out_splits, in_splits, self.group, self.timer)
-        # received rows: by source rank, then by local expert; regroup by local expert
-        local = torch.repeat_interleave(torch.arange(nl, device=x.device).repeat(ep), recv_counts.reshape(-1))
+        rows, row_counts = recv, recv_counts
+        if etp > 1:
+            # expert TP (Megatron's dispatcher with tp_size > 1): the expert-TP ranks hold other slices of the same
+            # experts' ffn, so each gathers the rows the others received (all-gather of variable sizes), runs all of
+            # them through its slice, and the partial outputs are summed back to the rank that received each row
+            # (reduce-scatter); both as all-to-alls, whose backward is the adjoint collective
+            n = recv_counts.numel()
+            row_counts = _all_to_all_single(recv_counts.reshape(-1).repeat(etp), [n] * etp, [n] * etp,
+                                            self.etp_group, self.timer).view(etp * ep, nl)
+            sizes = row_counts.view(etp, -1).sum(1).tolist()
+            mine = recv.shape[0]
+            rows = all_to_all(recv.repeat(etp, 1), sizes, [mine] * etp, self.etp_group, self.timer)
+        # rows: by (expert-TP source,) EP source rank, then local expert; regroup by local expert
+        local = torch.repeat_interleave(torch.arange(nl, device=x.device).repeat(row_counts.shape[0]),
+                                        row_counts.reshape(-1))
         perm = torch.argsort(local, stable=True)
-        grouped = recv.index_select(0, perm)
+        grouped = rows.index_select(0, perm)
         # with no rows for any local expert, the (empty) received rows themselves go back: the return all-to-all must
         # stay in the autograd graph on every rank, or the peers' backward all-to-all waits for this rank forever
-        y = self._run_experts(grouped, recv_counts.sum(0).tolist()) if grouped.shape[0] else grouped
+        y = self._run_experts(grouped, row_counts.sum(0).tolist()) if grouped.shape[0] else grouped
         y = y.index_select(0, torch.argsort(perm))  # back to the received order
+        if etp > 1:
+            y = all_to_all(y, [mine] * etp, sizes, self.etp_group, self.timer).view(etp, mine, x.shape[-1]).sum(0)
         back = all_to_all(y, in_splits, out_splits, self.group, self.timer)  # [T*k, h] in `order`
         back = back * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token, back.to(x.dtype))
-
 
     def _run_experts(self, rows: Tensor, counts: list[int]) -> Tensor:
         """rows grouped by local expert (counts[e] for expert e) through their experts: two grouped GEMMs for all of
@@ -137,6 +168,73 @@ class ExpertParallelExperts(nn.Module):
         return torch.cat([self.experts(r, e) for e, r in enumerate(rows.split(counts)) if r.shape[0]])
 
 
+class _GatherTokens(torch.autograd.Function):
+    """Forward: the group's tokens and router weights, all-gathered along the rows (rank order); backward: their
+    gradients reduce-scattered, always both and in this order on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weights: Tensor, group, timer: CommTimer) -> tuple[Tensor, Tensor]:
+        ctx.group, ctx.timer = group, timer
+        t0 = time.perf_counter()
+        out = comm._all_gather(x, group, 0), comm._all_gather(weights, group, 0)
+        timer.seconds += time.perf_counter() - t0
+        ctx.like = [torch.empty_like(t, device="meta") for t in out]  # shapes of an unused output's zero gradient
+        return out
+
+    @staticmethod
+    def backward(ctx, gx: Tensor | None, gw: Tensor | None):
+        t0 = time.perf_counter()
+        out = [comm._reduce_scatter(torch.zeros(like.shape, dtype=like.dtype) if g is None else g, ctx.group, 0)
+               for g, like in zip((gx, gw), ctx.like)]
+        ctx.timer.seconds += time.perf_counter() - t0
+        return out[0], out[1], None, None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    """Forward: partial outputs of the group's tokens summed, each rank keeping its own rows; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, group, timer: CommTimer) -> Tensor:
+        ctx.group, ctx.timer = group, timer
+        t0 = time.perf_counter()
+        out = comm._reduce_scatter(y, group, 0)
+        timer.seconds += time.perf_counter() - t0
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        t0 = time.perf_counter()
+        out = comm._all_gather(g.contiguous(), ctx.group, 0)
+        ctx.timer.seconds += time.perf_counter() - t0
+        return out, None, None
+
+
+class AllGatherExperts(ExpertParallelExperts):
+    """Megatron's allgather token dispatcher (MoEAllGatherTokenDispatcher): the tokens, router weights and routing of
+    the expert TP x EP group are all-gathered, every rank runs the gathered tokens routed to its experts through its
+    slice of them, and the partial outputs are reduce-scattered back to the ranks the tokens came from. Same experts
+    and parameters as the all-to-all dispatcher (`group`: the expert TP x EP group)."""
+
+    def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        xs, ws = _GatherTokens.apply(x, weights, self.group, self.timer)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            idx = comm._all_gather(indices, self.group, 0)
+            self.timer.seconds += time.perf_counter() - t0
+        local = idx - self.first
+        token, slot = torch.where((local >= 0) & (local < self.num_local))
+        expert = local[token, slot]
+        order = torch.argsort(expert, stable=True)  # (token, slot) pairs of the local experts, grouped by expert
+        token, slot = token[order], slot[order]
+        rows = xs.index_select(0, token)
+        counts = torch.bincount(expert, minlength=self.num_local).tolist()
+        # no pair for any local expert: the (empty) rows still join the graph, so that the backward collectives run
+        y = self._run_experts(rows, counts) if rows.shape[0] else rows
+        y = y * ws[token, slot].unsqueeze(-1)
+        out = torch.zeros_like(xs).index_add_(0, token, y.to(xs.dtype))
+        return _ReduceScatterTokens.apply(out, self.group, self.timer)
+
+
 def grouped_swiglu(mlp: GroupedMLP, rows: Tensor, counts: list[int]) -> Tensor:
     """SwiGLU experts over rows grouped by expert, as two grouped GEMMs (`torch._grouped_mm`: one kernel per GEMM for
     all experts on GPUs that have it, torchtitan's MoE path; on CPU the same numbers as the per-expert loop)."""
@@ -150,12 +248,21 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
 
 
-def apply_expert_parallel(model: nn.Module, cfg: ModelConfig, group, ep_rank: int) -> None:
-    """Swap every MoE layer's experts for this EP rank's share with all-to-all dispatch (call on the meta device,
-    before the model is materialised, so no rank allocates other ranks' experts). No-op for a group of one."""
-    ep = _size(group)
-    if ep == 1:
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def apply_expert_parallel(model: nn.Module, cfg: ModelConfig, layout: Layout, group, ep_rank: int, etp_group=None,
+                          etp_rank: int = 0, dispatcher: str = "alltoall", etp_ep_group=None) -> None:
+    """Swap every MoE layer's experts for this rank's share (E/EP experts, the expert-TP slice of their ffn) with
+    the all-to-all dispatch, or with `dispatcher` "allgather" the all-gather one over `etp_ep_group` (call on the meta
+    device, before the model is materialised, so no rank allocates other ranks' experts). No-op when neither group
+    splits the experts."""
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"unknown token dispatcher {dispatcher!r}; expected one of {DISPATCHERS}")
+    if _size(group) == 1 and _size(etp_group) == 1:
         return
     for _, layer in moe_layers(model):
         if isinstance(layer.experts, Experts):
-            layer.experts = ExpertParallelExperts(cfg, group, ep, ep_rank)
+            layer.experts = (ExpertParallelExperts(cfg, layout, group, ep_rank, etp_group, etp_rank)
+                             if dispatcher == "alltoall" else
+                             AllGatherExperts(cfg, layout, etp_ep_group, ep_rank, None, etp_rank))

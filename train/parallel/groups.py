@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from checkpoint.errors import LayoutError
 from checkpoint.layout import RankCoord
-from checkpoint.megatron import EXPERT_ORDER, rank_of
+from checkpoint.megatron import EXPERT_ORDER, coords_of, rank_of
 from checkpoint.run_layout import RunLayout
 
 
@@ -33,9 +33,13 @@ class Groups:
     pp: dist.ProcessGroup | None = None
     embedding: dist.ProcessGroup | None = None  # first and last pipeline stage (tied embeddings)
     pp_ranks: list[int] = field(default_factory=list)  # global ranks of this rank's pipeline, by stage
+    tp_cp: dist.ProcessGroup | None = None  # TP x CP: the ranks holding parts of one sequence (sequence parallel)
     ep_rank: int = 0
     edp_rank: int = 0
+    etp_rank: int = 0  # expert tensor parallel index (= tp_rank when ETP = TP, Megatron's default)
     ep: dist.ProcessGroup | None = None  # expert parallel: the ranks that exchange tokens
+    etp: dist.ProcessGroup | None = None  # expert tensor parallel: the ranks splitting one expert shard's ffn
+    etp_ep: dist.ProcessGroup | None = None  # expert TP x EP: the ranks that together hold every expert once
     edp: dist.ProcessGroup | None = None  # expert data parallel: the replicas of this rank's expert shard
     edp_ranks: list[int] = field(default_factory=list)  # global ranks of the edp group, by edp index
 
@@ -49,8 +53,8 @@ class Groups:
 
     @property
     def coord(self) -> RankCoord:
-        """Shard coordinates in the sharding table (expert TP = TP, as Megatron's default)."""
-        return RankCoord(tp=self.tp_rank, pp=self.pp_rank, ep=self.ep_rank, etp=self.tp_rank)
+        """Shard coordinates in the sharding table (dense tensors: tp; expert tensors: ep and expert tp)."""
+        return RankCoord(tp=self.tp_rank, pp=self.pp_rank, ep=self.ep_rank, etp=self.etp_rank)
 
     @property
     def next_rank(self) -> int:
@@ -92,22 +96,64 @@ def build_groups(dims: RunLayout) -> Groups:
         grp = dist.new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             g.dp_cp = grp
+    for dp, pp in itertools.product(range(dims.dp), range(dims.pp)):
+        ranks = [dims.rank(tp=t, cp=c, dp=dp, pp=pp) for c in range(dims.cp) for t in range(dims.tp)]
+        if dims.cp == 1 or dims.tp == 1:  # the same ranks as the TP (CP) group: no second group
+            if rank in ranks:
+                g.tp_cp = g.tp if dims.cp == 1 else g.cp
+            continue
+        grp = dist.new_group(ranks)
+        if rank in ranks:
+            g.tp_cp = grp
     for ranks in each("pp", ["tp", "cp", "dp"]):
         emb = sorted({ranks[0], ranks[-1]})
         grp = dist.new_group(emb) if len(emb) > 1 else None
         if rank in emb:
             g.embedding = grp
     g.ep_rank, g.edp_rank = dims.expert_coords(rank)
+    g.etp_rank = coords_of(rank, dims.expert_sizes, EXPERT_ORDER)["etp"]
+    for ranks in _expert_tp_groups(dims):
+        if dims.expert_tp == dims.tp:  # Megatron's default: the expert TP groups are the TP groups
+            g.etp = g.tp
+            break
+        grp = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            g.etp = grp
+    for ranks in _expert_tp_ep_groups(dims):
+        if dims.ep == 1 or dims.expert_tp == 1:  # the same ranks as the expert TP (EP) groups
+            g.etp_ep = g.etp if dims.ep == 1 else None  # set from the EP groups below
+            break
+        grp = dist.new_group(ranks)
+        if rank in ranks:
+            g.etp_ep = grp
     for ep_groups, edp_groups in _expert_groups(dims):
         for ranks in ep_groups:
             grp = dist.new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
                 g.ep = grp
+                if dims.expert_tp == 1:
+                    g.etp_ep = grp
         for ranks in edp_groups:
             grp = dist.new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
                 g.edp, g.edp_ranks = grp, ranks
     return g
+
+
+def _expert_tp_groups(dims: RunLayout):
+    """The expert-tensor-parallel groups (global ranks, by etp index): the etp-fastest blocks of the expert order."""
+    es = dims.expert_sizes
+    for pp, edp, ep in itertools.product(range(dims.pp), range(dims.edp), range(dims.ep)):
+        yield [rank_of(es, EXPERT_ORDER, etp=t, ep=ep, edp=edp, pp=pp) for t in range(dims.expert_tp)]
+
+
+def _expert_tp_ep_groups(dims: RunLayout):
+    """The expert TP x EP groups (Megatron's expert-tensor-and-model-parallel groups): etp x ep consecutive ranks of
+    the expert order."""
+    es = dims.expert_sizes
+    for pp, edp in itertools.product(range(dims.pp), range(dims.edp)):
+        yield [rank_of(es, EXPERT_ORDER, etp=t, ep=e, edp=edp, pp=pp) for e in range(dims.ep)
+               for t in range(dims.expert_tp)]
 
 
 def _expert_groups(dims: RunLayout):

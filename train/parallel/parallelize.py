@@ -3,8 +3,9 @@ place and one fixed order (torchtitan's `parallelize_llama` shape). `parallelize
 
     1. pipeline split     the model is built on the meta device from this TP rank's `local_config`, and the layers,
                           embedding and head of other stages are removed
-    2. expert parallel    still on meta: each MoE layer keeps only this EP rank's experts, so no rank ever allocates
-                          another rank's weights
+    2. expert parallel    still on meta: each MoE layer keeps only this rank's experts (E/EP of them, the expert-TP
+                          slice of their ffn), so no rank ever allocates another rank's weights; MTP projections
+                          take their TP shard
     3. materialise        to_empty on the device, cast to the training dtype (every value then comes from the
                           checkpoint)
     4. tensor parallel    collectives on the linears and the output head, vocab-parallel embedding and loss (on the
@@ -28,6 +29,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from checkpoint.config import ModelConfig
+from checkpoint.errors import ConfigError
 from train import moe as moe_mod
 from train import precision
 from train.config import MoEArgs, ParallelConfig, RunConfig
@@ -37,7 +39,7 @@ from train.model import GPTModel
 from .context import AttentionState, Packing, apply_context_parallel
 from .expert import apply_expert_parallel
 from .groups import Groups
-from .tensor import apply_tensor_parallel, local_config
+from .tensor import apply_tensor_parallel, local_config, resize_mtp_projections
 
 
 @dataclass
@@ -59,18 +61,23 @@ def parallelize(model_cfg: ModelConfig, groups: Groups, device: torch.device, dt
     layout = groups.dims.model_parallel
     layout.check(model_cfg)
     sp = parallel.sequence_parallel and groups.dims.tp > 1
+    if model_cfg.is_moe and groups.dims.tp > 1 and not sp:  # Megatron asserts the same
+        raise ConfigError(f"--tp {groups.dims.tp} with an MoE model ({model_cfg.model_type}) needs "
+                          "--sequence-parallel (megatron-core's MoE layers take the sequence-parallel slice)")
     local = local_config(model_cfg, layout)
     with torch.device("meta"):
         model = GPTModel(local, local.vocab_size)
         apply_pipeline_split(model, model_cfg, groups)
-        apply_expert_parallel(model, model_cfg, groups.ep, groups.ep_rank)
+        resize_mtp_projections(model, model_cfg, layout)
+        apply_expert_parallel(model, model_cfg, layout, groups.ep, groups.ep_rank, groups.etp, groups.etp_rank,
+                              moe.moe_token_dispatcher_type, groups.etp_ep)
     model = model.to_empty(device=device).to(dtype)
     apply_tensor_parallel(model, model_cfg, layout, groups.tp_rank, groups.tp, sp)
     attention, line = apply_context_parallel(model, groups, parallel.cp_comm_type, packing,
                                              run.recompute_granularity == "selective", device, dtype)
     apply_recompute(model, run.recompute_granularity, attention)
     backend = precision.setup(model, model_cfg, groups, run, fp8, parallel.cp_comm_type, sp)
-    moe_state = moe_mod.setup(moe, model_cfg, model, groups, packing.active)
+    moe_state = moe_mod.setup(moe, model_cfg, model, groups, packing.active, sp)
     return Parallelized(model, attention, line, backend, moe_state)
 
 

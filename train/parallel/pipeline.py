@@ -47,16 +47,18 @@ class StageStep:
         first = g.first_stage and chunk == 0
         last = g.last_stage and chunk == g.dims.vpp - 1
         h = m.embed(ids) if first else inp
-        cos, sin = m.rope(ids, None if extras is None else extras.position_ids, next(m.parameters()).dtype)
+        p = next(m.parameters(), None)  # a stage of an uneven split may hold none ("Ett||ttL"): the activations'
+        cos, sin = m.rope(ids, None if extras is None else extras.position_ids, h.dtype if p is None else p.dtype)
         att = self.attention
         with contextlib.nullcontext() if att is None or extras is None else att.use(extras.layout):
             h = m.decoder(h, cos, sin, self.chunks[chunk])
         if not last:
             return h
-        losses = m.token_losses(h, labels)
+        normed = m.decoder.final_layernorm(h)  # m.token_losses' norm, applied once: the head and MTP both read it
+        losses = m.cross_entropy(m.logits(normed), labels)
         loss = losses.mean() if extras is None else (losses * extras.loss_weight).sum()
         if self.moe is not None and m.mtp is not None:
-            loss = self.moe.add_mtp_loss(m, loss, h, ids, labels)
+            loss = self.moe.add_mtp_loss(m, loss, normed, ids, labels)
         return loss
 
 
@@ -85,7 +87,7 @@ def forward_backward(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]]
     n = len(micro_batches)
     pp, rank = g.dims.pp, g.pp_rank
     first, last = g.first_stage, g.last_stage
-    device = next(step.model.parameters()).device
+    device = micro_batches[0][0].device  # not a parameter's: a stage of an uneven split may hold none
     total = torch.zeros((), dtype=torch.float32, device=device)
 
     def recv_forward() -> Tensor | None:
@@ -147,7 +149,7 @@ def forward_only(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]], ac
                  act_dtype: torch.dtype) -> Tensor:
     """Evaluation: forward through the pipeline, micro-batch by micro-batch; the summed loss on the last stage."""
     g = step.groups
-    device = next(step.model.parameters()).device
+    device = micro_batches[0][0].device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for mb in micro_batches:
         inp = None if g.first_stage else _p2p([], [(act_shape, act_dtype, g.prev_rank)], device)[0]

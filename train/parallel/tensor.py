@@ -14,6 +14,18 @@ Then `apply_tensor_parallel` hooks on:
 
 With sequence parallelism the residual stream between those points is split along the sequence, so the norms see
 a slice of the tokens: their gradients are partial and are all-reduced over TP (params marked `sequence_parallel`).
+
+MoE and multi-latent attention (megatron-core's layouts; MoE at TP > 1 requires sequence parallelism, as Megatron):
+
+- multi-latent attention splits whole heads: linear_q_proj / linear_q_up_proj and linear_kv_up_proj are column-
+  parallel (the copy / all-gather after their latent norms), linear_proj row-parallel; linear_q_down_proj,
+  linear_kv_down_proj and the latent norms are replicated and run on the sequence slice (partial gradients, summed
+  over TP), and the shared RoPE key k_pe is gathered like the up-projections' inputs;
+- an MoE layer runs on the sequence slice: the router is replicated and routes this rank's tokens (partial
+  gradient), the shared experts are a column/row-parallel MLP, and the routed experts (split by the expert TP size)
+  move tokens over the EP and expert-TP groups themselves (train/parallel/expert.py);
+- an MTP depth's eh_proj is column-parallel with its output gathered along the hidden axis and split along the
+  sequence again (megatron-core's MultiTokenPredictionLayer); its enorm/hnorm see the slice.
 """
 from __future__ import annotations
 
@@ -37,26 +49,38 @@ EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def local_config(cfg: ModelConfig, layout: Layout) -> ModelConfig:
-    """The model one TP rank builds: its share of heads, query groups, ffn and vocabulary rows (`vocab_size` = the
-    padded vocabulary's rows it holds), read from the sharding table's local shapes. The RoPE tables come from the
-    global HF config, which is kept."""
+    """The model one TP rank builds: its share of heads, query groups, ffn (dense, shared-expert and, by the expert
+    TP size, routed-expert) and vocabulary rows (`vocab_size` = the padded vocabulary's rows it holds), read from the
+    sharding table's local shapes. The RoPE tables come from the global HF config, which is kept."""
     tp = layout.tp
-    if tp > 1 and (cfg.is_moe or cfg.multi_latent_attention or cfg.mtp_num_layers):
-        raise LayoutError(f"--tp {tp}: the trainer runs tensor parallelism on dense LLaMA-family models only so far; "
-                          f"{cfg.model_type} (MoE / multi-latent attention / MTP) trains at --tp 1 (split its "
-                          "experts with --expert-model-parallel-size instead)")
     if tp > 1 and cfg.add_proj_bias:
         raise LayoutError(f"--tp {tp}: row-parallel biases (attention output / MLP down projection) are not "
                           "supported by the trainer; use --tp 1")
-    specs = {s.name: s for s in model_specs(cfg, layout)}
-    vocab = local_shape(specs[EMBEDDING], layout)[0]
+    specs = model_specs(cfg, layout)
+
+    def local(suffix: str, axis: int) -> int | None:
+        """The local size on `axis` of the first table tensor named `...suffix` (None: the model has none)."""
+        spec = next((s for s in specs if s.name.endswith(suffix)), None)
+        return None if spec is None else local_shape(spec, layout)[axis]
+
+    vocab = local(EMBEDDING, 0)
+    changes: dict = {"vocab_size": vocab}
+    if cfg.is_moe:  # routed experts split by the expert TP size, shared experts by TP
+        changes["moe_ffn_hidden_size"] = local("mlp.experts.experts.linear_fc2.weight", -1)
+        if cfg.moe_shared_expert_intermediate_size:
+            changes["moe_shared_expert_intermediate_size"] = local("mlp.shared_experts.linear_fc2.weight", -1)
     if tp == 1:
-        return dataclasses.replace(cfg, vocab_size=vocab)
-    groups = local_shape(specs["decoder.layers.self_attention.linear_qkv.weight"], layout)[-2] // (
-        (cfg.heads_per_group + 2) * cfg.kv_channels)
-    return dataclasses.replace(cfg, num_attention_heads=groups * cfg.heads_per_group, num_query_groups=groups,
-                               ffn_hidden_size=local_shape(specs["decoder.layers.mlp.linear_fc2.weight"], layout)[-1],
-                               vocab_size=vocab)
+        return dataclasses.replace(cfg, **changes)
+    dense_ffn = local(".mlp.linear_fc2.weight", -1)
+    if dense_ffn is not None:
+        changes["ffn_hidden_size"] = dense_ffn
+    if cfg.multi_latent_attention:  # whole heads per rank; the latent down-projections are replicated
+        heads = local("self_attention.linear_proj.weight", -1) // cfg.v_head_dim
+        changes.update(num_attention_heads=heads, num_query_groups=cfg.num_query_groups // tp)
+    else:
+        groups = local("self_attention.linear_qkv.weight", -2) // ((cfg.heads_per_group + 2) * cfg.kv_channels)
+        changes.update(num_attention_heads=groups * cfg.heads_per_group, num_query_groups=groups)
+    return dataclasses.replace(cfg, **changes)
 
 
 def vocab_start(cfg: ModelConfig, layout: Layout, tp_rank: int) -> int:
@@ -78,6 +102,86 @@ def _exit_hook(group, sp: bool):
     return hook
 
 
+def resize_mtp_projections(model: GPTModel, cfg: ModelConfig, layout: Layout) -> None:
+    """On the meta device, before materialising: each MTP depth's eh_proj becomes this TP rank's column shard (its
+    local shape from the table; local_config cannot express it, the hidden size stays whole)."""
+    if model.mtp is None or layout.tp == 1:
+        return
+    spec = next(s for s in model_specs(cfg, layout) if s.name.endswith("eh_proj.weight"))
+    out, inp = local_shape(spec, layout)
+    for layer in model.mtp.layers:
+        layer.eh_proj = nn.Linear(inp, out, bias=False)
+
+
+def _pre_hook(group, sp: bool):
+    fn = _entry(group, sp)
+
+    def hook(_module, args):
+        return (fn(args[0]), *args[1:])
+
+    return hook
+
+
+def _layer_tensor_parallel(layer: nn.Module, group, sp: bool) -> list[nn.Parameter]:
+    """Hook the collectives onto one transformer layer; returns the replicated parameters that see only this rank's
+    slice of the sequence under sequence parallelism (their gradients are partial: summed over TP)."""
+    from train.model import MLASelfAttention, MoELayer
+
+    att, mlp = layer.self_attention, layer.mlp
+    partial_grads: list[nn.Parameter] = []
+    if isinstance(att, MLASelfAttention):
+        # megatron-core's MLA: the latent down-projections (and their norms) are replicated and run on the
+        # sequence slice; the up-projections are column-parallel (whole heads), the shared RoPE key is gathered
+        if att.q_lora:
+            att.linear_q_up_proj.parallel_input = _entry(group, sp)
+            partial_grads.append(att.linear_q_down_proj.weight)
+        else:
+            att.linear_q_proj.register_forward_pre_hook(_pre_hook(group, sp))
+        att.linear_kv_up_proj.parallel_input = _entry(group, sp)
+        att.parallel_k_pe = _entry(group, sp)
+        partial_grads.append(att.linear_kv_down_proj.weight)
+    else:
+        att.linear_qkv.parallel_input = _entry(group, sp)
+    att.linear_proj.register_forward_hook(_exit_hook(group, sp))
+    if isinstance(mlp, MoELayer):
+        # the router is replicated and routes this rank's tokens; the routed experts exchange tokens with the EP and
+        # expert-TP groups themselves (train/parallel/expert.py); shared experts are a column/row-parallel MLP
+        partial_grads.append(mlp.router.weight)
+        if mlp.shared_experts is not None:
+            mlp.shared_experts.linear_fc1.register_forward_pre_hook(_pre_hook(group, sp))
+            mlp.shared_experts.linear_fc2.register_forward_hook(_exit_hook(group, sp))
+    else:
+        mlp.linear_fc1.parallel_input = _entry(group, sp)
+        mlp.linear_fc2.register_forward_hook(_exit_hook(group, sp))
+    return partial_grads
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """Forward: all-gather along the last axis; backward: keep this rank's part (megatron-core's
+    gather_from_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g.chunk(dist.get_world_size(ctx.group), dim=-1)[dist.get_rank(ctx.group)].contiguous(), None
+
+
+def _mtp_projection_hooks(group, sp: bool):
+    """eh_proj of an MTP depth (megatron-core's MultiTokenPredictionLayer): a column-parallel linear whose input is
+    gathered (copied), whose output is gathered along the hidden axis and then split along the sequence again."""
+    def post(_module, _inputs, out):
+        out = _GatherLastDim.apply(out, group)
+        return comm.split_seq(out, group) if sp else out
+
+    return _pre_hook(group, sp), post
+
+
 def apply_tensor_parallel(model: GPTModel, cfg: ModelConfig, layout: Layout, tp_rank: int, group,
                           sequence_parallel: bool) -> None:
     """Make a model built from `local_config` this TP rank's: its loss counts the real vocabulary (`cfg` is the
@@ -88,18 +192,22 @@ def apply_tensor_parallel(model: GPTModel, cfg: ModelConfig, layout: Layout, tp_
                                   group=group)
     if group is None or dist.get_world_size(group) == 1:
         return
+    partial_grads: list[nn.Parameter] = []
     for layer in model.decoder.layers.values():
-        att, mlp = layer.self_attention, layer.mlp
-        att.linear_qkv.parallel_input = _entry(group, sequence_parallel)
-        att.linear_proj.register_forward_hook(_exit_hook(group, sequence_parallel))
-        mlp.linear_fc1.parallel_input = _entry(group, sequence_parallel)
-        mlp.linear_fc2.register_forward_hook(_exit_hook(group, sequence_parallel))
+        partial_grads += _layer_tensor_parallel(layer, group, sequence_parallel)
+    for mtp in [] if model.mtp is None else model.mtp.layers:
+        partial_grads += _layer_tensor_parallel(mtp.transformer_layer, group, sequence_parallel)
+        pre, post = _mtp_projection_hooks(group, sequence_parallel)
+        mtp.eh_proj.register_forward_pre_hook(pre)
+        mtp.eh_proj.register_forward_hook(post)
+        partial_grads += [mtp.enorm.weight, mtp.hnorm.weight]
     model.head_input = _entry(group, sequence_parallel)
     if model.embedding is not None:
         model.embedding = VocabParallelEmbedding(model.embedding.word_embeddings, start, group, sequence_parallel)
     if sequence_parallel:
+        marked = {id(p) for p in partial_grads}
         for name, p in model.named_parameters():
-            if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight"):
+            if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight") or id(p) in marked:
                 p.sequence_parallel = True  # type: ignore[attr-defined]
 
 
