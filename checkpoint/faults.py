@@ -8,10 +8,13 @@ filesystem that stopped answering: the job's SIGTERM is caught, and only SLURM's
 Unset, as always outside the tests, a site costs one environment lookup.
 
 Sites (where a crash is most likely to break an invariant):
-    chunk           a chunk of a conversion / reshard / torch_dist import was recorded durable (writer.py)
-    chunk.unrecorded  chunks are durable, the resume log does not record them yet (writer.py)
-    rank.done       one rank of several wrote and recorded its share of the chunks, not yet reported (writer.py)
+    chunk           a chunk of a conversion / reshard / torch_dist import, or a torch_dist rank file of an export,
+                    was recorded durable (writer.py, convert/torch_dist_io.py)
+    chunk.unrecorded  chunks (rank files) are durable, the resume log does not record them yet
+    rank.done       one rank of several wrote and recorded its share of the chunks (or rank files), not yet reported
     rank.committed  rank 0 committed a multi-rank conversion, the other ranks not yet told (convert/distributed.py)
+    hf.shard        one safetensors shard of an HF export (mcore-to-hf) is durable in the export's work directory,
+                    not yet reported to rank 0 (convert/mcore_to_hf.py)
     atomic.tmp      a small file's temporary copy is durable, not yet renamed over the old one (commit.py)
     commit.begin    every array is written; the manifest is not (commit.py)
     commit.rename   the new iteration is durable under its temporary name (commit.py)

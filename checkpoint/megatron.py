@@ -560,6 +560,16 @@ SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")
 # name them `fp32_param`, as shardkit does. We write `param` and read either.
 MEGATRON_OPTIM_STATE = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 MEGATRON_OPTIM_SHARDING = "fully_reshardable"
+
+
+def megatron_content_metadata(optimizer: bool) -> dict:
+    """common.pt's `content_metadata`: what Megatron-LM's _build_sharded_state_dict_metadata records (megatron-core
+    >= 0.14) and its loaders build their sharded state dicts from; without `chained_optim_avoid_prefix` a MoE model's
+    ChainedOptimizer looks for `chained_N.` keys. The optimizer's sharding type where optimizer state is stored."""
+    meta = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if optimizer:
+        meta["distrib_optim_sharding_type"] = MEGATRON_OPTIM_SHARDING
+    return meta
 TRAIN_STATE_KEY = "shardkit_train_state"  # common.pt: train_state.json carried verbatim as a string
 
 
@@ -573,7 +583,15 @@ def stored_key(name: str, key_naming: str) -> str:
 
 def source_keys(name: str) -> list[str]:
     """torch_dist keys accepted for canonical tensor `name`: TE naming first, then the local spec's; for optimizer
-    state, Megatron's `param` and `fp32_param` spellings of the fp32 main parameters."""
+    state, Megatron's `param` and `fp32_param` spellings of the fp32 main parameters.
+
+    Experts need no second spelling: megatron-core's SequentialMLP (local spec: module keys
+    `mlp.experts.local_experts.E.linear_fc1.weight`), its grouped-GEMM GroupedMLP (`mlp.experts.weight1`, every local
+    expert in one tensor) and TEGroupedMLP (`mlp.experts.linear_fc1.weightE`) all save the one sharded key
+    `decoder.layers.mlp.experts.experts.linear_fc1.weight` (linear_fc2 alike) with a [layer, expert] prefix, unless
+    `singleton_local_shards` (Megatron-LM writes False); tests/test_train_torch_dist.py checks the first two against
+    megatron-core. The per-expert module keys occur only in `--ckpt-format torch` rank files, which
+    convert/megatron_legacy.py reads."""
     opt = split_optimizer_key(name)
     if opt is not None:
         state, model = opt
@@ -631,6 +649,30 @@ def extra_state_objects(spec: TensorSpec, layout: Layout, num_layers: int) -> li
     return out
 
 
+def megatron_optimizer_common(param_groups: list[dict]) -> dict:
+    """common.pt's `optimizer` entry: megatron-core's DistributedOptimizer state_dict() (its param groups; the state
+    lives in the `optimizer.state.*` items), or, with expert groups, its ChainedOptimizer's {0: dense, 1: expert}
+    (a MoE model gets a second distributed optimizer over the expert-data-parallel group)."""
+    def one(groups: list[dict]) -> dict:
+        return {"param_state_sharding_type": MEGATRON_OPTIM_SHARDING, "optimizer": {"param_groups": groups}}
+
+    dense = [g for g in param_groups if not g.get("is_expert_parallel")]
+    expert = [g for g in param_groups if g.get("is_expert_parallel")]
+    return {0: one(dense), 1: one(expert)} if expert else one(dense)
+
+
+def megatron_optimizer_groups(entry: Any) -> list | None:
+    """The param groups of common.pt's `optimizer` entry, either form megatron_optimizer_common writes (None when
+    there are none)."""
+    if not isinstance(entry, dict):
+        return None
+    parts = [entry[k] for k in sorted(entry) if isinstance(k, int)] if 0 in entry else [entry]
+    groups = [(p.get("optimizer") or {}).get("param_groups") if isinstance(p, dict) else None for p in parts]
+    if any(not isinstance(g, list) for g in groups):
+        return None
+    return [g for gs in groups for g in gs]
+
+
 # OptimizerParamScheduler.state_dict()'s keys (megatron-core 0.16): what Megatron-LM's load reads back
 MEGATRON_SCHEDULER_KEYS = frozenset({"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
                                      "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"})
@@ -643,4 +685,4 @@ __all__ = ["TRACKER", "CHECKPOINT_VERSION", "RELEASE", "iter_dirname", "iteratio
            "MEGATRON_LLAMA3_ROPE", "RANK_ORDER",
            "DENSE_ORDER", "EXPERT_ORDER", "rank_of", "coords_of", "span", "stage_size", "rank_sizes", "world_size",
            "SKIPPED_PREFIXES", "MEGATRON_OPTIM_STATE", "MEGATRON_OPTIM_SHARDING", "TRAIN_STATE_KEY",
-           "MEGATRON_SCHEDULER_KEYS", "stored_key", "source_keys", "chunk_rank", "shard_owners", "extra_state_objects"]
+           "MEGATRON_SCHEDULER_KEYS", "megatron_content_metadata", "megatron_optimizer_common", "megatron_optimizer_groups", "stored_key", "source_keys", "chunk_rank", "shard_owners", "extra_state_objects"]

@@ -6,6 +6,9 @@ allowlist below adds only inert data classes, each for a named reason. A pickle 
 (`os.system`, `builtins.eval`, a Megatron class not listed) is refused with one line naming the file and the global;
 nothing in it runs. Transformer Engine `_extra_state` (an `io.BytesIO` of pickled bytes in older TE versions) is
 allowed as the BytesIO only: its bytes are never unpickled.
+
+torch is imported only by load_torch: a common.pt of plain data is read by checkpoint.torch_dist's torch-free
+unpickler, which resolves exactly this allowlist (allowed_globals) and torch's dtypes by name.
 """
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 import numpy as np
-import torch
 
 from .errors import FormatError
 
@@ -80,6 +82,19 @@ SAFE_GLOBALS: list = [
         "megatron.core.rerun_state_machine.RerunDiagnostic",
         "megatron.core.optimizer.OptimizerConfig", "megatron.core.optimizer.optimizer_config.OptimizerConfig")),
 ]
+
+
+def allowed_globals() -> dict[str, Any]:
+    """SAFE_GLOBALS by the name a pickle gives each ("module.qualname"), as torch's weights-only unpickler resolves
+    them (a plain class by its own module and qualname, a (value, name) pair by that name): for the torch-free
+    readers of plain data (checkpoint.torch_dist's common.pt reader), which allow exactly these and nothing more."""
+    out: dict[str, Any] = {}
+    for g in SAFE_GLOBALS:
+        obj, name = g if isinstance(g, tuple) else (g, f"{g.__module__}.{g.__qualname__}")
+        out[name] = obj
+    return out
+
+
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 _WO_DETAIL = re.compile(r"WeightsUnpickler error: ([^\n]+)")
 
@@ -99,6 +114,8 @@ def _py3_name(path: str) -> str:
 def load_torch(src: str | Path | IO[bytes], mmap: bool = False, what: str | None = None) -> Any:
     """`torch.load(src, weights_only=True)` under SAFE_GLOBALS, on the CPU. FormatError naming `what` (default: the
     path) when the pickle references anything outside the allowlist, or is not a readable torch.save stream."""
+    import torch
+
     label = what or str(src)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):

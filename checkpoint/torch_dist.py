@@ -13,7 +13,11 @@ Reading never runs pickle code it does not know: `.metadata` goes through an unp
 metadata classes (anything else is refused, naming the file and the global); items and `common.pt` go through
 checkpoint.safe_load (`torch.load(weights_only=True)` under its short allowlist). File names in
 the metadata are checked before any file is opened (plain names inside the iteration directory), and every item's
-byte range must lie inside its file.
+byte range must lie inside its file. Neither needs torch where the files hold plain data (the import path imports
+no torch): `.metadata` is read into plain stand-ins of DCP's classes (_Light), common.pt's data.pkl by an unpickler
+that resolves safe_load's allowlist and nothing else (_CommonUnpickler); torch dtypes come back as _Dtype (equal to
+torch's). A pickle that names anything else is refused as before, or read by torch's own reader where that is benign
+(a tensor in common.pt, an unusual metadata class).
 
 Item values are read either with torch.load (read_item, read) or, for the import, as numpy views of the mapped
 `.distcp` file (item_array, read_numpy): the item's zip archive parsed and its data.pkl unpickled under a one-tensor
@@ -176,6 +180,40 @@ def load_dcp_metadata(path: Path) -> Any:
     return md
 
 
+# torch's dtypes by name (str(dtype) without "torch."), with their sizes in bytes (torch.dtype.itemsize): the ones a
+# `.metadata` or common.pt can name and the torch-free readers below take (any other name: torch's own reader decides)
+_TORCH_DTYPES = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4,
+                 "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8,
+                 "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+                 "float8_e8m0fnu": 1}
+
+
+class _Dtype(TorchDtype):
+    """A torch dtype named by a pickle (the global torch.<name>), read without importing torch: equal to torch's dtype
+    of that name (checkpoint.megatron.TorchDtype: their str() agree), with its `itemsize`; `torch_dtype()` gives the
+    real one (importing torch) where torch needs it. Written back into a pickle it is torch's global again."""
+
+    __slots__ = ()
+
+    def __init__(self, name: str) -> None:  # (any torch dtype, not only those the native format stores)
+        if name not in _TORCH_DTYPES:
+            raise pickle.UnpicklingError(f"torch.{name}")
+        self.name = name
+
+    @property
+    def itemsize(self) -> int:
+        return _TORCH_DTYPES[self.name]
+
+
+def torch_dtype(dtype) -> "torch.dtype":
+    """torch's dtype for a dtype read from a torch_dist checkpoint (a torch.dtype, or the torch-free stand-in)."""
+    if isinstance(dtype, TorchDtype):
+        import torch
+
+        return getattr(torch, dtype.name)
+    return dtype
+
+
 class _Light:
     """Plain stand-ins of DCP's metadata classes, for reading `.metadata` without importing
     torch.distributed.checkpoint (a second and a half of CPU: it imports torch.distributed.tensor): each takes the
@@ -267,11 +305,8 @@ class _LightUnpickler(pickle.Unpickler):
             return _Light.Plan
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        if module == "torch":
-            import torch
-
-            if isinstance(getattr(torch, name, None), torch.dtype):
-                return getattr(torch, name)
+        if module == "torch" and name in _TORCH_DTYPES:
+            return _Dtype(name)  # (no torch import: the reader of the import path stays torch-free)
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     def persistent_load(self, pid):
@@ -346,15 +381,97 @@ def _torch_save_pickle(path: Path) -> bytes:
         return z.read(names[0])
 
 
+class _TorchDecides(Exception):
+    """common.pt is not plain data the torch-free reader takes (a tensor, a legacy archive, a global outside its
+    allowlist that is still benign): torch.load(weights_only=True) reads it, or refuses it."""
+
+
+class _MegatronClass(_TorchDecides):
+    """common.pt names a Megatron class outside safe_load's allowlist (and nothing that could run code): torch's reader
+    would refuse it too, so it is ignored with a note without asking torch."""
+
+
+_UNREAD = object()
+
+
+def _ignored_note(path: Path, why: str) -> str:
+    return (f"{path.name} ignored: it holds Megatron objects shardkit does not unpickle ({why[:120]}); iteration and "
+            "args are taken from elsewhere")
+
+
+@functools.lru_cache(maxsize=None)
+def _common_globals() -> dict[tuple[str, str], Any]:
+    """What the torch-free common.pt reader resolves: safe_load's allowlist (argparse.Namespace, Megatron's enums and
+    configs as inert stand-ins, numpy's RNG state, paths, signals) and OrderedDict; torch's dtypes are _Dtype."""
+    from .safe_load import allowed_globals
+
+    out = {tuple(name.rsplit(".", 1)): obj for name, obj in allowed_globals().items()}
+    out[("collections", "OrderedDict")] = OrderedDict
+    return out
+
+
+class _CommonUnpickler(pickle.Unpickler):
+    """common.pt's data.pkl, plain data only, without torch: the globals _common_globals() names and torch's dtypes
+    (as _Dtype); a persistent id (a tensor's storage) or any other global raises _TorchDecides (nothing is built)."""
+
+    def find_class(self, module: str, name: str):
+        obj = _common_globals().get((module, name))
+        if obj is not None:
+            return obj
+        if module == "torch" and name in _TORCH_DTYPES:
+            return _Dtype(name)
+        raise _TorchDecides(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        raise _TorchDecides("a tensor")
+
+
+def _load_common_light(path: Path) -> Any:
+    """common.pt read without torch: its zip archive's data.pkl (checked by its crc32) unpickled by _CommonUnpickler.
+    The result equals torch.load(weights_only=True)'s under safe_load's allowlist, torch dtypes as _Dtype (equal to
+    torch's; tests/test_torch_dist.py compares them). FormatError (the same line the full reader gives) when the
+    pickle references a global that could run code; _TorchDecides where torch's reader must decide."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(pkl) != 1 or any(n.split("/", 1)[-1].startswith("data/") for n in names):
+                raise _TorchDecides("not a plain-data archive")
+            data = z.read(pkl[0])
+    except (zipfile.BadZipFile, OSError, KeyError, ValueError, EOFError, RuntimeError) as e:
+        raise _TorchDecides(str(e)) from None  # (damage, a legacy archive: torch's reader says what is wrong)
+    try:
+        return _CommonUnpickler(io.BytesIO(data)).load()
+    except _TorchDecides as e:
+        bad = [g for g in _pickle_globals(data) if not _BENIGN_GLOBALS.match(g)]
+        if bad:
+            raise FormatError(f"{path}: refusing to unpickle: it references {bad[0].replace(' ', '.')}, which is not "
+                              "plain data (a pickle that would run code); the file was not loaded") from None
+        if str(e).startswith("megatron."):
+            raise _MegatronClass(str(e)) from None
+        raise
+    except Exception as e:  # noqa: BLE001 - a malformed pickle: torch's reader names the problem
+        raise _TorchDecides(f"{type(e).__name__}: {e}") from None
+
+
 def load_common(path: Path) -> tuple[dict | None, str | None]:
     """common.pt as (dict, None), or (None, note) when it cannot be loaded as plain data but references only benign
-    Megatron data classes. Raises FormatError naming the file when it references anything that could run code."""
+    Megatron data classes. Raises FormatError naming the file when it references anything that could run code.
+    Plain data is read without torch (_load_common_light); torch.load(weights_only=True) reads the rest."""
     from .safe_load import load_torch
 
     if not path.is_file():
         return None, f"{path.name} is missing"
     try:
-        obj = load_torch(path)
+        obj = _load_common_light(path)
+    except _MegatronClass as m:  # what torch's reader would refuse the same way (the note below), without torch
+        return None, _ignored_note(path, f"refusing to unpickle {m}: not plain data (a pickle that could run code); "
+                                         "the file was not loaded")
+    except _TorchDecides:
+        obj = _UNREAD
+    try:
+        if obj is _UNREAD:
+            obj = load_torch(path)
     except FormatError as e:
         try:
             globs = _pickle_globals(_torch_save_pickle(path))
@@ -364,8 +481,7 @@ def load_common(path: Path) -> tuple[dict | None, str | None]:
         if bad:
             raise FormatError(f"{path}: refusing to unpickle: it references {bad[0].replace(' ', '.')}, which is not "
                               "plain data (a pickle that would run code); the file was not loaded") from None
-        return None, (f"{path.name} ignored: it holds Megatron objects shardkit does not unpickle "
-                      f"({str(e).split(': ', 1)[-1][:120]}); iteration and args are taken from elsewhere")
+        return None, _ignored_note(path, str(e).split(": ", 1)[-1])
     if not isinstance(obj, dict):
         return None, f"{path.name} ignored: it holds a {type(obj).__name__}, not a dict"
     return obj, None
@@ -375,11 +491,13 @@ def load_common(path: Path) -> tuple[dict | None, str | None]:
 
 @dataclass
 class TDTensor:
-    """One tensor of a torch_dist checkpoint: global shape, dtype and its stored chunks (offsets, sizes)."""
+    """One tensor of a torch_dist checkpoint: global shape, dtype and its stored chunks (offsets, sizes). The dtype is
+    torch's, or _Dtype where `.metadata` was read without torch (equal to torch's, with its itemsize; torch_dtype()
+    gives torch's own)."""
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: "torch.dtype | TorchDtype"
     chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
     _grid: dict | None = field(default=None, repr=False)
     _bounds: list | None = field(default=None, repr=False)
@@ -560,8 +678,6 @@ class TorchDistCheckpoint:
             raise FormatError(f"{p}: sharded_backend {got!r} is not 'torch_dist'; only torch_dist is supported")
 
     def _validate(self, md: Any) -> None:
-        import torch
-
         dcp_md, dcp_fs = (_Light, _Light) if isinstance(md, _Light.Metadata) else (_dcp_md(), _dcp_fs())
         src = self.path / DCP_METADATA
         sdm = md.state_dict_metadata
@@ -577,7 +693,8 @@ class TorchDistCheckpoint:
                 raise FormatError(f"{src}: {name}: unexpected metadata type {type(m).__name__}")
             shape = tuple(int(s) for s in m.size)
             dtype = getattr(m.properties, "dtype", None)
-            if not isinstance(dtype, torch.dtype) or any(s < 0 for s in shape):
+            if not (isinstance(dtype, _Dtype) or type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch"
+                    ) or any(s < 0 for s in shape):
                 raise FormatError(f"{src}: {name}: bad size {shape} or dtype {dtype!r}")
             chunks, vol, seen = [], 0, set()
             for c in m.chunks:
@@ -631,6 +748,21 @@ class TorchDistCheckpoint:
                     raise FormatError(f"{src}: tensor {name} chunk at {list(off)} has no storage entry")
 
     # -- items ----------------------------------------------------------------------------------------------------
+    def _locate(self, key: tuple[str, tuple[int, ...]]):
+        """(tensor, the chunk's shape, its storage entry) of one stored chunk (name, offsets)."""
+        t = self.tensors[key[0]]
+        return t, t.chunk_size(key[1]), self._storage[key]
+
+    def _box(self, name: str, box) -> tuple[TDTensor, tuple[tuple[int, int], ...]]:
+        """The tensor and a checked box ([start, stop) per axis, the whole tensor when None) inside it."""
+        if name not in self.tensors:
+            raise FormatError(f"{self.path}: no tensor {name!r}")
+        t = self.tensors[name]
+        box = tuple((0, s) for s in t.shape) if box is None else tuple(box)
+        if len(box) != len(t.shape) or any(not 0 <= a <= b <= s for (a, b), s in zip(box, t.shape)):
+            raise ValueError(f"tensor {name}: box {list(box)} is not inside its shape {list(t.shape)}")
+        return t, box
+
     def read_item(self, name: str, offsets: tuple[int, ...]) -> torch.Tensor:
         """One stored chunk of a tensor, loaded with torch.load(weights_only=True) (memory-mapped when large)."""
         import torch
@@ -641,9 +773,7 @@ class TorchDistCheckpoint:
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
         self._cache = None
-        t = self.tensors[name]
-        size = t.chunk_size(offsets)
-        info = self._storage[key]
+        t, size, info = self._locate(key)
         path = self.path / info.relative_path
         try:
             with open(path, "rb") as f:
@@ -669,12 +799,7 @@ class TorchDistCheckpoint:
         """read() as a numpy array: each item's data memory-mapped from its `.distcp` file (a read-only view of the
         mapping, no copy, where the box is one whole item) once its torch.save archive checks out (item_array);
         an item that does not (another archive layout, another pickle) is read by read_item (torch.load)."""
-        if name not in self.tensors:
-            raise FormatError(f"{self.path}: no tensor {name!r}")
-        t = self.tensors[name]
-        box = tuple((0, s) for s in t.shape) if box is None else tuple(box)
-        if len(box) != len(t.shape) or any(not 0 <= a <= b <= s for (a, b), s in zip(box, t.shape)):
-            raise ValueError(f"tensor {name}: box {list(box)} is not inside its shape {list(t.shape)}")
+        t, box = self._box(name, box)
         parts = t.overlapping(box)
         out, covered = None, 0
         for off, size in parts:
@@ -701,9 +826,7 @@ class TorchDistCheckpoint:
         if self._array is not None and self._array[0] == key:
             return self._array[1]
         self._array = None
-        t = self.tensors[name]
-        size = t.chunk_size(offsets)
-        info = self._storage[key]
+        t, size, info = self._locate(key)
         dtype = _dtype_str(t.dtype)
         view = None
         if dtype in _STORAGE_TYPES:
@@ -721,13 +844,8 @@ class TorchDistCheckpoint:
         """A box ([start, stop) per axis) of a tensor, gathered from the stored chunks that overlap it."""
         import torch
 
-        if name not in self.tensors:
-            raise FormatError(f"{self.path}: no tensor {name!r}")
-        t = self.tensors[name]
-        box = tuple((0, s) for s in t.shape) if box is None else tuple(box)
-        if len(box) != len(t.shape) or any(not 0 <= a <= b <= s for (a, b), s in zip(box, t.shape)):
-            raise ValueError(f"tensor {name}: box {list(box)} is not inside its shape {list(t.shape)}")
-        out = torch.empty([b - a for a, b in box], dtype=t.dtype)
+        t, box = self._box(name, box)
+        out = torch.empty([b - a for a, b in box], dtype=torch_dtype(t.dtype))
         covered = 0
         for off, size in t.overlapping(box):
             inter = _intersect((off, size), box)
@@ -911,6 +1029,14 @@ _NAME_HASH = {True: 15728199511854643026,  # a tensor: data.pkl, .format_version
 # torch_dist exports never hold: torch.save writes it)
 _STORAGE_TYPES = {"bfloat16": "BFloat16Storage", "float16": "HalfStorage", "float32": "FloatStorage"}
 _MASK64 = (1 << 64) - 1
+# The zip's CRC-32 of every byte is most of what an export costs beyond the native copy: zlib's runs at ~2.5-3.4 GB/s
+# here (0.3-0.4 CPU-s per GB), ISA-L's (the `isal` package, where installed) at ~11 GB/s; the same values (the CRC-32
+# the zip format defines; the item bytes are identical either way). It runs on the rank files' writer threads (zlib
+# releases the GIL on large buffers), so it costs CPU time more than wall time (scripts/BENCH.md, issue 17).
+try:
+    from isal.isal_zlib import crc32 as _CRC32
+except ImportError:  # (an optional dependency)
+    _CRC32 = zlib.crc32
 
 
 def _hash_combine(seed: int, value: int) -> int:
@@ -923,7 +1049,7 @@ class _ZipParts:
     header (data descriptor flag, no timestamps, an "FB" extra field padding the data to 64 bytes), its data, its data
     descriptor; then the serialization id, the central directory, zip64 end records and the end record."""
 
-    def __init__(self, crc32: Callable = zlib.crc32) -> None:
+    def __init__(self, crc32: Callable = _CRC32) -> None:
         self.crc32 = crc32
         self.parts: list = []
         self.pos = 0
@@ -956,7 +1082,7 @@ class _ZipParts:
         return self.parts
 
 
-def _archive(pickled: bytes, storage=None, nbytes: int = 0, crc32: Callable = zlib.crc32) -> list:
+def _archive(pickled: bytes, storage=None, nbytes: int = 0, crc32: Callable = _CRC32) -> list:
     z = _ZipParts(crc32)
     z.record("data.pkl", pickled)
     z.record(".format_version", b"1")
@@ -1064,7 +1190,7 @@ def _pickled(obj, protocol: int = 2) -> bytes:
     return buf.getvalue()
 
 
-def tensor_item(value: np.ndarray, crc32: Callable = zlib.crc32) -> list | None:
+def tensor_item(value: np.ndarray, crc32: Callable = _CRC32) -> list | None:
     """The bytes torch.save writes for a tensor of `value`'s dtype, shape and data, as pieces to write in order (the
     data piece is a view of `value`), or None where only torch.save can write it (a dtype outside the format's, an item
     of 4 GiB or more). (`crc32` lambda _: 0 gives the right lengths at no cost.)"""
@@ -1204,6 +1330,12 @@ class _InFlight:
             while self.held and self.held + n > self.limit:
                 self.cond.wait()
             self.held += n
+
+    def wait_room(self, n: int) -> None:
+        """Wait until `n` more bytes could be taken (a producer about to make a value of that size)."""
+        with self.cond:
+            while self.held and self.held + n > self.limit:
+                self.cond.wait()
 
     def give(self, n: int) -> None:
         with self.cond:

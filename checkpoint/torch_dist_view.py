@@ -66,7 +66,12 @@ def shape_problems(td: TorchDistCheckpoint, cfg: ModelConfig, specs: list[Tensor
                 out.append(f"{td.path}: tensor {k} has {got[0]} rows, but {td.path / 'common.pt'} args say "
                            f"padded_vocab_size={padded}")
         elif got != want:
-            if s.per_layer and len(got) == len(want) and got[1:] == want[1:]:
+            e = int(s.per_layer)  # the expert axis of the experts' and the router's tensors
+            experts = s.expert or ".mlp.router." in s.name
+            if experts and len(got) == len(want) and got[:e] + got[e + 1:] == want[:e] + want[e + 1:]:
+                out.append(f"{td.path}: tensor {k} stacks {got[e]} experts (global shape {list(got)}), but {origin} "
+                           f"says num_moe_experts={cfg.num_moe_experts}")
+            elif s.per_layer and len(got) == len(want) and got[1:] == want[1:]:
                 out.append(f"{td.path}: tensor {k} stacks {got[0]} layers (global shape {list(got)}), but {origin} "
                            f"says num_layers={cfg.num_layers}")
             else:
@@ -84,8 +89,10 @@ def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype
     keys, missing, unexpected = match_keys(td, specs)
     if missing:
         what = "optimizer state" if all(split_optimizer_key(n) for n in missing) else "tensor(s) the model config needs"
+        extra = (f", and it holds {len(unexpected)} tensor(s) the model config has no place for, e.g. "
+                 f"{', '.join(unexpected[:2])}" if unexpected else "")
         raise FormatError(f"{td.path}: {len(missing)} {what} are missing, e.g. "
-                          f"{', '.join(missing[:3])}; is the model config ({origin}) right for this checkpoint?")
+                          f"{', '.join(missing[:3])}{extra}; is the model config ({origin}) right for this checkpoint?")
     if unexpected:
         raise FormatError(f"{td.path}: {len(unexpected)} tensor(s) are not part of the model config ({origin}), e.g. "
                           f"{', '.join(unexpected[:3])}; refusing to drop them silently")

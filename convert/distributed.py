@@ -1,5 +1,6 @@
 """hf-to-mcore and reshard across ranks: `torchrun --nnodes N --nproc-per-node K -m shardkit convert ...`, or one
-SLURM task per rank.
+SLURM task per rank. (The HF export, mcore-to-hf, shares out whole safetensors shards with the same group, hand-shakes
+and end: see convert/mcore_to_hf.py.)
 
     every rank   rendezvous (torch.distributed's env://, gloo, --distributed-timeout-minutes), compare a digest of the
                  parsed command, plan and validate as one process would
@@ -33,6 +34,7 @@ from checkpoint.faults import fault_point
 from checkpoint.rendezvous import rank_and_world
 
 DEFAULT_TIMEOUT_MINUTES = 10.0
+NOTHING_COMMITTED = "nothing was committed; rerun (any number of ranks) to resume"  # how a stop ends, until a commit
 
 
 class RankLost(ShardkitError):
@@ -59,7 +61,7 @@ class Group:
 
         self.command, self.rank, self.world = command, rank, world
         # how a stop ends, for its one line; finish() tells of a commit that may have happened
-        self.outcome = "nothing was committed; rerun (any number of ranks) to resume"
+        self.outcome = NOTHING_COMMITTED
         self.timeout = datetime.timedelta(minutes=timeout_minutes)
         self.seconds = self.timeout.total_seconds()
         self.host = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -84,6 +86,7 @@ class Group:
         self._beat_store = dist.PrefixStore(self.prefix, dist.TCPStore(host, port, world, is_master=False,
                                                                         timeout=self.timeout))
         self._progress = [0, 0]  # bytes, items this rank did (reported to rank 0)
+        self.phase = 0  # the write of the job the steps belong to (next_phase)
         self._bar = None  # rank 0: the bar the others' progress is added to
         self._seen: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
@@ -174,12 +177,22 @@ class Group:
                 self._bar = None
 
     # -- talking --------------------------------------------------------------------------------------------------
+    def next_phase(self) -> None:
+        """The job's next write (a torch_dist source staged as a native checkpoint, then exported): its steps are
+        keys of their own, not the first write's."""
+        self.phase += 1
+        self.outcome = NOTHING_COMMITTED
+
+    def _step(self, step: str) -> str:
+        return f"{step}#{self.phase}" if self.phase and step != "exit" else step
+
     def publish(self, step: str, value: dict | None = None) -> None:
         """Tell every rank this one reached `step` (with `value`); the progress so far goes first."""
         if self.rank:
             with self._lock:
                 done = list(self._progress)
             self._guard(lambda: self.store.set(f"progress/{self.rank}", f"{done[0]} {done[1]}"))
+        step = self._step(step)
         self._guard(lambda: self.store.set(f"{step}/{self.rank}", json.dumps(value or {})))
         self._guard(lambda: self.store.add(f"{step}/count", 1))
 
@@ -205,6 +218,7 @@ class Group:
         other it finds lost), so the store's load does not grow with the square of the ranks."""
         ranks = list(range(self.world)) if ranks is None else list(ranks)
         everyone = len(ranks) == self.world
+        step = self._step(step)
         out: dict[int, dict] = {}
         watched = 0.0
         while True:
@@ -230,6 +244,12 @@ class Group:
                 else:
                     self._check_alive(0, what)
             time.sleep(min(0.1, self._interval))
+
+    def stop_if_failed(self, what: str = "") -> None:
+        """Between pieces of this rank's own work: stop at once (naming it) when another rank failed or was found
+        lost, rather than at the next wait."""
+        if int(self._guard(lambda: self.store.add("failures", 0))):
+            self._check_others(what)
 
     def exchange(self, obj, what: str = "", to_rank0: bool = False) -> list:
         """gloo all_gather of a picklable object: every rank's, in rank order (`to_rank0`: a gather, only rank 0
@@ -397,8 +417,37 @@ def share(tasks: list, nbytes: Callable, key: Callable, rank: int, world: int) -
     return mine
 
 
-def todo_digest(todo: list) -> str:
-    return hashlib.sha256("\n".join(t.id for t in todo).encode()).hexdigest()
+def join_output(g: Group, w, left: Callable[[], list[str]], total: int, what: str = "chunks") -> None:
+    """Every rank, once its writer is open: rank 0 has prepared the partial output (lock, job.json, arrays) and says
+    so; the others wait for that, then attach to it (RankWriter.attach: the directory is shared and this job's) and
+    read what every earlier run recorded. Then all compare what is left (`left()`: the ids of the `total` not
+    recorded yet): the ranks of a directory that is not one shared directory disagree (one line, nothing
+    committed)."""
+    if g.rank == 0:
+        g.publish("setup")
+    else:
+        g.wait("setup", [0], " while rank 0 prepared the output")
+        w.attach()
+    ids = left()
+    mine = (hashlib.sha256("\n".join(ids).encode()).hexdigest(), total - len(ids))
+    digests = g.exchange(mine, f" while comparing the finished {what}")
+    for r, (digest, n) in enumerate(digests):
+        if digest != digests[0][0]:
+            from checkpoint.errors import WriteError
+
+            raise WriteError(f"{w.partial}: rank {r} finds {n} finished {what} there, rank 0 {digests[0][1]}: the "
+                             "output directory must be one directory every node shares; nothing was committed")
+
+
+def report_done(g: Group, w, what: str = "chunks") -> list[list[str]]:
+    """Every rank, once its share is durable and recorded: tell the others, wait until every rank did (or stop naming
+    the one that died, hangs or failed), stop adding to rank 0's bar; rank 0 gets what each rank recorded (their
+    logs' new lines, in rank order), the others []."""
+    fault_point("rank.done")  # every piece of this rank's share is durable and recorded; not yet reported
+    g.publish("done", {what: len(w.written)})
+    g.wait("done", what=f" while the ranks wrote their {what}")
+    g.stop_progress()
+    return g.exchange(list(w.written), f" while the ranks reported their {what}", to_rank0=True)
 
 
 def check_recorded(g: Group, w, reports: list[list[str]], tasks: list, entries: dict) -> None:
@@ -442,13 +491,15 @@ def check_recorded(g: Group, w, reports: list[list[str]], tasks: list, entries: 
 
 # -- the writer of each rank, and the end --------------------------------------------------------------------------
 
-def open_writer(out, iteration: int, job: dict, overwrite: bool, group: Group | None):
+def open_writer(out, iteration: int, job: dict, overwrite: bool, group: Group | None,
+                pointer: tuple[str, str] | None = None):
     """The writer of this process: the one IterationWriter (a single process, or rank 0, which owns the output:
-    lock, `.partial`, commit), or another rank's RankWriter on the partial output rank 0 prepares."""
+    lock, `.partial`, commit; `pointer`: what the commit writes last, see IterationWriter), or another rank's
+    RankWriter on the partial output rank 0 prepares."""
     from checkpoint.commit import IterationWriter, RankWriter
 
     if group is None or group.rank == 0:
-        return IterationWriter(out, iteration, job, overwrite=overwrite)
+        return IterationWriter(out, iteration, job, overwrite=overwrite, pointer=pointer)
     return RankWriter(out, iteration, job, group.rank)
 
 
@@ -457,10 +508,11 @@ def leads(group: Group | None) -> bool:
     return group is None or group.rank == 0
 
 
-def finish(group: Group | None, path, out):
+def finish(group: Group | None, path, out, outcome: str | None = None):
     """After the commit (rank 0) or this rank's part (the others): the committed iteration's path on every rank,
     once rank 0 says it committed. Rank 0 waits for the others to have heard it (the store may live in its process),
-    but a rank lost after its part was reported no longer matters: the checkpoint is complete."""
+    but a rank lost after its part was reported no longer matters: the checkpoint is complete. `outcome`: what a
+    rank that stops while rank 0 commits says of the output (default: a native/torch_dist checkpoint's words)."""
     from pathlib import Path
 
     if group is None:
@@ -471,8 +523,8 @@ def finish(group: Group | None, path, out):
         with contextlib.suppress(RankLost):
             group.wait("bye", range(1, group.world), " after the commit")
         return path
-    group.outcome = (f"{out} holds the complete new checkpoint (`latest` names it; `shardkit verify {out}`) or, "
-                     "not committed, none of it (rerun, any number of ranks, to resume)")
+    group.outcome = outcome or (f"{out} holds the complete new checkpoint (`latest` names it; `shardkit verify "
+                                f"{out}`) or, not committed, none of it (rerun, any number of ranks, to resume)")
     got = group.wait("commit", [0], " while rank 0 committed")[0]
     group.publish("bye")
     return Path(got["path"])

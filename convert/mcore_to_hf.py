@@ -20,6 +20,7 @@ import torch
 from checkpoint import store
 from checkpoint.commit import fsync_path, fsync_tree, output_lock, replace_dir
 from checkpoint.errors import ShardkitError, WriteError
+from checkpoint.faults import fault_point
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
 
@@ -215,32 +216,42 @@ def owned_names(out: Path) -> set[str]:
 
 def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | None = None,
                         max_shard_size: str | int = "5GB", overwrite: bool = False, quiet: bool = False,
-                        quantize_fp8: bool = False, skip_verify: bool = False) -> Path:
+                        quantize_fp8: bool = False, skip_verify: bool = False, group=None,
+                        estimate_above: int | None = None) -> Path:
     """Export to `out`. A new or empty `out` is written beside it and put in place in one rename; into an existing
     one (`--overwrite`) the export's files are written under `out/.shardkit-export.partial/`, made durable, then moved
     in one by one (each rename atomic; the index and config.json last), and the shards of the previous export that
-    the new one does not name are removed (`owned_names`): no other file in `out` is touched."""
+    the new one does not name are removed (`owned_names`): no other file in `out` is touched.
+
+    With `group` (one rank of several, convert.distributed) the safetensors shards are shared out among the ranks
+    (balanced by bytes, the same plan on every rank): rank 0 takes the output's lock and makes the work directory,
+    every rank writes and fsyncs its shards into it and reports their names and sizes, and rank 0, once every rank
+    reported, checks that each shard is there at its reported size (a directory the nodes do not share is named),
+    writes the index, config.json and the tokenizer files and puts the export in place as one process does. A rank
+    that fails stops every rank (one line naming it); the work directory is removed and nothing is put in place. A
+    job with at least `estimate_above` bytes prints the expected time first (convert.distributed.announce_estimate)."""
     from checkpoint.safety import check_output
 
+    from . import distributed
+
+    lead = distributed.leads(group)
+    if group is not None:
+        group.outcome = "nothing was put in place; rerun (any number of ranks)"
     out = Path(out)
     check_output(out, [("checkpoint", ckpt_path)])
-    if out.is_symlink() and not out.exists():
-        raise ShardkitError(f"{out}: is a symlink to nothing ({os.readlink(out)}); remove it or name another output")
-    if out.exists() and not out.is_dir():
-        raise ShardkitError(f"{out}: output exists and is not a directory")
-    try:
-        holds = out.is_dir() and any(p.name != EXPORT_PARTIAL for p in out.iterdir())
-    except OSError as e:
-        raise ShardkitError(f"{out}: cannot list the output directory ({e.strerror or e})") from None
-    if holds and not overwrite:
-        raise ShardkitError(f"{out}: output exists and is not empty; pass --overwrite to replace the model files in "
-                            "it (other files stay as they are)")
+    if lead:  # rank 0 decides what the output is; the others write where it says
+        _check_target(out, overwrite)
     # blocks are row slices of chunks (a QKV chunk is sliced once per query group for each of q, k and v; a 125 MB
     # vocab chunk is read in 64 MB blocks): keep decoded chunks so each is read and checksummed once
-    ckpt = Checkpoint(ckpt_path, cache_bytes=EXPORT_CACHE_BYTES, check=not skip_verify)
+    ckpt = Checkpoint(ckpt_path, cache_bytes=EXPORT_CACHE_BYTES, check=not skip_verify and lead)
     dtype = store.dtype_name(dtype) if dtype else None
     plans = plan_export(ckpt, dtype, quantize_fp8)
     shards = _shards(plans, parse_size(max_shard_size))
+    n = len(shards)
+    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    total = sum(p.nbytes for p in plans)
+    if not lead:
+        return _write_share(group, ckpt, out, shards, names, total, len(plans), estimate_above)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -255,13 +266,17 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
         except OSError as e:
             raise WriteError(f"{tmp}: cannot create the export's work directory ({e.strerror or e})") from None
         try:
-            weight_map, total = {}, sum(p.nbytes for p in plans)
-            n = len(shards)
-            with progress_bar("mcore-to-hf", total=total, items=len(plans), disable=quiet, unit="tensors") as bar:
-                for i, shard in enumerate(shards):
-                    fname = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                    _write_shard(ckpt, tmp / fname, shard, bar)
-                    weight_map.update({p.name: fname for p in shard})
+            if group is not None:  # the others write into it from now on
+                group.publish("setup", {"tmp": str(tmp)})
+            _maybe_estimate(tmp, total, group, quiet, estimate_above)
+            mine = _my_shards(shards, group)
+            with progress_bar("mcore-to-hf", total=total, items=len(plans), disable=quiet, unit="tensors") as shown:
+                bar = shown if group is None else group.progress(shown)
+                written = _write_shards(ckpt, tmp, shards, names, mine, bar, group)
+                reports = [written] if group is None else distributed.report_done(group, _Written(written), "shards")
+            if group is not None:
+                _check_reported(group, tmp, names, reports, quiet)
+            weight_map = {p.name: names[i] for i, shard in enumerate(shards) for p in shard}
             if n > 1:
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
@@ -282,7 +297,123 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return out
+    return distributed.finish(group, out, out, _PUT_IN_PLACE.format(out=out))
+
+
+_PUT_IN_PLACE = ("{out} holds the complete export, or (not put in place) the previous contents; rerun, any number "
+                 "of ranks, to write it")  # what a rank may say once its shards are reported
+
+
+def _check_target(out: Path, overwrite: bool) -> None:
+    if out.is_symlink() and not out.exists():
+        raise ShardkitError(f"{out}: is a symlink to nothing ({os.readlink(out)}); remove it or name another output")
+    if out.exists() and not out.is_dir():
+        raise ShardkitError(f"{out}: output exists and is not a directory")
+    try:
+        holds = out.is_dir() and any(p.name != EXPORT_PARTIAL for p in out.iterdir())
+    except OSError as e:
+        raise ShardkitError(f"{out}: cannot list the output directory ({e.strerror or e})") from None
+    if holds and not overwrite:
+        raise ShardkitError(f"{out}: output exists and is not empty; pass --overwrite to replace the model files in "
+                            "it (other files stay as they are)")
+
+
+class _Written:
+    """What convert.distributed.report_done gathers from a rank: its shards, `name size` each."""
+
+    def __init__(self, lines: list[str]):
+        self.written = lines
+
+
+def _my_shards(shards: list[list[HFTensorPlan]], group) -> list[int]:
+    """The shards (indices) this process writes: all of them, or this rank's share (balanced by bytes, consecutive
+    shards together; the same plan on every rank)."""
+    from . import distributed
+
+    every = list(range(len(shards)))
+    if group is None:
+        return every
+    return distributed.share(every, lambda i: sum(p.nbytes for p in shards[i]), lambda i: i, group.rank,
+                             group.world)
+
+
+def _maybe_estimate(tmp: Path, total: int, group, quiet: bool, estimate_above: int | None) -> None:
+    from . import distributed
+
+    if total and total >= (distributed.ESTIMATE_ABOVE if estimate_above is None else estimate_above):
+        distributed.announce_estimate(_Probe(tmp), total, group, quiet)
+
+
+class _Probe:
+    """Where announce_estimate measures the write rate: the export's work directory."""
+
+    def __init__(self, tmp: Path):
+        self.partial = tmp
+
+
+def _write_shards(ckpt: Checkpoint, tmp: Path, shards: list[list[HFTensorPlan]], names: list[str], mine: list[int],
+                  bar, group) -> list[str]:
+    """Write the shards `mine` into `tmp`, each fsynced; their `name size` lines. Across ranks, stop between shards
+    once another rank has failed (naming it)."""
+    lines = []
+    for i in mine:
+        if group is not None:
+            group.stop_if_failed(" while the ranks wrote their shards")
+        path = tmp / names[i]
+        _write_shard(ckpt, path, shards[i], bar)
+        lines.append(f"{names[i]} {path.stat().st_size}")
+        fault_point("hf.shard")
+    return lines
+
+
+def _write_share(group, ckpt: Checkpoint, out: Path, shards: list[list[HFTensorPlan]], names: list[str], total: int,
+                 items: int, estimate_above: int | None) -> Path:
+    """A rank other than 0: wait for rank 0's work directory, write this rank's shards into it, report them, and
+    wait for rank 0 to put the export in place."""
+    from . import distributed
+
+    tmp = Path(group.wait("setup", [0], " while rank 0 prepared the export")[0]["tmp"])
+    if not tmp.is_dir():
+        raise WriteError(f"{tmp}: rank 0 created the export's work directory, but rank {group.rank} does not see it: "
+                         f"the output directory must be on a filesystem every node shares; nothing was put in place")
+    _maybe_estimate(tmp, total, group, True, estimate_above)
+    mine = _my_shards(shards, group)
+    with progress_bar("mcore-to-hf", total=total, items=items, disable=True) as shown:
+        try:
+            written = _write_shards(ckpt, tmp, shards, names, mine, group.progress(shown), group)
+        except OSError as e:  # rank 0 removed the work directory: it (or another rank) stopped first
+            group.stop_if_failed(" while the ranks wrote their shards")
+            raise WriteError(f"{tmp}: rank {group.rank} could not write its shard ({e.strerror or e}); nothing was "
+                             "put in place") from None
+        distributed.report_done(group, _Written(written), "shards")
+    return distributed.finish(group, out, out, _PUT_IN_PLACE.format(out=out))
+
+
+def _check_reported(group, tmp: Path, names: list[str], reports: list[list[str]], quiet: bool) -> None:
+    """Rank 0, once every rank reported: every shard was written by some rank and is in `tmp` at the size that rank
+    reported (a work directory the nodes do not share is not)."""
+    import sys
+
+    found: dict[str, tuple[int, int]] = {}
+    for r, lines in enumerate(reports):
+        for line in lines:
+            name, _, size = line.rpartition(" ")
+            found[name] = (r, int(size))
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise WriteError(f"{tmp}: {len(missing)} shard(s) no rank reported as written (e.g. {missing[0]}); nothing "
+                         "was put in place")
+    for name in names:
+        r, size = found[name]
+        path = tmp / name
+        seen = path.stat().st_size if path.is_file() else None
+        if seen != size:
+            raise WriteError(f"{path}: rank {r} wrote this shard ({size:,} bytes), but rank 0 finds "
+                             f"{'no such file' if seen is None else f'{seen:,} bytes'} in {tmp}: the output directory "
+                             "must be on a filesystem every node shares; nothing was put in place")
+    if not quiet:
+        print(f"mcore-to-hf: {group.world} ranks wrote {' + '.join(str(len(x)) for x in reports)} shards",
+              file=sys.stderr)
 
 
 def _move_in(tmp: Path, out: Path) -> None:

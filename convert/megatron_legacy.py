@@ -47,7 +47,7 @@ import torch
 from checkpoint import store
 from checkpoint.commit import IterationWriter
 from checkpoint.config import ModelConfig
-from checkpoint.errors import FormatError, LayoutError, ShardkitError, WriteError
+from checkpoint.errors import FormatError, LayoutError, ShardkitError
 from checkpoint.layout import Layout, PipelineSplit, RankCoord
 from checkpoint.manifest import Manifest, TensorEntry, tensor_path
 from checkpoint.megatron import (CHECKPOINT_VERSION, RELEASE, TRACKER, arg, canonical_candidates, check_args,
@@ -57,7 +57,7 @@ from checkpoint.safe_load import SAFE_GLOBALS, MegatronObject, load_torch  # noq
 from checkpoint.sharding import TensorSpec, local_shape, model_specs, regions
 
 from .hf_to_mcore import VERSION
-from .writer import WORKER_MIN_BYTES, ChunkSink, Task, Workers, chunk_tasks
+from .writer import WORKER_MIN_BYTES, ChunkSink, Task, Workers, chunk_tasks, create_arrays
 
 MODEL_FILES = ("model_optim_rng.pt", "model_rng.pt")
 BATCH_BYTES = 256 << 20  # a write job covers at most this much of one rank file (progress, parallelism, resume)
@@ -649,13 +649,7 @@ def legacy_to_native(src_root: str | Path, out: str | Path, cfg: ModelConfig, *,
            "files": src.fingerprint(), "layout": layout.to_dict(), "model": _jsonable(cfg.to_dict())}
     started = time.time()
     with IterationWriter(out, src.iteration, job, overwrite=overwrite) as w:
-        ctx = store.context()
-        for name, e in entries.items():
-            try:
-                store.create(w.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
-            except ValueError as err:
-                raise WriteError(f"tensor {name}: cannot create {w.path(tensor_path(name))}: "
-                                 f"{store.short_error(err)}") from None
+        create_arrays(w, entries)
         write_jobs, check_jobs = [], []
         for rf, pieces in plans.items():
             batch, size = [], 0

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from checkpoint import store
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
 from checkpoint.layout import Layout, RankCoord
@@ -396,7 +397,8 @@ class _OurSide:
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> Tensor:
         if name not in self.ck.tensors:
             raise ShardkitError(f"{self.ck.path}: the checkpoint has no tensor {name}")
-        t = self.ck.read(name, index)
+        # read-only where it is a view of a mapped chunk (no copy): every caller only reads it (copy_, float, index)
+        t = store.from_numpy(self.ck.read_numpy(name, index))
         tag = (name, None if index is None else tuple((s.start, s.stop) for s in index))
         self.reads[tag] = self.reads.get(tag, 0) + 1
         self.bytes_read += t.numel() * t.element_size()
@@ -443,7 +445,12 @@ class _OurSide:
               ) -> list[Tensor]:
         """train.model.TransformerLayer.forward on each of `streams`, the same operations in the same order, the
         layer's weights read once for all of them: attention, then the MLP whole, in `pieces` (dense), or expert by
-        expert (MoE; each expert also compared on the rows HF gave it, into `report`)."""
+        expert (MoE; each expert also compared on the rows HF gave it, into `report`). Streams equal value for value
+        (our chain while it has not drifted from HF's hidden state; torch.equal) are one stream: the same operations
+        on the same values give the same numbers, so it runs once."""
+        if len(streams) > 1 and all(s.shape == streams[0].shape and torch.equal(s, streams[0]) for s in streams[1:]):
+            ys = self.layer(prefix, mine, streams[:1], cos, sin, pieces=pieces, hf_experts=hf_experts, report=report)
+            return ys * len(streams)
         self.fill(prefix + "input_layernorm.", mine.input_layernorm)
         self.fill(prefix + "self_attention.", mine.self_attention)
         self.fill(prefix + "pre_mlp_layernorm.", mine.pre_mlp_layernorm)
@@ -544,23 +551,19 @@ class _OurSide:
             del t
         return out
 
+    def read_rows(self, name: str, a: int, b: int) -> list[tuple[int, int, Tensor]]:
+        """Rows [a, b) of a 2-D tensor, one read per storage chunk of rows they touch (views of the mapped chunks:
+        no copy), as (lo, hi, rows lo..hi)."""
+        step = self.ck.entry(name).chunk[0]
+        out, lo = [], a
+        while lo < b:
+            hi = min(b, (lo // step + 1) * step)
+            out.append((lo, hi, self.read(name, (slice(lo, hi), slice(None)))))
+            lo = hi
+        return out
+
     def head_name(self) -> str:
         return "embedding.word_embeddings.weight" if self.cfg.tie_word_embeddings else "output_layer.weight"
-
-
-def _blocked_logits(read: Callable[[int, int], Tensor], inputs: list[Tensor], vocab: int, block: int,
-                    release: Callable[[], None] | None = None) -> list[Tensor]:
-    """F.linear(x, W[:vocab]) for each x, W read in row blocks [a, a + block) (one block: exactly the whole)."""
-    outs = [x.new_empty(*x.shape[:-1], vocab) for x in inputs]
-    for a in range(0, vocab, block):
-        b = min(a + block, vocab)
-        w = read(a, b).float()
-        for x, o in zip(inputs, outs):
-            o[..., a:b] = F.linear(x, w)
-        del w
-        if release is not None:
-            release()
-    return outs
 
 
 # -- the comparison ----------------------------------------------------------------------------------------------------
@@ -677,9 +680,9 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
         mtp_rows = _mtp(hf, ours, weights, cfg, state, next_ids, hf_embed, our_embed, cos, sin, tolerance,
                         all_experts, hf_heads, our_heads)
         report_progress()
-        hf_logits = _hf_logits(weights, hf_heads, cfg.vocab_size, plan["head_rows"])
-        our_logits = _blocked_logits(lambda a, b: ours.read(ours.head_name(), (slice(a, b), slice(None))),
-                                     our_heads, cfg.vocab_size, plan["head_rows"])
+        hf_logits, our_logits = _head_logits(
+            weights, hf_heads, lambda a, b: ours.read_rows(ours.head_name(), a, b), our_heads,
+            cfg.vocab_size, plan["head_rows"])
         report_progress()
     if our_logits[0].shape != hf_logits[0].shape:
         raise ShardkitError(f"logit shapes differ: ours {tuple(our_logits[0].shape)}, HF {tuple(hf_logits[0].shape)}")
@@ -752,22 +755,87 @@ def _expert_keys(keys: list[str]) -> dict[int, list[str]]:
     return out
 
 
-def _hf_logits(weights: HFWeights, heads: list[tuple[Tensor, str]], vocab: int, block: int) -> list[Tensor]:
-    """HF's head(s) in row blocks: each head tensor read once, F.linear as nn.Linear."""
-    by_key: dict[str, list[int]] = {}
-    for n, (_, key) in enumerate(heads):
-        by_key.setdefault(key, []).append(n)
-    outs: list[Tensor | None] = [None] * len(heads)
-    for key, idx in by_key.items():
-        shape = weights.shape(key)
-        if shape[0] < vocab:
-            raise ShardkitError(f"--against {weights.hf_dir}: {key} has {shape[0]} rows, the vocabulary {vocab}")
-        whole = block >= vocab and shape[0] == vocab
-        res = _blocked_logits(lambda a, b: weights.get(key) if whole else weights.get(key, rows=slice(a, b)),
-                              [heads[n][0] for n in idx], vocab, block, release=weights.release)
-        for n, o in zip(idx, res):
-            outs[n] = o
-    return outs
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """`a` and `b` hold the same bytes: dtype, shape and every bit (memcmp, the GIL released; a mapped chunk's view
+    compared in place). Equal bits cast to equal fp32 values, so their products with one input are one number."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.contiguous(), b.contiguous()
+    n = a.numel() * a.element_size()
+    return n == 0 or _memcmp(a.data_ptr(), b.data_ptr(), n) == 0
+
+
+def _libc_memcmp():
+    import ctypes
+    import ctypes.util
+
+    f = ctypes.CDLL(ctypes.util.find_library("c")).memcmp
+    f.restype, f.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return f
+
+
+_memcmp = _libc_memcmp()
+
+
+def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
+                 read_ours: Callable[[int, int], list[tuple[int, int, Tensor]]],
+                 our_inputs: list[Tensor], vocab: int, block: int) -> tuple[list[Tensor], list[Tensor]]:
+    """HF's head(s) and ours on their inputs, in row blocks [a, a + block) of each head tensor (one block: exactly
+    the whole), F.linear as nn.Linear; every head tensor read once per side, block by block.
+
+    Each distinct product is computed once per block. Our block is compared with HF's bit for bit as read (the fp32
+    cast is exact: equal stored bits are equal fp32 weights); where they are equal, our products are HF's weights'
+    products. Inputs equal value for value (ours on HF's hidden state is usually HF's own head input; our end-to-end
+    chain is too while it has not drifted) share one product. F.linear of equal operands is one number, so every
+    logit (and difference) is what the separate products give; a block or input that differs is computed on its own,
+    from its own side's values."""
+    keys = list(dict.fromkeys(key for _, key in hf_heads))
+    for key in keys:
+        rows = weights.shape(key)[0]
+        if rows < vocab:
+            raise ShardkitError(f"--against {weights.hf_dir}: {key} has {rows} rows, the vocabulary {vocab}")
+    inputs = [x for x, _ in hf_heads] + list(our_inputs)
+    first = [next(m for m in range(n + 1) if m == n or (inputs[m].shape == x.shape and torch.equal(inputs[m], x)))
+             for n, x in enumerate(inputs)]  # the first input equal to each
+    hf_out = [x.new_empty(*x.shape[:-1], vocab) for x, _ in hf_heads]
+    our_out = [x.new_empty(*x.shape[:-1], vocab) for x in our_inputs]
+    H = len(hf_heads)
+    for a in range(0, vocab, block):
+        b = min(a + block, vocab)
+        mine = read_ours(a, b)  # (lo, hi, rows lo..hi) per storage chunk
+        products: dict[tuple[str, int], Tensor] = {}
+
+        def put(out: Tensor, wid: str, n: int, w: Tensor) -> None:
+            k = (wid, first[n])
+            if k not in products:
+                products[k] = F.linear(inputs[n], w)
+            out[..., a:b] = products[k]
+
+        matched = None  # the HF head whose block equals ours
+        for key in keys:
+            whole = a == 0 and b == vocab and weights.shape(key)[0] == vocab
+            theirs = weights.get(key) if whole else weights.get(key, rows=slice(a, b))
+            weights.release()  # a copy: the file's mapped pages can go
+            if matched is None and all(_same_bits(theirs[lo - a:hi - a], t) for lo, hi, t in mine):
+                matched, mine = key, None  # our views (mapped pages of our chunks) are not needed any more
+            w = theirs.float()
+            del theirs
+            for n, (_, k) in enumerate(hf_heads):
+                if k == key:
+                    put(hf_out[n], key, n, w)
+            if matched == key:
+                for m, out in enumerate(our_out):
+                    put(out, key, H + m, w)
+            del w
+        if matched is None:
+            w = torch.empty(b - a, inputs[0].shape[-1])
+            for lo, hi, t in mine:
+                w[lo - a:hi - a] = t
+            for m, out in enumerate(our_out):
+                put(out, "ours", H + m, w)
+            del w
+        del mine, products
+    return hf_out, our_out
 
 
 def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, state: dict, next_ids: list[Tensor],

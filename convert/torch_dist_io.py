@@ -32,27 +32,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
 from checkpoint import store
-from checkpoint.commit import IterationWriter, check_output_root
+from checkpoint.commit import LATEST, IterationWriter, check_output_root
 from checkpoint.config import ModelConfig
-from checkpoint.errors import FormatError, ShardkitError
+from checkpoint.errors import FormatError, ShardkitError, WriteError
+from checkpoint.faults import fault_point
 from checkpoint.layout import Layout
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, MEGATRON_OPTIM_SHARDING, MEGATRON_SCHEDULER_KEYS,
                                  TRACKER, TRAIN_STATE_KEY, arg, chunk_rank, extra_state_objects, layout_from_args,
-                                 megatron_args, shard_owners, stored_key)
+                                 megatron_args, megatron_content_metadata, megatron_optimizer_common, shard_owners,
+                                 stored_key)
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint, ReadPlan, count_nonfinite, entry_nbytes, read_padded, vocab_padding
 from checkpoint.safety import check_output
@@ -62,9 +64,10 @@ from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, RankFile, TorchDistChec
 from checkpoint.torch_dist_view import (TorchDistSource, import_optimizer_states, match_keys, plan_import,
                                         shape_problems)
 
+from . import distributed
 from .hf_to_mcore import VERSION
 from .reshard import plan_reshard
-from .writer import ChunkSink, Task, Workers, chunk_tasks, write_chunks
+from .writer import ChunkSink, Task, Workers, chunk_tasks, run_in_process, write_chunks
 
 if TYPE_CHECKING:
     import torch
@@ -87,9 +90,10 @@ def _write_rank(args: tuple, advance: Callable[[int], None] | None = None) -> tu
     merged = [item for item, _ in order]
     with contextlib.ExitStack() as stack:
         out = [stack.enter_context(w.rank_file(rank, part)) for (rank, part), _, _ in files]
-        for ((name, box), i), value in zip(order, _prefetched(ck, merged, pads)):
+        for ((name, box), i), value in zip(order, _prefetched(ck, merged, pads, w.in_flight.wait_room)):
             value = store.cast(value, dtypes[name])
             n = out[i].add_tensor(stored_key(name, key_naming), tuple(a for a, _ in box), value)
+            del value  # the writer thread holds it until written: not this frame while the next one is read
             nbytes += n
             if advance:
                 advance(n)
@@ -108,15 +112,22 @@ class _RankWriter:
         return (*_write_rank(job), sum(len(items) for _, items, _ in job[2]))
 
 
-def _prefetched(ck: Checkpoint, items: list, pads: dict) -> Iterator[np.ndarray]:
+def _prefetched(ck: Checkpoint, items: list, pads: dict, room: Callable[[int], None] | None = None
+                ) -> Iterator[np.ndarray]:
     """The items' values in order (numpy views of the source's chunks where a box lies in one), the chunks read
-    ahead on a helper thread (ReadPlan) while the current one is being written."""
+    ahead on a helper thread (ReadPlan) while the current one is being written. A value that must be gathered into a
+    buffer of its own (a box across chunks, or vocab padding) is made only once `room(its bytes)` returns (the rank
+    files' writers have room for it: DCPWriter.in_flight), so a gathered value never waits beside a full pipeline."""
     from .reshard import READ_AHEAD_BYTES
 
     index = [tuple(slice(a, b) for a, b in box) for _, box in items]
     plan = ReadPlan(ck, [(name, idx) for (name, _), idx in zip(items, index)], READ_AHEAD_BYTES)
     try:
         for k, (name, box) in enumerate(items):
+            e = ck.entry(name)
+            if room is not None and (len(ck.chunks_of(name, index[k])) > 1
+                                     or any(b > s for (_, b), s in zip(box, e.shape))):
+                room(math.prod(b - a for a, b in box) * store.itemsize(e.dtype))
             value = read_padded(functools.partial(ck.read_numpy, name), name, box, pads.get(name))
             plan.done(name, index[k])
             yield value
@@ -188,7 +199,8 @@ def _declare(w: DCPWriter, declared: list[tuple]) -> None:
 
 def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key_naming: str = "te",
                      overwrite: bool = False, quiet: bool = False, workers: int | None = None,
-                     layout: Layout | None = None, dtype: str | None = None, skip_verify: bool = False) -> Path:
+                     layout: Layout | None = None, dtype: str | None = None, skip_verify: bool = False,
+                     group=None, estimate_above: int | None = None) -> Path:
     """Write `<out_root>/iter_N` (N = the native checkpoint's iteration) as a Megatron-LM torch_dist checkpoint and
     point `latest_checkpointed_iteration.txt` at it; returns the iteration directory.
 
@@ -196,9 +208,10 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
     model weights only) the items are the destination's chunks, read from the source boxes they cover with the vocab
     padding recomputed, in one pass. Optimizer state goes under megatron-core's distributed-optimizer keys, and
     train_state.json into common.pt (see _common). No torch import unless a dtype is cast (checkpoint.torch_dist
-    writes torch.save's and DCP's bytes itself)."""
+    writes torch.save's and DCP's bytes itself). With `group` (one rank of several, convert.distributed) this rank
+    writes its share of the rank files and rank 0 commits (_write_files); the source is checked by rank 0 alone."""
     check_output(out_root, [("source", ckpt.path if isinstance(ckpt, Checkpoint) else ckpt)])
-    ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt, check=not skip_verify)
+    ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt, check=not skip_verify and distributed.leads(group))
     _check_key_naming(key_naming)
     if ck.manifest.fp8:
         raise ShardkitError(f"{ck.path}: keeps block-FP8 weights with separate scales, which torch_dist has no key "
@@ -230,32 +243,154 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
                              "layout": ck.layout.to_dict(), "provenance": m.provenance}}
 
     iteration = m.iteration
-    # not resumable (a rerun starts afresh: the nonce), committed like every other write (checkpoint.commit)
-    with IterationWriter(out_root, iteration, {"kind": "torch_dist-export", "nonce": time.time_ns()}, overwrite,
-                         pointer=(TRACKER, f"{iteration}\n")) as w:
-        tmp = w.partial
-        w_meta = DCPWriter(tmp)
-        _declare(w_meta, declared)
-        # One process with reads prefetched keeps the disk busy; each spawned worker first spends seconds importing
-        # torch, which only pays off with idle cores: opt in with --workers (as for the native writers).
-        nworkers = max(1, workers or 1)
-        files = _split_files(per_rank, entries, _parts(per_rank, nworkers))
-        nworkers = min(nworkers, len(files))
-        with progress_bar("torch_dist", total=total, items=len(tasks), disable=quiet) as bar:
-            if nworkers == 1:  # every file at once, in the source's chunk order
-                storage, _ = _write_rank((str(ck.path), str(tmp), files, key_naming, pads, dtypes),
-                                         advance=lambda n: bar.advance(n, 1))
-                w_meta.storage_data.update(storage)
-            else:
-                jobs = [(str(ck.path), str(tmp), [f], key_naming, pads, dtypes) for f in files]
-                with Workers(_RankWriter, (), nworkers) as pool:
-                    for storage, nbytes, items in pool.run(jobs):
-                        w_meta.storage_data.update(storage)
-                        bar.advance(nbytes, items)
-        assets = [a for a in sorted(ck.hf_dir().glob("*")) if a.is_file() and not a.is_symlink()] \
-            if ck.hf_dir().is_dir() else []
-        _finish(w, w_meta, common, cfg, layout, entries, key_naming, iteration, optim, provenance, assets)
-        return w.commit(None)
+    # One process with reads prefetched keeps the disk busy; each spawned worker first spends seconds importing
+    # torch, which only pays off with idle cores: opt in with --workers (as for the native writers).
+    nworkers = max(1, workers or 1)
+    files = _split_files(per_rank, entries, _parts(per_rank, nworkers))
+    job = {"kind": "torch_dist-export", "tool": VERSION, "source": str(ck.path.resolve()),
+           "source_manifest": hashlib.sha256(m.to_json().encode()).hexdigest(), "layout": layout.to_dict(),
+           "dtype": dtype, "key_naming": key_naming, "files": len(files)}
+    path = None
+    # resumable (the rank files recorded durable are kept), committed like every other write (checkpoint.commit)
+    with distributed.open_writer(out_root, iteration, job, overwrite, group, pointer=(TRACKER, f"{iteration}\n")) as w:
+        def write(mine: list, bar) -> dict:
+            n = min(nworkers, len(mine))
+            if n == 1:  # every file at once, in the source's chunk order
+                return _write_rank((str(ck.path), str(w.partial), mine, key_naming, pads, dtypes),
+                                   advance=lambda k: bar.advance(k, 1))[0]
+            storage: dict = {}
+            jobs = [(str(ck.path), str(w.partial), [f], key_naming, pads, dtypes) for f in mine]
+            with Workers(_RankWriter, (), n) as pool:
+                for part, nbytes, items in pool.run(jobs):
+                    storage.update(part)
+                    bar.advance(nbytes, items)
+            return storage
+
+        storage = _write_files(w, files, entries, write, group=group, label="torch_dist", quiet=quiet,
+                               estimate_above=estimate_above)
+        if distributed.leads(group):
+            w_meta = DCPWriter(w.partial)
+            _declare(w_meta, declared)
+            w_meta.storage_data.update(storage)
+            assets = [a for a in sorted(ck.hf_dir().glob("*")) if a.is_file() and not a.is_symlink()] \
+                if ck.hf_dir().is_dir() else []
+            _finish(w, w_meta, common, cfg, layout, entries, key_naming, iteration, optim, provenance, assets)
+            path = w.commit(None)
+    return distributed.finish(group, path, out_root)
+
+
+# -- the rank files across processes and runs --------------------------------------------------------------------------
+
+FILE_DONE = "distcp:"  # a resume-log line: `distcp:<file>=<its items' storage entries as JSON>`, once it is durable
+
+
+def _file_name(f: tuple) -> str:
+    (rank, part), _, _ = f
+    return f"__{rank}_{part}.distcp"
+
+
+def _file_line(name: str, storage: dict) -> str:
+    """The resume-log line of a durable rank file: its items' DCP storage entries (key, offsets; start, length)."""
+    items = sorted(([key, None if off is None else list(off), start, length]
+                    for (key, off), (rel, start, length) in storage.items() if rel == name), key=lambda it: it[2])
+    return f"{FILE_DONE}{name}={json.dumps(items, separators=(',', ':'))}"
+
+
+def _recorded_files(lines) -> dict[str, dict]:
+    """The rank files that resume-log lines record as durable: file -> its storage entries ((key, offsets) -> (file,
+    start, length)), as DCPWriter.storage_data has them. A line torn by a crash records nothing (its JSON is cut)."""
+    out: dict[str, dict] = {}
+    for ln in lines:
+        if not ln.startswith(FILE_DONE):
+            continue
+        name, _, body = ln[len(FILE_DONE):].partition("=")
+        try:
+            out[name] = {(key, None if off is None else tuple(off)): (name, int(start), int(length))
+                         for key, off, start, length in json.loads(body)}
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
+def _write_files(w, files: list[tuple], entries: dict[str, TensorEntry], write: Callable[[list, object], dict], *,
+                 group, label: str, quiet: bool, estimate_above: int | None = None) -> dict:
+    """Write the rank files `files` (_split_files) that no earlier run recorded: `write(mine, bar)` writes the files
+    `mine` whole (each item shown on `bar`) and returns their storage entries; each file is then recorded in this
+    process's resume log with its entries (FILE_DONE). A file is the unit (an item's offset depends on the items
+    before it): a rerun keeps the recorded files and writes the others again, whatever the number of ranks.
+
+    With `group` (one rank of several, convert.distributed) every rank writes its share of the files left (balanced
+    by bytes, the same on every rank), fsyncs and records them; rank 0 learns every rank's entries from their reports
+    (and the logs of earlier runs, never by reading the files), checks that every file is there with its recorded
+    length (a directory the nodes do not share is named), and returns every file's entries for DCP's .metadata.
+    The other ranks return {}. A job with at least `estimate_above` bytes left prints the expected time first
+    (convert.distributed.announce_estimate, as write_chunks does)."""
+    lead = distributed.leads(group)
+    names = [_file_name(f) for f in files]
+    size = {n: sum(Task(k, (), box).nbytes(entries[k]) for k, box in items) for n, (_, items, _) in zip(names, files)}
+    count = {n: len(items) for n, (_, items, _) in zip(names, files)}
+    total = sum(size.values())
+    if lead:
+        recorded = _recorded_files(w.done)
+        distributed.clear_probes(w.partial)
+        w.reserve(total, sum(size[n] for n in names if n not in recorded))  # before anything is written
+    if group is not None:  # rank 0 has taken the lock and prepared the partial output
+        distributed.join_output(group, w, lambda: [n for n in names if n not in _recorded_files(w.done)], len(names),
+                                "rank files")
+    recorded = _recorded_files(w.done)
+    todo = [f for n, f in zip(names, files) if n not in recorded]
+    mine = todo if group is None else distributed.share(todo, lambda f: size[_file_name(f)], _file_name, group.rank,
+                                                        group.world)
+    left = sum(size[_file_name(f)] for f in todo)  # the same on every rank
+    if left and left >= (distributed.ESTIMATE_ABOVE if estimate_above is None else estimate_above):
+        distributed.announce_estimate(w, left, group, quiet)
+    resumed = len(files) - len(todo)
+    if resumed and lead and not quiet:
+        print(f"resuming: {resumed} of {len(files)} rank files already written", file=sys.stderr)
+    reports: list[list[str]] = []
+    with progress_bar(label, total=total, items=sum(count.values()), disable=quiet or not lead) as shown:
+        bar = shown if group is None else group.progress(shown)
+        if lead:
+            bar.advance(sum(size[n] for n in recorded), sum(count[n] for n in recorded))
+        if mine:
+            storage = write(mine, bar)  # every file written is durable (RankFile.close fsyncs it)
+            lines = [_file_line(_file_name(f), storage) for f in mine]
+            fault_point("chunk.unrecorded")
+            try:
+                w.mark_done_many(lines)
+            except OSError as e:
+                raise WriteError(f"{w.partial}: recording finished rank files in its resume log failed "
+                                 f"({e.strerror or e})") from None
+            for _ in lines:
+                fault_point("chunk")
+        if group is not None:
+            reports = distributed.report_done(group, w, "rank files")
+    if not lead:
+        return {}
+    found = {n: "an earlier run" for n in recorded}
+    every = dict(recorded)
+    for r, lines in enumerate(reports or [list(w.written)]):
+        for n, st in _recorded_files(lines).items():
+            every[n] = st
+            found[n] = f"rank {r}" if group is not None else "this process"
+    missing = [n for n in names if n not in every]
+    if missing:
+        raise WriteError(f"{w.partial}: {len(missing)} rank file(s) no rank recorded as written (e.g. {missing[0]}); "
+                         "nothing was committed; rerun to write them")
+    storage: dict = {}
+    for n in names:
+        end = max((start + length for _, start, length in every[n].values()), default=0)
+        path = w.partial / n
+        if not path.is_file() or path.stat().st_size != end:
+            raise WriteError(f"{path}: {found[n]} recorded this rank file as written ({end:,} bytes), but rank 0 does "
+                             f"not find it so in {w.partial}: the output directory must be on a filesystem every "
+                             "node shares; nothing was committed")
+        storage.update(every[n])
+    if group is not None and not quiet:
+        wrote = [len(_recorded_files(lines)) for lines in reports]
+        print(f"{label}: {group.world} ranks wrote {' + '.join(map(str, wrote))} rank files"
+              + (f" ({resumed} already written)" if resumed else ""), file=sys.stderr)
+    return storage
 
 
 def _check_key_naming(key_naming: str) -> None:
@@ -290,62 +425,62 @@ class _DCPSink:
 
 def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout, entries: dict[str, TensorEntry],
                       make: Callable, args: Callable[[Path], tuple], key_naming: str, overwrite: bool, quiet: bool,
-                      provenance: dict, assets: list[Path], label: str = "torch_dist") -> Path:
+                      provenance: dict, assets: list[Path], job: dict, label: str = "torch_dist",
+                      group=None, estimate_above: int | None = None) -> Path:
     """`--format torch_dist` for a converter with no native checkpoint in between: its worker (`make(*args)`, a
     convert.writer worker, `args` a function of the partial output directory; called with a Task, it computes the
     chunk and hands it to its `sink`) writes every chunk of `entries` (the native layout's chunks, one DCP item each,
     as write_torch_dist makes of a native checkpoint) straight into the rank files; then .metadata, common.pt and
     shardkit's files, committed like every export. One process, the next chunk's source read ahead (the worker's
     `prefetch`) while this one is written. The items equal those of an export of the native checkpoint the converter
-    would have written (same files, same order, same bytes)."""
+    would have written (same files, same order, same bytes). `job` identifies the conversion (job.json): a rerun of
+    the same one keeps the rank files recorded durable. With `group` (one rank of several) this rank writes its share
+    of the rank files, reading only the source regions their chunks need, and rank 0 commits (_write_files)."""
     _check_key_naming(key_naming)
     specs = {s.name: s for s in Manifest(0, cfg, layout, {}).specs()}
     tasks = sorted(chunk_tasks(entries), key=lambda t: (t.name, t.box))  # write_torch_dist's order: the same files
     per_rank, declared, total = _plan_items(specs, entries, tasks, layout, key_naming, cfg.num_layers)
     parts = _split_files(per_rank, entries, _parts(per_rank))
-    owner = {(name, box): (i, stored_key(name, key_naming)) for i, (_, items, _) in enumerate(parts)
-             for name, box in items}
     common = _common(cfg, layout, key_naming, None, 0, None, None, None)
-    with IterationWriter(out_root, 0, {"kind": "torch_dist-export", "nonce": time.time_ns()}, overwrite,
-                         pointer=(TRACKER, "0\n")) as w:
-        meta = DCPWriter(w.partial)
-        _declare(meta, declared)
-        w.reserve(total, total)  # refuse a write the filesystem cannot hold before anything is written
-        with progress_bar(label, total=total, items=len(tasks), disable=quiet) as bar, \
-                contextlib.ExitStack() as stack, Workers(make, args(w.partial), 1) as pool:
-            files = [stack.enter_context(meta.rank_file(rank, part)) for (rank, part), _, _ in parts]
-            worker = pool.local
-            worker.sink = _DCPSink(files, owner, {n: e.dtype for n, e in entries.items()},
-                                   lambda n: bar.advance(n, 1))
-            prefetch = getattr(worker, "prefetch", None)
-            hints = ThreadPoolExecutor(1, thread_name_prefix="shardkit-prefetch") if prefetch else None
-            try:
-                if hints is not None and tasks:
-                    hints.submit(prefetch, tasks[0])
-                for i, task in enumerate(tasks):
-                    if hints is not None and i + 1 < len(tasks):
-                        hints.submit(prefetch, tasks[i + 1])
-                    worker(task)
-            finally:
-                if hints is not None:
-                    hints.shutdown(wait=True, cancel_futures=True)
-            blob = none_object_bytes()
-            for f, (_, _, objects) in zip(files, parts):
-                for key in objects:
-                    f.add_bytes(key, blob)
-            close_all(files)
-        _finish(w, meta, common, cfg, layout, entries, key_naming, 0, None, provenance, assets)
-        return w.commit(None)
+    dtypes = {n: e.dtype for n, e in entries.items()}
+    job = {**job, "key_naming": key_naming, "files": len(parts)}
+    path = None
+    with distributed.open_writer(out_root, 0, job, overwrite, group, pointer=(TRACKER, "0\n")) as w:
+        def write(mine: list, bar) -> dict:
+            local = DCPWriter(w.partial)
+            owner = {(name, box): (i, stored_key(name, key_naming)) for i, (_, items, _) in enumerate(mine)
+                     for name, box in items}
+            with contextlib.ExitStack() as stack, Workers(make, args(w.partial), 1) as pool:
+                files = [stack.enter_context(local.rank_file(rank, part)) for (rank, part), _, _ in mine]
+                pool.local.sink = _DCPSink(files, owner, dtypes, lambda n: bar.advance(n, 1))
+                run_in_process(pool.local, [t for t in tasks if (t.name, t.box) in owner])
+                blob = none_object_bytes()
+                for f, (_, _, objects) in zip(files, mine):
+                    for key in objects:
+                        f.add_bytes(key, blob)
+                close_all(files)
+            return local.storage_data
+
+        storage = _write_files(w, parts, entries, write, group=group, label=label, quiet=quiet,
+                               estimate_above=estimate_above)
+        if distributed.leads(group):
+            meta = DCPWriter(w.partial)
+            _declare(meta, declared)
+            meta.storage_data.update(storage)
+            _finish(w, meta, common, cfg, layout, entries, key_naming, 0, None, provenance, assets)
+            path = w.commit(None)
+    return distributed.finish(group, path, out_root)
 
 
 def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout, *, dtype: str | None = None,
                              key_naming: str = "te", overwrite: bool = False, quiet: bool = False,
-                             allow_nonfinite: bool = False) -> Path:
+                             allow_nonfinite: bool = False, group=None, estimate_above: int | None = None) -> Path:
     """`convert hf-to-mcore --format torch_dist`: HF safetensors straight into a torch_dist `<out>/iter_0000000`
     (hf_to_mcore's plan and chunk worker, stream_torch_dist's rank files; no native checkpoint in between). The items
-    are the chunks the native conversion writes, so the result equals the export of that conversion."""
+    are the chunks the native conversion writes, so the result equals the export of that conversion. With `group`
+    (one rank of several, convert.distributed) this rank writes its share of the rank files and rank 0 commits."""
     from .hf_source import HFSource, find_assets
-    from .hf_to_mcore import _without_absent_mtp, _Worker, plan
+    from .hf_to_mcore import _jsonable, _without_absent_mtp, _Worker, plan
 
     hf_dir = Path(hf_dir)
     check_output(out, [("HF_DIR", hf_dir)])  # never over, inside or around the source
@@ -360,11 +495,14 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout
     provenance = {"tool": f"shardkit {VERSION}", "command": "convert hf-to-mcore --format torch_dist",
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "source": {"kind": "hf", "path": str(hf_dir.resolve()), "files": src.fingerprint()}}
+    job = {"kind": "hf-to-torch_dist", "tool": VERSION, "source": str(hf_dir.resolve()), "files": src.fingerprint(),
+           "layout": layout.to_dict(), "dtype": dtype, "model": _jsonable(cfg.to_dict())}
     return stream_torch_dist(out, cfg=cfg, layout=layout, entries=entries, make=_Worker,
                              args=lambda partial: (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(partial), dtypes,
                                                    None, allow_nonfinite),
                              key_naming=key_naming, overwrite=overwrite, quiet=quiet, provenance=provenance,
-                             assets=find_assets(hf_dir), label="hf-to-torch_dist")
+                             assets=find_assets(hf_dir), job=job, label="hf-to-torch_dist", group=group,
+                             estimate_above=estimate_above)
 
 
 def _write_description(directory: Path, cfg: ModelConfig, layout: Layout, entries: dict[str, TensorEntry],
@@ -397,7 +535,7 @@ def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str | None
     args = megatron_args(cfg, layout, key_naming, dtype)
     common: dict = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
                     "num_floating_point_operations_so_far": 0,
-                    "content_metadata": {"singleton_local_shards": False}}
+                    "content_metadata": megatron_content_metadata(bool(optimizer))}
     state = None
     if train_state is not None:
         common[TRAIN_STATE_KEY] = train_state
@@ -408,8 +546,7 @@ def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str | None
                               "damaged") from None
     if optimizer:
         args.no_save_optim = None  # Megatron-LM restores the optimizer state from this checkpoint
-        common["content_metadata"]["distrib_optim_sharding_type"] = MEGATRON_OPTIM_SHARDING
-        common["optimizer"] = {"param_state_sharding_type": MEGATRON_OPTIM_SHARDING}
+        common["optimizer"] = {"param_state_sharding_type": MEGATRON_OPTIM_SHARDING}  # no param groups known
     if isinstance(state, dict):
         opt = state.get("optimizer")
         if optimizer and isinstance(opt, dict) and isinstance(opt.get("param_groups"), list):
@@ -419,7 +556,8 @@ def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str | None
                 g.pop("params", None)
                 if step is not None:
                     g.setdefault("step", step)
-            common["optimizer"]["optimizer"] = {"param_groups": groups}
+            # megatron-core's form: a MoE model's expert groups go to its ChainedOptimizer's second optimizer
+            common["optimizer"] = megatron_optimizer_common(groups)
         sched = state.get("scheduler")
         if isinstance(sched, dict) and MEGATRON_SCHEDULER_KEYS <= set(sched):  # an older shardkit's own form is not
             common["opt_param_scheduler"] = sched  # Megatron's and would break its load: left out (still in the text)
@@ -431,14 +569,31 @@ def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str | None
 
 
 def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: str = "te", overwrite: bool = False,
-               quiet: bool = False, workers: int | None = None) -> Path:
+               quiet: bool = False, workers: int | None = None, group=None) -> Path:
     """`--format torch_dist` for a command that writes a native checkpoint: `produce(staging_root)` writes it into a
     staging directory next to `out` (same filesystem; needs the model's size in free space once more), which is
-    exported to `out` and then removed. Returns the torch_dist iteration directory."""
+    exported to `out` and then removed. Returns the torch_dist iteration directory.
+
+    With `group` (one rank of several) both writes run across the ranks (`produce` writes its share: it is given
+    the group too), in a staging directory every rank names alike (`.<out>.native-staging`); a failed job leaves it
+    for the rerun to resume, a staging checkpoint already committed by an earlier run is written afresh."""
     out = Path(out)
     if key_naming not in KEY_NAMINGS:
         raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' or 'local'")
     check_output_root(out, overwrite)  # fail before the expensive part
+    if group is not None:
+        staging = out.parent / f".{out.name}.native-staging"
+        if group.rank == 0:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if (staging / LATEST).exists():  # the export of an earlier run failed after its staging was committed
+                shutil.rmtree(staging)
+        native = produce(staging)
+        group.next_phase()
+        path = write_torch_dist(native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers,
+                                group=group)
+        if group.rank == 0:  # every rank has finished (finish: they all heard of the commit)
+            shutil.rmtree(staging, ignore_errors=True)
+        return path
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.native-", dir=out.parent))
     try:
@@ -455,9 +610,8 @@ class _ImportWorker:
 
     def __init__(self, td_path: str, keys: dict[str, str], vocab: dict[str, int], out_dir: str,
                  dtypes: dict[str, str]) -> None:
-        import torch
-
-        torch.set_num_threads(1)
+        if "torch" in sys.modules:  # (no torch import: items are read as numpy views, torch.load only as a fallback)
+            sys.modules["torch"].set_num_threads(1)
         self.td = TorchDistCheckpoint(td_path)
         self.td.spool_dir = Path(out_dir)  # large items are memory-mapped from a copy on the output's disk
         self.keys, self.vocab, self.sink = keys, vocab, ChunkSink(out_dir, dtypes)
@@ -473,18 +627,19 @@ class _ImportWorker:
 def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | None = None,
                          layout: Layout | None = None, *, dtype: str | None = None, hf_dir: str | Path | None = None,
                          workers: int | None = None, overwrite: bool = False, quiet: bool = False,
-                         vocab_size: int | None = None) -> Path:
+                         vocab_size: int | None = None, group=None) -> Path:
     """Convert the model weights of a torch_dist checkpoint into a native checkpoint `<out>/iter_N` for `layout`
     (default: the layout in its Megatron-LM args, else tp=pp=1). `cfg` describes the model (e.g.
     ModelConfig.from_hf_dir); None: the checkpoint's own description (TorchDistCheckpoint.model_config: `hf_dir`,
     else a shardkit export's shardkit.json, else its Megatron args with `vocab_size`). Tokenizer files come from
-    `hf_dir`, else from a shardkit export's own hf/."""
+    `hf_dir`, else from a shardkit export's own hf/. With `group` (one rank of several, convert.distributed) this rank
+    writes its share of the chunks, reading only the items they overlap, and rank 0 commits."""
     check_output(out, [("source", path), ("--hf-config", hf_dir)])
     td = read_torch_dist(path)
     origin = "the model config"
     if cfg is None:
         cfg, origin = td.model_config(hf_dir, vocab_size)
-    if not quiet:
+    if not quiet and distributed.leads(group):
         for note in td.notes:
             print(f"shardkit: note: {note}", file=sys.stderr)
     layout = layout or layout_from_args(td.args) or Layout()
@@ -507,9 +662,12 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | N
     started = time.time()
     iteration = td.iteration
     assets = hf_dir if hf_dir is not None else td.hf_dir()
-    with IterationWriter(out, iteration, job, overwrite=overwrite) as w:
+    path = None
+    with distributed.open_writer(out, iteration, job, overwrite, group) as w:
         args = (str(td.path), keys, vocab, str(w.partial), {n: e.dtype for n, e in entries.items()})
-        write_chunks(w, entries, "torch_dist-to-mcore", _ImportWorker, args, workers, quiet)
+        write_chunks(w, entries, "torch_dist-to-mcore", _ImportWorker, args, workers, quiet, group=group)
+        if not distributed.leads(group):
+            return distributed.finish(group, None, out)
         if assets is not None:
             from .hf_source import copy_assets
 
@@ -526,7 +684,8 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | N
             provenance={"tool": f"shardkit {VERSION}", "command": "convert torch-dist-to-mcore",
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "source": source, "seconds": round(time.time() - started, 3)})
-        return w.commit(manifest)
+        path = w.commit(manifest)
+    return distributed.finish(group, path, out)
 
 
 # -- reading a torch_dist checkpoint in place: verify --against, inspect, verify ------------------------------------
@@ -654,7 +813,7 @@ def verify_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig, origin: str,
             "keys_ok": not (missing or unexpected or problems)}
 
 
-__all__ = ["write_torch_dist", "via_native", "torch_dist_to_native", "read_torch_dist", "stored_key", "source_keys",
+__all__ = ["write_torch_dist", "via_native", "torch_dist_to_native", "read_torch_dist", "stored_key",
            "match_keys", "shape_problems", "shard_problems", "plan_import", "TorchDistSource", "describe_torch_dist",
            "verify_torch_dist",
            "chunk_rank", "extra_state_objects"]

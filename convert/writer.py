@@ -253,6 +253,17 @@ def source_region(task: Task) -> tuple:
     return task.name, task.lead, task.box[len(task.lead)] if len(task.box) > len(task.lead) else ()
 
 
+def create_arrays(w, entries: dict[str, TensorEntry]) -> None:
+    """Create every tensor's array in the partial output of `w` (its chunks are written after)."""
+    ctx = store.context()
+    for name, e in entries.items():
+        try:
+            store.create(w.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
+        except ValueError as err:
+            raise WriteError(f"tensor {name}: cannot create {w.path(tensor_path(name))}: "
+                             f"{store.short_error(err)}") from None
+
+
 def write_chunks(w, entries: dict[str, TensorEntry], label: str, make: Callable, args: tuple | Callable,
                  workers: int | None = None, quiet: bool = False, group=None,
                  region: Callable[[Task], tuple] = source_region, estimate_above: int | None = None) -> None:
@@ -278,30 +289,14 @@ def write_chunks(w, entries: dict[str, TensorEntry], label: str, make: Callable,
 
         clear_probes(w.partial)
         w.reserve(total, left)  # refuse a write the filesystem cannot hold before anything is written
-        ctx = store.context()
-        for name, e in entries.items():
-            try:
-                store.create(w.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
-            except ValueError as err:
-                raise WriteError(f"tensor {name}: cannot create {w.path(tensor_path(name))}: "
-                                 f"{store.short_error(err)}") from None
+        create_arrays(w, entries)
     resumed = len(tasks) - len(todo)
-    if group is not None:
-        from .distributed import todo_digest
+    if group is not None:  # rank 0 has taken the lock, prepared the partial output and created the arrays
+        from .distributed import join_output
 
-        if lead:
-            group.publish("setup")
-        else:  # rank 0 has taken the lock, prepared the partial output and created the arrays
-            group.wait("setup", [0], " while rank 0 prepared the output")
-            w.attach()
-            todo = [t for t in tasks if not w.is_done(t.id)]
-            resumed = len(tasks) - len(todo)
-        digests = group.exchange((todo_digest(todo), resumed), " while comparing the finished chunks")
-        for r, (digest, n) in enumerate(digests):
-            if digest != digests[0][0]:
-                raise WriteError(f"{w.partial}: rank {r} finds {n} finished chunks there, rank 0 "
-                                 f"{digests[0][1]}: the output directory must be one directory every node shares; "
-                                 "nothing was committed")
+        join_output(group, w, lambda: [t.id for t in tasks if not w.is_done(t.id)], len(tasks))
+        todo = [t for t in tasks if not w.is_done(t.id)]
+        resumed = len(tasks) - len(todo)
     from .distributed import ESTIMATE_ABOVE, announce_estimate, share
 
     left_all = sum(t.nbytes(entries[t.name]) for t in todo)  # the same on every rank
@@ -323,14 +318,12 @@ def write_chunks(w, entries: dict[str, TensorEntry], label: str, make: Callable,
             bar.advance(total - left, resumed)
         _run_tasks(w, todo, make, args, nworkers, bar)
         if group is not None:
-            fault_point("rank.done")  # every chunk of this rank's share is durable and recorded; not yet reported
-            group.publish("done", {"chunks": len(w.written)})
-            group.wait("done", what=" while the ranks wrote their chunks")
-            group.stop_progress()
+            from .distributed import report_done
+
+            reports = report_done(group, w)
     if group is not None:
         from .distributed import check_recorded
 
-        reports = group.exchange(list(w.written), " while the ranks reported their chunks", to_rank0=True)
         if lead:
             check_recorded(group, w, reports, tasks, entries)
             if not quiet:
@@ -349,19 +342,27 @@ def _run_tasks(w, todo: list[Task], make: Callable, args: tuple, nworkers: int, 
                 fault_point("chunk")
             return
         rec = worker.sink.recorder = _Recorder(w, bar)  # chunks are recorded as their writes become durable
-        prefetch = getattr(worker, "prefetch", None)
-        hints = ThreadPoolExecutor(1, thread_name_prefix="shardkit-prefetch") if prefetch else None
         ok = False
         try:
-            if hints is not None and todo:
-                hints.submit(prefetch, todo[0])
-            for i, task in enumerate(todo):
-                if hints is not None and i + 1 < len(todo):
-                    hints.submit(prefetch, todo[i + 1])
-                worker(task)
+            run_in_process(worker, todo)
             ok = True
         finally:
-            if hints is not None:
-                hints.shutdown(wait=True, cancel_futures=True)
             worker.sink.recorder = None
             worker.sink.flush(rec, raise_errors=ok)  # also when interrupted: what is in flight gets recorded
+
+
+def run_in_process(worker, tasks: list[Task]) -> None:
+    """Run `tasks` in order through an in-process worker; where it has `prefetch(next_task)` (a read-ahead hint), that
+    runs on a helper thread before each task, so the next chunk's source is read while this one is written."""
+    prefetch = getattr(worker, "prefetch", None)
+    hints = ThreadPoolExecutor(1, thread_name_prefix="shardkit-prefetch") if prefetch else None
+    try:
+        if hints is not None and tasks:
+            hints.submit(prefetch, tasks[0])
+        for i, task in enumerate(tasks):
+            if hints is not None and i + 1 < len(tasks):
+                hints.submit(prefetch, tasks[i + 1])
+            worker(task)
+    finally:
+        if hints is not None:
+            hints.shutdown(wait=True, cancel_futures=True)

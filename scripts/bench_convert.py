@@ -31,8 +31,8 @@ cache; the mode used is printed and written to the results.
     .venv/bin/python scripts/bench_convert.py --src installed --src patched=/path/to/patched/tree ...
 
 Disk use per size: the source, at most one copy (deleted right after it is timed), at most two converted checkpoints
-and (--export) one exported copy: about 3-4x the model size at peak (more with --keep). Everything lives under --workdir and is removed at
-the end unless --keep.
+and (--export) one exported copy: about 3-4x the model size at peak (more with --keep). Everything lives in a fresh directory made inside --workdir and
+removed at the end unless --keep; nothing else in --workdir is touched.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -250,6 +251,29 @@ def synthesize(out: Path, s: Shape, shard_bytes: int, seed: int = 0) -> int:
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 128000, "eos_token_id": 128001, "transformers_version": "4.45.0"}, indent=2) + "\n")
     return total_bytes
+
+
+def run_dir(workdir: Path | str | None, prefix: str) -> Path:
+    """This run's own directory: a fresh one made inside --workdir (created if missing), or a temporary one. Every
+    benchmark writes only under it and removes only it, so nothing a user already had in --workdir is touched."""
+    if workdir is None:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=workdir))
+
+
+BENCH_MARK = ".made-by-shardkit-bench"
+
+
+def reuse_dir(workdir: Path | str, name: str) -> Path:
+    """A directory of inputs kept between runs (weights, a converted checkpoint) at WORKDIR/NAME, carrying a mark
+    file; one that exists without the mark was not made here and is refused, never emptied."""
+    d = Path(workdir) / name
+    if d.exists() and not (d / BENCH_MARK).is_file():
+        raise SystemExit(f"--workdir: {d} exists and was not made by shardkit's benchmarks; choose another --workdir")
+    d.mkdir(parents=True, exist_ok=True)
+    (d / BENCH_MARK).touch()
+    return d
 
 
 def dir_bytes(p: Path) -> int:
@@ -757,15 +781,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if importlib.util.find_spec("psutil") is None:
         raise SystemExit("psutil is required (pip install psutil, or the project's [test] extra)")
-    work = Path(args.workdir)
+    root = Path(args.workdir)
     largest = max(shape_for(g, args.hidden, args.layers, args.pp * args.vpp, args.vocab, args.experts,
                             args.expert_ffn).nbytes for g in args.size_list)
     need = largest * (4 if args.export else 3) * 1.05  # source + 2 checkpoints + export (the cp copy goes first)
-    free = shutil.disk_usage(work.parent if not work.exists() else work).free
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
     if need > free:
-        raise SystemExit(f"need about {need / GB:.1f} GB free under {work}, have {free / GB:.1f} GB")
-    created = not work.exists()  # only a directory we created is removed whole; otherwise only our size*/ folders
-    work.mkdir(parents=True, exist_ok=True)
+        raise SystemExit(f"need about {need / GB:.1f} GB free under {root}, have {free / GB:.1f} GB")
+    work = run_dir(root, "run-")
     cache = Cache.detect(args.warm, warm_code=not args.cold_code)
     cache.codes = args.codes
     facts = machine_facts(work)
@@ -780,11 +806,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_size(args, g, cache, work)
     finally:
         if not args.keep:
-            if created:
-                shutil.rmtree(work, ignore_errors=True)
-            else:
-                for g in args.size_list:
-                    shutil.rmtree(work / f"size{g:g}", ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept: {work}")
     code_after = {c.label: code_fingerprint(c.root) for c in args.codes}
     load_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     notes = []

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 # a sibling script: run as `python scripts/bench_reshard.py`, Python puts scripts/ first on sys.path
-from bench_convert import (GB, MB, Cache, Code, Run, dir_bytes, machine_facts, median, run_measured, shape_for,
-                           shardkit_bin, synthesize, timed)
+from bench_convert import (GB, MB, Cache, Code, Run, dir_bytes, machine_facts, median, run_dir, run_measured,
+                           shape_for, shardkit_bin, synthesize, timed)
 
 
 def uptime() -> str:
@@ -65,10 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    work = args.workdir
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    work = run_dir(args.workdir, "run-")  # a fresh directory inside --workdir: only it is removed at the end
     cache = Cache.detect(args.warm)
     code = Code.parse(args.src)
     cache.codes = [code]  # re-read the code untimed after each cache drop

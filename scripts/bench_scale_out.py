@@ -22,12 +22,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_convert import GB, WARM_CODE, dir_bytes, evict, shape_for, synthesize, try_drop_caches  # noqa: E402
+from bench_convert import GB, WARM_CODE, dir_bytes, evict, run_dir, shape_for, synthesize, try_drop_caches  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,16 +65,13 @@ def main() -> int:
     ap.add_argument("--ranks", default="1,2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--nodes", type=int, default=8, help="nodes of the projection (default 8)")
-    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--workdir", default=None, help="a fresh directory is made inside it, used and removed")
     args = ap.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-scale-out-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = run_dir(args.workdir, "bench-scale-out-")
     src = work / "hf"
     try:
         shape = shape_for(args.size_gb, args.hidden, None, 2, vocab=32000)
-        if not (src / "config.json").exists():
-            shutil.rmtree(src, ignore_errors=True)
-            synthesize(src, shape, 256 << 20)
+        synthesize(src, shape, 256 << 20)
         nbytes = dir_bytes(src)
         cold = try_drop_caches()
         print(f"model: {shape.describe()}; cache: {'dropped' if cold else 'source evicted'} before each run; "
@@ -86,7 +82,6 @@ def main() -> int:
         for rep in range(args.repeats):
             for n in counts:  # interleaved: the same load for every rank count
                 out = work / f"out-{n}"
-                shutil.rmtree(out, ignore_errors=True)
                 if not try_drop_caches():
                     evict([src])
                 # the code (torch for the ranks) is read untimed: the runs pay for the model's bytes, not for
@@ -110,8 +105,7 @@ def main() -> int:
               f"convert {args.nodes * per_node:.2f} GB/s: a 1.3 TB checkpoint in "
               f"{1300 / (args.nodes * per_node) / 60:.0f} min (bounded by the shared filesystem's aggregate rate)")
     finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

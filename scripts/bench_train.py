@@ -41,6 +41,9 @@ layouts interleaved), and reads tokens/s from its metrics.jsonl; every collectiv
         --layout dp=2 --layout tp=2
     # MoE: EP=2 against EP=1 on the same two ranks (DP defaults to EP, so ep=2 is dp=2 ep=2)
     .venv/bin/python scripts/bench_train.py --launch torchrun --experts 8 --topk 2 --layout dp=2 --layout ep=2
+    # MoE at TP x EP: tp=2,ep=2 is 4 ranks (TP 2 x DP 2, EP 2 inside DP; sequence parallel, which MoE under TP needs,
+    # is switched on for every tp > 1 layout of an MoE model), against EP 2 alone on 2 ranks
+    .venv/bin/python scripts/bench_train.py --launch torchrun --experts 8 --topk 2 --layout ep=2 --layout tp=2,ep=2
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench_convert import machine_facts  # noqa: E402 -- the sibling script (scripts/ is this script's sys.path[0])
+from bench_convert import machine_facts, reuse_dir  # noqa: E402 -- the sibling script (scripts/ is this script's sys.path[0])
 from checkpoint.errors import LayoutError  # noqa: E402
 from checkpoint.run_layout import RunLayout  # noqa: E402
 
@@ -709,6 +712,8 @@ def run_torchrun(spec: Spec, layouts: list[dict[str, int]], warmup: int, steps: 
             for k in LAYOUT_FLAGS:
                 if (getattr(lay, k) or 1) > 1:
                     cmd += [f"--{k}", str(getattr(lay, k))]
+            if spec.experts and lay.tp > 1:  # MoE under TP needs sequence parallelism (as Megatron asserts)
+                cmd.append("--sequence-parallel")
             env = _env_with_repo()
             env["OMP_NUM_THREADS"] = str(max(1, spec.threads // nproc))  # every layout gets --threads cores in all
             t0 = time.perf_counter()
@@ -866,7 +871,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--layout", action="append", default=[], help="torchrun mode: e.g. tp=1, dp=2, tp=2, cp=2, ep=2 (repeatable; "
                                                    "the first is the baseline)")
     a("--repeats", type=int, default=2, help="torchrun mode: runs per layout, interleaved")
-    a("--workdir", type=Path, help="where weights, checkpoints and profiles go (default: a temporary dir, removed)")
+    a("--workdir", type=Path, help="weights, checkpoints and profiles go to WORKDIR/bench-train, kept for the next run (default: a temporary dir, removed)")
     a("--json", type=Path, help="write the results here")
     a("--markdown", type=Path, help="write a markdown table here")
     # internal
@@ -898,11 +903,11 @@ def main(argv: list[str] | None = None) -> int:
         worker_main(args.worker, spec, args.weights, args.profile_dir)
         return 0
     tmp = None
-    workdir = args.workdir
-    if workdir is None:
+    if args.workdir is None:
         tmp = tempfile.mkdtemp(prefix="bench-train-")
         workdir = Path(tmp)
-    workdir.mkdir(parents=True, exist_ok=True)
+    else:  # weights and checkpoint reused between runs, in a directory of ours inside --workdir
+        workdir = reuse_dir(args.workdir, "bench-train")
     print(f"{spec.describe()}\nworkdir {workdir}; load average {loadavg()}", flush=True)
     try:
         if args.launch == "torchrun":

@@ -28,7 +28,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_convert import dir_bytes, machine_facts, run_measured, try_drop_caches, write_shards  # noqa: E402
+from bench_convert import dir_bytes, machine_facts, run_dir, run_measured, try_drop_caches, write_shards  # noqa: E402
 
 GB = 1e9
 CONFIGS = Path("/work/shared/hf-configs")
@@ -175,12 +174,14 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
           f"max |diff| {p['max_abs_diff']:.3e}, ok {p['ok']}", flush=True)
     row = {"model": name, "hf_gb": round(dir_bytes(hf) / GB, 2), "ck_gb": round(dir_bytes(ck) / GB, 2),
            "layers": cfg["num_hidden_layers"], "experts": cfg.get("n_routed_experts", 0),
-           "convert_s": round(conv.wall_s, 2), "convert_peak_rss_mb": round(conv.peak_tree_rss / 2**20),
+           "convert_s": round(conv.wall_s, 2), "convert_cpu_s": round(conv.cpu_s, 1),
+           "convert_peak_rss_mb": round(conv.peak_tree_rss / 2**20),
            "cat_s": round(cat_s, 2), "verify_s": round(ver.wall_s, 2),
            "verify_peak_rss_mb": round(ver.peak_tree_rss / 2**20),
            "verify_peak_anon_mb": round(ver.peak_tree_anon / 2**20),
            "verify_cpu_s": round(ver.cpu_s, 1), "ratio_vs_cat": round(ver.wall_s / max(cat_s, 1e-9), 2),
-           "ratio_vs_convert": round(ver.wall_s / max(conv.wall_s, 1e-9), 2), "ok": p["ok"],
+           "ratio_vs_convert": round(ver.wall_s / max(conv.wall_s, 1e-9), 2),
+           "cpu_ratio_vs_convert": round(ver.cpu_s / max(conv.cpu_s, 1e-9), 2), "ok": p["ok"],
            "max_abs_diff": p["max_abs_diff"], "worst_layer_diff": max(r["max_abs_diff"] for r in p["layers"]),
            "experts_exercised": p.get("experts_exercised"), "experts_total": p.get("experts_total"),
            "bytes_read_gb": round((p["bytes_read"]["ours"] + p["bytes_read"]["hf"]) / GB, 2),
@@ -194,7 +195,8 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
 
 def table(rows: list[dict]) -> str:
     cols = ["model", "layers", "experts", "hf_gb", "ck_gb", "convert_s", "cat_s", "verify_s", "ratio_vs_cat",
-            "ratio_vs_convert", "verify_peak_rss_mb", "verify_peak_anon_mb", "convert_peak_rss_mb", "bytes_read_gb",
+            "ratio_vs_convert", "convert_cpu_s", "verify_cpu_s", "cpu_ratio_vs_convert", "verify_peak_rss_mb",
+            "verify_peak_anon_mb", "convert_peak_rss_mb", "bytes_read_gb",
             "experts_exercised", "max_abs_diff", "worst_layer_diff", "ok"]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -222,9 +224,7 @@ def main(argv=None) -> int:
 
     args.budget = parse_bytes("64MB" if args.tiny and args.memory_budget == "1.5GB" else args.memory_budget,
                               "--memory-budget")
-    Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    # a fresh directory of this run inside --workdir: only it is removed at the end, never what was there before
-    work = Path(tempfile.mkdtemp(prefix="run-", dir=args.workdir))
+    work = run_dir(args.workdir, "run-")  # a fresh directory inside --workdir: only it is removed at the end
     drop = try_drop_caches()
     notes = [f"page cache: {'dropped before every timed step' if drop else 'not dropped (no permission): warm/partial'}"]
     rows = []

@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     m2h.add_argument("--overwrite", action="store_true")
     m2h.add_argument("--quiet", action="store_true")
     _skip_verify_flag(m2h)
+    _ranks_flag(m2h)
 
     m2m = csub.add_parser("megatron-to-mcore", help="Megatron-LM --ckpt-format torch (mp_rank_* files) -> shardkit "
                           "checkpoint at the same TP/PP/VPP/EP layout (reshard afterwards for another)")
@@ -413,9 +414,11 @@ def _check_train_outputs(cfg) -> None:
 
 
 def _across_ranks(args: argparse.Namespace) -> int:
-    """hf-to-mcore and reshard started as several ranks (torchrun, or one SLURM task per rank): rendezvous, compare
-    the ranks' arguments, run the command with every rank writing its share (convert.distributed); a rank that
-    fails tells the others why, so they stop naming it. Other writing commands run as one process."""
+    """hf-to-mcore and reshard started as several ranks (torchrun, or one SLURM task per rank), into either format
+    and (reshard) from either, and mcore-to-hf from a native checkpoint: rendezvous, compare the ranks' arguments,
+    run the command with every rank writing its share (convert.distributed: chunks, torch_dist rank files, or
+    safetensors shards); a rank that fails tells the others why, so they stop naming it. Other writing commands run
+    as one process."""
     from checkpoint.errors import ShardkitError
     from checkpoint.rendezvous import rank_and_world
     from convert import distributed
@@ -424,15 +427,9 @@ def _across_ranks(args: argparse.Namespace) -> int:
     found = rank_and_world(os.environ, command)
     if found is None or found[1] == 1:
         return _dispatch(args)
-    if args.cmd == "convert" and args.direction != "hf-to-mcore":
+    if args.cmd == "convert" and args.direction not in ("hf-to-mcore", "mcore-to-hf"):
         raise ShardkitError(f"{command} runs as one process (rank {found[0]} of {found[1]} here): start it "
-                            "without torchrun/srun; hf-to-mcore and reshard run across ranks")
-    if args.format == "torch_dist":
-        raise ShardkitError(f"{command} --format torch_dist across ranks: not supported yet; write the native "
-                            "format across ranks, then export it (`reshard SRC DST --format torch_dist`) as one "
-                            "process")
-    if args.cmd == "reshard" and _is_torch_dist(args.src):
-        raise ShardkitError("reshard of a torch_dist source across ranks: not supported yet; run it as one process")
+                            "without torchrun/srun; hf-to-mcore, mcore-to-hf and reshard run across ranks")
     group = distributed.start(command, dict(vars(args)), args.distributed_timeout_minutes)
     if group is None:
         return _dispatch(args)
@@ -476,12 +473,13 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise ShardkitError("--keep-fp8 with --format torch_dist: Megatron's torch_dist has no block-FP8 "
                                 "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
         group = getattr(args, "group", None)
-        if args.format == "torch_dist" and group is None:  # straight into the rank files, no native copy between
+        if args.format == "torch_dist":  # straight into the rank files, no native copy between
             from convert.torch_dist_io import convert_hf_to_torch_dist
 
             path = convert_hf_to_torch_dist(args.hf_dir, args.out, layout, dtype=dtype, key_naming=args.key_naming,
                                             overwrite=args.overwrite, quiet=args.quiet,
-                                            allow_nonfinite=args.allow_nonfinite)
+                                            allow_nonfinite=args.allow_nonfinite, group=group,
+                                            estimate_above=_estimate_above(args))
         else:
             path = _write(args, args.out, lambda out: convert_hf_to_mcore(
                 args.hf_dir, out, layout, dtype=dtype, workers=args.workers, overwrite=args.overwrite,
@@ -500,9 +498,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from convert.mcore_to_hf import convert_mcore_to_hf
 
         dtype = _check_dtype(args.dtype)
+        group = getattr(args, "group", None)
         path = _from_native_source(args, args.ckpt, args.out, lambda ckpt: convert_mcore_to_hf(
             ckpt, args.out, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-            quiet=args.quiet, quantize_fp8=args.quantize_fp8, skip_verify=args.skip_verify))
+            quiet=args.quiet, quantize_fp8=args.quantize_fp8, skip_verify=args.skip_verify, group=group,
+            estimate_above=_estimate_above(args)))
+        if group is not None and group.rank:  # rank 0 says what was written
+            return 0
         print(f"wrote {path}")
         return 0
     if args.cmd == "convert" and args.direction == "megatron-to-mcore":
@@ -535,7 +537,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
             path = write_torch_dist(args.src, args.dst, layout=layout, dtype=dtype, key_naming=args.key_naming,
                                     overwrite=args.overwrite, quiet=args.quiet, workers=args.workers,
-                                    skip_verify=args.skip_verify)
+                                    skip_verify=args.skip_verify, group=group,
+                                    estimate_above=_estimate_above(args))
         else:
             path = _write(args, args.dst, lambda out: reshard(args.src, out, layout, dtype=dtype,
                                                               workers=args.workers, overwrite=args.overwrite,
@@ -628,7 +631,7 @@ def _import_torch_dist(args: argparse.Namespace, src: str, out, layout, dtype):
 
     return torch_dist_to_native(src, out, None, layout, dtype=dtype, hf_dir=args.hf_config,
                                 vocab_size=args.vocab_size, workers=getattr(args, "workers", None),
-                                overwrite=args.overwrite, quiet=args.quiet)
+                                overwrite=args.overwrite, quiet=args.quiet, group=getattr(args, "group", None))
 
 
 def _write(args: argparse.Namespace, out: str, produce):
@@ -638,11 +641,13 @@ def _write(args: argparse.Namespace, out: str, produce):
     from convert.torch_dist_io import via_native
 
     return via_native(produce, out, key_naming=args.key_naming, overwrite=args.overwrite, quiet=args.quiet,
-                      workers=args.workers)
+                      workers=args.workers, group=getattr(args, "group", None))
 
 
 def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):
-    """Run a consumer of a native checkpoint on `src`, importing a torch_dist source into a staging copy first."""
+    """Run a consumer of a native checkpoint on `src`, importing a torch_dist source into a staging copy first.
+    Across ranks (mcore-to-hf) the import is shared out too, into a staging directory every rank names alike
+    (`.<out>.native-staging`, resumed by a rerun; one an earlier run committed is written afresh)."""
     if not _is_torch_dist(src):
         return consume(src)
     import shutil
@@ -650,6 +655,21 @@ def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):
 
     _torch_dist_model(args, src)  # the model config first: a missing or contradicting one writes nothing
     target = Path(out)
+    group = getattr(args, "group", None)
+    if group is not None:
+        from checkpoint.commit import LATEST
+
+        staging = target.parent / f".{target.name}.native-staging"
+        if group.rank == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if (staging / LATEST).exists():  # an earlier run's export failed after its staging copy was committed
+                shutil.rmtree(staging)
+        native = _import_torch_dist(args, src, staging, None, None)
+        group.next_phase()
+        path = consume(native)
+        if group.rank == 0:  # every rank has finished (they all heard that the export is in place)
+            shutil.rmtree(staging, ignore_errors=True)
+        return path
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.native-", dir=target.parent))
     try:

@@ -17,6 +17,18 @@ def write_pattern_corpus(prefix: Path, *, docs: int = 400, seed: int = 0) -> Pat
     return prefix
 
 
+def write_packed_corpus(prefix: Path, eod: int, lengths: tuple[int, int], *, docs: int = 600, seed: int = 1) -> Path:
+    """Short documents (repeated random patterns, `lengths` = [low, high) tokens before the EOD), each ended by `eod`:
+    a short sample packs several, and documents cross sample (and CP chunk) boundaries."""
+    from train.data import write_indexed
+
+    rng = np.random.default_rng(seed)
+    out = [np.append(np.tile(rng.integers(3, 60, size=int(rng.integers(2, 5))), 6)[: int(rng.integers(*lengths))], eod)
+           for _ in range(docs)]
+    write_indexed(prefix, out, np.uint16)
+    return prefix
+
+
 def tiny_llama_setup(root: Path) -> Path:
     """What the trainer tests start from, under `root`: the demo's tiny Llama in fp32 (hf/), converted (ck/), and the
     pattern corpus (data)."""

@@ -5,11 +5,13 @@ them (no tensorstore or torch threads started yet) costs milliseconds, so dozens
 
 Protocol, one JSON object per line: the parent writes {"argv": [...], "env": {...}, "kill_after": seconds | null,
 "log": path}; the child runs `shardkit.cli.main(argv)` with `env` added (SHARDKIT_FAULT_AT kills it at a named site),
-its stdout and stderr going to `log`; if `kill_after` is set and the child is still running then, it gets SIGKILL;
+its stdout and stderr going to `log` (stderr to `err` where given; `replace_env`: `env` is the whole environment;
+`cwd`: its working directory); if `kill_after` is set and the child is still running then, it gets SIGKILL;
 `fsize` sets RLIMIT_FSIZE in the child (Python ignores SIGXFSZ, so a write past it fails with EFBIG: a full disk).
 The answer is {"rc": exit status | null, "signal": signal number | null, "seconds": wall time}. {"group": [req, ...]}
 forks all its children at once (the ranks of one job) and answers with the list of their results; with
-"kill_rest_after_first" the others are killed once the first has ended.
+"kill_rest_after_first" the others are killed once the first has ended; with "kill_rest_after_failure": S, S seconds
+after the first child that failed (torchrun's agent stops the survivors the same way).
 """
 from __future__ import annotations
 
@@ -38,10 +40,16 @@ def run_child(req: dict) -> None:
     try:
         if req.get("fsize"):  # a full disk, as far as this process can tell: writes past it fail with EFBIG
             resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
+        if req.get("replace_env"):
+            os.environ.clear()
         os.environ.update(req.get("env") or {})
+        if req.get("cwd"):
+            os.chdir(req["cwd"])
+        null = os.open(os.devnull, os.O_RDONLY)  # never the server's request pipe
+        os.dup2(null, 0)
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
-        os.dup2(fd, 2)
+        os.dup2(os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if req.get("err") else fd, 2)
         sys.argv = ["shardkit", *req["argv"]]
         rc = shardkit.cli.main(req["argv"])
     except SystemExit as e:
@@ -73,6 +81,7 @@ def main() -> None:
             pids.append(pid)
         deadline = None if req.get("kill_after") is None else started + float(req["kill_after"])
         results: dict[int, dict] = {}
+        failed_at = None
         while len(results) < len(pids):
             for pid in pids:
                 if pid in results:
@@ -82,12 +91,16 @@ def main() -> None:
                     results[pid] = _status(status, started)
             if req.get("kill_rest_after_first") and pids[0] in results:  # the first has ended: stop the others
                 deadline = time.monotonic()
+            grace = req.get("kill_rest_after_failure")
+            if grace is not None and any(r["rc"] != 0 for r in results.values()):
+                failed_at = failed_at or time.monotonic()
+                deadline = min(deadline or float("inf"), failed_at + float(grace))
             if deadline is not None and time.monotonic() >= deadline:
                 for pid in pids:
                     if pid not in results:
                         os.kill(pid, signal.SIGKILL)
                         results[pid] = _status(os.waitpid(pid, 0)[1], started)
-            time.sleep(0.002)
+            time.sleep(0.002 if time.monotonic() - started < 2 else 0.02)  # short commands answer at once
         out = [results[pid] for pid in pids]
         sys.stdout.write(json.dumps(out if req.get("group") else out[0]) + "\n")
         sys.stdout.flush()

@@ -24,9 +24,20 @@ vocab_size). The topics, one section each below:
               offset, shape) of GPTModel built for that stage (uneven splits, layout strings, MLA + MoE + MTP).
   legacy_stages {"root", "iteration", "seed", "model", "pp", "vpp"}: a `--ckpt-format torch` checkpoint of a
               pipeline with (uneven) stages, one rank file per stage, and its global tensors.
-  mtp         {"model" (with mtp_num_layers), "seed", "input_ids", "labels"}: GPTModel with multi-token prediction,
-              one training forward and backward: main and per-depth MTP logits, the MTP block's output, the MTP
-              losses, the loss and every gradient.
+  mtp         {"model" (with mtp_num_layers), "seed", "input_ids", "labels"} and for packed documents "cu_seqlens"
+              and "loss_mask": GPTModel with multi-token prediction, one training forward and backward: main and
+              per-depth MTP logits, the MTP block's output, the MTP losses, the loss and every gradient.
+  grouped_experts {"model", "ckpt"}: the MoE GPTModel with the local spec's grouped-GEMM experts (GroupedMLP), built
+              and loaded (no forward: no grouped_gemm kernels on CPU): its sharded keys, its weight1/weight2 per rank.
+  mixed       {"topic": "train" | "optimizer" | "grouped_experts", ...that topic's job}: several kinds in one process.
+  mtp_roll    {"input_ids", "labels", "loss_mask", "depths"} under `torchrun --nproc-per-node CP`: megatron-core's
+              roll_tensor over the context-parallel group (every rank), each rank holding its zigzag part; per rank
+              and depth the shifted ids, labels, loss mask and the mask's local sum (num_tokens).
+
+A job's "ep" (> 1: the model's expert_model_parallel_size too) runs every job of the file at that expert parallelism
+under `torchrun --nproc-per-node EP` (TP = PP = 1, DP = EP: megatron-core's MoE layer, DDP with its expert buffers
+and expert-data-parallel groups, the ChainedOptimizer of a dense and an expert DistributedOptimizer, each rank saving
+and loading its own shards); rank 0 writes each result, global tensors assembled from every rank's shards.
 """
 from __future__ import annotations
 
@@ -46,18 +57,22 @@ import torch.nn.functional as F
 # -- megatron-core on the CPU ----------------------------------------------------------------------------------------
 
 
-def init_megatron_cpu(port_span: int = 1000) -> None:
-    """megatron-core on the CPU in this one process: the shims, a gloo group of one, model parallel 1 x 1, no CUDA
-    RNG tracker (every topic, and scripts/bench_train.py, starts here)."""
+def init_megatron_cpu(port_span: int = 1000, ep: int = 1) -> None:
+    """megatron-core on the CPU: the shims, a gloo group of one (or torchrun's ranks, when it launched this), model
+    parallel 1 x 1 with expert parallelism `ep` (data parallel over the rest), no CUDA RNG tracker (every topic, and
+    scripts/bench_train.py, starts here)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % port_span))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's ranks (env://)
+        torch.distributed.init_process_group("gloo")
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % port_span))
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state, tensor_parallel
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     moe_utils.te_general_gemm = None  # megatron-core 0.16 raises a NameError there without TE
 
@@ -114,8 +129,9 @@ def tolerate_adam_step() -> None:
 MODEL_EXTRA = ("padded_vocab_size", "max_sequence_length", "rotary_base", "tied", "vocab_size")
 
 
-def build(m: dict):
-    """megatron-core's GPTModel (local spec) for a "model" dict, in eval mode."""
+def build(m: dict, grouped: bool = False):
+    """megatron-core's GPTModel (local spec) for a "model" dict, in eval mode; `grouped`: its MoE experts as the
+    local spec's legacy grouped-GEMM GroupedMLP (see grouped_experts) instead of SequentialMLP."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -127,7 +143,8 @@ def build(m: dict):
                            attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
                            masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                            moe_token_dispatcher_type="allgather", **tc_fields)
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped, normalization="RMSNorm",
+                                    moe_use_legacy_grouped_gemm=grouped)
     model = GPTModel(tc, spec, vocab_size=m["padded_vocab_size"], max_sequence_length=m["max_sequence_length"],
                      position_embedding_type="rope", rotary_base=m["rotary_base"],
                      share_embeddings_and_output_weights=m["tied"])
@@ -175,9 +192,24 @@ def gather(sharded: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def across_ranks(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gather()'s global tensors completed from every rank's (each fills what it holds, e.g. its experts under EP)."""
+    if torch.distributed.get_world_size() == 1:
+        return tensors
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, tensors)
+    out = {}
+    for k in tensors:
+        t = every[0][k].clone()
+        for other in every[1:]:
+            t = torch.where(torch.isnan(t), other[k], t)
+        out[k] = t
+    return out
+
+
 def global_tensors(model) -> dict[str, torch.Tensor]:
-    """The model's tensors as global tensors by sharded key, from its own sharded_state_dict()."""
-    return gather(model.sharded_state_dict())
+    """The model's tensors as global tensors by sharded key, from its own sharded_state_dict() (every rank's)."""
+    return across_ranks(gather(model.sharded_state_dict()))
 
 
 def megatron_lm_args(m: dict) -> argparse.Namespace:
@@ -196,6 +228,28 @@ def write_latest(root: str, iteration: int) -> None:
 
 def names(job: dict) -> dict[str, list[int]]:
     return {t.key: list(t.global_shape) for t in sharded_tensors(build(job["model"]).sharded_state_dict())}
+
+
+def grouped_experts(job: dict) -> dict:
+    """{"model", "ckpt"}: the MoE GPTModel with the local spec's grouped-GEMM experts (GroupedMLP: every local
+    expert's fc1 in one `weight1` [hidden, experts x 2 ffn], fc2 in `weight2` [experts x ffn, hidden]); the
+    grouped_gemm kernels are not installed on CPU, so it is built and loaded (dist_checkpointing.load of "ckpt") but
+    runs no forward. Result: "names" (its sharded keys and global shapes) and, per rank, each layer's weight1 and
+    weight2 as loaded ("weights": [{"L.weight1": ..., "L.weight2": ...} for each rank])."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None  # built and loaded only, never run
+    model = build(job["model"], grouped=True)
+    out = {"names": {t.key: list(t.global_shape) for t in sharded_tensors(model.sharded_state_dict())}}
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, job["ckpt"])
+    model.load_state_dict(state["model"], strict=True)
+    mine = {f"{i}.{w}": getattr(layer.mlp.experts, w).detach().clone()
+            for i, layer in enumerate(model.decoder.layers) for w in ("weight1", "weight2")}
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    out["weights"] = every
+    return out
 
 
 # -- data ------------------------------------------------------------------------------------------------------------
@@ -496,7 +550,9 @@ def torch_dist(job: dict) -> dict:
 # all (it raises "ShardedTensor.flattened_range is not supported."), so the checkpoint uses `fully_reshardable`, the
 # model-space format 0.16 saves and loads.
 
-OPTIMIZER_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Megatron-LM's (training/checkpointing.py _build_sharded_state_dict_metadata): a MoE model's chained optimizer (dense +
+# expert) keeps the same `optimizer.state.<state>.<key>` names, without a `chained_N.` prefix
+OPTIMIZER_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def _ddp_and_optimizer(job: dict):
@@ -530,7 +586,7 @@ def _random_steps(job: dict, ddp, opt, steps: int, seed: int) -> None:
 def _optimizer_state(model, opt) -> dict:
     optimizer = {}
     sharded = opt.sharded_state_dict(model.sharded_state_dict(metadata=OPTIMIZER_META), metadata=OPTIMIZER_META)
-    for key, t in gather(sharded).items():
+    for key, t in across_ranks(gather(sharded)).items():
         _, _, state, *rest = key.split(".", 3)
         optimizer.setdefault(state, {})[rest[0]] = t
     return optimizer
@@ -544,13 +600,18 @@ def optimizer(job: dict) -> dict:
         # torch's Adam (no Apex/TE here) has no state before its first step, and megatron-core's state_dict() needs
         # one: take a throwaway step first; everything it changed is overwritten by the load below
         _random_steps(job, ddp, opt, 1, 99)
-        model_sd = model.sharded_state_dict(metadata=OPTIMIZER_META)
-        opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_META)
+        # as Megatron-LM's load_checkpoint: the sharded state dicts built with the checkpoint's own content metadata
+        # (sharding type, chained_optim_avoid_prefix, ...)
+        meta = dist_checkpointing.load_content_metadata(job["ckpt"]) or OPTIMIZER_META
+        model_sd = model.sharded_state_dict(metadata=meta)
+        opt_sd = opt.sharded_state_dict(model_sd, is_loading=True, metadata=meta)
         state = dist_checkpointing.load({"model": model_sd, "optimizer": opt_sd}, job["ckpt"])
         model.load_state_dict(state["model"], strict=True)
         opt.load_state_dict(state["optimizer"])
+        loaded = state["optimizer"]  # a MoE model's ChainedOptimizer: {0: dense, 1: expert}
+        parts = [loaded[k] for k in sorted(loaded)] if 0 in loaded else [loaded]
         out = {"tensors": global_tensors(model), "optimizer": _optimizer_state(model, opt),
-               "param_groups": state["optimizer"]["optimizer"]["param_groups"]}
+               "param_groups": [g for part in parts for g in part["optimizer"]["param_groups"]]}
         _random_steps(job, ddp, opt, 1, 0)  # the restored state trains on
         return out
     _random_steps(job, ddp, opt, job["steps"], job["seed"])
@@ -603,11 +664,12 @@ def train_dataset(data: dict, train_samples: int):
     return train
 
 
-def micro_batches(dataset, micro_batch_size: int, seen: list):
-    """Megatron-LM's MegatronPretrainingSampler at DP 1 from consumed samples 0 (consecutive indices, micro_batch_size
-    at a time, the last partial batch dropped) and the DataLoader's default collate. Each batch's token ids are
-    appended to `seen`."""
-    for start in range(0, len(dataset) - micro_batch_size + 1, micro_batch_size):
+def micro_batches(dataset, micro_batch_size: int, seen: list, dp: int = 1, dp_rank: int = 0):
+    """Megatron-LM's MegatronPretrainingSampler from consumed samples 0 (consecutive indices, micro_batch_size x dp at
+    a time, of which DP rank r takes the r-th micro_batch_size; the last partial batch dropped) and the DataLoader's
+    default collate. Each batch's token ids are appended to `seen`."""
+    step = micro_batch_size * dp
+    for start in range(dp_rank * micro_batch_size, len(dataset) - step + 1 + dp_rank * micro_batch_size, step):
         batch = torch.utils.data.default_collate([dataset[i] for i in range(start, start + micro_batch_size)])
         seen.append(torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1).tolist())
         yield batch
@@ -674,10 +736,14 @@ def train(job: dict) -> dict:
     config.finalize_model_grads_func = finalize_model_grads
     forward_backward = get_forward_backward_func()
 
-    mbs, gbs, dp = t["micro_batch_size"], t["global_batch_size"], 1  # one process: DP 1
+    from megatron.core import parallel_state
+
+    mbs, gbs = t["micro_batch_size"], t["global_batch_size"]
+    dp = parallel_state.get_data_parallel_world_size()  # TP = PP = 1: every rank is a DP rank (EP inside DP)
     num_micro = gbs // (mbs * dp)
     seen: list = []
-    batches = micro_batches(train_dataset(job["data"], t["train_iters"] * gbs), mbs, seen)
+    batches = micro_batches(train_dataset(job["data"], t["train_iters"] * gbs), mbs, seen, dp,
+                            parallel_state.get_data_parallel_rank())
     out = {"loss": [], "grad_norm": [], "lr": [], "wd": [], "tokens": [], "params": [], "num_micro": num_micro}
     for _ in range(t["train_iters"]):
         first = len(seen)
@@ -695,6 +761,7 @@ def train(job: dict) -> dict:
             raise RuntimeError("megatron-core's optimizer skipped a step (fp32: it never should)")
         sched.step(increment=num_micro * mbs * dp)
         val = torch.vstack([x["lm loss"].view(-1) for x in losses_reduced]).sum(dim=0)
+        torch.distributed.all_reduce(val, group=parallel_state.get_data_parallel_group())  # Megatron-LM's report
         out["loss"].append(float(val[0] / val[1]))
         out["grad_norm"].append(float(grad_norm))
         out["tokens"].append(seen[first:])
@@ -713,15 +780,17 @@ def save_training(job: dict, model, opt, sched, iteration: int, consumed: int) -
     from megatron.core import dist_checkpointing
 
     d = os.path.join(job["save"]["root"], f"iter_{iteration:07d}")
-    os.makedirs(d)
+    os.makedirs(d, exist_ok=True)  # every rank
     args = megatron_lm_args(job["model"])
     args.consumed_train_samples = consumed
+    args.expert_model_parallel_size = job.get("ep", 1)
     model_sd = model.sharded_state_dict(metadata=OPTIMIZER_META)
     opt_sd = opt.sharded_state_dict(model_sd, metadata=OPTIMIZER_META)
     dist_checkpointing.save({"model": model_sd, "optimizer": opt_sd, "iteration": iteration,
                              "checkpoint_version": 3.0, "args": args, "opt_param_scheduler": sched.state_dict()}, d,
                             content_metadata=OPTIMIZER_META)
-    write_latest(job["save"]["root"], iteration)
+    if torch.distributed.get_rank() == 0:
+        write_latest(job["save"]["root"], iteration)
 
 
 # -- main ------------------------------------------------------------------------------------------------------------
@@ -960,6 +1029,24 @@ def legacy_stages(job: dict) -> dict:
 # (chunk 0 what the block read: the decoder output; chunk d + 1 depth d's output), both captured by hooks (the output
 # layer runs once per depth, then for the main head); "mtp_losses" MTPLossLoggingHelper's tracker (each depth's mean
 # cross-entropy), "loss" and "grads" (global, by sharded key).
+# Packed documents ("cu_seqlens", batch 1, "loss_mask" file): megatron-core's packed_seq_params with those boundaries
+# (format "sbhd": RoPE over positions 0..s-1), so that roll_tensor shifts ids, labels and the loss mask within each
+# document; the local DotProductAttention refuses packed_seq_params (TE's kernel takes them on GPUs), so it gets the
+# same documents as a dense causal-within-document mask and the packed_seq_params are not handed to it.
+
+def _attention_without_packed_params() -> None:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    orig = DotProductAttention.forward
+    if getattr(orig, "drops_packed", False):
+        return
+
+    def forward(self, *a, packed_seq_params=None, **k):
+        return orig(self, *a, **k)
+
+    forward.drops_packed = True
+    DotProductAttention.forward = forward
+
 
 def mtp(job: dict) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -974,9 +1061,24 @@ def mtp(job: dict) -> dict:
     ids, labels = torch.load(job["input_ids"]), torch.load(job["labels"])
     b, s = ids.shape
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    packed, loss_mask = None, None
+    if job.get("cu_seqlens") is not None:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        assert b == 1, "packed documents: one row (megatron-core's packed batches are THD)"
+        cu = torch.tensor(job["cu_seqlens"], dtype=torch.int32)
+        packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=s,
+                                 max_seqlen_kv=s)
+        docs = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long())
+        mask = mask | (docs[:, None] != docs[None, :])[None, None]
+        _attention_without_packed_params()
+        loss_mask = torch.load(job["loss_mask"]).float()
     MTPLossLoggingHelper.tracker.clear()
     model.train()
-    loss = model(ids, torch.arange(s)[None, :].expand(b, -1), mask, labels=labels).float().mean()
+    out = model(ids, torch.arange(s)[None, :].expand(b, -1), mask, labels=labels, loss_mask=loss_mask,
+                packed_seq_params=packed).float()
+    # pretrain_gpt.py's loss_func: the masked token mean
+    loss = out.mean() if loss_mask is None else (out * loss_mask).sum() / loss_mask.sum()
     loss.backward()
     with torch.no_grad():  # the gradients in the parameters' place, so that the sharded keys name them
         for p in model.parameters():
@@ -988,11 +1090,49 @@ def mtp(job: dict) -> dict:
             "grads": global_tensors(model)}
 
 
+def mixed(job: dict) -> dict:
+    """A job of another topic ("topic": "train", "optimizer" or "grouped_experts") under the distributed optimizer's
+    shims, so that one oracle process (one megatron-core start-up, one torchrun for "ep" > 1) runs several kinds."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    if job["topic"] not in ("train", "optimizer", "grouped_experts"):
+        raise ValueError(job["topic"])
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # a class attribute: the previous job's scale
+    return TOPICS[job["topic"]][0](job)
+
+
+# -- mtp_roll ---------------------------------------------------------------------------------------------------------
+# What GPTModel._postprocess and MultiTokenPredictionLayer._get_embeddings do to the labels, loss mask and input ids of
+# each depth under context parallelism: each rank takes its zigzag part (get_batch_on_this_cp_rank, as pretrain_gpt.py)
+# of the whole batch and calls roll_tensor(shifts=-1, dims=-1, cp_group) once per depth, which trades the boundary
+# tokens with the neighbouring CP ranks by isend/irecv. Every rank of this torchrun is one CP rank.
+
+def mtp_roll(job: dict) -> list:
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    group = torch.distributed.group.WORLD
+    batch = get_batch_on_this_cp_rank({k: torch.load(job[k]) for k in ("input_ids", "labels", "loss_mask")},
+                                      cp_group=group)
+    ids, labels, mask = batch["input_ids"], batch["labels"], batch["loss_mask"].float()
+    mine = []
+    for _ in range(job["depths"]):
+        ids, _ = roll_tensor(ids, shifts=-1, dims=-1, cp_group=group)
+        labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=group)
+        mask, num_tokens = roll_tensor(mask, shifts=-1, dims=-1, cp_group=group)
+        mine.append({"ids": ids.clone(), "labels": labels.clone(), "loss_mask": mask.clone(),
+                     "num_tokens": float(num_tokens)})
+    ranks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, mine)
+    return ranks
+
+
 # topic: (its job, whether it needs the distributed optimizer's shims)
 TOPICS = {"names": (names, False), "data": (data, False), "schedule": (schedule, False), "legacy": (legacy, False),
           "torch_dist": (torch_dist, False), "optimizer": (optimizer, True), "train": (train, True),
           "pipeline_split": (pipeline_split, False), "regions": (regions, False),
-          "legacy_stages": (legacy_stages, False), "mtp": (mtp, False)}
+          "legacy_stages": (legacy_stages, False), "mtp": (mtp, False), "mtp_roll": (mtp_roll, False),
+          "grouped_experts": (grouped_experts, False), "mixed": (mixed, True)}
 
 
 def main() -> None:
@@ -1002,13 +1142,17 @@ def main() -> None:
     if distributed_optimizer:
         cuda_as_cpu()
         tolerate_adam_step()
-    init_megatron_cpu()
-    torch.manual_seed(0)
-    np.random.seed(0)
     with open(sys.argv[2]) as f:
         jobs = json.load(f)
+    # "ep" > 1: run under torchrun, one process per rank (the regions topic's "ep" is the layout it builds each rank's
+    # model for, one after another in this one process)
+    init_megatron_cpu(ep=1 if sys.argv[1] == "regions" else max(job.get("ep", 1) for job in jobs))
+    torch.manual_seed(0)
+    np.random.seed(0)
     for job in jobs:
         result = run(job)
+        if torch.distributed.get_rank() > 0:  # every rank took part; rank 0 writes the result
+            continue
         if job["out"].endswith(".pt"):
             torch.save(result, job["out"])
         else:

@@ -9,11 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_bench_train_tiny(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
+    mine = tmp_path / "work" / "hf" / "mine.txt"  # a user's file where older versions put (and removed) the weights
+    mine.parent.mkdir(parents=True)
+    mine.write_text("not the benchmark's")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--hidden", "64", "--layers", "2", "--heads", "4",
            "--kv-heads", "2", "--ffn", "128", "--vocab", "256", "--seq", "32", "--mbs", "2", "--steps", "2",
@@ -32,6 +37,29 @@ def test_bench_train_tiny(tmp_path: Path) -> None:
     assert set(res["ratios"]) == {"ours/hf", "ours/megatron"}
     assert res["flops_per_step"]["megatron"] > 0
     assert "| ours |" in proc.stdout
+    assert mine.read_text() == "not the benchmark's"
+
+
+def test_bench_workdirs_leave_users_files(tmp_path: Path) -> None:
+    """Every benchmark's --workdir: the run works in a fresh directory of its own inside it (removed whole) or in a
+    marked directory of inputs it made itself; a same-named directory it did not make is refused, never emptied."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from bench_convert import BENCH_MARK, reuse_dir, run_dir
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    user = tmp_path / "w"
+    (user / "hf").mkdir(parents=True)
+    (user / "hf" / "mine.txt").write_text("x")
+    a, b = run_dir(user, "run-"), run_dir(user, "run-")
+    assert a != b and a.parent == user == b.parent and not any(a.iterdir())
+    kept = reuse_dir(user, "bench-train")
+    assert (kept / BENCH_MARK).is_file() and reuse_dir(user, "bench-train") == kept
+    with pytest.raises(SystemExit, match="hf exists and was not made by shardkit's benchmarks"):
+        reuse_dir(user, "hf")
+    assert (user / "hf" / "mine.txt").read_text() == "x" and sorted(p.name for p in (user / "hf").iterdir()) == ["mine.txt"]
+    fresh = run_dir(tmp_path / "new" / "deep", "run-")  # a --workdir that does not exist yet is made
+    assert fresh.parent == tmp_path / "new" / "deep"
 
 
 def test_bench_train_torchrun_layouts(tmp_path: Path) -> None:

@@ -274,13 +274,9 @@ EOD = 2  # the tiny Llama's eos_token_id: what continue-pretrain takes as the en
 @pytest.fixture(scope="module")
 def packed_data(setup):
     """Short documents, each ended by EOD, so a 33-token sample packs several."""
-    from train.data import write_indexed
+    from tests.corpus import write_packed_corpus
 
-    rng = np.random.default_rng(1)
-    docs = [np.append(np.tile(rng.integers(3, 60, size=int(rng.integers(2, 5))), 6)[: int(rng.integers(4, 16))], EOD)
-            for _ in range(600)]
-    write_indexed(setup / "data-docs", docs, np.uint16)
-    return setup / "data-docs"
+    return write_packed_corpus(setup / "data-docs", EOD, (4, 16))
 
 
 @pytest.fixture(scope="module")

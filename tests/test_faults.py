@@ -23,40 +23,10 @@ import pytest
 from checkpoint.commit import LATEST, LOCK, PARTIAL_SUFFIX, complete_iterations, resolve_iteration
 from checkpoint.manifest import MANIFEST
 from checkpoint.reader import Checkpoint
+from tests.launcher import ForkServer, server
 
 TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=300)
-REPO = Path(__file__).resolve().parents[1]
 SEED = 8
-
-
-class Zygote:
-    """The fork server: one process that imported everything once."""
-
-    def __init__(self, logdir: Path):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
-        env.pop("SHARDKIT_FAULT_AT", None)
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fault_zygote.py")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
-        self.logdir = logdir
-        self.n = 0
-
-    def run(self, argv: list, fault: str | None = None, kill_after: float | None = None,
-            fsize: int | None = None) -> dict:
-        self.n += 1
-        log = self.logdir / f"trial-{self.n}.log"
-        req = {"argv": [str(a) for a in argv], "env": {"SHARDKIT_FAULT_AT": fault} if fault else {},
-               "kill_after": kill_after, "log": str(log), "fsize": fsize}
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, "the fork server died"
-        out = json.loads(line)
-        out["log"] = log.read_text() if log.exists() else ""
-        return out
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +35,7 @@ def work(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("faults")
     build_tiny_llama(root / "hf", **TINY)
-    z = Zygote(root)
-    yield root, z
-    z.close()
+    return root, server()  # the session's fork server (tests/launcher.py)
 
 
 def killed(r: dict) -> bool:
@@ -125,7 +93,7 @@ class Tally:
                 f"(loaded + verified) after {self.loaded_after}{equal}")
 
 
-def _kill_and_rerun(z: Zygote, argv: list, out: Path, want: dict[str, bytes], iteration_dir: str, fault: str | None,
+def _kill_and_rerun(z: ForkServer, argv: list, out: Path, want: dict[str, bytes], iteration_dir: str, fault: str | None,
                     delay: float | None, existing: bool, tally: Tally) -> None:
     r = z.run(argv, fault=fault, kill_after=delay)
     tally.trials += 1
@@ -365,9 +333,7 @@ def test_rank_dies(work, trainable, site):
               "env": {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(port), "SHARDKIT_FAULT_AT": site}} for r in range(2)]
     # 300 s: a hang fails the test instead of waiting forever; a frozen rank 1 is killed once rank 0 has ended
-    z.proc.stdin.write(json.dumps({"group": ranks, "kill_after": 300, "kill_rest_after_first": hang}) + "\n")
-    z.proc.stdin.flush()
-    r0, r1 = json.loads(z.proc.stdout.readline())
+    r0, r1 = z.request({"group": ranks, "kill_after": 300, "kill_rest_after_first": hang})
     err0 = Path(ranks[0]["log"]).read_text()
     assert killed(r1), Path(ranks[1]["log"]).read_text()[-2000:]
     assert r0["rc"] not in (0, None) and not killed(r0), f"rank 0 did not stop by itself: {r0}\n{err0[-3000:]}"

@@ -5,7 +5,11 @@ step's forward and backward; our GPTModel, loaded with the same tensors by their
 logits, the same hidden states into the MTP block (megatron-core feeds depth 0 the decoder's final-normed output and
 each next depth the previous depth's final_layernorm output), the same logits at every depth, the same per-depth MTP
 losses and, through the trainer's own StageStep and MTP loss, the same gradient for every parameter. Dense (depth 1
-and 2) and MoE (depth 2) models; fp32.
+and 2) and MoE (depth 2) models; fp32. Packed documents (depth 2): megatron-core with packed_seq_params at the EOD
+boundaries and pretrain_gpt.py's loss mask against the trainer with --reset-attention-mask --eod-mask-loss (the ids,
+labels and loss mask of each depth shifted within each document, its last tokens masked). Context parallelism:
+megatron-core's roll_tensor over 3 CP ranks (torchrun, `mtp_roll`) against the trainer's shift of the whole
+micro-batch, split zigzag.
 """
 from __future__ import annotations
 
@@ -55,6 +59,15 @@ def _megatron_model(cfg: ModelConfig) -> dict:
 
 
 CASES = {"dense-1": (1, False), "dense-2": (2, False), "moe-2": (2, True)}
+# packed documents: one row of 16 tokens, EOD at 4, 5 (a document of one token) and 11, the last document unended
+EOD, DOC_ENDS, DOCS_SEQ = 1, (4, 5, 11), 16
+
+
+def _packed_sample() -> torch.Tensor:
+    """[1, DOCS_SEQ + 1] tokens: random ids >= 2 with EOD at DOC_ENDS (input positions)."""
+    sample = torch.randint(2, VOCAB, (1, DOCS_SEQ + 1), generator=torch.Generator().manual_seed(5))
+    sample[0, list(DOC_ENDS)] = EOD
+    return sample
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +82,18 @@ def oracle(tmp_path_factory):
     jobs = [{"model": _megatron_model(_config(*case)), "seed": 11 + i, "input_ids": str(w / "ids.pt"),
              "labels": str(w / "labels.pt"), "out": str(w / f"{name}.pt")}
             for i, (name, case) in enumerate(CASES.items())]
+    sample = _packed_sample()
+    torch.save(sample[:, :-1].clone(), w / "docs-ids.pt")
+    torch.save(sample[:, 1:].clone(), w / "docs-labels.pt")
+    torch.save((sample[:, :-1] != EOD).float(), w / "docs-mask.pt")  # --eod-mask-loss
+    jobs.append({"model": _megatron_model(_config(2, False)), "seed": 21, "input_ids": str(w / "docs-ids.pt"),
+                 "labels": str(w / "docs-labels.pt"), "loss_mask": str(w / "docs-mask.pt"),
+                 "cu_seqlens": [0, *(e + 1 for e in DOC_ENDS), DOCS_SEQ], "out": str(w / "docs.pt")})
     (w / "jobs.json").write_text(json.dumps(jobs))
     r = subprocess.run([sys.executable, str(ORACLE), "mtp", str(w / "jobs.json")], capture_output=True, text=True,
                        timeout=600, cwd=str(w))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
-    return {"ids": ids, "labels": labels, **{name: torch.load(w / f"{name}.pt") for name in CASES}}
+    return {"ids": ids, "labels": labels, **{name: torch.load(w / f"{name}.pt") for name in (*CASES, "docs")}}
 
 
 def _ours(cfg: ModelConfig, tensors: dict) -> GPTModel:
@@ -107,12 +127,88 @@ def test_mtp_matches_megatron_core(oracle, case):
     moe_state = MoETraining(trained, cfg, MoESettings(load_balancing_type="none", mtp_loss_scaling_factor=SCALE))
     moe_state.start_step(num_micro=1)
     loss = StageStep(trained, Groups(RunLayout(), 0, 0, 0, 0, 0), moe=moe_state)(None, ids, labels)
+    _equals_megatron(meg, trained, moe_state, loss)
+
+
+def _equals_megatron(meg: dict, trained, moe_state, loss) -> None:
+    """The loss, every gradient (after loss.backward()) and the per-depth MTP losses equal megatron-core's."""
     assert loss.item() == pytest.approx(meg["loss"].item(), rel=TOL)
     loss.backward()
     for name, g in _canonical_grads(trained).items():
         want = meg["grads"][sharded_key(name, "local")]
         assert (g - want).norm() <= TOL * want.norm(), name
     torch.testing.assert_close(moe_state.mtp.float(), meg["mtp_losses"], rtol=TOL, atol=0)
+
+
+def test_mtp_with_packed_documents_matches_megatron_core(oracle):
+    """The trainer's packed micro-batch (prepare_micro_batch with --reset-attention-mask --eod-mask-loss, its installed
+    document attention, StageStep): main and per-depth MTP logits, MTP losses, loss and every gradient equal
+    megatron-core's with packed_seq_params; the shifted ids are 0 and the MTP weights 0 at each document's last
+    tokens."""
+    from train.moe import mtp_targets
+    from train.parallel.context import Packing, apply_context_parallel, prepare_micro_batch
+
+    cfg, meg = _config(2, False), oracle["docs"]
+    packing = Packing(EOD, reset_attention_mask=True, eod_mask_loss=True)
+    ids, labels, extras = prepare_micro_batch(_packed_sample(), 1, 0, packing)
+    groups = Groups(RunLayout(), 0, 0, 0, 0, 0)
+    t = mtp_targets(*extras.whole, extras.layout.docs, 2)
+    # depth d reads nothing at the last d tokens of each document (documents 0..4, 5, 6..11, 12..15) and is not
+    # weighed there nor where the token it predicts follows an EOD input (--eod-mask-loss, shifted with the labels)
+    for d, (ends, masked) in enumerate((((4, 5, 11, 15), (3, 4, 5, 10, 11, 15)),
+                                        ((3, 4, 5, 10, 11, 14, 15), (2, 3, 4, 5, 9, 10, 11, 14, 15)))):
+        assert [i for i in range(DOCS_SEQ) if t.ids[d][0, i] == 0] == list(ends), d
+        assert [i for i in range(DOCS_SEQ) if t.weights[d][0, i] == 0] == list(masked), d
+        torch.testing.assert_close(t.weights[d].sum(), torch.tensor(1.0))
+
+    model = _ours(cfg, meg["tensors"])
+    attention, _ = apply_context_parallel(model, groups, "p2p", packing, False, torch.device("cpu"), torch.float32)
+    assert attention is not None
+    with torch.no_grad(), attention.use(extras.layout):
+        logits, hidden = model(ids, return_hidden=True)
+        assert (logits - meg["logits"]).abs().max() <= TOL
+        mtp_logits = model.mtp_forward(hidden, ids, extras.position_ids, t.ids)
+        for d in range(2):
+            assert (mtp_logits[d] - meg["mtp_logits"][d]).abs().max() <= TOL, f"MTP depth {d + 1}"
+
+    trained = _ours(cfg, meg["tensors"])
+    attention, _ = apply_context_parallel(trained, groups, "p2p", packing, False, torch.device("cpu"), torch.float32)
+    moe_state = MoETraining(trained, cfg, MoESettings(load_balancing_type="none", mtp_loss_scaling_factor=SCALE))
+    moe_state.start_step(num_micro=1)
+    loss = StageStep(trained, groups, attention, moe=moe_state)(None, ids, labels, extras)
+    _equals_megatron(meg, trained, moe_state, loss)
+
+
+def test_mtp_shift_across_cp_chunks_matches_megatron_core(tmp_path):
+    """megatron-core's roll_tensor at CP 3 (first, middle and last CP rank trade boundary tokens by isend/irecv;
+    chunks of 2 tokens and 3 depths, so a shifted token comes from two chunks away) gives every CP rank the ids,
+    labels and loss mask that mtp_targets takes from the whole micro-batch. megatron-core divides each rank's sum by
+    that rank's own count; the trainer by the whole micro-batch's, which is the sum of those counts."""
+    from tests.launcher import free_port
+    from train.moe import mtp_targets
+
+    cp, S, depths = 3, 12, 3
+    g = torch.Generator().manual_seed(9)
+    whole = (torch.randint(2, VOCAB, (2, S), generator=g), torch.randint(2, VOCAB, (2, S), generator=g),
+             (torch.rand(2, S, generator=g) > 0.25).float())
+    for name, t in zip(("ids", "labels", "mask"), whole):
+        torch.save(t, tmp_path / f"{name}.pt")
+    job = {"input_ids": str(tmp_path / "ids.pt"), "labels": str(tmp_path / "labels.pt"),
+           "loss_mask": str(tmp_path / "mask.pt"), "depths": depths, "out": str(tmp_path / "roll.pt")}
+    (tmp_path / "jobs.json").write_text(json.dumps([job]))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-port",
+                        str(free_port()), str(ORACLE), "mtp_roll", str(tmp_path / "jobs.json")],
+                       capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    meg = torch.load(tmp_path / "roll.pt")
+    for rank in range(cp):
+        ours = mtp_targets(*whole, None, depths, cp, rank)
+        for d in range(depths):
+            m = meg[rank][d]
+            assert torch.equal(ours.ids[d], m["ids"]) and torch.equal(ours.labels[d], m["labels"]), (rank, d)
+            count = sum(meg[q][d]["num_tokens"] for q in range(cp))
+            torch.testing.assert_close(ours.weights[d], m["loss_mask"] / count, rtol=1e-7, atol=0)
+    assert meg[0][0]["ids"][:, -1].eq(0).all()  # the sequence's end (rank 0's second chunk) reads 0
 
 
 def _canonical_grads(model: GPTModel) -> dict:

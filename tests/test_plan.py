@@ -479,7 +479,7 @@ def test_activations_equal_what_the_trainers_model_saves():
     """Measured: the bytes autograd keeps for backward in the trainer's model (train/model.py, fp32 on CPU, tp 1),
     counted as unique storages handed to saved_tensors_hooks, parameters excluded, over 3 layers minus 1 layer (so
     the embedding, RoPE tables and head do not count). The eager estimate must be within 5% (the issue asks 15%;
-    observed: equal to the byte); the fused (Megatron/TE) estimate, what fused GPU kernels keep, is ~27% less."""
+    observed: equal to the byte); the fused (Megatron/TE) estimate, what fused GPU kernels keep, is ~24% less."""
     import torch
 
     GPTModel = pytest.importorskip("train.model").GPTModel

@@ -5,7 +5,8 @@
 the others stop with one line naming it, leaves a complete checkpoint that verifies or none (never a `latest` that
 lies), and a rerun with another number of ranks resumes and ends bitwise equal to one process. Bad input: ranks with
 different arguments, a world size that does not match the ranks started, an output directory the ranks do not share,
-and a second job into the same root.
+and a second job into the same root. The same across ranks into and from Megatron's torch_dist: each rank writes its
+share of the `.distcp` rank files, rank 0 the metadata, and a rerun keeps the rank files recorded durable.
 """
 from __future__ import annotations
 
@@ -80,6 +81,35 @@ def torchrun(n: int, argv: list) -> subprocess.CompletedProcess:
                           env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+def launch(n: int, argv: list, out: Path, via_torchrun: bool) -> str:
+    """`n` ranks of `argv`, through torchrun itself or started by hand: every rank succeeds and (by hand, where each
+    rank's output is seen) rank 0 alone speaks, its `wrote` line naming `out`'s iteration. Rank 0's stderr."""
+    if via_torchrun:
+        r = torchrun(n, argv)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stderr
+    res = ranks(n, argv)
+    ok(res)
+    assert all(not x["out"] and not x["err"] for x in res[1:]), res[1:]
+    assert res[0]["out"].strip().endswith(f"wrote {out / 'iter_0000000'}"), res[0]["out"]
+    return res[0]["err"]
+
+
+def _shares(err: str, n: int, what: str) -> list[int]:
+    """The pieces each of `n` ranks wrote, from rank 0's `... N ranks wrote a + b + c <what>` line."""
+    line = next(ln for ln in err.splitlines() if f"{n} ranks wrote" in ln and f" {what}" in ln)
+    return [int(c) for c in line.split("wrote ")[1].split(f" {what}")[0].split(" + ")]
+
+
+def same_as_one_process(out: Path, want: dict, what: str) -> None:
+    """`out` is clean (no partial, lock or temporary names) and its iteration holds the files `want` (td_files of one
+    process's output, torch_dist or native)."""
+    assert_clean(out)
+    got = td_files(out / "iter_0000000")
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if got[k] != want[k]] == [], f"{what} differ from one process"
+
+
 def error_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith("shardkit: error:")]
 
@@ -119,12 +149,17 @@ CASES = {  # name: (argv after the source, source kind)
 def _argv(root: Path, case: str, out: Path) -> list:
     flags, kind = CASES[case]
     if kind == "reshard":
-        src = root / "reshard-src"
-        if not src.exists():
-            r = one(["convert", "hf-to-mcore", root / "llama", src, "--quiet"])
-            assert r.returncode == 0, r.stderr
-        return ["reshard", src, out, *flags]
+        return ["reshard", _native_source(root), out, *flags]
     return ["convert", "hf-to-mcore", root / kind, out, *flags]
+
+
+def _native_source(root: Path) -> Path:
+    """The tiny Llama as a native tp1 pp1 checkpoint (one process), the source of the reshard cases."""
+    src = root / "reshard-src"
+    if not src.exists():
+        r = one(["convert", "hf-to-mcore", root / "llama", src, "--quiet"])
+        assert r.returncode == 0, r.stderr
+    return src
 
 
 def _reference(root: Path, case: str) -> dict[str, bytes]:
@@ -143,26 +178,14 @@ def test_ranks_byte_identical(models, case):
     for n in (2, 3):
         out = models / f"{case}-{n}"
         argv = _argv(models, case, out)
-        if n == 2 and case == "llama-tp2pp2":
-            r = torchrun(2, argv)
-            assert r.returncode == 0, r.stderr[-3000:]
-            err0 = r.stderr
-        else:  # the 3-rank dense run also measures the write rate and prints the estimate first
-            res = ranks(n, argv + (["--estimate-above", "0"] if case == "llama-tp2pp2" else []))
-            ok(res)
-            err0 = res[0]["err"]
-            if case == "llama-tp2pp2":
-                assert f"on 1 node(s), {n} rank(s); durable write rate measured per node" in err0, err0
-            assert all(not x["out"] and not x["err"] for x in res[1:]), res[1:]  # rank 0 alone speaks
-            assert res[0]["out"].strip().endswith(f"wrote {out / 'iter_0000000'}"), res[0]["out"]
-        shares = next(ln for ln in err0.splitlines() if f"{n} ranks wrote" in ln)
-        counts = [int(c) for c in shares.split("wrote ")[1].split(" chunks")[0].split(" + ")]
+        dense = case == "llama-tp2pp2"  # its 3-rank run also measures the write rate and prints the estimate first
+        err0 = launch(n, argv + (["--estimate-above", "0"] if dense and n == 3 else []), out, dense and n == 2)
+        if dense and n == 3:
+            assert f"on 1 node(s), {n} rank(s); durable write rate measured per node" in err0, err0
+        counts = _shares(err0, n, "chunks")
         assert len(counts) == n and all(c > 0 for c in counts) and sum(counts) == len(
-            [k for k in want if "/c/" in k]), shares
-        assert_clean(out)
-        got = files_of(out / "iter_0000000")
-        assert sorted(got) == sorted(want)
-        assert [k for k in want if got[k] != want[k]] == [], f"{case}: {n} ranks differ from one process"
+            [k for k in want if "/c/" in k]), err0
+        same_as_one_process(out, want, f"{case}: {n} ranks")
 
 
 def test_slurm_tasks(models, tmp_path_factory):
@@ -207,6 +230,105 @@ def test_estimate():
     assert seconds == pytest.approx(325.0) and line.endswith("4.00 GB/s: about 5 min"), line
 
 
+# -- torch_dist across ranks ---------------------------------------------------------------------------------------
+
+TD_CASES = {  # name: (argv after the source, source: an HF kind, "td" (one process's torch_dist export), "native")
+    "llama-tp2pp2-td": (["--tp", "2", "--pp", "2"], "llama"),
+    "mixtral-ep2-td": (["--ep", "2"], "mixtral"),
+    "reshard-td-to-td": (["--tp", "1", "--pp", "2"], "td"),  # import across ranks, then export across ranks
+    "reshard-td-to-native": (["--tp", "4", "--pp", "2"], "td"),
+    "reshard-native-to-td": (["--tp", "4", "--pp", "2"], "native"),
+}
+
+
+def _td_argv(root: Path, case: str, out: Path) -> list:
+    flags, kind = TD_CASES[case]
+    to = [] if case.endswith("-to-native") else ["--format", "torch_dist"]
+    if kind == "td":
+        return ["reshard", _td_reference(root, "llama-tp2pp2-td")[0], out, *flags, *to]
+    if kind == "native":
+        return ["reshard", _native_source(root), out, *flags, *to]
+    return ["convert", "hf-to-mcore", root / kind, out, *flags, *to]
+
+
+def td_files(it: Path) -> dict:
+    """Every file of a torch_dist iteration (or, for a native one, files_of): DCP's .metadata as its objects without
+    the run's own storage_meta (a fresh save id), shardkit.json without its provenance (time, staging path) and
+    digest. Everything else byte for byte."""
+    import json
+
+    from checkpoint.torch_dist import load_dcp_metadata
+
+    if (it / "manifest.json").is_file():
+        return files_of(it)
+    out: dict = {}
+    for p in sorted(it.rglob("*")):
+        if p.is_file():
+            rel = str(p.relative_to(it))
+            out[rel] = p.read_bytes()
+            if rel == ".metadata":
+                out[rel] = md = load_dcp_metadata(p)
+                md.storage_meta = None
+            elif rel == "shardkit.json":
+                out[rel] = {k: v for k, v in json.loads(out[rel]).items() if k not in ("provenance", "digest")}
+    return out
+
+
+def _td_reference(root: Path, case: str) -> tuple[Path, dict]:
+    ref = root / f"ref-{case}"
+    if not ref.exists():
+        r = one(_td_argv(root, case, ref) + ["--quiet"])
+        assert r.returncode == 0, r.stderr
+    return ref, td_files(ref / "iter_0000000")
+
+
+TD_RUNS = [("llama-tp2pp2-td", 2), ("llama-tp2pp2-td", 3), ("reshard-td-to-td", 3), ("mixtral-ep2-td", 3),
+           ("reshard-td-to-native", 2), ("reshard-native-to-td", 3)]
+
+
+@pytest.mark.parametrize("case,n", TD_RUNS, ids=[f"{c}-{n}" for c, n in TD_RUNS])
+def test_torch_dist_ranks_byte_identical(models, case, n):
+    """`--format torch_dist` and torch_dist sources across 2 and 3 ranks: the same files as one process (the rank
+    files, common.pt, hf/ byte for byte; DCP's metadata object for object); every rank writes a share of the rank
+    files, the staging copy of a torch_dist -> torch_dist reshard is gone after."""
+    _, want = _td_reference(models, case)
+    out = models / f"{case}-{n}"
+    argv = _td_argv(models, case, out)
+    dense = case == "llama-tp2pp2-td"  # its 3-rank run also measures the write rate and prints the estimate first
+    err0 = launch(n, argv + (["--estimate-above", "0"] if dense and n == 3 else []), out, dense and n == 2)
+    if dense and n == 3:
+        assert f"on 1 node(s), {n} rank(s); durable write rate measured per node" in err0, err0
+    if "--format" in argv:
+        counts = _shares(err0, n, "rank files")
+        assert len(counts) == n and sum(counts) == len([k for k in want if k.endswith(".distcp")]), err0
+        if dense:
+            assert all(counts), counts
+    assert not list(models.glob(f".{out.name}.native-*"))  # no staging copy left
+    same_as_one_process(out, want, f"{case}: {n} ranks")
+
+
+def test_torch_dist_rank_killed_then_resumed(models):
+    """A rank killed before its log says that its rank files are durable: the others stop naming it, nothing is
+    committed (no tracker file, no iteration directory); one process resumes (the files the others recorded are
+    kept) and ends equal to an uninterrupted run."""
+    from checkpoint.torch_dist import TRACKER
+
+    _, want = _td_reference(models, "llama-tp2pp2-td")
+    out = models / "fault-td"
+    argv = _td_argv(models, "llama-tp2pp2-td", out) + ["--distributed-timeout-minutes", TIMEOUT]
+    res = ranks(3, argv, env={"SHARDKIT_FAULT_AT": "chunk.unrecorded:1@1"})
+    assert res[1]["rc"] == -signal.SIGKILL, res[1]
+    for r in (0, 2):
+        assert res[r]["rc"] == 1 and "Traceback" not in res[r]["err"], res[r]
+        (line,) = error_lines(res[r]["err"])
+        assert "rank 1 " in line and "nothing was committed" in line, line
+    assert not (out / TRACKER).exists() and not (out / "iter_0000000").exists(), sorted(os.listdir(out))
+    r = one(argv)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming: 2 of 4 rank files already written" in r.stderr, r.stderr
+    same_as_one_process(out, want, "the resumed run")
+
+
 # -- faults ------------------------------------------------------------------------------------------------------
 
 FAULTS = [  # (site, ranks killed in, the rank, frozen instead of killed, ranks of the rerun)
@@ -246,9 +368,7 @@ def test_rank_killed_then_resumed(models, site, n, victim, frozen, rerun):
         res = ranks(rerun, argv)
         ok(res)
         assert "resuming:" in res[0]["err"] or site.startswith("commit."), res[0]["err"]
-    assert_clean(out)
-    got = files_of(out / "iter_0000000")
-    assert sorted(got) == sorted(want) and [k for k in want if got[k] != want[k]] == []
+    same_as_one_process(out, want, f"{site}, rerun with {rerun or 'no'} ranks")
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
@@ -318,3 +438,135 @@ def test_second_job_gets_the_lock_error(models, tmp_path):
     (line1,) = error_lines(res[1]["err"])
     assert res[1]["rc"] == 1 and "rank 0 failed" in line1 and "another shardkit process" in line1, line1
     assert sorted(p.name for p in out.iterdir()) == [LOCK]
+
+
+# -- the HF export (mcore-to-hf) across ranks ------------------------------------------------------------------------
+
+HF_SHARD = "40KB"  # the tiny Llama's export in 6 safetensors shards
+
+
+def hf_files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _hf_reference(root: Path, source: str = "native") -> tuple[Path, dict]:
+    """The source (the tiny Llama as a native checkpoint, as _native_source makes it, or one process's torch_dist
+    export of it) and one process's HF export of it, both made in this process (no interpreter to start)."""
+    from shardkit.cli import main
+
+    if source == "native":
+        src = root / "reshard-src"
+        if not src.exists():
+            assert main(["convert", "hf-to-mcore", str(root / "llama"), str(src), "--quiet"]) == 0
+    else:
+        src = _td_reference(root, "llama-tp2pp2-td")[0]
+    ref = root / f"ref-hf-{source}"
+    if not ref.exists():
+        assert main(["convert", "mcore-to-hf", str(src), str(ref), "--max-shard-size", HF_SHARD, "--quiet"]) == 0
+    want = hf_files(ref)
+    assert len([n for n in want if n.endswith(".safetensors")]) == 6, sorted(want)
+    return src, want
+
+
+def hf_launch(n: int, argv: list, out: Path) -> tuple[list[int], str]:
+    """`n` hand-started ranks of an HF export: every rank succeeds, rank 0 alone speaks; the shards each wrote, and
+    rank 0's stderr."""
+    res = ranks(n, argv)
+    ok(res)
+    assert all(not x["out"] and not x["err"] for x in res[1:]), res[1:]
+    assert res[0]["out"].strip() == f"wrote {out}", res[0]["out"]
+    return _shares(res[0]["err"], n, "shards"), res[0]["err"]
+
+
+def assert_hf_clean(out: Path) -> None:
+    from convert.mcore_to_hf import EXPORT_PARTIAL
+
+    assert not out.with_name(f".{out.name}.partial").exists() and not (out / EXPORT_PARTIAL).exists()
+    assert not out.with_name(f".{out.name}.shardkit.lock").exists()
+    assert not list(out.parent.glob(f".{out.name}.native-*")), sorted(os.listdir(out.parent))
+
+
+def test_hf_export_ranks_into_existing_output(models):
+    """3 ranks export with --overwrite into a directory that holds a user's file: each rank writes a share of the
+    shards, the files equal one process's byte for byte, the user's file stays, nothing temporary is left."""
+    src, want = _hf_reference(models)
+    out = models / "hf-3"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    counts, _ = hf_launch(3, ["convert", "mcore-to-hf", src, out, "--max-shard-size", HF_SHARD, "--overwrite"], out)
+    assert len(counts) == 3 and all(counts) and sum(counts) == 6, counts
+    got = hf_files(out)
+    assert got.pop("notes.txt") == b"mine\n"
+    assert sorted(got) == sorted(want) and [k for k in want if got[k] != want[k]] == []
+    assert_hf_clean(out)
+
+
+def test_hf_export_rank_killed_then_rerun(models):
+    """Rank 1 of 2 killed (SIGKILL) once its first shard is durable: rank 0 stops naming it, removes the work
+    directory and puts nothing in place (no OUT); a rerun with 3 ranks (measuring the write rate first) writes the
+    export byte-identical to one process's."""
+    src, want = _hf_reference(models)
+    out = models / "hf-killed"
+    argv = ["convert", "mcore-to-hf", src, out, "--max-shard-size", HF_SHARD, "--distributed-timeout-minutes",
+            TIMEOUT]
+    res = ranks(2, argv, env={"SHARDKIT_FAULT_AT": "hf.shard:1@1"})
+    assert res[1]["rc"] == -signal.SIGKILL, res[1]
+    assert res[0]["rc"] == 1 and "Traceback" not in res[0]["err"], res[0]
+    (line,) = error_lines(res[0]["err"])
+    assert "rank 1 died" in line and "nothing was put in place" in line, line
+    assert not out.exists()
+    assert_hf_clean(out)
+    counts, err0 = hf_launch(3, argv[:-2] + ["--estimate-above", "0"], out)  # the default timeout: no false alarm
+    assert len(counts) == 3 and sum(counts) == 6, counts
+    assert "on 1 node(s), 3 rank(s); durable write rate measured per node" in err0, err0
+    got = hf_files(out)
+    assert sorted(got) == sorted(want) and [k for k in want if got[k] != want[k]] == []
+    assert_hf_clean(out)
+
+
+def test_hf_export_torch_dist_source_ranks(models):
+    """A torch_dist source across 2 ranks: the staging import and the export are both shared out; the export equals
+    one process's, the staging copy is gone."""
+    src, want = _hf_reference(models, "torch_dist")
+    out = models / "hf-from-td"
+    counts, _ = hf_launch(2, ["convert", "mcore-to-hf", src, out, "--max-shard-size", HF_SHARD], out)
+    assert len(counts) == 2 and sum(counts) == 6, counts
+    got = hf_files(out)
+    assert sorted(got) == sorted(want) and [k for k in want if got[k] != want[k]] == []
+    assert_hf_clean(out)
+
+
+def test_hf_export_output_not_shared(models, tmp_path):
+    """A relative output from two working directories (nodes that do not share the filesystem): rank 1 does not see
+    the work directory rank 0 made; both stop with one line; nothing is put in place."""
+    src, _ = _hf_reference(models)
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    a.mkdir()
+    b.mkdir()
+    res = ranks(2, ["convert", "mcore-to-hf", src, "out", "--max-shard-size", HF_SHARD, "--quiet"], cwds=[a, b])
+    (line1,) = error_lines(res[1]["err"])
+    assert res[1]["rc"] == 1 and "rank 1 does not see it" in line1 and "every node shares" in line1, line1
+    (line0,) = error_lines(res[0]["err"])
+    assert res[0]["rc"] == 1 and "rank 1 failed" in line0 and "nothing was put in place" in line0, line0
+    assert sorted(os.listdir(a)) == [] and sorted(os.listdir(b)) == []
+
+
+def test_hf_export_rank0_checks_the_reported_shards(tmp_path):
+    """Rank 0's check before it puts the export in place: a shard missing, or at another size than its rank
+    reported (a work directory the nodes do not share), is one line naming the rank and the file."""
+    from checkpoint.errors import WriteError
+    from convert.mcore_to_hf import _check_reported
+
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    (tmp_path / names[0]).write_bytes(b"x" * 10)
+    (tmp_path / names[1]).write_bytes(b"x" * 7)
+    _check_reported(None, tmp_path, names, [[f"{names[0]} 10"], [f"{names[1]} 7"]], quiet=True)
+    with pytest.raises(WriteError, match=rf"{names[1]}: rank 1 wrote this shard \(8 bytes\), but rank 0 finds 7 "
+                                         "bytes in .*every node shares"):
+        _check_reported(None, tmp_path, names, [[f"{names[0]} 10"], [f"{names[1]} 8"]], quiet=True)
+    (tmp_path / names[1]).unlink()
+    with pytest.raises(WriteError, match=rf"{names[1]}: rank 1 wrote this shard \(7 bytes\), but rank 0 finds no "
+                                         "such file"):
+        _check_reported(None, tmp_path, names, [[f"{names[0]} 10"], [f"{names[1]} 7"]], quiet=True)
+    with pytest.raises(WriteError, match=rf"1 shard\(s\) no rank reported as written \(e.g. {names[1]}\)"):
+        _check_reported(None, tmp_path, names, [[f"{names[0]} 10"], []], quiet=True)

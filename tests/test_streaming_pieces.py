@@ -129,6 +129,32 @@ def test_pieces_within_a_small_budget_give_the_same_numbers(tmp_path, case):
     assert s["max_reads_of_one_tensor"]["ours"] == (2 if case == "llama_tied" else 1)  # tied: embedding, then head
 
 
+def test_planted_head_row_gives_the_whole_mode_numbers(tmp_path):
+    """The head in vocabulary blocks, one row of HF's lm_head wrong in its last block: the blocks whose stored bits
+    equal ours share one product per input, that block is computed from each side's own weights, and the numbers are
+    the whole-model mode's; the head row is the first beyond the tolerance, every layer within it."""
+    from convert.parity import logit_parity
+
+    hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
+    ck = _convert(tmp_path, hf_dir, tp=2)
+    vocab = ck.config.vocab_size
+
+    def bump(t):
+        t[vocab - 1] += 0.5
+        return t
+
+    _plant(hf_dir, "lm_head.weight", bump)
+    budget = memory_needs(ck)["streaming"]
+    s = stream_parity(ck, hf_dir, seq_len=seq, memory_budget=budget)
+    assert s["pieces"]["head_rows"] < vocab - 1, s["pieces"]  # the wrong row is not in the first block
+    whole = logit_parity(ck.config, ck.state_dict(), hf_dir, seq_len=seq)
+    assert s["max_abs_diff"] == pytest.approx(whole["max_abs_diff"], rel=1e-6) and s["max_abs_diff"] > 1e-2
+    head = next(r for r in s["layers"] if r["layer"] == "head")
+    assert head["max_abs_diff"] == pytest.approx(whole["max_abs_diff"], rel=1e-6)
+    assert s["first_layer_beyond_tolerance"] == "head" and not s["layers_ok"]
+    assert all(r["max_abs_diff"] <= 1e-4 for r in s["layers"] if r["layer"] != "head")
+
+
 def test_bad_input_one_line_each(tmp_path):
     hf_dir, seq = _hf_dir(tmp_path, "mixtral")
     ck = _convert(tmp_path, hf_dir)

@@ -334,6 +334,10 @@ def test_common_pt_with_code_refused(td_copy, tmp_path):
         read_torch_dist(td_copy.parent)
     msg = _one_line(e)
     assert "common.pt" in msg and "system" in msg
+    # the torch-free reader refuses it itself (the same line), before torch's reader is asked
+    with pytest.raises(FormatError) as e2:
+        tdmod._load_common_light(td_copy / "common.pt")
+    assert _one_line(e2) == msg and "refusing to unpickle" in msg
     assert not marker.exists()
 
 
@@ -356,6 +360,61 @@ def test_common_pt_with_megatron_objects_is_ignored_with_a_note(td_copy):
     td = read_torch_dist(td_copy)
     assert td.common is None and td.args is None and td.iteration == 0  # from the directory name
     assert len(td.notes) == 1 and "common.pt ignored" in td.notes[0]
+
+
+def _plain(x):
+    """A value unpickled from common.pt as comparable plain data (Namespaces, Megatron stand-ins, dtypes by name)."""
+    import numpy as np
+
+    from checkpoint.megatron import TorchDtype
+    from checkpoint.safe_load import MegatronObject
+
+    if isinstance(x, argparse.Namespace):
+        return ("Namespace", _plain(vars(x)))
+    if isinstance(x, MegatronObject):
+        return (x.qualname, _plain(vars(x)))
+    if isinstance(x, (torch.dtype, TorchDtype)):
+        return ("dtype", str(x))
+    if isinstance(x, np.ndarray):
+        return ("ndarray", str(x.dtype), x.tolist())
+    if isinstance(x, dict):
+        return (type(x).__name__, {k: _plain(v) for k, v in x.items()})
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, [_plain(v) for v in x])
+    return (type(x).__name__, x)
+
+
+def test_torch_free_readers_equal_torchs(work, monkeypatch):
+    """`.metadata` and common.pt are read without torch (plain stand-ins, torch dtypes by name) into what torch's own
+    readers give (DCP's classes; torch.load(weights_only=True) under safe_load's allowlist): the same tensors, chunks,
+    dtypes, storage entries and common.pt, for our exports (Megatron-LM's whole namespace: enums, signal, dtype) and
+    for what megatron-core saved itself."""
+    from checkpoint.safe_load import load_torch
+
+    roots = [work["llama"]["td"], work["mixtral"]["td"], work["saved"]["root"]]
+    light = [read_torch_dist(r) for r in roots]
+    direct = [tdmod._load_common_light(td.path / "common.pt") for td in light]  # (raises where torch must decide)
+
+    def torch_decides(path):
+        raise tdmod._TorchDecides("test")
+
+    monkeypatch.setattr(tdmod, "_load_metadata_light", lambda path: None)
+    monkeypatch.setattr(tdmod, "_load_common_light", torch_decides)
+    for root, a, common in zip(roots, light, direct):
+        b = read_torch_dist(root)
+        assert all(isinstance(t.dtype, tdmod._Dtype) for t in a.tensors.values()), root  # read without torch
+        assert all(isinstance(t.dtype, torch.dtype) for t in b.tensors.values()), root
+        assert {n: (t.shape, str(t.dtype), t.dtype.itemsize, t.chunks) for n, t in a.tensors.items()} == \
+            {n: (t.shape, str(t.dtype), t.dtype.itemsize, t.chunks) for n, t in b.tensors.items()}
+        assert all(a.tensors[n].dtype == t.dtype for n, t in b.tensors.items())
+        assert a.objects == b.objects
+        assert {k: (i.relative_path, i.offset, i.length) for k, i in a._storage.items()} == \
+            {k: (i.relative_path, i.offset, i.length) for k, i in b._storage.items()}
+        assert a.common is not None and isinstance(a.args, argparse.Namespace), root
+        assert _plain(common) == _plain(a.common) == _plain(b.common) == _plain(load_torch(a.path / "common.pt"))
+        assert a.layout == b.layout
+        if a.sidecar is not None:  # (megatron-core's own save carries too few args to describe the model)
+            assert a.model_config() == b.model_config()
 
 
 def test_metadata_with_code_refused(td_copy, tmp_path):
@@ -662,14 +721,18 @@ def test_hand_written_checkpoint_reads_with_torch_dcp(tmp_path):
 def test_hf_to_torch_dist_streams_the_export(work, tmp_path):
     """convert hf-to-mcore --format torch_dist writes straight into the rank files (no native copy between), and
     what it writes is the export of the native conversion: the same .distcp and common.pt bytes, the same DCP
-    metadata, the same hf/ files; neither that nor the export of a native checkpoint imports torch."""
+    metadata, the same hf/ files; neither that nor the export of a native checkpoint imports torch, nor the import of
+    the export back to native (whose chunk files are the native conversion's, byte for byte)."""
     d = work["llama"]
     code = ("import sys; from pathlib import Path; from checkpoint.layout import Layout; "
             "from convert.torch_dist_io import convert_hf_to_torch_dist, write_torch_dist; "
             f"convert_hf_to_torch_dist({str(d['hf'])!r}, {str(tmp_path / 'stream')!r}, Layout(tp=2, pp=2), "
             "quiet=True); "
             f"write_torch_dist({str(d['nat'])!r}, {str(tmp_path / 'export')!r}, quiet=True); "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+            "assert 'torch' not in sys.modules, 'torch was imported'; "
+            "from convert.torch_dist_io import torch_dist_to_native; "
+            f"torch_dist_to_native({str(tmp_path / 'export')!r}, {str(tmp_path / 'imported')!r}, quiet=True); "
+            "assert 'torch' not in sys.modules, 'the import imported torch'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=str(Path(__file__).resolve().parents[1]))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -685,6 +748,10 @@ def test_hf_to_torch_dist_streams_the_export(work, tmp_path):
         assert a == b
         for f in (d["td"] / "hf").iterdir():
             assert (it / "hf" / f.name).read_bytes() == f.read_bytes(), f.name
+    nat, back = d["nat"] / "model", tmp_path / "imported" / "iter_0000000" / "model"
+    files = sorted(p.relative_to(nat) for p in nat.rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(back) for p in back.rglob("*") if p.is_file())
+    assert all((nat / f).read_bytes() == (back / f).read_bytes() for f in files)
     # and it reads back with no flags, as every export does
     td = read_torch_dist(tmp_path / "stream")
     assert td.sidecar["provenance"]["source"]["kind"] == "hf"

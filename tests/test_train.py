@@ -1,12 +1,9 @@
 """continue-pretrain on gloo: parallel layouts equal one process, resume is exact, a resharded resume continues the
-run, and the result exports to HF. Every run is a real `shardkit continue-pretrain` (torchrun for several ranks)."""
+run, and the result exports to HF. Every run is a real `shardkit continue-pretrain`, its ranks forked as torchrun
+starts them (tests/launcher.py); the data-parallel case goes through torchrun itself."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,29 +11,10 @@ import pytest
 import torch
 
 from checkpoint.reader import Checkpoint
+from tests.launcher import launch  # noqa: F401 - the trainer tests' launcher (imported from here by others)
 
-VENV_BIN = Path(sys.executable).parent
 COMMON = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
           "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "shardkit", "continue-pretrain", *args]
-    else:
-        cmd = [str(VENV_BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-               "--master-port", str(_port()), "-m", "shardkit", "continue-pretrain", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
-    return r
 
 
 def losses(save: Path) -> list[float]:
@@ -76,8 +54,9 @@ def baseline(setup):
                          ids=["tp2-sp", "pp2", "pp2-vpp2", "dp2", "tp2pp2", "pp2-first1", "pp2-vpp2-layout"])
 def test_layouts_equal_one_process(setup, baseline, nproc, layout):
     out = setup / ("run-" + "-".join(layout).replace("--", "") + f"-n{nproc}")
+    # data parallel through real torchrun (every other launch forks ranks as torchrun starts them: tests/launcher.py)
     launch(nproc, "--load", str(setup / "ck"), "--data-path", str(setup / "data"), "--save", str(out),
-           "--train-iters", "5", *COMMON, *layout)
+           "--train-iters", "5", *COMMON, *layout, real=not layout)
     want, got = losses(baseline), losses(out)
     assert len(got) == 5
     np.testing.assert_allclose(got, want, rtol=1e-5)

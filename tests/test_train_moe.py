@@ -1,6 +1,6 @@
-"""MoE training: expert parallelism (alone, with PP, inside CP, resumed at another EP) gives the numbers of one
-process, the load-balancing losses and the expert-bias update are what the formulas say, and a trained MoE checkpoint
-exports to HF with a lower loss than it started from.
+"""MoE training: expert parallelism (alone, with PP, inside CP, resumed at another EP) and DeepSeek-V3's MTP at CP 2
+(plain, with packed documents) give the numbers of one process, the load-balancing losses and the expert-bias update
+are what the formulas say, and a trained MoE checkpoint exports to HF with a lower loss than it started from.
 
 Tiny Mixtral (softmax top-2, aux_loss) and DeepSeek-V3 (MLA, a dense first layer, shared expert, group-limited
 sigmoid routing with expert bias, one MTP layer; seq_aux_loss) built by transformers and converted with
@@ -317,22 +317,70 @@ def test_all_to_all_dispatch_equals_the_loop(tmp_path):
         "allgather-etp ok"}
 
 
-def test_mtp_with_packed_documents_needs_its_loss_off(root):
-    """The MTP loss is not implemented with CP or packed documents: refused, unless --mtp-loss-scaling-factor 0
-    switches it off (what the error suggests)."""
-    import types
+# -- MTP with context parallelism and packed documents ---------------------------------------------------------------
+
+EOD = 1  # the tiny DeepSeek-V3's eos_token_id
+PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--eod-token-id", str(EOD)]
+
+
+@pytest.fixture(scope="module")
+def packed_data(root):
+    """Short documents, each ended by EOD: a 33-token sample packs several, and documents cross the CP chunks."""
+    from tests.corpus import write_packed_corpus
+
+    return write_packed_corpus(root / "data-docs", EOD, (2, 14))
+
+
+@pytest.mark.parametrize("packed,nproc,layout", [(False, 2, ["--cp", "2"]), (True, 2, ["--cp", "2", "--ep", "2"]),
+                                                 (True, 4, ["--cp", "2", "--tp", "2", "--sequence-parallel"])],
+                         ids=["cp2", "docs-cp2ep2", "docs-cp2tp2-sp"])
+def test_mtp_with_context_parallel_equals_one_process(request, root, packed, nproc, layout):
+    """DeepSeek-V3 (MTP depth 1, MLA, MoE with expert bias, seq_aux_loss) at CP 2, plain and with packed documents
+    (the MTP inputs, labels and loss mask shifted within documents and across the zigzag chunks, each depth's mean
+    over the whole micro-batch), with EP 2 inside CP or with TP 2 + SP, equals one process: losses, gradient norms,
+    MTP and MoE logs, every tensor (measured: within 1.6e-7 relative; CP 2 alone 9.9e-8)."""
+    kind = "deepseek_v3"
+    data = request.getfixturevalue("packed_data") if packed else root / "data"
+    flags = PACKED if packed else []
+
+    def run(name: str, nproc: int, layout: list[str]) -> Path:
+        out = root / f"{kind}-{name}"
+        if not (out / "latest").exists():
+            launch(nproc, "--load", str(root / f"{kind}-ck"), "--data-path", str(data), "--save", str(out), *COMMON,
+                   *FLAGS[kind], *flags, *layout)
+        return out
+
+    base, cp = run("docs-ep1" if packed else "ep1", 1, []), run(request.node.callspec.id, nproc, layout)
+    want, got = _records(base), _records(cp)
+    assert len(want) == len(got) == 5
+    for key in ("loss", "grad_norm", "mtp_loss", "seq_load_balancing_loss"):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose([r["mtp_depth_losses"] for r in got], [r["mtp_depth_losses"] for r in want],
+                               rtol=1e-5)
+    assert [r["moe_load_imbalance"] for r in got] == [r["moe_load_imbalance"] for r in want]
+    a, b = real_rows(Checkpoint(base / "iter_0000005")), real_rows(Checkpoint(cp / "iter_0000005"))
+    assert set(a) == set(b) and any(n.startswith("mtp.") for n in a)
+    for t in a:  # weights and optimizer state, MTP layer included
+        assert (a[t] - b[t]).norm().item() <= 1e-5 * a[t].norm().item(), t
+
+
+def test_mtp_sequence_too_short(root):
+    """An MTP depth with no token left to predict: one line naming the flag and the numbers, from the checks every
+    rank runs on the checkpoint's config before any weight is read (train.loop.check_model_flags); off with the loss."""
+    import argparse
 
     from checkpoint.errors import ConfigError
-    from train.config import MoEArgs
-    from train.model import GPTModel
-    from train.moe import setup
+    from train.config import add_arguments, from_namespace
+    from train.loop import check_model_flags
 
-    cfg = Checkpoint(root / "deepseek_v3-ck" / "iter_0000000").config
-    assert cfg.mtp_num_layers > 0
-    groups = types.SimpleNamespace(dims=types.SimpleNamespace(cp=1, tp=1, ep=1), cp=None)
-    with pytest.raises(ConfigError, match="--mtp-loss-scaling-factor 0"):
-        setup(MoEArgs(), cfg, None, groups, packed=True)
-    with torch.device("meta"):
-        model = GPTModel(cfg, cfg.padded_vocab_size(1))
-    moe = setup(MoEArgs(mtp_loss_scaling_factor=0.0), cfg, model, groups, packed=True)
-    assert moe is not None and moe.settings.mtp_loss_scaling_factor == 0.0
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    ck = root / "deepseek_v3-ck" / "iter_0000000"
+    cfg = Checkpoint(ck).config
+    assert cfg.mtp_num_layers == 1
+    argv = ["--load", str(ck), "--data-path", "d", "--seq-length"]
+    with pytest.raises(ConfigError, match=r"^--seq-length 1: the checkpoint's 1 MTP layer\(s\) predict up to 2 tokens "
+                       r"ahead, which needs --seq-length > 1; .* or --mtp-loss-scaling-factor 0$"):
+        check_model_flags(from_namespace(p.parse_args([*argv, "1"])), cfg, ck)
+    check_model_flags(from_namespace(p.parse_args([*argv, "2"])), cfg, ck)
+    check_model_flags(from_namespace(p.parse_args([*argv, "1", "--mtp-loss-scaling-factor", "0"])), cfg, ck)

@@ -6,7 +6,9 @@ tensor (weights and optimizer state).
 Each model's one-process run is shared by its layouts. DeepSeek-V3 has MTP, shared experts, a dense first layer,
 group-limited sigmoid routing with expert bias and seq_aux_loss; it runs with q_lora (q down/up projections) and
 without it (one q projection). Every run is a real `shardkit continue-pretrain` (torchrun on gloo). Multi-latent
-attention's TP code is the same at every layout; the cases spread the expert layouts over the models.
+attention's TP code is the same at every layout; the cases spread the expert layouts over the models. A DeepSeek-V3 run
+saved at TP 2 x EP 2 x ETP 1 resumes at TP 1 x EP 4 after `shardkit reshard` and follows the one-process run; its
+export matches transformers. `plan` charges what the trainer's stage builder allocates at these layouts.
 """
 from __future__ import annotations
 
@@ -172,8 +174,9 @@ def test_plan_charges_what_the_trainer_allocates(root, model):
     from train.parallel.parallelize import parallelize
 
     cfg = Checkpoint(root / f"{model}-ck" / "iter_0000000").config
+    # TP 4 with whole experts over all 4 ranks (EP 4 x ETP 1), expert TP wider than TP (TP 1, EP 2 x ETP 2)
     for tp, pp, dp, ep, etp in [(2, 1, 1, 1, None), (2, 1, 2, 2, None), (2, 2, 1, 2, 1), (2, 1, 1, 1, 1),
-                                (2, 2, 2, 2, None)]:
+                                (2, 2, 2, 2, None), (4, 1, 1, 4, 1), (1, 1, 4, 2, 2)]:
         dims = RunLayout.from_world(tp * pp * dp, tp, pp, ep=ep, etp=etp)
         for rank in range(dims.world):
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
@@ -186,3 +189,55 @@ def test_plan_charges_what_the_trainer_allocates(root, model):
             n = sum(p.numel() for p in stage.parameters())
             est = param_bytes_per_rank(cfg, dims, dtype="bfloat16", pp_rank=groups.pp_rank)
             assert (est["weights"], est["grads"]) == (2 * n, 4 * n), (tp, pp, dp, ep, etp, rank)
+
+
+# (name, processes and flags of the first 3 steps, reshard target, processes and flags of the last 2): DeepSeek-V3's
+# recipe layout (TP 2 + SP, EP 2, whole experts) moved to TP 1 x EP 4 (DP 4: one sequence per micro-batch, the same
+# global batch), and its 2-rank sibling, expert TP 1 under TP 2 moved to TP 1 x EP 2
+RESHARD_CASES = [("tp2-ep2-etp1-to-tp1-ep4", 4, [*SP, "--ep", "2", "--etp", "1"], ["--tp", "1", "--ep", "4"],
+                  4, ["--ep", "4", "--micro-batch-size", "1"]),
+                 ("tp2-etp1-to-tp1-ep2", 2, [*SP, "--etp", "1"], ["--tp", "1", "--ep", "2"], 2, ["--ep", "2"])]
+
+
+@pytest.mark.parametrize("name,n1,first_layout,target,n2,second_layout", RESHARD_CASES,
+                         ids=[c[0] for c in RESHARD_CASES])
+def test_resumes_after_reshard_to_another_expert_layout(root, tmp_path, name, n1, first_layout, target, n2,
+                                                         second_layout):
+    """DeepSeek-V3 (MLA with q_lora, shared expert, dense first layer, expert bias, MTP) trained 3 steps with TP 2 + SP
+    and expert TP 1, saved, `shardkit reshard` to TP 1 x EP (weights and optimizer state), resumed there for the last
+    2 steps: losses, gradient norms and every weight and optimizer state after step 5 follow the one-process run within
+    1e-5; the resumed run's checkpoint exported with `convert mcore-to-hf` gives transformers' own logits."""
+    from convert.parity import logit_parity
+    from shardkit.cli import main as cli
+
+    model = "deepseek_v3"
+    base = _train(root, model, "one-process", 1, [])
+    args = ["--data-path", str(root / "data"), *COMMON, *MODELS[model][2]]
+    first, moved = tmp_path / "first", tmp_path / "moved"
+    launch(n1, "--load", str(root / f"{model}-ck"), *args, "--save", str(first), *first_layout, "--exit-interval", "3")
+    assert (first / "latest").read_text().strip() == "iter_0000003"
+    assert cli(["reshard", str(first), str(moved), *target, "--quiet"]) == 0
+    ck3 = Checkpoint(moved / "iter_0000003")
+    assert (ck3.manifest.layout.tp, ck3.manifest.layout.ep, ck3.manifest.layout.expert_tp) == (1, n2, 1)
+    launch(n2, "--load", str(moved), *args, "--save", str(moved), *second_layout)
+    got, ref = _records(first) + _records(moved), _records(base)
+    assert [r["iteration"] for r in got] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rtol=1e-5)
+    for r, w in zip(got, ref):
+        assert r["mtp_loss"] == pytest.approx(w["mtp_loss"], rel=1e-5)
+        assert r["seq_load_balancing_loss"] == pytest.approx(w["seq_load_balancing_loss"], rel=1e-5)
+    # every weight and optimizer state (fp32 main params and both moments; the vocab padding rows left out)
+    a, ck = Checkpoint(base / "iter_0000005"), Checkpoint(moved / "iter_0000005")
+    assert set(a.tensors) == set(ck.tensors)
+    assert sum(n.startswith("optimizer.") for n in a.tensors) == 3 * sum(not n.startswith("optimizer.")
+                                                                         for n in a.tensors)
+    vocab = a.config.vocab_size
+    for t in a.tensors:
+        x, y = a.read(t), ck.read(t)
+        if a.entry(t).rule == "vocab":
+            x, y = x[:vocab], y[:vocab]
+        assert (x - y).norm().item() <= 1e-5 * x.norm().item(), t
+    assert cli(["convert", "mcore-to-hf", str(moved), str(tmp_path / "hf"), "--quiet"]) == 0
+    parity = logit_parity(ck.config, ck.state_dict(), tmp_path / "hf")
+    assert parity["max_abs_diff"] < 1e-4, parity

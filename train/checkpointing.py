@@ -251,25 +251,14 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
     them, the error exchange and the commit run in the background (`AsyncSave`)."""
     root = Path(root)
     entries = _entries(cfg, layout, gather_dtypes(table))
-    writer = None
+
+    def create_arrays(writer: IterationWriter) -> None:
+        ctx = store.context()
+        for name, e in entries.items():
+            store.create(writer.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
+
+    writer = open_on_rank0(root, iteration, "train-save", entries, groups, prepare=create_arrays)
     err: list = [None]
-    if groups.rank == 0:
-        try:
-            writer = IterationWriter(root, iteration, {"kind": "train-save", "nonce": time.time_ns()},
-                                     overwrite=True).__enter__()
-            writer.reserve(sum(entry_nbytes(e) for e in entries.values()))  # refuse before anything is written
-            ctx = store.context()
-            for name, e in entries.items():
-                store.create(writer.path(tensor_path(name)), e.shape, e.dtype, e.chunk, ctx)
-        except Exception as e:  # tell the other ranks instead of leaving them at the barrier
-            if writer is not None:  # remove what was started (the writer's error names the path and the bytes)
-                try:
-                    writer.__exit__(type(e), e, e.__traceback__)
-                except Exception as e2:
-                    e = e2
-                writer = None
-            err = [f"{type(e).__name__}: {e}"]
-    _broadcast_error(err)
     partial = root / f"{iter_dirname(iteration)}{PARTIAL_SUFFIX}"
     jobs: list[tuple[str, Path, torch.Tensor]] = []  # (array key, chunk file, value) this rank writes
     try:
@@ -310,6 +299,33 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
         return commit_on_rank0(writer, groups, async_group, commit)
 
     return finish() if async_group is None else AsyncSave(finish)
+
+
+def open_on_rank0(root: Path, iteration: int, kind: str, entries: dict[str, TensorEntry], groups: Groups,
+                  pointer: tuple[str, str] | None = None,
+                  prepare: Callable[[IterationWriter], None] | None = None) -> IterationWriter | None:
+    """The start of every training save (native or torch_dist): rank 0 opens `<root>/iter_N.partial`, reserves the
+    entries' bytes (refused before anything is written) and runs `prepare`; an error there removes what was started
+    and reaches every rank as one WriteError instead of leaving them at the barrier. Returns the writer on rank 0."""
+    writer = None
+    err: list = [None]
+    if groups.rank == 0:
+        try:
+            writer = IterationWriter(root, iteration, {"kind": kind, "nonce": time.time_ns()}, overwrite=True,
+                                     pointer=pointer).__enter__()
+            writer.reserve(sum(entry_nbytes(e) for e in entries.values()))
+            if prepare is not None:
+                prepare(writer)
+        except Exception as e:
+            if writer is not None:  # remove what was started (the writer's error names the path and the bytes)
+                try:
+                    writer.__exit__(type(e), e, e.__traceback__)
+                except Exception as e2:
+                    e = e2
+                writer = None
+            err = [f"{type(e).__name__}: {e}"]
+    _broadcast_error(err)
+    return writer
 
 
 def commit_on_rank0(writer: IterationWriter | None, groups: Groups, async_group: Any,

@@ -92,6 +92,7 @@ def check_model_flags(cfg: TrainConfig, m: ModelConfig, source: Path) -> None:
     if cfg.data.seq_length > m.max_position_embeddings:
         raise ConfigError(f"--seq-length {cfg.data.seq_length} exceeds the model's max_position_embeddings "
                           f"({m.max_position_embeddings}) in {source}")
+    moe.check_mtp_sequence(cfg.data.seq_length, m, cfg.moe.mtp_loss_scaling_factor)
 
 
 class Trainer:
@@ -360,7 +361,8 @@ class Trainer:
         state = {"iteration": self.iteration, "consumed_samples": self.consumed, "data_fingerprint": self.fingerprint,
                  "data_identity": self.train_ds.identity,
                  "rng": ckpt_io.rng_state(), "scheduler": self.scheduler.state_dict(),
-                 "optimizer": asdict(self.cfg.optimizer),
+                 # with megatron-core's param groups (lr, step, ...) for an export to torch_dist to carry (common.pt)
+                 "optimizer": dict(asdict(self.cfg.optimizer), param_groups=self._megatron_param_groups()),
                  "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in _flat(self.cfg).items()},
                  "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "cp": self.dims.cp,
                             "ep": self.dims.ep}}
@@ -375,9 +377,7 @@ class Trainer:
         if c.save_format == "torch_dist":  # Megatron-LM's --ckpt-format torch_dist, every rank its own items
             from train import torch_dist_ckpt
 
-            o = self.cfg.optimizer
-            groups = torch_dist_ckpt.megatron_param_groups(self.opt, self.scheduler.lr, self.scheduler.wd, o.lr,
-                                                           o.min_lr, self.model_cfg.is_moe)
+            groups = self._megatron_param_groups()
             out = torch_dist_ckpt.save(Path(c.save), self.iteration, self.model_cfg, self.layout, self.table,
                                        self.opt, self.groups, state, self.ck.hf_dir(), provenance, c.key_naming,
                                        groups, self._megatron_training_args(), async_group=async_group)
@@ -388,6 +388,13 @@ class Trainer:
             self.pending_save = _TimedSave(out, self.iteration, t0)
         else:
             self._log_saved(self.iteration, time.perf_counter() - t0)
+
+    def _megatron_param_groups(self) -> list[dict]:
+        from train import torch_dist_ckpt
+
+        o = self.cfg.optimizer
+        return torch_dist_ckpt.megatron_param_groups(self.opt, self.scheduler.lr, self.scheduler.wd, o.lr, o.min_lr,
+                                                     self.model_cfg.is_moe)
 
     def _megatron_training_args(self) -> dict:
         """The run's flags that Megatron-LM's args namespace names alike (data, schedule, optimizer; the flags keep

@@ -652,7 +652,8 @@ class GPTModel(nn.Module):
         """Per-token losses [b, s] of the decoder's output `hidden` (before its final norm) for `labels`."""
         return self.cross_entropy(self.logits(self.decoder.final_layernorm(hidden)), labels)
 
-    def mtp_forward(self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor | None = None) -> list[Tensor]:
+    def mtp_forward(self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor | None = None,
+                    depth_ids: list[Tensor] | None = None) -> list[Tensor]:
         """DeepSeek-V3 multi-token prediction (for training): one logits tensor [b, s, vocab] per MTP depth.
 
         `hidden` is the decoder's output after its final norm (`forward(..., return_hidden=True)[1]`; the output
@@ -660,13 +661,16 @@ class GPTModel(nn.Module):
         (`hidden` for d = 0) and the embedding of token t+d+1 at position t, and predicts token t+d+2: what
         megatron-core's MultiTokenPredictionBlock reads (its decoder applies the final norm before the block; each
         layer's `_postprocess` applies its final_layernorm before the next). Positions s-d-1.. see no real next token
-        (the ids are shifted with zero fill, like Megatron's roll_tensor) and must be left out of the loss."""
+        (the ids are shifted with zero fill, like Megatron's roll_tensor) and must be left out of the loss.
+
+        `depth_ids`: the ids each depth embeds, already shifted (train.moe.mtp_targets: within documents, across the
+        context-parallel chunks); None: `input_ids` shifted here, over the whole sequence."""
         if self.mtp is None:
             raise ValueError("this model has no MTP layers (cfg.mtp_num_layers == 0)")
         cos, sin = self.rope(input_ids, position_ids, hidden.dtype)
         out, ids = [], input_ids
-        for layer in self.mtp.layers:
-            ids = F.pad(ids[:, 1:], (0, 1))  # token t+1 at position t
+        for d, layer in enumerate(self.mtp.layers):
+            ids = F.pad(ids[:, 1:], (0, 1)) if depth_ids is None else depth_ids[d]  # token t+d+1 at position t
             hidden = layer(hidden, self.embed(ids), cos, sin)
             out.append(self.logits(hidden))
         return out

@@ -15,7 +15,16 @@ loss's per-micro-batch scale, 1/num_micro) in the backward pass.
     expert bias    after each step: bias += rate * sign(mean load - load), with the tokens each expert received
                    (the actual routing) summed over the step's micro-batches and all data-parallel ranks.
     MTP            depth d (1-based) predicts labels shifted by d; its mean cross-entropy over the positions that
-                   still have a label, times mtp_loss_scaling_factor / mtp_num_layers, is added.
+                   still have a label, times mtp_loss_scaling_factor / mtp_num_layers, is added. The shift is
+                   megatron-core's roll_tensor (shift -1 with zero fill, once per depth) applied to the input ids,
+                   the labels and the loss mask: over the whole sequence, or within each document when attention
+                   is per document (--reset-attention-mask: megatron-core's packed_seq_params path, the last d
+                   tokens of every document masked). Under context parallelism the shift is taken on the whole
+                   micro-batch, which every CP rank holds, then split zigzag: the token beyond a chunk's end is what
+                   megatron-core's p2p exchange brings from the neighbouring CP rank (or 0 at the sequence's end).
+                   The mean divides by the depth's unmasked tokens of the whole micro-batch (all CP ranks), as the
+                   language-model loss does; megatron-core divides each CP rank's sum by that rank's own count
+                   (rank 0 holds the masked tail), which would make the loss depend on the CP size.
 """
 from __future__ import annotations
 
@@ -128,6 +137,45 @@ def mtp_depth_losses(logits: list[Tensor], labels: Tensor, cross_entropy=None) -
     return out
 
 
+@dataclass(frozen=True)
+class MTPTargets:
+    """What each MTP depth reads and predicts on this CP rank: `ids` (the tokens it embeds), `labels`, and `weights`
+    (the shifted loss mask / the depth's unmasked token count over the whole micro-batch), each [b, s] per depth."""
+
+    ids: list[Tensor]
+    labels: list[Tensor]
+    weights: list[Tensor]
+
+
+def roll_left(x: Tensor, same_doc: Tensor | None = None) -> Tensor:
+    """megatron-core's roll_tensor(x, shifts=-1) along the sequence [b, S] of a whole micro-batch: position t takes
+    t+1's value, the last position 0; `same_doc` [b, S] (t+1 lies in t's document) zeroes each document's last
+    position instead (its packed_seq_params path)."""
+    y = F.pad(x[:, 1:], (0, 1))
+    return y if same_doc is None else torch.where(same_doc, y, torch.zeros_like(y))
+
+
+def mtp_targets(tokens: Tensor, labels: Tensor, loss_mask: Tensor, docs: Tensor | None, depths: int, cp: int = 1,
+                cp_rank: int = 0) -> MTPTargets:
+    """Each depth's shifted ids, labels and loss weights from the whole micro-batch (tokens, labels, loss mask
+    [b, S]; docs [b, S] the document of each token when attention is per document, else None), split for CP rank
+    `cp_rank` of `cp` as the micro-batch is (zigzag)."""
+    from train.parallel.context import zigzag_split
+
+    same_doc = None
+    if docs is not None:
+        same_doc = torch.zeros_like(docs, dtype=torch.bool)
+        same_doc[:, :-1] = docs[:, 1:] == docs[:, :-1]
+    out = MTPTargets([], [], [])
+    ids, lab, mask = tokens, labels, loss_mask.float()
+    for _ in range(depths):
+        ids, lab, mask = roll_left(ids, same_doc), roll_left(lab, same_doc), roll_left(mask, same_doc)
+        weight = mask / mask.sum().clamp_min(1.0)  # an all-masked depth gives 0, not 0/0
+        for store, t in ((out.ids, ids), (out.labels, lab), (out.weights, weight)):
+            store.append(zigzag_split(t, cp, cp_rank).contiguous())
+    return out
+
+
 def _recomputing() -> bool:
     """True while autograd runs a backward pass (activation recompute re-runs the forward there): statistics are
     taken once, in the real forward. Megatron guards its counters the same way."""
@@ -222,17 +270,29 @@ class MoETraining:
 
     # -- MTP ----------------------------------------------------------------------------------------------------
     def add_mtp_loss(self, model: nn.Module, loss: Tensor, hidden: Tensor, ids: Tensor, labels: Tensor,
-                     position_ids: Tensor | None = None) -> Tensor:
+                     extras=None) -> Tensor:
         """The last stage's loss with the MTP loss attached (`hidden`: the decoder output after its final norm, what
-        megatron-core's MTP block reads; see GPTModel.mtp_forward)."""
+        megatron-core's MTP block reads; see GPTModel.mtp_forward). `extras` (context.MicroBatchExtras): this CP
+        rank's positions and the whole micro-batch, whose shifted tokens, labels and loss mask the depths read
+        (`mtp_targets`); None: one whole sequence per row, positions 0..s-1, every token counted."""
         if not self.depths or self.settings.mtp_loss_scaling_factor == 0:
             return loss
         if not torch.is_grad_enabled():  # evaluation reports the language-model loss only
             return loss
-        losses = mtp_depth_losses(model.mtp_forward(hidden, ids, position_ids), labels, model.cross_entropy)
+        cp = 1
+        if extras is None or extras.whole is None:
+            losses = mtp_depth_losses(model.mtp_forward(hidden, ids), labels, model.cross_entropy)
+        else:
+            lay = extras.layout
+            cp = lay.cp
+            t = mtp_targets(*extras.whole, lay.docs, self.depths, lay.cp, lay.cp_rank)
+            logits = model.mtp_forward(hidden, ids, extras.position_ids, t.ids)
+            # this CP rank's share of each depth's mean: the shares sum to the mean over the CP ranks
+            losses = [(model.cross_entropy(lg, lb) * w).sum() for lg, lb, w in zip(logits, t.labels, t.weights)]
         if not _recomputing():
             self.mtp += torch.stack([x.detach().double() for x in losses])
-        total = torch.stack(losses).sum() * (self.settings.mtp_loss_scaling_factor / self.depths)
+        # times cp: the CP ranks' gradients are averaged, as for the language-model loss (its weights carry cp too)
+        total = torch.stack(losses).sum() * (self.settings.mtp_loss_scaling_factor * cp / self.depths)
         return attach_loss(loss, total, self.backward_scale)
 
     # -- per step ---------------------------------------------------------------------------------------------------
@@ -285,16 +345,21 @@ class MoETraining:
         return str(slot) if slot < self.num_layers else f"mtp{slot - self.num_layers}"
 
 
-def setup(args, cfg: ModelConfig, model: nn.Module, groups, packed: bool, sequence_parallel: bool = False
-          ) -> MoETraining | None:
+def check_mtp_sequence(seq_length: int, cfg: ModelConfig, mtp_loss_scaling_factor: float) -> None:
+    """The MTP loss needs a token to predict at its last depth: depth D at position t predicts token t + D + 1, so a
+    sequence of D tokens or fewer leaves it nothing (megatron-core would divide by 0)."""
+    D = cfg.mtp_num_layers
+    if cfg.is_moe and D and mtp_loss_scaling_factor and seq_length <= D:
+        raise ConfigError(f"--seq-length {seq_length}: the checkpoint's {D} MTP layer(s) predict up to {D + 1} tokens "
+                          f"ahead, which needs --seq-length > {D}; use a longer sequence or "
+                          "--mtp-loss-scaling-factor 0")
+
+
+def setup(args, cfg: ModelConfig, model: nn.Module, groups, sequence_parallel: bool = False) -> MoETraining | None:
     """The MoE training state of this stage (None for a dense model). `args`: the run's MoEArgs; the aux-loss
     coefficient defaults to the checkpoint's (HF router_aux_loss_coef / aux_loss_alpha)."""
     if not cfg.is_moe:
         return None
-    if cfg.mtp_num_layers and args.mtp_loss_scaling_factor and (groups.dims.cp > 1 or packed):
-        raise ConfigError(f"{cfg.model_type} has MTP layers: the MTP loss with --context-parallel-size > 1 or packed "
-                          "documents (--reset-position-ids / --reset-attention-mask) is not implemented; use --cp 1 "
-                          "without them, or --mtp-loss-scaling-factor 0")
     coeff = args.moe_aux_loss_coeff if args.moe_aux_loss_coeff is not None else cfg.moe_aux_loss_coeff
     settings = MoESettings(args.moe_router_load_balancing_type, float(coeff), args.moe_router_bias_update_rate,
                            args.mtp_loss_scaling_factor, args.moe_router_dtype)

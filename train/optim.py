@@ -301,6 +301,7 @@ class DistributedOptimizer:
         gradient is copied into its main_grad, later ones added (0 + g is g), and when a backward pass ends, the
         parameters it gave no gradient (an expert no token reached) are zeroed."""
         self._filled = [False] * len(self._filled)
+        self._end_queued = False  # a backward pass that raised never ran its queued callback
         for p in self.params:
             p.grad = None
 

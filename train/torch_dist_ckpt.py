@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +33,15 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import store
-from checkpoint.commit import PARTIAL_SUFFIX, IterationWriter
+from checkpoint.commit import PARTIAL_SUFFIX
 from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.layout import Layout
 from checkpoint.manifest import Manifest, iter_dirname
-from checkpoint.megatron import (CHECKPOINT_VERSION, MEGATRON_OPTIM_SHARDING, MEGATRON_SCHEDULER_KEYS, TRACKER,
-                                 TRAIN_STATE_KEY, arg, extra_state_objects, megatron_args, source_keys, stored_key)
+from checkpoint.megatron import (CHECKPOINT_VERSION, MEGATRON_SCHEDULER_KEYS, TRACKER, TRAIN_STATE_KEY, arg,
+                                 extra_state_objects, megatron_args, megatron_content_metadata,
+                                 megatron_optimizer_common, megatron_optimizer_groups, source_keys, stored_key)
 from checkpoint.reader import Checkpoint, entry_nbytes, vocab_padding
 from checkpoint.sharding import OPTIMIZER_STATES, split_optimizer_key
 from checkpoint.torch_dist import (COMMON_PT, HF_SUBDIR, DCPWriter, none_object_bytes,
@@ -92,7 +92,10 @@ class TorchDistLoad(TorchDistSource):
             raise FormatError(f"{td.path}: partial optimizer state: no optimizer.state."
                               f"{', no optimizer.state.'.join(names.get(s, s) for s in absent)} tensors beside "
                               f"{', '.join(names.get(s, s) for s in states)}; {hint}")
-        specs = [s for s in Manifest(0, cfg, layout, {}, optimizer=states).specs() if split_optimizer_key(s.name)]
+        every = Manifest(0, cfg, layout, {}, optimizer=states).specs()
+        if match_keys(td, [s for s in every if split_optimizer_key(s.name) is None])[1]:
+            return  # the weights do not match the model config: plan_import says so (not "partial optimizer state")
+        specs = [s for s in every if split_optimizer_key(s.name)]
         _, missing, _ = match_keys(td, specs)
         if missing:
             raise FormatError(f"{td.path}: partial optimizer state: {len(missing)} of {len(specs)} optimizer tensors "
@@ -131,8 +134,7 @@ class TorchDistLoad(TorchDistSource):
             notes.append(f"note: {where} args hold no consumed_train_samples: taking iteration {it} x "
                          f"--global-batch-size {global_batch_size} = {consumed} samples")
         state: dict[str, Any] = {"iteration": it, "consumed_samples": consumed}
-        groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups") \
-            if isinstance(common.get("optimizer"), dict) else None
+        groups = megatron_optimizer_groups(common.get("optimizer"))
         steps = {g.get("step") for g in groups or [] if isinstance(g, dict) and g.get("step") is not None}
         if len(steps) > 1:
             raise FormatError(f"{where}: the optimizer's param groups hold different steps {sorted(steps)}")
@@ -155,17 +157,20 @@ def megatron_param_groups(opt: DistributedOptimizer, lr: float, wd: float, max_l
                           experts: bool) -> list[dict]:
     """megatron-core's distributed-optimizer param groups as its state_dict() saves them (torch Adam's fields, the
     `step`, Megatron's identifier keys wd_mult / lr_mult / is_expert_parallel / is_decoupled_lr): decayed weights,
-    then biases and 1-D parameters (wd_mult 0), for expert parameters too in a MoE model, so that its
-    load_state_dict finds each group it builds."""
+    then biases and 1-D parameters (wd_mult 0), then the same for expert parameters in a MoE model; only the groups
+    that hold parameters (of this rank's model, as megatron-core builds them), so that its load_state_dict finds
+    each group it builds (`_common` puts the expert groups in the expert optimizer of its ChainedOptimizer)."""
     c = opt.cfg
     base = {"lr": lr, "betas": [c.adam_beta1, c.adam_beta2], "eps": c.adam_eps, "amsgrad": False,
             "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
             "decoupled_weight_decay": True, "lr_mult": 1.0, "is_decoupled_lr": False, "default_config": True,
             "max_lr": max_lr, "min_lr": min_lr, "step": opt.steps}
+    kinds = {(bool(e), p.ndim == 1 or n.endswith(".bias")) for n, p, e in zip(opt.names, opt.params, opt.expert)}
     out = []
     for expert in ((False, True) if experts else (False,)):
         for mult in (1.0, 0.0):
-            out.append(dict(base, weight_decay=wd * mult, wd_mult=mult, is_expert_parallel=expert))
+            if (expert, mult == 0.0) in kinds:
+                out.append(dict(base, weight_decay=wd * mult, wd_mult=mult, is_expert_parallel=expert))
     return out
 
 
@@ -179,10 +184,8 @@ def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str, itera
     args.consumed_train_samples = int(state["consumed_samples"])
     common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
               "num_floating_point_operations_so_far": 0,
-              "content_metadata": {"singleton_local_shards": False,
-                                   "distrib_optim_sharding_type": MEGATRON_OPTIM_SHARDING},
-              "optimizer": {"param_state_sharding_type": MEGATRON_OPTIM_SHARDING,
-                            "optimizer": {"param_groups": param_groups}},
+              "content_metadata": megatron_content_metadata(optimizer=True),
+              "optimizer": megatron_optimizer_common(param_groups),
               "args": args, TRAIN_STATE_KEY: json.dumps(state, indent=1) + "\n"}
     sched = state.get("scheduler")
     if isinstance(sched, dict) and MEGATRON_SCHEDULER_KEYS <= set(sched):
@@ -199,22 +202,9 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
     root = Path(root)
     dtypes = ckpt_io.gather_dtypes(table)
     entries = ckpt_io._entries(cfg, layout, dtypes)
-    writer = None
+    writer = ckpt_io.open_on_rank0(root, iteration, "train-save-torch_dist", entries, groups,
+                                   pointer=(TRACKER, f"{iteration}\n"))
     err: list = [None]
-    if groups.rank == 0:
-        try:
-            writer = IterationWriter(root, iteration, {"kind": "train-save-torch_dist", "nonce": time.time_ns()},
-                                     overwrite=True, pointer=(TRACKER, f"{iteration}\n")).__enter__()
-            writer.reserve(sum(entry_nbytes(e) for e in entries.values()))  # refuse before anything is written
-        except Exception as e:  # tell the other ranks instead of leaving them at the barrier
-            if writer is not None:
-                try:
-                    writer.__exit__(type(e), e, e.__traceback__)
-                except Exception as e2:
-                    e = e2
-                writer = None
-            err = [f"{type(e).__name__}: {e}"]
-    ckpt_io._broadcast_error(err)
     partial = root / f"{iter_dirname(iteration)}{PARTIAL_SUFFIX}"
     items: list[tuple[str, tuple[int, ...], torch.Tensor]] = []  # (DCP key, global offsets, value) this rank writes
     try:

@@ -184,11 +184,14 @@ class AttentionLayout:
 class MicroBatchExtras:
     """A micro-batch's per-token extras on this CP rank: global RoPE positions, loss weights (loss mask times
     cp / tokens counted in the whole micro-batch, so that summing over CP ranks and averaging over DP x CP gives the
-    micro-batch's mean loss) and the attention layout."""
+    micro-batch's mean loss) and the attention layout. `whole`: (input ids, labels, loss mask) [b, S] of the whole
+    micro-batch before the split (every CP rank reads all of it): the MTP loss shifts them by whole sequences
+    (train.moe.mtp_targets), so a token beyond a chunk boundary needs no exchange between CP ranks."""
 
     position_ids: Tensor
     loss_weight: Tensor
     layout: AttentionLayout
+    whole: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 def prepare_micro_batch(sample: Tensor, cp: int, cp_rank: int, packing: Packing
@@ -203,7 +206,8 @@ def prepare_micro_batch(sample: Tensor, cp: int, cp_rank: int, packing: Packing
         return zigzag_split(t, cp, cp_rank).contiguous()
 
     return split(tokens), split(labels), MicroBatchExtras(split(positions), split(weight),
-                                                          AttentionLayout(S, cp, cp_rank, docs))
+                                                          AttentionLayout(S, cp, cp_rank, docs),
+                                                          (tokens, labels, loss_mask))
 
 
 # -- masks and the plain-torch block kernel ----------------------------------------------------------------------------
@@ -593,7 +597,8 @@ def apply_context_parallel(model: nn.Module, groups, comm_type: str, packing: Pa
     if cp == 1 and not packing.reset_attention_mask and backend == "sdpa":
         return None, line
     state = AttentionState(cp, groups.cp_rank, cp_ring(groups), comm_type, backend, recompute_selective)
-    for layer in model.decoder.layers.values():
+    mtp = [] if getattr(model, "mtp", None) is None else [m.transformer_layer for m in model.mtp.layers]
+    for layer in [*model.decoder.layers.values(), *mtp]:  # the MTP layers' attention sees the same split and documents
         att = layer.self_attention
         att.core_attention = state.core_attention_for(att)
     return state, line

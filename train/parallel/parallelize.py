@@ -77,7 +77,7 @@ def parallelize(model_cfg: ModelConfig, groups: Groups, device: torch.device, dt
                                              run.recompute_granularity == "selective", device, dtype)
     apply_recompute(model, run.recompute_granularity, attention)
     backend = precision.setup(model, model_cfg, groups, run, fp8, parallel.cp_comm_type, sp)
-    moe_state = moe_mod.setup(moe, model_cfg, model, groups, packing.active, sp)
+    moe_state = moe_mod.setup(moe, model_cfg, model, groups, sp)
     return Parallelized(model, attention, line, backend, moe_state)
 
 

@@ -57,8 +57,9 @@ class StageStep:
         normed = m.decoder.final_layernorm(h)  # m.token_losses' norm, applied once: the head and MTP both read it
         losses = m.cross_entropy(m.logits(normed), labels)
         loss = losses.mean() if extras is None else (losses * extras.loss_weight).sum()
-        if self.moe is not None and m.mtp is not None:
-            loss = self.moe.add_mtp_loss(m, loss, normed, ids, labels)
+        if self.moe is not None and m.mtp is not None:  # the MTP layers attend over the same split and documents
+            with contextlib.nullcontext() if att is None or extras is None else att.use(extras.layout):
+                loss = self.moe.add_mtp_loss(m, loss, normed, ids, labels, extras)
         return loss
 
 
