@@ -627,13 +627,14 @@ class _ImportWorker:
 def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | None = None,
                          layout: Layout | None = None, *, dtype: str | None = None, hf_dir: str | Path | None = None,
                          workers: int | None = None, overwrite: bool = False, quiet: bool = False,
-                         vocab_size: int | None = None, group=None) -> Path:
+                         vocab_size: int | None = None, group=None, estimate_above: int | None = None) -> Path:
     """Convert the model weights of a torch_dist checkpoint into a native checkpoint `<out>/iter_N` for `layout`
     (default: the layout in its Megatron-LM args, else tp=pp=1). `cfg` describes the model (e.g.
     ModelConfig.from_hf_dir); None: the checkpoint's own description (TorchDistCheckpoint.model_config: `hf_dir`,
     else a shardkit export's shardkit.json, else its Megatron args with `vocab_size`). Tokenizer files come from
     `hf_dir`, else from a shardkit export's own hf/. With `group` (one rank of several, convert.distributed) this rank
-    writes its share of the chunks, reading only the items they overlap, and rank 0 commits."""
+    writes its share of the chunks, reading only the items they overlap, and rank 0 commits. A job with at least
+    `estimate_above` bytes prints the expected time first (convert.writer.write_chunks)."""
     check_output(out, [("source", path), ("--hf-config", hf_dir)])
     td = read_torch_dist(path)
     origin = "the model config"
@@ -665,7 +666,8 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | N
     path = None
     with distributed.open_writer(out, iteration, job, overwrite, group) as w:
         args = (str(td.path), keys, vocab, str(w.partial), {n: e.dtype for n, e in entries.items()})
-        write_chunks(w, entries, "torch_dist-to-mcore", _ImportWorker, args, workers, quiet, group=group)
+        write_chunks(w, entries, "torch_dist-to-mcore", _ImportWorker, args, workers, quiet, group=group,
+                     estimate_above=estimate_above)
         if not distributed.leads(group):
             return distributed.finish(group, None, out)
         if assets is not None:

@@ -631,7 +631,8 @@ def _import_torch_dist(args: argparse.Namespace, src: str, out, layout, dtype):
 
     return torch_dist_to_native(src, out, None, layout, dtype=dtype, hf_dir=args.hf_config,
                                 vocab_size=args.vocab_size, workers=getattr(args, "workers", None),
-                                overwrite=args.overwrite, quiet=args.quiet, group=getattr(args, "group", None))
+                                overwrite=args.overwrite, quiet=args.quiet, group=getattr(args, "group", None),
+                                estimate_above=_estimate_above(args) if hasattr(args, "estimate_above") else None)
 
 
 def _write(args: argparse.Namespace, out: str, produce):
