@@ -156,18 +156,20 @@ def _argv(root: Path, case: str, out: Path) -> list:
 def _native_source(root: Path) -> Path:
     """The tiny Llama as a native tp1 pp1 checkpoint (one process), the source of the reshard cases."""
     src = root / "reshard-src"
-    if not src.exists():
-        r = one(["convert", "hf-to-mcore", root / "llama", src, "--quiet"])
+    return _one_process(src, ["convert", "hf-to-mcore", root / "llama", src])
+
+
+def _one_process(ref: Path, argv: list) -> Path:
+    """`ref` written once by one process running `argv` (the reference every rank count is compared with)."""
+    if not ref.exists():
+        r = one(argv + ["--quiet"])
         assert r.returncode == 0, r.stderr
-    return src
+    return ref
 
 
 def _reference(root: Path, case: str) -> dict[str, bytes]:
     ref = root / f"ref-{case}"
-    if not ref.exists():
-        r = one(_argv(root, case, ref) + ["--quiet"])
-        assert r.returncode == 0, r.stderr
-    return files_of(ref / "iter_0000000")
+    return files_of(_one_process(ref, _argv(root, case, ref)) / "iter_0000000")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -276,10 +278,7 @@ def td_files(it: Path) -> dict:
 
 def _td_reference(root: Path, case: str) -> tuple[Path, dict]:
     ref = root / f"ref-{case}"
-    if not ref.exists():
-        r = one(_td_argv(root, case, ref) + ["--quiet"])
-        assert r.returncode == 0, r.stderr
-    return ref, td_files(ref / "iter_0000000")
+    return _one_process(ref, _td_argv(root, case, ref)), td_files(ref / "iter_0000000")
 
 
 TD_RUNS = [("llama-tp2pp2-td", 2), ("llama-tp2pp2-td", 3), ("reshard-td-to-td", 3), ("mixtral-ep2-td", 3),
