@@ -159,14 +159,99 @@ def _is_fp8_source(hf_dir: Path) -> bool:
     return bool(raw.get("quantization_config"))
 
 
-def _free(module: nn.Module) -> None:
-    module.to_empty(device="meta")
+class _CastPool:
+    """fp32 buffers reused across tensors, pieces, layers and both sides for the bf16 -> fp32 casts of the weights.
+
+    A fresh fp32 tensor per weight (GBs per layer at 70B width) costs mostly the kernel's zeroing of its new pages
+    (minor page faults; the allocator maps and unmaps every large block), not the conversion itself. A cast or a
+    module's parameters take a buffer from here, the smallest idle one holding at least their element count (and at
+    most twice it), as `buf[:n].view(shape)` (a layer's shapes recur in every layer and on both sides, and HF's layer
+    and ours never live at once; an attention's buffer serves an MLP piece of about its size) and give it back when
+    freed. The values are the same (`copy_`
+    casts exactly as `.float()` and transformers' loader do); only where they live changes. The pool keeps idle
+    buffers only while they and the ones lent out stay within `cap` bytes, dropping the least recently given first,
+    so it adds no memory beyond `cap` to what the pieces themselves hold."""
+
+    MIN = 1 << 18  # elements: smaller tensors are not worth it
+
+    def __init__(self, cap: int | None) -> None:
+        self.cap = cap
+        self.idle: list[Tensor] = []  # free buffers (flat), least recently given first
+        self.lent: dict[int, Tensor] = {}  # data_ptr -> the buffer lent out
+        self.idle_bytes = self.lent_bytes = 0
+
+    def _fits(self, extra: int) -> bool:
+        return self.cap is None or self.idle_bytes + self.lent_bytes + extra <= self.cap
+
+    def take(self, shape) -> Tensor:
+        """An uninitialised fp32 tensor of `shape` (a pooled buffer when it is large)."""
+        n = math.prod(shape)
+        if n < self.MIN:
+            return torch.empty(shape)
+        fit = [i for i, b in enumerate(self.idle) if n <= b.numel() <= 2 * n]
+        if fit:
+            buf = self.idle.pop(min(fit, key=lambda i: self.idle[i].numel()))
+            self.idle_bytes -= buf.numel() * FP32
+        else:
+            while self.idle and not self._fits(n * FP32):  # make room: drop the least recently given
+                self.idle_bytes -= self.idle.pop(0).numel() * FP32
+            buf = torch.empty(n)
+        self.lent[buf.data_ptr()] = buf
+        self.lent_bytes += buf.numel() * FP32
+        return buf[:n].view(shape)
+
+    def cast(self, t: Tensor) -> Tensor:
+        """`t.float()`, into a pooled buffer."""
+        if t.dtype == torch.float32 or t.numel() < self.MIN or not t.is_floating_point():
+            return t.float()
+        out = self.take(t.shape)
+        out.copy_(t)
+        return out
+
+    def give(self, t: Tensor) -> None:
+        """Give back the buffer `t` was taken as (no-op for any other tensor). `t` must not be used afterwards."""
+        buf = self.lent.pop(t.data_ptr(), None)
+        if buf is None:
+            return
+        self.lent_bytes -= buf.numel() * FP32
+        while self.idle and not self._fits(buf.numel() * FP32):
+            self.idle_bytes -= self.idle.pop(0).numel() * FP32
+        if self._fits(buf.numel() * FP32):
+            self.idle.append(buf)
+            self.idle_bytes += buf.numel() * FP32
+
+    def materialise(self, module: nn.Module) -> None:
+        """`module.to_empty(device="cpu")` with its large parameters in pooled buffers."""
+        module.to_empty(device="cpu")
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is not None and p.numel() >= self.MIN and p.dtype == torch.float32:
+                    sub._parameters[name] = nn.Parameter(self.take(p.shape), requires_grad=p.requires_grad)
+
+    def free(self, module: nn.Module) -> None:
+        """Give back `module`'s parameters' buffers and return it to the meta device."""
+        for p in module.parameters():
+            self.give(p)
+        module.to_empty(device="meta")
+
+    def clear(self) -> None:
+        """Drop the idle buffers."""
+        self.idle.clear()
+        self.idle_bytes = 0
+
+
+def _free(module: nn.Module, pool: _CastPool | None = None) -> None:
+    if pool is not None:
+        pool.free(module)
+    else:
+        module.to_empty(device="meta")
 
 
 class _HFSide:
     """transformers' model on the meta device, filled piece by piece from the safetensors."""
 
-    def __init__(self, hf_dir: Path, weights: HFWeights, num_layers: int, mtp_layers: int) -> None:
+    def __init__(self, hf_dir: Path, weights: HFWeights, num_layers: int, mtp_layers: int,
+                 pool: _CastPool | None = None) -> None:
         import transformers
         from transformers.conversion_mapping import get_model_conversion_mapping
 
@@ -181,6 +266,7 @@ class _HFSide:
         # RoPE's inverse frequencies are computed at construction: rebuild that (small) module for real
         inner.rotary_emb = type(inner.rotary_emb)(config=self.config)
         self.weights = weights
+        self.pool = pool if pool is not None else _CastPool(None)
         self.mapping = get_model_conversion_mapping(self.model)
         self.keys = weights.layer_keys()
         self.num_layers, self.mtp_layers = num_layers, mtp_layers
@@ -194,11 +280,18 @@ class _HFSide:
         from transformers.modeling_utils import LoadStateDictConfig
 
         module.to_empty(device="cpu")
-        sd = {(rename(k) if rename else k): self.weights.get(k) for k in keys}
+        # cast into pooled fp32 buffers here: the loader's own cast to fp32 is then a no-op and its parameters are
+        # these buffers (exact either way); a buffer the loader did not keep (a fused or renamed copy) goes back
+        sd = {(rename(k) if rename else k): self.pool.cast(self.weights.get(k)) for k in keys}
         target = self.model if model is None else model
         mapping = self.mapping if mapping is None else mapping
         info, _ = convert_and_load_state_dict_in_model(
             target, sd, LoadStateDictConfig(weight_mapping=mapping, dtype=torch.float32))
+        kept = {p.untyped_storage().data_ptr() for p in module.parameters()}  # a split's views count too
+        for t in sd.values():
+            if t.untyped_storage().data_ptr() not in kept:
+                self.pool.give(t)
+        del sd
         prefixes = self._prefixes(module, target)
         missing = {k for k in info.missing_keys if any(k.startswith(p) for p in prefixes)}
         if missing:
@@ -236,7 +329,8 @@ class _HFSide:
         c.intermediate_size = rows
         with torch.device("meta"):
             piece = type(mlp)(c)
-        return piece.to_empty(device="cpu")
+        self.pool.materialise(piece)
+        return piece
 
     # -- DeepSeek-V3's MTP layers ------------------------------------------------------------------------------
     def mtp_model(self) -> nn.Module:
@@ -283,7 +377,7 @@ class _StreamedHFExperts(nn.Module):
                        rename=lambda k: pat.sub(r"model.layers.0.\1.experts.0.", k))
         # unit weights: the module's `y * w` is then y exactly, and the caller applies the routing weight itself
         y = one(rows, torch.zeros(rows.shape[0], 1, dtype=torch.long), torch.ones(rows.shape[0], 1, dtype=rows.dtype))
-        _free(one)
+        _free(one, self.side.pool)
         self.side.weights.release()
         return y
 
@@ -345,6 +439,7 @@ class _ChunkedHFMLP(nn.Module):
             w.release()
             y = piece(x)
             out = y if out is None else out + y
+            _free(piece, self.side.pool)
             del piece
         return out
 
@@ -384,8 +479,9 @@ def _expert_mlp(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
 class _OurSide:
     """Our model on the meta device; one piece at a time filled from the checkpoint's chunks."""
 
-    def __init__(self, ck: Checkpoint, plan: dict) -> None:
+    def __init__(self, ck: Checkpoint, plan: dict, pool: _CastPool | None = None) -> None:
         self.ck, self.cfg, self.plan = ck, ck.config, plan
+        self.pool = pool if pool is not None else _CastPool(None)
         padded = ck.entry("embedding.word_embeddings.weight").shape[0]
         with torch.device("meta"):
             self.model = GPTModel(self.cfg, padded)
@@ -406,7 +502,7 @@ class _OurSide:
 
     def fill(self, prefix: str, module: nn.Module) -> None:
         """Materialise `module` (the model's `prefix`) with its tensors read from the checkpoint."""
-        module.to_empty(device="cpu")
+        self.pool.materialise(module)
         with torch.no_grad():
             for name, p in module.named_parameters():
                 cname, index = canonical_name(prefix + name, self.stacked)
@@ -458,7 +554,7 @@ class _OurSide:
             mids = [x + mine.self_attention(mine.input_layernorm(x), cos, sin) for x in streams]
             us = [mine.pre_mlp_layernorm(m) for m in mids]
         for m in (mine.input_layernorm, mine.self_attention, mine.pre_mlp_layernorm):
-            _free(m)
+            _free(m, self.pool)
         mlp = mine.mlp
         with torch.no_grad():
             if hasattr(mlp, "router"):
@@ -466,7 +562,7 @@ class _OurSide:
             elif pieces == 1:
                 self.fill(prefix + "mlp.", mlp)
                 ys = [mlp(u) for u in us]
-                _free(mlp)
+                _free(mlp, self.pool)
             else:
                 ys = [None] * len(us)
                 cfg = self.cfg
@@ -474,7 +570,7 @@ class _OurSide:
                 for r in range(pieces):
                     with torch.device("meta"):
                         piece = MLP(cfg.hidden_size, cfg.ffn_hidden_size // pieces, cfg.add_mlp_bias, cfg.norm_epsilon)
-                    piece.to_empty(device="cpu")
+                    self.pool.materialise(piece)
                     for name, p in piece.named_parameters():
                         if name == "linear_fc2.bias" and r > 0:  # added once, by the first piece
                             p.zero_()
@@ -487,6 +583,7 @@ class _OurSide:
                         else:
                             self._fill_region(p, prefix + "mlp.", name, pieces, r)
                     ys = [piece(u) if y is None else y + piece(u) for u, y in zip(us, ys)]
+                    _free(piece, self.pool)
                     del piece
         return [m + y for m, y in zip(mids, ys)]
 
@@ -499,7 +596,7 @@ class _OurSide:
             tokens = u.reshape(-1, u.shape[-1])
             weights, indices = moe.router(tokens)
             routes.append((tokens, weights, indices, torch.zeros_like(tokens)))
-        _free(moe.router)
+        _free(moe.router, self.pool)
         wanted = set()
         for _, _, indices, _ in routes:
             wanted.update(torch.unique(indices).tolist())
@@ -511,8 +608,8 @@ class _OurSide:
         lead = () if i1 is None else (slice(i1, i1 + 1),)
         for e in sorted(wanted):
             box = lead + (slice(e, e + 1),)
-            w1 = self.read(w1_name, box).float().reshape(self.read_shape(w1_name)[-2:])
-            w2 = self.read(w2_name, box).float().reshape(self.read_shape(w2_name)[-2:])
+            w1 = self.pool.cast(self.read(w1_name, box)).reshape(self.read_shape(w1_name)[-2:])
+            w2 = self.pool.cast(self.read(w2_name, box)).reshape(self.read_shape(w2_name)[-2:])
             for tokens, weights, indices, out in routes:
                 token, slot = torch.where(indices == e)
                 if token.numel() == 0:
@@ -523,6 +620,8 @@ class _OurSide:
                 d = (_expert_mlp(hf_experts.inputs[e], w1, w2) - theirs[e]).abs().max().item()
                 if worst[0] is None or not d <= worst[1]:
                     worst = (e, d)
+            self.pool.give(w1)
+            self.pool.give(w2)
             del w1, w2
         if report is not None:
             report["experts_loaded"] = len(wanted)
@@ -531,7 +630,7 @@ class _OurSide:
         if moe.shared_experts is not None:
             self.fill(prefix + "shared_experts.", moe.shared_experts)
             ys = [y + moe.shared_experts(u) for u, y in zip(us, ys)]
-            _free(moe.shared_experts)
+            _free(moe.shared_experts, self.pool)
         return ys
 
     def read_shape(self, name: str) -> list[int]:
@@ -584,8 +683,10 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
     weights = HFWeights(hf_dir, *_fp8_settings(hf_dir))
     check_same_math(cfg, hf_config(hf_dir, weights), hf_dir)
     plan = piece_plan(ck, memory_budget, fp8_block=_fp8_settings(hf_dir)[0] if _is_fp8_source(hf_dir) else None)
-    hf = load_quietly(lambda: _HFSide(hf_dir, weights, cfg.num_layers, cfg.mtp_num_layers), hf_dir)
-    ours = _OurSide(ck, plan)
+    # fp32 buffers reused: idle + lent within half the budget (the 2x-fp32 rule's share of one piece's values)
+    pool = _CastPool(None if memory_budget is None else memory_budget // 2)
+    hf = load_quietly(lambda: _HFSide(hf_dir, weights, cfg.num_layers, cfg.mtp_num_layers, pool), hf_dir)
+    ours = _OurSide(ck, plan, pool)
     inner = hf.model.model
     keys = hf.keys
     layers: list[dict] = []
@@ -645,7 +746,7 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
         def post(m, args, kwargs, out, i=i, prefix=prefix, pieces=pieces):
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = out[0] if isinstance(out, tuple) else out
-            _free(m)
+            _free(m, pool)
             weights.release()
             mine = ours.model.decoder.layers[str(i)]
             rep: dict = {}
@@ -661,7 +762,7 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
         layer.register_forward_hook(post, with_kwargs=True)
         attn = getattr(layer, "self_attn", None)
         if attn is not None and (routed is not None or pieces > 1):  # free attention before the MLP's pieces
-            attn.register_forward_hook(lambda m, a, o: _free(m))
+            attn.register_forward_hook(lambda m, a, o: _free(m, pool))
 
     def norm_pre(m, args):
         hf.load(m, ["model.norm.weight"])
@@ -680,9 +781,11 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
         mtp_rows = _mtp(hf, ours, weights, cfg, state, next_ids, hf_embed, our_embed, cos, sin, tolerance,
                         all_experts, hf_heads, our_heads)
         report_progress()
+        pool.clear()  # the layers' shapes: not the head's
         hf_logits, our_logits = _head_logits(
             weights, hf_heads, lambda a, b: ours.read_rows(ours.head_name(), a, b), our_heads,
-            cfg.vocab_size, plan["head_rows"])
+            cfg.vocab_size, plan["head_rows"], pool)
+        pool.clear()
         report_progress()
     if our_logits[0].shape != hf_logits[0].shape:
         raise ShardkitError(f"logit shapes differ: ours {tuple(our_logits[0].shape)}, HF {tuple(hf_logits[0].shape)}")
@@ -779,7 +882,8 @@ _memcmp = _libc_memcmp()
 
 def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
                  read_ours: Callable[[int, int], list[tuple[int, int, Tensor]]],
-                 our_inputs: list[Tensor], vocab: int, block: int) -> tuple[list[Tensor], list[Tensor]]:
+                 our_inputs: list[Tensor], vocab: int, block: int, pool: _CastPool | None = None
+                 ) -> tuple[list[Tensor], list[Tensor]]:
     """HF's head(s) and ours on their inputs, in row blocks [a, a + block) of each head tensor (one block: exactly
     the whole), F.linear as nn.Linear; every head tensor read once per side, block by block.
 
@@ -789,6 +893,7 @@ def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
     chain is too while it has not drifted) share one product. F.linear of equal operands is one number, so every
     logit (and difference) is what the separate products give; a block or input that differs is computed on its own,
     from its own side's values."""
+    pool = pool if pool is not None else _CastPool(None)
     keys = list(dict.fromkeys(key for _, key in hf_heads))
     for key in keys:
         rows = weights.shape(key)[0]
@@ -818,7 +923,7 @@ def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
             weights.release()  # a copy: the file's mapped pages can go
             if matched is None and all(_same_bits(theirs[lo - a:hi - a], t) for lo, hi, t in mine):
                 matched, mine = key, None  # our views (mapped pages of our chunks) are not needed any more
-            w = theirs.float()
+            w = pool.cast(theirs)  # the blocks' buffer reused block to block
             del theirs
             for n, (_, k) in enumerate(hf_heads):
                 if k == key:
@@ -826,13 +931,15 @@ def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
             if matched == key:
                 for m, out in enumerate(our_out):
                     put(out, key, H + m, w)
+            pool.give(w)
             del w
         if matched is None:
-            w = torch.empty(b - a, inputs[0].shape[-1])
+            w = pool.take((b - a, inputs[0].shape[-1]))
             for lo, hi, t in mine:
                 w[lo - a:hi - a] = t
             for m, out in enumerate(our_out):
                 put(out, "ours", H + m, w)
+            pool.give(w)
             del w
         del mine, products
     return hf_out, our_out
@@ -877,7 +984,7 @@ def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, stat
         hf.load(layer, block, model=model, mapping=hf._mtp_mapping)
         out = layer(x_hf, **state["layer_kwargs"])
         y_hf = out[0] if isinstance(out, tuple) else out
-        _free(layer)
+        _free(layer, hf.pool)
         weights.release()
         head_key = p + "shared_head.head.weight"
         hf_out = snorm(y_hf)
@@ -900,7 +1007,7 @@ def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, stat
         our_out = mine.final_layernorm(chain)
         our_heads.extend([our_out, mine.final_layernorm(on_hf)])
         for name in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
-            _free(getattr(mine, name))
+            _free(getattr(mine, name), ours.pool)
         hf_prev, our_prev = hf_out, our_out
     return rows
 

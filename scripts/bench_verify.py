@@ -13,8 +13,9 @@ For each: write random bf16 weights (std 0.02, norms ~1; save_pretrained's layou
 (`shardkit convert hf-to-mcore`, timed and RSS-polled: the conversion's own time), time `cat` of both checkpoints'
 files to /dev/null (the baseline: reading both once), then time the streaming parity alone (what `convert --verify`
 adds; `shardkit verify` also re-reads every chunk for its checksums first) in a subprocess whose process tree's RSS
-is polled. The page cache is dropped before each timed step when this runs as root with a writable
-/proc/sys/vm/drop_caches; otherwise the mode is said. Everything lives under --workdir, removed model by model.
+is polled (and whose minor page faults are counted: fresh memory the kernel zeroes). The page cache is dropped
+before each timed step when this runs as root with a writable /proc/sys/vm/drop_caches; otherwise the mode is said.
+Everything lives under --workdir, removed model by model.
 
     .venv/bin/python scripts/bench_verify.py --json /tmp/bv.json --markdown /tmp/bv.md
     .venv/bin/python scripts/bench_verify.py --tiny   # seconds: the smoke test's dims
@@ -25,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -167,8 +169,10 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
     if drop:
         try_drop_caches()
     out_json = work / f"{name}-parity.json"
+    faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
     ver = run_measured(f"{name} verify", [py, "-c", PARITY, str(ck), str(hf), str(args.budget), str(args.seq_length),
                                           str(out_json)], args.poll, work / f"{name}-verify.log", env=env)
+    faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults  # the parity's minor page faults
     p = json.loads(out_json.read_text())
     print(f"[{name}] streaming parity {ver.wall_s:.1f} s, peak RSS {ver.peak_tree_rss / 2**20:.0f} MiB, "
           f"max |diff| {p['max_abs_diff']:.3e}, ok {p['ok']}", flush=True)
@@ -179,7 +183,8 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
            "cat_s": round(cat_s, 2), "verify_s": round(ver.wall_s, 2),
            "verify_peak_rss_mb": round(ver.peak_tree_rss / 2**20),
            "verify_peak_anon_mb": round(ver.peak_tree_anon / 2**20),
-           "verify_cpu_s": round(ver.cpu_s, 1), "ratio_vs_cat": round(ver.wall_s / max(cat_s, 1e-9), 2),
+           "verify_cpu_s": round(ver.cpu_s, 1), "verify_minor_faults": faults,
+           "ratio_vs_cat": round(ver.wall_s / max(cat_s, 1e-9), 2),
            "ratio_vs_convert": round(ver.wall_s / max(conv.wall_s, 1e-9), 2),
            "cpu_ratio_vs_convert": round(ver.cpu_s / max(conv.cpu_s, 1e-9), 2), "ok": p["ok"],
            "max_abs_diff": p["max_abs_diff"], "worst_layer_diff": max(r["max_abs_diff"] for r in p["layers"]),
@@ -195,7 +200,8 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
 
 def table(rows: list[dict]) -> str:
     cols = ["model", "layers", "experts", "hf_gb", "ck_gb", "convert_s", "cat_s", "verify_s", "ratio_vs_cat",
-            "ratio_vs_convert", "convert_cpu_s", "verify_cpu_s", "cpu_ratio_vs_convert", "verify_peak_rss_mb",
+            "ratio_vs_convert", "convert_cpu_s", "verify_cpu_s", "verify_minor_faults", "cpu_ratio_vs_convert",
+            "verify_peak_rss_mb",
             "verify_peak_anon_mb", "convert_peak_rss_mb", "bytes_read_gb",
             "experts_exercised", "max_abs_diff", "worst_layer_diff", "ok"]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -211,3 +211,39 @@ def test_bench_verify_smoke(tmp_path):
     assert {row["model"] for row in rows} == {"llama", "deepseek_v3"}
     assert all(row["ok"] and row["verify_s"] > 0 and row["cat_s"] >= 0 for row in rows)
     assert (tmp_path / "w" / "mine.txt").is_file() and not any((tmp_path / "w").glob("run-*"))  # only its own run dir goes
+
+
+def test_cast_pool_reuses_buffers_within_its_cap():
+    """The fp32 buffers of the casts: the same values as .float(), a buffer given back serves the next tensor of a
+    size it holds (not one under half its size), a module's parameters come from it and go back when freed, and the
+    idle plus lent buffers never exceed the cap (beyond it they are dropped)."""
+    import torch
+
+    from convert.streaming import _CastPool
+
+    n = 4 * _CastPool.MIN
+    pool = _CastPool(cap=4 * n * 4)
+    src = torch.randn(2, n // 2).to(torch.bfloat16)
+    a = pool.cast(src)
+    assert a.dtype == torch.float32 and torch.equal(a, src.float())
+    ptr = a.data_ptr()
+    pool.give(a)
+    b = pool.take((n // 2, 2))  # same count, another shape: the same buffer
+    assert b.data_ptr() == ptr and b.shape == (n // 2, 2)
+    pool.give(b)
+    small = pool.take((n // 4,))  # under half its size: a fresh one
+    assert small.data_ptr() != ptr
+    c = pool.take((3 * n // 4,))  # smaller, over half: the idle buffer's head
+    assert c.data_ptr() == ptr
+    pool.give(c)
+    lin = torch.nn.Linear(n // 4, 3, bias=False, device="meta")
+    pool.materialise(lin)
+    assert lin.weight.device.type == "cpu" and lin.weight.data_ptr() == ptr
+    pool.free(lin)
+    assert lin.weight.device.type == "meta" and pool.idle_bytes == n * 4
+    big = [pool.take((n,)) for _ in range(4)]  # 1 idle reused + 3 fresh, and the small one lent: over the cap
+    for t in big:
+        pool.give(t)
+    assert pool.idle_bytes + pool.lent_bytes <= pool.cap and pool.idle_bytes < 4 * n * 4
+    pool.clear()
+    assert pool.idle_bytes == 0 and not pool.idle
