@@ -45,12 +45,12 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from checkpoint import store
-from checkpoint.commit import LATEST, IterationWriter, check_output_root
+from checkpoint.commit import LATEST, LOCK, PARTIAL_SUFFIX, IterationWriter, check_output_root
 from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.layout import Layout
-from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
+from checkpoint.manifest import MANIFEST, TRAIN_STATE, Manifest, TensorEntry, valid_iter_dirname
 from checkpoint.megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, MEGATRON_OPTIM_SHARDING, MEGATRON_SCHEDULER_KEYS,
                                  TRACKER, TRAIN_STATE_KEY, arg, chunk_rank, extra_state_objects, layout_from_args,
                                  megatron_args, megatron_content_metadata, megatron_optimizer_common, shard_owners,
@@ -568,6 +568,45 @@ def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str | None
     return common
 
 
+def _ours(staging: Path) -> bool:
+    """`staging` holds only what a native write leaves: `latest`, its lock, iteration directories (committed ones
+    with their manifest, `.partial` ones) and nothing else, so removing it touches no file shardkit did not write."""
+    for p in staging.iterdir():
+        if p.name in (LATEST, LOCK, f".{LATEST}.tmp") and p.is_file() and not p.is_symlink():
+            continue
+        name = p.name
+        for prefix, suffix in (("", PARTIAL_SUFFIX), (".", ".old")):  # a write in progress, a commit's old copy
+            if name.startswith(prefix) and name.endswith(suffix):
+                name = name[len(prefix):-len(suffix)]
+                break
+        if not (valid_iter_dirname(name) and p.is_dir() and not p.is_symlink()
+                and (p.name != name or (p / MANIFEST).is_file())):
+            return False
+    return True
+
+
+def staged_across_ranks(out: Path, group, produce: Callable[[Path], Path], consume: Callable[[Path], Path]) -> Path:
+    """A two-step job across ranks through a native staging checkpoint every rank names alike (`.<out>.native-
+    staging` beside `out`; a failed job leaves it for the rerun to resume): `produce(staging)` writes it (its share on
+    each rank), then `consume(native)` reads it. Rank 0 removes one that an earlier run committed (its second step
+    failed after) and, at the end, this run's; a directory of that name holding anything a native write does not
+    leave is refused (one line), never removed."""
+    staging = out.parent / f".{out.name}.native-staging"
+    if group.rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if staging.exists() and (not staging.is_dir() or staging.is_symlink() or not _ours(staging)):
+            raise ShardkitError(f"{staging}: holds files shardkit's staging checkpoint does not; it is this job's "
+                                "staging directory: move it away and rerun")
+        if (staging / LATEST).exists():
+            shutil.rmtree(staging)
+    native = produce(staging)
+    group.next_phase()
+    path = consume(native)
+    if group.rank == 0 and staging.is_dir() and _ours(staging):  # every rank has finished (they all heard of the second step's end)
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
 def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: str = "te", overwrite: bool = False,
                quiet: bool = False, workers: int | None = None, group=None) -> Path:
     """`--format torch_dist` for a command that writes a native checkpoint: `produce(staging_root)` writes it into a
@@ -582,18 +621,8 @@ def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: 
         raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' or 'local'")
     check_output_root(out, overwrite)  # fail before the expensive part
     if group is not None:
-        staging = out.parent / f".{out.name}.native-staging"
-        if group.rank == 0:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            if (staging / LATEST).exists():  # the export of an earlier run failed after its staging was committed
-                shutil.rmtree(staging)
-        native = produce(staging)
-        group.next_phase()
-        path = write_torch_dist(native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers,
-                                group=group)
-        if group.rank == 0:  # every rank has finished (finish: they all heard of the commit)
-            shutil.rmtree(staging, ignore_errors=True)
-        return path
+        return staged_across_ranks(out, group, produce, lambda native: write_torch_dist(
+            native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers, group=group))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.native-", dir=out.parent))
     try:

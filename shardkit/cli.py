@@ -658,19 +658,10 @@ def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):
     target = Path(out)
     group = getattr(args, "group", None)
     if group is not None:
-        from checkpoint.commit import LATEST
+        from convert.torch_dist_io import staged_across_ranks
 
-        staging = target.parent / f".{target.name}.native-staging"
-        if group.rank == 0:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if (staging / LATEST).exists():  # an earlier run's export failed after its staging copy was committed
-                shutil.rmtree(staging)
-        native = _import_torch_dist(args, src, staging, None, None)
-        group.next_phase()
-        path = consume(native)
-        if group.rank == 0:  # every rank has finished (they all heard that the export is in place)
-            shutil.rmtree(staging, ignore_errors=True)
-        return path
+        return staged_across_ranks(target, group, lambda staging: _import_torch_dist(args, src, staging, None, None),
+                                   consume)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.native-", dir=target.parent))
     try:

@@ -570,3 +570,32 @@ def test_hf_export_rank0_checks_the_reported_shards(tmp_path):
         _check_reported(None, tmp_path, names, [[f"{names[0]} 10"], [f"{names[1]} 7"]], quiet=True)
     with pytest.raises(WriteError, match=rf"1 shard\(s\) no rank reported as written \(e.g. {names[1]}\)"):
         _check_reported(None, tmp_path, names, [[f"{names[0]} 10"], []], quiet=True)
+
+
+def test_shared_staging_refuses_a_directory_it_did_not_write(tmp_path):
+    """The staging directory of a two-step job across ranks has a fixed name beside the output: one that holds a file
+    a native write does not leave is refused in one line and left as it was; one an earlier run committed (a native
+    checkpoint) is replaced, and this run's is removed at the end."""
+    from checkpoint.errors import ShardkitError
+    from convert.torch_dist_io import staged_across_ranks
+
+    class Rank0:
+        rank = 0
+
+        def next_phase(self):
+            pass
+
+    out = tmp_path / "out"
+    staging = tmp_path / ".out.native-staging"
+    staging.mkdir()
+    (staging / "notes.txt").write_text("mine")
+    with pytest.raises(ShardkitError, match="native-staging: holds files shardkit's staging checkpoint does not"):
+        staged_across_ranks(out, Rank0(), lambda s: s, lambda n: n)
+    assert (staging / "notes.txt").read_text() == "mine"
+    (staging / "notes.txt").unlink()
+    (staging / "iter_0000000").mkdir()
+    (staging / "iter_0000000" / "manifest.json").write_text("{}")
+    (staging / "latest").write_text("iter_0000000\n")
+    seen = []
+    staged_across_ranks(out, Rank0(), lambda s: seen.append(s.exists()) or s, lambda n: n)
+    assert seen == [False] and not staging.exists()  # the earlier run's committed staging went first, this one after
