@@ -67,6 +67,12 @@ class BufferPool:
             self._lent.append(raw)
         return raw[:nbytes].view(dtype).reshape(shape)
 
+    def clear(self) -> None:
+        """Drop the idle buffers (work that follows has no use for them: e.g. convert's verify after the writes)."""
+        with self._lock:
+            self._collect()
+            self._idle.clear()
+
     def _collect(self) -> None:
         """Move lent buffers nothing else refers to back to the idle list; drop the largest idle ones over the cap."""
         for i in reversed(range(len(self._lent))):

@@ -172,6 +172,14 @@ class Checkpoint(ManifestView):
             out[tuple(dst)] = self._chunk(name, grid)[tuple(src)]
         return out
 
+    def chunk_files(self, name: str, index: tuple[slice, ...] | None = None) -> list[Path]:
+        """The chunk files a box of `name` reads (chunkio-read arrays only; none for others): for read-ahead hints."""
+        self.array(name)
+        if not self._direct[name]:
+            return []
+        base = self.path / tensor_path(name)
+        return [base / chunkio.chunk_path(Path(), g) for _, g in self.chunks_of(name, index)]
+
     def prefetch(self, name: str, grid: tuple[int, ...]) -> None:
         """Read one chunk into the cache: a read-ahead hint (ReadPlan's thread). Errors surface when the job reads
         the box itself, naming it."""

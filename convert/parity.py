@@ -37,6 +37,69 @@ def load_quietly(build: Callable[[], Any], hf_dir: str | Path) -> Any:
         transformers.utils.logging.set_verbosity(verbosity)
 
 
+class exact_fp32:
+    """The comparison's arithmetic is IEEE fp32 whatever the process was set to: torch's float32 matmul precision is
+    "highest" for its duration (restored after); "high"/"medium" let oneDNN run fp32 matmuls as TF32 or bf16 (on
+    CPUs with AMX, ~2e-3 relative: every layer would differ by that much, a false "not ok", or an error of that size
+    hidden). Then a canary matmul against float64 proves it (an environment such as ONEDNN_DEFAULT_FPMATH_MODE can
+    lower it beneath torch's setting): one line if this process cannot do fp32 matmuls exactly enough to judge 1e-4."""
+
+    def __enter__(self) -> "exact_fp32":
+        self.prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(64, 1024, generator=g), torch.randn(256, 1024, generator=g)
+        exact = x.double() @ w.double().T
+        err = ((torch.nn.functional.linear(x, w).double() - exact).abs().max() / exact.abs().max()).item()
+        if not err < 1e-5:
+            self.__exit__()
+            raise ShardkitError(f"fp32 matmuls in this process are not exact fp32 (relative error {err:.1e} on a "
+                                "canary, ~1e-7 expected: a reduced-precision math mode such as "
+                                "ONEDNN_DEFAULT_FPMATH_MODE is set); unset it to compare logits")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.set_float32_matmul_precision(self.prev)
+
+
+class unchanged_files:
+    """Both sides' files stay what they were while they are compared: each file's identity, size and mtime are
+    taken before and checked after (a file rewritten underneath, e.g. another job writing into the same directory,
+    would make the numbers those of no one checkpoint). One line naming the first file that changed."""
+
+    def __init__(self, *dirs: Path) -> None:
+        self.dirs = [Path(d) for d in dirs]
+
+    def _stats(self) -> dict[Path, tuple]:
+        import os
+
+        out = {}
+        for d in self.dirs:
+            for root, _, names in os.walk(d):
+                for n in names:
+                    p = Path(root) / n
+                    try:
+                        st = p.stat()
+                    except OSError:
+                        continue
+                    out[p] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return out
+
+    def __enter__(self) -> "unchanged_files":
+        self.before = self._stats()
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            return
+        after = self._stats()
+        for p, st in self.before.items():
+            if after.get(p) != st:
+                how = "removed" if p not in after else "rewritten"
+                raise ShardkitError(f"{p} changed while it was being compared ({how}); the numbers would be of no "
+                                    "one checkpoint: rerun when nothing writes there")
+
+
 def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | Path, *, batch: int = 2,
                  seq_len: int = 32, seed: int = 0) -> dict:
     """Max and mean |logits_ours - logits_hf| on seeded random token ids (< cfg.vocab_size), fp32, no grad."""
@@ -80,26 +143,30 @@ def against_hf(ck, hf_dir: str | Path, *, seq_len: int = 32, tolerance: float = 
                memory_budget: int | None = None, all_experts: bool = False,
                progress: Callable[[int], None] | None = None) -> dict:
     """`verify --against`: the whole-model comparison, or the streaming one (convert/streaming.py) when asked, when
-    both fp32 models would not fit in `memory_budget` (default: half the available memory), or with `all_experts`.
+    both fp32 models would not fit in `memory_budget` (default: half the available memory), with `all_experts`, or
+    for a quantized (block-FP8) HF source, which transformers cannot load on the CPU.
     The HF config is checked first in both modes: a field that changes the math differing is one line.
 
     Verdict: the end-to-end logits within `tolerance` (as ever) and, in streaming mode, every per-layer number (each
     layer, expert, head and MTP depth on HF's own input) within it too."""
     import time
 
-    from .streaming import HFWeights, check_same_math, choose_mode, hf_config, stream_parity
+    from .streaming import HFWeights, check_same_math, choose_mode, hf_config, quantized_source, stream_parity
 
     started = time.perf_counter()
     hf_dir = Path(hf_dir)
-    if (hf_dir / "config.json").is_file() and ((hf_dir / "model.safetensors").is_file()
-                                               or (hf_dir / "model.safetensors.index.json").is_file()):
+    mode, memory = choose_mode(ck, streaming or all_experts or quantized_source(hf_dir), memory_budget)
+    # streamed, the config is checked once the disk has started reading ahead (stream_parity), before any layer
+    if mode == "whole" and (hf_dir / "config.json").is_file() and (
+            (hf_dir / "model.safetensors").is_file() or (hf_dir / "model.safetensors.index.json").is_file()):
         check_same_math(ck.config, hf_config(hf_dir, HFWeights(hf_dir)), hf_dir)
-    mode, memory = choose_mode(ck, streaming or all_experts, memory_budget)
-    if mode == "streaming":
-        out = stream_parity(ck, hf_dir, seq_len=seq_len, tolerance=tolerance, all_experts=all_experts,
-                            memory_budget=memory["budget"], progress=progress)
-    else:
-        out = {**logit_parity(ck.config, ck.state_dict(dequantize=True), hf_dir, seq_len=seq_len), "mode": "whole"}
+    with exact_fp32(), unchanged_files(hf_dir, ck.path):
+        if mode == "streaming":
+            out = stream_parity(ck, hf_dir, seq_len=seq_len, tolerance=tolerance, all_experts=all_experts,
+                                memory_budget=memory["budget"], progress=progress)
+        else:
+            out = {**logit_parity(ck.config, ck.state_dict(dequantize=True), hf_dir, seq_len=seq_len),
+                   "mode": "whole"}
     out["memory"] = memory
     out["tolerance"] = tolerance
     out["ok"] = out["max_abs_diff"] <= tolerance and out.get("layers_ok", True)  # False for a NaN difference

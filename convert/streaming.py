@@ -23,7 +23,8 @@ Linear for eh_proj, its decoder layer for index L + j, built and loaded by trans
 depth: eh_proj([enorm(embedding of the next token); hnorm(hidden)]), the layer, shared_head.norm, shared_head.head,
 with `hidden` what megatron-core feeds it: the final-normed decoder output, then the previous depth's shared_head.norm
 output.
-Everything runs in fp32 on the CPU.
+Everything runs in fp32 on the CPU. A thread reads both checkpoints' next pieces into the page cache ahead of the
+walk (`_Readahead`), so the disk works while the current piece computes.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from checkpoint import store
+from checkpoint import chunkio, store
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
 from checkpoint.layout import Layout, RankCoord
@@ -79,6 +80,7 @@ class HFWeights:
             with safe_open(str(single), "pt") as f:
                 self.file_of = {k: single for k in f.keys()}
         self._open: dict[Path, Any] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}
         self.hf_dir = hf_dir
         self.bytes_read = 0
         self.reads: dict[tuple, int] = {}
@@ -130,6 +132,26 @@ class HFWeights:
             t = (t.float() * s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:r, :c]).to(self.dtype)
         return t
 
+    def byte_range(self, key: str, rows: slice | None = None) -> tuple[Path, int, int] | None:
+        """(file, offset, length) of a tensor's bytes (or of a row range of it) in its safetensors file, from the
+        file's header (8-byte little-endian length, then JSON with each tensor's `data_offsets` after the header):
+        for read-ahead hints only, never to read values."""
+        path = self.file_of.get(key)
+        if path is None:  # not there: nothing to read ahead (reading it is one line where it is needed)
+            return None
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._headers[path] = (8 + n, json.loads(f.read(n)))
+        base, header = self._headers[path]
+        if not isinstance(header.get(key), dict) or len(header[key].get("data_offsets") or ()) != 2:
+            return None
+        a, b = header[key]["data_offsets"]
+        if rows is not None and header[key]["shape"]:
+            row = (b - a) // max(1, header[key]["shape"][0])
+            a, b = a + rows.start * row, a + rows.stop * row
+        return path, base + a, b - a
+
     def release(self) -> None:
         """Close the files (their mapped pages leave this process's RSS); reopened on the next read."""
         self._open.clear()
@@ -157,6 +179,114 @@ def _fp8_settings(hf_dir: Path) -> tuple[tuple[int, int], torch.dtype]:
 def _is_fp8_source(hf_dir: Path) -> bool:
     raw = json.loads((hf_dir / "config.json").read_text())
     return bool(raw.get("quantization_config"))
+
+
+def quantized_source(hf_dir: Path) -> bool:
+    """The HF directory's weights are quantized (DeepSeek-V3's block FP8): transformers cannot load them on the CPU,
+    so only the streamed comparison (which dequantizes them itself) can run. False where there is no readable
+    config.json (the comparison then says what is wrong, in one line)."""
+    try:
+        return _is_fp8_source(Path(hf_dir))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+Range = tuple[Path, int, int]  # (file, offset, length); length 0: to the end
+READAHEAD_WINDOW = 8 << 30  # bytes read ahead of the walk at most (and at most a quarter of the available memory)
+
+
+class _Readahead:
+    """Read-ahead of the bytes the walk will read next into the page cache, from a thread of its own (`_read_ahead`):
+    the kernel reads them while this process computes (or imports transformers), so the reads of both checkpoints
+    overlap the arithmetic instead of adding to it (the parity reads both checkpoints nearly whole: at 70B width,
+    page cache dropped, waiting for the disk was a third of its time). Nothing is read into this process (no RSS),
+    the values are still read and checksummed where they are used, and a read-ahead that fails is dropped.
+    `walk(steps)` gives a walk over steps (each a list of byte ranges) in the order they will be read."""
+
+    PIECE = 64 << 20
+    FADVISE_PIECE = 512 << 10
+
+    def __init__(self, window: int) -> None:
+        import queue
+        import threading
+
+        self.window = window
+        try:
+            self._null: int | None = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            self._null = None
+        self._q: queue.Queue = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="shardkit-readahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None or self._closed:
+                if self._null is not None:
+                    os.close(self._null)
+                    self._null = None
+                return
+            path, offset, length = item
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                end = offset + length if length else os.fstat(fd).st_size
+                off = offset
+                while off < end and not self._closed:
+                    off += self._read_ahead(fd, off, min(self.PIECE, end - off))
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def _read_ahead(self, fd: int, off: int, n: int) -> int:
+        """Bring [off, off + n) of a file into the page cache: sendfile to /dev/null (the kernel reads it, nothing is
+        copied into this process, the GIL is released for the whole piece), else posix_fadvise WILLNEED (one call
+        reads at most the device's readahead size, so it goes in smaller pieces: a thread that must take the GIL
+        back every half MiB runs at a fraction of the disk's speed while the main thread runs Python)."""
+        if self._null is not None:
+            try:
+                got = os.sendfile(self._null, fd, off, n)
+                if got > 0:
+                    return got
+            except OSError:
+                pass
+            os.close(self._null)
+            self._null = None
+        for o in range(off, off + n, self.FADVISE_PIECE):
+            os.posix_fadvise(fd, o, min(self.FADVISE_PIECE, off + n - o), os.POSIX_FADV_WILLNEED)
+        return n
+
+    def put(self, r: Range) -> None:
+        self._q.put(r)
+
+    def walk(self, steps: list[list[Range]]) -> "_Walk":
+        return _Walk(self, steps)
+
+    def close(self) -> None:
+        self._closed = True
+        self._q.put(None)
+
+
+class _Walk:
+    """Steps read in order; `at(n)` (the reader is at step n) hints step n and those after it within the window
+    (at least the next), so the page cache holds what is read next rather than evicting it for what comes later."""
+
+    def __init__(self, ahead: _Readahead, steps: list[list[Range | None]]) -> None:
+        self.ahead, self.steps = ahead, [[r for r in step if r is not None] for step in steps]
+        self.sizes = [sum(length for _, _, length in step) for step in steps]
+        self.next = 0  # the first step not hinted yet
+
+    def at(self, n: int) -> None:
+        while self.next < len(self.steps) and (self.next <= n + 1 or
+                                               sum(self.sizes[n + 1:self.next + 1]) <= self.ahead.window):
+            for r in self.steps[self.next]:
+                self.ahead.put(r)
+            self.next += 1
 
 
 class _CastPool:
@@ -283,6 +413,7 @@ class _HFSide:
         # cast into pooled fp32 buffers here: the loader's own cast to fp32 is then a no-op and its parameters are
         # these buffers (exact either way); a buffer the loader did not keep (a fused or renamed copy) goes back
         sd = {(rename(k) if rename else k): self.pool.cast(self.weights.get(k)) for k in keys}
+        self.weights.release()  # cast copies: the files' mapped pages leave this process's RSS before the piece runs
         target = self.model if model is None else model
         mapping = self.mapping if mapping is None else mapping
         info, _ = convert_and_load_state_dict_in_model(
@@ -300,6 +431,9 @@ class _HFSide:
     @staticmethod
     def _prefixes(module: nn.Module, model: nn.Module) -> list[str]:
         return [name + "." for name, m in model.named_modules() if m is module]
+
+    def head_key(self) -> str:
+        return "model.embed_tokens.weight" if self.tied else "lm_head.weight"
 
     # -- routed experts, one at a time -------------------------------------------------------------------------
     def mini(self) -> nn.Module:
@@ -360,9 +494,9 @@ class _StreamedHFExperts(nn.Module):
     `all_experts` every expert no token selected runs on a few synthetic rows too."""
 
     def __init__(self, side: _HFSide, layer: int, expert_keys: dict[int, list[str]], num_experts: int,
-                 all_experts: bool) -> None:
+                 all_experts: bool, ahead: _Readahead | None = None) -> None:
         super().__init__()
-        self.side, self.layer, self.expert_keys = side, layer, expert_keys
+        self.side, self.layer, self.expert_keys, self.ahead = side, layer, expert_keys, ahead
         self.num_experts, self.all_experts = num_experts, all_experts
         self.inputs: dict[int, Tensor] = {}  # expert -> the rows it saw
         self.outputs: dict[int, Tensor] = {}  # expert -> its unweighted output on them
@@ -396,7 +530,10 @@ class _StreamedHFExperts(nn.Module):
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         out = torch.zeros_like(hidden)
         hit = torch.unique(top_k_index).tolist()
-        for e in hit:
+        rest = [e for e in range(self.num_experts) if e not in hit] if self.all_experts else []
+        at = _expert_walk(self.ahead, lambda e: _hf_expert_ranges(self.side.weights, self.expert_keys, e), hit + rest)
+        for k, e in enumerate(hit):
+            at(k)
             token, slot = torch.where(top_k_index == e)
             rows = self.inputs[e] = hidden.index_select(0, token)
             y = self.outputs[e] = self._run(e, rows)
@@ -404,7 +541,8 @@ class _StreamedHFExperts(nn.Module):
         self.selected = set(hit)
         if self.all_experts:
             synthetic = hidden[:SYNTHETIC_ROWS]
-            for e in range(self.num_experts):
+            for k, e in enumerate(rest, start=len(hit)):
+                at(k)
                 if e not in self.selected:
                     self.inputs[e] = synthetic
                     self.outputs[e] = self._run(e, synthetic)
@@ -487,14 +625,17 @@ class _OurSide:
             self.model = GPTModel(self.cfg, padded)
         self.model.rotary_pos_emb = RotaryEmbedding(self.cfg)
         self.stacked = not self.cfg.heterogeneous
+        self.ahead: _Readahead | None = None  # read-ahead of the routed experts, once routed
         self.bytes_read = 0
         self.reads: dict[tuple, int] = {}
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> Tensor:
         if name not in self.ck.tensors:
             raise ShardkitError(f"{self.ck.path}: the checkpoint has no tensor {name}")
-        # read-only where it is a view of a mapped chunk (no copy): every caller only reads it (copy_, float, index)
-        t = store.from_numpy(self.ck.read_numpy(name, index))
+        # read-only where it is a view of a mapped chunk (no copy): every caller only reads it (copy_, float, index);
+        # a torch_dist checkpoint read in place (TorchDistSource) gives the box from its items
+        t = store.from_numpy(self.ck.read_numpy(name, index)) if hasattr(self.ck, "read_numpy") else \
+            self.ck.read(name, index)
         tag = (name, None if index is None else tuple((s.start, s.stop) for s in index))
         self.reads[tag] = self.reads.get(tag, 0) + 1
         self.bytes_read += t.numel() * t.element_size()
@@ -606,7 +747,10 @@ class _OurSide:
         w1_name, i1 = canonical_name(prefix + "experts.experts.linear_fc1.weight", self.stacked)
         w2_name, i2 = canonical_name(prefix + "experts.experts.linear_fc2.weight", self.stacked)
         lead = () if i1 is None else (slice(i1, i1 + 1),)
-        for e in sorted(wanted):
+        order = sorted(wanted)
+        at = _expert_walk(self.ahead, lambda e: self.files(self.layer_of(prefix), expert=e), order)
+        for k, e in enumerate(order):
+            at(k)
             box = lead + (slice(e, e + 1),)
             w1 = self.pool.cast(self.read(w1_name, box)).reshape(self.read_shape(w1_name)[-2:])
             w2 = self.pool.cast(self.read(w2_name, box)).reshape(self.read_shape(w2_name)[-2:])
@@ -632,6 +776,39 @@ class _OurSide:
             ys = [y + moe.shared_experts(u) for u, y in zip(us, ys)]
             _free(moe.shared_experts, self.pool)
         return ys
+
+    def files(self, layer: int | str, expert: int | None = None) -> list[Range]:
+        """The chunk files of decoder layer `layer` (or MTP layer 'mtp.j') without its routed experts, or of one
+        routed expert of it, as read-ahead ranges."""
+        out: list[Range] = []
+        if not hasattr(self.ck, "chunk_files"):  # a torch_dist checkpoint read in place: no chunk files
+            return out
+        for name, e in self.ck.tensors.items():
+            if split_optimizer_key(name) is not None or e.expert != (expert is not None):
+                continue
+            if isinstance(layer, int) and name.startswith(f"decoder.layers.{layer}.") or \
+                    isinstance(layer, str) and name.startswith(f"mtp.layers.{layer.split('.')[1]}."):
+                box: tuple[slice, ...] = ()
+            elif isinstance(layer, int) and e.per_layer and re.match(r"decoder\.layers\.[^\d]", name):
+                box = (slice(layer, layer + 1),)
+            else:
+                continue
+            if expert is not None:
+                box += (slice(expert, expert + 1),)
+            out += self.chunk_ranges(name, box)
+        return out
+
+    @staticmethod
+    def layer_of(prefix: str) -> int | str:
+        """'decoder.layers.3.mlp.' -> 3, 'mtp.layers.0.transformer_layer.mlp.' -> 'mtp.0'."""
+        m = re.match(r"(decoder|mtp)\.layers\.(\d+)\.", prefix)
+        return int(m.group(2)) if m.group(1) == "decoder" else f"mtp.{m.group(2)}"
+
+    def chunk_ranges(self, name: str, box: tuple[slice, ...]) -> list[Range]:
+        if not hasattr(self.ck, "chunk_files"):
+            return []
+        size = self.ck.chunk_nbytes(name) + chunkio.TRAILER
+        return [(f, 0, size) for f in self.ck.chunk_files(name, box)]
 
     def read_shape(self, name: str) -> list[int]:
         return self.ck.entry(name).shape
@@ -681,24 +858,83 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
         raise ShardkitError(f"{ck.path}: kept block-FP8 weights; streaming parity of them is not supported yet "
                             "(verify without --streaming)")
     weights = HFWeights(hf_dir, *_fp8_settings(hf_dir))
-    check_same_math(cfg, hf_config(hf_dir, weights), hf_dir)
     plan = piece_plan(ck, memory_budget, fp8_block=_fp8_settings(hf_dir)[0] if _is_fp8_source(hf_dir) else None)
     # fp32 buffers reused: idle + lent within half the budget (the 2x-fp32 rule's share of one piece's values)
     pool = _CastPool(None if memory_budget is None else memory_budget // 2)
-    hf = load_quietly(lambda: _HFSide(hf_dir, weights, cfg.num_layers, cfg.mtp_num_layers, pool), hf_dir)
     ours = _OurSide(ck, plan, pool)
-    inner = hf.model.model
-    keys = hf.keys
-    layers: list[dict] = []
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator)
-    cos, sin = ours.model.rope(input_ids, None, torch.float32)
     next_ids = []  # MTP depth d reads the token d + 1 ahead (zero fill), as GPTModel.mtp_forward
     ids = input_ids
     for _ in range(cfg.mtp_num_layers):
         ids = F.pad(ids[:, 1:], (0, 1))
         next_ids.append(ids)
     needed = torch.unique(torch.cat([input_ids.flatten()] + [n.flatten() for n in next_ids]))
+    # the disk starts on the embedding and the first layers now, while the config is checked and transformers is
+    # imported (seconds); a hint for a tensor the HF side turns out not to have is never read
+    ahead = ours.ahead = _Readahead(min(READAHEAD_WINDOW, available_memory() // 4))
+    try:
+        walk = ahead.walk(_read_steps(weights, ours, cfg, needed, plan["head_rows"]))
+        walk.at(0)
+        check_same_math(cfg, hf_config(hf_dir, weights), hf_dir)  # before any layer runs
+        hf = load_quietly(lambda: _HFSide(hf_dir, weights, cfg.num_layers, cfg.mtp_num_layers, pool), hf_dir)
+        return _stream(cfg, hf, ours, weights, plan, pool, ahead, walk, started, input_ids, next_ids, needed,
+                       tolerance=tolerance, all_experts=all_experts, progress=progress)
+    finally:
+        ahead.close()
+
+
+def _read_steps(hf: HFWeights, ours: _OurSide, cfg: ModelConfig, needed: Tensor, head_rows: int) -> list[list[Range]]:
+    """The walk's reads in order, as read-ahead ranges: the embedding rows of the test tokens, each decoder layer
+    without its routed experts (the last with the final norm), each MTP layer, each head block (HF's head tensors
+    and ours)."""
+    by_layer = hf.layer_keys()
+
+    def layer(step: int | str, hf_index: int) -> list[Range]:
+        keys = [k for k in by_layer.get(hf_index, []) if not (_EXPERT.search(k) and ".shared_expert" not in k)]
+        keys += [k + SCALE_SUFFIX for k in keys if hf.has(k + SCALE_SUFFIX)]
+        return [hf.byte_range(k) for k in keys] + ours.files(step)
+
+    emb = "embedding.word_embeddings.weight"
+    step = ours.ck.entry(emb).chunk[0]
+    blocks = sorted({int(i) // step for i in needed})
+    steps = [[hf.byte_range("model.embed_tokens.weight", rows=slice(a, b)) for a, b in _runs(needed.tolist())]
+             + [r for k in blocks for r in ours.chunk_ranges(emb, (slice(k * step, (k + 1) * step),))]]
+    steps += [layer(i, i) for i in range(cfg.num_layers)]
+    # the final norm (read right after the last layer, before any MTP layer) goes with it
+    steps[-1] += [hf.byte_range("model.norm.weight")] + ours.chunk_ranges("decoder.final_layernorm.weight", ())
+    steps += [layer(f"mtp.{j}", cfg.num_layers + j) for j in range(cfg.mtp_num_layers)]
+    head_keys = ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    head_keys += [k for j in range(cfg.mtp_num_layers)
+                  if hf.has(k := f"model.layers.{cfg.num_layers + j}.shared_head.head.weight")]
+    for a in range(0, cfg.vocab_size, head_rows):
+        rows = slice(a, min(a + head_rows, cfg.vocab_size))
+        steps.append([hf.byte_range(k, rows=rows) for k in head_keys] + ours.chunk_ranges(ours.head_name(), (rows,)))
+    return steps
+
+
+def _expert_walk(ahead: _Readahead | None, ranges: Callable[[int], list[Range]], order: list[int]):
+    """`at(k)` for a walk over routed experts in `order` (None: no read-ahead)."""
+    if ahead is None:
+        return lambda k: None
+    return ahead.walk([ranges(e) for e in order]).at
+
+
+def _hf_expert_ranges(w: HFWeights, expert_keys: dict[int, list[str]], e: int) -> list[Range]:
+    keys = expert_keys.get(e, [])
+    return [w.byte_range(k) for k in keys + [k + SCALE_SUFFIX for k in keys if w.has(k + SCALE_SUFFIX)]]
+
+
+def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, plan: dict, pool: _CastPool,
+            ahead: _Readahead, walk: _Walk, started: float, input_ids: Tensor, next_ids: list[Tensor],
+            needed: Tensor, *,
+            tolerance: float, all_experts: bool, progress: Callable[[int], None] | None) -> dict:
+    """stream_parity's walk: the embedding (read-ahead step 0), the decoder layers (1..L) and MTP layers, the head
+    blocks, each side a piece at a time."""
+    batch, seq_len = input_ids.shape
+    inner, keys = hf.model.model, hf.keys
+    layers: list[dict] = []
+    cos, sin = ours.model.rope(input_ids, None, torch.float32)
     state: dict[str, Any] = {"reported": 0}
 
     def report_progress() -> None:
@@ -731,7 +967,7 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
         if routed is not None:
             expert_keys = _expert_keys(lk)
             layer.mlp.experts = standins[i] = _StreamedHFExperts(hf, i, expert_keys, cfg.num_moe_experts,
-                                                                 all_experts)
+                                                                 all_experts, ahead)
             skip = {k for ks in expert_keys.values() for k in ks}
         elif pieces > 1:
             mp = f"model.layers.{i}.mlp."
@@ -739,7 +975,8 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
             skip = {k for k in lk if k.startswith(mp)}
         rest = [k for k in lk if k not in skip]
 
-        def pre(m, args, kwargs, rest=rest):
+        def pre(m, args, kwargs, rest=rest, i=i):
+            walk.at(1 + i)
             state["layer_kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
             hf.load(m, rest)  # the stand-ins hold no tensors: they read their own
 
@@ -773,18 +1010,20 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
 
     with torch.no_grad():
         hf.model(input_ids=input_ids, use_cache=False)
-        hf_heads = [(head.input, "model.embed_tokens.weight" if hf.tied else "lm_head.weight")]
+        hf_heads = [(head.input, hf.head_key())]
         final = ours.model.decoder.final_layernorm
         ours.fill("decoder.final_layernorm.", final)
         our_heads = [final(state["chain"]), final(state["last_hf"])]  # end to end; the head on HF's hidden
         _free(final)
         mtp_rows = _mtp(hf, ours, weights, cfg, state, next_ids, hf_embed, our_embed, cos, sin, tolerance,
-                        all_experts, hf_heads, our_heads)
+                        all_experts, hf_heads, our_heads,
+                        hint=lambda j: walk.at(1 + cfg.num_layers + j), ahead=ahead)
         report_progress()
         pool.clear()  # the layers' shapes: not the head's
         hf_logits, our_logits = _head_logits(
             weights, hf_heads, lambda a, b: ours.read_rows(ours.head_name(), a, b), our_heads,
-            cfg.vocab_size, plan["head_rows"], pool)
+            cfg.vocab_size, plan["head_rows"], pool,
+            hint=lambda k: walk.at(1 + cfg.num_layers + cfg.mtp_num_layers + k))
         pool.clear()
         report_progress()
     if our_logits[0].shape != hf_logits[0].shape:
@@ -882,8 +1121,8 @@ _memcmp = _libc_memcmp()
 
 def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
                  read_ours: Callable[[int, int], list[tuple[int, int, Tensor]]],
-                 our_inputs: list[Tensor], vocab: int, block: int, pool: _CastPool | None = None
-                 ) -> tuple[list[Tensor], list[Tensor]]:
+                 our_inputs: list[Tensor], vocab: int, block: int, pool: _CastPool | None = None,
+                 hint: Callable[[int], None] | None = None) -> tuple[list[Tensor], list[Tensor]]:
     """HF's head(s) and ours on their inputs, in row blocks [a, a + block) of each head tensor (one block: exactly
     the whole), F.linear as nn.Linear; every head tensor read once per side, block by block.
 
@@ -907,6 +1146,8 @@ def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
     H = len(hf_heads)
     for a in range(0, vocab, block):
         b = min(a + block, vocab)
+        if hint is not None:  # the walk is at head block a // block: read-ahead of what follows
+            hint(a // block)
         mine = read_ours(a, b)  # (lo, hi, rows lo..hi) per storage chunk
         products: dict[tuple[str, int], Tensor] = {}
 
@@ -941,13 +1182,15 @@ def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
                 put(out, "ours", H + m, w)
             pool.give(w)
             del w
-        del mine, products
+        del mine
+        products.clear()
     return hf_out, our_out
 
 
 def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, state: dict, next_ids: list[Tensor],
          hf_embed: _Gathered, our_embed: _Gathered, cos: Tensor, sin: Tensor, tolerance: float, all_experts: bool,
-         hf_heads: list, our_heads: list) -> list[dict]:
+         hf_heads: list, our_heads: list, hint: Callable[[int], None] | None = None,
+         ahead: _Readahead | None = None) -> list[dict]:
     """DeepSeek-V3's MTP depths, each on HF's hidden state (and ours on our chain); appends each depth's head inputs
     (HF's, ours end to end, ours on HF's hidden) for the blocked head pass. Returns one row per depth. Both sides
     read what megatron-core's MTP block reads (GPTModel.mtp_forward): the decoder's final-normed output for the first
@@ -960,6 +1203,8 @@ def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, stat
     norm_cls = type(hf.model.model.norm)
     hf_prev, our_prev = hf_heads[0][0], our_heads[0]  # the final-normed decoder outputs, HF's and ours end to end
     for j in range(cfg.mtp_num_layers):
+        if hint is not None:
+            hint(j)  # the walk is at depth j: read-ahead of what follows
         p = f"model.layers.{L + j}."
         keys = hf.keys.get(L + j, [])
         if not keys:
@@ -969,7 +1214,8 @@ def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, stat
         expert_keys = _expert_keys(keys) if routed is not None else {}
         standin = None
         if routed is not None:
-            layer.mlp.experts = standin = _StreamedHFExperts(hf, L + j, expert_keys, cfg.num_moe_experts, all_experts)
+            layer.mlp.experts = standin = _StreamedHFExperts(hf, L + j, expert_keys, cfg.num_moe_experts,
+                                                             all_experts, ahead)
         flat = {k for ks in expert_keys.values() for k in ks}
         block = [k for k in keys if k not in flat and not k[len(p):].startswith(_MTP_OWN)]
         with torch.device("meta"):
@@ -1120,7 +1366,10 @@ def piece_plan(ck: Checkpoint, budget: int | None, fp8_block: tuple[int, int] | 
         step = ck.entry("embedding.word_embeddings.weight").chunk[0]
         if not cfg.tie_word_embeddings:
             step = math.lcm(step, ck.entry("output_layer.weight").chunk[0])
-        head_rows = max(step, budget // (2 * FP32 * h) // step * step)
+        # a head block holds its fp32 values and, while it is compared, both sides' reads of it (HF's a copy, ours
+        # views of the mapped chunks): 3x fp32 per row, not the 2x of a layer's piece (measured at DeepSeek-V3 width:
+        # the head block was the run's peak RSS, 1 GB of it file pages)
+        head_rows = max(step, budget // (3 * FP32 * h) // step * step)
         head_rows = min(head_rows, cfg.vocab_size)
     return {"mlp_pieces": mlp_pieces, "head_rows": head_rows}
 

@@ -217,6 +217,10 @@ class Workers:
 
     def __enter__(self) -> "Workers":
         if self.processes <= 1:
+            # a worker pins its process to one torch thread (its casts run beside other workers); in this process
+            # that is undone at the end, or what runs after (convert's verify: fp32 GEMMs) would run on one core
+            self._threads = (sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
+                             os.environ.get("OMP_NUM_THREADS"))
             self.local = self.make(*self.args)
         else:
             self._pool = ProcessPoolExecutor(self.processes, mp_context=mp.get_context("spawn"),
@@ -242,8 +246,20 @@ class Workers:
     def __exit__(self, *exc) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        elif self.local is not None and hasattr(self.local, "close"):
-            self.local.close()
+        elif self.local is not None:
+            try:
+                if hasattr(self.local, "close"):
+                    self.local.close()
+            finally:
+                threads, omp = self._threads
+                if threads is None and "torch" in sys.modules and omp is None:  # imported under the worker's pin
+                    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+                if threads is not None and "torch" in sys.modules:
+                    sys.modules["torch"].set_num_threads(threads)
+                if omp is None:
+                    os.environ.pop("OMP_NUM_THREADS", None)
+                else:
+                    os.environ["OMP_NUM_THREADS"] = omp
 
 
 def source_region(task: Task) -> tuple:

@@ -77,6 +77,12 @@ class Code:
         env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         return cls(label or root.name, root, env)
 
+    def no_verify(self) -> list[str]:
+        """`--no-verify` where this tree's converter proves its output by default (it would be timed otherwise);
+        nothing for an older tree, whose converter does not verify unless asked (and knows no such flag)."""
+        text = (self.root / "shardkit" / "cli.py").read_text() if (self.root / "shardkit" / "cli.py").is_file() else ""
+        return ["--no-verify"] if "BooleanOptionalAction, default=None" in text and '"--verify"' in text else []
+
 
 VOCAB = 128256
 HEAD_DIM = 128
@@ -500,7 +506,7 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                 if out.exists():
                     shutil.rmtree(out)
                 cmd = [sk, "convert", "hf-to-mcore", str(src), str(out), "--tp", str(args.tp), "--pp", str(args.pp),
-                       "--quiet"] + ([] if native else ["--format", fmt])
+                       "--quiet", *code.no_verify()] + ([] if native else ["--format", fmt])
                 if args.vpp != 1:
                     cmd += ["--vpp", str(args.vpp)]
                 if args.ep != 1:

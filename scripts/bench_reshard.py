@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     synthesize(hf, s, int(0.5 * GB), seed=args.seed)
     src = work / "src"
     t0 = time.perf_counter()
-    subprocess.run([sk, "convert", "hf-to-mcore", str(hf), str(src), "--quiet"], check=True, env=code.env)
+    subprocess.run([sk, "convert", "hf-to-mcore", str(hf), str(src), "--quiet", *code.no_verify()], check=True,
+                   env=code.env)
     shutil.rmtree(hf)
     src_bytes = dir_bytes(src)
     cache.sources = [src]

@@ -677,7 +677,7 @@ def prepare_trainer_inputs(spec: Spec, workdir: Path, iters: int, global_batch: 
     if not latest.exists() or latest.stat().st_mtime < (weights / "bench_spec.json").stat().st_mtime:
         log(f"converting {weights} -> {ckpt}")
         subprocess.run([sys.executable, "-m", "shardkit.cli", "convert", "hf-to-mcore", str(weights), str(ckpt),
-                        "--quiet", "--overwrite"], check=True, cwd=REPO, env=_env_with_repo())
+                        "--quiet", "--overwrite", "--no-verify"], check=True, cwd=REPO, env=_env_with_repo())
     need = (iters + 4) * global_batch * (spec.seq + 1) * 2
     rng = np.random.default_rng(spec.seed)
     docs = (rng.integers(0, spec.vocab, size=int(n)) for n in [spec.seq * 4] * max(4, need // (spec.seq * 4) + 1))

@@ -140,7 +140,7 @@ PARITY = ("import json, sys; from checkpoint.reader import Checkpoint; from conv
           "from convert.streaming import memory_needs; ck = Checkpoint(sys.argv[1]); "
           "b = max(int(sys.argv[3]), memory_needs(ck)['streaming'] // 100_000_000 * 100_000_000 + 100_000_000); "
           "r = against_hf(ck, sys.argv[2], streaming=True, memory_budget=b, "
-          "seq_len=int(sys.argv[4])); open(sys.argv[5], 'w').write(json.dumps(r))")
+          "seq_len=int(sys.argv[4]), all_experts=sys.argv[6] == '1'); open(sys.argv[5], 'w').write(json.dumps(r))")
 
 
 def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
@@ -156,7 +156,7 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
     if drop:
         try_drop_caches()
     conv = run_measured(f"{name} convert", [py, "-m", "shardkit", "convert", "hf-to-mcore", str(hf), str(ck),
-                                            "--quiet"], args.poll, work / f"{name}-convert.log", env=env)
+                                            "--quiet", "--no-verify"], args.poll, work / f"{name}-convert.log", env=env)
     print(f"[{name}] convert {conv.wall_s:.1f} s, peak RSS {conv.peak_tree_rss / 2**20:.0f} MiB", flush=True)
     if drop:
         try_drop_caches()
@@ -171,7 +171,7 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
     out_json = work / f"{name}-parity.json"
     faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
     ver = run_measured(f"{name} verify", [py, "-c", PARITY, str(ck), str(hf), str(args.budget), str(args.seq_length),
-                                          str(out_json)], args.poll, work / f"{name}-verify.log", env=env)
+                                          str(out_json), "0"], args.poll, work / f"{name}-verify.log", env=env)
     faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults  # the parity's minor page faults
     p = json.loads(out_json.read_text())
     print(f"[{name}] streaming parity {ver.wall_s:.1f} s, peak RSS {ver.peak_tree_rss / 2**20:.0f} MiB, "
@@ -192,6 +192,38 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
            "bytes_read_gb": round((p["bytes_read"]["ours"] + p["bytes_read"]["hf"]) / GB, 2),
            "max_reads_of_one_tensor": p["max_reads_of_one_tensor"], "pieces": p["pieces"],
            "budget": p["memory"]["budget"], "synth_s": round(synth_s, 1)}
+    if args.all_experts and row["experts"]:  # every routed expert driven (and so read) once
+        if drop:
+            try_drop_caches()
+        all_json = work / f"{name}-parity-all.json"
+        allx = run_measured(f"{name} verify --all-experts", [py, "-c", PARITY, str(ck), str(hf), str(args.budget),
+                                                              str(args.seq_length), str(all_json), "1"],
+                            args.poll, work / f"{name}-verify-all.log", env=env)
+        a = json.loads(all_json.read_text())
+        row.update(all_experts_s=round(allx.wall_s, 2), all_experts_peak_rss_mb=round(allx.peak_tree_rss / 2**20),
+                   all_experts_ok=a["ok"], all_experts_exercised=a["experts_exercised"],
+                   all_experts_bytes_read_gb=round((a["bytes_read"]["ours"] + a["bytes_read"]["hf"]) / GB, 2))
+        print(f"[{name}] --all-experts parity {allx.wall_s:.1f} s, {a['experts_exercised']}/{a['experts_total']} "
+              f"experts, peak RSS {allx.peak_tree_rss / 2**20:.0f} MiB, ok {a['ok']}", flush=True)
+    if args.convert_verify:  # what `convert --verify` adds, as a user runs it (page cache as the conversion left it)
+        if drop:
+            try_drop_caches()
+        shutil.rmtree(ck, ignore_errors=True)  # room for the second conversion (compared already)
+        ck2 = work / f"{name}-ck-verified"
+        cv = run_measured(f"{name} convert --verify", [py, "-m", "shardkit", "convert", "hf-to-mcore", str(hf),
+                                                        str(ck2), "--quiet", "--verify", "--memory-budget",
+                                                        str(p["memory"]["budget"])],
+                          args.poll, work / f"{name}-convert-verify.log", env=env)
+        line = next((ln for ln in (work / f"{name}-convert-verify.log").read_text().splitlines()
+                     if ln.startswith("verify:")), "")
+        added = float(line.rsplit(" in ", 1)[1].split()[0]) if " in " in line else float("nan")
+        row.update(convert_verify_s=round(cv.wall_s, 2), verify_added_s=added,
+                   added_ratio_vs_convert=round(added / max(conv.wall_s, 1e-9), 2),
+                   convert_verify_peak_rss_mb=round(cv.peak_tree_rss / 2**20), convert_verify_ok=cv.rc == 0)
+        print(f"[{name}] convert --verify {cv.wall_s:.1f} s, of which the verify {added:.1f} s "
+              f"({added / max(conv.wall_s, 1e-9):.2f}x the conversion), peak RSS {cv.peak_tree_rss / 2**20:.0f} MiB",
+              flush=True)
+        shutil.rmtree(ck2, ignore_errors=True)
     if not args.keep:
         shutil.rmtree(hf, ignore_errors=True)
         shutil.rmtree(ck, ignore_errors=True)
@@ -204,10 +236,12 @@ def table(rows: list[dict]) -> str:
             "verify_peak_rss_mb",
             "verify_peak_anon_mb", "convert_peak_rss_mb", "bytes_read_gb",
             "experts_exercised", "max_abs_diff", "worst_layer_diff", "ok"]
+    cols += [c for c in ("verify_added_s", "added_ratio_vs_convert", "all_experts_s", "all_experts_exercised",
+                         "all_experts_peak_rss_mb") if any(c in r for r in rows)]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        out.append("| " + " | ".join(f"{r[c]:.2e}" if isinstance(r[c], float) and "diff" in c else str(r[c])
-                                     for c in cols) + " |")
+        out.append("| " + " | ".join(f"{r[c]:.2e}" if isinstance(r.get(c), float) and "diff" in c else
+                                     str(r.get(c, "")) for c in cols) + " |")
     return "\n".join(out)
 
 
@@ -223,6 +257,9 @@ def main(argv=None) -> int:
     ap.add_argument("--poll", type=float, default=0.05)
     ap.add_argument("--workdir", default="/tmp/shardkit-bench-verify")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--all-experts", action="store_true", help="MoE models: also time the parity with --all-experts")
+    ap.add_argument("--convert-verify", action="store_true",
+                    help="also time `convert hf-to-mcore --verify` and what its verify adds (its own 'in X s')")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args(argv)

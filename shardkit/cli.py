@@ -165,11 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--quiet", action="store_true", help="no progress bar")
     h2m.add_argument("--download", action="store_true",
                      help="HF_DIR is a hub repo id not yet in the local hub cache: download it (default: the cache only)")
-    h2m.add_argument("--verify", action="store_true",
-                     help="right after converting, prove the result: `verify --against HF_DIR` (logits and, streamed, "
-                          "every layer vs transformers' own forward); non-zero exit if it differs")
+    h2m.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                     help="right after converting, prove the result (the default; --no-verify skips it): `verify "
+                          "--against HF_DIR` (logits and, streamed, every layer vs transformers' own forward); "
+                          "non-zero exit if it differs")
     h2m.add_argument("--memory-budget", metavar="SIZE", default=None,
-                     help="with --verify: memory the comparison may use (default: half the available)")
+                     help="memory the verify may use (default: half the available)")
     _ranks_flag(h2m)
 
     m2h = csub.add_parser("mcore-to-hf", help="shardkit checkpoint -> HF safetensors")
@@ -466,9 +467,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         dtype = _check_dtype(args.dtype)
         layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
                         split=PipelineSplit.from_args(args))
-        if args.verify and args.format == "torch_dist":
-            raise ShardkitError("--verify with --format torch_dist: not supported here; convert to the native format "
-                                "with --verify, or run `shardkit verify OUT --against HF_DIR` on the export")
         if args.format == "torch_dist" and args.keep_fp8:
             raise ShardkitError("--keep-fp8 with --format torch_dist: Megatron's torch_dist has no block-FP8 "
                                 "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
@@ -488,12 +486,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         if group is not None and group.rank:  # rank 0 says what was written (and verifies it)
             return 0
         print(f"wrote {path}")
-        if args.verify:
-            from convert.hf_to_mcore import verify_conversion
+        if args.verify is False:
+            return 0
+        from convert.hf_to_mcore import verify_conversion
 
-            return verify_conversion(path, args.hf_dir, fmt=args.format, memory_budget=args.memory_budget,
-                                     quiet=args.quiet)
-        return 0
+        return verify_conversion(path, args.hf_dir, fmt=args.format, memory_budget=args.memory_budget,
+                                 quiet=args.quiet, asked=bool(args.verify), allow_nonfinite=args.allow_nonfinite)
     if args.cmd == "convert" and args.direction == "mcore-to-hf":
         from convert.mcore_to_hf import convert_mcore_to_hf
 

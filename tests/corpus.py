@@ -38,6 +38,6 @@ def tiny_llama_setup(root: Path) -> Path:
     from shardkit.demo import build_tiny_llama
 
     build_tiny_llama(root / "hf", dtype=torch.float32)
-    assert cli(["convert", "hf-to-mcore", str(root / "hf"), str(root / "ck"), "--quiet"]) == 0
+    assert cli(["convert", "hf-to-mcore", str(root / "hf"), str(root / "ck"), "--quiet", "--no-verify"]) == 0
     write_pattern_corpus(root / "data")
     return root

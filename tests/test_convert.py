@@ -232,7 +232,7 @@ def test_same_dtype_conversion_never_imports_torch(tmp_path):
     out = tmp_path / "ck"
     code = ("import sys; from shardkit.cli import main; "
             f"rc = main(['convert', 'hf-to-mcore', {str(hf_dir)!r}, {str(out)!r}, '--tp', '2', '--pp', '2', "
-            "'--quiet']); print(rc, [m for m in sys.modules if m == 'torch' or m.startswith('torch.')][:3])")
+            "'--quiet', '--no-verify']); print(rc, [m for m in sys.modules if m == 'torch' or m.startswith('torch.')][:3])")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parent.parent)
     assert res.returncode == 0, res.stderr

@@ -149,7 +149,7 @@ def root(tmp_path_factory):
     moe_models.build("mixtral", root / "mixtral-hf")
     moe_models.build("deepseek_v3", root / "deepseek_v3-hf")
     for kind in FLAGS:
-        assert cli(["convert", "hf-to-mcore", str(root / f"{kind}-hf"), str(root / f"{kind}-ck"), "--quiet"]) == 0
+        assert cli(["convert", "hf-to-mcore", str(root / f"{kind}-hf"), str(root / f"{kind}-ck"), "--quiet", "--no-verify"]) == 0
     write_pattern_corpus(root / "data")
     return root
 

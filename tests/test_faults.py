@@ -139,17 +139,18 @@ def test_kill_conversion(work):
     root, z = work
     hf = root / "hf"
     ref = root / "convert-ref"
-    r = z.run(["convert", "hf-to-mcore", hf, ref, "--quiet"])
+    r = z.run(["convert", "hf-to-mcore", hf, ref, "--quiet", "--no-verify"])
     assert r["rc"] == 0, r["log"]
     want = files_of(ref / "iter_0000000")
     clean_seconds = r["seconds"]
     other = root / "convert-tp2"  # an older checkpoint (another layout) to convert over with --overwrite
-    assert z.run(["convert", "hf-to-mcore", hf, other, "--tp", "2", "--quiet"])["rc"] == 0
+    assert z.run(["convert", "hf-to-mcore", hf, other, "--tp", "2", "--quiet", "--no-verify"])["rc"] == 0
     rng = random.Random(SEED)
     tally = Tally("convert")
     plan = [(s, None, False) for s in CONVERT_SITES_FRESH] + [(s, None, True) for s in CONVERT_SITES_OVER]
     plan += [(None, rng.uniform(0.02, 1.2 * clean_seconds), i % 2 == 1) for i in range(10)]
-    _run_plan(z, plan, root / "convert", lambda out: ["convert", "hf-to-mcore", hf, out, "--quiet"], other, want,
+    _run_plan(z, plan, root / "convert", lambda out: ["convert", "hf-to-mcore", hf, out, "--quiet", "--no-verify"],
+              other, want,
               tally)
     print("\n" + tally.report())
     assert tally.trials == 25 and tally.killed >= 20
@@ -165,7 +166,7 @@ RESHARD_SITES_OVER = ["chunk:3", "commit.swapped:1", "commit.latest:1"]
 def test_kill_reshard(work):
     root, z = work
     src = root / "reshard-src"
-    assert z.run(["convert", "hf-to-mcore", root / "hf", src, "--quiet"])["rc"] == 0
+    assert z.run(["convert", "hf-to-mcore", root / "hf", src, "--quiet", "--no-verify"])["rc"] == 0
     ref = root / "reshard-ref"
     r = z.run(["reshard", src, ref, "--tp", "2", "--pp", "2", "--quiet"])
     assert r["rc"] == 0, r["log"]
@@ -201,7 +202,7 @@ def trainable(work) -> tuple[Path, Path]:
 
     root, z = work
     build_tiny_llama(root / "thf", dtype=torch.float32, **TINY)
-    assert z.run(["convert", "hf-to-mcore", root / "thf", root / "tck", "--quiet"])["rc"] == 0
+    assert z.run(["convert", "hf-to-mcore", root / "thf", root / "tck", "--quiet", "--no-verify"])["rc"] == 0
     rng = np.random.default_rng(SEED)
     write_indexed(root / "tdata", [rng.integers(3, 200, size=int(rng.integers(20, 60))) for _ in range(100)],
                   np.uint16)
@@ -265,13 +266,13 @@ def test_disk_full(work, cmd):
     root, z = work
     hf = root / "hf"
     src = root / f"full-src-{cmd}"
-    assert z.run(["convert", "hf-to-mcore", hf, src, "--quiet"])["rc"] == 0
+    assert z.run(["convert", "hf-to-mcore", hf, src, "--quiet", "--no-verify"])["rc"] == 0
     out = root / f"full-{cmd}"
-    first = ["convert", "hf-to-mcore", hf, out, "--tp", "2", "--quiet"] if cmd == "convert" else \
+    first = ["convert", "hf-to-mcore", hf, out, "--tp", "2", "--quiet", "--no-verify"] if cmd == "convert" else \
         ["reshard", src, out, "--tp", "2", "--quiet"]
     assert z.run(first)["rc"] == 0
     before = files_of(out / "iter_0000000")
-    again = ["convert", "hf-to-mcore", hf, out, "--quiet", "--overwrite"] if cmd == "convert" else \
+    again = ["convert", "hf-to-mcore", hf, out, "--quiet", "--no-verify", "--overwrite"] if cmd == "convert" else \
         ["reshard", src, out, "--pp", "2", "--quiet", "--overwrite"]
     r = z.run(again, fsize=20000)
     assert r["rc"] == 1, r
@@ -365,10 +366,11 @@ def test_one_writer_per_root(work, tmp_path, capsys, fmt):
         if fmt == "hf":
             ck = root / "convert-ref"  # from test_kill_conversion; made here when run alone
             if not ck.exists():
-                assert main(["convert", "hf-to-mcore", str(root / "hf"), str(ck), "--quiet"]) == 0
+                assert main(["convert", "hf-to-mcore", str(root / "hf"), str(ck), "--quiet", "--no-verify"]) == 0
             argv = ["convert", "mcore-to-hf", str(ck), str(out), "--quiet", "--overwrite"]
         else:
-            argv = ["convert", "hf-to-mcore", str(root / "hf"), str(out), "--quiet", "--format", fmt, "--overwrite"]
+            argv = ["convert", "hf-to-mcore", str(root / "hf"), str(out), "--quiet", "--no-verify", "--format", fmt,
+                    "--overwrite"]
         capsys.readouterr()
         rc = main(argv)
         err = capsys.readouterr().err
@@ -390,9 +392,10 @@ def test_replace_dir_fallback_recovers(work, tmp_path, monkeypatch):
     root, _ = work
     monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
     out = tmp_path / "ck"
-    assert main(["convert", "hf-to-mcore", str(root / "hf"), str(out), "--quiet", "--tp", "2"]) == 0
+    assert main(["convert", "hf-to-mcore", str(root / "hf"), str(out), "--quiet", "--no-verify", "--tp", "2"]) == 0
     before = files_of(out / "iter_0000000")
-    assert main(["convert", "hf-to-mcore", str(root / "hf"), str(out), "--quiet", "--overwrite"]) == 0  # fallback
+    # fallback
+    assert main(["convert", "hf-to-mcore", str(root / "hf"), str(out), "--quiet", "--no-verify", "--overwrite"]) == 0
     assert_clean(out)
     want = files_of(out / "iter_0000000")
     assert want != before

@@ -141,7 +141,7 @@ def test_uneven_convert_reshard_round_trip(llama10):
     assert cli(["reshard", str(root / "a"), str(root / "b"), "--pp", "3", "--pipeline-model-parallel-layout",
                 "Ettt|tttt|tttL", "--quiet"]) == 0
     assert cli(["reshard", str(root / "b"), str(root / "c"), "--pp", "1", "--quiet"]) == 0
-    assert cli(["convert", "hf-to-mcore", hf, str(root / "d"), "--quiet"]) == 0
+    assert cli(["convert", "hf-to-mcore", hf, str(root / "d"), "--quiet", "--no-verify"]) == 0
     a, b = Checkpoint(root / "a"), Checkpoint(root / "b")
     assert a.manifest.layout.split == PipelineSplit(first=2, last=2)
     assert b.manifest.layout.split == PipelineSplit(layout="Ettt|tttt|tttL")
@@ -460,7 +460,7 @@ def test_trainer_refuses_an_idle_stage(llama10, tmp_path):
     from tests.test_train import launch
 
     ck = tmp_path / "ck"
-    assert cli(["convert", "hf-to-mcore", str(llama10 / "hf"), str(ck), "--quiet"]) == 0
+    assert cli(["convert", "hf-to-mcore", str(llama10 / "hf"), str(ck), "--quiet", "--no-verify"]) == 0
     data = write_pattern_corpus(tmp_path / "data")
     r = launch(3, "--load", str(ck), "--data-path", str(data), "--train-iters", "1", "--seq-length", "32",
                "--micro-batch-size", "1", "--global-batch-size", "1", "--pp", "3",

@@ -181,12 +181,32 @@ def test_bad_input_one_line_each(tmp_path):
             (extra, r.stderr)
 
 
-def test_convert_verify(tmp_path, capsys):
+def test_convert_verifies_by_default(tmp_path, capsys):
+    """`convert hf-to-mcore` proves what it wrote unless told not to (--no-verify), native and torch_dist (read in
+    place); a difference is one error line and exit 1; where no logit comparison can be made (--allow-nonfinite)
+    the default says so in one line and passes, an explicit --verify still runs. (In process: the CLI itself, also
+    through a subprocess, is what test_convert's and the demo's runs exercise.)"""
+    from shardkit.cli import main
+
     cls, overrides, seq = CASES["llama_gqa"]
     hf_dir = tmp_path / "hf"
     make_hf(cls, overrides).save_pretrained(hf_dir)
-    r = _cli("convert", "hf-to-mcore", str(hf_dir), str(tmp_path / "ck"), "--tp", "2", "--verify", "--quiet")
-    assert r.returncode == 0 and "OK" in r.stdout and r.stderr == "", (r.stdout, r.stderr)
+
+    def run(*argv):
+        capsys.readouterr()
+        rc = main(["convert", "hf-to-mcore", str(hf_dir), *map(str, argv), "--quiet"])
+        out, err = capsys.readouterr()
+        return rc, [ln for ln in out.splitlines() if ln.startswith("verify:")], err
+
+    rc, verdict, err = run(tmp_path / "ck", "--tp", "2")
+    assert rc == 0 and err == "" and len(verdict) == 1 and "OK" in verdict[0] and "whole" in verdict[0], verdict
+    assert run(tmp_path / "ck2", "--no-verify")[:2] == (0, [])
+    rc, verdict, _ = run(tmp_path / "td", "--format", "torch_dist", "--tp", "2")
+    assert rc == 0 and len(verdict) == 1 and "OK" in verdict[0], verdict
+    rc, verdict, _ = run(tmp_path / "ck4", "--allow-nonfinite")
+    assert rc == 0 and verdict == [verdict[0]] and verdict[0].startswith("verify: skipped (--allow-nonfinite"), verdict
+    rc, verdict, _ = run(tmp_path / "ck5", "--allow-nonfinite", "--verify")
+    assert rc == 0 and len(verdict) == 1 and verdict[0].startswith("verify: logits"), verdict
     # against a model that differs (another seed, the same config): exit 1, one error line
     from convert.hf_to_mcore import verify_conversion
 
@@ -194,10 +214,29 @@ def test_convert_verify(tmp_path, capsys):
     make_hf(cls, overrides).save_pretrained(other)  # the global generator has moved on: other weights
     capsys.readouterr()
     assert verify_conversion(tmp_path / "ck", other, quiet=True) == 1
+    assert verify_conversion(tmp_path / "td", other, fmt="torch_dist", quiet=True) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not reproduce" in err[0]
-    r = _cli("convert", "hf-to-mcore", str(hf_dir), str(tmp_path / "ck3"), "--verify", "--format", "torch_dist")
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "--verify" in r.stderr
+    assert len(err) == 2 and all("is written but does not reproduce" in e for e in err), err
+
+
+def test_streamed_verify_of_a_torch_dist_checkpoint(tmp_path):
+    """verify --against --streaming reads a torch_dist checkpoint in place (its items), with the numbers of the
+    native checkpoint of the same model."""
+    from checkpoint.layout import Layout
+    from checkpoint.torch_dist import read_torch_dist
+    from checkpoint.torch_dist_view import TorchDistSource
+    from convert.torch_dist_io import convert_hf_to_torch_dist
+
+    hf_dir, seq = _hf_dir(tmp_path, "llama_bias")
+    ck = _convert(tmp_path, hf_dir, tp=2)
+    td_path = convert_hf_to_torch_dist(hf_dir, tmp_path / "td", Layout(tp=2), quiet=True)
+    td = read_torch_dist(td_path)
+    cfg, origin = td.model_config(None, None)
+    src = TorchDistSource(td, cfg, td.layout, origin)
+    a = stream_parity(src, hf_dir, seq_len=seq)
+    b = stream_parity(ck, hf_dir, seq_len=seq)
+    assert a["layers_ok"] and a["max_abs_diff"] <= 1e-4
+    assert [r["max_abs_diff"] for r in a["layers"]] == [r["max_abs_diff"] for r in b["layers"]]
 
 
 def test_bench_verify_smoke(tmp_path):
@@ -247,3 +286,143 @@ def test_cast_pool_reuses_buffers_within_its_cap():
     assert pool.idle_bytes + pool.lent_bytes <= pool.cap and pool.idle_bytes < 4 * n * 4
     pool.clear()
     assert pool.idle_bytes == 0 and not pool.idle
+
+
+@pytest.mark.parametrize("case,layout,pieces", [("deepseek_v3", {"ep": 2}, False), ("llama_bias", {"tp": 2}, True)])
+def test_readahead_names_every_byte_before_it_is_read(tmp_path, monkeypatch, case, layout, pieces):
+    """The read-ahead hints (posix_fadvise WILLNEED from a thread of its own) cover every chunk file of ours and
+    every byte range of HF's safetensors the walk reads, each hinted before it is read: embedding rows, layers, MTP
+    layer, routed experts once routed (all of them with --all-experts), MLP pieces and head blocks."""
+    import checkpoint.chunkio as chunkio
+    import convert.streaming as st
+
+    hf_dir, seq = _hf_dir(tmp_path, case)
+    ck = _convert(tmp_path, hf_dir, **layout)
+    budget = None
+    if pieces:
+        g = _groups(ck)["layers"][0]
+        budget = max(memory_needs(ck)["streaming"], 2 * 4 * max(g["rest"], g["mlp"] // 2))
+    hinted: list = []
+    late: list = []
+    put = st._Readahead.put
+    monkeypatch.setattr(st._Readahead, "put", lambda self, r: (hinted.append(r), put(self, r))[1])
+
+    def covered(path, a, b):
+        return any(Path(p) == Path(path) and o <= a and (b <= o + n if n else True) for p, o, n in hinted)
+
+    map_chunk = chunkio.map_chunk
+
+    def mapped(path, *args, **kw):
+        if not covered(path, 0, 0):
+            late.append(str(path))
+        return map_chunk(path, *args, **kw)
+
+    get = st.HFWeights.get
+
+    def read(self, key, rows=None, cols=None):
+        path, a, n = self.byte_range(key, rows if cols is None else None)
+        if not covered(path, a, a + n):
+            late.append(key)
+        return get(self, key, rows, cols)
+
+    monkeypatch.setattr(chunkio, "map_chunk", mapped)
+    monkeypatch.setattr(st.HFWeights, "get", read)
+    s = stream_parity(ck, hf_dir, seq_len=seq, memory_budget=budget, all_experts=case == "deepseek_v3")
+    assert s["layers_ok"] and s["max_abs_diff"] <= 1e-4
+    if pieces:
+        assert s["pieces"]["mlp"] and s["pieces"]["head_rows"] < ck.config.vocab_size
+    assert hinted and not late, late[:5]
+
+
+def test_walk_hints_ahead_within_its_window():
+    """A walk hints the step it is at and the next one always, further ones only while they fit the window."""
+    import convert.streaming as st
+
+    class Rec(st._Readahead):
+        def __init__(self, window):
+            self.window, self.got = window, []
+
+        def put(self, r):
+            self.got.append(r[0])
+
+    ahead = Rec(window=250)
+    w = ahead.walk([[(f"s{i}", 0, 100)] for i in range(6)])
+    w.at(0)
+    assert ahead.got == ["s0", "s1", "s2"]  # s1 + s2 = 200 <= 250 ahead of step 0; s3 would make 300
+    w.at(1)
+    assert ahead.got == ["s0", "s1", "s2", "s3"]
+    w.at(5)
+    assert ahead.got == [f"s{i}" for i in range(6)]
+    tight = Rec(window=0)
+    tight.walk([[(f"s{i}", 0, 100)] for i in range(3)]).at(0)
+    assert tight.got == ["s0", "s1"]  # the next step even when the window holds nothing
+
+
+def test_comparison_is_exact_fp32_whatever_the_process_set(tmp_path, monkeypatch):
+    """A process set to reduced-precision fp32 matmuls ("medium": bf16 on CPUs with AMX) still compares in exact
+    fp32 (the setting is restored after); where the setting cannot be raised, one line says so."""
+    import torch
+
+    from checkpoint.errors import ShardkitError
+    from convert.parity import exact_fp32
+
+    hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
+    ck = _convert(tmp_path, hf_dir)
+    torch.set_float32_matmul_precision("medium")
+    try:
+        r = against_hf(ck, hf_dir, seq_len=seq, streaming=True)
+        assert torch.get_float32_matmul_precision() == "medium"
+        assert r["ok"] and r["max_abs_diff"] <= 1e-5, r["max_abs_diff"]
+        g = torch.Generator().manual_seed(1)
+        x, w = torch.randn(64, 1024, generator=g), torch.randn(256, 1024, generator=g)
+        if torch.equal(torch.nn.functional.linear(x, w), x @ w.T) and \
+                ((x @ w.T).double() - x.double() @ w.double().T).abs().max() < 1e-3:
+            pytest.skip("reduced-precision fp32 matmuls are exact on this CPU: nothing to refuse")
+        monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: None)  # cannot be raised
+        with pytest.raises(ShardkitError, match="not exact fp32"), exact_fp32():
+            pass
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+        monkeypatch.undo()
+        torch.set_float32_matmul_precision("highest")
+
+
+def test_a_file_rewritten_during_the_comparison_is_named(tmp_path, monkeypatch):
+    """Another writer rewriting the HF directory (or the checkpoint) while it is compared: one line naming the
+    file, never a verdict."""
+    import convert.streaming as st
+    from checkpoint.errors import ShardkitError
+
+    hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
+    ck = _convert(tmp_path, hf_dir)
+    release = st.HFWeights.release
+    done = []
+
+    def rewrite(self):
+        if not done:
+            done.append(1)
+            (hf_dir / "config.json").write_text((hf_dir / "config.json").read_text())  # same bytes, rewritten
+        return release(self)
+
+    monkeypatch.setattr(st.HFWeights, "release", rewrite)
+    with pytest.raises(ShardkitError, match=r"config\.json changed while it was being compared"):
+        against_hf(ck, hf_dir, seq_len=seq, streaming=True)
+
+
+
+def test_an_in_process_conversion_leaves_torch_threads_as_they_were(tmp_path):
+    """The in-process writer pins torch to one thread for its casts; the conversion undoes that, so the verify
+    that follows (fp32 GEMMs) runs on every core it had."""
+    import torch
+
+    from checkpoint.layout import Layout
+    from convert.hf_to_mcore import convert_hf_to_mcore
+
+    hf_dir, _ = _hf_dir(tmp_path, "llama_gqa")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        convert_hf_to_mcore(hf_dir, tmp_path / "ck", Layout(), workers=1, quiet=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -46,7 +46,7 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_moe")
     for kind in FLAGS:
         moe_models.build(kind, root / f"{kind}-hf", **OVERRIDES[kind])
-        assert cli(["convert", "hf-to-mcore", str(root / f"{kind}-hf"), str(root / f"{kind}-ck"), "--quiet"]) == 0
+        assert cli(["convert", "hf-to-mcore", str(root / f"{kind}-hf"), str(root / f"{kind}-ck"), "--quiet", "--no-verify"]) == 0
     write_pattern_corpus(root / "data")
     return root
 

@@ -54,7 +54,7 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_moe_tp")
     for name, (kind, overrides, _) in MODELS.items():
         moe_models.build(kind, root / f"{name}-hf", **overrides)
-        assert cli(["convert", "hf-to-mcore", str(root / f"{name}-hf"), str(root / f"{name}-ck"), "--quiet"]) == 0
+        assert cli(["convert", "hf-to-mcore", str(root / f"{name}-hf"), str(root / f"{name}-ck"), "--quiet", "--no-verify"]) == 0
     write_pattern_corpus(root / "data")
     return root
 

@@ -62,7 +62,7 @@ def good(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("user-files")
     hf = build_tiny_llama(root / "hf", **TINY)
     (hf / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
-    assert main(["convert", "hf-to-mcore", str(hf), str(root / "ck"), "--quiet"]) == 0
+    assert main(["convert", "hf-to-mcore", str(hf), str(root / "ck"), "--quiet", "--no-verify"]) == 0
     rng = np.random.default_rng(0)
     (root / "data").mkdir()
     write_indexed(root / "data" / "corpus", [rng.integers(3, 200, size=40) for _ in range(32)], np.uint16)
@@ -105,7 +105,7 @@ def _legacy_from(ck: Path, root: Path) -> Path:
 # -- --overwrite keeps the user's files --------------------------------------------------------------------------
 
 WRITERS = {
-    "hf-to-mcore": lambda g, out: ["convert", "hf-to-mcore", g["hf"], out, "--quiet", "--overwrite"],
+    "hf-to-mcore": lambda g, out: ["convert", "hf-to-mcore", g["hf"], out, "--quiet", "--no-verify", "--overwrite"],
     "hf-to-mcore-torch_dist": lambda g, out: ["convert", "hf-to-mcore", g["hf"], out, "--format", "torch_dist",
                                               "--quiet", "--overwrite"],
     "reshard": lambda g, out: ["reshard", g["ck"], out, "--tp", "2", "--quiet", "--overwrite"],
@@ -188,7 +188,7 @@ def test_training_save_keeps_user_files(good, tmp_path, capsys):
 # -- an output that is, contains or lies inside an input is refused ----------------------------------------------
 
 def _h2m(src, out, *x):
-    return ["convert", "hf-to-mcore", src, out, "--quiet", "--overwrite", *x]
+    return ["convert", "hf-to-mcore", src, out, "--quiet", "--no-verify", "--overwrite", *x]
 
 
 def _train(g, save, load=None, data=None):
