@@ -322,9 +322,6 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native",
     from checkpoint import chunkio
 
     chunkio.POOL.clear()  # the writes' idle buffers (up to 384 MiB): the comparison has its own
-    if "torch" in sys.modules and "OMP_NUM_THREADS" not in os.environ:  # a writer pinned to one thread: not the GEMMs
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        sys.modules["torch"].set_num_threads(max(sys.modules["torch"].get_num_threads(), cores))
     if fmt == "torch_dist":
         from checkpoint.torch_dist import read_torch_dist
         from checkpoint.torch_dist_view import TorchDistSource

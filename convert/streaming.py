@@ -278,7 +278,7 @@ class _Walk:
 
     def __init__(self, ahead: _Readahead, steps: list[list[Range | None]]) -> None:
         self.ahead, self.steps = ahead, [[r for r in step if r is not None] for step in steps]
-        self.sizes = [sum(length for _, _, length in step) for step in steps]
+        self.sizes = [sum(length for _, _, length in step) for step in self.steps]
         self.next = 0  # the first step not hinted yet
 
     def at(self, n: int) -> None:
@@ -531,7 +531,7 @@ class _StreamedHFExperts(nn.Module):
         out = torch.zeros_like(hidden)
         hit = torch.unique(top_k_index).tolist()
         rest = [e for e in range(self.num_experts) if e not in hit] if self.all_experts else []
-        at = _expert_walk(self.ahead, lambda e: _hf_expert_ranges(self.side.weights, self.expert_keys, e), hit + rest)
+        at = _expert_walk(self.ahead, lambda e: _hf_ranges(self.side.weights, self.expert_keys.get(e, [])), hit + rest)
         for k, e in enumerate(hit):
             at(k)
             token, slot = torch.where(top_k_index == e)
@@ -626,6 +626,7 @@ class _OurSide:
         self.model.rotary_pos_emb = RotaryEmbedding(self.cfg)
         self.stacked = not self.cfg.heterogeneous
         self.ahead: _Readahead | None = None  # read-ahead of the routed experts, once routed
+        self._tensors_of: dict[tuple, list] = {}
         self.bytes_read = 0
         self.reads: dict[tuple, int] = {}
 
@@ -780,23 +781,28 @@ class _OurSide:
     def files(self, layer: int | str, expert: int | None = None) -> list[Range]:
         """The chunk files of decoder layer `layer` (or MTP layer 'mtp.j') without its routed experts, or of one
         routed expert of it, as read-ahead ranges."""
-        out: list[Range] = []
         if not hasattr(self.ck, "chunk_files"):  # a torch_dist checkpoint read in place: no chunk files
-            return out
-        for name, e in self.ck.tensors.items():
-            if split_optimizer_key(name) is not None or e.expert != (expert is not None):
-                continue
-            if isinstance(layer, int) and name.startswith(f"decoder.layers.{layer}.") or \
-                    isinstance(layer, str) and name.startswith(f"mtp.layers.{layer.split('.')[1]}."):
-                box: tuple[slice, ...] = ()
-            elif isinstance(layer, int) and e.per_layer and re.match(r"decoder\.layers\.[^\d]", name):
-                box = (slice(layer, layer + 1),)
-            else:
-                continue
-            if expert is not None:
-                box += (slice(expert, expert + 1),)
-            out += self.chunk_ranges(name, box)
-        return out
+            return []
+        lead = (slice(expert, expert + 1),) if expert is not None else ()
+        return [r for name, box in self._layer_tensors(layer, expert is not None)
+                for r in self.chunk_ranges(name, box + lead)]
+
+    def _layer_tensors(self, layer: int | str, experts: bool) -> list[tuple[str, tuple[slice, ...]]]:
+        """(name, box of the layer) of the tensors of one layer, its routed experts' or the rest: found once per
+        layer (every routed expert's read-ahead asks again)."""
+        key = (layer, experts)
+        if key not in self._tensors_of:
+            out = []
+            for name, e in self.ck.tensors.items():
+                if split_optimizer_key(name) is not None or e.expert != experts:
+                    continue
+                if isinstance(layer, int) and name.startswith(f"decoder.layers.{layer}.") or \
+                        isinstance(layer, str) and name.startswith(f"mtp.layers.{layer.split('.')[1]}."):
+                    out.append((name, ()))
+                elif isinstance(layer, int) and e.per_layer and re.match(r"decoder\.layers\.[^\d]", name):
+                    out.append((name, (slice(layer, layer + 1),)))
+            self._tensors_of[key] = out
+        return self._tensors_of[key]
 
     @staticmethod
     def layer_of(prefix: str) -> int | str:
@@ -892,8 +898,7 @@ def _read_steps(hf: HFWeights, ours: _OurSide, cfg: ModelConfig, needed: Tensor,
 
     def layer(step: int | str, hf_index: int) -> list[Range]:
         keys = [k for k in by_layer.get(hf_index, []) if not (_EXPERT.search(k) and ".shared_expert" not in k)]
-        keys += [k + SCALE_SUFFIX for k in keys if hf.has(k + SCALE_SUFFIX)]
-        return [hf.byte_range(k) for k in keys] + ours.files(step)
+        return _hf_ranges(hf, keys) + ours.files(step)
 
     emb = "embedding.word_embeddings.weight"
     step = ours.ck.entry(emb).chunk[0]
@@ -920,8 +925,8 @@ def _expert_walk(ahead: _Readahead | None, ranges: Callable[[int], list[Range]],
     return ahead.walk([ranges(e) for e in order]).at
 
 
-def _hf_expert_ranges(w: HFWeights, expert_keys: dict[int, list[str]], e: int) -> list[Range]:
-    keys = expert_keys.get(e, [])
+def _hf_ranges(w: HFWeights, keys: list[str]) -> list[Range | None]:
+    """HF tensors' byte ranges, with their FP8 block scales where they have them."""
     return [w.byte_range(k) for k in keys + [k + SCALE_SUFFIX for k in keys if w.has(k + SCALE_SUFFIX)]]
 
 
