@@ -545,6 +545,11 @@ class TDTensor:
         self._grid, self._bounds = grid, bounds
 
 
+def _key_str(key: tuple) -> str:
+    name, off = key
+    return name if off is None else f"{name} at {list(off)}"
+
+
 def _intersect(chunk, box):
     (off, size) = chunk
     out = []
@@ -587,6 +592,7 @@ class TorchDistCheckpoint:
         self.sidecar: dict | None = load_sidecar(self.path)
         self._cache: tuple | None = None
         self._array: tuple | None = None  # item_array's last item
+        self._checked: set = set()  # items whose bytes passed their CRC-32s (check_item)
         self.spool_dir: Path | None = None  # where items > ITEM_MMAP_BYTES are copied to be memory-mapped
 
     # -- basic facts ----------------------------------------------------------------------------------------------
@@ -742,6 +748,17 @@ class TorchDistCheckpoint:
             key = (idx.fqn, None if idx.offset is None else tuple(int(x) for x in idx.offset))
             self._storage[key] = info
         self._files = sizes
+        spans: dict[str, list] = {}
+        for key, info in self._storage.items():
+            spans.setdefault(info.relative_path, []).append((int(info.offset), int(info.offset) + int(info.length), key))
+        for rel, items in spans.items():  # every item its own bytes: two entries on one range (aliased, swapped in
+            items.sort(key=lambda x: (x[0], x[1]))  # for another) or overlapping ranges are damage, not a format
+            for (a0, a1, ka), (b0, b1, kb) in zip(items, items[1:]):
+                if b0 < a1:
+                    what = "point at the same bytes" if (a0, a1) == (b0, b1) else "overlap"
+                    raise FormatError(f"{self.path / rel}: items {_key_str(ka)} and {_key_str(kb)} {what} (bytes "
+                                      f"[{b0}, {min(a1, b1)}) of both; aliased storage entries in {src}); the "
+                                      "checkpoint is damaged")
         for name, t in self.tensors.items():
             for off, _ in t.chunks:
                 if (name, off) not in self._storage:
@@ -763,8 +780,32 @@ class TorchDistCheckpoint:
             raise ValueError(f"tensor {name}: box {list(box)} is not inside its shape {list(t.shape)}")
         return t, box
 
+    def check_item(self, name: str, offsets: tuple[int, ...] | None) -> None:
+        """The item's bytes against the CRC-32s its own zip records carry (once per item and reader; every read of an
+        item, whatever the path - verify, export, reshard, training load - checks it first): FormatError naming the
+        file, the tensor and the record that fails."""
+        key = (name, offsets)
+        if key in self._checked:
+            return
+        info = self._storage[key]
+        path = self.path / info.relative_path
+        base = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(path, "rb") as f:
+                with mmap.mmap(f.fileno(), info.offset + info.length - base, access=mmap.ACCESS_READ,
+                               offset=base) as mm:
+                    why = _item_crc_problem(mm, info.offset - base, info.length)
+        except (OSError, ValueError) as e:
+            why = f"cannot be read ({type(e).__name__}: {e})"
+        if why is not None:
+            at = "" if offsets is None else f" at {list(offsets)}"
+            raise FormatError(f"{path}: item {name}{at} (bytes {info.offset}+{info.length}): {why}; the checkpoint "
+                              "is damaged") from None
+        self._checked.add(key)
+
     def read_item(self, name: str, offsets: tuple[int, ...]) -> torch.Tensor:
-        """One stored chunk of a tensor, loaded with torch.load(weights_only=True) (memory-mapped when large)."""
+        """One stored chunk of a tensor, loaded with torch.load(weights_only=True) (memory-mapped when large), its
+        bytes checked first (check_item)."""
         import torch
 
         from .safe_load import load_torch
@@ -774,6 +815,7 @@ class TorchDistCheckpoint:
             return self._cache[1]
         self._cache = None
         t, size, info = self._locate(key)
+        self.check_item(name, offsets)
         path = self.path / info.relative_path
         try:
             with open(path, "rb") as f:
@@ -827,6 +869,7 @@ class TorchDistCheckpoint:
             return self._array[1]
         self._array = None
         t, size, info = self._locate(key)
+        self.check_item(name, offsets)
         dtype = _dtype_str(t.dtype)
         view = None
         if dtype in _STORAGE_TYPES:
@@ -954,6 +997,92 @@ def _item_view(mm: mmap.mmap, start: int, length: int, dtype: str, size: tuple[i
         return np.frombuffer(mm, dtype=nd, count=numel, offset=begin["data/0"]).reshape(size)
     except (pickle.UnpicklingError, struct.error, ValueError, EOFError, TypeError, IndexError, AttributeError):
         return None
+
+
+def _item_crc_problem(mm, start: int, length: int) -> str | None:
+    """Why the torch.save archive at bytes [start, start + length) of `mm` (a buffer: an mmap or bytes) fails its own
+    checks, or None when it passes: a zip archive (torch.save's format; DCP writes every tensor item so) whose every
+    record lies inside the item and matches the CRC-32 its central directory records (zlib.crc32 streams at GB/s: one
+    pass over the bytes). Issue 34: torch.load does not check them, so a flipped byte would load as a silently wrong
+    value."""
+    end = start + length
+    tail_from = max(start, end - (22 + 0xFFFF))
+    eocd = bytes(mm[tail_from:end]).rfind(b"PK\x05\x06")
+    if eocd < 0 or tail_from + eocd + 22 > end:
+        return "not a torch.save zip archive (no end-of-archive record), so its bytes cannot be checked"
+    eocd += tail_from
+    n, cd_size, cd_off = struct.unpack_from("<HII", mm, eocd + 10)
+    if 0xFFFF == n or 0xFFFFFFFF in (cd_size, cd_off):
+        loc = eocd - 20
+        if loc < start or mm[loc:loc + 4] != b"PK\x06\x07":
+            return "its zip64 end locator is missing"
+        (z64,) = struct.unpack_from("<Q", mm, loc + 8)
+        if not start <= start + z64 <= end - 56 or mm[start + z64:start + z64 + 4] != b"PK\x06\x06":
+            return "its zip64 end record lies outside the item"
+        n, cd_size, cd_off = struct.unpack_from("<QQQ", mm, start + z64 + 32)
+    pos = start + cd_off
+    if not start <= pos <= end or pos + cd_size > end or n > length // 46 + 1:
+        return f"its zip directory (offset {cd_off}, {n} records) lies outside the item"
+    mv = memoryview(mm)
+    try:
+        for _ in range(n):
+            if pos + 46 > end or mm[pos:pos + 4] != b"PK\x01\x02":
+                return "its zip directory is damaged"
+            method, crc, csize, usize, nlen, xlen, clen = struct.unpack_from("<HxxxxIIIHHH", mm, pos + 10)
+            (local,) = struct.unpack_from("<I", mm, pos + 42)
+            name = bytes(mm[pos + 46:pos + 46 + nlen]).decode("utf-8", "replace")
+            extra = bytes(mm[pos + 46 + nlen:pos + 46 + nlen + xlen])
+            if 0xFFFFFFFF in (csize, usize, local):  # zip64: the large values are in the extra field, in this order
+                big = [f for f, v in (("u", usize), ("c", csize), ("l", local)) if v == 0xFFFFFFFF]
+                i = 0
+                while i + 4 <= len(extra):
+                    hid, hlen = struct.unpack_from("<HH", extra, i)
+                    if hid == 1:
+                        vals = struct.unpack_from(f"<{len(big)}Q", extra, i + 4) if hlen >= 8 * len(big) else ()
+                        got = dict(zip(big, vals))
+                        usize, csize, local = got.get("u", usize), got.get("c", csize), got.get("l", local)
+                        break
+                    i += 4 + hlen
+            h = start + local
+            if h + 30 > end or mm[h:h + 4] != b"PK\x03\x04":
+                return f"record {name}: its local header lies outside the item or is damaged"
+            hn, hx = struct.unpack_from("<HH", mm, h + 26)
+            begin = h + 30 + hn + hx
+            if begin + csize > end:
+                return f"record {name}: {csize} bytes at {begin - start} run past the item's {length}"
+            if method == 0:
+                if csize != usize:
+                    return f"record {name}: stored with {csize} bytes for {usize}"
+                got, k = 0, begin
+                while k < begin + csize:
+                    step = min(begin + csize - k, 64 << 20)
+                    got = _CRC32(mv[k:k + step], got)
+                    k += step
+            elif method == 8:  # (torch.save never deflates; bounded by the recorded size all the same)
+                d, got, k, out, stop = zlib.decompressobj(-15), 0, begin, 0, begin + csize
+                while out <= usize:
+                    if d.unconsumed_tail:
+                        data = d.unconsumed_tail
+                    elif k < stop:
+                        data, k = bytes(mm[k:min(k + (1 << 20), stop)]), min(k + (1 << 20), stop)
+                    else:
+                        break
+                    piece = d.decompress(data, 1 << 20)
+                    out += len(piece)
+                    got = zlib.crc32(piece, got)
+                if out != usize:
+                    return f"record {name}: inflates to a size other than the {usize} bytes recorded"
+            else:
+                return f"record {name}: compression method {method} (torch.save stores records uncompressed)"
+            if got != crc:
+                return (f"record {name} fails its CRC-32 (recorded {crc:08x}, computed {got:08x}): the bytes were "
+                        "changed after they were written")
+            pos += 46 + nlen + xlen + clen
+    except (struct.error, zlib.error, ValueError) as e:
+        return f"its zip records are damaged ({type(e).__name__}: {e})"
+    finally:
+        mv.release()
+    return None
 
 
 def _load_spooled(f, length: int, directory: Path | None) -> torch.Tensor:

@@ -348,8 +348,8 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native",
     with progress_bar("verify", total=2 * ck.nbytes(), items=ck.config.num_layers, unit="layers",
                       disable=quiet) as bar:
         p = against_hf(ck, hf_dir, memory_budget=budget, progress=lambda nbytes: bar.advance(nbytes, items=1))
-    where = ""
-    if p.get("first_layer_beyond_tolerance") is not None:
+    where = f"; {p['weights_differ']}" if p.get("weights_differ") else ""
+    if not where and p.get("first_layer_beyond_tolerance") is not None:
         e = p.get("first_expert_beyond_tolerance")
         where = f"; layer {p['first_layer_beyond_tolerance']}" + (f" (expert {e})" if e is not None else "") + \
             " is the first to differ (on HF's own input of that layer)"

@@ -124,19 +124,79 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
 
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator)
+    from train.model import Router
+
+    routed: dict[int, set] = {}  # the routed experts the test tokens select, per MoE layer
+    for i, m in enumerate(x for x in ours.modules() if isinstance(x, Router)):
+        m.register_forward_hook(lambda _m, _a, o, i=i: routed.setdefault(i, set()).update(o[1].unique().tolist()))
     with torch.no_grad():
         ours_logits = ours(input_ids)
         hf_logits = hf(input_ids=input_ids, use_cache=False).logits.float()
     if ours_logits.shape != hf_logits.shape:
         raise ValueError(f"logit shapes differ: ours {tuple(ours_logits.shape)}, HF {tuple(hf_logits.shape)}")
     diff = (ours_logits - hf_logits).abs()
+    # issue 34: the logits exercise only the embedding rows of the test tokens: every row is compared directly
+    emb = tensors["embedding.word_embeddings.weight"]
+    embedding = compare_rows("embedding.word_embeddings.weight", "model.embed_tokens.weight", cfg.vocab_size,
+                             lambda a, b: [(a, b, emb[a:b])],
+                             lambda a, b: hf.get_input_embeddings().weight[a:b])
+    not_compared = []
+    if routed:
+        total = cfg.num_moe_experts * len(routed)
+        hit = sum(len(v) for v in routed.values())
+        if hit < total:
+            not_compared.append(f"{total - hit} of {total} routed experts (no test token selected them; "
+                                "--streaming --all-experts runs every one)")
+    if cfg.mtp_num_layers:
+        not_compared.append(f"{cfg.mtp_num_layers} MTP layer(s) (transformers' forward has none; --streaming "
+                            "compares them)")
     return {
         "max_abs_diff": diff.max().item(),
         "mean_abs_diff": diff.mean().item(),
         "batch": batch,
         "seq_len": seq_len,
         "dtype": "float32",
+        "embedding": embedding,
+        "not_compared": not_compared,
     }
+
+
+def rows_differ(hf_rows: Tensor, ours: Tensor) -> Tensor:
+    """Per row: does our stored row differ bit for bit from HF's row cast to our dtype (the conversion's cast)?"""
+    h = hf_rows.to(ours.dtype).contiguous()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[ours.element_size()]
+    return (h.view(ints) != ours.contiguous().view(ints)).reshape(len(ours), -1).any(dim=1)
+
+
+def compare_rows(name: str, hf_name: str, vocab: int, read_ours: Callable[[int, int], list],
+                 read_hf: Callable[[int, int], Tensor], block: int | None = None) -> dict:
+    """Every row [0, vocab) of our `name` against HF's `hf_name`, bit for bit after casting HF's to our dtype, in
+    blocks of `block` rows (`read_ours(a, b)`: [(lo, hi, rows)] per storage chunk; `read_hf(a, b)`: rows a..b):
+    {"tensor", "rows", "rows_differ", "first_row_differ", "max_abs_diff"}."""
+    block = block or vocab
+    n, first, worst = 0, None, 0.0
+    with torch.no_grad():
+        for a in range(0, vocab, block):
+            b = min(a + block, vocab)
+            theirs = read_hf(a, b)
+            for lo, hi, mine in read_ours(a, b):
+                bad = rows_differ(theirs[lo - a:hi - a], mine)
+                k = int(bad.sum())
+                if k:
+                    n += k
+                    first = lo + int(bad.nonzero()[0]) if first is None else first
+                    worst = max(worst, (theirs[lo - a:hi - a].float() - mine.float()).abs().max().item())
+    return {"tensor": name, "hf_tensor": hf_name, "rows": vocab, "rows_differ": n, "first_row_differ": first,
+            "max_abs_diff": worst}
+
+
+def weights_verdict(out: dict) -> str | None:
+    """The line naming a weight compared directly that differs (None when all are equal)."""
+    e = out.get("embedding")
+    if e and e["rows_differ"]:
+        return (f"{e['tensor']}: {e['rows_differ']} of {e['rows']} row(s) differ from HF's {e['hf_tensor']} (first: "
+                f"row {e['first_row_differ']}, |diff| up to {e['max_abs_diff']:.3e})")
+    return None
 
 
 def against_hf(ck, hf_dir: str | Path, *, seq_len: int = 32, tolerance: float = 1e-4, streaming: bool = False,
@@ -169,6 +229,8 @@ def against_hf(ck, hf_dir: str | Path, *, seq_len: int = 32, tolerance: float = 
                    "mode": "whole"}
     out["memory"] = memory
     out["tolerance"] = tolerance
-    out["ok"] = out["max_abs_diff"] <= tolerance and out.get("layers_ok", True)  # False for a NaN difference
+    out["weights_differ"] = weights_verdict(out)
+    out["ok"] = (out["max_abs_diff"] <= tolerance and out.get("layers_ok", True)  # False for a NaN difference
+                 and out["weights_differ"] is None)
     out["seconds"] = round(time.perf_counter() - started, 3)
     return out

@@ -903,8 +903,9 @@ def _read_steps(hf: HFWeights, ours: _OurSide, cfg: ModelConfig, needed: Tensor,
     emb = "embedding.word_embeddings.weight"
     step = ours.ck.entry(emb).chunk[0]
     blocks = sorted({int(i) // step for i in needed})
-    steps = [[hf.byte_range("model.embed_tokens.weight", rows=slice(a, b)) for a, b in _runs(needed.tolist())]
-             + [r for k in blocks for r in ours.chunk_ranges(emb, (slice(k * step, (k + 1) * step),))]]
+    steps = [[hf.byte_range("model.embed_tokens.weight", rows=slice(0, cfg.vocab_size))]  # every row (issue 34)
+             + [r for k in range(-(-cfg.vocab_size // step))
+                for r in ours.chunk_ranges(emb, (slice(k * step, (k + 1) * step),))]]
     steps += [layer(i, i) for i in range(cfg.num_layers)]
     # the final norm (read right after the last layer, before any MTP layer) goes with it
     steps[-1] += [hf.byte_range("model.norm.weight")] + ours.chunk_ranges("decoder.final_layernorm.weight", ())
@@ -948,16 +949,35 @@ def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, p
             progress(total - state["reported"])
             state["reported"] = total
 
-    # embedding: the rows of the test tokens only, on both sides
+    # embedding: every row compared bit for bit (issue 34: the test tokens select only a few), a block at a time,
+    # each side's rows read once; the rows of the test tokens kept for the forward
+    from .parity import rows_differ
+
+    emb, hf_emb = "embedding.word_embeddings.weight", "model.embed_tokens.weight"
     hf_rows = torch.empty(len(needed), cfg.hidden_size)
-    runs = _runs(needed.tolist())
-    pos = 0
-    for a, b in runs:
-        hf_rows[pos:pos + b - a] = weights.get("model.embed_tokens.weight", rows=slice(a, b)).float()
-        pos += b - a
-    weights.release()
+    my_rows = torch.empty(len(needed), cfg.hidden_size)
+    embedding = {"tensor": emb, "hf_tensor": hf_emb, "rows": cfg.vocab_size, "rows_differ": 0,
+                 "first_row_differ": None, "max_abs_diff": 0.0}
+    for a in range(0, cfg.vocab_size, plan["head_rows"]):
+        b = min(a + plan["head_rows"], cfg.vocab_size)
+        theirs = weights.get(hf_emb, rows=slice(a, b))
+        sel = ((needed >= a) & (needed < b)).nonzero().flatten()
+        hf_rows[sel] = theirs[needed[sel] - a].float()
+        for lo, hi, mine in ours.read_rows(emb, a, b):
+            bad = rows_differ(theirs[lo - a:hi - a], mine)
+            if bad.any():
+                embedding["rows_differ"] += int(bad.sum())
+                if embedding["first_row_differ"] is None:
+                    embedding["first_row_differ"] = lo + int(bad.nonzero()[0])
+                embedding["max_abs_diff"] = max(embedding["max_abs_diff"], (
+                    theirs[lo - a:hi - a].float() - mine.float()).abs().max().item())
+            s = ((needed >= lo) & (needed < hi)).nonzero().flatten()
+            my_rows[s] = mine[needed[s] - lo].float()
+            del mine
+        del theirs
+        weights.release()
     hf_embed = _Gathered(needed, hf_rows)
-    our_embed = _Gathered(needed, ours.embedding_rows(needed))
+    our_embed = _Gathered(needed, my_rows)
     inner.embed_tokens = hf_embed
     layers.append({"layer": "embedding", "max_abs_diff": (our_embed.rows - hf_rows).abs().max().item()})
     state["chain"] = our_embed(input_ids)
@@ -1057,6 +1077,10 @@ def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, p
            "seconds": round(time.perf_counter() - started, 3)}
     if mtp_end:
         out["mtp_max_abs_diff"] = mtp_end
+    out["embedding"] = embedding
+    out["not_compared"] = ([f"{out['experts_total'] - out['experts_exercised']} of {out['experts_total']} routed "
+                            "experts (no test token selected them; --all-experts runs every one)"]
+                           if out["experts_exercised"] < out["experts_total"] else [])
     state.clear()
     return out
 

@@ -738,6 +738,7 @@ def _verify(args: argparse.Namespace) -> int:
             p = result["parity"]
             print(f"logits vs {args.against} (fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| = "
                   f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if ok else 'FAIL'}")
+            _coverage_lines(p)
             if p["mode"] == "streaming":
                 moe = [r for r in p["layers"] if "experts" in r]
                 print(f"  streamed layer by layer (each on HF's hidden state): worst layer |diff| "
@@ -757,6 +758,10 @@ def _verify(args: argparse.Namespace) -> int:
               "iteration", file=sys.stderr)
         return 1
     if not ok:
+        if result["parity"].get("weights_differ"):  # a weight compared directly (issue 34)
+            print(f"shardkit: error: {result['parity']['weights_differ']} ({args.against}); the checkpoint does not "
+                  "reproduce that model", file=sys.stderr)
+            return 1
         first = result["parity"].get("first_layer_beyond_tolerance")
         if first is not None:
             expert = result["parity"].get("first_expert_beyond_tolerance")
@@ -769,6 +774,16 @@ def _verify(args: argparse.Namespace) -> int:
               f"{args.tolerance:.0e}; the checkpoint does not reproduce that model", file=sys.stderr)
         return 1
     return 0
+
+
+def _coverage_lines(p: dict) -> None:
+    """verify --against: what was compared directly, and every parameter neither exercised nor compared (issue 34)."""
+    e = p.get("embedding")
+    if e:
+        print(f"  {e['tensor']}: all {e['rows']} rows compared with HF's bit for bit (after the cast): "
+              + (f"{e['rows_differ']} differ" if e["rows_differ"] else "equal"))
+    for what in p.get("not_compared") or []:
+        print(f"  not exercised or compared: {what}")
 
 
 def _parity(args: argparse.Namespace, ckpt) -> dict:
@@ -825,6 +840,7 @@ def _verify_torch_dist(args: argparse.Namespace) -> int:
             p = result["parity"]
             print(f"logits vs {args.against} (fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| = "
                   f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if p['ok'] else 'FAIL'}")
+            _coverage_lines(p)
     if not result["keys_ok"]:
         first = (result["problems"] or [None])[0]
         if result["missing"] or result["unexpected"]:
@@ -841,8 +857,9 @@ def _verify_torch_dist(args: argparse.Namespace) -> int:
               f"({bad[name]:,}); this checkpoint cannot be trained or exported as it is", file=sys.stderr)
         return 1
     if not ok:
-        print(f"shardkit: error: logits differ from {args.against} by {result['parity']['max_abs_diff']:.3e} > "
-              f"{args.tolerance:.0e}; the checkpoint does not reproduce that model", file=sys.stderr)
+        why = result["parity"].get("weights_differ") or (
+            f"logits differ from {args.against} by {result['parity']['max_abs_diff']:.3e} > {args.tolerance:.0e}")
+        print(f"shardkit: error: {why}; the checkpoint does not reproduce that model", file=sys.stderr)
         return 1
     return 0
 

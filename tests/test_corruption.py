@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -197,3 +198,253 @@ def test_training_save_records_chunk_crcs(good, tmp_path, capsys):
     assert main(["verify", str(save), "--quiet"]) == 1
     line = capsys.readouterr().err.strip()
     assert f"tensor {TENSOR} chunk (0, 0, 0)" in line and "chunk (1, 0, 0)" in line, line
+
+
+# -- torch_dist items (issue 34): each item's zip records carry a CRC-32, checked on every read path; storage entries
+# that alias or overlap one another are refused before anything is read ------------------------------------------
+
+TD_ITEM = (TENSOR, (1, 0, 0))
+
+
+@pytest.fixture(scope="module")
+def td(good, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("corrupt-td") / "td"
+    assert main(["convert", "hf-to-mcore", str(good["hf"]), str(out), "--format", "torch_dist", "--quiet",
+                 "--no-verify"]) == 0
+    return out
+
+
+def _td_storage(td: Path) -> dict:
+    from checkpoint.torch_dist import TorchDistCheckpoint
+
+    return TorchDistCheckpoint(td)._storage
+
+
+def _td_flip(where: str) -> Callable[[Path], None]:
+    """One byte of an item changed: in its tensor data (data/0), in its pickle, or in the recorded CRC itself."""
+    def damage(td: Path) -> None:
+        info = _td_storage(td)[TD_ITEM]
+        p = td / ITER / info.relative_path
+        b = bytearray(p.read_bytes())
+        item = bytes(b[info.offset:info.offset + info.length])
+        at = {"data": len(item) // 2, "pickle": item.index(b"_rebuild_tensor_v2") + 3,
+              "last-byte": item.rindex(b"archive/data/0") - 46 + 16}[where]  # (the data/0 record's crc32 field)
+        b[info.offset + at] ^= 0x01
+        p.write_bytes(bytes(b))
+    return damage
+
+
+def _td_entries(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def damage(td: Path) -> None:
+        from checkpoint.torch_dist import load_dcp_metadata
+        import pickle
+
+        p = td / ITER / ".metadata"
+        md = load_dcp_metadata(p)
+        edit({(k.fqn, None if k.offset is None else tuple(k.offset)): v for k, v in md.storage_data.items()})
+        p.write_bytes(pickle.dumps(md))
+    return damage
+
+
+def _alias(s: dict) -> None:  # chunk 0 points at chunk 1's bytes (both pass their CRCs)
+    a, b = s[(TENSOR, (0, 0, 0))], s[TD_ITEM]
+    a.relative_path, a.offset, a.length = b.relative_path, b.offset, b.length
+
+
+def _overlap(s: dict) -> None:  # chunk 0 starts inside the previous item of its file
+    a = s[(TENSOR, (0, 0, 0))]
+    a.offset -= 64
+    a.length += 64
+
+
+def _tail_cut(s: dict) -> None:  # an item's range shortened: its zip directory is outside it
+    s[TD_ITEM].length -= 30
+
+
+def _swap_kinds(s: dict) -> None:  # two tensors of other shapes exchange their entries
+    a, b = s[(TENSOR, (0, 0, 0))], s[("decoder.final_layernorm.weight", (0,))]
+    (a.relative_path, a.offset, a.length), (b.relative_path, b.offset, b.length) = (
+        (b.relative_path, b.offset, b.length), (a.relative_path, a.offset, a.length))
+
+
+TD_DAMAGES = {  # damage -> words the error line must contain
+    "td-flipped-data": (_td_flip("data"), (TENSOR, "[1, 0, 0]", "data/0", "CRC-32", ".distcp")),
+    "td-flipped-pickle": (_td_flip("pickle"), (TENSOR, "[1, 0, 0]", "data.pkl", "CRC-32")),
+    "td-flipped-recorded-crc": (_td_flip("last-byte"), (TENSOR, "[1, 0, 0]", "CRC-32")),
+    "td-aliased-entries": (_td_entries(_alias), (TENSOR, "same bytes", ".distcp")),
+    "td-overlapping-entries": (_td_entries(_overlap), (TENSOR, "overlap", ".distcp")),
+    "td-entry-cut-short": (_td_entries(_tail_cut), (TENSOR, "[1, 0, 0]", ".distcp")),
+    "td-swapped-shapes": (_td_entries(_swap_kinds), (".distcp",)),
+}
+TD_COMMANDS = ["verify", "verify-against", "reshard", "reshard-torch_dist", "mcore-to-hf"]
+
+
+def td_argv(cmd: str, td: Path, out: Path, good: dict[str, Path]) -> list[str]:
+    return [str(a) for a in {
+        "verify": ["verify", td, "--quiet"],
+        "verify-against": ["verify", td, "--against", good["hf"], "--quiet"],
+        "reshard": ["reshard", td, out, "--tp", "2", "--quiet"],
+        "reshard-torch_dist": ["reshard", td, out, "--tp", "2", "--format", "torch_dist", "--quiet"],
+        "mcore-to-hf": ["convert", "mcore-to-hf", td, out, "--quiet"],
+        "continue-pretrain": argv_for("continue-pretrain", td, out, good),
+    }[cmd]]
+
+
+def _one_line(rc, err: str, words) -> str:
+    assert rc == 1, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardkit: error:"), err
+    for w in words:
+        assert w in lines[0], f"{w!r} not in: {lines[0]}"
+    return lines[0]
+
+
+@pytest.mark.parametrize("cmd", TD_COMMANDS)
+@pytest.mark.parametrize("damage", list(TD_DAMAGES))
+def test_torch_dist_damage_is_named(good, td, tmp_path, capsys, damage, cmd):
+    src = Path(shutil.copytree(td, tmp_path / "td"))
+    fn, words = TD_DAMAGES[damage]
+    fn(src)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    rc = main(td_argv(cmd, src, out, good))
+    _one_line(rc, capsys.readouterr().err, words)
+    if out.exists():
+        assert not (out / "latest").exists() and not (out / "latest_checkpointed_iteration.txt").exists()
+        assert not list(out.glob("iter_*/manifest.json")) and not (out / "config.json").exists()
+
+
+def test_torch_dist_damage_stops_training_load(good, td, tmp_path, capsys):
+    src = Path(shutil.copytree(td, tmp_path / "td"))
+    _td_flip("data")(src)
+    capsys.readouterr()
+    rc = main(td_argv("continue-pretrain", src, tmp_path / "out", good))
+    _one_line(rc, capsys.readouterr().err, (TENSOR, "CRC-32"))
+    assert not list((tmp_path / "out").glob("iter_*"))
+
+
+def test_every_item_crc_is_checked_once_per_reader(td, monkeypatch):
+    """The check is one pass per item and reader (not per box read), and every item of a clean export passes."""
+    from checkpoint import torch_dist
+
+    calls = []
+    real = torch_dist._item_crc_problem
+    monkeypatch.setattr(torch_dist, "_item_crc_problem", lambda *a: calls.append(a[1:]) or real(*a))
+    ck = torch_dist.TorchDistCheckpoint(td)
+    for name, t in ck.tensors.items():
+        ck.read_numpy(name)
+        ck.read(name)
+    assert len(calls) == sum(len(t.chunks) for t in ck.tensors.values())
+
+
+def test_item_crc_checker_on_unseen_archives(tmp_path):
+    """torch.save's own archives (an fp32, a bf16, a non-contiguous view): clean ones pass; any one byte changed in
+    any record's data fails; a deflate-compressed zip is checked too (bounded by its recorded size)."""
+    import io
+    import zipfile
+
+    import torch
+
+    from checkpoint.torch_dist import _item_crc_problem
+
+    for value in (torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.ones(5, dtype=torch.bfloat16),
+                  torch.arange(20.0).reshape(4, 5)[:, 1:3]):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        raw = buf.getvalue()
+        assert _item_crc_problem(raw, 0, len(raw)) is None
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            for info in z.infolist():
+                if info.file_size == 0:
+                    continue
+                start = info.header_offset + 30 + len(info.filename.encode()) + len(
+                    raw[info.header_offset + 30 + len(info.filename.encode()):][:0]) + int.from_bytes(
+                    raw[info.header_offset + 28:info.header_offset + 30], "little")
+                bad = bytearray(raw)
+                bad[start + info.file_size - 1] ^= 0x80
+                why = _item_crc_problem(bytes(bad), 0, len(bad))
+                assert why is not None and "CRC-32" in why and info.filename in why, (info.filename, why)
+        framed = b"x" * 100 + raw + b"y" * 50  # an item inside a bigger file
+        assert _item_crc_problem(framed, 100, len(raw)) is None
+        assert _item_crc_problem(framed, 100, len(raw) - 1) is not None
+    z = io.BytesIO()
+    with zipfile.ZipFile(z, "w", zipfile.ZIP_DEFLATED) as f:
+        f.writestr("archive/data.pkl", b"a" * 100000)
+    raw = z.getvalue()
+    assert _item_crc_problem(raw, 0, len(raw)) is None
+    assert "not a torch.save zip archive" in _item_crc_problem(b"\0" * 64, 0, 64)
+
+
+# -- verify --against proves every embedding row (issue 34): the test tokens select a few rows; the rest are compared
+# with HF's bit for bit after the cast, in both modes, and the report lists what was neither exercised nor compared --
+
+def _test_token_rows(vocab: int, batch: int = 2, seq: int = 32) -> set[int]:
+    import torch
+
+    return set(torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).flatten().tolist())
+
+
+def _hf_with_row(good: dict[str, Path], dst: Path, row: int, scale: float = 1.0 + 2 ** -6) -> Path:
+    """A copy of the HF model whose embedding row `row` is rewritten (a valid file: only the values differ)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = Path(shutil.copytree(good["hf"], dst))
+    d = load_file(str(hf / "model.safetensors"))
+    d["model.embed_tokens.weight"] = d["model.embed_tokens.weight"].clone()
+    d["model.embed_tokens.weight"][row] *= scale
+    save_file(d, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    return hf
+
+
+@pytest.mark.parametrize("mode", ["whole", "streaming", "streaming-small-blocks"])
+@pytest.mark.parametrize("which", ["first-unused-row", "last-row"])
+def test_against_compares_every_embedding_row(good, td, tmp_path, capsys, mode, which):
+    vocab = TINY["vocab_size"]
+    used = _test_token_rows(vocab)
+    row = min(set(range(vocab)) - used) if which == "first-unused-row" else vocab - 1
+    hf = _hf_with_row(good, tmp_path / "hf", row)
+    extra = {"whole": [], "streaming": ["--streaming"],
+             "streaming-small-blocks": ["--streaming", "--memory-budget", "300KiB"]}[mode]
+    for ck in (good["ck"], td):
+        capsys.readouterr()
+        rc = main(["verify", str(ck), "--against", str(hf), "--quiet", *extra])
+        cap = capsys.readouterr()
+        line = _one_line(rc, cap.err, ("embedding.word_embeddings.weight", f"row {row}", "1 of 300"))
+        assert "Traceback" not in cap.err, line
+        assert "differ" in cap.out
+    capsys.readouterr()
+    assert main(["verify", str(good["ck"]), "--against", str(good["hf"]), "--quiet", *extra]) == 0
+    assert "all 300 rows compared" in capsys.readouterr().out
+
+
+def test_against_reports_what_was_not_exercised(good):
+    """The report names parameters neither exercised nor compared: routed experts no test token selected (whole mode
+    and streaming without --all-experts), MTP layers in whole mode; a dense model has none."""
+    from checkpoint.reader import Checkpoint
+    from convert.parity import against_hf
+
+    p = against_hf(Checkpoint(good["ck"]), good["hf"])
+    assert p["ok"] and p["not_compared"] == [] and p["embedding"]["rows"] == TINY["vocab_size"]
+    assert p["embedding"]["rows_differ"] == 0
+    s = against_hf(Checkpoint(good["ck"]), good["hf"], streaming=True)
+    assert s["ok"] and s["not_compared"] == [] and s["embedding"]["rows_differ"] == 0
+
+
+def test_against_lists_unselected_experts_and_mtp(tmp_path):
+    """A tiny DeepSeek-V3 (MoE + MTP) at one test token: the whole-mode report lists the routed experts the token did
+    not select and the MTP layer; streamed without --all-experts it lists the experts; with it, nothing."""
+    from checkpoint.reader import Checkpoint
+    from convert.parity import against_hf
+    from tests.moe_models import build
+
+    hf = build("deepseek_v3", tmp_path / "hf")
+    assert main(["convert", "hf-to-mcore", str(hf), str(tmp_path / "ck"), "--quiet", "--no-verify"]) == 0
+    ck = Checkpoint(tmp_path / "ck")
+    whole = against_hf(ck, hf, seq_len=1)
+    assert whole["ok"], whole
+    assert any("routed experts" in w for w in whole["not_compared"]), whole["not_compared"]
+    assert any("MTP" in w for w in whole["not_compared"]), whole["not_compared"]
+    streamed = against_hf(ck, hf, seq_len=1, streaming=True)
+    assert [w for w in streamed["not_compared"] if "routed experts" in w] and streamed["ok"]
+    every = against_hf(ck, hf, seq_len=1, all_experts=True)
+    assert every["not_compared"] == [] and every["ok"]
