@@ -279,6 +279,39 @@ class HFSource:
     def fingerprint(self) -> list[dict]:
         return self.file_info
 
+    def resume_fingerprint(self) -> list[dict]:
+        """What a resumed conversion must find unchanged (issue 34): fingerprint() (names, sizes, header hashes) plus
+        each file's identity and content (content_fingerprint). A changed source is converted afresh, never resumed
+        from the chunks of the old one."""
+        return [{**info, **content_fingerprint(self.dir / info["name"])} for info in self.file_info]
+
+
+# bytes hashed per file by content_fingerprint: SAMPLES blocks of SAMPLE_BYTES spread evenly over the file (the first
+# and last included); measured ~1 ms per warm file, ~30 ms per cold 5 GB shard (scripts/BENCH.md, issue 34)
+SAMPLES = 64
+SAMPLE_BYTES = 4096
+
+
+def content_fingerprint(path: Path) -> dict:
+    """A file's identity and a hash of its content, cheap enough to take at every start of a conversion: inode, size,
+    mtime_ns and ctime_ns (a rewrite in place, a rename over it or a copy into its place changes one of them; ctime is
+    not settable by `touch`), and the sha256 of SAMPLES evenly spread blocks (an edit that kept the file's times,
+    e.g. on a filesystem that does not keep them, is still seen where it touches a sampled block). No st_dev: ranks on
+    other nodes see the same shared file under other device numbers."""
+    st = os.stat(path)
+    h = hashlib.sha256()
+    size = st.st_size
+    span = SAMPLES * SAMPLE_BYTES
+    with open(path, "rb") as f:
+        if size <= span:
+            h.update(f.read(span))
+        else:
+            step = (size - SAMPLE_BYTES) // (SAMPLES - 1)
+            for k in range(SAMPLES):
+                h.update(os.pread(f.fileno(), SAMPLE_BYTES, k * step))
+    return {"inode": st.st_ino, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "sampled_sha256": h.hexdigest()}
+
 
 def find_assets(hf_dir: str | Path) -> list[Path]:
     """Tokenizer / generation files of an HF directory: regular files, or symlinks to regular files that stay inside

@@ -272,7 +272,8 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
     src = HFSource(hf_dir)
     cfg = _without_absent_mtp(cfg, src, quiet)
     entries, tasks, fp8 = plan(cfg, layout, src, dtype, keep_fp8, quiet=quiet)
-    job = {"tool": VERSION, "source": str(hf_dir.resolve()), "files": src.fingerprint(), "layout": layout.to_dict(),
+    job = {"tool": VERSION, "source": str(hf_dir.resolve()), "files": src.resume_fingerprint(),
+           "layout": layout.to_dict(),
            "dtype": dtype, "fp8": fp8, "model": _jsonable(cfg.to_dict())}
     started = time.time()
     path = None
@@ -282,8 +283,22 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
         write_chunks(w, entries, "hf-to-mcore", _Worker, args, workers, quiet, group=group,
                      estimate_above=estimate_above)
         if distributed.leads(group):
+            source_unchanged(src, job["files"])
             path = _commit(w, hf_dir, src, cfg, layout, entries, fp8, started)
     return distributed.finish(group, path, out)
+
+
+def source_unchanged(src: HFSource, files: list[dict]) -> None:
+    """Before the commit: every source file is still the one the conversion started from (its identity and sampled
+    content, HFSource.resume_fingerprint); a file replaced or rewritten while it was read is one line, nothing is
+    committed (the partial output is not resumed either: its job no longer matches the source)."""
+    from .hf_source import content_fingerprint
+
+    for info in files:
+        now = content_fingerprint(src.dir / info["name"])
+        if any(info[k] != v for k, v in now.items()):
+            raise FormatError(f"{src.dir / info['name']}: changed while it was being converted; nothing was "
+                              "committed: rerun when nothing writes there")
 
 
 def _commit(w: IterationWriter, hf_dir: Path, src: HFSource, cfg: ModelConfig, layout: Layout,
@@ -301,7 +316,8 @@ def _commit(w: IterationWriter, hf_dir: Path, src: HFSource, cfg: ModelConfig, l
 
 
 def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native", memory_budget: str | None = None,
-                      quiet: bool = False, asked: bool = True, allow_nonfinite: bool = False) -> int:
+                      quiet: bool = False, asked: bool = True, allow_nonfinite: bool = False,
+                      withdraw: bool = False) -> int:
     """`convert hf-to-mcore`'s proof (on by default, `--no-verify` skips it): the conversion just written, native or
     torch_dist (read in place), compared with the HF model it came from through transformers' own forward
     (convert.parity.against_hf: whole, or streamed within the memory budget). One line on stdout with the verdict; a
@@ -345,9 +361,14 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native",
     from checkpoint.progress import progress_bar
 
     # streamed: bytes read from both sides (each about once) and layers done
-    with progress_bar("verify", total=2 * ck.nbytes(), items=ck.config.num_layers, unit="layers",
-                      disable=quiet) as bar:
-        p = against_hf(ck, hf_dir, memory_budget=budget, progress=lambda nbytes: bar.advance(nbytes, items=1))
+    try:
+        with progress_bar("verify", total=2 * ck.nbytes(), items=ck.config.num_layers, unit="layers",
+                          disable=quiet) as bar:
+            p = against_hf(ck, hf_dir, memory_budget=budget, progress=lambda nbytes: bar.advance(nbytes, items=1))
+    except ShardkitError as e:
+        if withdraw:  # a proof that cannot be made commits nothing either
+            raise ShardkitError(f"{e}; {_withdraw(Path(path))}") from None
+        raise
     where = f"; {p['weights_differ']}" if p.get("weights_differ") else ""
     if not where and p.get("first_layer_beyond_tolerance") is not None:
         e = p.get("first_expert_beyond_tolerance")
@@ -358,10 +379,35 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native",
           f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if p['ok'] else 'FAIL'} in "
           f"{time.time() - started:.1f} s{where}")
     if not p["ok"]:
+        if withdraw:
+            print(f"shardkit: error: {path} does not reproduce {hf_dir}{where or ' (logits differ)'}; "
+                  f"{_withdraw(Path(path))}", file=sys.stderr)
+            return 1
         print(f"shardkit: error: {path} is written but does not reproduce {hf_dir}{where or ' (logits differ)'}",
               file=sys.stderr)
         return 1
     return 0
+
+
+def _withdraw(iter_dir: Path) -> str:
+    """Un-commit a conversion whose proof failed (issue 34): the pointer naming it (native `latest`, Megatron's
+    tracker) is removed first, then the iteration; what was done, as the end of the error line."""
+    import shutil
+
+    from checkpoint.commit import LATEST
+    from checkpoint.megatron import TRACKER, iteration_of
+
+    root = iter_dir.parent
+    for name, names_it in ((LATEST, lambda t: t.strip() == iter_dir.name),
+                           (TRACKER, lambda t: t.strip().isdigit() and int(t) == iteration_of(iter_dir.name))):
+        p = root / name
+        try:
+            if p.is_file() and not p.is_symlink() and p.stat().st_size < 4096 and names_it(p.read_text()):
+                p.unlink()
+        except (OSError, ValueError):
+            pass
+    shutil.rmtree(iter_dir, ignore_errors=True)
+    return f"nothing was committed ({iter_dir} removed; --no-verify keeps an unproven conversion)"
 
 
 def _jsonable(d: dict) -> dict:

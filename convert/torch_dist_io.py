@@ -495,7 +495,8 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout
     provenance = {"tool": f"shardkit {VERSION}", "command": "convert hf-to-mcore --format torch_dist",
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "source": {"kind": "hf", "path": str(hf_dir.resolve()), "files": src.fingerprint()}}
-    job = {"kind": "hf-to-torch_dist", "tool": VERSION, "source": str(hf_dir.resolve()), "files": src.fingerprint(),
+    job = {"kind": "hf-to-torch_dist", "tool": VERSION, "source": str(hf_dir.resolve()),
+           "files": src.resume_fingerprint(),
            "layout": layout.to_dict(), "dtype": dtype, "model": _jsonable(cfg.to_dict())}
     return stream_torch_dist(out, cfg=cfg, layout=layout, entries=entries, make=_Worker,
                              args=lambda partial: (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(partial), dtypes,

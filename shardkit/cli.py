@@ -491,7 +491,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from convert.hf_to_mcore import verify_conversion
 
         return verify_conversion(path, args.hf_dir, fmt=args.format, memory_budget=args.memory_budget,
-                                 quiet=args.quiet, asked=bool(args.verify), allow_nonfinite=args.allow_nonfinite)
+                                 quiet=args.quiet, asked=bool(args.verify), allow_nonfinite=args.allow_nonfinite,
+                                 withdraw=True)  # a failed proof commits nothing (issue 34)
     if args.cmd == "convert" and args.direction == "mcore-to-hf":
         from convert.mcore_to_hf import convert_mcore_to_hf
 

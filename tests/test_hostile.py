@@ -516,3 +516,171 @@ def test_safetensors_library_refuses_them_too(good, tmp_path, kind):
         with safe_open(str(hf / "model.safetensors"), "np") as f:
             for k in f.keys():
                 f.get_tensor(k)
+
+
+# -- issue 34 (c): a resumed conversion never takes chunks of a source that changed; a failed proof commits nothing --
+
+def _interrupted(c: Case, hf: Path, out: Path, monkeypatch, after: int = 5) -> None:
+    """Start converting `hf` into `out` and stop it after `after` chunks (as a kill would), leaving its partial."""
+    from convert import hf_to_mcore
+
+    real = hf_to_mcore._Worker.__call__
+    calls = {"n": 0}
+
+    def flaky(self, task):
+        calls["n"] += 1
+        if calls["n"] == after:
+            raise KeyboardInterrupt
+        return real(self, task)
+
+    monkeypatch.setattr(hf_to_mcore._Worker, "__call__", flaky)
+    assert main(["convert", "hf-to-mcore", str(hf), str(out), "--quiet", "--no-verify", "--workers", "1"]) != 0
+    monkeypatch.setattr(hf_to_mcore._Worker, "__call__", real)
+    assert list(out.glob("*.partial")) and not (out / "latest").exists()
+
+
+def _same_header_other_weights(hf: Path, how: str) -> None:
+    """Rewrite model.safetensors with the same header (names, dtypes, shapes, offsets) and other weights."""
+    p = hf / "model.safetensors"
+    data = bytearray(p.read_bytes())
+    n = 8 + int.from_bytes(data[:8], "little")
+    st = os.stat(p)
+    if how == "reversed-body":  # every weight other: the data region reversed (a swapped shard, in effect)
+        data[n:] = np.frombuffer(bytes(data[n:]), np.uint16)[::-1].tobytes()  # (bf16 values, in reverse order)
+    elif how == "one-block-times-kept":  # one 4 KiB block somewhere changed, the file's times put back
+        mid = n + (len(data) - n) // 2
+        data[mid:mid + 4096] = bytes(4096)
+    else:  # "new-inode": a copy of other weights moved into place (rename over the old file)
+        data[n:n + 256] = bytes(256)
+    if how == "new-inode":
+        tmp = hf / ".new.safetensors"
+        tmp.write_bytes(bytes(data))
+        os.replace(tmp, p)
+    else:
+        with open(p, "r+b") as f:
+            f.write(bytes(data))
+    if how == "one-block-times-kept":
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("how", ["reversed-body", "one-block-times-kept", "new-inode"])
+def test_resume_after_the_source_changed_converts_afresh(good, tmp_path, capsys, monkeypatch, how):
+    fmt = "native"
+    c = Case(tmp_path, good)
+    hf = c.copy("hf")
+    out = tmp_path / "out"
+    _interrupted(c, hf, out, monkeypatch)
+    _same_header_other_weights(hf, how)
+    capsys.readouterr()
+    # the default proof compares with the changed source: it passes only if nothing of the old one was resumed
+    assert main(["convert", "hf-to-mcore", str(hf), str(out), "--quiet", "--format", fmt]) == 0, \
+        capsys.readouterr().err
+    assert main(["verify", str(out), "--against", str(hf), "--quiet"]) == 0
+    fresh = tmp_path / "fresh"
+    assert main(["convert", "hf-to-mcore", str(hf), str(fresh), "--quiet", "--no-verify", "--format", fmt]) == 0
+    from checkpoint.reader import Checkpoint
+
+    a, b = Checkpoint(out), Checkpoint(fresh)
+    for name in a.tensors:
+        assert np.array_equal(a.read_numpy(name), b.read_numpy(name)), name
+
+
+def test_resume_of_an_unchanged_source_still_resumes(good, tmp_path, monkeypatch):
+    from convert import hf_to_mcore
+
+    c = Case(tmp_path, good)
+    hf = c.copy("hf")
+    out = tmp_path / "out"
+    _interrupted(c, hf, out, monkeypatch, after=6)
+    done = (next(out.glob("*.partial")) / "done.log").read_text().split()
+    assert len(done) == 5
+    calls = {"n": 0}
+    real = hf_to_mcore._Worker.__call__
+    monkeypatch.setattr(hf_to_mcore._Worker, "__call__", lambda self, t: (calls.__setitem__("n", calls["n"] + 1),
+                                                                          real(self, t))[1])
+    assert main(["convert", "hf-to-mcore", str(hf), str(out), "--quiet", "--no-verify", "--workers", "1"]) == 0
+    assert calls["n"] == 17 - 5  # 17 chunks in all: the 5 durable ones were not redone
+
+
+def test_source_changed_during_conversion_commits_nothing(good, tmp_path, capsys, monkeypatch):
+    from convert import hf_to_mcore
+
+    c = Case(tmp_path, good)
+    hf = c.copy("hf")
+    real = hf_to_mcore._Worker.__call__
+    calls = {"n": 0}
+
+    def touching(self, task):
+        calls["n"] += 1
+        if calls["n"] == 3:  # another job rewrites the source in place while it is read
+            with open(hf / "model.safetensors", "r+b") as f:
+                f.seek(-4, 2)
+                f.write(b"\0\0\0\0")
+        return real(self, task)
+
+    monkeypatch.setattr(hf_to_mcore._Worker, "__call__", touching)
+    capsys.readouterr()
+    rc = main(["convert", "hf-to-mcore", str(hf), str(c.out), "--quiet", "--no-verify", "--workers", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "model.safetensors" in err and "changed while" in err
+    assert not (c.out / "latest").exists() and not (c.out / ITER).exists()
+
+
+@pytest.mark.parametrize("fmt", ["native", "torch_dist"])
+@pytest.mark.parametrize("failure", ["differs", "cannot-compare"])
+def test_failed_default_proof_commits_nothing(good, tmp_path, capsys, monkeypatch, fmt, failure):
+    from checkpoint.errors import ShardkitError
+    from convert import parity
+
+    real = parity.against_hf
+
+    def failing(*a, **k):
+        if failure == "cannot-compare":
+            raise ShardkitError("--against: transformers cannot load it (planted)")
+        out = real(*a, **k)
+        out.update(ok=False, max_abs_diff=1.0)
+        return out
+
+    monkeypatch.setattr(parity, "against_hf", failing)
+    c = Case(tmp_path, good)
+    capsys.readouterr()
+    rc = main(["convert", "hf-to-mcore", str(good["hf"]), str(c.out), "--quiet", "--format", fmt])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and "nothing was committed" in lines[0], err
+    assert not (c.out / "latest").exists() and not (c.out / "latest_checkpointed_iteration.txt").exists()
+    assert not list(c.out.glob("iter_*"))
+    monkeypatch.setattr(parity, "against_hf", real)
+    assert main(["convert", "hf-to-mcore", str(good["hf"]), str(c.out), "--quiet", "--format", fmt]) == 0
+
+
+def test_content_fingerprint_sees_any_sampled_block_and_costs_little(tmp_path):
+    """Every sampled block changes the hash; identity fields follow a rename; the cost per file is a few reads."""
+    import time
+
+    from convert.hf_source import SAMPLE_BYTES, SAMPLES, content_fingerprint
+
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(os.urandom(SAMPLES * SAMPLE_BYTES * 3 + 123))
+    base = content_fingerprint(p)
+    step = (p.stat().st_size - SAMPLE_BYTES) // (SAMPLES - 1)
+    for k in (0, SAMPLES // 2, SAMPLES - 1):
+        st = os.stat(p)
+        with open(p, "r+b") as f:
+            f.seek(k * step + 7)
+            b = f.read(1)
+            f.seek(k * step + 7)
+            f.write(bytes([b[0] ^ 1]))
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+        got = content_fingerprint(p)
+        assert got["sampled_sha256"] != base["sampled_sha256"] and got["ctime_ns"] >= base["ctime_ns"]
+        with open(p, "r+b") as f:  # put it back
+            f.seek(k * step + 7)
+            f.write(b)
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)  # sparse 1 GiB
+    t = time.perf_counter()
+    content_fingerprint(big)
+    assert time.perf_counter() - t < 0.5  # SAMPLES reads, never the whole file
