@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One short GPU check for a single H100/H200 (10-minute limit, fresh checkout): scripts/gpu_check.py does the work
+# One short GPU check for a single H100/H200 (10-minute limit, fresh checkout): first tests/test_cuda.py (the CUDA
+# path's tests: FP8 GEMMs, packed attention, the trainer on the GPU vs the CPU, resume from GPU memory; its log and
+# JUnit XML into $OUT, at most GPU_CHECK_TESTS_S = 200 s, GPU_CHECK_TESTS=0 skips it), then scripts/gpu_check.py
 #   (a) Transformer Engine backend vs local backend: same losses from the same checkpoint (skipped without TE)
 #   (b) bf16 tokens/s and MFU of a ~1B Llama at seq 4096        (goal: Megatron MFU >= 45%)
 #   (c) FP8 vs bf16 tokens/s and MFU of the same model at seq 8192 (goal: FP8 >= 1.3x bf16)
@@ -18,8 +20,21 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
 
+# tests/test_cuda.py with python $1; on the CPU (--cpu-smoke) rehearsed (SHARDKIT_CUDA_REHEARSE=1), GPU_CHECK_TESTS_K
+# selecting cases (pytest -k); a failure is recorded in $OUT/test_cuda.log and the JSON's parts still run
+cuda_tests() {
+  [ "${GPU_CHECK_TESTS:-1}" = 0 ] && { echo "gpu_check: tests/test_cuda.py skipped (GPU_CHECK_TESTS=0)"; return 0; }
+  local k=()
+  [ -n "${GPU_CHECK_TESTS_K:-}" ] && k=(-k "$GPU_CHECK_TESTS_K")
+  timeout "${GPU_CHECK_TESTS_S:-200}" "$1" -m pytest -p no:cacheprovider tests/test_cuda.py "${k[@]}" \
+    --junitxml "$OUT/test_cuda.xml" > "$OUT/test_cuda.log" 2>&1
+  local rc=$?
+  echo "gpu_check: tests/test_cuda.py exit $rc ($(grep -E "passed|failed|error|no tests" "$OUT/test_cuda.log" | tail -n 1); log: $OUT/test_cuda.log)"
+}
+
 if [ "${1:-}" = "--cpu-smoke" ]; then
   shift
+  SHARDKIT_CUDA_REHEARSE=1 cuda_tests "${PYTHON:-.venv/bin/python}"
   exec "${PYTHON:-.venv/bin/python}" scripts/gpu_check.py --cpu-smoke --out "$OUT/gpu_check.json" "$@"
 fi
 
@@ -41,6 +56,7 @@ if [ "${GPU_CHECK_INSTALL_TE:-0}" = 1 ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-# whatever the installation took comes off the budget (GPU_CHECK_BUDGET_S, default 540 s of a 600 s limit)
+cuda_tests "$PY"
+# whatever the installation and the tests took comes off the budget (GPU_CHECK_BUDGET_S, default 540 s of a 600 s limit)
 LEFT=$(( ${GPU_CHECK_BUDGET_S:-540} - SECONDS ))
 exec "$PY" scripts/gpu_check.py --out "$OUT/gpu_check.json" --deadline-s "$LEFT" "$@"

@@ -7,7 +7,9 @@ Protocol, one JSON object per line: the parent writes {"argv": [...], "env": {..
 "log": path}; the child runs `shardkit.cli.main(argv)` with `env` added (SHARDKIT_FAULT_AT kills it at a named site),
 its stdout and stderr going to `log` (stderr to `err` where given; `replace_env`: `env` is the whole environment;
 `cwd`: its working directory); if `kill_after` is set and the child is still running then, it gets SIGKILL;
-`fsize` sets RLIMIT_FSIZE in the child (Python ignores SIGXFSZ, so a write past it fails with EFBIG: a full disk).
+a child of a multi-rank job (WORLD_SIZE > 1) runs under tests/nccl_model.py (NCCL's point-to-point rules on gloo)
+unless SHARDKIT_TEST_NCCL_MODEL=0; `fsize` sets RLIMIT_FSIZE in the child (Python ignores SIGXFSZ, so a write past
+it fails with EFBIG: a full disk).
 The answer is {"rc": exit status | null, "signal": signal number | null, "seconds": wall time}. {"group": [req, ...]}
 forks all its children at once (the ranks of one job) and answers with the list of their results; with
 "kill_rest_after_first" the others are killed once the first has ended; with "kill_rest_after_failure": S, S seconds
@@ -32,6 +34,8 @@ import train.config  # noqa: F401
 import train.loop  # noqa: F401
 import transformers
 
+import tests.nccl_model
+
 transformers.CONFIG_MAPPING["llama"]  # the model builds its RoPE tables from a transformers config (lazy import)
 
 
@@ -43,6 +47,9 @@ def run_child(req: dict) -> None:
         if req.get("replace_env"):
             os.environ.clear()
         os.environ.update(req.get("env") or {})
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("SHARDKIT_TEST_NCCL_MODEL", "1") != "0":
+            # every multi-rank run the tests fork runs under NCCL's point-to-point rules
+            tests.nccl_model.install(float(os.environ.get("SHARDKIT_TEST_NCCL_MODEL_TIMEOUT", "60")))
         if req.get("cwd"):
             os.chdir(req["cwd"])
         null = os.open(os.devnull, os.O_RDONLY)  # never the server's request pipe
@@ -52,6 +59,7 @@ def run_child(req: dict) -> None:
         os.dup2(os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if req.get("err") else fd, 2)
         sys.argv = ["shardkit", *req["argv"]]
         rc = shardkit.cli.main(req["argv"])
+        tests.nccl_model.report()
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
     except BaseException as e:  # noqa: BLE001 - report anything as a failed trial

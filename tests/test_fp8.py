@@ -374,10 +374,12 @@ def test_gpu_check_cpu_smoke(tmp_path):
 
     repo = Path(__file__).resolve().parent.parent
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
+               PYTHONWARNINGS="ignore", GPU_CHECK_TESTS_K="scaled_mm")  # one case of tests/test_cuda.py, rehearsed
     r = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "--cpu-smoke", "--steps", "3", "--skip", "1",
                         "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "gpu_check: tests/test_cuda.py exit 0 (1 passed" in r.stdout, r.stdout[-2000:]
+    assert 'tests="1"' in (tmp_path / "out" / "test_cuda.xml").read_text()
     s = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert s["mode"] == "cpu-smoke"
     a, b, c = s["a_te_vs_local"], s["b_bf16_seq4096"], s["c_fp8_vs_bf16_seq8192"]

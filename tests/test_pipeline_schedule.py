@@ -77,67 +77,16 @@ def test_interleaved_schedule_needs_micro_batches_multiple_of_pp():
 # pipeline.forward_backward (1F1B) and InterleavedPipeline.forward_backward (--vpp) run as they run in the trainer, one
 # thread per pipeline rank, each on a real StageStep over a real GPTModel cut by parallelize.apply_pipeline_split for
 # an uneven split (model chunks of different sizes, chunks and whole ranks with no decoder layer, as Megatron's layout
-# strings allow). torch.distributed is replaced by a wire that behaves like NCCL: no buffering, a send completes only
-# when a matching receive has been posted, messages between two ranks on one group match in posting order. A rank that
-# waits for ever is a deadlock (the test fails after a timeout). Every (chunk, micro-batch) forward runs exactly once
+# strings allow). torch.distributed's point-to-point calls are replaced by tests/nccl_model.py on threads (NCCL's rules:
+# no buffering, a send completes only once the matching receive has been posted, one stream per rank and group, no
+# tags). A rank that waits for ever is a deadlock (the model raises after a timeout). Every (chunk, micro-batch) forward runs exactly once
 # (counted), and the gradients equal one process's (a backward missed or run twice would change them).
 
 import threading  # noqa: E402
-import types  # noqa: E402
 
 import torch  # noqa: E402
 
 from checkpoint.layout import Layout, PipelineSplit  # noqa: E402
-
-
-class _Wire:
-    """Point-to-point messages between threads with NCCL's rendezvous semantics."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.sends: dict[tuple, list] = {}  # (src, dst, group) -> posted sends not yet matched
-        self.recvs: dict[tuple, list] = {}
-        self.local = threading.local()
-        self.log: list[tuple] = []  # (src, dst, group) of each matched message, in match order
-
-    class Req:
-        def __init__(self) -> None:
-            self.done = threading.Event()
-
-        def wait(self, timeout: float = 20.0) -> None:
-            if not self.done.wait(timeout):
-                raise TimeoutError("deadlock: a pipeline rank waited for a message that never came")
-
-    def _match(self, key: tuple) -> None:
-        s, r = self.sends.get(key), self.recvs.get(key)
-        while s and r:
-            (t, sreq), (buf, rreq) = s.pop(0), r.pop(0)
-            buf.copy_(t)
-            self.log.append(key)
-            sreq.done.set()
-            rreq.done.set()
-
-    def isend(self, t, dst, group=None):
-        req = self.Req()
-        with self.lock:
-            key = (self.local.rank, dst, group)
-            self.sends.setdefault(key, []).append((t.detach().clone(), req))
-            self._match(key)
-        return req
-
-    def irecv(self, buf, src, group=None):
-        req = self.Req()
-        with self.lock:
-            key = (src, self.local.rank, group)
-            self.recvs.setdefault(key, []).append((buf, req))
-            self._match(key)
-        return req
-
-    def recv(self, buf, src, group=None):
-        self.irecv(buf, src, group).wait()
-
-    def module(self):
-        return types.SimpleNamespace(isend=self.isend, irecv=self.irecv, recv=self.recv)
 
 
 def _tiny_cfg(layers: int):
@@ -182,7 +131,11 @@ def test_schedules_on_uneven_stages(layers, pp, vpp, split):
     (total / n).backward()
     want = {k: p.grad for k, p in ref.named_parameters()}
 
-    wire = _Wire()
+    from tests.nccl_model import NcclModel, ThreadTransport
+    from train.parallel import p2p
+
+    local = threading.local()
+    wire = NcclModel(ThreadTransport(), lambda: local.rank, timeout=20.0)
     forwards: list[tuple[int, int]] = []  # (virtual stage, micro-batch)
     results, errors, stages = {}, {}, {}
     for r in range(pp):
@@ -200,7 +153,7 @@ def test_schedules_on_uneven_stages(layers, pp, vpp, split):
         stages[r] = (m, grp, counted)
 
     def run(r):
-        wire.local.rank = r
+        local.rank = r
         m, grp, counted = stages[r]
 
         class Step:
@@ -215,13 +168,12 @@ def test_schedules_on_uneven_stages(layers, pp, vpp, split):
                 ip = interleaved.InterleavedPipeline.__new__(interleaved.InterleavedPipeline)
                 ip.step, ip.g, ip.device = Step(), grp, torch.device("cpu")
                 ip.pp, ip.vpp, ip.rank = pp, vpp, r
-                ip.act_group, ip.grad_group = "act", "grad"
                 results[r] = ip.forward_backward(mbs, (2, 8, 16), torch.float64)
         except Exception as e:  # noqa: BLE001 - reported below
             errors[r] = e
 
-    saved = pipeline.dist, interleaved.dist
-    pipeline.dist = interleaved.dist = wire.module()
+    saved = p2p.dist
+    p2p.dist = wire.module()
     try:
         threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(pp)]
         for t in threads:
@@ -229,7 +181,7 @@ def test_schedules_on_uneven_stages(layers, pp, vpp, split):
         for t in threads:
             t.join(120)
     finally:
-        pipeline.dist, interleaved.dist = saved
+        p2p.dist = saved
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "deadlock"
     assert sorted(forwards) == sorted((s, i) for s in range(pp * vpp) for i in range(n))

@@ -6,7 +6,8 @@
     reduce_scatter_seq forward: reduce-scatter    backward: all-gather     (sequence parallel: row output)
     split_seq         forward: keep own chunk     backward: all-gather
 
-gloo has no reduce-scatter; there it is an all-reduce followed by taking this rank's chunk (same numbers).
+Gathers and reduce-scatters go into preallocated tensors (all_gather_into_tensor, reduce_scatter_tensor), on gloo
+and NCCL alike.
 All sequence collectives work on dim 1 of [batch, seq, hidden].
 """
 from __future__ import annotations
@@ -32,29 +33,31 @@ def all_reduce(x: Tensor, group, op=dist.ReduceOp.SUM) -> Tensor:
 
 
 def _all_gather(x: Tensor, group, dim: int) -> Tensor:
+    """Concatenate every rank's x along `dim`, in rank order: one all_gather_into_tensor into a preallocated
+    [n, *x.shape] buffer (NCCL's native form; no list of parts and no torch.cat), then a view, or one copy when
+    `dim` is not the leading one (a view when the dims before it are 1, e.g. [1, s, h] at micro-batch size 1)."""
     n = _size(group)
     if n == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    dim %= x.dim()
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # gloo's shape rule
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _reduce_scatter(x: Tensor, group, dim: int) -> Tensor:
+    """Sum x over the group and keep this rank's 1/n slice along `dim`: one reduce_scatter_tensor from x laid out
+    as [n, ...] (a view when the dims before `dim` are 1) into a preallocated output."""
     n = _size(group)
     if n == 1:
         return x
+    dim %= x.dim()
     if x.shape[dim] % n:
         raise ValueError(f"reduce-scatter: dim {dim} of size {x.shape[dim]} is not divisible by {n}")
-    rank = dist.get_rank(group)
-    if dist.get_backend(group) == "nccl":
-        parts = list(x.contiguous().chunk(n, dim=dim))
-        out = torch.empty_like(parts[rank])
-        dist.reduce_scatter(out, [p.contiguous() for p in parts], group=group)
-        return out
-    x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
-    return x.chunk(n, dim=dim)[rank].contiguous()
+    parts = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
+    out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=group)  # [n * out.shape[0], ...]: gloo's shape rule
+    return out
 
 
 def _split(x: Tensor, group, dim: int) -> Tensor:

@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 from checkpoint.errors import ConfigError, ShardkitError
 from train.model import gqa_attention
 
-from . import comm
+from . import comm, p2p
 
 COMM_TYPES = ("p2p", "all_gather")
 
@@ -302,17 +302,6 @@ class Ring:
     prev_rank: int
 
 
-_KV_TAG, _DKV_TAG = 71, 72
-
-
-def _exchange(send: Tensor, ring: Ring, tag: int) -> tuple[Tensor, list]:
-    """Post send-to-next and receive-from-previous; returns the receive buffer and the requests to wait on."""
-    buf = torch.empty_like(send)
-    reqs = [dist.isend(send, ring.next_rank, group=ring.group, tag=tag),
-            dist.irecv(buf, ring.prev_rank, group=ring.group, tag=tag)]
-    return buf, reqs
-
-
 def _pack(k: Tensor, v: Tensor) -> Tensor:
     return torch.cat([k.reshape(-1), v.reshape(-1)])
 
@@ -337,19 +326,17 @@ class _RingAttention(torch.autograd.Function):
         flat = _pack(kf, vf)
         for t in range(ring.size):
             src = (ring.rank - t) % ring.size
-            reqs = []
-            if t < ring.size - 1:  # the next block travels while this one is computed
-                nxt, reqs = _exchange(flat, ring, _KV_TAG)
+            pending = None
+            if t < ring.size - 1:  # the next block travels while this one is computed: one batch, send and receive
+                pending = p2p.post([(flat, ring.next_rank)], [(torch.empty_like(flat), ring.prev_rank)], ring.group)
             block = ring_block(layout, ring.rank, src, window, q.device)
             if block is not None:
                 qr, kr, mask = block
                 kb, vb = _unpack(flat, kf, vf)
                 o, l = _block_forward(q5[:, :, :, qr], kb[:, :, None, kr], vb[:, :, None, kr], mask, scale)
                 out[:, :, :, qr], lse[:, :, :, qr] = _merge(out[:, :, :, qr], lse[:, :, :, qr], o, l)
-            for r in reqs:
-                r.wait()
-            if reqs:
-                flat = nxt
+            if pending is not None:
+                (flat,) = pending.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.hpg, ctx.scale, ctx.window, ctx.layout, ctx.ring = hpg, scale, window, layout, ring
         return out.view(b, H, s, -1).to(q.dtype)
@@ -366,18 +353,23 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(q5)
         kf, vf = k.float().contiguous(), v.float().contiguous()
         flat = _pack(kf, vf)
-        acc_in, acc_reqs, sending = None, [], None
-        for t in range(ring.size):
-            src = (ring.rank - t) % ring.size
-            reqs = []
-            if t > 0:  # the dK/dV accumulator of block src, from the previous rank (posted before the next K/V)
-                acc_in = torch.empty(kf.numel() + vf.numel(), device=q.device)
-                acc_reqs = [dist.irecv(acc_in, ring.prev_rank, group=ring.group, tag=_DKV_TAG)]
-            if sending is not None:  # last step's send completes once the next rank has posted the receive above
-                sending[0].wait()
-                sending = None
-            if t < ring.size - 1:
-                nxt, reqs = _exchange(flat, ring, _KV_TAG)
+        # Step t computes the block of rank (rank - t) and adds its dK/dV to the accumulator of that block, which
+        # arrives from the previous rank and goes on to the next. One batch per step, posted before the step's work:
+        # send the K/V block on and the previous step's accumulator on, receive the next K/V block and this step's
+        # accumulator; the same order on every rank, so a pair's messages in one direction always match (no tags).
+        # After the last step one more batch brings each rank's own accumulator home.
+        size = ring.size
+        acc = None
+        for t in range(size):
+            src = (ring.rank - t) % size
+            sends, recvs = [], []
+            if t < size - 1:
+                sends.append((flat, ring.next_rank))
+                recvs.append((torch.empty_like(flat), ring.prev_rank))
+            if t > 0:
+                sends.append((acc, ring.next_rank))
+                recvs.append((torch.empty(kf.numel() + vf.numel(), device=q.device), ring.prev_rank))
+            pending = p2p.post(sends, recvs, ring.group) if sends else None
             kb, vb = _unpack(flat, kf, vf)
             dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
             block = ring_block(layout, ring.rank, src, window, q.device)
@@ -388,22 +380,14 @@ class _RingAttention(torch.autograd.Function):
                 dq[:, :, :, qr] += gq
                 dk[:, :, kr] += gk
                 dv[:, :, kr] += gv
+            got = pending.wait() if pending is not None else []
             acc = _pack(dk, dv)
-            for r in acc_reqs:
-                r.wait()
             if t > 0:
-                acc = acc + acc_in
-            if ring.size > 1:
-                sending = (dist.isend(acc, ring.next_rank, group=ring.group, tag=_DKV_TAG), acc)
-            for r in reqs:
-                r.wait()
-            if reqs:
-                flat = nxt
-        if ring.size > 1:  # our own block's accumulator, home after going round
-            acc = torch.empty(kf.numel() + vf.numel(), device=q.device)
-            home = dist.irecv(acc, ring.prev_rank, group=ring.group, tag=_DKV_TAG)
-            sending[0].wait()
-            home.wait()
+                acc = acc + got[-1]
+            if t < size - 1:
+                flat = got[0]
+        if size > 1:  # our own block's accumulator, home after going round
+            (acc,) = p2p.exchange([(acc, ring.next_rank)], [(torch.empty_like(acc), ring.prev_rank)], ring.group)
         dk_all, dv_all = _unpack(acc, kf, vf)
         return (dq.view(b, H, s, d).to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype), None, None, None, None,
                 None)

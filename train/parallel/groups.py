@@ -5,15 +5,44 @@ over the same ranks). Everything that needs a group takes a `Groups` object.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from checkpoint.errors import LayoutError
 from checkpoint.layout import RankCoord
 from checkpoint.megatron import EXPERT_ORDER, coords_of, rank_of
 from checkpoint.run_layout import RunLayout
+
+from . import p2p
+
+
+CREATED: list[tuple] = []  # every process group this process created through `new_group`, in order
+
+
+def new_group(ranks: list[int] | None = None, **kw):
+    """torch.distributed.new_group, recorded: NCCL (and torch.distributed) need every rank to create every group in
+    the same order, which `check_group_order` proves across ranks."""
+    CREATED.append((tuple(ranks) if ranks is not None else None, tuple(sorted(kw.items()))))
+    return dist.new_group(ranks, **kw)
+
+
+def check_group_order() -> None:
+    """Collective over the world: every rank has created the same groups in the same order, else one line naming
+    the first rank that differs from rank 0."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    digest = (len(CREATED), hashlib.sha256(repr(CREATED).encode()).hexdigest())
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, digest)
+    for r, d in enumerate(every):
+        if d != every[0]:
+            raise LayoutError(f"process groups: rank {r} created {d[0]} groups in another order than rank 0 "
+                              f"({every[0][0]}); every rank must create every group in the same order (NCCL hangs "
+                              "otherwise)")
 
 
 @dataclass
@@ -82,18 +111,18 @@ def build_groups(dims: RunLayout) -> Groups:
     for vary, attr in (("tp", "tp"), ("dp", "dp"), ("pp", "pp")):
         fixed = [d for d in ("tp", "cp", "dp", "pp") if d != vary]
         for ranks in each(vary, fixed):
-            grp = dist.new_group(ranks) if len(ranks) > 1 else None
+            grp = new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
                 setattr(g, attr, grp)
                 if vary == "pp":
                     g.pp_ranks = ranks
     for ranks in each("cp", ["tp", "dp", "pp"]):
-        grp = dist.new_group(ranks) if len(ranks) > 1 else None
+        grp = new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             g.cp = grp
     for tp, pp in itertools.product(range(dims.tp), range(dims.pp)):
         ranks = [dims.rank(tp=tp, cp=c, dp=d, pp=pp) for d in range(dims.dp) for c in range(dims.cp)]
-        grp = dist.new_group(ranks) if len(ranks) > 1 else None
+        grp = new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             g.dp_cp = grp
     for dp, pp in itertools.product(range(dims.dp), range(dims.pp)):
@@ -102,12 +131,12 @@ def build_groups(dims: RunLayout) -> Groups:
             if rank in ranks:
                 g.tp_cp = g.tp if dims.cp == 1 else g.cp
             continue
-        grp = dist.new_group(ranks)
+        grp = new_group(ranks)
         if rank in ranks:
             g.tp_cp = grp
     for ranks in each("pp", ["tp", "cp", "dp"]):
         emb = sorted({ranks[0], ranks[-1]})
-        grp = dist.new_group(emb) if len(emb) > 1 else None
+        grp = new_group(emb) if len(emb) > 1 else None
         if rank in emb:
             g.embedding = grp
     g.ep_rank, g.edp_rank = dims.expert_coords(rank)
@@ -116,27 +145,33 @@ def build_groups(dims: RunLayout) -> Groups:
         if dims.expert_tp == dims.tp:  # Megatron's default: the expert TP groups are the TP groups
             g.etp = g.tp
             break
-        grp = dist.new_group(ranks) if len(ranks) > 1 else None
+        grp = new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             g.etp = grp
     for ranks in _expert_tp_ep_groups(dims):
         if dims.ep == 1 or dims.expert_tp == 1:  # the same ranks as the expert TP (EP) groups
             g.etp_ep = g.etp if dims.ep == 1 else None  # set from the EP groups below
             break
-        grp = dist.new_group(ranks)
+        grp = new_group(ranks)
         if rank in ranks:
             g.etp_ep = grp
     for ep_groups, edp_groups in _expert_groups(dims):
         for ranks in ep_groups:
-            grp = dist.new_group(ranks) if len(ranks) > 1 else None
+            grp = new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
                 g.ep = grp
                 if dims.expert_tp == 1:
                     g.etp_ep = grp
         for ranks in edp_groups:
-            grp = dist.new_group(ranks) if len(ranks) > 1 else None
+            grp = new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
                 g.edp, g.edp_ranks = grp, ranks
+    check_group_order()
+    # the groups that carry point-to-point batches get their communicator from a collective of all their ranks
+    # first (train/parallel/p2p.py); every rank takes part in each, in the same order
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    p2p.init_p2p_group(g.pp, device)
+    p2p.init_p2p_group(g.cp, device)
     return g
 
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from train.model import GPTModel
 
+from . import p2p
 from .groups import Groups
 
 
@@ -63,100 +63,138 @@ class StageStep:
         return loss
 
 
-def _p2p(sends: list[tuple[Tensor, int]], recvs: list[tuple[tuple[int, ...], torch.dtype, int]],
-         device: torch.device | None = None) -> list[Tensor]:
-    """Post all sends and receives, then wait: a stage that sends forward while its neighbour sends backward can
-    never deadlock."""
-    reqs, out = [], []
-    for t, dst in sends:
-        reqs.append(dist.isend(t.contiguous(), dst))
-    for shape, dtype, src in recvs:
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        reqs.append(dist.irecv(buf, src))
-        out.append(buf)
-    for r in reqs:
-        r.wait()
-    return out
+# -- schedules as data -------------------------------------------------------------------------------------------------
+# A rank's work for one step is a list of units (one forward, one backward, or in the interleaved steady state a
+# forward and a backward); after each unit ONE batch of point-to-point operations is posted and waited for: the sends
+# of what the unit produced and the receives of what the next unit needs (Megatron-Core's batched schedules:
+# send_forward_recv_backward / send_backward_recv_forward in 1F1B, send_forward_backward_recv_forward_backward in the
+# interleaved steady state). `comm_plan` writes that down as data; tests/test_pipeline_schedule.py executes the plans
+# of every rank under NCCL's rules (p2p.py) for many pp x vpp x micro-batch counts, and `run` executes the same plan.
+
+@dataclass(frozen=True)
+class Op:
+    forward: bool
+    chunk: int
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One message between virtual stages: an activation ("act") from stage `stage` to stage + 1, or a gradient
+    ("grad") from stage `stage` to stage - 1, of one micro-batch; `peer` is the pipeline rank at the other end."""
+
+    kind: str
+    stage: int
+    micro_batch: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """Run `ops`, then post one batch: send `sends`, receive `recvs`, wait."""
+
+    ops: tuple[Op, ...]
+    sends: tuple[Msg, ...]
+    recvs: tuple[Msg, ...]
+
+
+def one_f_one_b(pp: int, rank: int, num_micro: int) -> list[list[Op]]:
+    """Megatron's 1F1B as units: (pp - rank - 1) warm-up forwards, one forward and one backward per steady step,
+    the remaining backwards."""
+    warmup = min(pp - rank - 1, num_micro)
+    ops = [Op(True, 0, i) for i in range(warmup)]
+    for i in range(num_micro - warmup):
+        ops += [Op(True, 0, warmup + i), Op(False, 0, i)]
+    ops += [Op(False, 0, i) for i in range(num_micro - warmup, num_micro)]
+    return [[o] for o in ops]
+
+
+def forward_units(vpp: int, num_micro: int) -> list[list[Op]]:
+    """Evaluation: each micro-batch through every model chunk of this rank, in order."""
+    return [[Op(True, c, m)] for m in range(num_micro) for c in range(vpp)]
+
+
+def comm_plan(units: list[list[Op]], pp: int, vpp: int, rank: int) -> list[Step]:
+    """The batches this rank posts around its units (virtual stage of chunk c = c * pp + rank)."""
+    last = pp * vpp - 1
+
+    def needs(o: Op) -> list[Msg]:
+        s = o.chunk * pp + rank
+        if o.forward:
+            return [] if s == 0 else [Msg("act", s - 1, o.micro_batch, (rank - 1) % pp)]
+        return [] if s == last else [Msg("grad", s + 1, o.micro_batch, (rank + 1) % pp)]
+
+    def sends(o: Op) -> list[Msg]:
+        s = o.chunk * pp + rank
+        if o.forward:
+            return [] if s == last else [Msg("act", s, o.micro_batch, (rank + 1) % pp)]
+        return [] if s == 0 else [Msg("grad", s, o.micro_batch, (rank - 1) % pp)]
+
+    plan = [Step((), (), tuple(m for o in units[0] for m in needs(o)))] if units else []
+    for unit, nxt in zip(units, [*units[1:], []]):
+        plan.append(Step(tuple(unit), tuple(m for o in unit for m in sends(o)),
+                         tuple(m for o in nxt for m in needs(o))))
+    return plan
+
+
+def run(step: StageStep, units: list[list[Op]], micro_batches, act_shape: tuple[int, ...], act_dtype: torch.dtype,
+        device: torch.device | None = None) -> Tensor:
+    """Execute this rank's units and their batches (`comm_plan`). Forward-only units (evaluation, under no_grad)
+    return the summed float64 loss; otherwise gradients accumulate into the parameters, each micro-batch's loss is
+    divided by the micro-batch count before backward, and the summed (unscaled) float32 loss is returned. The loss
+    is on the rank holding the last virtual stage, 0 elsewhere."""
+    g = step.groups
+    pp, vpp, rank = g.dims.pp, g.dims.vpp, g.pp_rank
+    n = len(micro_batches)
+    device = micro_batches[0][0].device if device is None else device  # not a parameter's: a stage may hold none
+    training = any(not o.forward for u in units for o in u)
+    total = torch.zeros((), dtype=torch.float32 if training else torch.float64, device=device)
+    last = pp * vpp - 1
+    inbox: dict[tuple[str, int, int], Tensor] = {}  # (kind, from stage, micro-batch) -> received tensor
+    outbox: dict[tuple[str, int, int], Tensor] = {}
+    saved: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+    for s in comm_plan(units, pp, vpp, rank):
+        for o in s.ops:
+            stage = o.chunk * pp + rank
+            if o.forward:
+                inp = None if stage == 0 else inbox.pop(("act", stage - 1, o.micro_batch))
+                if inp is not None and training:
+                    inp.requires_grad_()
+                out = step(inp, *micro_batches[o.micro_batch], chunk=o.chunk)
+                if stage == last:
+                    total = total + out.detach().to(total.dtype)
+                    out = out / n
+                else:
+                    outbox[("act", stage, o.micro_batch)] = out.detach()
+                if training:
+                    saved[(o.chunk, o.micro_batch)] = (inp, out)
+            else:
+                inp, out = saved.pop((o.chunk, o.micro_batch))
+                grad = None if stage == last else inbox.pop(("grad", stage + 1, o.micro_batch))
+                torch.autograd.backward(out, grad_tensors=grad)
+                if inp is not None:
+                    outbox[("grad", stage, o.micro_batch)] = inp.grad
+        if s.sends or s.recvs:
+            got = p2p.exchange([(outbox.pop((m.kind, m.stage, m.micro_batch)), g.pp_ranks[m.peer]) for m in s.sends],
+                               [(torch.empty(act_shape, dtype=act_dtype, device=device), g.pp_ranks[m.peer])
+                                for m in s.recvs], g.pp)
+            for m, t in zip(s.recvs, got):
+                inbox[(m.kind, m.stage, m.micro_batch)] = t
+    assert not inbox and not outbox and not saved, "pipeline schedule left messages or activations behind"
+    return total
 
 
 def forward_backward(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]], act_shape: tuple[int, ...],
                      act_dtype: torch.dtype) -> Tensor:
-    """Run forward and backward over `micro_batches` ((ids, labels) pairs, the same on every stage of a pipeline) in
-    the 1F1B order; gradients accumulate into the parameters. Returns the summed (unscaled) loss of the
+    """Forward and backward over `micro_batches` ((ids, labels[, extras]), the same on every stage of a pipeline)
+    in the 1F1B order; gradients accumulate into the parameters. Returns the summed (unscaled) loss of the
     micro-batches on the last stage, 0 elsewhere. Each micro-batch loss is divided by their count before backward."""
     g = step.groups
-    n = len(micro_batches)
-    pp, rank = g.dims.pp, g.pp_rank
-    first, last = g.first_stage, g.last_stage
-    device = micro_batches[0][0].device  # not a parameter's: a stage of an uneven split may hold none
-    total = torch.zeros((), dtype=torch.float32, device=device)
-
-    def recv_forward() -> Tensor | None:
-        if first:
-            return None
-        (t,) = _p2p([], [(act_shape, act_dtype, g.prev_rank)], device)
-        return t.requires_grad_()
-
-    def fwd(inp: Tensor | None, i: int) -> Tensor:
-        nonlocal total
-        out = step(inp, *micro_batches[i])
-        if last:
-            total = total + out.detach().float()
-            out = out / n
-        return out
-
-    def bwd(inp: Tensor | None, out: Tensor, grad: Tensor | None) -> Tensor | None:
-        torch.autograd.backward(out, grad_tensors=None if last else grad)
-        return None if inp is None else inp.grad
-
-    warmup = min(pp - rank - 1, n)
-    remaining = n - warmup
-    saved: list[tuple[Tensor | None, Tensor]] = []
-    for i in range(warmup):
-        inp = recv_forward()
-        out = fwd(inp, i)
-        _p2p([(out.detach(), g.next_rank)], [])
-        saved.append((inp, out))
-    inp = recv_forward() if remaining else None
-    for i in range(remaining):
-        out = fwd(inp, warmup + i)
-        if last:
-            grad = None
-        else:
-            (grad,) = _p2p([(out.detach(), g.next_rank)], [(act_shape, act_dtype, g.next_rank)], device)
-        saved.append((inp, out))
-        inp0, out0 = saved.pop(0)
-        grad_in = bwd(inp0, out0, grad)
-        if i == remaining - 1:
-            inp = None
-            if not first:
-                _p2p([(grad_in, g.prev_rank)], [])
-        elif first:
-            inp = None
-        else:
-            (inp,) = _p2p([(grad_in, g.prev_rank)], [(act_shape, act_dtype, g.prev_rank)], device)
-            inp.requires_grad_()
-    for _ in range(warmup):
-        inp0, out0 = saved.pop(0)
-        (grad,) = _p2p([], [(act_shape, act_dtype, g.next_rank)], device)
-        grad_in = bwd(inp0, out0, grad)
-        if not first:
-            _p2p([(grad_in, g.prev_rank)], [])
-    return total
+    return run(step, one_f_one_b(g.dims.pp, g.pp_rank, len(micro_batches)), micro_batches, act_shape, act_dtype)
 
 
 @torch.no_grad()
 def forward_only(step: StageStep, micro_batches: list[tuple[Tensor, Tensor]], act_shape: tuple[int, ...],
                  act_dtype: torch.dtype) -> Tensor:
     """Evaluation: forward through the pipeline, micro-batch by micro-batch; the summed loss on the last stage."""
-    g = step.groups
-    device = micro_batches[0][0].device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for mb in micro_batches:
-        inp = None if g.first_stage else _p2p([], [(act_shape, act_dtype, g.prev_rank)], device)[0]
-        out = step(inp, *mb)
-        if g.last_stage:
-            total += out.double()
-        else:
-            _p2p([(out, g.next_rank)], [])
-    return total
+    return run(step, forward_units(step.groups.dims.vpp, len(micro_batches)), micro_batches, act_shape, act_dtype)

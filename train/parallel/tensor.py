@@ -163,9 +163,7 @@ class _GatherLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group) -> Tensor:
         ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
+        return comm._all_gather(x, group, -1)
 
     @staticmethod
     def backward(ctx, g: Tensor):
