@@ -146,12 +146,19 @@ def grid_position(flat: int, shape: Sequence[int], chunk: Sequence[int]) -> tupl
 
 def _open_chunk(path: Path) -> int:
     """A chunk file's descriptor for reading; CorruptionError naming the file when it is gone or cannot be opened."""
+    import stat
+
     try:
-        return os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there never blocks the open
     except FileNotFoundError:
         raise CorruptionError(f"missing (its file {path} is gone); the checkpoint is damaged") from None
     except OSError as e:
         raise CorruptionError(f"cannot open {path} ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptionError(f"{path} is not a regular file (a FIFO or device?); the checkpoint is damaged")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def read_trailer(path: Path) -> int:
@@ -188,7 +195,7 @@ def record_chunk_crcs(manifest, iter_dir: Path) -> None:
         adir = Path(iter_dir) / tensor_path(name)
         try:
             md = json.loads((adir / "zarr.json").read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             md = {}
         if md.get("codecs") != CODECS:
             e.crc32c = None

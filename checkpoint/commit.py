@@ -28,6 +28,7 @@ from .manifest import MANIFEST, Manifest, iter_dirname, valid_iter_dirname
 
 LATEST = "latest"
 LOCK = ".shardkit.lock"
+_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's pointer (checkpoint.megatron.TRACKER)
 PARTIAL_SUFFIX = ".partial"
 DONE_LOG = "done.log"  # finished tasks of a partial iteration (one process, or rank 0); others: RANK_LOG
 RANK_LOG = "done.rank{}.log"
@@ -234,7 +235,7 @@ class IterationWriter:
             if self.partial.exists():
                 try:
                     same = json.loads(job_file.read_text()) == self.job
-                except (OSError, ValueError):
+                except (OSError, ValueError, RecursionError):
                     same = False
                 if same:
                     self.done = read_done(self.partial)
@@ -299,11 +300,21 @@ class IterationWriter:
             raise err
 
     def _check_root(self) -> None:
+        from .safety import check_target
+
         pointer = self.pointer[0]
         ours = {pointer, LOCK, self.partial.name, f".{pointer}.tmp", f".{self.name}.old"}
         if not (self.root / pointer).exists():  # our iteration, renamed into place by a run killed before `latest`
             ours.add(self.name)
         check_output_root(self.root, self.overwrite, ours)
+        # the names this write replaces are never followed: an iteration directory (or its .partial) that is a
+        # link elsewhere -- say into the source -- would have the commit write into, or remove, what it points to
+        for p, kind in ((self.final, "dir"), (self.partial, "dir"), (self.root / pointer, "file")):
+            check_target(p, "output", ours=True, kind=kind)
+        if pointer == LATEST and os.path.lexists(self.root / _TRACKER):
+            raise ShardkitError(f"{self.root}: holds a Megatron torch_dist checkpoint ({_TRACKER}), which every "
+                                "reader would still load instead of the native checkpoint written here; choose "
+                                "another output directory (--overwrite replaces a checkpoint of the same format)")
 
     # -- progress -----------------------------------------------------------------------------------------------
     def path(self, rel: str) -> Path:
@@ -395,7 +406,7 @@ class RankWriter:
             raise WriteError(f"{self.partial}: rank 0 prepared it, but rank {self.rank} does not see it (no "
                              f"{job_file.name}): the output directory must be on a filesystem every node shares") \
                 from None
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise WriteError(f"{job_file}: rank {self.rank} cannot read it ({getattr(e, 'strerror', None) or e})") \
                 from None
         if not same:
@@ -438,12 +449,12 @@ def resolve_iteration(path: str | Path) -> Path:
     (the first save died between its rename and `latest`), the newest complete iteration is taken; where it left
     `latest` naming an iteration that is still under its `.old` name (a crash inside `replace_dir`'s fallback), that
     one. A `latest` that names something else, or nothing, is an error: it is never guessed around."""
-    from .safety import read_pointer, safe_path
+    from .safety import read_pointer, regular_file, safe_path
 
     p = Path(path)
     if not p.exists():
         raise FormatError(f"{p}: no such checkpoint")
-    if (p / MANIFEST).is_file():
+    if regular_file(p / MANIFEST, missing_ok=True):  # a FIFO or device there: one line naming it
         return p
     latest = p / LATEST
     text = read_pointer(p, LATEST) if p.is_dir() else None  # a regular file of <= 4 KiB, or an error
@@ -452,7 +463,7 @@ def resolve_iteration(path: str | Path) -> Path:
         if not valid_iter_dirname(name):
             raise FormatError(f"{latest}: names {name[:80]!r}, not an iteration directory (iter_NNNNNNN)")
         it = safe_path(p, name, str(latest))
-        if not (it / MANIFEST).is_file():
+        if not regular_file(it / MANIFEST, missing_ok=True):
             old = p / f".{name}.old"
             if (old / MANIFEST).is_file() and not old.is_symlink():
                 return old

@@ -392,13 +392,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | Path) -> "ModelConfig":
+        from .safety import read_input, regular_file
+
         path = Path(hf_dir) / "config.json"
-        if not path.is_file():
+        if not regular_file(path, missing_ok=True):  # a FIFO or a device: one line naming it, never a hang
             raise ConfigError(f"{path}: missing config.json; is {hf_dir} a HuggingFace model directory?")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_input(path, limit=64 << 20))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: JSON nested too deeply") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         return cls.from_hf(data, source=str(path))

@@ -150,7 +150,7 @@ class Manifest:
     def from_json(cls, text: str, source: str = MANIFEST) -> "Manifest":
         try:
             d = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # (nested too deeply: issue 34)
             raise FormatError(f"{source}: not valid JSON ({e}); the checkpoint is damaged") from None
         if not isinstance(d, dict):
             raise FormatError(f"{source}: expected a JSON object")
@@ -187,10 +187,12 @@ class Manifest:
 
     @classmethod
     def load(cls, iter_dir: Path) -> "Manifest":
+        from .safety import read_input, regular_file
+
         path = Path(iter_dir) / MANIFEST
-        if not path.is_file():
+        if not regular_file(path, missing_ok=True):  # a FIFO or a device: one line naming it, never a hang
             raise FormatError(f"{path}: missing; {iter_dir} is not a complete checkpoint iteration")
-        return cls.from_json(path.read_text(), source=str(path))
+        return cls.from_json(read_input(path), source=str(path))
 
 
 def _optimizer_states(value) -> list[str] | None:

@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .errors import CorruptionError, FormatError, ShardkitError
 from .layout import Layout, RankCoord
 from .manifest import MANIFEST, TRAIN_STATE, Manifest, TensorEntry, tensor_path
-from .safety import safe_path
+from .safety import read_input, regular_file, safe_path
 from .sharding import (SCALE_SUFFIX, Rule, TensorSpec, local_shape, model_specs, optimizer_specs, regions,
                        split_optimizer_key)
 
@@ -118,7 +118,7 @@ class Checkpoint(ManifestView):
     def train_state_path(self) -> Path | None:
         """The trainer's train_state.json in this iteration, if any (shardkit carries it, never interprets it)."""
         p = self.path / TRAIN_STATE
-        return p if p.is_file() else None
+        return p if regular_file(p, missing_ok=True) else None
 
     def spec(self, name: str) -> TensorSpec:
         e = self.entry(name)
@@ -277,8 +277,8 @@ class Checkpoint(ManifestView):
         ts_path = self.train_state_path()
         if ts_path is not None:
             try:
-                json.loads(ts_path.read_text())
-            except (ValueError, UnicodeDecodeError) as err:
+                json.loads(read_input(ts_path))
+            except (ValueError, UnicodeDecodeError, RecursionError) as err:
                 raise CorruptionError(f"{ts_path}: not valid JSON ({err})") from None
         chunks = 0
         for name, e in self.tensors.items():
@@ -290,7 +290,7 @@ class Checkpoint(ManifestView):
             base = self.path / tensor_path(name) / "c"
             for flat, idx in enumerate(_chunk_boxes(e.shape, e.chunk)):
                 key = [str(s.start // c) for s, c in zip(idx, e.chunk)]
-                if not base.joinpath(*key).is_file():
+                if not regular_file(base.joinpath(*key), f"tensor {name}", missing_ok=True):
                     raise CorruptionError(f"tensor {name} chunk {_chunk_label(idx, e.chunk)}: missing (its file "
                                           f"{base.joinpath(*key)} is gone); the checkpoint is damaged")
                 if e.crc32c:  # 4 bytes per chunk: the file in this position is the one the manifest recorded
@@ -350,7 +350,8 @@ class Checkpoint(ManifestView):
         return out
 
     def hf_dir(self) -> Path:
-        return self.path / "hf"
+        """`hf/` (tokenizer and generation files), checked to stay inside the iteration (a link out is refused)."""
+        return safe_path(self.path, "hf", f"{self.path}: hf")
 
     # -- verify -------------------------------------------------------------------------------------------------
     def verify(self, progress: Callable[[int], None] | None = None) -> dict:

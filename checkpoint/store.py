@@ -6,6 +6,7 @@ torch tensor or dtype is asked for: a same-dtype conversion moves numpy views en
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -92,15 +93,37 @@ def from_numpy(a: np.ndarray) -> "torch.Tensor":
         return torch.from_numpy(a.view(view)).view(torch_dtype(name))
 
 
-def cast(a: "torch.Tensor | np.ndarray", dtype: str) -> "torch.Tensor | np.ndarray":
+def cast(a: "torch.Tensor | np.ndarray", dtype: str, tensor: str | None = None) -> "torch.Tensor | np.ndarray":
     """`a` in `dtype`: as it is when it already is (no copy, no torch import); otherwise through torch's `.to`, so
-    every cast rounds exactly as torch does (the same bytes whichever type came in)."""
+    every cast rounds exactly as torch does (the same bytes whichever type came in). A cast that would turn finite
+    values into inf/NaN (beyond float16's 65504, float8's range, bfloat16's top) is refused: FormatError naming
+    `tensor`, the count and the largest magnitude (issue 34; a bit test on the exponents, a few ms per 100 MB)."""
     name = dtype_name(dtype)
     if isinstance(a, np.ndarray):
         if a.dtype == NP_DTYPES[name][0]:
             return a
         a = from_numpy(a)
-    return a.to(torch_dtype(name))
+    out = a.to(torch_dtype(name))
+    if name in _NARROW and a.is_floating_point() and a.dtype != out.dtype:
+        from .reader import count_nonfinite
+
+        made = count_nonfinite(to_numpy(out.detach().cpu()))
+        if made:
+            had = count_nonfinite(to_numpy(a.detach().cpu()))
+            if made > had:
+                import torch
+
+                finite = a.detach()[torch.isfinite(a.detach())]
+                top = float(finite.abs().max()) if finite.numel() else float("nan")
+                raise FormatError(f"tensor {tensor or '(unnamed)'}: {made - had:,} finite value(s) (|x| up to "
+                                  f"{top:.6g}) lie beyond {name}'s range (max {float(torch.finfo(out.dtype).max):.6g})"
+                                  f" and would become inf/NaN; refusing the cast to {name} (keep a wider --dtype, "
+                                  "e.g. bf16)")
+    return out
+
+
+# casts that can overflow: a finite source value beyond the target's largest becomes inf (or NaN for float8_e4m3fn)
+_NARROW = {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
 
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
@@ -111,7 +134,9 @@ def array_spec(path: str | Path, shape: Sequence[int] | None = None, dtype: str 
                chunk: Sequence[int] | None = None) -> dict:
     spec: dict = {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(path)},
+        # resolved: tensorstore's file driver refuses a path with a `..` component ("Invalid file path"), and the
+        # OS, not a lexical rule, decides what `link/..` is
+        "kvstore": {"driver": "file", "path": os.path.realpath(path)},
         # a chunk that is absent must be an error, not a silent tensor of zeros
         "fill_missing_data_reads": False,
     }
@@ -145,6 +170,11 @@ def create(path: str | Path, shape: Sequence[int], dtype: str, chunk: Sequence[i
 
 
 def open_existing(path: str | Path, ctx: ts.Context | None = None, name: str | None = None) -> ts.TensorStore:
+    from .safety import regular_file
+
+    # tensorstore would block forever reading a FIFO there: refused first, naming it
+    if os.path.lexists(Path(path) / "zarr.json"):
+        regular_file(Path(path) / "zarr.json", f"tensor {name or path}")
     try:
         return ts.open(array_spec(path), open=True, context=ctx or context()).result()
     except ValueError as e:

@@ -66,7 +66,7 @@ from .layout import Layout
 from .megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, RELEASE, TRACKER, MegatronEnum, TorchDtype, arg, check_args,
                        config_from_megatron_args, hf_model_type_of, iter_dirname, iteration_of, layout_from_args,
                        missing_model_args, with_args_vocab)
-from .safety import read_pointer, safe_path
+from .safety import open_input, read_input, read_pointer, regular_file, safe_path
 
 if TYPE_CHECKING:
     import torch
@@ -165,11 +165,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def load_dcp_metadata(path: Path) -> Any:
     """Parse a DCP `.metadata` file without running anything but DCP's own data classes."""
+    if os.path.lexists(path):
+        regular_file(path, ".metadata")  # a FIFO or a device there: one line, never a read that blocks
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_input(path), "rb") as f:
             md = _MetadataUnpickler(f, str(path)).load()
     except FormatError:
-        raise
+        if os.path.lexists(path):
+            raise
+        raise FormatError(f"{path}: missing; {path.parent} is not a complete torch_dist checkpoint (DCP writes "
+                          ".metadata last)") from None
     except FileNotFoundError:
         raise FormatError(f"{path}: missing; {path.parent} is not a complete torch_dist checkpoint (DCP writes "
                           ".metadata last)") from None
@@ -317,7 +322,7 @@ def _load_metadata_light(path: Path) -> "_Light.Metadata | None":
     """DCP's `.metadata` read into plain stand-ins (no torch.distributed import), or None where that does not work
     (a missing, damaged or unusual file: load_dcp_metadata then reads it, or says why not)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_input(path), "rb") as f:  # never blocks: a FIFO is refused
             md = _LightUnpickler(f).load()
     except Exception:  # noqa: BLE001 - the full reader decides and names the problem
         return None
@@ -454,14 +459,38 @@ def _load_common_light(path: Path) -> Any:
         raise _TorchDecides(f"{type(e).__name__}: {e}") from None
 
 
+COMMON_MAX = 256 << 20  # bytes: common.pt's records, uncompressed (Megatron's hold args and small states: KBs to MBs)
+
+
+def _check_common_size(path: Path) -> None:
+    """Bound what reading common.pt can cost before anything is read (issue 34: a 3 MB deflate-compressed record
+    inflated to 6.3 GB): the file itself, and its zip records' declared uncompressed sizes (both readers, zipfile's
+    and torch's, stop at the declared size or fail)."""
+    size = path.stat().st_size
+    if size > COMMON_MAX:
+        raise FormatError(f"{path}: {size:,} bytes, more than a common.pt's {COMMON_MAX:,}; refusing to read it")
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return  # not a zip archive (a legacy torch.save, damage): the readers below say what it is
+    total = sum(max(0, i.file_size) for i in infos)
+    if total > COMMON_MAX:
+        big = max(infos, key=lambda i: i.file_size)
+        raise FormatError(f"{path}: its records would inflate to {total:,} bytes (record {big.filename}: "
+                          f"{big.file_size:,} from {big.compress_size:,}), more than a common.pt's {COMMON_MAX:,}; "
+                          "refusing to read it")
+
+
 def load_common(path: Path) -> tuple[dict | None, str | None]:
     """common.pt as (dict, None), or (None, note) when it cannot be loaded as plain data but references only benign
     Megatron data classes. Raises FormatError naming the file when it references anything that could run code.
     Plain data is read without torch (_load_common_light); torch.load(weights_only=True) reads the rest."""
     from .safe_load import load_torch
 
-    if not path.is_file():
+    if not regular_file(path, missing_ok=True):  # a FIFO or device: one line naming it
         return None, f"{path.name} is missing"
+    _check_common_size(path)
     try:
         obj = _load_common_light(path)
     except _MegatronClass as m:  # what torch's reader would refuse the same way (the note below), without torch
@@ -673,11 +702,11 @@ class TorchDistCheckpoint:
 
     def _check_backend(self) -> None:
         p = self.path / METADATA_JSON
-        if not p.is_file():
+        if not regular_file(p, missing_ok=True):
             raise FormatError(f"{p}: missing; {self.path} is not a Megatron torch_dist checkpoint")
         try:
-            d = json.loads(p.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
+            d = json.loads(read_input(p, limit=1 << 20))
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise FormatError(f"{p}: not valid JSON ({e})") from None
         if not isinstance(d, dict) or d.get("sharded_backend") != "torch_dist":
             got = d.get("sharded_backend") if isinstance(d, dict) else d
@@ -738,7 +767,7 @@ class TorchDistCheckpoint:
                                   "only plain torch.save items are supported")
             if rel not in sizes:
                 p = safe_path(self.path, rel, f"{src}: item {idx.fqn}")
-                if not p.is_file():
+                if not regular_file(p, f"item {idx.fqn}", missing_ok=True):
                     raise FormatError(f"{p}: missing (item {idx.fqn} is stored there); the checkpoint is incomplete")
                 sizes[rel] = p.stat().st_size
             off, length = int(info.offset), int(info.length)
@@ -1121,7 +1150,7 @@ def resolve_torch_dist(path: str | Path) -> Path:
             name = iter_dirname(int(text))
         else:
             raise FormatError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'")
-        it = p / name
+        it = safe_path(p, name, str(tracker))  # a link out of the root is refused, as the native reader does
         if not it.is_dir():
             raise FormatError(f"{tracker}: points to {name}, which is missing")
         return it
@@ -1652,8 +1681,8 @@ def load_sidecar(iter_dir: Path) -> dict | None:
     if size > SIDECAR_MAX:
         raise FormatError(f"{p}: {size:,} bytes, more than a {SIDECAR}'s {SIDECAR_MAX:,}; refusing it")
     try:
-        d = json.loads(p.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
+        d = json.loads(read_input(p, limit=SIDECAR_MAX, text=False))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise FormatError(f"{p}: not valid JSON ({e}); the checkpoint is damaged") from None
     if not isinstance(d, dict) or d.get("format") != SIDECAR_FORMAT or d.get("format_version") != SIDECAR_VERSION:
         got = (d.get("format"), d.get("format_version")) if isinstance(d, dict) else type(d).__name__

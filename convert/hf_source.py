@@ -11,7 +11,6 @@ import json
 import mmap
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +19,14 @@ import numpy as np
 
 from checkpoint import store
 from checkpoint.errors import FormatError
-from checkpoint.safety import link_root, safe_path
+from checkpoint.safety import (SIDE_FILE_PATTERNS, copy_side_files, open_input, read_input, regular_file, safe_path,
+                               side_files)
 from checkpoint.sharding import SCALE_SUFFIX  # DeepSeek-V3: `<weight>_scale_inv`, one fp32 scale per block
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # tokenizer / generation files carried under <iter>/hf/ and exported back
-ASSET_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt",
-                  "merges.txt", "generation_config.json", "chat_template*", "*.tiktoken", "preprocessor_config.json")
+ASSET_PATTERNS = SIDE_FILE_PATTERNS  # the tokenizer / generation files carried (checkpoint.safety: one allowlist)
 _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
               "F8_E5M2": "float8_e5m2"}
 _MAX_HEADER = 100 * 1024 * 1024
@@ -44,7 +43,7 @@ class HFTensorInfo:
 def read_header(path: Path) -> tuple[dict, bytes]:
     """The safetensors JSON header of `path` (validated) and its raw bytes (for provenance hashing)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_input(path), "rb") as f:  # a FIFO or device: refused, never a blocking read
             head = f.read(8)
             if len(head) != 8:
                 raise FormatError(f"{path}: corrupt safetensors file (shorter than its 8-byte header length)")
@@ -58,7 +57,7 @@ def read_header(path: Path) -> tuple[dict, bytes]:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise FormatError(f"{path}: corrupt safetensors header ({e})") from None
     return header, raw
 
@@ -146,29 +145,7 @@ class HFSource:
         self.fp8_block: tuple[int, int] | None = None
 
     def _discover(self) -> tuple[list[str], dict[str, str] | None]:
-        index = self.dir / INDEX
-        if index.is_file():
-            try:
-                wm = json.loads(index.read_text())["weight_map"]
-                if not isinstance(wm, dict):
-                    raise ValueError("weight_map is not an object")
-            except (ValueError, KeyError, TypeError) as e:
-                raise FormatError(f"{index}: malformed index ({e})") from None
-            files = sorted(set(wm.values()))
-            for f in files:
-                if not isinstance(f, str) or "/" in f:
-                    raise FormatError(f"{index}: shard name {f!r} is not a plain file name")
-                safe_path(self.dir, f, f"{index}: shard")
-                if not (self.dir / f).is_file():
-                    raise FormatError(f"{index}: names shard {f!r}, which is missing from {self.dir}")
-            return files, wm
-        if (self.dir / SINGLE).is_file():
-            safe_path(self.dir, SINGLE, f"{self.dir}: weights")  # a link out of the model folder is refused
-            return [SINGLE], None
-        if any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pth")):
-            raise FormatError(f"{self.dir}: only pickle weights (*.bin/*.pth) found; shardkit reads safetensors "
-                              "only (re-save with save_pretrained(safe_serialization=True))")
-        raise FormatError(f"{self.dir}: no {SINGLE} and no {INDEX}")
+        return weight_files(self.dir)
 
     def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> np.ndarray:
         """Rows [start, stop) (and columns `cols`) of tensor `name`; block-FP8 weights come back dequantized (fp32)."""
@@ -313,16 +290,49 @@ def content_fingerprint(path: Path) -> dict:
             "sampled_sha256": h.hexdigest()}
 
 
+def weight_files(hf_dir: str | Path) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of an HF directory and its index's weight_map (None for a single file): the one reader
+    of that choice (conversion, both verify modes). Every file is checked (a plain name inside the directory, a
+    regular file: a FIFO or device is one line, never a hang). A directory holding both `model.safetensors` and an
+    index naming other shards is refused: transformers loads `model.safetensors` then, and converting the index's
+    shards would silently be another model than the one transformers loads."""
+    d = Path(hf_dir)
+    index, single = d / INDEX, d / SINGLE
+    if regular_file(index, missing_ok=True):
+        safe_path(d, INDEX, f"{d}: index")
+        try:
+            wm = json.loads(read_input(index))["weight_map"]
+            if not isinstance(wm, dict):
+                raise ValueError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as e:
+            raise FormatError(f"{index}: malformed index ({e})") from None
+        except RecursionError:
+            raise FormatError(f"{index}: malformed index (JSON nested too deeply)") from None
+        files = sorted(set(wm.values()), key=str)
+        for f in files:
+            if not isinstance(f, str) or "/" in f:
+                raise FormatError(f"{index}: shard name {f!r} is not a plain file name")
+            safe_path(d, f, f"{index}: shard")
+            if not regular_file(d / f, f"{index}: shard", missing_ok=True):
+                raise FormatError(f"{index}: names shard {f!r}, which is missing from {d}")
+        if files != [SINGLE] and (os.path.lexists(single)):
+            raise FormatError(f"{d}: holds both {SINGLE} and {INDEX} naming {len(files)} other shard(s); "
+                              f"transformers would load {SINGLE} and ignore the index, so the two may be different "
+                              "weights: remove the one that is not the model")
+        return files, wm
+    if regular_file(single, missing_ok=True):
+        safe_path(d, SINGLE, f"{d}: weights")  # a link out of the model folder is refused
+        return [SINGLE], None
+    if any(d.glob("*.bin")) or any(d.glob("*.pth")):
+        raise FormatError(f"{d}: only pickle weights (*.bin/*.pth) found; shardkit reads safetensors "
+                          "only (re-save with save_pretrained(safe_serialization=True))")
+    raise FormatError(f"{d}: no {SINGLE} and no {INDEX}")
+
+
 def find_assets(hf_dir: str | Path) -> list[Path]:
     """Tokenizer / generation files of an HF directory: regular files, or symlinks to regular files that stay inside
     it (in an HF hub cache snapshot: inside its `models--org--name` folder, whose blobs the snapshot links to)."""
-    found: dict[str, Path] = {}
-    root = link_root(hf_dir)
-    for pat in ASSET_PATTERNS:
-        for p in Path(hf_dir).glob(pat):
-            if p.is_file() and (not p.is_symlink() or os.path.commonpath([root, os.path.realpath(p)]) == root):
-                found[p.name] = p
-    return [found[k] for k in sorted(found)]
+    return side_files(hf_dir)
 
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -359,6 +369,4 @@ def resolve_hf_dir(value: str | Path, download: bool = False) -> Path:
 
 def copy_assets(hf_dir: str | Path, dest: Path) -> None:
     """Carry the tokenizer / generation files under a checkpoint's `hf/`."""
-    dest.mkdir(exist_ok=True)
-    for asset in find_assets(hf_dir):
-        shutil.copyfile(asset, dest / asset.name)
+    copy_side_files(hf_dir, dest, exclude=("config.json",))

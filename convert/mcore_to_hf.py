@@ -23,11 +23,13 @@ from checkpoint.errors import ShardkitError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
+from checkpoint.safety import copy_side_files
 
 from . import families
 from checkpoint.sharding import SCALE_SUFFIX
 
 from .hf_source import INDEX, SINGLE
+from .writer import refuse_nonfinite
 from .mapping import Segment, TensorMap, hf_sources
 
 _ST_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
@@ -162,7 +164,6 @@ def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for p in plans:
-            td = store.torch_dtype(p.dtype)
             row_bytes = max(1, p.nbytes // max(1, p.shape[0]))
             step = max(1, BLOCK_BYTES // row_bytes)
             align = (p.fp8_block or p.dequant_block or (1,))[0]
@@ -183,7 +184,8 @@ def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -
                         t, sc = quantize_blocks(t, p.fp8_block)
                         scales.append(sc)
                     else:
-                        t = t.to(td)
+                        t = store.cast(t, p.dtype, p.name)  # (refuses finite values beyond the dtype's range)
+                    refuse_nonfinite(f"{p.name} (from {tm.canonical})", ((a, b),), t)  # issue 34
                     f.write(store.to_numpy(t.contiguous()).tobytes())
                     bar.advance(t.numel() * t.element_size())
             if p.fp8_block:
@@ -209,7 +211,7 @@ def owned_names(out: Path) -> set[str]:
         if idx.is_file() and not idx.is_symlink() and idx.stat().st_size <= _INDEX_MAX:
             wm = json.loads(idx.read_text()).get("weight_map", {})
             names |= {v for v in wm.values() if isinstance(v, str) and _SHARD_RE.match(v)}
-    except (OSError, ValueError, AttributeError):  # an unreadable old index: its shards are left alone
+    except (OSError, ValueError, AttributeError, RecursionError):  # an unreadable old index: its shards stay
         pass
     return names
 
@@ -283,9 +285,9 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
             quantized = quantize_fp8 or (bool(ckpt.manifest.fp8) and dtype is None)
             cfg_out = ckpt.config.to_hf(dtype=dtype or _dominant_dtype(plans), quantized=quantized)
             (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
-            for asset in sorted(ckpt.hf_dir().glob("*")) if ckpt.hf_dir().is_dir() else []:
-                if asset.is_file() and not asset.is_symlink():
-                    shutil.copyfile(asset, tmp / asset.name)
+            # the checkpoint's hf/ is untrusted input: only known tokenizer / generation names, never over the
+            # export's own files (config.json, the weights, the index)
+            copy_side_files(ckpt.hf_dir(), tmp, exclude={p.name for p in tmp.iterdir()})
             if into:
                 _move_in(tmp, out)
             else:

@@ -192,8 +192,10 @@ def source_chunk(ck: Checkpoint, task: Task) -> tuple:
 def _commit(w: IterationWriter, ck: Checkpoint, layout: Layout, entries: dict[str, TensorEntry],
             started: float) -> Path:
     """The carried files, the manifest and the commit, by the one process that commits."""
-    if ck.hf_dir().is_dir():
-        shutil.copytree(ck.hf_dir(), w.path("hf"), dirs_exist_ok=True)
+    if ck.hf_dir().is_dir():  # the side files only (checkpoint.safety): never links, FIFOs or unknown names
+        from checkpoint.safety import copy_side_files
+
+        copy_side_files(ck.hf_dir(), w.path("hf"))
     if ck.train_state_path() is not None:  # carried verbatim; committed (fsynced, renamed) with the rest
         shutil.copyfile(ck.train_state_path(), w.path(TRAIN_STATE))
     m = ck.manifest

@@ -48,6 +48,7 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.reader import Checkpoint
+from checkpoint.safety import read_input
 from checkpoint.sharding import SCALE_SUFFIX, Rule, TensorSpec, regions, split_optimizer_key
 from train.model import MLP, GPTModel, RotaryEmbedding, canonical_name
 
@@ -69,14 +70,13 @@ class HFWeights:
     def __init__(self, hf_dir: Path, fp8_block: tuple[int, int] = (128, 128),
                  dtype: torch.dtype = torch.bfloat16) -> None:
         self.fp8_block, self.dtype = fp8_block, dtype
-        index = hf_dir / "model.safetensors.index.json"
-        if index.is_file():
-            files = json.loads(index.read_text())["weight_map"]
-            self.file_of = {k: hf_dir / f for k, f in files.items()}
+        from .hf_source import weight_files
+
+        files, wm = weight_files(hf_dir)  # the conversion's own choice and checks (links, FIFOs, both kinds)
+        if wm is not None:
+            self.file_of = {k: hf_dir / f for k, f in wm.items()}
         else:
-            single = hf_dir / "model.safetensors"
-            if not single.is_file():
-                raise ShardkitError(f"--against {hf_dir}: no model.safetensors or model.safetensors.index.json")
+            single = hf_dir / files[0]
             with safe_open(str(single), "pt") as f:
                 self.file_of = {k: single for k in f.keys()}
         self._open: dict[Path, Any] = {}
@@ -170,14 +170,14 @@ class HFWeights:
 def _fp8_settings(hf_dir: Path) -> tuple[tuple[int, int], torch.dtype]:
     """(block, dtype) of a block-FP8 source's dequantization: its quantization_config's weight_block_size and the
     dtype config.json names (DeepSeek-V3: 128x128, bfloat16)."""
-    raw = json.loads((hf_dir / "config.json").read_text())
+    raw = json.loads(read_input(hf_dir / "config.json"))  # a FIFO there: one line naming it, never a hang
     block = tuple((raw.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
     name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
     return block, getattr(torch, name, torch.bfloat16) if isinstance(name, str) else torch.bfloat16
 
 
 def _is_fp8_source(hf_dir: Path) -> bool:
-    raw = json.loads((hf_dir / "config.json").read_text())
+    raw = json.loads(read_input(hf_dir / "config.json"))  # a FIFO there: one line naming it, never a hang
     return bool(raw.get("quantization_config"))
 
 

@@ -57,7 +57,7 @@ from checkpoint.megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, MEGATRON_OPTIM
                                  stored_key)
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint, ReadPlan, count_nonfinite, entry_nbytes, read_padded, vocab_padding
-from checkpoint.safety import check_output
+from checkpoint.safety import check_output, check_target, is_side_file_name, side_files
 from checkpoint.sharding import TensorSpec, split_optimizer_key
 from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, RankFile, TorchDistCheckpoint, close_all,
                                    none_object_bytes, read_torch_dist, write_common, write_sidecar)
@@ -67,7 +67,7 @@ from checkpoint.torch_dist_view import (TorchDistSource, import_optimizer_states
 from . import distributed
 from .hf_to_mcore import VERSION
 from .reshard import plan_reshard
-from .writer import ChunkSink, Task, Workers, chunk_tasks, run_in_process, write_chunks
+from .writer import ChunkSink, Task, Workers, chunk_tasks, refuse_nonfinite, run_in_process, write_chunks
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +91,8 @@ def _write_rank(args: tuple, advance: Callable[[int], None] | None = None) -> tu
     with contextlib.ExitStack() as stack:
         out = [stack.enter_context(w.rank_file(rank, part)) for (rank, part), _, _ in files]
         for ((name, box), i), value in zip(order, _prefetched(ck, merged, pads, w.in_flight.wait_room)):
-            value = store.cast(value, dtypes[name])
+            value = store.cast(value, dtypes[name], name)
+            refuse_nonfinite(name, box, value)  # (issue 34: a checkpoint holding NaN/Inf is not exported)
             n = out[i].add_tensor(stored_key(name, key_naming), tuple(a for a, _ in box), value)
             del value  # the writer thread holds it until written: not this frame while the next one is read
             nbytes += n
@@ -272,8 +273,7 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
             w_meta = DCPWriter(w.partial)
             _declare(w_meta, declared)
             w_meta.storage_data.update(storage)
-            assets = [a for a in sorted(ck.hf_dir().glob("*")) if a.is_file() and not a.is_symlink()] \
-                if ck.hf_dir().is_dir() else []
+            assets = side_files(ck.hf_dir())  # known tokenizer / generation names only, never links
             _finish(w, w_meta, common, cfg, layout, entries, key_naming, iteration, optim, provenance, assets)
             path = w.commit(None)
     return distributed.finish(group, path, out_root)
@@ -307,7 +307,7 @@ def _recorded_files(lines) -> dict[str, dict]:
         try:
             out[name] = {(key, None if off is None else tuple(off)): (name, int(start), int(length))
                          for key, off, start, length in json.loads(body)}
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             continue
     return out
 
@@ -418,7 +418,8 @@ class _DCPSink:
 
     def write(self, task: Task, value) -> tuple[str, int]:
         i, key = self.owner[(task.name, task.box)]
-        n = self.files[i].add_tensor(key, tuple(a for a, _ in task.box), store.cast(value, self.dtypes[task.name]))
+        n = self.files[i].add_tensor(key, tuple(a for a, _ in task.box),
+                                     store.cast(value, self.dtypes[task.name], task.name))
         self.advance(n)
         return task.id, n
 
@@ -521,8 +522,9 @@ def _write_description(directory: Path, cfg: ModelConfig, layout: Layout, entrie
                   optimizer=optimizer, provenance=provenance)
     hf = directory / HF_SUBDIR
     hf.mkdir(exist_ok=True)
-    for asset in assets:
-        if asset.name != "config.json":
+    for asset in assets:  # from side_files / find_assets: allowlisted names, regular files
+        if asset.name != "config.json" and is_side_file_name(asset.name):
+            check_target(hf / asset.name, "side file", ours=True)
             shutil.copyfile(asset, hf / asset.name)
     (hf / "config.json").write_text(json.dumps(cfg.to_hf(dtype=dtype), indent=2) + "\n")
 
@@ -542,7 +544,7 @@ def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str | None
         common[TRAIN_STATE_KEY] = train_state
         try:
             state = json.loads(train_state)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise FormatError(f"{train_state_path or 'train_state.json'}: not valid JSON; the checkpoint is "
                               "damaged") from None
     if optimizer:

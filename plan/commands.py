@@ -53,6 +53,9 @@ def add_parsers(sub) -> None:
     la.add_argument("--slurm", action="store_true", help="print / submit-ready sbatch script (default: torchrun)")
     la.add_argument("--dry-run", action="store_true", help="print the scripts instead of writing them")
     la.add_argument("--out", default="launch", help="directory for torchrun.sh and job.sbatch (default ./launch)")
+    la.add_argument("--overwrite", action="store_true",
+                    help="replace a torchrun.sh / job.sbatch in --out that launch did not write (or that was edited "
+                         "since); a symlink there is always refused")
     la.add_argument("--master-addr", default="127.0.0.1", help="rank-0 host for torchrun (SLURM sets its own)")
     la.add_argument("--master-port", type=int, default=29500)
     la.add_argument("--job-name", default="shardkit-pretrain")
@@ -178,7 +181,7 @@ def _launch(args: argparse.Namespace) -> int:
             print(f"# ---- {out / name} ----")
             print(scripts[name], end="" if scripts[name].endswith("\n") else "\n")
         return 0
-    paths = write_scripts(spec, args.out)
+    paths = write_scripts(spec, args.out, overwrite=args.overwrite)
     if args.slurm:
         print(f"wrote {paths['job.sbatch']} and {paths['torchrun.sh']}; submit with: sbatch {paths['job.sbatch']}")
     else:

@@ -6,14 +6,19 @@ what is left of the world size (the trainer derives it), so it is checked here, 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import re
 import shlex
+import stat
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoint.errors import WriteError
 from checkpoint.run_layout import RunLayout
+from checkpoint.safety import check_target, read_input
 
 from .units import PlanError
 
@@ -103,8 +108,32 @@ def parse_signal(value: str | None) -> tuple[str, int] | None:
     return name, secs
 
 
+# a host for torchrun's --master-addr: a DNS name, an IPv4 or an IPv6 address (nothing a shell would expand)
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]{2,45}\]?")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_text(value: str, flag: str) -> None:
+    """A value rendered into a script line: a newline or another control character would start a new shell or
+    #SBATCH line there (an injected command), so it is refused, naming the flag."""
+    m = _CONTROL.search(str(value))
+    if m:
+        raise PlanError(f"{flag} {value!r}: holds a control character ({m.group()!r}); a launch script line cannot "
+                        "carry it")
+
+
 def check(spec: LaunchSpec) -> None:
-    """The layout must use exactly the GPUs asked for, TP inside a node, and not be contradicted after `--`."""
+    """The layout must use exactly the GPUs asked for, TP inside a node, and not be contradicted after `--`; every
+    value rendered into the scripts is one line, and the rank-0 address and port are what torchrun takes."""
+    if not _HOST.fullmatch(spec.master_addr):
+        raise PlanError(f"--master-addr {spec.master_addr!r}: not a host name or IP address (letters, digits, '.', "
+                        "'-', ':' only)")
+    if not 1 <= spec.master_port <= 65535:
+        raise PlanError(f"--master-port {spec.master_port}: a TCP port is 1 to 65535")
+    for flag, v in (("--out", spec.log_dir.removesuffix("/logs")), ("--time", spec.time), ("--job-name", spec.job_name),
+                    ("--signal", spec.signal or ""), *(("--sbatch", x) for x in spec.sbatch_extra),
+                    *(("--env", e) for e in spec.env), *(("after `--`", a) for a in spec.args)):
+        check_text(v, flag)
     lay, world = spec.layout, spec.nodes * spec.gpus_per_node
     if spec.nodes < 1 or spec.gpus_per_node < 1:
         raise PlanError(f"--nodes {spec.nodes} and --gpus-per-node {spec.gpus_per_node} must be positive")
@@ -235,11 +264,18 @@ def _given(args: list[str], flag: str) -> tuple[int, str] | None:
     return found
 
 
+# fields rendered as whole blocks of lines (each line built from checked, quoted pieces)
+_BLOCKS = {"ENV", "RESUME", "ARGS", "SBATCH_EXTRA"}
+
+
 def render(template: str, fields: dict[str, str], name: str) -> str:
-    """Replace every {{FIELD}}; a field the template names but we do not fill is an error, not a blank."""
+    """Replace every {{FIELD}}; a field the template names but we do not fill is an error, not a blank. A one-line
+    field holding a newline (or another control character) is refused: it would start a line of its own."""
     def sub(m: re.Match) -> str:
         if m.group(1) not in fields:
             raise PlanError(f"{name}: unknown template field {{{{{m.group(1)}}}}}")
+        if m.group(1) not in _BLOCKS:
+            check_text(fields[m.group(1)], f"{name}: {{{{{m.group(1)}}}}}")
         return fields[m.group(1)]
     return re.sub(r"\{\{([A-Z_]+)\}\}", sub, template)
 
@@ -263,7 +299,8 @@ def render_scripts(spec: LaunchSpec, torchrun_path: str = "torchrun.sh",
         load, save = _resume_paths(spec)
         resume = ("# --requeue: a requeued (or resubmitted) job resumes from the newest complete checkpoint in --save\n"
                   f"SHARDKIT_LOAD={shlex.quote(load)}\n"
-                  f"if [[ -e {shlex.quote(save)}/latest ]]; then SHARDKIT_LOAD={shlex.quote(save)}; fi\n")
+                  f"if [[ -e {shlex.quote(save)}/latest || -e {shlex.quote(save)}/latest_checkpointed_iteration.txt ]]; "
+                  f"then SHARDKIT_LOAD={shlex.quote(save)}; fi\n")  # native, or torch_dist (Megatron's tracker)
         at = _given(args, "--load")
         if at is None or "=" in args[at[0]]:
             args += ["--load", '"$SHARDKIT_LOAD"']  # the last --load wins
@@ -280,7 +317,7 @@ def render_scripts(spec: LaunchSpec, torchrun_path: str = "torchrun.sh",
     common = {"LAYOUT": spec.layout.label(), "WORLD": str(spec.layout.world), "NODES": str(spec.nodes),
               "GPUS_PER_NODE": str(spec.gpus_per_node), "MASTER_PORT": str(spec.master_port)}
     torchrun = render(_read_template(TORCHRUN_TEMPLATE, template_dir), {
-        **common, "MASTER_ADDR": spec.master_addr, "PYTHON": shlex.quote(spec.python),
+        **common, "MASTER_ADDR": shlex.quote(spec.master_addr), "PYTHON": shlex.quote(spec.python),
         "ENV": "".join(f"export {e.split('=', 1)[0]}={shlex.quote(e.split('=', 1)[1])}\n" for e in spec.env),
         "RESUME": resume, "ARGS": " \\\n".join(lines)}, TORCHRUN_TEMPLATE)
     sig = parse_signal(spec.signal)
@@ -311,17 +348,57 @@ def _resume_paths(spec: LaunchSpec) -> tuple[str, str]:
     return c.load, c.save
 
 
-def write_scripts(spec: LaunchSpec, out_dir: str | Path) -> dict[str, Path]:
+STAMP = "# written by shardkit launch; sha256 of the lines above: "
+
+
+def stamped(text: str) -> str:
+    """The script as written: its text, then a last line with the sha256 of that text, by which a later launch knows
+    the file is its own and unedited (so it may replace it without --overwrite)."""
+    text = text if text.endswith("\n") else text + "\n"
+    return f"{text}{STAMP}{hashlib.sha256(text.encode()).hexdigest()}\n"
+
+
+def _ours(path: Path) -> bool:
+    """Is the regular file `path` a script shardkit launch wrote and nobody edited since?"""
+    try:
+        data = read_input(path, limit=4 << 20)
+    except Exception:  # noqa: BLE001 - unreadable or not text: not ours
+        return False
+    body, sep, last = data.rstrip("\n").rpartition("\n")
+    return bool(sep) and last.startswith(STAMP) and \
+        last[len(STAMP):] == hashlib.sha256((body + "\n").encode()).hexdigest()
+
+
+def write_scripts(spec: LaunchSpec, out_dir: str | Path, overwrite: bool = False) -> dict[str, Path]:
+    """Write torchrun.sh and job.sbatch into `out_dir`. Each name is checked first (checkpoint.safety.check_target):
+    a symlink or non-regular file there is refused (never written through), and a file launch did not write (or
+    one edited since: see `stamped`) is replaced only with `overwrite`. Each script is written to a temporary file
+    beside it and renamed over the name, so a failure leaves the old script or the new one."""
     out = Path(out_dir).resolve()
     scripts = render_scripts(spec, torchrun_path=str(out / "torchrun.sh"))
+    for name in scripts:
+        p = out / name
+        try:
+            regular = stat.S_ISREG(os.lstat(p).st_mode)
+        except OSError:
+            regular = False
+        check_target(p, "--out", ours=regular and _ours(p), overwrite=overwrite)
     paths = {}
     try:
         out.mkdir(parents=True, exist_ok=True)
         Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
         for name, text in scripts.items():
             p = out / name
-            p.write_text(text)
-            p.chmod(0o755)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(stamped(text))
+                os.chmod(tmp, 0o755)
+                os.replace(tmp, p)  # replaces the name itself, never what a link there would point to
+            except BaseException:
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
+                raise
             paths[name] = p
     except OSError as e:
         raise WriteError(f"{out}: cannot write the launch scripts ({e.strerror or e})") from None

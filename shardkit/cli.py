@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_malloc()
     try:
+        _refuse_urls(sys.argv[1:] if argv is None else argv)
         if args.cmd in ("convert", "reshard"):
             return _across_ranks(args)
         return _dispatch(args)
@@ -322,6 +323,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardkit: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+
+
+def _refuse_urls(argv: list) -> None:
+    """Every path shardkit takes is local: an argument that is a URL (`s3://bucket/x`, `gs://`, `https://`) is one
+    line naming it (object storage is not supported yet), never a relative directory named `s3:`."""
+    from checkpoint.safety import is_url, refuse_url
+
+    for i, a in enumerate(map(str, argv)):
+        flag, _, value = a.partition("=") if a.startswith("--") else ("", "", a)
+        if is_url(value):
+            prev = str(argv[i - 1]) if i else ""
+            refuse_url(value, flag or (prev if prev.startswith("-") else ""))
 
 
 def _check_dtype(value: str | None) -> str | None:
@@ -425,6 +438,9 @@ def _across_ranks(args: argparse.Namespace) -> int:
     from convert import distributed
 
     command = "reshard" if args.cmd == "reshard" else f"convert {args.direction}"
+    from shardkit.flagcheck import check_timeout_minutes
+
+    check_timeout_minutes(getattr(args, "distributed_timeout_minutes", None))  # NaN/inf/<= 0: one line (issue 34)
     found = rank_and_world(os.environ, command)
     if found is None or found[1] == 1:
         return _dispatch(args)
@@ -557,6 +573,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from train.loop import main as train_main
 
         cfg = from_namespace(args)
+        from shardkit.flagcheck import check_train_values
+
+        check_train_values(cfg)  # NaN/inf/out-of-range --lr, --adam-eps, --clip-grad, timeouts... (issue 34)
         _check_train_outputs(cfg)
         try:
             train_main(cfg)
@@ -709,8 +728,9 @@ def _verify(args: argparse.Namespace) -> int:
     from checkpoint.progress import progress_bar
     from checkpoint.reader import Checkpoint
 
-    if not args.tolerance >= 0:  # also refuses NaN
-        raise ShardkitError(f"--tolerance {args.tolerance}: expected a number >= 0")
+    from shardkit.flagcheck import check_tolerance
+
+    check_tolerance(args.tolerance)  # NaN, inf (which would pass any model) and negatives: one line (issue 34)
     if _is_torch_dist(args.ckpt):
         return _verify_torch_dist(args)
     ckpt = Checkpoint(args.ckpt)

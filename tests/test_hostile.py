@@ -684,3 +684,351 @@ def test_content_fingerprint_sees_any_sampled_block_and_costs_little(tmp_path):
     t = time.perf_counter()
     content_fingerprint(big)
     assert time.perf_counter() - t < 0.5  # SAMPLES reads, never the whole file
+
+
+# -- issue 34: non-regular inputs, links out of a root, ambiguous weights --------------------------------------------
+
+def _fifo_at(root: Path, rel: str) -> Path:
+    p = root / rel
+    p.unlink()
+    os.mkfifo(p)
+    return p
+
+
+def _dev_at(root: Path, rel: str) -> Path:
+    p = root / rel
+    p.unlink()
+    p.symlink_to("/dev/zero")
+    return p
+
+
+def _first_chunk(ck: Path) -> str:
+    base = ck / ITER / "model" / TENSOR / "c"
+    return str(next(p for p in sorted(base.rglob("*")) if p.is_file()).relative_to(ck))
+
+
+def _fifo_cases(tmp: Path, good: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(the path that must be named, argv) per case: a FIFO (or a link to a character device) where a reader expects
+    a regular file, in every kind of input."""
+    cases = []
+
+    def copy(key: str, name: str) -> Path:
+        return Path(shutil.copytree(good[key], tmp / name, symlinks=True))
+
+    out = str(tmp / "never")
+    hf_argv = lambda hf: ["convert", "hf-to-mcore", str(hf), out, "--quiet", "--no-verify"]  # noqa: E731
+    for rel, make in (("config.json", _fifo_at), ("model.safetensors", _fifo_at), ("config.json", _dev_at)):
+        hf = copy("hf", f"hf-{make.__name__}-{rel}")
+        cases.append((str(make(hf, rel)), hf_argv(hf)))
+    # a sharded HF directory whose index is a FIFO, and one whose named shard is
+    for target in ("model.safetensors.index.json", "model-00001-of-00001.safetensors"):
+        hf = copy("hf", f"hf-index-{target}")
+        shutil.move(hf / "model.safetensors", hf / "model-00001-of-00001.safetensors")
+        from safetensors import safe_open
+
+        with safe_open(str(hf / "model-00001-of-00001.safetensors"), "np") as f:
+            names = list(f.keys())
+        (hf / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
+        cases.append((str(_fifo_at(hf, target)), hf_argv(hf)))
+    # verify --against an HF directory whose config.json is a FIFO
+    hf = copy("hf", "hf-against")
+    cases.append((str(_fifo_at(hf, "config.json")), ["verify", str(good["ck"]), "--against", str(hf), "--quiet"]))
+    # native checkpoints: manifest, an array's zarr.json, a chunk file, train_state.json
+    for rel, argv in ((f"{ITER}/manifest.json", ["inspect"]), (f"{ITER}/model/{TENSOR}/zarr.json", ["verify"]),
+                      (None, ["verify"]), (f"{ITER}/train_state.json", ["verify"])):
+        ck = copy("ck", f"ck-{len(cases)}")
+        if rel is not None and not (ck / rel).exists():
+            (ck / rel).write_text("{}")
+        p = _fifo_at(ck, rel or _first_chunk(ck))
+        cases.append((str(p), [*argv, str(ck), *(["--quiet"] if argv == ["verify"] else [])]))
+    # torch_dist: .metadata, metadata.json, common.pt, a .distcp item file
+    for rel in (".metadata", "metadata.json", "common.pt", "__0_0.distcp"):
+        td = copy("td", f"td-{rel}")
+        p = _fifo_at(td / ITER, rel)
+        cases.append((str(p), ["reshard", str(td), out, "--hf-config", str(good["hf"]), "--quiet"]))
+    td = copy("td", "td-sidecar")  # shardkit's own sidecar of a torch_dist export
+    cases.append((str(_fifo_at(td / ITER, "shardkit.json")), ["inspect", str(td)]))
+    hf = copy("hf", "hf-config-flag")  # --hf-config naming a directory whose config.json is a FIFO
+    cases.append((str(_fifo_at(hf, "config.json")), ["reshard", str(good["td"]), out, "--hf-config", str(hf),
+                                                     "--quiet"]))
+    ck = copy("ck", "ck-export")  # a chunk read by an export that skips the up-front check
+    cases.append((str(_fifo_at(ck, _first_chunk(ck))), ["convert", "mcore-to-hf", str(ck), out, "--skip-verify",
+                                                        "--quiet"]))
+    return cases
+
+
+def test_fifos_and_devices_as_inputs_never_block(good, tmp_path):
+    """A FIFO where any reader expects a regular file (HF config.json, weights, index and shard; a native manifest,
+    zarr.json, chunk, train_state.json; torch_dist .metadata, metadata.json, common.pt, a .distcp file), or a link to
+    /dev/zero as config.json: one line naming it, non-zero exit, no hang (one subprocess under a timeout and an
+    address-space cap), nothing written."""
+    import resource
+    import subprocess
+    import sys
+
+    cases = _fifo_cases(tmp_path, good)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    res = subprocess.run([sys.executable, "-c", _POINTER_RUNNER, json.dumps([a for _, a in cases])],
+                         capture_output=True, text=True, timeout=300, preexec_fn=limit,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr[-2000:]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(results) == len(cases) >= 16
+    for (path, argv), (rc, err) in zip(cases, results):
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert rc == 1 and len(lines) == 1 and lines[0].startswith("shardkit: error:"), (argv, err)
+        assert path in lines[0] or Path(path).name in lines[0], (path, lines[0])
+        assert "missing" not in lines[0] or "regular" in lines[0], lines[0]  # a FIFO is not "missing"
+    assert not (tmp_path / "never").exists()
+
+
+def _td_iteration_linked_out(c: Case) -> Path:
+    """A torch_dist root whose iteration directory is a symlink to another checkpoint's iteration."""
+    victim = c.copy("td")
+    root = c.tmp / "linked"
+    root.mkdir()
+    shutil.copy(victim / "latest_checkpointed_iteration.txt", root)
+    (root / ITER).symlink_to(victim / ITER)
+    return root
+
+
+def _hash_tree(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+LINKED_OUT: list[tuple[str, Callable[[Case], tuple[list, Path]], tuple[str, ...]]] = [
+    # readers: a torch_dist iteration linked out of its root is refused (as the native reader refuses it)
+    ("td-iter-link-inspect", lambda c: (["inspect", _td_iteration_linked_out(c)], c.tmp / "td"),
+     ("symlink", "outside")),
+    ("td-iter-link-verify", lambda c: (["verify", _td_iteration_linked_out(c), "--hf-config", c.good["hf"],
+                                        "--quiet"], c.tmp / "td"), ("symlink", "outside")),
+    # reshard through it over the very iteration it links to: the source was destroyed before issue 34
+    ("td-iter-link-reshard-onto-target", lambda c: (["reshard", _td_iteration_linked_out(c), c.tmp / "td",
+                                                     "--format", "torch_dist", "--overwrite", "--hf-config",
+                                                     c.good["hf"], "--quiet"], c.tmp / "td"), ("symlink", "outside")),
+    ("td-iter-link-export", lambda c: (["convert", "mcore-to-hf", _td_iteration_linked_out(c), c.out,
+                                        "--hf-config", c.good["hf"], "--quiet"], c.tmp / "td"),
+     ("symlink", "outside")),
+    # writers: an iteration (or its .partial) in the output that is a link elsewhere is never written through
+    ("dst-iter-link-native", lambda c: _dst_linked(c, "ck", ITER, ["reshard", c.good["ck"], c.out, "--tp", "2",
+                                                                   "--overwrite", "--quiet"]), ("symlink", ITER)),
+    ("dst-iter-link-torch_dist", lambda c: _dst_linked(c, "td", ITER, [
+        "convert", "hf-to-mcore", c.good["hf"], c.out, "--format", "torch_dist", "--overwrite", "--quiet"]),
+     ("symlink", ITER)),
+    ("dst-partial-link", lambda c: _dst_linked(c, "ck", ITER + ".partial", [
+        "convert", "hf-to-mcore", c.good["hf"], c.out, "--overwrite", "--quiet", "--no-verify"]),
+     ("symlink", ".partial")),
+    # a native write into a root holding a torch_dist checkpoint: its tracker would still win every read
+    ("native-over-torch_dist-root", lambda c: (["reshard", c.good["ck"], c.copy("td"), "--overwrite", "--quiet"],
+                                               c.tmp / "td"), ("latest_checkpointed_iteration.txt", "torch_dist")),
+]
+
+
+def _dst_linked(c: Case, key: str, name: str, argv: list) -> tuple[list, Path]:
+    """An output root whose `name` entry is a symlink to a copy of a good checkpoint's iteration (the victim)."""
+    victim = c.copy(key)
+    c.out.mkdir()
+    if (victim / "latest").exists() or key == "ck":
+        (c.out / "latest").write_text(ITER + "\n")
+    else:
+        (c.out / "latest_checkpointed_iteration.txt").write_text("0\n")
+    (c.out / name).symlink_to(victim / ITER)
+    return argv, victim
+
+
+@pytest.mark.parametrize("build,words", [(b, w) for _, b, w in LINKED_OUT], ids=[i for i, _, _ in LINKED_OUT])
+def test_links_out_of_a_root_are_never_followed(good, tmp_path, capsys, build, words):
+    c = Case(tmp_path, good)
+    argv, victim = build(c)
+    before = _hash_tree(victim)
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("shardkit: error:"), err
+    for w in words:
+        assert w in lines[0], f"{w!r} not named in: {lines[0]}"
+    assert _hash_tree(victim) == before, "the linked-to checkpoint changed"
+
+
+def _both_weights(c: Case) -> Path:
+    """An HF directory with model.safetensors AND an index naming two other shards holding different weights."""
+    from safetensors.torch import load_file, save_file
+
+    hf = c.copy("hf")
+    sd = load_file(str(hf / "model.safetensors"))
+    names = sorted(sd)
+    halves = (names[: len(names) // 2], names[len(names) // 2:])
+    wm = {}
+    for i, part in enumerate(halves):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: sd[n] * 2 for n in part}, str(hf / shard), metadata={"format": "pt"})
+        wm.update({n: shard for n in part})
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    return hf
+
+
+BOTH: list[tuple[str, Callable[[Case], list]]] = [
+    ("convert", lambda c: _convert(c, _both_weights(c))),
+    ("convert-torch_dist", lambda c: _convert(c, _both_weights(c), "--format", "torch_dist")),
+    ("verify-whole", lambda c: ["verify", c.good["ck"], "--against", _both_weights(c), "--quiet"]),
+    ("verify-streaming", lambda c: ["verify", c.good["ck"], "--against", _both_weights(c), "--streaming",
+                                    "--quiet"]),
+    ("single-is-a-dangling-link", lambda c: (lambda hf: ((hf / "model.safetensors").unlink(),
+                                                          (hf / "model.safetensors").symlink_to(c.tmp / "gone"),
+                                                          _convert(c, hf))[-1])(_both_weights(c))),
+]
+
+
+@pytest.mark.parametrize("build", [b for _, b in BOTH], ids=[i for i, _ in BOTH])
+def test_single_file_and_sharded_index_together_are_refused(good, tmp_path, capsys, build):
+    """transformers loads model.safetensors and ignores the index then; converting or verifying the index's shards
+    would be another model: one line naming both, in every reader (conversion and both verify modes)."""
+    c = Case(tmp_path, good)
+    argv = [str(a) for a in build(c)]
+    capsys.readouterr()
+    rc = main(argv)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 1 and len(lines) == 1, lines
+    assert "model.safetensors" in lines[0] and "model.safetensors.index.json" in lines[0], lines[0]
+    assert not c.out.exists()
+
+
+def test_an_index_naming_only_model_safetensors_is_not_ambiguous(good, tmp_path, capsys):
+    """The same file twice (an index whose only shard is model.safetensors) is one set of weights: converted."""
+    from safetensors import safe_open
+
+    c = Case(tmp_path, good)
+    hf = c.copy("hf")
+    with safe_open(str(hf / "model.safetensors"), "np") as f:
+        names = list(f.keys())
+    (hf / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
+    assert main([str(a) for a in _convert(c, hf, "--no-verify")]) == 0
+
+
+# -- issue 34 (e): bounded parsing: JSON nested past the recursion limit, a deflate bomb of a common.pt, pickle-only
+# weights in the whole-model verify: one line naming the file ------------------------------------------------------
+
+DEEP = "[" * 100000 + "]" * 100000  # json's C scanner recurses once per level: past Python's limit
+DEEP_OBJ = '{"a":' * 100000 + "1" + "}" * 100000
+
+
+def _deep(c: Case, key: str, rel: str, argv: Callable[[Case, Path], list], text: str = DEEP) -> list:
+    root = c.copy(key)
+    p = root / rel
+    p.unlink(missing_ok=True)
+    p.write_text(text)
+    return argv(c, root)
+
+
+NESTED: list[tuple[str, str, str, Callable[[Case, Path], list], str, str]] = [
+    # (id, input, file, command, text, the name the line must carry)
+    ("manifest", "ck", f"{ITER}/manifest.json", lambda c, r: ["verify", r, "--quiet"], DEEP, "manifest.json"),
+    ("manifest-object", "ck", f"{ITER}/manifest.json", lambda c, r: ["inspect", r], DEEP_OBJ, "manifest.json"),
+    ("zarr-json", "ck", f"{ITER}/model/{TENSOR}/zarr.json", lambda c, r: ["verify", r, "--quiet"], DEEP, TENSOR),
+    ("td-metadata-json", "td", f"{ITER}/metadata.json", lambda c, r: _reshard_td(c, r), DEEP, "metadata.json"),
+    ("td-sidecar", "td", f"{ITER}/shardkit.json", lambda c, r: ["inspect", r], DEEP_OBJ, "shardkit.json"),
+    ("hf-config", "hf", "config.json", lambda c, r: _convert(c, r), DEEP_OBJ, "config.json"),
+    ("hf-index", "hf", "model.safetensors.index.json", lambda c, r: _convert(c, r), DEEP, "index.json"),
+    ("verify-against-config", "hf", "config.json",
+     lambda c, r: ["verify", c.good["ck"], "--against", r, "--quiet"], DEEP_OBJ, "config.json"),
+]
+
+
+@pytest.mark.parametrize("case", [n[0] for n in NESTED])
+def test_deeply_nested_json_is_one_line(good, tmp_path, capsys, case):
+    _, key, rel, argv, text, name = next(n for n in NESTED if n[0] == case)
+    c = Case(tmp_path, good)
+    args = [str(a) for a in _deep(c, key, rel, argv, text)]
+    capsys.readouterr()
+    rc = main(args)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc not in (0, None) and len(lines) == 1 and lines[0].startswith("shardkit: error:"), err
+    assert name in lines[0], lines[0]
+    assert "Traceback" not in err and "RecursionError" not in err
+
+
+def test_deeply_nested_safetensors_header_and_jsonl(good, tmp_path, capsys):
+    c = Case(tmp_path, good)
+    hf = c.copy("hf")
+    raw = DEEP.encode()
+    (hf / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    capsys.readouterr()
+    assert main([str(a) for a in _convert(c, hf)]) == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("shardkit: error:") and "model.safetensors" in line and "\n" not in line, line
+    (tmp_path / "deep.jsonl").write_text('{"text": "fine"}\n' + DEEP_OBJ.replace('"a"', '"text"') + "\n")
+    rc = main(["preprocess-data", "--input", str(tmp_path / "deep.jsonl"), "--tokenizer", str(good["hf"]),
+               "--output-prefix", str(tmp_path / "d"), "--quiet"])
+    line = capsys.readouterr().err.strip()
+    assert rc == 1 and "deep.jsonl line 2" in line and "\n" not in line, line
+
+
+def _bomb(path: Path, inflated: int) -> None:
+    """A common.pt whose data.pkl record is `inflated` zero bytes, deflated (a few KB per MB)."""
+    import zipfile
+
+    path.unlink()
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        with z.open("archive/data.pkl", "w", force_zip64=True) as f:
+            block = bytes(1 << 20)
+            for _ in range(inflated >> 20):
+                f.write(block)
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "reshard", "verify"])
+def test_compressed_common_pt_is_bounded_before_reading(good, tmp_path, capsys, monkeypatch, cmd):
+    from checkpoint import torch_dist
+
+    monkeypatch.setattr(torch_dist, "COMMON_MAX", 4 << 20)  # (the real bound is 256 MiB: the same code path)
+    c = Case(tmp_path, good)
+    td = c.copy("td")
+    _bomb(td / ITER / "common.pt", 8 << 20)
+    assert (td / ITER / "common.pt").stat().st_size < 64 << 10
+    argv = {"inspect": ["inspect", td], "reshard": _reshard_td(c, td), "verify": ["verify", td, "--quiet"]}[cmd]
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    line = capsys.readouterr().err.strip()
+    assert rc == 1 and "common.pt" in line and "inflate" in line and "\n" not in line, line
+
+
+def test_common_pt_bound_holds_without_a_patch(good, tmp_path):
+    """The real bound, on a real 300 MiB bomb (300 KB on disk): refused from its directory alone."""
+    from checkpoint.errors import FormatError
+    from checkpoint.torch_dist import COMMON_MAX, _check_common_size
+
+    p = tmp_path / "common.pt"
+    p.write_bytes(b"")
+    _bomb(p, COMMON_MAX + (44 << 20))
+    assert p.stat().st_size < 1 << 20
+    with pytest.raises(FormatError, match="inflate"):
+        _check_common_size(p)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_pickle_only_hf_dir_in_verify_is_one_line(good, tmp_path, capsys, streaming):
+    import torch
+    from safetensors.torch import load_file
+
+    c = Case(tmp_path, good)
+    hf = c.copy("hf")
+    torch.save(load_file(str(hf / "model.safetensors")), hf / "pytorch_model.bin")
+    (hf / "model.safetensors").unlink()
+    capsys.readouterr()
+    rc = main(["verify", str(good["ck"]), "--against", str(hf), "--quiet", *(["--streaming"] if streaming else [])])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and "pytorch_model.bin" in lines[0] or "pickle" in lines[0], err
+    assert "safetensors" in lines[0]

@@ -174,7 +174,8 @@ def test_requeue_scancel_mid_save_resumes_and_usr1_saves(cluster, setup, straigh
     out = launch(setup, "requeue", "--requeue")
     save = out / "save"
     assert "#SBATCH --requeue" in (out / "job.sbatch").read_text()
-    assert f'if [[ -e {save}/latest ]]; then SHARDKIT_LOAD={save}; fi' in (out / "torchrun.sh").read_text()
+    assert (f'if [[ -e {save}/latest || -e {save}/latest_checkpointed_iteration.txt ]]; then SHARDKIT_LOAD={save}; fi'
+            in (out / "torchrun.sh").read_text())
 
     procs: list[subprocess.Popen] = []
     try:
@@ -304,6 +305,7 @@ def test_launch_cluster_flags(capsys):
                  "#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=USR1@600",
                  "#SBATCH --constraint=h100", "#SBATCH --ntasks-per-node=4", "    --exit-signal-handler \\",
                  "    --exit-signal SIGUSR1 \\", "    --load \"$SHARDKIT_LOAD\" \\", "SHARDKIT_LOAD=ck",
-                 "if [[ -e 'run 1'/latest ]]; then SHARDKIT_LOAD='run 1'; fi"):
+                 "if [[ -e 'run 1'/latest || -e 'run 1'/latest_checkpointed_iteration.txt ]]; then "
+                 "SHARDKIT_LOAD='run 1'; fi"):
         assert line in text.splitlines(), line
     assert "--exclusive" not in text

@@ -16,7 +16,6 @@ import base64
 import itertools
 import json
 import random
-import shutil
 import sys
 import threading
 import time
@@ -288,8 +287,10 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
             raise
         def commit() -> Path:
             (writer.partial / TRAIN_STATE).write_text(json.dumps(store_state, indent=1) + "\n")
-            if assets_from is not None and assets_from.is_dir():
-                shutil.copytree(assets_from, writer.partial / "hf")
+            if assets_from is not None and assets_from.is_dir():  # known side-file names only, never links
+                from checkpoint.safety import copy_side_files
+
+                copy_side_files(assets_from, writer.partial / "hf")
             manifest = Manifest(iteration, cfg, layout, entries, provenance=provenance,
                                 training={"iteration": iteration,
                                           "consumed_samples": train_state.get("consumed_samples")},
@@ -384,6 +385,6 @@ def read_train_state(iter_dir: Path) -> dict | None:
         return None
     try:
         return json.loads(p.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise FormatError(f"{p}: unreadable training state ({e})") from None
 

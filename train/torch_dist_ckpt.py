@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +118,7 @@ class TorchDistLoad(TorchDistSource):
         if isinstance(carried, str):
             try:
                 state = json.loads(carried)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise FormatError(f"{where}: {TRAIN_STATE_KEY} is not valid JSON; the checkpoint is damaged") from None
             if not isinstance(state, dict) or not isinstance(state.get("iteration"), int):
                 raise FormatError(f"{where}: {TRAIN_STATE_KEY} holds no iteration; the checkpoint is damaged")
@@ -270,10 +269,10 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
                           key_naming=key_naming, optimizer=list(OPTIMIZER_STATES), provenance=provenance)
             hf = writer.partial / HF_SUBDIR
             hf.mkdir()
-            if assets_from is not None and Path(assets_from).is_dir():
-                for asset in sorted(Path(assets_from).iterdir()):
-                    if asset.is_file() and not asset.is_symlink() and asset.name != "config.json":
-                        shutil.copyfile(asset, hf / asset.name)
+            if assets_from is not None and Path(assets_from).is_dir():  # known side-file names only, never links
+                from checkpoint.safety import copy_side_files
+
+                copy_side_files(assets_from, hf, exclude=("config.json",))
             (hf / "config.json").write_text(json.dumps(cfg.to_hf(dtype=dtype), indent=2) + "\n")
             return writer.commit(None)
 
