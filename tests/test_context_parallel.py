@@ -201,13 +201,19 @@ def _docs(b: int, S: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _attention_worker(rank: int, world: int, init: str, out: str) -> None:
-    """cp=4 over all ranks and, at the same time, cp=2 over ranks {0, 1} and {2, 3}."""
+    """cp=4 over all ranks and, at the same time, cp=2 over ranks {0, 1} and {2, 3}; under NCCL's point-to-point rules
+    (tests/nccl_model.py), each ring's group first used by a collective as the trainer does (p2p.init_p2p_group)."""
     try:
+        from tests.nccl_model import install
+        from train.parallel.p2p import init_p2p_group
+
+        install()
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         errs = {}
         for cp, group, members in ((4, dist.new_group(list(range(world))), list(range(world))),
                                    (2, pairs[rank // 2], [rank // 2 * 2, rank // 2 * 2 + 1])):
+            init_p2p_group(group, None)
             r = members.index(rank)
             ring = Ring(group, cp, r, members[(r + 1) % cp], members[(r - 1) % cp])
             errs[cp] = [_case(cp, r, ring, group, i, *case) for i, case in enumerate(CASES)]

@@ -136,6 +136,32 @@ def test_messages_match_in_posting_order_not_by_tag():
     assert torch.equal(out[1][0], torch.ones(4)) and torch.equal(out[1][1], torch.full((4,), 2.0))
 
 
+def test_group_creation_order_is_checked_across_ranks(monkeypatch):
+    """build_groups ends with check_group_order: a rank that created its groups in another order is one line."""
+    from checkpoint.errors import LayoutError
+    from train.parallel import groups
+
+    def world(other):
+        def all_gather_object(out, obj):
+            out[0] = obj
+            saved = groups.CREATED[:]
+            groups.CREATED[:] = other
+            try:
+                out[1] = (len(groups.CREATED), groups.hashlib.sha256(repr(groups.CREATED).encode()).hexdigest())
+            finally:
+                groups.CREATED[:] = saved
+        monkeypatch.setattr(groups.dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(groups.dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(groups.dist, "all_gather_object", all_gather_object)
+
+    monkeypatch.setattr(groups, "CREATED", [((0, 1), ()), ((2, 3), ())])
+    world([((0, 1), ()), ((2, 3), ())])
+    groups.check_group_order()  # the same order: nothing to say
+    world([((2, 3), ()), ((0, 1), ())])
+    with pytest.raises(LayoutError, match="rank 1 created 2 groups in another order than rank 0"):
+        groups.check_group_order()
+
+
 # -- 2. the schedules as data ---------------------------------------------------------------------------------------
 
 def _execute(plans: list[list]) -> str | None:
@@ -193,7 +219,7 @@ def test_every_schedule_is_deadlock_free_under_nccl_rules():
                 assert _execute([comm_plan(units(pp, vpp, r, n), pp, vpp, r) for r in range(pp)]) is None, (pp, vpp, n)
                 assert _execute([comm_plan(forward_units(vpp, n), pp, vpp, r) for r in range(pp)]) is None
                 checked += 2
-    assert checked > 400
+    assert checked == 448
 
 
 def test_unbatched_schedules_deadlock_in_the_same_check():
