@@ -107,6 +107,7 @@ class PipelineSplit:
 
 
 _LAYOUT_CHARS = "ELtm"
+LAYOUT_MAX_CHARS = 1 << 20  # an unrolled layout string (layers and stage separators) longer than this is refused
 
 
 def parse_pipeline_layout(text: str) -> list[str]:
@@ -114,7 +115,18 @@ def parse_pipeline_layout(text: str) -> list[str]:
     `PipelineParallelLayerLayout.parse_str_to_list` rules (commas dropped, "(...)*n" then "x*n" unrolled)."""
     s = text.replace(",", "")
     for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
-        s = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), s)
+        grown = [len(s)]
+
+        def unroll(m: re.Match) -> str:  # bounded before anything is built (issue 34: `(t)*999999999999`)
+            digits = m.group(2)
+            n = int(digits) if len(digits) <= 9 else LAYOUT_MAX_CHARS + 1
+            grown[0] += len(m.group(1)) * (n - 1) - len(digits) - 1
+            if grown[0] > LAYOUT_MAX_CHARS:
+                raise LayoutError(f"--pipeline-model-parallel-layout {text[:80]!r}: the repeat {m.group(0)[:40]!r} "
+                                  f"unrolls to more than {LAYOUT_MAX_CHARS:,} layers and stages; no model has that many")
+            return m.group(1) * n
+
+        s = re.sub(pattern, unroll, s)
     stages = s.split("|")
     for stage in stages:
         bad = sorted(set(stage) - set(_LAYOUT_CHARS))

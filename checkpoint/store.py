@@ -169,12 +169,38 @@ def create(path: str | Path, shape: Sequence[int], dtype: str, chunk: Sequence[i
     return ts.open(spec, create=True, open=True, context=ctx or context()).result()
 
 
+JSON_MAX_DEPTH = 64  # zarr.json nests 5 deep; tensorstore's parser recurses per level and overflows the C stack
+ZARR_JSON_MAX = 16 << 20
+
+
+def check_json_depth(path: Path, what: str, limit: int = JSON_MAX_DEPTH) -> None:
+    """Refuse a JSON file nested deeper than `limit` (or larger than ZARR_JSON_MAX) before a C++ parser sees it
+    (issue 34: a zarr.json of 100,000 nested arrays crashed the process in tensorstore): one FormatError naming it.
+    Strings are skipped; depth is counted with numpy over the bytes (no recursion)."""
+    import re
+
+    try:
+        if not path.is_file():
+            return  # (missing: tensorstore's own error names it)
+        if path.stat().st_size > ZARR_JSON_MAX:
+            raise FormatError(f"{what}: {path}: {path.stat().st_size:,} bytes, more than a zarr.json's "
+                              f"{ZARR_JSON_MAX:,}; refusing it")
+        data = re.sub(rb'"(?:[^"\\]|\\.)*"', b"", path.read_bytes())
+    except OSError:
+        return
+    a = np.frombuffer(data, np.uint8)
+    step = ((a == 0x5B) | (a == 0x7B)).astype(np.int32) - ((a == 0x5D) | (a == 0x7D)).astype(np.int32)
+    if a.size and int(np.cumsum(step).max()) > limit:
+        raise FormatError(f"{what}: {path}: JSON nested more than {limit} levels deep; refusing to parse it")
+
+
 def open_existing(path: str | Path, ctx: ts.Context | None = None, name: str | None = None) -> ts.TensorStore:
     from .safety import regular_file
 
     # tensorstore would block forever reading a FIFO there: refused first, naming it
     if os.path.lexists(Path(path) / "zarr.json"):
         regular_file(Path(path) / "zarr.json", f"tensor {name or path}")
+    check_json_depth(Path(path) / "zarr.json", f"tensor {name or path}")
     try:
         return ts.open(array_spec(path), open=True, context=ctx or context()).result()
     except ValueError as e:

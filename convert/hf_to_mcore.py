@@ -178,7 +178,7 @@ class _Worker:
         cfg = ModelConfig.from_dict(cfg_dict)
         layout = Layout.from_dict(layout_dict)
         self.src = _LazySource(hf_dir, None if fp8 else fp8_block(cfg))
-        self.sink = ChunkSink(out_dir, dtypes)
+        self.sink = ChunkSink(out_dir, dtypes, allow_nonfinite)  # (the source was checked: _check_finite)
         self.allow_nonfinite, self.hf_dir = allow_nonfinite, hf_dir
         self.maps = {(tm.canonical, tm.lead): tm for tm in families.tensor_maps(cfg, layout, fp8)}
 

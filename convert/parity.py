@@ -5,6 +5,7 @@ vocab) were assembled wrongly, the logits differ. Both models run in fp32 on the
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -98,6 +99,21 @@ class unchanged_files:
                 how = "removed" if p not in after else "rewritten"
                 raise ShardkitError(f"{p} changed while it was being compared ({how}); the numbers would be of no "
                                     "one checkpoint: rerun when nothing writes there")
+
+
+# test tokens per sequence beyond which verify --against refuses (a few thousand say what a hundred say; the logits of
+# 2 x 10^8 tokens would need terabytes): at most the model's own context, and this
+MAX_SEQ_LEN = 8192
+
+
+def check_seq_len(cfg: ModelConfig, seq_len) -> None:
+    """--seq-length of verify --against: a whole number from 1 to the smaller of MAX_SEQ_LEN and the model's
+    max_position_embeddings (issue 34: 100000000 was accepted and ran out of memory with a traceback)."""
+    top = min(MAX_SEQ_LEN, max(32, getattr(cfg, "max_position_embeddings", None) or MAX_SEQ_LEN))
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= top:
+        raise ShardkitError(f"--seq-length {seq_len}: the logit comparison takes 1 to {top} tokens per sequence "
+                            f"(the model's context is {getattr(cfg, 'max_position_embeddings', '?')}, at most "
+                            f"{MAX_SEQ_LEN} are compared)")
 
 
 def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | Path, *, batch: int = 2,
@@ -215,6 +231,16 @@ def against_hf(ck, hf_dir: str | Path, *, seq_len: int = 32, tolerance: float = 
 
     started = time.perf_counter()
     hf_dir = Path(hf_dir)
+    check_seq_len(ck.config, seq_len)
+    if hf_dir.is_dir() and not any(os.path.lexists(hf_dir / n) for n in ("model.safetensors",
+                                                                          "model.safetensors.index.json")):
+        # both modes read safetensors only (transformers would unpickle a pytorch_model.bin in the whole mode)
+        pickles = sorted(p.name for pat in ("*.bin", "*.pth") for p in hf_dir.glob(pat))
+        raise ShardkitError(f"--against {hf_dir}: " + (
+            f"only pickle weights ({', '.join(pickles[:3])}) found; shardkit reads safetensors only (re-save with "
+            "save_pretrained(safe_serialization=True))" if pickles else
+            "no model.safetensors or model.safetensors.index.json"))
+    ModelConfig.from_hf_dir(hf_dir)  # config.json through its one checked reader first (unreadable, nested: one line)
     mode, memory = choose_mode(ck, streaming or all_experts or quantized_source(hf_dir), memory_budget)
     # streamed, the config is checked once the disk has started reading ahead (stream_parity), before any layer
     if mode == "whole" and (hf_dir / "config.json").is_file() and (

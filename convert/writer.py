@@ -22,7 +22,7 @@ import numpy as np
 
 from checkpoint import chunkio, store
 from checkpoint.commit import IterationWriter
-from checkpoint.errors import WriteError
+from checkpoint.errors import FormatError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.malloc import tune_malloc
 from checkpoint.manifest import TensorEntry, tensor_path
@@ -73,12 +73,26 @@ def chunk_tasks(entries: dict[str, TensorEntry]) -> list[Task]:
     return tasks
 
 
+def refuse_nonfinite(name: str, box, value) -> None:
+    """A chunk about to be written holds NaN/Inf (a checkpoint that holds them, resharded or exported): one line
+    naming the tensor and the chunk, nothing committed (issue 34). A bit test on the exponents: a few ms per 100 MB."""
+    from checkpoint.reader import count_nonfinite
+
+    bad = count_nonfinite(value if isinstance(value, np.ndarray) else store.to_numpy(value.detach().cpu()))
+    if bad:
+        at = ", ".join(f"{a}:{b}" for a, b in box)
+        raise FormatError(f"tensor {name} [{at}]: {bad:,} non-finite value(s) (NaN/Inf); refusing to write them "
+                          "(a checkpoint that holds them cannot be trained or exported as it is: resume from an "
+                          "earlier iteration)")
+
+
 class ChunkSink:
     """Worker-side: open arrays once, write whole chunks (chunkio's direct writer where the array's codecs are ours,
     else tensorstore), turn write failures into WriteError."""
 
-    def __init__(self, out_dir: str | Path, dtypes: dict[str, str]):
+    def __init__(self, out_dir: str | Path, dtypes: dict[str, str], allow_nonfinite: bool = False):
         self.out, self.dtypes = Path(out_dir), dtypes
+        self.allow_nonfinite = allow_nonfinite  # else a chunk holding NaN/Inf is refused (refuse_nonfinite)
         self.recorder: _Recorder | None = None  # in-process under write_chunks: writes are pipelined and recorded
         self.ctx = store.context()
         self.arrays: dict = {}
@@ -100,7 +114,9 @@ class ChunkSink:
             arr = self.arrays[task.name] = store.open_existing(self.out / tensor_path(task.name), self.ctx, task.name)
             md = store.metadata(arr)
             self.chunks[task.name] = md["chunk_grid"]["configuration"]["chunk_shape"] if chunkio.supports(md) else None
-        value = store.cast(value, self.dtypes[task.name])
+        value = store.cast(value, self.dtypes[task.name], task.name)
+        if not self.allow_nonfinite:
+            refuse_nonfinite(task.name, task.box, value)
         nbytes = value.nbytes if isinstance(value, np.ndarray) else value.numel() * value.element_size()
         rec = self.recorder
         chunk = self.chunks[task.name]

@@ -49,12 +49,27 @@ class Candidate:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending: O(sqrt(n)) (issue 34: the linear scan ran for hours at --gpus 2**40)."""
+    small, large, d = [], [], 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+MAX_GPUS = 1 << 20  # --gpus beyond this (no cluster has a million GPUs) is refused before any search
+MAX_GPUS_PER_NODE = 1024
 
 
 def check_gpus(gpus: int, gpus_per_node: int) -> None:
     if gpus < 1 or gpus_per_node < 1:
         raise PlanError(f"--gpus {gpus} and --gpus-per-node {gpus_per_node} must be positive")
+    if gpus > MAX_GPUS or gpus_per_node > MAX_GPUS_PER_NODE:
+        raise PlanError(f"--gpus {gpus} / --gpus-per-node {gpus_per_node}: at most {MAX_GPUS:,} GPUs and "
+                        f"{MAX_GPUS_PER_NODE} per node are planned")
     if gpus > gpus_per_node and gpus % gpus_per_node:
         raise PlanError(f"--gpus {gpus} is not a multiple of --gpus-per-node {gpus_per_node}: nodes are used whole")
 

@@ -448,3 +448,100 @@ def test_against_lists_unselected_experts_and_mtp(tmp_path):
     assert [w for w in streamed["not_compared"] if "routed experts" in w] and streamed["ok"]
     every = against_hf(ck, hf, seq_len=1, all_experts=True)
     assert every["not_compared"] == [] and every["ok"]
+
+
+# -- values a dtype cannot hold (issue 34 (d)): a cast that would turn finite values into inf is refused, and a
+# checkpoint holding NaN/Inf is neither resharded nor exported: one line naming the tensor, nothing committed ------
+
+BIG = "model.layers.1.mlp.down_proj.weight"  # -> decoder.layers.mlp.linear_fc2.weight
+
+
+@pytest.fixture(scope="module")
+def odd(good, tmp_path_factory) -> dict[str, Path]:
+    """HF copies with one value beyond fp16's range (bf16 holds it), one beyond bf16's (an fp32 model), one inf; and
+    checkpoints converted from them (the inf one with --allow-nonfinite)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("odd")
+    out = {}
+    for kind, value, dtype in (("big16", 70000.0, None), ("neg16", -1e6, None), ("big32", 3.4e38, torch.float32),
+                               ("inf", float("inf"), None)):
+        hf = Path(shutil.copytree(good["hf"], root / f"hf-{kind}"))
+        d = load_file(str(hf / "model.safetensors"))
+        d = {k: (v.to(dtype) if dtype else v).clone() for k, v in d.items()}
+        d[BIG][3, 4] = value
+        save_file(d, str(hf / "model.safetensors"), metadata={"format": "pt"})
+        if dtype is not None:
+            cfg = json.loads((hf / "config.json").read_text())
+            cfg["torch_dtype"] = cfg["dtype"] = "float32"
+            (hf / "config.json").write_text(json.dumps(cfg))
+        out[f"hf-{kind}"] = hf
+        ck = root / f"ck-{kind}"
+        assert main(["convert", "hf-to-mcore", str(hf), str(ck), "--quiet", "--no-verify",
+                     *(["--allow-nonfinite"] if kind == "inf" else [])]) == 0
+        out[f"ck-{kind}"] = ck
+    td = root / "td-inf"
+    assert main(["convert", "hf-to-mcore", str(out["hf-inf"]), str(td), "--quiet", "--no-verify", "--format",
+                 "torch_dist", "--allow-nonfinite"]) == 0
+    out["td-inf"] = td
+    return out
+
+
+def _nothing_at(out: Path) -> None:
+    if out.exists():
+        assert not (out / "latest").exists() and not (out / "latest_checkpointed_iteration.txt").exists()
+        assert not [p for p in out.glob("iter_*") if not p.name.endswith(".partial")]  # (a partial: never loaded)
+        assert not list(out.glob("*.safetensors")) and not (out / "config.json").exists()
+
+
+OVERFLOW_CASES = {  # id -> (source key, argv after the source and OUT, dtype named)
+    "h2m-fp16": ("hf-big16", ["convert", "hf-to-mcore"], ["--dtype", "fp16"], "float16"),
+    "h2m-fp16-negative": ("hf-neg16", ["convert", "hf-to-mcore"], ["--dtype", "fp16"], "float16"),
+    "h2m-fp16-torch_dist": ("hf-big16", ["convert", "hf-to-mcore"], ["--dtype", "fp16", "--format", "torch_dist"],
+                            "float16"),
+    "h2m-bf16-from-fp32-max": ("hf-big32", ["convert", "hf-to-mcore"], ["--dtype", "bf16"], "bfloat16"),
+    "reshard-fp16": ("ck-big16", ["reshard"], ["--dtype", "fp16", "--tp", "2"], "float16"),
+    "reshard-fp16-torch_dist": ("ck-big16", ["reshard"], ["--dtype", "fp16", "--format", "torch_dist"], "float16"),
+    "m2h-fp16": ("ck-big16", ["convert", "mcore-to-hf"], ["--dtype", "fp16"], "float16"),
+    "m2h-bf16-from-fp32": ("ck-big32", ["convert", "mcore-to-hf"], ["--dtype", "bf16"], "bfloat16"),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERFLOW_CASES))
+def test_cast_beyond_the_dtype_range_is_refused(odd, tmp_path, capsys, case):
+    src, cmd, extra, dtype = OVERFLOW_CASES[case]
+    out = tmp_path / "out"
+    capsys.readouterr()
+    rc = main([*cmd, str(odd[src]), str(out), "--quiet", *extra])
+    line = _one_line(rc, capsys.readouterr().err, ("linear_fc2" if not cmd[-1] == "mcore-to-hf" else BIG,
+                                                    "beyond", dtype))
+    assert "Traceback" not in line
+    _nothing_at(out)
+
+
+def test_values_inside_the_range_still_cast(odd, tmp_path, capsys):
+    """bf16 holds 70000 and fp32 holds 3.4e38: no refusal where the target holds the values."""
+    assert main(["reshard", str(odd["ck-big16"]), str(tmp_path / "a"), "--dtype", "fp32", "--quiet"]) == 0
+    assert main(["convert", "mcore-to-hf", str(odd["ck-big32"]), str(tmp_path / "b"), "--quiet"]) == 0
+    assert main(["convert", "hf-to-mcore", str(odd["hf-big16"]), str(tmp_path / "c"), "--quiet", "--no-verify"]) == 0
+
+
+INF_CASES = {
+    "reshard": ["reshard", "{ck}", "{out}", "--tp", "2"],
+    "reshard-same-layout": ["reshard", "{ck}", "{out}"],
+    "reshard-to-torch_dist": ["reshard", "{ck}", "{out}", "--format", "torch_dist"],
+    "mcore-to-hf": ["convert", "mcore-to-hf", "{ck}", "{out}"],
+    "td-reshard": ["reshard", "{td}", "{out}"],
+    "td-mcore-to-hf": ["convert", "mcore-to-hf", "{td}", "{out}"],
+}
+
+
+@pytest.mark.parametrize("case", list(INF_CASES))
+def test_checkpoint_holding_inf_is_not_resharded_or_exported(odd, tmp_path, capsys, case):
+    out = tmp_path / "out"
+    argv = [a.format(ck=odd["ck-inf"], td=odd["td-inf"], out=out) for a in INF_CASES[case]]
+    capsys.readouterr()
+    rc = main([*argv, "--quiet"])
+    _one_line(rc, capsys.readouterr().err, ("linear_fc2", "non-finite"))  # (an export names the HF tensor too)
+    _nothing_at(out)

@@ -193,6 +193,32 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, list, tuple[str, ...]]]:
         ("train --config missing", [*train, "--config", missing], (str(missing),)),
         ("train --load missing", ["continue-pretrain", "--load", missing, "--data-path", w["data"]],
          (str(missing),)),
+        # issue 34: values that parse but mean nothing, and values that would run for hours or exhaust memory
+        ("verify --tolerance inf", ["verify", ck, "--quiet", "--against", hf, "--tolerance", "inf"],
+         ("--tolerance inf", "finite")),
+        ("verify --tolerance -1e-9", ["verify", ck, "--tolerance", "-1e-9"], ("--tolerance",)),
+        ("verify --seq-length 1e8", ["verify", ck, "--quiet", "--against", hf, "--seq-length", "100000000"],
+         ("--seq-length 100000000",)),
+        ("verify --seq-length 9000", ["verify", ck, "--quiet", "--against", hf, "--seq-length", "9000"],
+         ("--seq-length 9000",)),
+        *[(f"train {flag} {v}", [*train, flag, v], (flag,)) for flag, v in (
+            ("--lr", "nan"), ("--lr", "inf"), ("--min-lr", "-inf"), ("--adam-eps", "nan"), ("--adam-eps", "0"),
+            ("--adam-beta1", "-0.1"), ("--adam-beta2", "nan"), ("--adam-beta2", "1"), ("--clip-grad", "nan"),
+            ("--clip-grad", "-1"), ("--weight-decay", "inf"), ("--distributed-timeout-minutes", "nan"),
+            ("--distributed-timeout-minutes", "inf"), ("--distributed-timeout-minutes", "-5"),
+            ("--distributed-timeout-minutes", "0"), ("--distributed-timeout-minutes", "1e12"),
+            ("--lr-warmup-fraction", "1.5"))],
+        ("reshard --distributed-timeout-minutes nan", ["reshard", ck, out, "--distributed-timeout-minutes", "nan"],
+         ("--distributed-timeout-minutes",)),
+        ("h2m --distributed-timeout-minutes -1", [*h2m, "--distributed-timeout-minutes", "-1"],
+         ("--distributed-timeout-minutes",)),
+        ("plan --gpus 2**40", ["plan", "--model", "llama3-8b", "--gpus", "1099511627776"], ("--gpus",)),
+        ("plan --gpus 2**20+8", ["plan", "--model", "llama3-8b", "--gpus", str((1 << 20) + 8)], ("--gpus",)),
+        ("plan --gpus-per-node 1e6", ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "1000000"],
+         ("--gpus-per-node",)),
+        *[(f"h2m layout {lay}", [*h2m, "--pp", "2", "--pipeline-model-parallel-layout", lay],
+           ("--pipeline-model-parallel-layout",)) for lay in (
+            "(t)*999999999999", "Et|(t*99999)*99999|L", "Et|t*" + "9" * 60 + "|L", "(Et|)*1048577")],
     ]
 
 

@@ -218,7 +218,7 @@ def _read_jsonl(path: Path, keys: Sequence[str], batch_docs: int) -> Iterator[tu
                 continue
             try:
                 obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
                 raise DataError(f"{path} line {lineno}: not valid JSON ({e})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(obj).__name__}")
