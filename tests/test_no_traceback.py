@@ -470,3 +470,114 @@ def test_stderr_stays_empty_and_transformers_load_report_does_not_leak(w, tmp_pa
     rc, stdout, err = run_real(["verify", out, "--against", hf])
     assert rc == 0 and err == "", err
     assert "LOAD REPORT" not in stdout and "UNEXPECTED" not in stdout and "OK" in stdout
+
+
+# -- issue 34: launch scripts take no shell text, paths are local and resolved ----------------------------------------
+
+def _issue34_cases(w: dict[str, Path]) -> list[tuple[str, list, tuple[str, ...]]]:
+    hf, ck, root = w["hf"], w["ck"], w["root"]
+    out = root / "out34"
+    lay = ["launch", "--layout", "tp=2,pp=1,dp=4", "--nodes", "1"]
+    train = ["--", "--load", ck, "--save", root / "run34", "--data-path", w["data"]]
+    return [
+        # (f) shell injection through a rendered value: refused, naming the flag (dry run and real write alike)
+        ("launch --master-addr $(...)", [*lay, "--dry-run", "--master-addr", "$(touch /tmp/pwned)", *train],
+         ("--master-addr", "$(touch /tmp/pwned)")),
+        ("launch --master-addr backticks", [*lay, "--out", out, "--master-addr", "`id`", *train], ("--master-addr",)),
+        ("launch --master-addr with a space", [*lay, "--dry-run", "--master-addr", "host; reboot", *train],
+         ("--master-addr",)),
+        ("launch --master-port 70000", [*lay, "--dry-run", "--master-port", "70000", *train], ("--master-port",)),
+        ("launch --out with a newline", [*lay, "--out", f"{out}\nrm -rf ~", *train], ("--out", "\\n")),
+        ("launch --time with a newline", [*lay, "--dry-run", "--time", "1:00:00\n", *train], ("--time", "\\n")),
+        ("launch --time with a newline inside", [*lay, "--dry-run", "--time", "1\n#SBATCH --x", *train],
+         ("--time",)),
+        ("launch --sbatch with a newline", [*lay, "--out", out, "--sbatch", "constraint=h100\necho hi", *train],
+         ("--sbatch", "\\n")),
+        ("launch --signal with a newline", [*lay, "--dry-run", "--signal", "USR1@300\n", *train], ("--signal",)),
+        ("launch trainer arg with a newline", [*lay, "--dry-run", "--", "--load", ck, "--save", "a\nrm -rf ~",
+                                               "--data-path", w["data"]], ("after `--`", "\\n")),
+        # (h) object storage URLs: refused as such, never a local directory named "s3:"
+        ("h2m OUT s3://", ["convert", "hf-to-mcore", hf, "s3://bucket/x", "--quiet"], ("s3://bucket/x", "object")),
+        ("reshard SRC gs://", ["reshard", "gs://bucket/ck", out, "--quiet"], ("gs://bucket/ck", "not supported")),
+        ("m2h OUT https://", ["convert", "mcore-to-hf", ck, "https://host/x", "--quiet"], ("https://host/x",)),
+        ("verify --against s3://", ["verify", ck, "--against", "s3://b/hf", "--quiet"], ("--against", "s3://b/hf")),
+        ("reshard --hf-config=s3://", ["reshard", ck, out, "--hf-config=s3://b/hf"], ("--hf-config", "s3://b/hf")),
+        ("train --load s3://", ["continue-pretrain", "--load", "s3://b/ck", "--data-path", w["data"]],
+         ("--load", "s3://b/ck")),
+        ("train --data-path az://", ["continue-pretrain", "--load", ck, "--data-path", "az://c/data"],
+         ("az://c/data",)),
+        ("launch --load s3:// after --", [*lay, "--dry-run", "--", "--load", "s3://b/ck", "--save", out],
+         ("--load", "s3://b/ck")),
+    ]
+
+
+ISSUE34_IDS = [c[0] for c in _issue34_cases({k: Path("/x") for k in ("hf", "ck", "root", "data")})]
+
+
+@pytest.mark.parametrize("case", ISSUE34_IDS)
+def test_issue34_bad_invocation_is_one_line(case, w, capsys):
+    _, argv, words = next(c for c in _issue34_cases(w) if c[0] == case)
+    rc, err = run_inproc(argv, capsys)
+    assert_one_line_error(rc, err, *words)
+    assert not (w["root"] / "out34").exists() and not Path("s3:").exists() and not Path("/tmp/pwned").exists()
+    assert not any(Path(".").glob("*:")), "a directory named after a URL scheme was created"
+
+
+def test_paths_with_dotdot_components_work(w, tmp_path, capsys, monkeypatch):
+    """A native path with `..` components (relative or absolute) is resolved before tensorstore sees it: convert,
+    verify, reshard and export all work, where tensorstore alone refuses "Invalid file path"."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a" / "b")
+    import os
+
+    hf = os.path.relpath(w["hf"])  # ../../../notb0/hf: the HF side with `..` components too
+    assert hf.startswith("..")
+    for argv in (["convert", "hf-to-mcore", hf, "../../a/../ck", "--quiet", "--no-verify"],
+                 ["verify", "../b/../../ck", "--quiet"],
+                 ["reshard", f"{tmp_path}/a/../ck", "../rs", "--tp", "2", "--quiet"],
+                 ["inspect", "../../a/rs"],
+                 ["convert", "mcore-to-hf", "../rs/.", "../../a/b/../hf", "--quiet"]):
+        rc, err = run_inproc(argv, capsys)
+        assert rc == 0 and err.strip() == "", (argv, err)
+    assert (tmp_path / "ck" / "latest").is_file() and (tmp_path / "a" / "rs" / "latest").is_file()
+    assert (tmp_path / "a" / "hf" / "model.safetensors").is_file()
+
+
+def test_native_overwrite_into_a_torch_dist_root_is_refused(w, tmp_path, capsys):
+    """Megatron's tracker would keep winning every read of that root: refused with one line, nothing changed."""
+    import hashlib
+
+    td = tmp_path / "td"
+    assert main(["convert", "hf-to-mcore", str(w["hf"]), str(td), "--format", "torch_dist", "--quiet"]) == 0
+
+    def snap() -> dict:
+        return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "d" for p in td.rglob("*")}
+
+    before = snap()
+    for argv in (["reshard", w["ck"], td, "--overwrite", "--quiet"],
+                 ["convert", "hf-to-mcore", w["hf"], td, "--overwrite", "--quiet", "--no-verify"]):
+        rc, err = run_inproc(argv, capsys)
+        assert_one_line_error(rc, err, "latest_checkpointed_iteration.txt", str(td))
+        assert snap() == before and not (td / "latest").exists()
+
+
+# -- issue 34 (g): a requeued job resumes from --save whatever format it saves in ---------------------------------------
+
+@pytest.mark.parametrize("saved,resumes", [("latest", True), ("latest_checkpointed_iteration.txt", True),
+                                           (None, False), ("iter_0000002", False)])
+def test_requeue_resumes_a_native_or_torch_dist_save(tmp_path, saved, resumes):
+    """The rendered resume block, run by bash: --save holding `latest` (native) or Megatron's tracker (torch_dist)
+    is loaded; a --save holding neither (nothing saved yet, or an iteration without its pointer) loads --load."""
+    from checkpoint.run_layout import RunLayout
+    from plan.launch import LaunchSpec, render_scripts
+
+    save, load = tmp_path / "my run", tmp_path / "ck"
+    save.mkdir()
+    if saved is not None:
+        (save / saved).mkdir() if saved.startswith("iter_") else (save / saved).write_text("2\n")
+    spec = LaunchSpec(RunLayout(tp=1, dp=1), 1, 1, ("--load", str(load), "--save", str(save)), requeue=True)
+    text = render_scripts(spec)["torchrun.sh"]
+    block = text[text.index("SHARDKIT_LOAD="):text.index("fi\n", text.index("SHARDKIT_LOAD=")) + 3]
+    got = subprocess.run(["bash", "-c", block + 'printf %s "$SHARDKIT_LOAD"'], capture_output=True, text=True,
+                         check=True).stdout
+    assert got == str(save if resumes else load)

@@ -63,6 +63,8 @@ def good(tmp_path_factory) -> dict[str, Path]:
     hf = build_tiny_llama(root / "hf", **TINY)
     (hf / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     assert main(["convert", "hf-to-mcore", str(hf), str(root / "ck"), "--quiet", "--no-verify"]) == 0
+    assert main(["convert", "hf-to-mcore", str(hf), str(root / "td"), "--format", "torch_dist", "--quiet",
+                 "--no-verify"]) == 0
     rng = np.random.default_rng(0)
     (root / "data").mkdir()
     write_indexed(root / "data" / "corpus", [rng.integers(3, 200, size=40) for _ in range(32)], np.uint16)
@@ -73,7 +75,7 @@ def good(tmp_path_factory) -> dict[str, Path]:
     (root / "run").mkdir()
     (root / "run" / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "loss": 3.0 - i / 10,
                                                                     "lr": 1e-4}) + "\n" for i in range(1, 6)))
-    return {"hf": hf, "ck": root / "ck", "data": root / "data" / "corpus", "root": root,
+    return {"hf": hf, "ck": root / "ck", "td": root / "td", "data": root / "data" / "corpus", "root": root,
             "legacy": _legacy_from(root / "ck", root / "legacy"), "tok": root / "tok", "jsonl": root / "in.jsonl",
             "run": root / "run"}
 
@@ -254,6 +256,21 @@ REFUSED = [
     ("launch-out-is-load", "ck", lambda g, t: ["launch", "--layout", "tp=1,pp=1,dp=8", "--nodes", "1", "--out",
                                                g["ck"], "--", "--load", g["ck"], "--data-path", g["data"],
                                                "--save", t / "run"], "is the input"),
+    # issue 34: a write never goes into the very iteration it loaded (only the root beside it is resumed into)
+    ("train-save-is-loaded-iteration", "ck", lambda g, t: _train(g, g["ck"] / "iter_0000000",
+                                                                 load=g["ck"] / "iter_0000000"), "is the input"),
+    ("train-save-is-loaded-iteration-via-link", "ck", lambda g, t: _train(
+        g, _link(t / "it", g["ck"] / "iter_0000000"), load=g["ck"] / "iter_0000000"), "is the input"),
+    ("train-tensorboard-is-loaded-iteration", "ck", lambda g, t: [
+        *_train(g, t / "run", load=g["ck"] / "iter_0000000"), "--tensorboard-dir", g["ck"] / "iter_0000000"],
+     "is the input"),
+    ("train-tensorboard-inside-loaded-root", "ck", lambda g, t: [
+        *_train(g, t / "run"), "--tensorboard-dir", g["ck"] / "iter_0000000" / "tb"], "lies inside"),
+    ("train-save-is-loaded-torch_dist-iteration", "td", lambda g, t: _train(g, g["td"] / "iter_0000000",
+                                                                            load=g["td"] / "iter_0000000"),
+     "is the input"),
+    ("train-log-dir-inside-loaded-torch_dist-iteration", "td", lambda g, t: [
+        *_train(g, t / "run", load=g["td"]), "--tensorboard-dir", g["td"] / "iter_0000000" / "tb"], "lies inside"),
 ]
 
 
@@ -303,3 +320,240 @@ def test_mcore_to_hf_refuses_a_dangling_symlink_and_a_users_shard_name(good, tmp
                   capsys)
     assert rc == 1 and len(err) == 1 and shards[0] in err[0] and "move it away" in err[0], err
     assert tree(out) == before
+
+
+# -- issue 34: `launch --out` never writes through a link or over a script it did not write ---------------------------
+
+LAUNCH = ["launch", "--layout", "tp=1,pp=1,dp=8", "--nodes", "1"]
+
+
+def _launch(g, out: Path, *extra) -> list:
+    return [*LAUNCH, "--out", out, *extra, "--", "--load", g["ck"], "--data-path", g["data"], "--save", out / "run"]
+
+
+def _user_script(out: Path, t: Path, name: str) -> Path | None:
+    (out / name).write_text("#!/bin/sh\n# my own launcher\nsrun my_train.sh\n")
+    return None
+
+
+def _edited(out: Path, t: Path, name: str) -> Path | None:
+    """Our own script, edited by the user afterwards: it is theirs now."""
+    from plan.launch import stamped
+
+    (out / name).write_text(stamped("#!/bin/sh\necho ours\n").replace("echo ours", "echo edited"))
+    return None
+
+
+def _link_out(out: Path, t: Path, name: str) -> Path:
+    victim = t / "victim.sh"
+    victim.write_text("precious\n")
+    victim.chmod(0o600)
+    (out / name).symlink_to(victim)
+    return victim
+
+
+def _dangling(out: Path, t: Path, name: str) -> Path:
+    (out / name).symlink_to(t / "elsewhere" / "created.sh")
+    return t / "elsewhere"
+
+
+def _fifo(out: Path, t: Path, name: str) -> None:
+    import os
+
+    os.mkfifo(out / name)
+
+
+def _dir(out: Path, t: Path, name: str) -> None:
+    (out / name).mkdir()
+    (out / name / "keep").write_text("x")
+
+
+def _ltree(root: Path) -> dict[str, str]:
+    """tree() without following anything: links by target, FIFOs by kind."""
+    import os
+    import stat
+
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = os.lstat(p)
+        out[str(p.relative_to(root))] = (f"link:{os.readlink(p)}" if stat.S_ISLNK(st.st_mode) else "fifo"
+                                         if stat.S_ISFIFO(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode) else
+                                         hashlib.sha256(p.read_bytes()).hexdigest() + oct(st.st_mode))
+    return out
+
+
+# (id, planted by, at name, extra flags, word the one line must hold)
+LAUNCH_REFUSED = [
+    ("user-torchrun.sh", _user_script, "torchrun.sh", (), "did not write"),
+    ("user-job.sbatch", _user_script, "job.sbatch", (), "did not write"),
+    ("edited-torchrun.sh", _edited, "torchrun.sh", (), "edited"),
+    ("symlink-torchrun.sh-overwrite", _link_out, "torchrun.sh", ("--overwrite",), "symlink"),
+    ("symlink-job.sbatch", _link_out, "job.sbatch", (), "symlink"),
+    ("dangling-symlink-job.sbatch-overwrite", _dangling, "job.sbatch", ("--overwrite",), "symlink"),
+    ("fifo-job.sbatch-overwrite", _fifo, "job.sbatch", ("--overwrite",), "FIFO"),
+    ("dir-torchrun.sh-overwrite", _dir, "torchrun.sh", ("--overwrite",), "directory"),
+]
+
+
+@pytest.mark.parametrize("plant_at,name,extra,word", [c[1:] for c in LAUNCH_REFUSED],
+                         ids=[c[0] for c in LAUNCH_REFUSED])
+def test_launch_never_replaces_what_it_did_not_write(good, tmp_path, capsys, plant_at, name, extra, word):
+    """Refused with one line before anything is written: neither script appears, every file in --out and the file a
+    link points to stay byte for byte (and mode for mode)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    plant(out)
+    victim = plant_at(out, tmp_path, name)
+    before = _ltree(out)
+    victim_before = (victim.read_bytes(), victim.stat().st_mode) if victim is not None and victim.is_file() else None
+    rc, err = run(_launch(good, out, *extra), capsys)
+    assert rc == 1 and len(err) == 1 and err[0].startswith("shardkit: error:"), err
+    assert name in err[0] and word in err[0], err[0]
+    assert _ltree(out) == before
+    other = "job.sbatch" if name == "torchrun.sh" else "torchrun.sh"
+    assert not (out / other).exists(), "a script was written before the refusal"
+    if victim_before is not None:
+        assert (victim.read_bytes(), victim.stat().st_mode) == victim_before
+    elif victim is not None:
+        assert not victim.exists(), "the dangling link was followed"
+
+
+def test_launch_overwrite_replaces_a_users_script_and_reruns_replace_its_own(good, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    before = plant(out)
+    (out / "torchrun.sh").write_text("#!/bin/sh\nmine\n")
+    rc, err = run(_launch(good, out, "--overwrite"), capsys)
+    assert rc == 0, err
+    from plan.launch import _ours
+
+    assert _ours(out / "torchrun.sh") and _ours(out / "job.sbatch")
+    assert (out / "torchrun.sh").stat().st_mode & 0o111
+    rc, err = run(_launch(good, out), capsys)  # our own, unedited: replaced without --overwrite
+    assert rc == 0, err
+    after = tree(out)
+    assert {k: after.get(k) for k in before} == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
+
+
+# -- issue 34: a checkpoint's hf/ side files are untrusted input --------------------------------------------------------
+
+def _poison_hf(hf: Path, secret: Path) -> None:
+    """Everything an attacker (or a careless copy) can put into a checkpoint's hf/ beside the real tokenizer files."""
+    import os
+
+    (hf / "config.json").write_text(json.dumps({"architectures": ["EvilForCausalLM"], "hidden_size": 1}))
+    (hf / "model.safetensors").write_bytes(b"\0" * 64)
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00001-of-00002."
+                                                                                     "safetensors"}}))
+    (hf / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 64)
+    (hf / "train.sh").write_text("rm -rf ~\n")
+    (hf / "README").write_text("from the checkpoint\n")
+    (hf / "vocab.txt").symlink_to(secret)  # an allowlisted name, linked out
+    os.mkfifo(hf / "merges.txt")  # an allowlisted name, not a regular file
+    (hf / "tokenizer.model").mkdir()  # an allowlisted name, a directory
+    (hf / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>"}))  # a real side file: carried
+
+
+SIDE_OK = {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"}
+
+
+def _poisoned_ck(good, tmp: Path) -> tuple[Path, Path]:
+    import shutil
+
+    secret = tmp / "secret.txt"
+    secret.write_text("s3cret\n")
+    ck = Path(shutil.copytree(good["ck"], tmp / "ck"))
+    _poison_hf(ck / "iter_0000000" / "hf", secret)
+    return ck, secret
+
+
+def _clean_export(good, tmp: Path, capsys) -> Path:
+    rc, err = run(["convert", "mcore-to-hf", good["ck"], tmp / "clean", "--quiet"], capsys)
+    assert rc == 0, err
+    return tmp / "clean"
+
+
+def _assert_clean_export(out: Path, clean: Path) -> None:
+    for name in ("config.json", "model.safetensors"):
+        assert (out / name).read_bytes() == (clean / name).read_bytes(), f"{name} is not the export's own"
+    names = {p.name for p in out.iterdir()}
+    assert not names & {"model.safetensors.index.json", "model-00001-of-00002.safetensors", "vocab.txt",
+                        "merges.txt", "tokenizer.model"}, names
+    assert "special_tokens_map.json" in names and "tokenizer_config.json" in names
+    assert "s3cret" not in "".join(p.read_text(errors="replace") for p in out.iterdir() if p.is_file()
+                                   and p.suffix != ".safetensors")
+
+
+def test_export_carries_only_known_side_files_never_over_its_own(good, tmp_path, capsys):
+    """mcore-to-hf of a checkpoint whose hf/ holds a config.json, weights, an index, a shard, a train.sh, a link out
+    at vocab.txt, a FIFO at merges.txt and a directory at tokenizer.model: the export's own config.json and weights
+    are written (byte-equal to a clean export's, and the model loads), only known tokenizer / generation files that
+    are regular files come along, and nothing blocks."""
+    ck, _ = _poisoned_ck(good, tmp_path)
+    clean = _clean_export(good, tmp_path, capsys)
+    rc, err = run(["convert", "mcore-to-hf", ck, tmp_path / "out", "--quiet"], capsys)
+    assert rc == 0, err
+    _assert_clean_export(tmp_path / "out", clean)
+    assert not (tmp_path / "out" / "train.sh").exists() and not (tmp_path / "out" / "README").exists()
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+def test_export_overwrite_never_replaces_a_users_file_from_side_files(good, tmp_path, capsys):
+    ck, _ = _poisoned_ck(good, tmp_path)
+    clean = _clean_export(good, tmp_path, capsys)
+    out = tmp_path / "out"
+    out.mkdir()
+    before = plant(out)  # holds train.sh and README, which the checkpoint's hf/ also holds
+    for _ in range(2):
+        rc, err = run(["convert", "mcore-to-hf", ck, out, "--quiet", "--overwrite"], capsys)
+        assert rc == 0, err
+        after = tree(out)
+        assert {k: after.get(k) for k in before} == before
+        _assert_clean_export(out, clean)
+
+
+@pytest.mark.parametrize("fmt", ["native", "torch_dist"])
+def test_reshard_carries_only_known_side_files(good, tmp_path, capsys, fmt):
+    """reshard (to either format) carries hf/ through the same allowlist: what it writes holds no config.json of the
+    source's hf/ (a torch_dist export writes its own), no weights, scripts, links or FIFOs; and the result's export
+    is clean."""
+    ck, _ = _poisoned_ck(good, tmp_path)
+    rc, err = run(["reshard", ck, tmp_path / "rs", "--tp", "2", "--format", fmt, "--quiet"], capsys)
+    assert rc == 0, err
+    hf = tmp_path / "rs" / "iter_0000000" / "hf"
+    names = {p.name for p in hf.iterdir()}
+    assert names == SIDE_OK | ({"config.json"} if fmt == "torch_dist" else set()), names
+    assert all(p.is_file() and not p.is_symlink() for p in hf.iterdir())
+    if fmt == "torch_dist":
+        assert "EvilForCausalLM" not in (hf / "config.json").read_text()
+    clean = _clean_export(good, tmp_path, capsys)
+    rc, err = run(["convert", "mcore-to-hf", tmp_path / "rs", tmp_path / "out", "--quiet"], capsys)
+    assert rc == 0, err
+    _assert_clean_export(tmp_path / "out", clean)
+
+
+def test_torch_dist_export_side_files_are_untrusted_too(good, tmp_path, capsys):
+    """A torch_dist checkpoint's hf/ poisoned the same way: its export (through the staging import) is clean."""
+    import shutil
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cret\n")
+    td = Path(shutil.copytree(good["td"], tmp_path / "td"))
+    hf = td / "iter_0000000" / "hf"
+    (hf / "config.json").unlink()  # the poisoned one replaces it; the model comes from the export's shardkit.json
+    _poison_hf(hf, secret)
+    clean = _clean_export(good, tmp_path, capsys)
+    rc, err = run(["convert", "mcore-to-hf", td, tmp_path / "out", "--quiet"], capsys)
+    assert rc == 0, err
+    _assert_clean_export(tmp_path / "out", clean)
+
+
+def test_training_save_carries_only_known_side_files(good, tmp_path, capsys):
+    ck, _ = _poisoned_ck(good, tmp_path)
+    rc, err = run([*_train(good, tmp_path / "run", load=ck), "--lr", "1e-4"], capsys)
+    assert rc == 0, err
+    saved = sorted((tmp_path / "run").glob("iter_*/hf"))
+    assert saved and {p.name for p in saved[-1].iterdir()} == SIDE_OK
