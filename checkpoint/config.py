@@ -392,11 +392,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | Path) -> "ModelConfig":
-        from .safety import read_input, regular_file
+        from .safety import read_input, regular_file, safe_path
 
         path = Path(hf_dir) / "config.json"
         if not regular_file(path, missing_ok=True):  # a FIFO or a device: one line naming it, never a hang
             raise ConfigError(f"{path}: missing config.json; is {hf_dir} a HuggingFace model directory?")
+        # a link may resolve inside the model folder (a hub snapshot: inside its models--org--name), never into
+        # another repository's blobs or elsewhere (issue 34): the config must be this model's
+        safe_path(hf_dir, "config.json", f"{hf_dir}: config.json")
         try:
             data = json.loads(read_input(path, limit=64 << 20))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

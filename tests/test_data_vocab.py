@@ -52,9 +52,17 @@ def test_token_range_cache_follows_the_bin(tmp_path):
     rec = json.loads(side.read_text())
     assert (rec["min_token_id"], rec["max_token_id"]) == (4, 900)
     ds = IndexedDataset(prefix)
-    rec["max_token_id"] = 12345  # a cache for this very .bin (same size and mtime) is believed ...
+    rec["max_token_id"] = 12345  # an edited cache is not believed (issue 34: its digest no longer matches) ...
     side.write_text(json.dumps(rec))
-    assert token_stats(ds)["max_token_id"] == 12345
+    assert token_stats(ds)["max_token_id"] == 900
+    from train.data import _sidecar_digest
+
+    rec = json.loads(side.read_text())
+    rec["max_token_id"] = 12345
+    rec["digest"] = _sidecar_digest(rec)
+    side.write_text(json.dumps(rec))
+    assert token_stats(ds)["max_token_id"] == 12345  # ... a consistent cache for this very .bin is (a sample read
+    # past the vocabulary is still refused: tests/test_hostile.py::test_edited_data_sidecar_is_not_trusted)
     st = os.stat(f"{prefix}.bin")
     os.utime(f"{prefix}.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # ... one for another .bin is not
     assert token_stats(ds)["max_token_id"] == 900

@@ -1032,3 +1032,126 @@ def test_pickle_only_hf_dir_in_verify_is_one_line(good, tmp_path, capsys, stream
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and "pytorch_model.bin" in lines[0] or "pickle" in lines[0], err
     assert "safetensors" in lines[0]
+
+
+# -- issue 34 (f): a data sidecar is checked against the data it describes, and every sample read is checked too --
+
+def _data_beyond_vocab(c: Case) -> Path:
+    """A corpus whose largest token id (450) is beyond the tiny model's vocabulary (300), with its sidecar."""
+    from train.data import IndexedDataset, token_stats, write_indexed
+
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(3, 200, size=40) for _ in range(64)]
+    docs[5][7] = 450
+    prefix = c.tmp / "beyond"
+    write_indexed(prefix, docs, np.uint16)
+    token_stats(IndexedDataset(prefix))  # the sidecar, as a first run caches it
+    return prefix
+
+
+def _edit_sidecar(prefix: Path, redigest: bool, **changes) -> None:
+    from train.data import _sidecar_digest, sidecar_path
+
+    p = sidecar_path(str(prefix) + ".bin")
+    rec = json.loads(p.read_text())
+    rec.update(changes)
+    if redigest:
+        rec["digest"] = _sidecar_digest(rec)
+    p.write_text(json.dumps(rec))
+
+
+SIDECAR_EDITS = {
+    "lowered-max": dict(redigest=False, max_token_id=100),
+    "lowered-max-no-digest": dict(redigest=False, max_token_id=100, digest=None),
+    "lowered-max-old-format": dict(redigest=False, max_token_id=100, bin_ino=None, bin_ctime_ns=None),
+    "max-as-bool": dict(redigest=True, max_token_id=True),
+    "forged-digest": dict(redigest=True, max_token_id=100),  # an editor who recomputes it: each sample is checked
+    "stale-identity": dict(redigest=True, max_token_id=100, bin_ino=1),
+}
+
+
+@pytest.mark.parametrize("edit", list(SIDECAR_EDITS))
+def test_edited_data_sidecar_is_not_trusted(good, tmp_path, capsys, edit):
+    c = Case(tmp_path, good)
+    prefix = _data_beyond_vocab(c)
+    _edit_sidecar(prefix, **SIDECAR_EDITS[edit])
+    argv = _train(c, good["ck"])
+    argv[argv.index("--data-path") + 1] = prefix
+    argv[argv.index("--train-iters") + 1] = "40"  # (every sample is read: the bad one is among them)
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and "shardkit: error:" in ln]
+    assert rc not in (0, None) and lines and "Traceback" not in err and "IndexError" not in err, err
+    assert "beyond.bin" in lines[0] and "450" in lines[0] and "vocabulary of 300" in lines[0], lines[0]
+    assert not list(c.out.glob("iter_*/manifest.json"))
+
+
+def test_sidecar_of_an_unchanged_bin_is_still_used(good, tmp_path, monkeypatch):
+    """The cache still works (no pass over the tokens) where the sidecar matches its .bin; a copy of the .bin (new
+    inode) is recomputed once and cached again."""
+    from train import data
+
+    c = Case(tmp_path, good)
+    prefix = _data_beyond_vocab(c)
+    passes = {"n": 0}
+    real = data.write_token_stats
+    monkeypatch.setattr(data, "write_token_stats", lambda *a, **k: (passes.__setitem__("n", passes["n"] + 1),
+                                                                    real(*a, **k))[1])
+    assert data.token_stats(data.IndexedDataset(prefix))["max_token_id"] == 450 and passes["n"] == 0
+    copy = tmp_path / "copy"
+    shutil.copy2(str(prefix) + ".bin", str(copy) + ".bin")
+    shutil.copy2(str(prefix) + ".idx", str(copy) + ".idx")
+    shutil.copy2(data.sidecar_path(str(prefix) + ".bin"), data.sidecar_path(str(copy) + ".bin"))
+    assert data.token_stats(data.IndexedDataset(copy))["max_token_id"] == 450 and passes["n"] == 1
+    assert data.token_stats(data.IndexedDataset(copy))["max_token_id"] == 450 and passes["n"] == 1
+
+
+def _hub_snapshot(root: Path, repo: str, hf: Path) -> Path:
+    """An HF hub cache repo as huggingface_hub lays it out: snapshots/<rev>/<name> -> ../../blobs/<hash>."""
+    import hashlib
+
+    base = root / f"models--{repo.replace('/', '--')}"
+    snap = base / "snapshots" / ("0" * 40)
+    (base / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in hf.iterdir():
+        if f.is_file():
+            data = f.read_bytes()
+            blob = base / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    return snap
+
+
+@pytest.mark.parametrize("target", ["other-repo-blob", "outside-cache"])
+@pytest.mark.parametrize("cmd", ["convert", "verify-against"])
+def test_hub_config_linking_out_of_its_repo_is_refused(good, tmp_path, capsys, target, cmd):
+    hub = tmp_path / "hub"
+    mine = _hub_snapshot(hub, "org/mine", good["hf"])
+    other = _hub_snapshot(hub, "org/other", good["hf"])
+    cfg = json.loads((good["hf"] / "config.json").read_text())
+    cfg["rms_norm_eps"] = 0.5  # another model's config (the same shapes)
+    if target == "other-repo-blob":
+        dest = os.path.realpath(other / "config.json")
+        os.chmod(dest, 0o644)
+        Path(dest).write_text(json.dumps(cfg))
+    else:
+        dest = tmp_path / "elsewhere.json"
+        dest.write_text(json.dumps(cfg))
+    (mine / "config.json").unlink()
+    (mine / "config.json").symlink_to(os.path.relpath(dest, mine))
+    out = tmp_path / "out"
+    argv = (["convert", "hf-to-mcore", str(mine), str(out), "--quiet"] if cmd == "convert"
+            else ["verify", str(good["ck"]), "--against", str(mine), "--quiet"])
+    capsys.readouterr()
+    rc = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and "config.json" in lines[0] and "symlink" in lines[0], err
+    assert not (out / "latest").exists()
+
+
+def test_hub_config_linking_into_its_own_blobs_is_read(good, tmp_path, capsys):
+    mine = _hub_snapshot(tmp_path / "hub", "org/mine", good["hf"])
+    assert main(["convert", "hf-to-mcore", str(mine), str(tmp_path / "out"), "--quiet", "--no-verify"]) == 0

@@ -504,9 +504,10 @@ def write_token_stats(bin_path: Path, lo: int | None, hi: int | None, tokenizer:
             return False
         st = bin_path.stat()
         rec = {"format": SIDECAR_FORMAT, "version": 1, "bin": bin_path.name, "bin_size": st.st_size,
-               "bin_mtime_ns": st.st_mtime_ns, "min_token_id": lo, "max_token_id": hi}
+               "bin_mtime_ns": st.st_mtime_ns, **_bin_identity(st), "min_token_id": lo, "max_token_id": hi}
         if tokenizer is not None:
             rec["tokenizer"] = tokenizer
+        rec["digest"] = _sidecar_digest(rec)
         fd, tmp = _mkstemp_umask(out, ".tmp")
         try:
             with os.fdopen(fd, "w") as f:
@@ -524,12 +525,25 @@ def write_token_stats(bin_path: Path, lo: int | None, hi: int | None, tokenizer:
         return False  # a read-only data directory: the range is computed again next time
 
 
+def _bin_identity(st: os.stat_result) -> dict:
+    """What else must hold for a sidecar to describe its .bin (issue 34): the same file (inode) not rewritten since
+    (ctime_ns: `touch` cannot set it back, a copy or rename over the .bin changes it)."""
+    return {"bin_ino": st.st_ino, "bin_ctime_ns": st.st_ctime_ns}
+
+
+def _sidecar_digest(rec: dict) -> str:
+    """sha256 of the record without its digest: a hand edit (a lowered max_token_id) that did not recompute it is
+    seen, and the record is recomputed from the tokens instead of trusted."""
+    body = {k: v for k, v in rec.items() if k != "digest"}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _read_sidecar(path: Path) -> dict | None:
     try:
         if not path.is_file() or path.stat().st_size > 1 << 20:
             return None
         rec = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return None
     return rec if isinstance(rec, dict) and rec.get("format") == SIDECAR_FORMAT else None
 
@@ -540,18 +554,43 @@ def token_stats(ds: IndexedDataset, chunk_tokens: int = 1 << 26) -> dict:
     new sidecar (atomically; skipped when the directory is read-only)."""
     st = ds.bin_path.stat()
     rec = _read_sidecar(sidecar_path(ds.bin_path))
-    if rec is not None and rec.get("bin_size") == st.st_size and rec.get("bin_mtime_ns") == st.st_mtime_ns \
-            and all(isinstance(rec.get(k), (int, type(None))) for k in ("min_token_id", "max_token_id")):
+    same_bin = rec is not None and rec.get("bin_size") == st.st_size and rec.get("bin_mtime_ns") == st.st_mtime_ns
+    if same_bin and all(rec.get(k) == v for k, v in _bin_identity(st).items()) \
+            and rec.get("digest") == _sidecar_digest(rec) \
+            and all(isinstance(rec.get(k), (int, type(None))) and not isinstance(rec.get(k), bool)
+                    for k in ("min_token_id", "max_token_id")):
         return rec
+    # stale (another .bin, or a copy of it), edited (the digest), or written before these checks: recomputed from the
+    # tokens; its tokenizer record (a hint in check_vocab's line) is kept unless the record was edited
+    keep_tokenizer = same_bin and rec.get("digest", _sidecar_digest(rec)) == _sidecar_digest(rec) \
+        and isinstance(rec.get("tokenizer"), dict)
     lo = hi = None
     tokens = ds._tokens
     for start in range(0, len(tokens), chunk_tokens):
         part = tokens[start:start + chunk_tokens]
         a, b = int(part.min()), int(part.max())
         lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
-    tokenizer = None  # a changed .bin: the old record no longer says who made it
+    tokenizer = rec["tokenizer"] if keep_tokenizer else None  # a changed .bin: the old record no longer says who
     write_token_stats(ds.bin_path, lo, hi, tokenizer)
     return {"min_token_id": lo, "max_token_id": hi, "tokenizer": tokenizer}
+
+
+# .bin (real path) -> (the model's vocabulary, the model), from check_vocab: GPTDataset checks every sample it reads
+# against it (issue 34: a stale or edited sidecar's range let ids past the vocabulary through, to an IndexError deep
+# in the embedding); a vectorized min/max of seq_length + 1 ids per sample costs nothing beside the step
+_VOCAB: dict[str, tuple[int, str]] = {}
+
+
+def _check_sample(indexed: "IndexedDataset", sample: np.ndarray, i: int) -> np.ndarray:
+    limit = _VOCAB.get(os.path.realpath(indexed.bin_path))
+    if limit is not None and sample.size:
+        lo, hi = int(sample.min()), int(sample.max())
+        if lo < 0 or hi >= limit[0]:
+            bad = lo if lo < 0 else hi
+            raise DataError(f"{indexed.bin_path}: token id {bad} in sample {i} is outside the model's vocabulary of "
+                            f"{limit[0]} tokens ({limit[1]}); {sidecar_path(indexed.bin_path).name} said otherwise "
+                            "(stale or edited): tokenize the data with the model's tokenizer")
+    return sample
 
 
 def check_vocab(paths: Sequence[str], vocab_size: int, model: str) -> None:
@@ -561,6 +600,7 @@ def check_vocab(paths: Sequence[str], vocab_size: int, model: str) -> None:
     prefixes, _ = parse_blend(paths)
     for p in dict.fromkeys(prefixes):
         ds = IndexedDataset(p)
+        _VOCAB[os.path.realpath(ds.bin_path)] = (vocab_size, model)  # every sample read is checked too
         if ds.num_tokens == 0:
             continue
         s = token_stats(ds)
@@ -688,11 +728,12 @@ class GPTDataset:
         (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
         docs = self.document_index
         if d0 == d1:
-            return self.indexed.get(int(docs[d0]), int(o0), int(o1 - o0 + 1)).astype(np.int64)
+            return _check_sample(self.indexed, self.indexed.get(int(docs[d0]), int(o0), int(o1 - o0 + 1))
+                                 .astype(np.int64), i)
         parts = [self.indexed.get(int(docs[d0]), int(o0))]
         parts += [self.indexed.get(int(docs[k])) for k in range(d0 + 1, d1)]
         parts.append(self.indexed.get(int(docs[d1]), 0, int(o1) + 1))
-        return np.concatenate(parts).astype(np.int64)
+        return _check_sample(self.indexed, np.concatenate(parts).astype(np.int64), i)
 
 
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
