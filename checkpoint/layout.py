@@ -136,6 +136,17 @@ def parse_pipeline_layout(text: str) -> list[str]:
     return stages
 
 
+def _other_stages(n: int, split: PipelineSplit) -> str:
+    """The stages that share the layers the first/last flags leave, named as what they are (issue 34: at --pp 2
+    with only --decoder-first-pipeline-num-layers, the one left is the last stage, not "1 middle stage(s)")."""
+    if split.first is not None and split.last is not None:
+        return "no middle stage" if n == 0 else f"the {n} middle stage{'s' if n > 1 else ''}"
+    end = "last" if split.first is not None else "first"
+    if n <= 1:
+        return f"the {end} stage" if n == 1 else f"no {end} stage"
+    return f"the {n - 1} middle and the {end} stage" if end == "last" else f"the {end} and the {n - 1} middle stages"
+
+
 @functools.lru_cache(maxsize=256)  # every region of every tensor asks: resolve (and parse) a split once
 def _split_counts(split: PipelineSplit, num_layers: int, pp: int, vpp: int, mtp_layers: int | None
                   ) -> tuple[int, ...]:
@@ -177,15 +188,15 @@ def _split_counts(split: PipelineSplit, num_layers: int, pp: int, vpp: int, mtp_
                                   "holds the same number of layers)")
             rest -= n
             middle -= 1
+        others = _other_stages(max(middle, 0), split)
         if rest < 0 or bool(rest) != bool(middle):
             raise LayoutError(f"--decoder-first/last-pipeline-num-layers ({split.first}, {split.last}) leave {rest} "
-                              f"layers of num_hidden_layers={num_layers} for {max(middle, 0)} middle stage(s) at "
-                              f"--pp {pp}")
+                              f"layers of num_hidden_layers={num_layers} for {others} at --pp {pp}")
         if middle and rest % middle:
-            raise LayoutError(f"the {rest} layers left for the {middle} middle stage(s) after "
+            raise LayoutError(f"the {rest} layers left for {others} after "
                               f"--decoder-first/last-pipeline-num-layers are not divisible by {middle}")
         if middle and (rest // middle) % vpp:
-            raise LayoutError(f"the {rest // middle} layers of each middle stage are not divisible by --vpp {vpp}")
+            raise LayoutError(f"the {rest // middle} layers of each of {others} are not divisible by --vpp {vpp}")
         per_stage = [rest // middle if middle else 0] * pp
         if split.first is not None:
             per_stage[0] = split.first

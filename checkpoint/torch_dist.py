@@ -87,6 +87,9 @@ HF_SUBDIR = "hf"
 # Items larger than this are spooled to a temporary file and memory-mapped instead of read into memory.
 ITEM_MMAP_BYTES = 256 << 20
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+# the largest iteration number taken from a checkpoint (common.pt, the tracker): 10^10 steps is centuries of training;
+# beyond it the number is damage, never a directory name (issue 34: 10**30 was used as one)
+MAX_ITERATION = 10**10
 
 
 # -- safe unpickling --------------------------------------------------------------------------------------------------
@@ -628,6 +631,9 @@ class TorchDistCheckpoint:
     @property
     def iteration(self) -> int:
         it = (self.common or {}).get("iteration")
+        if isinstance(it, int) and not isinstance(it, bool) and it > MAX_ITERATION:
+            raise FormatError(f"{self.path / COMMON_PT}: iteration {str(it)[:40]} is beyond any run's "
+                              f"({MAX_ITERATION:,}); the file is damaged, not a name to write")
         if isinstance(it, int) and not isinstance(it, bool) and it >= 0:
             return it
         it = iteration_of(self.path.name)
@@ -1146,7 +1152,7 @@ def resolve_torch_dist(path: str | Path) -> Path:
         text = text.strip()
         if text == RELEASE:
             name = RELEASE
-        elif text.isdigit():
+        elif text.isdigit() and len(text) <= len(str(MAX_ITERATION)) and int(text) <= MAX_ITERATION:
             name = iter_dirname(int(text))
         else:
             raise FormatError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'")

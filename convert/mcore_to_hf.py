@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import store
-from checkpoint.commit import fsync_path, fsync_tree, output_lock, replace_dir
+from checkpoint.commit import fsync_path, fsync_tree, output_lock, replace_dir, space_note
 from checkpoint.errors import ShardkitError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.progress import progress_bar
@@ -153,6 +153,16 @@ def _read_block(ckpt: Checkpoint, tm: TensorMap, start: int, stop: int) -> torch
 
 
 def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -> None:
+    """One shard file; a write error names it (issue 34: a full disk named neither the file nor the bytes)."""
+    try:
+        _write_shard_file(ckpt, path, plans, bar)
+    except OSError as e:
+        if getattr(e, "filename", None) is None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise
+
+
+def _write_shard_file(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -> None:
     header, off = {}, 0
     for p in plans:
         header.update(p.header(off))
@@ -294,8 +304,11 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
                 replace_dir(tmp, out)  # fsyncs every file and directory first
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise WriteError(f"{out}: export failed while writing ({e.strerror or e}); "
-                             f"{'the files written so far were removed' if not into else 'rerun it'}") from None
+            where = Path(e.filename).name if getattr(e, "filename", None) else None
+            note = space_note(out if into else out.parent, total)  # the export's bytes and what is free
+            raise WriteError(f"{out}: export failed while writing{f' {where}' if where else ''} ({e.strerror or e})"
+                             f"{note}; {'the files written so far were removed' if not into else 'rerun it'}") \
+                from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

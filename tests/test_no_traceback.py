@@ -581,3 +581,92 @@ def test_requeue_resumes_a_native_or_torch_dist_save(tmp_path, saved, resumes):
     got = subprocess.run(["bash", "-c", block + 'printf %s "$SHARDKIT_LOAD"'], capture_output=True, text=True,
                          check=True).stdout
     assert got == str(save if resumes else load)
+
+
+# -- issue 34 (g): small lines that named the wrong thing, or nothing -----------------------------------------------
+
+class _FullDisk:
+    """A shard file whose writes fail with ENOSPC after `after` bytes (a disk that fills mid-export)."""
+
+    def __init__(self, f, after: int):
+        self.f, self.left = f, after
+
+    def write(self, b) -> int:
+        import errno
+        import os
+
+        if len(b) > self.left:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.left -= len(b)
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+@pytest.mark.parametrize("after", [0, 4096])
+@pytest.mark.parametrize("into", [False, True])
+def test_full_disk_in_mcore_to_hf_names_the_file_and_the_bytes(w, tmp_path, capsys, monkeypatch, after, into):
+    import builtins
+
+    import convert.mcore_to_hf as m2h
+
+    real_open = builtins.open
+
+    def opening(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        return _FullDisk(f, after) if str(path).endswith(".safetensors") and "w" in mode else f
+
+    monkeypatch.setattr(m2h, "open", opening, raising=False)
+    out = tmp_path / "out"
+    if into:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine\n")
+    rc, err = run_inproc(["convert", "mcore-to-hf", w["ck"], out, "--quiet", "--max-shard-size", "64KB",
+                          *(["--overwrite"] if into else [])], capsys)
+    line = assert_one_line_error(rc, err, str(out), "model-00001-of-", ".safetensors", "No space left on device",
+                                 "bytes free")
+    assert "it needs" in line and line.count("bytes free") == 1, line
+    assert not list(out.glob("*.safetensors")) if out.exists() else True
+    if into:
+        assert (out / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("flags,words,never", [
+    (["--pp", "2", "--decoder-first-pipeline-num-layers", "5"], ["the last stage", "--pp 2"], "middle"),
+    (["--pp", "2", "--decoder-last-pipeline-num-layers", "5"], ["the first stage", "--pp 2"], "middle"),
+    (["--pp", "2", "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "2"],
+     ["no middle stage"], "1 middle"),
+])
+def test_uneven_split_lines_name_the_stages_there_are(w, tmp_path, capsys, flags, words, never):
+    rc, err = run_inproc(["convert", "hf-to-mcore", w["hf"], tmp_path / "out", "--quiet", *flags], capsys)
+    line = assert_one_line_error(rc, err, *words)
+    assert never not in line, line
+
+
+@pytest.mark.parametrize("where", ["common.pt", "tracker"])
+@pytest.mark.parametrize("cmd", ["inspect", "reshard", "mcore-to-hf"])
+def test_huge_iteration_is_refused_not_used_as_a_name(w, tmp_path, capsys, where, cmd):
+    from checkpoint.torch_dist import load_common, write_common
+
+    td = tmp_path / "td"
+    assert main(["reshard", str(w["ck"]), str(td), "--format", "torch_dist", "--quiet"]) == 0
+    it = next(td.glob("iter_*"))
+    if where == "common.pt":
+        common, _ = load_common(it / "common.pt")
+        common["iteration"] = 10**30
+        write_common(it, common)
+    else:
+        (td / "latest_checkpointed_iteration.txt").write_text("9" * 40)
+    out = tmp_path / "out"
+    argv = {"inspect": ["inspect", td], "reshard": ["reshard", td, out, "--quiet"],
+            "mcore-to-hf": ["convert", "mcore-to-hf", td, out, "--quiet"]}[cmd]
+    rc, err = run_inproc(argv, capsys)
+    assert_one_line_error(rc, err, "common.pt" if where == "common.pt" else "latest_checkpointed_iteration.txt")
+    assert not (out.exists() and any("0" * 25 in p.name for p in out.iterdir()))

@@ -161,7 +161,8 @@ def test_uneven_convert_reshard_round_trip(llama10):
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--pp", "4", "--decoder-first-pipeline-num-layers", "3"], ["7 layers", "3 middle"]),
+    (["--pp", "4", "--decoder-first-pipeline-num-layers", "3"], ["7 layers", "the 2 middle and the last stage"]),
+    (["--pp", "2", "--decoder-first-pipeline-num-layers", "3", "--vpp", "2"], ["--vpp 2"]),
     (["--pp", "4", "--vpp", "2", "--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers",
       "3"], ["--decoder-first-pipeline-num-layers 3", "--vpp 2"]),
     (["--pp", "2", "--decoder-first-pipeline-num-layers", "11"], ["--decoder-first/last-pipeline-num-layers"]),
