@@ -45,7 +45,10 @@ def fsync_path(path: Path) -> None:
 def write_file_atomic(path: Path, data: str | bytes) -> None:
     """tmp + fsync + rename + fsync(dir): readers see the old or the new file, never a torn one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    if os.path.islink(tmp):  # our temporary name: a link planted there is removed, never written through
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with os.fdopen(fd, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())

@@ -23,7 +23,7 @@ from checkpoint.errors import ShardkitError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
-from checkpoint.safety import copy_side_files
+from checkpoint.safety import check_target, copy_side_files
 
 from . import families
 from checkpoint.sharding import SCALE_SUFFIX
@@ -271,6 +271,7 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
     with output_lock(out.parent, f".{out.name}.shardkit.lock"):  # one writer per output; rmtree(tmp) under it
         into = out.is_dir()
         tmp = out / EXPORT_PARTIAL if into else out.with_name(f".{out.name}.partial")
+        check_target(tmp, "OUT", ours=True, kind="dir")  # our work directory's name: a link there is refused
         try:
             if tmp.exists():
                 shutil.rmtree(tmp)

@@ -71,8 +71,10 @@ _MODEL_CHUNK = re.compile(r"^model(\d*)$")
 def load_rank_file(path: str | Path) -> dict:
     """One legacy rank file as plain data (tensors memory-mapped). Raises FormatError naming the file for anything
     that is not plain data under the allowlist, or not a torch.save file."""
+    from checkpoint.safety import regular_file
+
     path = Path(path)
-    if not path.is_file():
+    if not regular_file(path, missing_ok=True):  # a FIFO or a device: one line naming it, never a hang
         raise FormatError(f"{path}: missing")
     obj = load_torch(path, mmap=zipfile.is_zipfile(path))  # the zip format maps; the pre-1.6 format is read whole
     if not isinstance(obj, dict):
@@ -186,7 +188,7 @@ def read_legacy_args(src_root: str | Path) -> argparse.Namespace:
     d, _ = _find_iteration(Path(src_root))
     for rank0 in [p for p in d.iterdir() if re.match(r"^mp_rank_00(_000){0,2}$", p.name) and p.is_dir()][:1]:
         for name in MODEL_FILES:
-            if (rank0 / name).is_file():
+            if os.path.lexists(rank0 / name):  # a FIFO there is named by load_rank_file, never "missing"
                 args = load_rank_file(rank0 / name).get("args")
                 if not isinstance(args, argparse.Namespace):
                     raise FormatError(f"{rank0 / name}: holds no Megatron-LM args; pass the model config "
@@ -215,7 +217,7 @@ def open_legacy(src_root: str | Path, cfg: ModelConfig) -> LegacySource:
 
     def model_file(d: Path) -> Path:
         for name in MODEL_FILES:
-            if (d / name).is_file():
+            if os.path.lexists(d / name):  # what is there is checked where it is read (a FIFO: one line)
                 return d / name
         raise FormatError(f"{d}: no {' or '.join(MODEL_FILES)}")
 

@@ -156,11 +156,21 @@ def plot(cands: list[Candidate], path: str, gpu_memory: int, title: str, top: in
     ax.set_title(title, fontsize="small")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
+    import os
+
+    from checkpoint.safety import check_target
+
     out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp")
     try:
+        check_target(out, "--plot", ours=True)  # a link or a non-regular file there is never written through
+        check_target(tmp, "--plot", ours=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
+        fig.savefig(tmp, dpi=110, format=out.suffix.lstrip(".") or "png")
+        os.replace(tmp, out)
     except OSError as e:
+        if tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink()
         raise WriteError(f"--plot {path}: cannot write ({e.strerror or e})") from None
     finally:
         plt.close(fig)

@@ -755,6 +755,21 @@ def _fifo_cases(tmp: Path, good: dict[str, Path]) -> list[tuple[str, list[str]]]
     ck = copy("ck", "ck-export")  # a chunk read by an export that skips the up-front check
     cases.append((str(_fifo_at(ck, _first_chunk(ck))), ["convert", "mcore-to-hf", str(ck), out, "--skip-verify",
                                                         "--quiet"]))
+    data = tmp / "data-fifo"  # a training corpus whose .idx is a FIFO
+    for ext in (".bin", ".idx"):
+        shutil.copy(f"{good['data']}{ext}", f"{data}{ext}")
+    cases.append((str(_fifo_at(tmp, "data-fifo.idx")), [
+        "continue-pretrain", "--load", str(good["ck"]), "--data-path", str(data), "--save", out, "--seq-length", "16",
+        "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1"]))
+    os.mkfifo(tmp / "in.jsonl")  # preprocess-data --input
+    cases.append((str(tmp / "in.jsonl"), ["preprocess-data", "--input", str(tmp / "in.jsonl"), "--tokenizer",
+                                          str(good["hf"]), "--output-prefix", f"{out}/d", "--quiet"]))
+    legacy = tmp / "legacy-rank-fifo"  # a Megatron-LM legacy rank file
+    (legacy / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    (legacy / "latest_checkpointed_iteration.txt").write_text("1")
+    os.mkfifo(legacy / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+    cases.append((str(legacy / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"), [
+        "convert", "megatron-to-mcore", str(legacy), out, "--hf-config", str(good["hf"]), "--quiet"]))
     return cases
 
 

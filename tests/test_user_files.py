@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -358,8 +359,6 @@ def _dangling(out: Path, t: Path, name: str) -> Path:
 
 
 def _fifo(out: Path, t: Path, name: str) -> None:
-    import os
-
     os.mkfifo(out / name)
 
 
@@ -370,7 +369,6 @@ def _dir(out: Path, t: Path, name: str) -> None:
 
 def _ltree(root: Path) -> dict[str, str]:
     """tree() without following anything: links by target, FIFOs by kind."""
-    import os
     import stat
 
     out = {}
@@ -440,8 +438,6 @@ def test_launch_overwrite_replaces_a_users_script_and_reruns_replace_its_own(goo
 
 def _poison_hf(hf: Path, secret: Path) -> None:
     """Everything an attacker (or a careless copy) can put into a checkpoint's hf/ beside the real tokenizer files."""
-    import os
-
     (hf / "config.json").write_text(json.dumps({"architectures": ["EvilForCausalLM"], "hidden_size": 1}))
     (hf / "model.safetensors").write_bytes(b"\0" * 64)
     (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00001-of-00002."
@@ -557,3 +553,51 @@ def test_training_save_carries_only_known_side_files(good, tmp_path, capsys):
     assert rc == 0, err
     saved = sorted((tmp_path / "run").glob("iter_*/hf"))
     assert saved and {p.name for p in saved[-1].iterdir()} == SIDE_OK
+
+
+def _victim_dir(t: Path) -> Path:
+    v = t / "victim_dir"
+    v.mkdir()
+    (v / "keep.txt").write_text("precious\n")
+    return v
+
+
+def _victim_file(t: Path) -> Path:
+    v = t / "victim.txt"
+    v.write_text("precious\n")
+    return v
+
+
+# (id, plant(good, out_dir, tmp) -> victim, argv(good, out_dir), the one line's word or None where the command succeeds)
+NAMED_OUTPUT_LINKS = [
+    ("plot -o", lambda g, o, t: _link(o / "m.png", _victim_file(t)),
+     lambda g, o: ["plot", g["run"] / "metrics.jsonl", "-o", o / "m.png"], "symlink"),
+    ("plot -o temporary name", lambda g, o, t: _link(o / ".m.png.tmp", _victim_file(t)),
+     lambda g, o: ["plot", g["run"] / "metrics.jsonl", "-o", o / "m.png"], "symlink"),
+    ("plan --plot", lambda g, o, t: _link(o / "p.png", _victim_file(t)),
+     lambda g, o: ["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "2", "--plot", o / "p.png"], "symlink"),
+    ("mcore-to-hf work dir beside a new OUT", lambda g, o, t: _link(o / ".hf.partial", _victim_dir(t)),
+     lambda g, o: ["convert", "mcore-to-hf", g["ck"], o / "hf", "--quiet"], "symlink"),
+    ("mcore-to-hf work dir inside OUT", lambda g, o, t: _link((o / "hf").mkdir() or o / "hf" / ".shardkit-export"
+                                                              ".partial", _victim_dir(t)),
+     lambda g, o: ["convert", "mcore-to-hf", g["ck"], o / "hf", "--quiet", "--overwrite"], "symlink"),
+    # a pointer's temporary name is ours: a link planted there is removed, never written through (the write works)
+    ("latest's temporary name", lambda g, o, t: _link(o / ".latest.tmp", _victim_file(t)),
+     lambda g, o: ["convert", "hf-to-mcore", g["hf"], o, "--quiet", "--no-verify", "--overwrite"], None),
+]
+
+
+@pytest.mark.parametrize("plant_link,build,word", [c[1:] for c in NAMED_OUTPUT_LINKS],
+                         ids=[c[0] for c in NAMED_OUTPUT_LINKS])
+def test_named_outputs_are_never_written_through_a_link(good, tmp_path, capsys, plant_link, build, word):
+    out = tmp_path / "out"
+    out.mkdir()
+    link = plant_link(good, out, tmp_path)
+    victim = Path(os.readlink(link))
+    before = tree(victim) if victim.is_dir() else victim.read_bytes()
+    rc, err = run(build(good, out), capsys)
+    if word is None:
+        assert rc == 0, err
+    else:
+        assert rc == 1 and len(err) == 1 and word in err[0] and link.name in err[0], err
+    assert (tree(victim) if victim.is_dir() else victim.read_bytes()) == before, "written through the link"

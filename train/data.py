@@ -275,8 +275,10 @@ def preprocess_jsonl(input_path: str | os.PathLike, tokenizer_dir: str | os.Path
 
     from checkpoint.progress import progress_bar
 
+    from checkpoint.safety import regular_file
+
     src = Path(input_path)
-    if not src.is_file():
+    if not regular_file(src, "--input", missing_ok=True):  # a FIFO or device: one line naming it, never a hang
         raise DataError(f"--input {src}: no such file")
     keys = list(dict.fromkeys(json_keys))
     if not keys:
@@ -344,8 +346,10 @@ class IndexedDataset:
     def __init__(self, prefix: str | os.PathLike):
         self.prefix = str(prefix)
         idx, bin_ = Path(f"{self.prefix}.idx"), Path(f"{self.prefix}.bin")
+        from checkpoint.safety import regular_file
+
         for p in (idx, bin_):
-            if not p.is_file():
+            if not regular_file(p, f"data prefix {self.prefix}", missing_ok=True):  # a FIFO: one line, no hang
                 raise DataError(f"data prefix {self.prefix}: {p} does not exist"
                                 + (" (pass the prefix without .bin/.idx)" if self.prefix.endswith((".bin", ".idx"))
                                    else ""))

@@ -420,6 +420,10 @@ def plot_metrics(path: str | os.PathLike, output: str | os.PathLike | None = Non
         blocker = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
         if blocker is not None and not blocker.is_dir():
             raise MetricsError(f"{out}: cannot write: {blocker} is not a directory")
+        from checkpoint.safety import check_target
+
+        check_target(out, "--output", ours=True)  # a link or a non-regular file there: never written through
+        check_target(tmp, "--output", ours=True)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             fig.savefig(tmp, format="png", dpi=120)
