@@ -647,8 +647,13 @@ def legacy_to_native(src_root: str | Path, out: str | Path, cfg: ModelConfig, *,
         raise ShardkitError(f"internal: chunks without a source rank, e.g. {example}")
     entries = {n: entries[n] for n in specs}
     nbytes = {t.id: t.nbytes(entries[t.name]) for t in tasks}
+    from .hf_source import content_fingerprint
+
+    # the resume record: each rank file's identity and sampled content too (issue 34: size and mtime alone let a
+    # rewritten rank file resume the chunks of the old one)
     job = {"tool": VERSION, "command": "megatron-to-mcore", "source": str(src.iter_dir.resolve()),
-           "files": src.fingerprint(), "layout": layout.to_dict(), "model": _jsonable(cfg.to_dict())}
+           "files": [[*f, content_fingerprint(rf.path)] for f, rf in zip(src.fingerprint(), src.files)],
+           "layout": layout.to_dict(), "model": _jsonable(cfg.to_dict())}
     started = time.time()
     with IterationWriter(out, src.iteration, job, overwrite=overwrite) as w:
         create_arrays(w, entries)

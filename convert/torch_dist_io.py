@@ -688,9 +688,14 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | N
     optimizer = import_optimizer_states(td) or None
     entries, keys = plan_import(td, cfg, layout, dtype, optimizer, origin)
     vocab = vocab_padding(cfg, layout, optimizer)
+    from .hf_source import content_fingerprint
+
     md = td.path / ".metadata"
     st = md.stat()
+    # the resume record covers every file the chunks come from (issue 34: a .distcp rewritten under an unchanged
+    # .metadata resumed the old chunks): identity and sampled content, as convert hf-to-mcore's
     job = {"tool": VERSION, "source": str(td.path.resolve()), "metadata": [st.st_size, st.st_mtime_ns],
+           "files": {name: content_fingerprint(td.path / name) for name in [".metadata", *td.files()]},
            "layout": layout.to_dict(), "dtype": dtype, "model": json.loads(json.dumps(cfg.to_dict()))}
     started = time.time()
     iteration = td.iteration

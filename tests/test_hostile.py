@@ -1170,3 +1170,41 @@ def test_hub_config_linking_out_of_its_repo_is_refused(good, tmp_path, capsys, t
 def test_hub_config_linking_into_its_own_blobs_is_read(good, tmp_path, capsys):
     mine = _hub_snapshot(tmp_path / "hub", "org/mine", good["hf"])
     assert main(["convert", "hf-to-mcore", str(mine), str(tmp_path / "out"), "--quiet", "--no-verify"]) == 0
+
+
+def test_torch_dist_import_resumed_after_a_distcp_changed_converts_afresh(good, tmp_path, monkeypatch):
+    """reshard of a torch_dist source, interrupted; then one .distcp is replaced by another model's (the same layout:
+    .metadata unchanged, every item's CRC valid): the rerun converts afresh, equal to a fresh import."""
+    from checkpoint.reader import Checkpoint
+    from convert import torch_dist_io
+    from shardkit.demo import build_tiny_llama
+
+    c = Case(tmp_path, good)
+    td = c.copy("td")
+    other_hf = build_tiny_llama(tmp_path / "other-hf", seed=7, **TINY)
+    other = tmp_path / "other-td"
+    assert main(["convert", "hf-to-mcore", str(other_hf), str(other), "--format", "torch_dist", "--quiet",
+                 "--no-verify"]) == 0
+    real = torch_dist_io._ImportWorker.__call__
+    calls = {"n": 0}
+
+    def flaky(self, task):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real(self, task)
+
+    monkeypatch.setattr(torch_dist_io._ImportWorker, "__call__", flaky)
+    out = tmp_path / "out"
+    assert main(["reshard", str(td), str(out), "--quiet", "--workers", "1"]) != 0
+    monkeypatch.setattr(torch_dist_io._ImportWorker, "__call__", real)
+    assert list(out.glob("*.partial"))
+    swapped = sorted((td / ITER).glob("*.distcp"))
+    for f in swapped:  # every rank file of the other model, .metadata and common.pt kept
+        shutil.copyfile(other / ITER / f.name, f)
+    assert main(["reshard", str(td), str(out), "--quiet", "--workers", "1"]) == 0
+    fresh = tmp_path / "fresh"
+    assert main(["reshard", str(td), str(fresh), "--quiet"]) == 0
+    a, b = Checkpoint(out), Checkpoint(fresh)
+    for name in a.tensors:
+        assert np.array_equal(a.read_numpy(name), b.read_numpy(name)), name
