@@ -117,11 +117,13 @@ class RunConfig:
     eval_iters: int = 0
     peak_tflops: float | None = None
     log_dir: str = ""  # metrics.jsonl and TensorBoard; default: the --save directory
+    tensorboard: bool = False  # set by --tensorboard-dir (TOML tensorboard_dir): TensorBoard events asked for
     distributed_timeout_minutes: float = 10.0
     # checks against the checkpoint's model config (Megatron passes the architecture as flags; ours come from it)
     num_layers: int | None = None
     hidden_size: int | None = None
     num_attention_heads: int | None = None
+    num_experts: int | None = None  # routed experts per MoE layer (a dense checkpoint has none)
     # Megatron's --check-for-nan-in-loss-and-grad (on by default): a non-finite loss or grad norm stops the run
     check_for_nan_in_loss_and_grad: bool = True
     # Megatron-LM's Weights & Biases flags (train/metrics.py); no project: no W&B
@@ -149,7 +151,8 @@ _SECTIONS = {"parallel": ParallelConfig, "data": DataArgs, "optimizer": Optimize
 _RENAMES = {"expert_model_parallel_size": ("parallel", "ep"), "expert_tensor_parallel_size": ("parallel", "etp"),
             "tensor_model_parallel_size": ("parallel", "tp"),
             "context_parallel_size": ("parallel", "cp"), "pipeline_model_parallel_size": ("parallel", "pp"),
-            "virtual_pipeline_model_parallel_size": ("parallel", "vpp"), "fp8": ("fp8", "fp8_format")}
+            "virtual_pipeline_model_parallel_size": ("parallel", "vpp"), "fp8": ("fp8", "fp8_format"),
+            "tensorboard_dir": ("run", "log_dir")}  # --tensorboard-dir: also sets run.tensorboard (from_namespace)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -278,13 +281,16 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     a("--skip-verify", action="store_true", default=None,
       help="do not check the --load checkpoint (manifest, array metadata, every chunk present) before training; "
            "chunks are still checksummed as they are read")
-    a("--tensorboard-dir", "--log-dir", dest="log_dir",
-      help="where metrics.jsonl and TensorBoard events go (default: the --save directory)")
+    a("--tensorboard-dir", dest="tensorboard_dir",
+      help="TensorBoard events (and metrics.jsonl) go here; needs tensorboard (pip install tensorboard)")
+    a("--log-dir", dest="log_dir", help="where metrics.jsonl goes, and TensorBoard events when tensorboard is "
+                                        "installed (default: the --save directory)")
     a("--peak-tflops", type=float, help="peak FLOP/s per device for MFU (default: known devices)")
     a("--distributed-timeout-minutes", type=float)
     a("--num-layers", type=int, help="check: must equal the checkpoint's")
     a("--hidden-size", type=int, help="check: must equal the checkpoint's")
     a("--num-attention-heads", type=int, help="check: must equal the checkpoint's")
+    a("--num-experts", type=int, help="check: must equal the checkpoint's routed experts per MoE layer")
     a("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true", default=None,
       help="stop before the optimizer step when a loss or the grad norm is NaN/inf on any rank (the default)")
     a("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
@@ -394,6 +400,15 @@ def run_length(cfg: TrainConfig) -> RunLength:
                           f"{decay_flag}); lower the warmup or raise {decay_flag}")
     if style == "WSD" and wsd_steps is None:
         raise ConfigError(f"--lr-decay-style WSD needs {wsd_flag} (the length of its annealing phase)")
+    if style != "WSD":
+        for flag, on in (("--lr-wsd-decay-style", s.lr_wsd_decay_style != "exponential"),
+                         (wsd_flag, wsd_steps is not None)):
+            if on:
+                raise ConfigError(f"{flag}: applies to --lr-decay-style WSD only (this run decays {style}); use "
+                                  "--lr-decay-style WSD or drop the flag")
+    if s.lr_warmup_init != 0 and not warmup:
+        raise ConfigError(f"--lr-warmup-init {s.lr_warmup_init}: the LR starts there only with a warmup; add "
+                          "--lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction, or drop the flag")
     if s.weight_decay_incr_style == "constant":
         for flag, v in (("--start-weight-decay", s.start_weight_decay), ("--end-weight-decay", s.end_weight_decay)):
             if v is not None:
@@ -475,14 +490,23 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
             except KeyError:
                 raise ConfigError(f"--config {path}: unknown key {key!r}") from None
             values[sec][name] = _typed_toml_value(path, key, v, _SECTIONS[sec], name)
-    for key, v in vars(ns).items():
-        if v is None or key in ("config", "command", "func"):
+            if key.replace("-", "_") == "tensorboard_dir":
+                values["run"]["tensorboard"] = True
+    given = {k: v for k, v in vars(ns).items() if v is not None}
+    tb, log = given.get("tensorboard_dir"), given.get("log_dir")
+    if tb is not None and log is not None and str(tb) != str(log):
+        raise ConfigError(f"--tensorboard-dir {tb} and --log-dir {log}: one directory holds metrics.jsonl and the "
+                          "TensorBoard events; give one of the two")
+    for key, v in given.items():
+        if key in ("config", "command", "func"):
             continue
         try:
             sec, name = _field_of(key)
         except KeyError:
             continue
         values[sec][name] = v
+        if key == "tensorboard_dir":
+            values["run"]["tensorboard"] = True
     if "data_path" in values["data"]:
         values["data"]["data_path"] = tuple(str(x) for x in values["data"]["data_path"])
     try:
@@ -517,13 +541,115 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--cp-comm-type {cfg.parallel.cp_comm_type!r}: expected one of {', '.join(COMM_TYPES)}")
     if cfg.run.transformer_impl not in (None, "local", "transformer_engine"):
         raise ConfigError(f"--transformer-impl {cfg.run.transformer_impl!r}: expected local or transformer_engine")
-    if cfg.run.transformer_impl == "transformer_engine":
-        from .te import check_installed
-
-        check_installed()  # before any process group or checkpoint: one line naming the flag and the install
     validate_fp8(cfg.fp8)
+    check_flags_used(cfg)
+    if cfg.run.transformer_impl == "transformer_engine":
+        from .te import check_installed, packed_cp_refusal, recipe_spec
+
+        if cfg.parallel.cp > 1 and d.reset_attention_mask:
+            raise ConfigError(packed_cp_refusal(cfg.parallel.cp))
+        if cfg.fp8.enabled:
+            recipe_spec(cfg.fp8)  # a recipe TE has no form of: refused here, not after loading
+            if cfg.run.recompute_granularity == "full":  # te.unsupported says the same after loading
+                raise ConfigError("--transformer-impl transformer_engine: --recompute-granularity full with FP8: the "
+                                  "recomputed forward would run outside te.autocast; use --recompute-granularity "
+                                  "selective")
+        check_installed()  # before any process group or checkpoint: one line naming the flag and the install
     validate_moe(cfg)
     run_length(cfg)  # --train-iters/--train-samples and the LR/WD schedule flags
+
+
+def check_flags_used(cfg: TrainConfig) -> None:
+    """Flags that would have no effect in this run (they need another flag, or a part the run does not have) are
+    one-line ConfigErrors naming the flag and what to do, never silently dropped (issue 32; docs/TRAINING_FLAGS.md).
+    A flag given with its default value cannot be told from one not given and does nothing either way."""
+    d, c, r, s, p = cfg.data, cfg.checkpoint, cfg.run, cfg.schedule, cfg.parallel
+    if d.eod_token_id is not None and not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
+        raise ConfigError(f"--eod-token-id {d.eod_token_id}: used only by the packed-document flags; add "
+                          "--reset-position-ids, --reset-attention-mask or --eod-mask-loss, or drop it")
+    if not c.save:
+        for flag, on in (("--save-interval", c.save_interval), ("--async-save", c.async_save),
+                         ("--save-format", c.save_format != "native")):
+            if on:
+                raise ConfigError(f"{flag}: nothing is saved without --save; add --save DIR or drop the flag")
+    if s.exit_signal != "SIGTERM" and not s.exit_signal_handler:
+        raise ConfigError(f"--exit-signal {s.exit_signal}: only --exit-signal-handler waits for it; add "
+                          "--exit-signal-handler or drop the flag")
+    if not r.wandb_project:
+        for flag, v in (("--wandb-exp-name", r.wandb_exp_name), ("--wandb-save-dir", r.wandb_save_dir)):
+            if v:
+                raise ConfigError(f"{flag} {v}: W&B logs only with --wandb-project; add --wandb-project NAME or "
+                                  "drop the flag")
+    if not r.log_interval:
+        for flag, on in (("--tensorboard-dir", r.tensorboard), ("--log-dir", r.log_dir and not r.tensorboard),
+                         ("--wandb-project", r.wandb_project), ("--peak-tflops", r.peak_tflops is not None)):
+            if on:
+                raise ConfigError(f"{flag}: --log-interval 0 logs no iteration, so it would get nothing; give "
+                                  "--log-interval N (N >= 1) or drop the flag")
+    if r.tensorboard:
+        from .metrics import tensorboard_missing
+
+        why = tensorboard_missing()
+        if why:
+            raise ConfigError(f"--tensorboard-dir {r.log_dir}: TensorBoard cannot be written ({why}); pip install "
+                              f"tensorboard, or use --log-dir {r.log_dir} for metrics.jsonl alone")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"--virtual-pipeline-model-parallel-size {p.vpp}: the interleaved schedule needs "
+                          "--pipeline-model-parallel-size > 1 (Megatron asserts the same); add --pp N or drop --vpp")
+    if p.cp_comm_type != "p2p" and p.cp == 1:
+        raise ConfigError(f"--cp-comm-type {p.cp_comm_type}: applies to context parallelism; add "
+                          "--context-parallel-size N (N > 1) or drop the flag")
+    if r.eval_interval and not r.eval_iters:
+        raise ConfigError(f"--eval-interval {r.eval_interval}: no evaluation without --eval-iters N (batches per "
+                          "evaluation; Megatron's default 100 is 0 here)")
+    if r.eval_iters and not r.eval_interval:
+        raise ConfigError(f"--eval-iters {r.eval_iters}: no evaluation without --eval-interval N")
+    if r.eval_interval and r.eval_iters:
+        from .data import split_matrix
+
+        if split_matrix(d.split)[1] is None:
+            raise ConfigError(f"--eval-interval {r.eval_interval}: --split {d.split} leaves no validation data; give "
+                              "the validation share a weight (e.g. --split 969,30,1)")
+
+
+def check_for_model(cfg: TrainConfig, m) -> None:
+    """The flags that depend on the checkpoint's model (`m`, a checkpoint.config.ModelConfig), before anything is
+    built: MoE / MTP flags on a model without experts / MTP layers, and packed documents under context parallelism
+    on a Transformer Engine chosen by default (an explicit --transformer-impl is checked in `validate`)."""
+    mo, r = cfg.moe, cfg.run
+    experts = m.num_moe_experts if m.is_moe else 0
+    if r.num_experts is not None and r.num_experts != experts:
+        raise ConfigError(f"--num-experts {r.num_experts} disagrees with the checkpoint ({m.model_type}: "
+                          f"{experts or 'no'} routed experts); drop the flag or load the right checkpoint")
+    moe_flags = (("--moe-router-load-balancing-type", mo.moe_router_load_balancing_type != "aux_loss"),
+                 ("--moe-aux-loss-coeff", mo.moe_aux_loss_coeff is not None),
+                 ("--moe-router-bias-update-rate", mo.moe_router_bias_update_rate != 1e-3),
+                 ("--moe-router-dtype", mo.moe_router_dtype is not None),
+                 ("--moe-token-dispatcher-type", mo.moe_token_dispatcher_type != "alltoall"))
+    if not m.is_moe:
+        for flag, on in moe_flags:
+            if on:
+                raise ConfigError(f"{flag}: {m.model_type} is a dense model (no experts); the MoE flags apply to "
+                                  "MoE checkpoints (Mixtral, DeepSeek); drop the flag")
+    else:
+        if mo.moe_router_bias_update_rate != 1e-3 and not m.moe_router_enable_expert_bias:
+            raise ConfigError(f"--moe-router-bias-update-rate {mo.moe_router_bias_update_rate}: {m.model_type}'s "
+                              "router has no expert bias (DeepSeek-V3's aux-loss-free balancing); drop the flag")
+        if mo.moe_aux_loss_coeff is not None and mo.moe_router_load_balancing_type == "none":
+            raise ConfigError(f"--moe-aux-loss-coeff {mo.moe_aux_loss_coeff} with --moe-router-load-balancing-type "
+                              "none: no load-balancing loss to weigh; pick aux_loss or seq_aux_loss, or drop the coeff")
+    if not m.mtp_num_layers and mo.mtp_loss_scaling_factor != 0.1:
+        raise ConfigError(f"--mtp-loss-scaling-factor {mo.mtp_loss_scaling_factor}: {m.model_type} has no "
+                          "multi-token-prediction layers; drop the flag")
+    if cfg.parallel.cp > 1 and cfg.data.reset_attention_mask and r.transformer_impl is None:
+        import torch
+
+        from .te import packed_cp_refusal, resolve_impl, unsupported
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as the trainer picks it
+        why_not = unsupported(m, cfg.fp8, r.recompute_granularity)
+        if resolve_impl(None, device, why_not=why_not) == "transformer_engine":
+            raise ConfigError(packed_cp_refusal(cfg.parallel.cp, default=True))
 
 
 def validate_moe(cfg: TrainConfig) -> None:

@@ -85,10 +85,18 @@ def validate_config(c: FP8Config) -> None:
             ("--fp8-recipe", c.fp8_recipe != "delayed"), ("--fp8-margin", c.fp8_margin != 0),
             ("--fp8-amax-history-len", c.fp8_amax_history_len != 1),
             ("--fp8-amax-compute-algo", c.fp8_amax_compute_algo != "most_recent"),
-            ("--no-fp8-wgrad", not c.fp8_wgrad), ("--first-last-layers-bf16", c.first_last_layers_bf16)) if on]
+            ("--no-fp8-wgrad", not c.fp8_wgrad), ("--first-last-layers-bf16", c.first_last_layers_bf16),
+            ("--num-layers-at-start-in-bf16", c.num_layers_at_start_in_bf16 != 1),
+            ("--num-layers-at-end-in-bf16", c.num_layers_at_end_in_bf16 != 1)) if on]
         if given:
             raise ConfigError(f"{given[0]} needs FP8: add --fp8-format hybrid|e4m3 (alias --fp8)")
         return
+    if not c.first_last_layers_bf16:
+        for flag, n in (("--num-layers-at-start-in-bf16", c.num_layers_at_start_in_bf16),
+                        ("--num-layers-at-end-in-bf16", c.num_layers_at_end_in_bf16)):
+            if n != 1:
+                raise ConfigError(f"{flag} {n}: applies with --first-last-layers-bf16 only (without it every decoder "
+                                  "layer runs in FP8); add --first-last-layers-bf16 or drop the flag")
     if c.fp8_format not in FORMATS:
         raise ConfigError(f"--fp8-format {c.fp8_format!r}: expected one of {sorted(FORMATS)}")
     if c.fp8_recipe not in RECIPES:
@@ -103,6 +111,9 @@ def validate_config(c: FP8Config) -> None:
                          ("--fp8-amax-compute-algo", c.fp8_amax_compute_algo != "most_recent")):
             if on:
                 raise ConfigError(f"{flag} applies to --fp8-recipe delayed only (got --fp8-recipe {c.fp8_recipe})")
+    if c.fp8_recipe == "tensorwise" and c.fp8_margin:
+        raise ConfigError("--fp8-margin applies to --fp8-recipe delayed only; tensorwise (current) scaling takes each "
+                          "tensor's own amax without a margin, in both backends")
     if c.fp8_recipe == "blockwise" and c.fp8_margin:
         raise ConfigError("--fp8-margin applies to per-tensor scaling; --fp8-recipe blockwise uses power-of-2 "
                           "block scales without a margin")

@@ -28,7 +28,7 @@ from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
 from train import moe
-from train.config import TrainConfig, run_length, validate
+from train.config import TrainConfig, check_for_model, run_length, validate
 from train.data import DataConfig, DataError, build_datasets, check_vocab, micro_batches
 from train.failures import bound_every_group
 from train.signals import ExitSignals
@@ -93,6 +93,7 @@ def check_model_flags(cfg: TrainConfig, m: ModelConfig, source: Path) -> None:
         raise ConfigError(f"--seq-length {cfg.data.seq_length} exceeds the model's max_position_embeddings "
                           f"({m.max_position_embeddings}) in {source}")
     moe.check_mtp_sequence(cfg.data.seq_length, m, cfg.moe.mtp_loss_scaling_factor)
+    check_for_model(cfg, m)  # MoE / MTP flags on a model without them, TE + packed docs under CP
 
 
 class Trainer:

@@ -183,7 +183,8 @@ def memory_stats(device: Any = None) -> dict[str, float]:
 
 class MetricsLogger:
     """One JSON object per logged iteration appended to `<run_dir>/metrics.jsonl` (flushed each time, so a crash
-    loses nothing logged), TensorBoard scalars when `torch.utils.tensorboard` imports, and a human log line.
+    loses nothing logged), TensorBoard scalars when `torch.utils.tensorboard` imports (continue-pretrain refuses
+    --tensorboard-dir at start-up where it does not: `tensorboard_missing`), and a human log line.
 
     Only `rank == writer_rank` writes; other ranks' calls are no-ops (so every rank can call it). Known keys, all
     optional: loss, valid_loss, lr, grad_norm, tokens_per_s, mfu_megatron, mfu_torchtitan, mem_gib, step_seconds,
@@ -261,6 +262,16 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def tensorboard_missing() -> str | None:
+    """Why TensorBoard events cannot be written here (None: they can): --tensorboard-dir is refused at start-up
+    then, instead of the run writing metrics.jsonl alone. Imports torch.utils.tensorboard (as MetricsLogger will)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as e:
+        return str(e) or type(e).__name__
+    return None
 
 
 WANDB_HOST = ("api.wandb.ai", 443)

@@ -2,7 +2,8 @@
 TE modules, with TE doing the tensor-parallel / sequence-parallel / context-parallel communication and FP8.
 
     self_attention.linear_qkv   te.LayerNormLinear(RMSNorm, parallel_mode="column")  layer_norm_weight, weight, bias
-    self_attention.core_attention  te.DotProductAttention(GQA, causal, bshd; CP group when --cp > 1)
+    self_attention.core_attention  te.DotProductAttention(GQA, causal, bshd; CP group when --cp > 1; packed
+                                documents: thd with cu_seqlens, see below)
     self_attention.linear_proj  te.Linear(parallel_mode="row")                        weight, bias
     mlp.linear_fc1              te.LayerNormLinear(RMSNorm, column)                   layer_norm_weight, weight, bias
     mlp.linear_fc2              te.Linear(row)                                        weight, bias
@@ -20,8 +21,20 @@ the amax reduction over the stage's TP x CP x DP ranks (as Megatron). TE keeps i
 read from `fp8_meta` and written in the same JSON form and names as the local backend's (`train/fp8.py`), so the
 state is resumable, without pickle, and even across backends.
 
+Packed documents (--reset-attention-mask): a micro-batch's document ids reach the layers through the stage's
+context.AttentionState (`TEBackend.wrap` hands it to every TE attention; full-layer recompute restores it), and
+attention then goes through TE's THD path: the [b, s] tokens flattened to t = b*s, one segment per (row, document),
+`cu_seqlens_q = cu_seqlens_kv` from context.varlen_pack (as flash-attn's varlen call), `max_seqlen_q/kv` from the
+data, `attn_mask_type="padding_causal"` (causal within each segment; TE's documented option 2 for unpadded
+variable-length sequences). --reset-position-ids and --eod-mask-loss need nothing here (RoPE positions and loss
+weights come from outside the layers). With --context-parallel-size > 1 packed documents are refused
+(`packed_cp_refusal`): TE's THD context parallelism splits every document into 2 x cp chunks, shardkit's zigzag
+splits the packed sequence, so the two disagree about which tokens a rank holds.
+
 Transformer Engine needs a CUDA GPU and a source build; it is imported only when this backend is asked for. What
-runs without it (and is tested on CPU): `resolve_impl`, `recipe_spec`, the `fp8_meta` <-> checkpoint conversion.
+runs without it (and is tested on CPU): `resolve_impl`, `recipe_spec`, the `fp8_meta` <-> checkpoint conversion, and
+the layers' calls into TE (bshd and thd) against a stand-in module with TE's documented semantics
+(tests/test_flag_backend.py); TE's own kernels are not run there.
 """
 from __future__ import annotations
 
@@ -55,6 +68,14 @@ def te_available() -> bool:
 def check_installed() -> None:
     if not te_available():
         raise ConfigError(f"--transformer-impl transformer_engine: Transformer Engine is not installed; {INSTALL}")
+
+
+def packed_cp_refusal(cp: int, default: bool = False) -> str:
+    """The one line refusing packed documents under TE's context parallelism (see the module docstring)."""
+    how = " (Transformer Engine is chosen by default where installed)" if default else ""
+    return (f"--reset-attention-mask with --context-parallel-size {cp} and --transformer-impl transformer_engine{how}: "
+            "TE's THD context parallelism splits each document over the CP ranks, shardkit's zigzag splits the packed "
+            "sequence; use --transformer-impl local (its ring / all-gather attention keeps documents apart under CP)")
 
 
 def unsupported(cfg: ModelConfig, fp8: FP8Config, recompute: str | None) -> str | None:
@@ -191,6 +212,10 @@ class TESelfAttention(nn.Module):
         self.linear_proj = te.Linear(cfg.num_attention_heads * cfg.kv_channels, h, bias=cfg.add_proj_bias,
                                      parallel_mode="row", **common)
         self.selective_recompute = selective_recompute
+        self.cp = 1 if par.cp_group is None else len(par.cp_ranks)
+        # where the micro-batch's attention layout is read (TEBackend.wrap sets it; _UNWRAPPED: never run unwrapped,
+        # so a packed micro-batch can never be attended to as one causal sequence by mistake)
+        self.layouts: Any = _UNWRAPPED
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         qkv = self.linear_qkv(_sbh(x)).transpose(0, 1)  # [b, s, rows]: TE works in [s, b, h]
@@ -200,8 +225,42 @@ class TESelfAttention(nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         q = apply_rope(q.transpose(1, 2), cos, sin).transpose(1, 2).contiguous()
         k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2).contiguous()
-        out = self.core_attention(q, k, v.contiguous(), checkpoint_core_attention=self.selective_recompute)
+        docs = self._docs()
+        if docs is None:
+            out = self.core_attention(q, k, v.contiguous(), checkpoint_core_attention=self.selective_recompute)
+        else:
+            out = thd_attention(self.core_attention, q, k, v.contiguous(), docs, self.selective_recompute)
         return self.linear_proj(_sbh(out.reshape(b, s, -1))).transpose(0, 1)
+
+    def _docs(self) -> Tensor | None:
+        """Document ids [b, s] of the micro-batch being run (None: one causal sequence per row)."""
+        if self.layouts is _UNWRAPPED:
+            raise RuntimeError("TE attention run outside TEBackend.wrap: packed-document masks would be lost")
+        layout = None if self.layouts is None else self.layouts.current
+        docs = None if layout is None else layout.docs
+        if docs is not None and self.cp > 1:  # refused before step 1 (train.config); never attended to wrongly
+            raise ConfigError(packed_cp_refusal(self.cp))
+        return docs
+
+
+_UNWRAPPED = object()
+
+
+def thd_attention(core: Callable, q: Tensor, k: Tensor, v: Tensor, docs: Tensor, recompute: bool) -> Tensor:
+    """Packed-document attention through TE's THD format: q [b, s, H, d], k/v [b, s, G, d], docs [b, s] document ids
+    (non-decreasing along a row) -> [b, s, H*dv]. Each (row, document) is one segment of the flattened t = b*s tokens,
+    causal inside it (`padding_causal`); cu_seqlens int32 as TE documents them (no padding between segments, so the
+    `_padded` variants equal them and are left to TE)."""
+    from train.parallel.context import varlen_pack
+
+    b, s = q.shape[:2]
+    if tuple(docs.shape) != (b, s):
+        raise RuntimeError(f"packed documents: document ids {tuple(docs.shape)} for a micro-batch of {(b, s)} tokens")
+    pack = varlen_pack(docs, docs)  # self-attention: the key segments are the query segments
+    out = core(q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
+               qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=pack.cu_q, cu_seqlens_kv=pack.cu_k,
+               max_seqlen_q=pack.max_q, max_seqlen_kv=pack.max_k, checkpoint_core_attention=recompute)
+    return out.reshape(b, s, -1)
 
 
 class TEMLP(nn.Module):
@@ -298,6 +357,12 @@ class TEBackend:
         return backend
 
     def wrap(self, step):
+        """The stage's micro-batch step for this backend: every TE attention reads the micro-batch's layout (packed
+        documents) from the step's AttentionState; with FP8 each forward runs under te.autocast."""
+        layouts = getattr(step, "attention", None)  # context.AttentionState, or None (no packed documents, no CP)
+        for layer in self.model.decoder.layers.values():
+            if isinstance(layer.self_attention, TESelfAttention):
+                layer.self_attention.layouts = layouts
         return _AutocastStep(step, self.autocast) if self.fp8cfg.enabled else step
 
     def _linears(self):
@@ -348,8 +413,9 @@ class TEBackend:
 
     def describe(self) -> str:
         te_version = getattr(self.te, "__version__", "?")
+        att = "attention in TE DotProductAttention (thd with cu_seqlens for packed documents)"
         if not self.fp8cfg.enabled:
-            return f"backend transformer_engine {te_version} (bf16/fp32)"
+            return f"backend transformer_engine {te_version} (bf16/fp32); {att}"
         name, _ = recipe_spec(self.fp8cfg)
         return (f"backend transformer_engine {te_version}; FP8 {self.fp8cfg.fp8_format} via {name}"
-                + (f"; decoder layers {sorted(self.keep)} in high precision" if self.keep else ""))
+                + (f"; decoder layers {sorted(self.keep)} in high precision" if self.keep else "") + f"; {att}")
