@@ -7,8 +7,11 @@ the main process records finished chunks so an interrupted run resumes, and comm
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import stat
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -313,6 +316,28 @@ def _commit(w: IterationWriter, hf_dir: Path, src: HFSource, cfg: ModelConfig, l
                     "seconds": round(time.time() - started, 3),
                     **({"fp8": fp8_provenance(src, fp8_block(cfg), bool(fp8))} if fp8_block(cfg) else {})})
     return w.commit(manifest)
+
+
+def preload_oracle(hf_dir: str | Path) -> threading.Thread:
+    """Import torch, transformers and the model class HF_DIR's config.json names in a background thread, while the
+    conversion that the proof follows runs (issue 42: these imports are ~3 CPU-s, on a 1.5 GB model as much as the
+    comparison itself; the conversion waits on the disk most of the time). Nothing is read but a regular config.json;
+    any error is left for the proof itself to report."""
+    def run() -> None:
+        try:
+            import torch  # noqa: F401
+            import transformers
+
+            cfg = Path(hf_dir) / "config.json"
+            st = os.stat(cfg)
+            if stat.S_ISREG(st.st_mode) and st.st_size < (1 << 20):
+                for arch in json.loads(cfg.read_text()).get("architectures") or []:
+                    getattr(transformers, str(arch), None)
+        except Exception:  # noqa: BLE001 - the proof imports again and says what is wrong
+            pass
+    t = threading.Thread(target=run, name="shardkit-preload-oracle", daemon=True)
+    t.start()
+    return t
 
 
 def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native", memory_budget: str | None = None,

@@ -219,7 +219,8 @@ def against_hf(ck, hf_dir: str | Path, *, seq_len: int = 32, tolerance: float = 
                memory_budget: int | None = None, all_experts: bool = False,
                progress: Callable[[int], None] | None = None) -> dict:
     """`verify --against`: the whole-model comparison, or the streaming one (convert/streaming.py) when asked, when
-    both fp32 models would not fit in `memory_budget` (default: half the available memory), with `all_experts`, or
+    both fp32 models would not fit in `memory_budget` (default: streaming.DEFAULT_BUDGET, 1 GiB), for a model with MTP
+    layers (the whole mode cannot compare them), with `all_experts`, or
     for a quantized (block-FP8) HF source, which transformers cannot load on the CPU.
     The HF config is checked first in both modes: a field that changes the math differing is one line.
 

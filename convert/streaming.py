@@ -1439,18 +1439,24 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-DEFAULT_BUDGET_FRACTION = 0.5
+# The default --memory-budget: a constant, not a share of the host (issue 42: half the available memory took 9.4 GB
+# to prove a 1.5 GB model, more than loading it whole the peers' way, and bought no speed). Where one piece that
+# streaming cannot cut further is larger (a very wide layer), the budget is that piece: the least the proof can hold.
+DEFAULT_BUDGET = 1 << 30
 
 
 def choose_mode(ck: Checkpoint, streaming: bool, budget: int | None) -> tuple[str, dict]:
-    """'whole' or 'streaming': streaming when asked or when both whole fp32 models exceed the budget (default half of
-    the available memory); a budget too small for streaming's largest piece is one line with the size needed."""
+    """'whole' or 'streaming'. Whole (both models in fp32, logits compared) only for a model whose two fp32 copies
+    fit in the budget and that has nothing the logits do not reach (MTP layers: transformers' forward has none);
+    streaming otherwise, or when asked. The default budget is DEFAULT_BUDGET, or streaming's largest piece where that
+    is larger; a given budget too small for that piece is one line with the size needed."""
     need = memory_needs(ck)
     given = budget is not None
-    budget = budget if given else int(available_memory() * DEFAULT_BUDGET_FRACTION)
-    mode = "streaming" if streaming or need["whole"] > budget else "whole"
+    budget = budget if given else max(DEFAULT_BUDGET, need["streaming"])
+    beyond = getattr(ck.config, "mtp_num_layers", 0) or 0  # rows only the streamed comparison has
+    mode = "streaming" if streaming or beyond or need["whole"] > budget else "whole"
     if mode == "streaming" and need["streaming"] > budget:
-        what = f"--memory-budget {budget:,} bytes" if given else f"half of the available memory ({budget:,} bytes)"
-        raise ShardkitError(f"{what} is too small: streaming parity holds {need['streaming_piece']} of {ck.path} "
-                            f"at once, {need['streaming']:,} bytes in fp32 (its values and the read they come from)")
+        raise ShardkitError(f"--memory-budget {budget:,} bytes is too small: streaming parity holds "
+                            f"{need['streaming_piece']} of {ck.path} at once, {need['streaming']:,} bytes in fp32 (its "
+                            "values and the read they come from)")
     return mode, {**need, "budget": budget}

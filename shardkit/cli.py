@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "--against HF_DIR` (logits and, streamed, every layer vs transformers' own forward); "
                           "non-zero exit if it differs")
     h2m.add_argument("--memory-budget", metavar="SIZE", default=None,
-                     help="memory the verify may use (default: half the available)")
+                     help="memory the verify may use (default: 1GiB, or the least the streamed comparison needs)")
     _ranks_flag(h2m)
 
     m2h = csub.add_parser("mcore-to-hf", help="shardkit checkpoint -> HF safetensors")
@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --against: compare layer by layer, one layer's weights in memory at a time (default: "
                           "only when both fp32 models would not fit in --memory-budget)")
     ver.add_argument("--memory-budget", metavar="SIZE", default=None,
-                     help="with --against: memory the comparison may use, e.g. 64GiB (default: half the available)")
+                     help="with --against: memory the comparison may use, e.g. 4GiB (default: 1GiB, or the least the "
+                          "streamed comparison needs)")
     ver.add_argument("--all-experts", action="store_true",
                      help="with --against (streaming): also drive synthetic tokens through every routed expert the "
                           "test tokens do not select, and compare each")
@@ -487,6 +488,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise ShardkitError("--keep-fp8 with --format torch_dist: Megatron's torch_dist has no block-FP8 "
                                 "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
         group = getattr(args, "group", None)
+        if args.verify is not False and (group is None or not group.rank):  # the proof's imports meanwhile
+            from convert.hf_to_mcore import preload_oracle
+
+            preload_oracle(args.hf_dir)
         if args.format == "torch_dist":  # straight into the rank files, no native copy between
             from convert.torch_dist_io import convert_hf_to_torch_dist
 

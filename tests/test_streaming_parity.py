@@ -168,6 +168,43 @@ def test_bad_input_is_one_line(tmp_path):
         assert len(err) == 1 and needle in err[0] and "Traceback" not in r.stderr, (extra, r.stderr)
 
 
+def test_default_budget_is_a_constant_not_the_host(tmp_path, monkeypatch):
+    """Issue 42: the default --memory-budget is DEFAULT_BUDGET (or the one piece streaming cannot cut, where larger),
+    whatever the host has: the mode and budget are the same with 1 TB or 1 GB available."""
+    from convert import streaming
+
+    hf_dir, _ = _hf_dir(tmp_path, "llama_gqa")
+    ck = _convert(tmp_path, hf_dir)
+    seen = []
+    for avail in (1 << 40, 1 << 30, 1 << 20):
+        monkeypatch.setattr(streaming, "available_memory", lambda a=avail: a)
+        seen.append(choose_mode(ck, False, None))
+    assert all(s == seen[0] for s in seen) and seen[0][1]["budget"] == streaming.DEFAULT_BUDGET
+    # a piece larger than the constant raises the default to that piece, never fails it
+    monkeypatch.setattr(streaming, "DEFAULT_BUDGET", 1024)
+    mode, memory = choose_mode(ck, False, None)
+    assert mode == "streaming" and memory["budget"] == memory["streaming"] > 1024
+
+
+@pytest.mark.parametrize("case", ["llama_gqa", "mixtral", "deepseek_v3"])
+def test_mode_never_skips_rows_the_model_has(tmp_path, case):
+    """The whole mode compares logits only: a model with MTP layers always streams (which compares each MTP depth),
+    with the default budget and with any budget; the report lists every row it compared."""
+    hf_dir, seq = _hf_dir(tmp_path, case)
+    ck = _convert(tmp_path, hf_dir)
+    mtp = ck.config.mtp_num_layers or 0
+    for budget in (None, 1 << 40):
+        mode, _ = choose_mode(ck, False, budget)
+        assert mode == ("streaming" if mtp else "whole"), (case, budget)
+    if mtp:
+        r = against_hf(ck, hf_dir, seq_len=seq)
+        assert r["mode"] == "streaming" and r["ok"], r
+        assert len(r["mtp_max_abs_diff"]) == mtp  # each MTP depth compared
+        assert not any("MTP" in w for w in r["not_compared"]), r["not_compared"]
+        assert [row["layer"] for row in r["layers"] if isinstance(row["layer"], int)] == list(
+            range(ck.config.num_layers))  # every decoder layer is a row of the report
+
+
 def test_block_fp8_source_dequantized_as_the_reference(tmp_path):
     """DeepSeek-V3's hub format (e4m3 + weight_scale_inv): streaming reads the FP8 directory itself, dequantizing as
     DeepSeek's weight_dequant does, and gives the whole mode's numbers on the reference-dequantized copy."""
