@@ -84,9 +84,11 @@ def resolve_model(model: str) -> tuple[str, ModelConfig]:
     """A preset name, an HF directory (config.json) or a shardkit checkpoint (its manifest's config)."""
     from checkpoint import presets
 
+    from checkpoint.safety import regular_file
+
     path = Path(model)
     if path.exists():
-        if (path / "config.json").is_file():
+        if regular_file(path / "config.json", "--model", missing_ok=True):  # a FIFO there: one line naming it
             return str(path), ModelConfig.from_hf_dir(path)
         from checkpoint.reader import Checkpoint
 

@@ -819,6 +819,10 @@ def _parity(args: argparse.Namespace, ckpt) -> dict:
     from plan.units import parse_bytes
 
     budget = None if args.memory_budget is None else parse_bytes(args.memory_budget, "--memory-budget")
+    if Path(args.against).is_dir():  # the conversion's own reading of the weights, in both modes: a FIFO, a link
+        from convert.hf_source import weight_files  # out, model.safetensors beside another index are one line
+
+        weight_files(args.against)
     # streaming: bytes read from both sides (each about once) and layers done
     with progress_bar("compare", total=2 * ckpt.nbytes(), items=ckpt.config.num_layers, unit="layers",
                       disable=args.quiet or args.json) as bar:

@@ -731,9 +731,14 @@ def _fifo_cases(tmp: Path, good: dict[str, Path]) -> list[tuple[str, list[str]]]
         (hf / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
         cases.append((str(_fifo_at(hf, target)), hf_argv(hf)))
-    # verify --against an HF directory whose config.json is a FIFO
+    # verify --against an HF directory whose config.json is a FIFO, or (whole mode) whose weights are
     hf = copy("hf", "hf-against")
     cases.append((str(_fifo_at(hf, "config.json")), ["verify", str(good["ck"]), "--against", str(hf), "--quiet"]))
+    hf = copy("hf", "hf-against-weights")
+    cases.append((str(_fifo_at(hf, "model.safetensors")), ["verify", str(good["ck"]), "--against", str(hf),
+                                                            "--quiet"]))
+    hf = copy("hf", "hf-plan")  # plan --model DIR
+    cases.append((str(_fifo_at(hf, "config.json")), ["plan", "--model", str(hf), "--gpus", "8"]))
     # native checkpoints: manifest, an array's zarr.json, a chunk file, train_state.json
     for rel, argv in ((f"{ITER}/manifest.json", ["inspect"]), (f"{ITER}/model/{TENSOR}/zarr.json", ["verify"]),
                       (None, ["verify"]), (f"{ITER}/train_state.json", ["verify"])):

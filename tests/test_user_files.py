@@ -581,6 +581,8 @@ NAMED_OUTPUT_LINKS = [
     ("mcore-to-hf work dir inside OUT", lambda g, o, t: _link((o / "hf").mkdir() or o / "hf" / ".shardkit-export"
                                                               ".partial", _victim_dir(t)),
      lambda g, o: ["convert", "mcore-to-hf", g["ck"], o / "hf", "--quiet", "--overwrite"], "symlink"),
+    ("training metrics.jsonl", lambda g, o, t: _link(o / "metrics.jsonl", _victim_file(t)),
+     lambda g, o: [*_train(g, o), "--lr", "1e-4"], "symlink"),
     # a pointer's temporary name is ours: a link planted there is removed, never written through (the write works)
     ("latest's temporary name", lambda g, o, t: _link(o / ".latest.tmp", _victim_file(t)),
      lambda g, o: ["convert", "hf-to-mcore", g["hf"], o, "--quiet", "--no-verify", "--overwrite"], None),

@@ -207,6 +207,9 @@ class MetricsLogger:
             self._wandb = _wandb_run(wandb, self.enabled)  # every rank: a missing wandb stops all of them
         if not self.enabled or self.run_dir is None:
             return
+        from checkpoint.safety import check_target
+
+        check_target(self.path, "metrics", ours=True)  # appended to: a link or a FIFO there is refused, never followed
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
