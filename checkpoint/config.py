@@ -344,6 +344,8 @@ class ModelConfig:
         if mt.startswith("deepseek"):  # MLA sizes its heads itself (qk_*_head_dim, v_head_dim)
             if attention_bias or hf.get("mlp_bias"):
                 raise ConfigError(f"{source}: attention_bias / mlp_bias are not supported for {mt}")
+            if mt == "deepseek_v2" and hidden % heads:  # transformers' DeepseekV2Config refuses it (V3's does not)
+                raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
             return cls(**common, **_read_deepseek(hf, source, integer, layers))
         if hidden % heads:  # transformers' Llama-family config classes refuse it too, even with an explicit head_dim
             raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
