@@ -825,13 +825,21 @@ class TorchDistCheckpoint:
         info = self._storage[key]
         path = self.path / info.relative_path
         base = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+        found: dict[str, int] = {}
         try:
             with open(path, "rb") as f:
                 with mmap.mmap(f.fileno(), info.offset + info.length - base, access=mmap.ACCESS_READ,
                                offset=base) as mm:
-                    why = _item_crc_problem(mm, info.offset - base, info.length)
+                    why = _item_crc_problem(mm, info.offset - base, info.length, found)
         except (OSError, ValueError) as e:
             why = f"cannot be read ({type(e).__name__}: {e})"
+        want = ((self.sidecar or {}).get("items") or {}).get(item_key(name, offsets))
+        got = next((c for r, c in found.items() if r.endswith("data/0")), None)
+        if why is None and want is not None and got is not None and want != got:
+            owner = next((k for k, v in self.sidecar["items"].items() if v == got), None)
+            why = (f"its data is not the one {SIDECAR} recorded for this key (CRC-32 {got:08x}, recorded {want:08x}"
+                   + (f"; those are the bytes of {owner}" if owner else "") + "): storage entries in "
+                   f"{DCP_METADATA} swapped or edited")
         if why is not None:
             at = "" if offsets is None else f" at {list(offsets)}"
             raise FormatError(f"{path}: item {name}{at} (bytes {info.offset}+{info.length}): {why}; the checkpoint "
@@ -1034,7 +1042,7 @@ def _item_view(mm: mmap.mmap, start: int, length: int, dtype: str, size: tuple[i
         return None
 
 
-def _item_crc_problem(mm, start: int, length: int) -> str | None:
+def _item_crc_problem(mm, start: int, length: int, found: dict | None = None) -> str | None:
     """Why the torch.save archive at bytes [start, start + length) of `mm` (a buffer: an mmap or bytes) fails its own
     checks, or None when it passes: a zip archive (torch.save's format; DCP writes every tensor item so) whose every
     record lies inside the item and matches the CRC-32 its central directory records (zlib.crc32 streams at GB/s: one
@@ -1112,6 +1120,8 @@ def _item_crc_problem(mm, start: int, length: int) -> str | None:
             if got != crc:
                 return (f"record {name} fails its CRC-32 (recorded {crc:08x}, computed {got:08x}): the bytes were "
                         "changed after they were written")
+            if found is not None:
+                found[name] = crc
             pos += 46 + nlen + xlen + clen
     except (struct.error, zlib.error, ValueError) as e:
         return f"its zip records are damaged ({type(e).__name__}: {e})"
@@ -1669,8 +1679,75 @@ def write_sidecar(directory: Path, *, iteration: int, model: ModelConfig, layout
                       "divisible_by": model.make_vocab_size_divisible_by},
             "dtype": dtype, "key_naming": key_naming, "optimizer": list(optimizer) if optimizer else None,
             "provenance": provenance}
+    items = _item_data_crcs(Path(directory))
+    if items:
+        body["items"] = items
     body["digest"] = _digest(body)
     write_file_atomic(Path(directory) / SIDECAR, json.dumps(body, indent=1) + "\n")
+
+
+def item_key(name: str, offsets) -> str:
+    """An item's name in shardkit.json's `items`: the DCP key and its global offsets (`key@0,128,0`)."""
+    return name if offsets is None else f"{name}@{','.join(str(int(o)) for o in offsets)}"
+
+
+def _item_data_crcs(directory: Path) -> dict[str, int]:
+    """The CRC-32 of every tensor item's data record (data/0), as its own zip directory records it, by item_key:
+    written into shardkit.json once `.metadata` and the rank files are in `directory`, so that a reader finds an
+    item whose storage entry was swapped with another of the same shape and dtype (each passes its own CRCs; only
+    this record says which bytes belong to which key). One read of each item's last KiB; {} where `.metadata` is
+    not there or not plain."""
+    md = _load_metadata_light(directory / DCP_METADATA)
+    if md is None or not isinstance(getattr(md, "storage_data", None), dict):
+        return {}
+    out: dict[str, int] = {}
+    fds: dict[str, int] = {}
+    try:
+        for idx, info in md.storage_data.items():
+            if idx.offset is None:  # a bytes object: no tensor data
+                continue
+            rel = info.relative_path
+            if rel not in fds:
+                fds[rel] = os.open(directory / rel, os.O_RDONLY)
+            n = min(int(info.length), 4096)
+            tail = os.pread(fds[rel], n, int(info.offset) + int(info.length) - n)
+            crc = _recorded_crc(tail, int(info.length), "data/0")
+            if crc is not None:
+                out[item_key(idx.fqn, idx.offset)] = crc
+    except OSError:
+        return {}
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
+
+
+def _recorded_crc(tail: bytes, length: int, record: str) -> int | None:
+    """The CRC-32 the zip directory in `tail` (the last bytes of an archive of `length` bytes) records for the record
+    whose name ends with `record`; None where the directory is not inside `tail`."""
+    try:
+        if len(tail) < 22 or tail[-22:-18] != b"PK\x05\x06":
+            return None
+        n, cd_size, cd_off = struct.unpack_from("<HII", tail, len(tail) - 12)
+        if cd_off == 0xFFFFFFFF or n == 0xFFFF:
+            z = len(tail) - 22 - 20 - 56
+            if z < 0 or tail[z:z + 4] != b"PK\x06\x06":
+                return None
+            n, cd_size, cd_off = struct.unpack_from("<QQQ", tail, z + 32)
+        pos = cd_off - (length - len(tail))
+        if pos < 0:
+            return None
+        for _ in range(n):
+            if tail[pos:pos + 4] != b"PK\x01\x02":
+                return None
+            crc, = struct.unpack_from("<I", tail, pos + 16)
+            nlen, xlen, clen = struct.unpack_from("<HHH", tail, pos + 28)
+            if tail[pos + 46:pos + 46 + nlen].decode("utf-8", "replace").endswith(record):
+                return crc
+            pos += 46 + nlen + xlen + clen
+    except (struct.error, ValueError):
+        return None
+    return None
 
 
 def load_sidecar(iter_dir: Path) -> dict | None:
@@ -1709,6 +1786,10 @@ def load_sidecar(iter_dir: Path) -> dict | None:
             raise FormatError(f"key_naming {d['key_naming']!r} / dtype {d['dtype']!r} unknown")
         if not isinstance(d.get("provenance"), dict):
             raise FormatError("provenance is not an object")
+        items = d.get("items", {})
+        if not isinstance(items, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(
+                v, bool) and 0 <= v < 1 << 32 for k, v in items.items()):
+            raise FormatError("items is not an object of CRC-32s")
     except (FormatError, ConfigError, LayoutError) as e:
         raise FormatError(f"{p}: {str(e).removeprefix('manifest: ')}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:

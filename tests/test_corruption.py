@@ -267,6 +267,12 @@ def _swap_kinds(s: dict) -> None:  # two tensors of other shapes exchange their 
         (b.relative_path, b.offset, b.length), (a.relative_path, a.offset, a.length))
 
 
+def _swap_same_shape(s: dict) -> None:  # two chunks of one tensor exchange their entries: each passes its own CRCs
+    a, b = s[(TENSOR, (0, 0, 0))], s[TD_ITEM]
+    (a.relative_path, a.offset, a.length), (b.relative_path, b.offset, b.length) = (
+        (b.relative_path, b.offset, b.length), (a.relative_path, a.offset, a.length))
+
+
 TD_DAMAGES = {  # damage -> words the error line must contain
     "td-flipped-data": (_td_flip("data"), (TENSOR, "[1, 0, 0]", "data/0", "CRC-32", ".distcp")),
     "td-flipped-pickle": (_td_flip("pickle"), (TENSOR, "[1, 0, 0]", "data.pkl", "CRC-32")),
@@ -275,6 +281,7 @@ TD_DAMAGES = {  # damage -> words the error line must contain
     "td-overlapping-entries": (_td_entries(_overlap), (TENSOR, "overlap", ".distcp")),
     "td-entry-cut-short": (_td_entries(_tail_cut), (TENSOR, "[1, 0, 0]", ".distcp")),
     "td-swapped-shapes": (_td_entries(_swap_kinds), (".distcp",)),
+    "td-swapped-same-shape": (_td_entries(_swap_same_shape), (TENSOR, "shardkit.json", "swapped", "the bytes of")),
 }
 TD_COMMANDS = ["verify", "verify-against", "reshard", "reshard-torch_dist", "mcore-to-hf"]
 
@@ -545,3 +552,32 @@ def test_checkpoint_holding_inf_is_not_resharded_or_exported(odd, tmp_path, caps
     rc = main([*argv, "--quiet"])
     _one_line(rc, capsys.readouterr().err, ("linear_fc2", "non-finite"))  # (an export names the HF tensor too)
     _nothing_at(out)
+
+
+def test_item_crcs_recorded_in_the_sidecar(td, tmp_path, capsys):
+    """shardkit.json records every tensor item's data CRC-32 (its own zip record's), under the digest; a sidecar
+    without them (an older export) still reads, without the swap check."""
+    from checkpoint.torch_dist import SIDECAR, TorchDistCheckpoint, _digest, item_key
+
+    ck = TorchDistCheckpoint(td)
+    items = ck.sidecar["items"]
+    assert len(items) == sum(len(t.chunks) for t in ck.tensors.values())
+    for name, t in ck.tensors.items():
+        for off, _ in t.chunks:
+            found: dict = {}
+            info = ck._storage[(name, off)]
+            data = (td / ITER / info.relative_path).read_bytes()
+            from checkpoint.torch_dist import _item_crc_problem
+
+            assert _item_crc_problem(data, info.offset, info.length, found) is None
+            assert items[item_key(name, off)] == next(c for r, c in found.items() if r.endswith("data/0"))
+    old = Path(shutil.copytree(td, tmp_path / "old"))
+    p = old / ITER / SIDECAR
+    d = json.loads(p.read_text())
+    d.pop("digest")
+    d.pop("items")
+    d["digest"] = _digest(d)
+    p.write_text(json.dumps(d))
+    _td_entries(_swap_same_shape)(old)
+    capsys.readouterr()
+    assert main(["verify", str(old), "--quiet"]) == 0  # (not detectable without the record: as Megatron's own)

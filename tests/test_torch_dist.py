@@ -634,6 +634,17 @@ def test_verify_reports_missing_extra_and_nonfinite(work, tmp_path, capsys):
     raw = bytearray((it / info.relative_path).read_bytes())
     raw[info.offset:info.offset + info.length] = buf.getvalue()
     (it / info.relative_path).write_bytes(bytes(raw))
+    # (shardkit.json records each item's data CRC, so the rewritten item reads as another's bytes (issue 34): its
+    # record rewritten too, as a writer of that item would)
+    from checkpoint.torch_dist import SIDECAR, _digest, _item_crc_problem, item_key
+
+    found: dict = {}
+    assert _item_crc_problem(buf.getvalue(), 0, info.length, found) is None
+    side = json.loads((it / SIDECAR).read_text())
+    side.pop("digest")
+    side["items"][item_key(name, idx.offset)] = next(c for r, c in found.items() if r.endswith("data/0"))
+    side["digest"] = _digest(side)
+    (it / SIDECAR).write_text(json.dumps(side))
     rc, out, err = _run(["verify", root, "--quiet"], capsys)
     n = read_torch_dist(root).tensors[name].shape[0]
     assert rc == 1 and f"{name}: {n:,} non-finite" in out
