@@ -314,6 +314,12 @@ class IterationWriter:
         # link elsewhere -- say into the source -- would have the commit write into, or remove, what it points to
         for p, kind in ((self.final, "dir"), (self.partial, "dir"), (self.root / pointer, "file")):
             check_target(p, "output", ours=True, kind=kind)
+        from .safety import inside_iteration
+
+        it = inside_iteration(self.root)
+        if it is not None:  # writing iterations into a committed iteration would look like a checkpoint inside it
+            raise ShardkitError(f"{self.root}: {'is' if it == os.path.realpath(self.root) else 'lies inside'} the "
+                                f"checkpoint iteration {it}; an output is a checkpoint root: choose another directory")
         if pointer == LATEST and os.path.lexists(self.root / _TRACKER):
             raise ShardkitError(f"{self.root}: holds a Megatron torch_dist checkpoint ({_TRACKER}), which every "
                                 "reader would still load instead of the native checkpoint written here; choose "

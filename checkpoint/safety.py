@@ -122,6 +122,22 @@ def _is_iteration(path: str) -> bool:
         os.path.lexists(p / n) for n in ("manifest.json", ".metadata", "metadata.json")))
 
 
+def inside_iteration(path: str | Path) -> str | None:
+    """The checkpoint iteration directory (native or torch_dist) that `path` is or lies inside, resolved; None."""
+    cur = os.path.realpath(path)
+    while True:
+        has = lambda n: os.path.lexists(os.path.join(cur, n))  # noqa: E731
+        # a native iteration (its manifest and arrays, or its iter_N name) or a torch_dist one (DCP's two files); a
+        # user's own manifest.json in a project directory does not make it one
+        if os.path.isdir(cur) and ((has("manifest.json") and (has("model") or re.fullmatch(
+                r"iter_\d+|release", os.path.basename(cur)))) or (has(".metadata") and has("metadata.json"))):
+            return cur
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            return None
+        cur = parent
+
+
 def check_output(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]], flag: str = "output",
                  same_ok: Iterable[str | Path] = ()) -> None:
     """Refuse, before anything is written, an output that is, contains or lies inside an input (paths resolved,

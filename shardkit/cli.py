@@ -419,13 +419,23 @@ def _check_train_outputs(cfg) -> None:
     (or --load ROOT/iter_N --save ROOT) is resuming into the same root, which is allowed: a save writes new iteration
     directories beside the loaded one. A --save inside a data directory is fine; one that is or contains a data
     file is not."""
-    from checkpoint.safety import check_output
+    from checkpoint.errors import ShardkitError
+    from checkpoint.safety import check_output, inside_iteration, refuse_url
 
     load = cfg.checkpoint.load
+    for flag, value in (("--load", load), ("--save", cfg.checkpoint.save), ("--tensorboard-dir", cfg.run.log_dir),
+                        *(("--data-path", p) for p in cfg.data.data_path or ())):
+        refuse_url(value, flag)  # a --config file's values too, not only the command line's
     inputs = [("--load", load)] + _data_files(cfg.data.data_path)
     for flag, out in (("--save", cfg.checkpoint.save), ("--tensorboard-dir", cfg.run.log_dir)):
         if out:
             check_output(out, inputs, flag, same_ok=[load] if load else [])
+    save = cfg.checkpoint.save
+    it = inside_iteration(save) if save else None
+    if it is not None:  # a save writes iterations beside each other in a root, never inside a committed one
+        raise ShardkitError(f"--save {save}: {'is' if it == os.path.realpath(save) else 'lies inside'} the "
+                            f"checkpoint iteration {it}; --save takes a checkpoint root (where iter_* and latest "
+                            "go), e.g. its parent")
 
 
 def _across_ranks(args: argparse.Namespace) -> int:

@@ -670,3 +670,16 @@ def test_huge_iteration_is_refused_not_used_as_a_name(w, tmp_path, capsys, where
     rc, err = run_inproc(argv, capsys)
     assert_one_line_error(rc, err, "common.pt" if where == "common.pt" else "latest_checkpointed_iteration.txt")
     assert not (out.exists() and any("0" * 25 in p.name for p in out.iterdir()))
+
+
+def test_urls_in_a_config_file_are_refused_too(w, tmp_path, capsys):
+    """continue-pretrain's TOML --config values are paths like the flags: a URL there is the same one line."""
+    for key, value, flag in (("load", "s3://b/ck", "--load"), ("save", "gs://b/run", "--save"),
+                             ("data_path", ["s3://b/data"], "--data-path")):
+        cfg = tmp_path / f"{key}.toml"
+        cfg.write_text(f"{key} = {json.dumps(value)}\n")
+        argv = ["continue-pretrain", "--config", cfg, "--train-iters", "1"]
+        argv += [] if key == "load" else ["--load", w["ck"]]
+        argv += [] if key == "data_path" else ["--data-path", w["data"]]
+        rc, err = run_inproc(argv, capsys)
+        assert_one_line_error(rc, err, flag, value if isinstance(value, str) else value[0], "not supported")

@@ -603,3 +603,28 @@ def test_named_outputs_are_never_written_through_a_link(good, tmp_path, capsys, 
     else:
         assert rc == 1 and len(err) == 1 and word in err[0] and link.name in err[0], err
     assert (tree(victim) if victim.is_dir() else victim.read_bytes()) == before, "written through the link"
+
+
+# (id, input key whose tree must stay untouched, argv builder, words): outputs inside a committed iteration
+INTO_AN_ITERATION = [
+    ("train-save-is-another-checkpoints-iteration", "td",
+     lambda g, t: _train(g, g["td"] / "iter_0000000"), ("--save", "is the checkpoint iteration")),
+    ("train-save-inside-an-iteration", "ck",
+     lambda g, t: _train(g, g["ck"] / "iter_0000000" / "model" / "run", load=g["td"]), ("--save", "lies inside")),
+    ("h2m-out-inside-an-iteration", "ck",
+     lambda g, t: _h2m(g["hf"], g["ck"] / "iter_0000000" / "ck"), ("lies inside the checkpoint iteration",)),
+    ("reshard-dst-is-an-iteration-of-another-root", "td",
+     lambda g, t: ["reshard", g["ck"], g["td"] / "iter_0000000", "--tp", "2", "--overwrite", "--quiet"],
+     ("is the checkpoint iteration",)),
+]
+
+
+@pytest.mark.parametrize("key,build,words", [c[1:] for c in INTO_AN_ITERATION], ids=[c[0] for c in INTO_AN_ITERATION])
+def test_outputs_inside_a_committed_iteration_are_refused(good, tmp_path, capsys, key, build, words):
+    """A write that would put iterations (or a pointer) into a committed checkpoint iteration -- any, not only the
+    one loaded -- is refused with one line before anything is written."""
+    before = tree(good[key])
+    rc, err = run(build(good, tmp_path), capsys)
+    assert rc == 1 and len(err) == 1 and err[0].startswith("shardkit: error:"), err
+    assert all(w in err[0] for w in words), err[0]
+    assert tree(good[key]) == before
