@@ -481,8 +481,8 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
     sk = shardkit_bin()
     cps: list[tuple[float, float]] = []
     codes: list[Code] = args.codes
-    convs: dict[tuple[str, str, str], list[Run]] = {(c.label, w, f): [] for c in codes for w in args.workers
-                                                    for f in args.formats}
+    convs: dict[tuple[str, str, str], list[Run]] = {(c.label, w, f + ("+proof" if p else "")): [] for c in codes
+                                                   for w in args.workers for f in args.formats for p in args.proofs}
     exports: dict[str, list[Run]] = {c.label: [] for c in codes}
     out_bytes = exp_bytes = out_chunks = 0
     # repeats are interleaved (cp, convert per tree and workers value, export, cp, ...): drift on a shared disk hits all
@@ -500,13 +500,15 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
             # (b) the converter
             who = f"[{code.label}] " if len(codes) > 1 else ""
             ck0 = base / f"mcore-{code.label}-w{args.workers[0]}"  # the checkpoint the export reads
-            for workers, fmt in [(w, f) for w in args.workers for f in args.formats]:
+            for workers, fmt, proof in [(w, f, p) for w in args.workers for f in args.formats for p in args.proofs]:
                 native = fmt == "native"
-                out = base / (f"mcore-{code.label}-w{workers}" if native else f"td-{code.label}-w{workers}")
+                key = fmt + ("+proof" if proof else "")  # the default command: the conversion and its proof
+                out = base / ((f"mcore-{code.label}-w{workers}" if native else f"td-{code.label}-w{workers}")
+                              + ("-proof" if proof else ""))
                 if out.exists():
                     shutil.rmtree(out)
                 cmd = [sk, "convert", "hf-to-mcore", str(src), str(out), "--tp", str(args.tp), "--pp", str(args.pp),
-                       "--quiet", *code.no_verify()] + ([] if native else ["--format", fmt])
+                       "--quiet", *([] if proof else code.no_verify())] + ([] if native else ["--format", fmt])
                 if args.vpp != 1:
                     cmd += ["--vpp", str(args.vpp)]
                 if args.ep != 1:
@@ -516,8 +518,8 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                 if workers != "default":
                     cmd += ["--workers", str(workers)]
                 cache.before_step()
-                r = run_measured(f"{who}convert (workers={workers}, {fmt})", cmd, args.poll,
-                                 base / f"convert-{code.label}-w{workers}-{fmt}.log", code.env)
+                r = run_measured(f"{who}convert (workers={workers}, {key})", cmd, args.poll,
+                                 base / f"convert-{code.label}-w{workers}-{key}.log", code.env)
                 if native:
                     out_bytes = dir_bytes(out)
                     out_chunks = sum(1 for f in out.glob("iter_*/model/*/c/**/*") if f.is_file())
@@ -526,9 +528,9 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                 else:
                     r.extra["out_bytes"] = dir_bytes(out)
                     r.extra["inner_s"] = None
-                convs[(code.label, workers, fmt)].append(r)
+                convs[(code.label, workers, key)].append(r)
                 inner = f" (inside shardkit {r.extra['inner_s']}s)" if r.extra["inner_s"] is not None else ""
-                print(f"{tag} {who}convert workers={workers} {fmt}: {r.wall_s:.2f}s{inner}, "
+                print(f"{tag} {who}convert workers={workers} {key}: {r.wall_s:.2f}s{inner}, "
                       f"{src_bytes / GB / r.wall_s:.2f} GB/s; peak RSS tree "
                       f"{r.peak_tree_rss / MB:.0f} MB (anon {r.peak_tree_anon / MB:.0f} MB, {r.peak_procs} procs), max "
                       f"process {r.peak_max_rss / MB:.0f} MB; CPU {r.cpu_s:.1f}s; wrote "
@@ -577,7 +579,7 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                          peak_max_mb=max(r.peak_max_rss for r in runs) / MB,
                          peak_anon_mb=max(r.peak_tree_anon for r in runs) / MB,
                          procs=max(r.peak_procs for r in runs), cpu_s=median([r.cpu_s for r in runs]),
-                         out_gb=(out_bytes if fmt == "native" else runs[-1].extra["out_bytes"]) / GB,
+                         out_gb=(out_bytes if fmt.startswith("native") else runs[-1].extra["out_bytes"]) / GB,
                          runs_s=[round(r.wall_s, 2) for r in runs],
                          cmd=" ".join(runs[-1].cmd)))
     for label, runs_e in exports.items():
@@ -742,6 +744,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--formats", default="native",
                     help="comma-separated output formats to convert to, each timed (native, torch_dist; default "
                          "native), e.g. native,torch_dist: torch_dist rows get the 'vs native' ratios")
+    ap.add_argument("--proof", default="off", choices=("off", "on", "both"),
+                    help="time the conversion alone (off: --no-verify where the tree proves by default), the default "
+                         "command with its proof (on; rows 'native+proof', 'vs native' = its cost over the "
+                         "conversion alone when both run), or both")
     ap.add_argument("--export", action="store_true", help="also time `shardkit convert mcore-to-hf` back")
     ap.add_argument("--check-export", action="store_true", help="with --export: compare every tensor bitwise")
     ap.add_argument("--repeats", type=int, default=1,
@@ -781,6 +787,7 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.codes = [Code.parse(x) for x in (args.src or ["installed"])]
+    args.proofs = {"off": [False], "on": [True], "both": [False, True]}[args.proof]
     if len({c.label for c in args.codes}) != len(args.codes):
         raise SystemExit("--src: give every tree its own label (LABEL=DIR)")
     import importlib.util
