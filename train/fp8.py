@@ -430,13 +430,17 @@ _FP8_CLASS = {nn.Linear: FP8Linear, NormLinear: FP8NormLinear}
 
 def amax_reduction_group(dims, pp_rank: int):
     """Megatron/TE's amax reduction group: every rank of this pipeline stage (TP x CP x DP), so that sharded and
-    data-parallel copies of a tensor share one scale. Created on every rank (torch.distributed requires it)."""
+    data-parallel copies of a tensor share one scale. Created on every rank (torch.distributed requires it), in
+    the same order (groups.new_group records it, check_group_order proves it)."""
+    from train.parallel.groups import check_group_order, new_group
+
     mine = None
     for pp in range(dims.pp):
         ranks = [dims.rank(tp, cp, dp, pp) for dp in range(dims.dp) for cp in range(dims.cp) for tp in range(dims.tp)]
-        grp = dist.new_group(sorted(ranks)) if len(ranks) > 1 else None
+        grp = new_group(sorted(ranks)) if len(ranks) > 1 else None
         if pp == pp_rank:
             mine = grp
+    check_group_order()
     return mine
 
 

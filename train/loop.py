@@ -36,7 +36,7 @@ from train.metrics import (MetricsLogger, check_wandb, flops_per_step, format_li
                            throughput)
 from train.optim import DistributedOptimizer, ParamScheduler, is_scheduler_state
 from train.parallel.context import packing_from, prepare_micro_batch
-from train.parallel.groups import Groups, build_groups
+from train.parallel.groups import Groups, build_groups, new_group
 from train.parallel.interleaved import InterleavedPipeline
 from train.parallel.parallelize import parallelize
 from train.parallel.pipeline import StageStep, forward_backward, forward_only
@@ -370,7 +370,7 @@ class Trainer:
         state["fp8"] = self.backend.state_dict(self.groups)  # delayed scaling's amax histories and scales
         self.wait_for_save()
         if self.cfg.checkpoint.async_save and self.save_group is None and self.dims.world > 1:
-            self.save_group = dist.new_group(backend="gloo")  # the background thread's own collectives
+            self.save_group = new_group(backend="gloo")  # the background thread's own collectives
         t0 = time.perf_counter()
         c = self.cfg.checkpoint
         provenance = {"tool": "shardkit continue-pretrain", "source": str(self.src)}
