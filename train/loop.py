@@ -253,42 +253,68 @@ class Trainer:
         else:
             loss_sum = forward_backward(self.step, mbs, self.act_shape, self.dtype)
         self.backend.after_backward()
-        # as Megatron's DDP: this rank's own gradients, before the reduction spreads a NaN to its replicas
-        grads_bad = (not bool(torch.isfinite(self.opt.buffer).all())
-                     if self.cfg.run.check_for_nan_in_loss_and_grad else False)
+        # as Megatron's DDP: this rank's own gradients, before the reduction spreads a NaN to its replicas (a flag on
+        # the device, read with the step's other values)
+        grads_bad = ~torch.isfinite(self.opt.buffer).all() if self.cfg.run.check_for_nan_in_loss_and_grad else None
         self.opt.reduce_grads()
-        norm = self.opt.clip()
-        loss = self._loss_checked(loss_sum, norm, grads_bad)  # before the step: a non-finite state is never applied
+        norm_sq = self.opt.grad_norm_sq()
+        moe_stats = self.moe.reduce_stats(self.dims.dp) if self.moe is not None else None
+        # before the step: a non-finite state is never applied
+        loss, norm, moe_host = self._read_step(loss_sum, grads_bad, norm_sq=norm_sq, extra=moe_stats)
+        self.opt.clip_to(norm)
         # the values this step applies (Megatron-LM's log line prints them after the scheduler advanced)
         lr, wd = self.scheduler.lr, self.scheduler.wd
         self.opt.step(lr, wd)
         self.scheduler.step(self.cfg.data.global_batch_size)
         out = {"loss": loss, "lr": lr, "weight_decay": wd, "grad_norm": norm}
         if self.moe is not None:  # expert-bias update (all DP ranks' counts) and the MoE logs
-            out.update(self.moe.finish_step(self.dims.dp))
+            out.update(self.moe.finish_step(self.dims.dp, moe_host))
         return out
 
     def _loss_checked(self, loss_sum: torch.Tensor, norm: float, grads_bad: bool | None = None) -> float:
-        """Mean micro-batch loss over the global batch (summed on the last stages, averaged over DP); with
-        --check-for-nan-in-loss-and-grad (the default, as Megatron) a loss or gradient that is not finite on any
-        rank stops the run here, before the optimizer step, on every rank at once (one all-reduce carries the loss
-        and a flag per rank: bit 1 = its loss, bit 2 = its gradients; `grads_bad`: those gradients were checked
-        before the reduction, else they are checked now, when the global norm is not finite)."""
+        """`_read_step`'s loss for a gradient norm already on the host."""
+        return self._read_step(loss_sum, grads_bad, norm=norm)[0]
+
+    def _read_step(self, loss_sum: torch.Tensor, grads_bad: torch.Tensor | bool | None = None, *,
+                   norm: float | None = None, norm_sq: torch.Tensor | None = None,
+                   extra: torch.Tensor | None = None) -> tuple[float, float, list[float] | None]:
+        """(mean micro-batch loss over the global batch (summed on the last stages, averaged over DP), gradient norm,
+        `extra` on the host). With --check-for-nan-in-loss-and-grad (the default, as Megatron) a loss or gradient
+        that is not finite on any rank stops the run here, before the optimizer step, on every rank at once (one
+        all-reduce carries the loss and a flag per rank: bit 1 = its loss, bit 2 = its gradients; `grads_bad`: those
+        gradients checked before the reduction, else checked now, when the global norm is not finite).
+
+        The step's one device-to-host read (issue 32; tests/test_host_syncs.py): the loss, the flags, the squared
+        gradient norm (`norm_sq`, all-reduced, on the device; or `norm` given on the host), this rank's peak memory
+        (max over ranks, for the log line: `peak_mem_gib`) and `extra` (the MoE statistics) come to the host
+        together, in one float64 tensor."""
         world, check = self.dims.world, self.cfg.run.check_for_nan_in_loss_and_grad
         t = torch.zeros(1 + (world if check else 0), dtype=torch.float64, device=loss_sum.device)
         t[0] = loss_sum.detach().double().reshape(())
         if check:
-            bad = 0 if bool(torch.isfinite(loss_sum).all()) else 1
-            if grads_bad or (grads_bad is None and not math.isfinite(norm)
-                             and not bool(torch.isfinite(self.opt.buffer).all())):
-                bad |= 2  # say which ranks hold the non-finite gradients
-            t[1 + self.groups.rank] = bad
+            if grads_bad is None:  # say which ranks hold the non-finite gradients when the global norm is not finite
+                not_finite = ~torch.isfinite(self.opt.buffer).all()
+                grads_bad = (not_finite & ~torch.isfinite(norm_sq) if norm is None
+                             else not math.isfinite(norm) and not_finite)
+            # bit 1: this rank's loss is not finite, bit 2: its gradients are not
+            t[1 + self.groups.rank] = ((~torch.isfinite(loss_sum).all()).double()
+                                       + 2 * torch.as_tensor(grads_bad, device=t.device).double())
+        mem = torch.tensor([memory_stats(t.device)["mem_gib"]], dtype=torch.float64, device=t.device)
         if world > 1:
             dist.all_reduce(t)  # only last-stage ranks contribute; each DP x TP replica once, CP ranks x cp each
-        loss = float(t[0]) / (self.num_micro * self.dims.dp * self.dims.tp * self.dims.cp)
-        if check and (t[1:].any() or not math.isfinite(norm) or not math.isfinite(loss)):
-            self._stop_non_finite(loss, norm, t[1:].to(torch.int64).tolist())
-        return loss
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        n = t.numel()
+        parts = [t, *([] if norm is not None else [norm_sq.reshape(1).to(t)]), mem,
+                 *([] if extra is None else [extra.to(t)])]
+        host = torch.cat(parts).tolist()
+        if norm is None:
+            norm, host = math.sqrt(host[n]), host[:n] + host[n + 1:]
+        self.peak_mem_gib = host[n]
+        loss = host[0] / (self.num_micro * self.dims.dp * self.dims.tp * self.dims.cp)
+        flags = [int(f) for f in host[1:n]]
+        if check and (any(flags) or not math.isfinite(norm) or not math.isfinite(loss)):
+            self._stop_non_finite(loss, norm, flags)
+        return loss, norm, (None if extra is None else host[n + 1:])
 
     def _stop_non_finite(self, loss: float, norm: float, flags: list[int]) -> None:
         it = self.iteration + 1
@@ -520,14 +546,12 @@ class Trainer:
 
     def _throughput(self, m: dict) -> None:
         """tokens/s, model TFLOP/s and MFU (Megatron's and torchtitan's conventions) for the step just timed, and the
-        peak memory over all ranks."""
+        peak memory over all ranks (taken with the step's one host read, before its optimizer step: the optimizer
+        state's first allocation shows from the next iteration on)."""
         peak = (self.cfg.run.peak_tflops * 1e12 if self.cfg.run.peak_tflops
                 else peak_flops(self.device, "bf16"))
         m.update(throughput(self.flops, m["step_seconds"], self.dims.world, peak))
-        mem = torch.tensor([memory_stats(self.device)["mem_gib"]], dtype=torch.float64, device=self.device)
-        if self.dims.world > 1:
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        m["mem_gib"] = float(mem)
+        m["mem_gib"] = self.peak_mem_gib
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def run(self, log=print) -> list[dict]:

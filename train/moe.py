@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError
+from train.parallel.expert import expert_counts
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -225,6 +226,11 @@ class MoETraining:
         self.mtp = torch.zeros(self.depths, dtype=torch.float64, device=device)
         self.routers: dict[int, nn.Module] = {}
         self.timers = [m.timer for m in model.modules() if hasattr(m, "timer")]  # expert parallel all-to-alls
+        self.host_counts = [m.host_counts for m in model.modules() if hasattr(m, "host_counts")]  # dispatch reads
+        # the slots of every MoE layer of the model (all stages): those whose statistics the logs report
+        self.moe_slots = torch.tensor([i for i in range(self.num_layers) if cfg.is_moe_layer(i)]
+                                      + list(range(self.num_layers, self.num_layers + self.depths)),
+                                      dtype=torch.long, device=device)
         self.micro_batches = 0
         for name, m in model.named_modules():
             if not isinstance(m, MoELayer):
@@ -255,8 +261,8 @@ class MoETraining:
             if not torch.is_grad_enabled():  # evaluation
                 return weights
             stats = not _recomputing()
-            if stats:
-                self.counts[slot] += torch.bincount(indices.reshape(-1), minlength=self.counts.shape[1]).double()
+            if stats:  # bincount's numbers, without its CUDA kernel's host read
+                self.counts[slot] += expert_counts(indices, self.counts.shape[1]).double()
             if self.aux_enabled:
                 probs, rmap = aux_loss_scores(scores, router.score_function, router.topk)
                 aux = load_balancing_loss(s.load_balancing_type, probs, rmap, shape[0][0], router.topk,
@@ -305,12 +311,15 @@ class MoETraining:
         self.aux_scale = self.cp / num_micro  # Megatron: MoEAuxLossAutoScaler scale cp / num_microbatches
         for t in self.timers:
             t.seconds = 0.0
+        for h in self.host_counts:  # counts kept for a recompute that did not come (a step that raised)
+            h.clear()
 
     @torch.no_grad()
-    def finish_step(self, replicas: int) -> dict:
-        """After the optimizer step: sum the statistics over all ranks, update the expert biases, return the logs.
-        `replicas`: how many ranks saw each micro-batch's tokens of one layer (data-parallel x context-parallel
-        ranks split them; TP ranks repeat them)."""
+    def reduce_stats(self, replicas: int) -> Tensor:
+        """Once the step's backward passes have run: sum the statistics over all ranks (one all-reduce) and return,
+        on the device, the float64 values the logs need, for the caller to read to the host together with its own
+        (the step's one host read; `finish_step` takes them). `replicas`: how many ranks saw each micro-batch's tokens
+        of one layer (data-parallel x context-parallel ranks split them; TP ranks repeat them)."""
         comm = torch.tensor([sum(t.seconds for t in self.timers)], dtype=torch.float64, device=self.counts.device)
         flat = torch.cat([self.counts.reshape(-1), self.aux, self.mtp, comm])
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -320,25 +329,40 @@ class MoETraining:
         counts = flat[:n_counts].view_as(self.counts) / self.token_repeat
         aux = flat[n_counts:n_counts + n_aux] / (self.token_repeat * replicas * self.micro_batches)
         mtp = flat[n_counts + n_aux:-1] / (self.tp * replicas * self.micro_batches)
+        self._counts = counts  # for the expert-bias update after the optimizer step
+        # per slot: tokens routed (> 0 marks an MoE layer) and max / mean load (integer counts: exact sums, so the
+        # same floats per slot as one slot at a time); the balancing loss over the MoE layers; the MTP losses
+        return torch.cat([counts.sum(1), counts.amax(1) / counts.mean(1), aux[self.moe_slots].mean().reshape(1),
+                          mtp.mean().reshape(1), mtp, flat[-1:] / world])
+
+    @torch.no_grad()
+    def finish_step(self, replicas: int, host: list[float] | None = None) -> dict:
+        """After the optimizer step: update the expert biases and return the logs. `host`: `reduce_stats`' values
+        read to the host (None: reduce and read them here)."""
+        if host is None:
+            host = self.reduce_stats(replicas).tolist()
+        counts = self._counts
         rate = self.settings.bias_update_rate
         for slot, router in self.routers.items():
             if router.expert_bias is not None and rate > 0:
                 router.expert_bias.copy_(updated_expert_bias(router.expert_bias, counts[slot], rate))
+        S, D = len(counts), self.depths
+        sums, ratio = host[:S], host[S:2 * S]
+        aux_mean, mtp_mean, mtp, comm = host[2 * S], host[2 * S + 1], host[2 * S + 2:2 * S + 2 + D], host[-1]
         out: dict = {}
-        moe = [i for i in range(len(counts)) if counts[i].sum() > 0]
+        moe = [i for i in range(S) if sums[i] > 0]
         if moe:
-            out["moe_load_imbalance"] = {self._slot_name(i): round(float(counts[i].max() / counts[i].mean()), 4)
-                                         for i in moe}
+            out["moe_load_imbalance"] = {self._slot_name(i): round(ratio[i], 4) for i in moe}
             out["moe_max_load_imbalance"] = max(out["moe_load_imbalance"].values())
         if self.aux_enabled and moe:
             key = "load_balancing_loss" if self.settings.load_balancing_type == "aux_loss" \
                 else "seq_load_balancing_loss"
-            out[key] = float(aux[moe].mean())
+            out[key] = aux_mean
         if self.depths and self.settings.mtp_loss_scaling_factor:
-            out["mtp_loss"] = float(mtp.mean())  # what mtp_loss_scaling_factor weighs; per depth below
-            out["mtp_depth_losses"] = [float(x) for x in mtp]
+            out["mtp_loss"] = mtp_mean  # what mtp_loss_scaling_factor weighs; per depth below
+            out["mtp_depth_losses"] = mtp
         if self.timers:
-            out["moe_alltoall_seconds"] = float(flat[-1]) / world  # mean over ranks, forward + backward
+            out["moe_alltoall_seconds"] = comm  # mean over ranks, forward + backward
         return out
 
     def _slot_name(self, slot: int) -> str:

@@ -348,6 +348,13 @@ class DistributedOptimizer:
 
     def clip(self) -> float:
         """Scale gradients so that their global L2 norm is at most clip_grad; returns the norm before clipping."""
+        norm = math.sqrt(float(self.grad_norm_sq()))
+        self.clip_to(norm)
+        return norm
+
+    def grad_norm_sq(self) -> Tensor:
+        """The squared global L2 norm of the gradients, summed over every rank (each element counted once): a float64
+        0-dim tensor on the device, not read to the host here (the trainer reads it with the step's other values)."""
         g = self.groups
         sq = torch.zeros((), dtype=torch.float64, device=self.buffer.device)
         for i, p in enumerate(self.params):
@@ -355,10 +362,12 @@ class DistributedOptimizer:
                 sq += torch.linalg.vector_norm(p.main_grad).double() ** 2  # fp32 per tensor, as Megatron
         if dist.is_initialized() and g.dims.world > 1:
             dist.all_reduce(sq)
-        norm = math.sqrt(float(sq))
+        return sq
+
+    def clip_to(self, norm: float) -> None:
+        """Scale the gradients by clip_grad / (norm + 1e-6) when `norm` (their global norm) exceeds clip_grad."""
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             self.buffer.mul_(self.cfg.clip_grad / (norm + 1e-6))
-        return norm
 
     # -- update -------------------------------------------------------------------------------------------------
     @torch.no_grad()

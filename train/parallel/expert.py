@@ -25,9 +25,17 @@ from TP (DeepSeek-V3's recipe: TP 2, ETP 1).
 `--moe-token-dispatcher-type allgather` (Megatron's MoEAllGatherTokenDispatcher) swaps in `AllGatherExperts`: the
 tokens, router weights and routing of the expert TP x EP group are all-gathered, each rank runs the tokens routed to
 its experts, and the partial outputs are reduce-scattered back.
+
+Host reads (issue 32): every dispatcher reads ONE tensor of counts to the host per MoE layer per forward (the splits of
+the all-to-alls, the expert-TP sizes and the rows of each local expert together, as megatron-core reads its
+tokens-per-expert once per layer); counts are taken with scatter_add, not bincount (whose CUDA kernel reads the input's
+max back), and nothing else waits for the device. The forward that activation recompute re-runs in the backward pass
+takes the counts its first run read (`HostCounts`). At EP 1 the trainer's `LocalExperts` replaces the model's loop over
+the experts (one data-dependent `torch.where` per expert) with the same loop over one sort.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import warnings
@@ -95,6 +103,76 @@ def exchange_counts(counts: Tensor, group, timer: CommTimer | None = None) -> Te
     return _all_to_all_single(counts, [n] * ep, [n] * ep, group, timer).view(ep, -1)
 
 
+def expert_counts(indices: Tensor, n: int) -> Tensor:
+    """How many of `indices` (int64, any shape) hold each value 0..n-1, as int64 [n], on their device: bincount's
+    numbers without its CUDA kernel's read of the input's max to the host."""
+    flat = indices.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def _recomputing() -> bool:
+    """Inside a backward pass: activation recompute is re-running a forward (train.moe keeps its statistics alike)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _checkpointed() -> bool:
+    """Saved-tensor hooks are on: this forward runs under activation checkpointing (torch.utils.checkpoint's
+    non-reentrant mode packs through them), so the backward pass will re-run it. Where torch lacks the query: True
+    (HostCounts.clear then bounds what is kept)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+class HostCounts:
+    """A dispatcher's one host read per forward. The counts of a checkpointed forward are kept until the backward
+    pass's recompute of that forward (per module, in the order of the forwards: 1F1B and the interleaved schedule run
+    each chunk's backward passes in their forwards' order) takes them back instead of reading the device again;
+    `clear` at the start of each step (train.moe.MoETraining does) drops those of a step that raised."""
+
+    def __init__(self) -> None:
+        self.pending: collections.deque[list[int]] = collections.deque()
+
+    def read(self, counts: Tensor) -> list[int]:
+        if _recomputing() and self.pending:
+            return self.pending.popleft()
+        out = counts.tolist()  # the one device-to-host read
+        if torch.is_grad_enabled() and not _recomputing() and _checkpointed():
+            self.pending.append(out)
+        return out
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+
+class LocalExperts(nn.Module):
+    """EP 1 (every expert on this rank): model.Experts' dropless loop over the experts in index order, each expert's
+    (token, slot) pairs in token order, the same operations in the same order (so the same numbers), but the pairs come
+    from one stable sort of the routing and one host read of the per-expert counts instead of a data-dependent
+    `torch.where` per expert. Holds the model's own GroupedMLP (the same parameters and names)."""
+
+    def __init__(self, experts: Experts) -> None:
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.experts = experts.experts
+        self.host_counts = HostCounts()
+
+    def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+        k = indices.shape[1]
+        order = torch.argsort(indices.reshape(-1), stable=True)  # (token, slot) pairs by expert, then token order
+        token, slot = order // k, order % k
+        counts = self.host_counts.read(expert_counts(indices, self.num_experts))
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            t, s = token[start:start + n], slot[start:start + n]
+            start += n
+            y = self.experts(x.index_select(0, t), e) * weights[t, s, None]
+            out.index_add_(0, t, y.to(out.dtype))
+        return out
+
+
 class ExpertParallelExperts(nn.Module):
     """This rank's experts (E/EP of them, each with its expert-TP share of the ffn) and the all-to-all dispatch, over
     the EP group and the expert-TP group (same call signature as model.Experts)."""
@@ -114,6 +192,7 @@ class ExpertParallelExperts(nn.Module):
         self.experts = GroupedMLP(dataclasses.replace(cfg, num_moe_experts=self.num_local,
                                                       moe_ffn_hidden_size=box.shape[-1]))
         self.timer = CommTimer()
+        self.host_counts = HostCounts()
         self.grouped_mm = hasattr(torch, "_grouped_mm")  # private API: used while it works, else the loop
 
     def forward(self, x: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
@@ -121,31 +200,38 @@ class ExpertParallelExperts(nn.Module):
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, hence by EP rank
         token = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = expert_counts(flat, self.num_experts)
         recv_counts = exchange_counts(counts, self.group, self.timer) if ep > 1 else counts.view(1, nl)  # [ep, nl]
-        in_splits = counts.view(ep, nl).sum(1).tolist()
-        out_splits = recv_counts.sum(1).tolist()
-        recv = all_to_all(x.index_select(0, token), out_splits, in_splits, self.group, self.timer)
-        rows, row_counts = recv, recv_counts
+        row_counts = recv_counts
         if etp > 1:
             # expert TP (Megatron's dispatcher with tp_size > 1): the expert-TP ranks hold other slices of the same
             # experts' ffn, so each gathers the rows the others received (all-gather of variable sizes), runs all of
             # them through its slice, and the partial outputs are summed back to the rank that received each row
-            # (reduce-scatter); both as all-to-alls, whose backward is the adjoint collective
+            # (reduce-scatter); both as all-to-alls, whose backward is the adjoint collective. The counts of every
+            # expert-TP rank first, so that one host read below carries them all
             n = recv_counts.numel()
             row_counts = _all_to_all_single(recv_counts.reshape(-1).repeat(etp), [n] * etp, [n] * etp,
                                             self.etp_group, self.timer).view(etp * ep, nl)
-            sizes = row_counts.view(etp, -1).sum(1).tolist()
+        # the one host read: rows to each EP rank, rows from each, and rows per (expert-TP source, EP source, local
+        # expert)
+        host = self.host_counts.read(torch.cat([counts.view(ep, nl).sum(1), recv_counts.sum(1),
+                                                row_counts.reshape(-1)]))
+        in_splits, out_splits, rc = host[:ep], host[ep:2 * ep], host[2 * ep:]
+        recv = all_to_all(x.index_select(0, token), out_splits, in_splits, self.group, self.timer)
+        rows = recv
+        if etp > 1:
+            sizes = [sum(rc[j * ep * nl:(j + 1) * ep * nl]) for j in range(etp)]
             mine = recv.shape[0]
             rows = all_to_all(recv.repeat(etp, 1), sizes, [mine] * etp, self.etp_group, self.timer)
         # rows: by (expert-TP source,) EP source rank, then local expert; regroup by local expert
         local = torch.repeat_interleave(torch.arange(nl, device=x.device).repeat(row_counts.shape[0]),
-                                        row_counts.reshape(-1))
+                                        row_counts.reshape(-1), output_size=sum(rc))
         perm = torch.argsort(local, stable=True)
         grouped = rows.index_select(0, perm)
         # with no rows for any local expert, the (empty) received rows themselves go back: the return all-to-all must
         # stay in the autograd graph on every rank, or the peers' backward all-to-all waits for this rank forever
-        y = self._run_experts(grouped, row_counts.sum(0).tolist()) if grouped.shape[0] else grouped
+        per_expert = [sum(rc[e::nl]) for e in range(nl)]
+        y = self._run_experts(grouped, per_expert) if grouped.shape[0] else grouped
         y = y.index_select(0, torch.argsort(perm))  # back to the received order
         if etp > 1:
             y = all_to_all(y, [mine] * etp, sizes, self.etp_group, self.timer).view(etp, mine, x.shape[-1]).sum(0)
@@ -221,13 +307,15 @@ class AllGatherExperts(ExpertParallelExperts):
             t0 = time.perf_counter()
             idx = comm._all_gather(indices, self.group, 0)
             self.timer.seconds += time.perf_counter() - t0
+        nl, k = self.num_local, idx.shape[1]
         local = idx - self.first
-        token, slot = torch.where((local >= 0) & (local < self.num_local))
-        expert = local[token, slot]
-        order = torch.argsort(expert, stable=True)  # (token, slot) pairs of the local experts, grouped by expert
-        token, slot = token[order], slot[order]
+        # (token, slot) pairs of the local experts grouped by expert (in token order within one), the others last
+        key = torch.where((local >= 0) & (local < nl), local, nl).reshape(-1)
+        order = torch.argsort(key, stable=True)
+        counts = self.host_counts.read(expert_counts(key, nl + 1))[:nl]  # the one host read
+        pairs = order[:sum(counts)]
+        token, slot = pairs // k, pairs % k
         rows = xs.index_select(0, token)
-        counts = torch.bincount(expert, minlength=self.num_local).tolist()
         # no pair for any local expert: the (empty) rows still join the graph, so that the backward collectives run
         y = self._run_experts(rows, counts) if rows.shape[0] else rows
         y = y * ws[token, slot].unsqueeze(-1)
@@ -255,11 +343,14 @@ def apply_expert_parallel(model: nn.Module, cfg: ModelConfig, layout: Layout, gr
                           etp_rank: int = 0, dispatcher: str = "alltoall", etp_ep_group=None) -> None:
     """Swap every MoE layer's experts for this rank's share (E/EP experts, the expert-TP slice of their ffn) with
     the all-to-all dispatch, or with `dispatcher` "allgather" the all-gather one over `etp_ep_group` (call on the meta
-    device, before the model is materialised, so no rank allocates other ranks' experts). No-op when neither group
-    splits the experts."""
+    device, before the model is materialised, so no rank allocates other ranks' experts). When neither group splits
+    the experts, each layer keeps its experts (the same parameters) behind `LocalExperts`' loop (one host read)."""
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"unknown token dispatcher {dispatcher!r}; expected one of {DISPATCHERS}")
     if _size(group) == 1 and _size(etp_group) == 1:
+        for _, layer in moe_layers(model):
+            if type(layer.experts) is Experts:
+                layer.experts = LocalExperts(layer.experts)
         return
     for _, layer in moe_layers(model):
         if isinstance(layer.experts, Experts):
