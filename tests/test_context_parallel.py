@@ -67,6 +67,45 @@ def test_ring_blocks_are_balanced():
             assert (mask is None) == (src != rank)
 
 
+@pytest.mark.parametrize("window", [None, 3, 9])
+def test_ring_skips_are_decided_on_the_host(monkeypatch, window):
+    """Issue 32's host-sync budget: which ring blocks the documents or the window mask entirely is known without
+    reading the device (no bool() of a tensor in ring_block for a layout from prepare_micro_batch), and the blocks
+    kept and skipped are exactly those whose mask attends somewhere (what reading the device decided before)."""
+    from train.parallel.context import block_mask, ring_block
+
+    cp, S = 4, 64
+    g = torch.Generator().manual_seed(3)
+    sample = torch.randint(3, 9, (2, S + 1), generator=g)
+    sample[0, 5], sample[0, 40], sample[1, 20], sample[1, 21] = 2, 2, 2, 2  # EOD: documents
+    pk = Packing(2, reset_position_ids=True, reset_attention_mask=True)
+    for rank in range(cp):
+        _, _, ex = prepare_micro_batch(sample, cp, rank, pk)
+        lay = ex.layout
+        assert lay.masked is not None
+        want = {}
+        for src in range(cp):  # the device-side decision, as before
+            blk = ring_block(AttentionLayout(S, cp, rank, lay.docs), rank, src, window, torch.device("cpu"))
+            want[src] = blk is not None
+        with monkeypatch.context() as m:
+            def no_sync(self):
+                raise AssertionError("ring_block read the device")
+            m.setattr(torch.Tensor, "__bool__", no_sync)
+            got = {src: ring_block(lay, rank, src, window, torch.device("cpu")) is not None for src in range(cp)}
+        # a block the window and the documents mask only together may still be computed (all-masked blocks add
+        # nothing); every block that attends is kept, and every one masked by either alone is skipped
+        for src in range(cp):
+            assert got[src] or not want[src], (rank, src)
+            q, k = ring_block(AttentionLayout(S, cp, rank), rank, src, None, torch.device("cpu"))[:2]
+            qp, kp = zigzag_index(S, cp, rank)[q], zigzag_index(S, cp, src)[k]
+            docs_alone = block_mask(qp, kp, lay.docs[:, qp], lay.docs[:, kp], None, causal=src == rank)
+            window_alone = None if window is None else block_mask(qp, kp, None, None, window, causal=src == rank)
+            if (docs_alone is not None and not docs_alone.any()) or (window_alone is not None and
+                                                                      not window_alone.any()):
+                assert not got[src], (rank, src)
+    assert lay.varlen() is lay.varlen()  # one pack per micro-batch, not one per layer
+
+
 def test_ltor_masks_and_position_ids_as_megatron():
     """Against a transcription of Megatron-LM's get_ltor_masks_and_position_ids (dense mask, loops)."""
     eod = 2

@@ -239,7 +239,7 @@ class Trainer:
 
     def _prepare(self, sample: torch.Tensor):
         """[mbs, seq+1] tokens -> (ids, labels, extras) for this CP rank (all CP ranks read the same samples)."""
-        return prepare_micro_batch(sample.to(self.device), self.dims.cp, self.groups.cp_rank, self.packing)
+        return prepare_micro_batch(sample, self.dims.cp, self.groups.cp_rank, self.packing, self.device)
 
     # -- one iteration ----------------------------------------------------------------------------------------------
     def train_step(self, batches) -> dict:

@@ -229,7 +229,8 @@ class TESelfAttention(nn.Module):
         if docs is None:
             out = self.core_attention(q, k, v.contiguous(), checkpoint_core_attention=self.selective_recompute)
         else:
-            out = thd_attention(self.core_attention, q, k, v.contiguous(), docs, self.selective_recompute)
+            out = thd_attention(self.core_attention, q, k, v.contiguous(), docs, self.selective_recompute,
+                                self.layouts.current.varlen())
         return self.linear_proj(_sbh(out.reshape(b, s, -1))).transpose(0, 1)
 
     def _docs(self) -> Tensor | None:
@@ -246,7 +247,8 @@ class TESelfAttention(nn.Module):
 _UNWRAPPED = object()
 
 
-def thd_attention(core: Callable, q: Tensor, k: Tensor, v: Tensor, docs: Tensor, recompute: bool) -> Tensor:
+def thd_attention(core: Callable, q: Tensor, k: Tensor, v: Tensor, docs: Tensor, recompute: bool,
+                  pack=None) -> Tensor:
     """Packed-document attention through TE's THD format: q [b, s, H, d], k/v [b, s, G, d], docs [b, s] document ids
     (non-decreasing along a row) -> [b, s, H*dv]. Each (row, document) is one segment of the flattened t = b*s tokens,
     causal inside it (`padding_causal`); cu_seqlens int32 as TE documents them (no padding between segments, so the
@@ -256,7 +258,8 @@ def thd_attention(core: Callable, q: Tensor, k: Tensor, v: Tensor, docs: Tensor,
     b, s = q.shape[:2]
     if tuple(docs.shape) != (b, s):
         raise RuntimeError(f"packed documents: document ids {tuple(docs.shape)} for a micro-batch of {(b, s)} tokens")
-    pack = varlen_pack(docs, docs)  # self-attention: the key segments are the query segments
+    if pack is None:  # self-attention: the key segments are the query segments (the layout's cached pack)
+        pack = varlen_pack(docs, docs)
     out = core(q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:]),
                qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=pack.cu_q, cu_seqlens_kv=pack.cu_k,
                max_seqlen_q=pack.max_q, max_seqlen_kv=pack.max_k, checkpoint_core_attention=recompute)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -161,12 +161,18 @@ def ltor_masks_and_position_ids(tokens: Tensor, packing: Packing) -> tuple[Tenso
 @dataclass(frozen=True)
 class AttentionLayout:
     """What attention needs to know about one micro-batch: its global length, the CP split, and (packed documents
-    with --reset-attention-mask) the document id of every token of the whole sequence [b, S]."""
+    with --reset-attention-mask) the document id of every token of the whole sequence [b, S]. Whatever the host must
+    know about the documents is known from the host's copy (`docs_host`): which ring blocks they mask entirely
+    (`masked`), and the cu_seqlens of flash-attn's / TE's varlen calls (`varlen`, built once per micro-batch and
+    query chunk, not once per layer), so no layer reads the device (issue 32's host-sync budget)."""
 
     seq_length: int
     cp: int = 1
     cp_rank: int = 0
     docs: Tensor | None = None
+    docs_host: Tensor | None = None  # the same ids on the CPU (None: read from `docs` where needed)
+    masked: frozenset | None = None  # ring sources whose block the documents mask entirely (None: not known)
+    packs: dict = field(default_factory=dict, compare=False, repr=False)  # varlen packs of this micro-batch
 
     @property
     def chunk(self) -> int:
@@ -178,6 +184,34 @@ class AttentionLayout:
             return None
         c = self.chunk
         return self.docs[:, i * c:(i + 1) * c]
+
+    def varlen(self, q_chunk: int | None = None, k_end: int | None = None) -> "VarlenPack":
+        """The varlen segments of queries = global chunk `q_chunk` (None: the whole sequence) against the keys up to
+        `k_end` (None: the whole sequence), from the host's ids, on the device of `docs`; cached per micro-batch."""
+        key = (q_chunk, k_end)
+        if key not in self.packs:
+            docs = self.docs_host if self.docs_host is not None else self.docs
+            c = self.chunk
+            dq = docs if q_chunk is None else docs[:, q_chunk * c:(q_chunk + 1) * c]
+            pack = varlen_pack(dq, docs if k_end is None else docs[:, :k_end])
+            dev = self.docs.device
+            self.packs[key] = VarlenPack(pack.cu_q.to(dev), pack.cu_k.to(dev), pack.max_q, pack.max_k,
+                                         pack.k_index.to(dev))
+        return self.packs[key]
+
+
+def masked_ring_sources(docs: Tensor, seq_length: int, cp: int, rank: int) -> frozenset:
+    """The CP ranks whose K/V block the documents mask entirely for `rank`'s queries (ring_block's blocks), from
+    document ids on the host."""
+    out = set()
+    for src in range(cp):
+        q_rows, k_rows = _ring_rows(seq_length, cp, rank, src)
+        q_pos = zigzag_index(seq_length, cp, rank)[q_rows]
+        k_pos = zigzag_index(seq_length, cp, src)[k_rows]
+        mask = block_mask(q_pos, k_pos, docs[:, q_pos], docs[:, k_pos], None, causal=src == rank)
+        if mask is not None and not bool(mask.any()):
+            out.add(src)
+    return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -194,20 +228,26 @@ class MicroBatchExtras:
     whole: tuple[Tensor, Tensor, Tensor] | None = None
 
 
-def prepare_micro_batch(sample: Tensor, cp: int, cp_rank: int, packing: Packing
+def prepare_micro_batch(sample: Tensor, cp: int, cp_rank: int, packing: Packing, device: torch.device | None = None
                         ) -> tuple[Tensor, Tensor, MicroBatchExtras]:
-    """[b, S+1] tokens -> (input ids, labels, extras), each split for this CP rank (zigzag)."""
+    """[b, S+1] tokens -> (input ids, labels, extras), each split for this CP rank (zigzag). Computed where `sample`
+    is (the host, in the trainer) and moved to `device` (default: stay): what the host must know about the documents
+    is read from its own copy, never from the device."""
     tokens, labels = sample[:, :-1], sample[:, 1:]
     positions, loss_mask, docs = ltor_masks_and_position_ids(tokens, packing)
     counted = loss_mask.sum().clamp_min(1.0)  # an all-masked micro-batch gives loss 0, not NaN
     weight = loss_mask * (cp / counted)
     S = tokens.shape[1]
-    def split(t: Tensor) -> Tensor:
-        return zigzag_split(t, cp, cp_rank).contiguous()
+    dev = sample.device if device is None else device
 
-    return split(tokens), split(labels), MicroBatchExtras(split(positions), split(weight),
-                                                          AttentionLayout(S, cp, cp_rank, docs),
-                                                          (tokens, labels, loss_mask))
+    def split(t: Tensor) -> Tensor:
+        return zigzag_split(t, cp, cp_rank).contiguous().to(dev)
+
+    host = docs is not None and docs.device.type == "cpu"
+    masked = masked_ring_sources(docs, S, cp, cp_rank) if host and cp > 1 else None
+    layout = AttentionLayout(S, cp, cp_rank, None if docs is None else docs.to(dev), docs if host else None, masked)
+    return split(tokens), split(labels), MicroBatchExtras(split(positions), split(weight), layout,
+                                                          (tokens.to(dev), labels.to(dev), loss_mask.to(dev)))
 
 
 # -- masks and the plain-torch block kernel ----------------------------------------------------------------------------
@@ -266,6 +306,12 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tens
     return (out * torch.exp(lse - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1)), new
 
 
+def _ring_rows(seq_length: int, cp: int, rank: int, src: int) -> tuple[slice, slice]:
+    c = seq_length // (2 * cp)
+    both, first, second = slice(0, 2 * c), slice(0, c), slice(c, 2 * c)
+    return (both, both) if src == rank else (both, first) if src < rank else (second, both)
+
+
 def ring_block(layout: AttentionLayout, rank: int, src: int, window: int | None, device: torch.device
                ) -> tuple[slice, slice, Tensor | None] | None:
     """What this rank's queries (chunks r, 2cp-1-r) compute against the K/V of rank `src` (chunks s, 2cp-1-s), as
@@ -275,16 +321,25 @@ def ring_block(layout: AttentionLayout, rank: int, src: int, window: int | None,
         src <  rank  all queries x the first key chunk, full
         src >  rank  the second query chunk x all keys, full
     so every step but the first does the same work on every rank (zigzag's load balance). Documents and the sliding
-    window are applied from global positions; a block they mask entirely is skipped."""
+    window are applied from global positions; a block they mask entirely is skipped, decided on the host (the
+    window from the chunks' positions, the documents from `layout.masked`; a layout without it reads the mask)."""
+    q_rows, k_rows = _ring_rows(layout.seq_length, layout.cp, rank, src)
     c = layout.chunk
-    both, first, second = slice(0, 2 * c), slice(0, c), slice(c, 2 * c)
-    q_rows, k_rows = (both, both) if src == rank else (both, first) if src < rank else (second, both)
+    if window is not None and src != rank:  # the nearest pair of the block, from the chunk indices alone
+        qa, qb = zigzag_chunks(layout.cp, rank)
+        ka, kb = zigzag_chunks(layout.cp, src)
+        q_first = (qa if q_rows.start == 0 else qb) * c
+        k_last = (kb if k_rows.stop == 2 * c else ka) * c + c - 1
+        if q_first - k_last >= window:
+            return None
+    if layout.masked is not None and src in layout.masked:
+        return None
     q_pos = zigzag_index(layout.seq_length, layout.cp, rank, device)[q_rows]
     k_pos = zigzag_index(layout.seq_length, layout.cp, src, device)[k_rows]
     docs = layout.docs
     mask = block_mask(q_pos, k_pos, None if docs is None else docs[:, q_pos], None if docs is None else docs[:, k_pos],
                       window, causal=src == rank)
-    if mask is not None and not bool(mask.any()):
+    if layout.masked is None and mask is not None and not bool(mask.any()):
         return None
     return q_rows, k_rows, mask
 
@@ -422,18 +477,20 @@ def all_gather_attention(q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float
         docs_q = layout.chunk_docs(qc)
         docs_k = None if layout.docs is None else layout.docs[:, :end]
         outs.append(prefix_attention(q[:, :, qi * c:(qi + 1) * c], K[:, :, :end], V[:, :, :end], hpg, scale, window,
-                                     docs_q, docs_k, backend))
+                                     docs_q, docs_k, backend, lambda qc=qc, end=end: layout.varlen(qc, end)))
     return torch.cat(outs, dim=2)
 
 
 # -- local attention: SDPA or flash-attn -------------------------------------------------------------------------------
 
 def prefix_attention(q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float | None, window: int | None,
-                     docs_q: Tensor | None, docs_k: Tensor | None, backend: str) -> Tensor:
+                     docs_q: Tensor | None, docs_k: Tensor | None, backend: str,
+                     pack: Callable[[], "VarlenPack"] | None = None) -> Tensor:
     """Causal attention of queries [b, H, sq, d] that are the last sq tokens of the keys [b, G, sk, d] (bottom-right
-    aligned), within documents and the sliding window."""
+    aligned), within documents and the sliding window. `pack`: the varlen segments of docs_q/docs_k (flash-attn's
+    packed path; default: built here from the ids)."""
     if backend == "flash" and q.shape[-1] == v.shape[-1]:
-        return _flash_prefix(q, k, v, scale, window, docs_q, docs_k)
+        return _flash_prefix(q, k, v, scale, window, docs_q, docs_k, pack)
     sq, sk = q.shape[2], k.shape[2]
     if docs_q is None and window is None and sq == sk:
         return gqa_attention(q, k, v, is_causal=True, scale=scale)
@@ -443,7 +500,7 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, hpg: int, scale: float | N
 
 
 def _flash_prefix(q: Tensor, k: Tensor, v: Tensor, scale: float | None, window: int | None, docs_q: Tensor | None,
-                  docs_k: Tensor | None) -> Tensor:
+                  docs_k: Tensor | None, pack: Callable[[], "VarlenPack"] | None = None) -> Tensor:
     """flash-attn (causal aligned bottom-right since 2.1; GQA native, query heads group-major as ours). The tests
     check these calls against a stand-in module with flash-attn's semantics; the CUDA kernel itself was not run."""
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -454,7 +511,7 @@ def _flash_prefix(q: Tensor, k: Tensor, v: Tensor, scale: float | None, window: 
         out = flash_attn_func(qt, kt, vt, causal=True, softmax_scale=scale, window_size=window_size)
         return out.transpose(1, 2)
     b, sq, H, d = qt.shape
-    pack = varlen_pack(docs_q, docs_k)
+    pack = pack() if pack is not None else varlen_pack(docs_q, docs_k)
     qf = qt.reshape(b * sq, H, d)
     kf = kt.reshape(-1, *kt.shape[2:]).index_select(0, pack.k_index)
     vf = vt.reshape(-1, *vt.shape[2:]).index_select(0, pack.k_index)
@@ -533,7 +590,8 @@ class AttentionState:
                layout: AttentionLayout) -> Tensor:
         """q [b, H, s, d]; k/v [b, G, s, d*] (one head per query group)."""
         if self.cp == 1:
-            return prefix_attention(q, k, v, hpg, scale, window, layout.docs, layout.docs, self.backend)
+            return prefix_attention(q, k, v, hpg, scale, window, layout.docs, layout.docs, self.backend,
+                                    lambda: layout.varlen())
         if self.comm_type == "all_gather":
             return all_gather_attention(q, k, v, hpg, scale, window, layout, self.ring.group, self.backend)
         return ring_attention(q, k, v, hpg, scale, window, layout, self.ring)
