@@ -15,8 +15,11 @@
 - `check_target`: every name a writer is about to create or replace in a directory the user owns (`launch --out`'s
   scripts, an iteration directory, a pointer): a symlink or a non-regular file there is refused (never followed),
   and a regular file the writer did not write is refused without `--overwrite`.
-- `local_path`: a path argument that is a URL (`s3://...`) is refused (object storage is not supported yet); a
-  local one is made absolute with its `..` components resolved before anything (tensorstore) sees it.
+- `refuse_url`: a path argument that is a URL (`s3://...`) is refused (object storage is not supported yet), never
+  taken as a relative directory named `s3:`. (Paths reach tensorstore resolved: checkpoint.store.array_spec.)
+- `side_files` / `copy_side_files`: the tokenizer and generation files carried beside the weights (a checkpoint's
+  `hf/`): untrusted input, only known names that are regular files, never over the writer's own files.
+- `inside_iteration`: no write goes into a committed checkpoint iteration.
 """
 from __future__ import annotations
 
@@ -247,21 +250,6 @@ def read_input(path: str | Path, what: str | None = None, limit: int = JSON_MAX,
         raise FormatError(f"{label}{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def read_json(path: str | Path, what: str | None = None, limit: int = JSON_MAX):
-    """A JSON input file, read through read_input: not valid JSON (or nested past Python's recursion limit) is one
-    FormatError naming it."""
-    import json
-
-    label = f"{what}: " if what and what != str(path) else ""
-    raw = read_input(path, what, limit)
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise FormatError(f"{label}{path}: JSON nested too deeply; refusing it") from None
-    except ValueError as e:
-        raise FormatError(f"{label}{path}: not valid JSON ({e})") from None
-
-
 # -- every output name: never through a link, never over what shardkit did not write -------------------------------
 
 def check_target(path: str | Path, what: str, ours: bool = False, overwrite: bool = False,
@@ -302,12 +290,6 @@ def refuse_url(value: object, flag: str) -> None:
         raise ShardkitError(f"{flag + ' ' if flag else ''}{value}: object storage ({scheme}://) is not supported yet; give a local path "
                             "(a mounted filesystem works)")
 
-
-def local_path(value: str | Path, flag: str = "path") -> Path:
-    """A local path argument made absolute, with `..` and `.` resolved (symlinks too, where they exist), as every
-    library shardkit hands it to (tensorstore's file driver refuses `..` components) expects; a URL is refused."""
-    refuse_url(str(value), flag)
-    return Path(os.path.realpath(os.path.expanduser(str(value))))
 
 
 # -- side files: tokenizer and generation files carried beside the weights --------------------------------------------

@@ -220,6 +220,10 @@ def _check_batch(spec: LaunchSpec, ns: argparse.Namespace) -> None:
     the global batch is whole micro-batches on every data-parallel rank, and the --config values are typed."""
     from train.config import from_namespace
 
+    if getattr(ns, "config", None):  # read next: a FIFO there would block it forever
+        from checkpoint.safety import regular_file
+
+        regular_file(ns.config, "--config", missing_ok=True)
     d = from_namespace(ns).data
     dp = spec.layout.dp
     if d.micro_batch_size < 1 or d.global_batch_size < 1:

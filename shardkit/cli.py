@@ -587,6 +587,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from train.failures import peer_failure
         from train.loop import main as train_main
 
+        if getattr(args, "config", None):  # the TOML is read next: a FIFO there would block it forever
+            from checkpoint.safety import regular_file
+
+            regular_file(args.config, "--config", missing_ok=True)
         cfg = from_namespace(args)
         from shardkit.flagcheck import check_train_values
 

@@ -769,6 +769,15 @@ def _fifo_cases(tmp: Path, good: dict[str, Path]) -> list[tuple[str, list[str]]]
     os.mkfifo(tmp / "in.jsonl")  # preprocess-data --input
     cases.append((str(tmp / "in.jsonl"), ["preprocess-data", "--input", str(tmp / "in.jsonl"), "--tokenizer",
                                           str(good["hf"]), "--output-prefix", f"{out}/d", "--quiet"]))
+    os.mkfifo(tmp / "cfg.toml")  # continue-pretrain's --config, directly and through launch
+    cases.append((str(tmp / "cfg.toml"), ["continue-pretrain", "--config", str(tmp / "cfg.toml"), "--load",
+                                          str(good["ck"]), "--data-path", str(good["data"]), "--train-iters", "1"]))
+    cases.append((str(tmp / "cfg.toml"), ["launch", "--layout", "tp=1,pp=1,dp=8", "--nodes", "1", "--dry-run", "--",
+                                          "--config", str(tmp / "cfg.toml"), "--load", str(good["ck"]), "--save",
+                                          out]))
+    (tmp / "run").mkdir()  # plot's metrics.jsonl
+    os.mkfifo(tmp / "run" / "metrics.jsonl")
+    cases.append((str(tmp / "run" / "metrics.jsonl"), ["plot", str(tmp / "run"), "-o", f"{out}.png"]))
     legacy = tmp / "legacy-rank-fifo"  # a Megatron-LM legacy rank file
     (legacy / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
     (legacy / "latest_checkpointed_iteration.txt").write_text("1")

@@ -367,10 +367,12 @@ def format_line(iteration: int, m: dict[str, Any], train_iters: int | None = Non
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """Records of a metrics.jsonl (or of the one in a run directory), one per iteration in iteration order; when a
     resumed run logged an iteration again, its latest record wins."""
+    from checkpoint.safety import regular_file
+
     p = Path(path)
     if p.is_dir():
         p = p / "metrics.jsonl"
-    if not p.is_file():
+    if not regular_file(p, missing_ok=True):  # a FIFO or a device: one line naming it, never a hang
         raise MetricsError(f"{p}: no such metrics file (a training run writes metrics.jsonl in its --save directory)")
     with open(p, encoding="utf-8") as f:
         lines = f.read().splitlines()
