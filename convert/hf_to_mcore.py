@@ -394,11 +394,13 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native",
         if withdraw:  # a proof that cannot be made commits nothing either
             raise ShardkitError(f"{e}; {_withdraw(Path(path))}") from None
         raise
-    where = f"; {p['weights_differ']}" if p.get("weights_differ") else ""
-    if not where and p.get("first_layer_beyond_tolerance") is not None:
+    where = ""
+    if p.get("first_layer_beyond_tolerance") is not None:
         e = p.get("first_expert_beyond_tolerance")
         where = f"; layer {p['first_layer_beyond_tolerance']}" + (f" (expert {e})" if e is not None else "") + \
             " is the first to differ (on HF's own input of that layer)"
+    elif p.get("weights_differ") and p["max_abs_diff"] <= p["tolerance"]:
+        where = f"; {p['weights_differ']}"  # the logits agree, a weight compared directly does not (issue 34)
     # the verdict is the result, like the "wrote" line (--quiet drops the bars only)
     print(f"verify: logits vs {hf_dir} ({p['mode']}, fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| "
           f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if p['ok'] else 'FAIL'} in "

@@ -157,12 +157,15 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
                              lambda a, b: [(a, b, emb[a:b])],
                              lambda a, b: hf.get_input_embeddings().weight[a:b])
     not_compared = []
+    biases = _router_biases(ours, hf)  # DeepSeek-V3's expert_bias only selects experts: compared directly
     if routed:
         total = cfg.num_moe_experts * len(routed)
         hit = sum(len(v) for v in routed.values())
         if hit < total:
             not_compared.append(f"{total - hit} of {total} routed experts (no test token selected them; "
                                 "--streaming --all-experts runs every one)")
+    if biases and biases.get("unmatched"):
+        not_compared.append(f"the router expert_bias of {biases['layers']} MoE layer(s) (HF's could not be paired)")
     if cfg.mtp_num_layers:
         not_compared.append(f"{cfg.mtp_num_layers} MTP layer(s) (transformers' forward has none; --streaming "
                             "compares them)")
@@ -173,8 +176,28 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
         "seq_len": seq_len,
         "dtype": "float32",
         "embedding": embedding,
+        "router_bias": biases,
         "not_compared": not_compared,
     }
+
+
+def _router_biases(ours, hf) -> dict | None:
+    """Every decoder MoE layer's router expert_bias (DeepSeek-V3's e_score_correction_bias) against HF's, bit for bit:
+    the bias only decides which experts are selected, so one that changes no test token's selection would pass the
+    logits (issue 34). None where the model has none; {"layers", "differ": [layer, ...]}."""
+    from train.model import Router
+
+    mine = [(int(name.split(".")[2]), m.expert_bias) for name, m in ours.named_modules()
+            if isinstance(m, Router) and m.expert_bias is not None and name.startswith("decoder.layers.")]
+    theirs = [m.e_score_correction_bias for m in hf.modules() if isinstance(
+        getattr(m, "e_score_correction_bias", None), torch.Tensor)]
+    if not mine:
+        return None
+    if len(mine) != len(theirs):
+        return {"layers": len(mine), "differ": [], "unmatched": True}
+    differ = [i for (i, a), b in zip(mine, theirs)
+              if a.shape != b.shape or not torch.equal(a.detach().float(), b.detach().float())]
+    return {"layers": len(mine), "differ": differ}
 
 
 def rows_differ(hf_rows: Tensor, ours: Tensor) -> Tensor:
@@ -212,6 +235,10 @@ def weights_verdict(out: dict) -> str | None:
     if e and e["rows_differ"]:
         return (f"{e['tensor']}: {e['rows_differ']} of {e['rows']} row(s) differ from HF's {e['hf_tensor']} (first: "
                 f"row {e['first_row_differ']}, |diff| up to {e['max_abs_diff']:.3e})")
+    b = out.get("router_bias")
+    if b and b["differ"]:
+        return (f"decoder.layers.mlp.router.expert_bias: {len(b['differ'])} of {b['layers']} MoE layer(s) differ from "
+                f"HF's gate.e_score_correction_bias (first: layer {b['differ'][0]})")
     return None
 
 

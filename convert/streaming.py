@@ -983,6 +983,7 @@ def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, p
     state["chain"] = our_embed(input_ids)
 
     standins: dict[int, _StreamedHFExperts] = {}
+    hf_biases: list[tuple[int, Tensor]] = []  # HF's router score-correction bias of each MoE layer, as loaded
     for i, layer in enumerate(inner.layers):
         lk = keys.get(i, [])
         routed = _hf_experts_module(layer)
@@ -1008,6 +1009,9 @@ def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, p
         def post(m, args, kwargs, out, i=i, prefix=prefix, pieces=pieces):
             h_in = args[0] if args else kwargs["hidden_states"]
             h_out = out[0] if isinstance(out, tuple) else out
+            hb = getattr(getattr(getattr(m, "mlp", None), "gate", None), "e_score_correction_bias", None)
+            if isinstance(hb, torch.Tensor) and not hb.is_meta:  # (issue 34: compared directly after the walk)
+                hf_biases.append((i, hb.detach().float().clone()))
             _free(m, pool)
             weights.release()
             mine = ours.model.decoder.layers[str(i)]
@@ -1081,8 +1085,27 @@ def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, p
     out["not_compared"] = ([f"{out['experts_total'] - out['experts_exercised']} of {out['experts_total']} routed "
                             "experts (no test token selected them; --all-experts runs every one)"]
                            if out["experts_exercised"] < out["experts_total"] else [])
+    if cfg.moe_router_enable_expert_bias:  # it only selects experts: compared bit for bit, not through the logits
+        out["router_bias"] = _compare_biases(ours, hf_biases)
+        if not hf_biases:
+            out["not_compared"].append("the router expert_bias of every MoE layer (HF's model holds none)")
     state.clear()
     return out
+
+
+def _compare_biases(ours: "_OurSide", hf_biases: list[tuple[int, Tensor]]) -> dict:
+    """Each MoE layer's router expert_bias against HF's e_score_correction_bias, bit for bit (read outside the
+    walk's read counts: a few floats per layer)."""
+    differ = []
+    for i, hb in hf_biases:
+        cname, index = canonical_name(f"decoder.layers.{i}.mlp.router.expert_bias", ours.stacked)
+        box = None if index is None else (slice(index, index + 1),)
+        t = store.from_numpy(ours.ck.read_numpy(cname, box)) if hasattr(ours.ck, "read_numpy") else \
+            ours.ck.read(cname, box)
+        t = t[0] if index is not None else t
+        if t.shape != hb.shape or not torch.equal(t.float(), hb):
+            differ.append(i)
+    return {"layers": len(hf_biases), "differ": differ}
 
 
 def _row(i, on_hf: Tensor, h_out: Tensor, rep: dict, standin, cfg: ModelConfig, tolerance: float, pieces: int) -> dict:

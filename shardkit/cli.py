@@ -807,13 +807,18 @@ def _verify(args: argparse.Namespace) -> int:
             expert = result["parity"].get("first_expert_beyond_tolerance")
             first = f"{first}" + (f" (expert {expert})" if expert is not None else "")
             print(f"shardkit: error: layer {first} is the first to differ from {args.against} beyond "
-                  f"{args.tolerance:.0e} (on HF's own input of that layer); the checkpoint does not reproduce that "
-                  "model", file=sys.stderr)
+                  f"{args.tolerance:.0e} (on HF's own input of that layer){_also(p)}; the checkpoint does not "
+                  "reproduce that model", file=sys.stderr)
             return 1
         print(f"shardkit: error: logits differ from {args.against} by {result['parity']['max_abs_diff']:.3e} > "
-              f"{args.tolerance:.0e}; the checkpoint does not reproduce that model", file=sys.stderr)
+              f"{args.tolerance:.0e}{_also(p)}; the checkpoint does not reproduce that model", file=sys.stderr)
         return 1
     return 0
+
+
+def _also(p: dict) -> str:
+    """A weight compared directly that differs too, for the end of a logits error line (issue 34)."""
+    return f" (and {p['weights_differ']})" if p.get("weights_differ") else ""
 
 
 def _coverage_lines(p: dict) -> None:
@@ -901,8 +906,9 @@ def _verify_torch_dist(args: argparse.Namespace) -> int:
               f"({bad[name]:,}); this checkpoint cannot be trained or exported as it is", file=sys.stderr)
         return 1
     if not ok:
-        why = result["parity"].get("weights_differ") or (
-            f"logits differ from {args.against} by {result['parity']['max_abs_diff']:.3e} > {args.tolerance:.0e}")
+        p = result["parity"]
+        why = (f"logits differ from {args.against} by {p['max_abs_diff']:.3e} > {args.tolerance:.0e}{_also(p)}"
+               if not p["max_abs_diff"] <= args.tolerance or not p.get("weights_differ") else p["weights_differ"])
         print(f"shardkit: error: {why}; the checkpoint does not reproduce that model", file=sys.stderr)
         return 1
     return 0
