@@ -427,7 +427,8 @@ class _DCPSink:
 def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout, entries: dict[str, TensorEntry],
                       make: Callable, args: Callable[[Path], tuple], key_naming: str, overwrite: bool, quiet: bool,
                       provenance: dict, assets: list[Path], job: dict, label: str = "torch_dist",
-                      group=None, estimate_above: int | None = None) -> Path:
+                      group=None, estimate_above: int | None = None,
+                      before_commit: Callable[[], None] | None = None) -> Path:
     """`--format torch_dist` for a converter with no native checkpoint in between: its worker (`make(*args)`, a
     convert.writer worker, `args` a function of the partial output directory; called with a Task, it computes the
     chunk and hands it to its `sink`) writes every chunk of `entries` (the native layout's chunks, one DCP item each,
@@ -468,6 +469,8 @@ def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout,
             meta = DCPWriter(w.partial)
             _declare(meta, declared)
             meta.storage_data.update(storage)
+            if before_commit is not None:  # e.g. the source is still the one the conversion read (issue 34)
+                before_commit()
             _finish(w, meta, common, cfg, layout, entries, key_naming, 0, None, provenance, assets)
             path = w.commit(None)
     return distributed.finish(group, path, out_root)
@@ -481,7 +484,7 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout
     are the chunks the native conversion writes, so the result equals the export of that conversion. With `group`
     (one rank of several, convert.distributed) this rank writes its share of the rank files and rank 0 commits."""
     from .hf_source import HFSource, find_assets
-    from .hf_to_mcore import _jsonable, _without_absent_mtp, _Worker, plan
+    from .hf_to_mcore import _jsonable, _without_absent_mtp, _Worker, plan, source_unchanged
 
     hf_dir = Path(hf_dir)
     check_output(out, [("HF_DIR", hf_dir)])  # never over, inside or around the source
@@ -504,6 +507,7 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout
                                                    None, allow_nonfinite),
                              key_naming=key_naming, overwrite=overwrite, quiet=quiet, provenance=provenance,
                              assets=find_assets(hf_dir), job=job, label="hf-to-torch_dist", group=group,
+                             before_commit=lambda: source_unchanged(src, job["files"]),
                              estimate_above=estimate_above)
 
 

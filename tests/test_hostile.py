@@ -602,7 +602,8 @@ def test_resume_of_an_unchanged_source_still_resumes(good, tmp_path, monkeypatch
     assert calls["n"] == 17 - 5  # 17 chunks in all: the 5 durable ones were not redone
 
 
-def test_source_changed_during_conversion_commits_nothing(good, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("fmt", ["native", "torch_dist"])
+def test_source_changed_during_conversion_commits_nothing(good, tmp_path, capsys, monkeypatch, fmt):
     from convert import hf_to_mcore
 
     c = Case(tmp_path, good)
@@ -620,11 +621,13 @@ def test_source_changed_during_conversion_commits_nothing(good, tmp_path, capsys
 
     monkeypatch.setattr(hf_to_mcore._Worker, "__call__", touching)
     capsys.readouterr()
-    rc = main(["convert", "hf-to-mcore", str(hf), str(c.out), "--quiet", "--no-verify", "--workers", "1"])
+    rc = main(["convert", "hf-to-mcore", str(hf), str(c.out), "--quiet", "--no-verify", "--workers", "1",
+               "--format", fmt])
     err = capsys.readouterr().err
     assert rc == 1 and len(err.strip().splitlines()) == 1, err
     assert "model.safetensors" in err and "changed while" in err
     assert not (c.out / "latest").exists() and not (c.out / ITER).exists()
+    assert not (c.out / "latest_checkpointed_iteration.txt").exists()
 
 
 @pytest.mark.parametrize("fmt", ["native", "torch_dist"])
