@@ -146,10 +146,13 @@ def output_lock(root: Path, name: str = LOCK) -> Iterator[None]:
     never leaves a stale lock); a second writer of the same root gets a one-line error instead of mixing files. The
     file is removed on release, while still locked; a writer that opened it just before checks it locked the file
     that is still there."""
+    from .safety import check_target
+
     path = root / name
+    check_target(path, "output lock", ours=True)  # a link there would have the lock file created elsewhere
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as e:  # e.g. a read-only output directory
             raise WriteError(f"{root}: cannot write in the output directory ({e.strerror or e})") from None
         try:
