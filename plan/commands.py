@@ -117,8 +117,8 @@ def _plan(args: argparse.Namespace) -> int:
     reserved = parse_bytes(args.reserved_memory, "--reserved-memory")
     for flag, v in (("--peak-tflops", args.peak_tflops), ("--nvlink-bandwidth", args.nvlink_bandwidth),
                     ("--network-bandwidth", args.network_bandwidth), ("--compute-efficiency", args.compute_efficiency)):
-        if not v > 0:
-            raise PlanError(f"{flag} must be positive, got {v}")
+        if not 0 < v < float("inf"):  # (inf: an infinitely fast GPU or link, meaningless; issue 34)
+            raise PlanError(f"{flag} must be a finite positive number, got {v}")
     if args.compute_efficiency > 1:
         raise PlanError(f"--compute-efficiency is a fraction of peak (0, 1], got {args.compute_efficiency}")
     if args.top < 1:

@@ -43,6 +43,8 @@ _RANGES = {
     "lr_warmup_fraction": (0.0, 1.0, True, True), "peak_tflops": (0.0, math.inf, False, False),
     "init_method_std": (0.0, math.inf, True, False), "moe_aux_loss_coeff": (0.0, math.inf, True, False),
     "mtp_loss_scaling_factor": (0.0, math.inf, True, False),
+    "moe_router_bias_update_rate": (0.0, math.inf, True, False),
+    "attention_dropout": (0.0, 1.0, True, False), "hidden_dropout": (0.0, 1.0, True, False),
 }
 
 

@@ -1216,8 +1216,8 @@ def test_torch_dist_import_resumed_after_a_distcp_changed_converts_afresh(good, 
     assert main(["reshard", str(td), str(out), "--quiet", "--workers", "1"]) != 0
     monkeypatch.setattr(torch_dist_io._ImportWorker, "__call__", real)
     assert list(out.glob("*.partial"))
-    swapped = sorted((td / ITER).glob("*.distcp"))
-    for f in swapped:  # every rank file of the other model, .metadata and common.pt kept
+    swapped = [*sorted((td / ITER).glob("*.distcp")), td / ITER / "shardkit.json"]
+    for f in swapped:  # every rank file of the other model (and its item record), .metadata and common.pt kept
         shutil.copyfile(other / ITER / f.name, f)
     assert main(["reshard", str(td), str(out), "--quiet", "--workers", "1"]) == 0
     fresh = tmp_path / "fresh"

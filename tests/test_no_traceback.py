@@ -207,7 +207,10 @@ def _cases(w: dict[str, Path]) -> list[tuple[str, list, tuple[str, ...]]]:
             ("--clip-grad", "-1"), ("--weight-decay", "inf"), ("--distributed-timeout-minutes", "nan"),
             ("--distributed-timeout-minutes", "inf"), ("--distributed-timeout-minutes", "-5"),
             ("--distributed-timeout-minutes", "0"), ("--distributed-timeout-minutes", "1e12"),
-            ("--lr-warmup-fraction", "1.5"))],
+            ("--lr-warmup-fraction", "1.5"), ("--hidden-dropout", "1"), ("--attention-dropout", "nan"),
+            ("--moe-router-bias-update-rate", "-1e-3"))],
+        *[(f"plan {flag} {v}", ["plan", "--model", "llama3-8b", "--gpus", "8", flag, v], (flag,)) for flag, v in (
+            ("--network-bandwidth", "inf"), ("--nvlink-bandwidth", "inf"), ("--peak-tflops", "inf"))],
         ("reshard --distributed-timeout-minutes nan", ["reshard", ck, out, "--distributed-timeout-minutes", "nan"],
          ("--distributed-timeout-minutes",)),
         ("h2m --distributed-timeout-minutes -1", [*h2m, "--distributed-timeout-minutes", "-1"],
