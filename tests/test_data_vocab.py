@@ -17,7 +17,8 @@ from tests.test_train import launch, setup  # noqa: F401  (the module fixture: t
 from train.data import (DataError, IndexedDataset, bundled_corpus, check_vocab, preprocess_jsonl,
                         save_corpus_tokenizer, sidecar_path, token_stats, write_indexed)
 
-RUN = ["--train-iters", "2", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4"]
+RUN = ["--train-iters", "2", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+       "--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 def _corpus_with(tmp_path, bad_id: int):

@@ -186,7 +186,8 @@ def test_kill_reshard(work):
 # -- training saves ---------------------------------------------------------------------------------------------
 
 TRAIN = ["--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3",
-         "--lr-warmup-iters", "1", "--train-iters", "40", "--seed", "3"]
+         "--lr-warmup-iters", "1", "--train-iters", "40", "--seed", "3",
+         "--attention-dropout", "0", "--hidden-dropout", "0"]
 # the n-th save of a run (each run saves every iteration until killed)
 TRAIN_SITES = ["commit.begin:1", "atomic.tmp:2", "commit.rename:1", "atomic.tmp:3", "commit.latest:2",
                "commit.swapped:1"]

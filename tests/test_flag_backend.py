@@ -268,7 +268,8 @@ def test_te_chosen_by_default_refuses_packed_documents_under_cp(monkeypatch):
 # -- refusals through the CLI ------------------------------------------------------------------------------------------
 
 COMMON = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
-          "--lr", "1e-3", "--log-interval", "1"]
+          "--lr", "1e-3", "--log-interval", "1",
+          "--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,8 @@ def ours(work: Path, name: str, sched: dict) -> tuple[list[dict], list[list]]:
     flags = ["--load", str(work / "ck"), "--data-path", str(work / "corpus"), "--log-dir", str(out),
              "--train-iters", str(ITERS), "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS),
              "--seq-length", str(SEQ), "--seed", str(SEED), "--split", SPLIT,
-             "--lr-warmup-iters", str(sched["lr_warmup_iters"]), "--lr-decay-style", sched["lr_decay_style"]]
+             "--lr-warmup-iters", str(sched["lr_warmup_iters"]), "--lr-decay-style", sched["lr_decay_style"],
+             "--attention-dropout", "0", "--hidden-dropout", "0"]
     for k, v in OPTIM.items():
         flags += ["--" + k.replace("_", "-"), str(v)]
     launch(1, *flags)

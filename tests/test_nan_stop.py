@@ -16,7 +16,8 @@ from checkpoint.reader import Checkpoint
 from tests.test_train import launch, setup  # noqa: F401  (the module fixture: tiny LLaMA + corpus)
 
 HUGE_LR = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e8",
-           "--clip-grad", "0", "--seed", "7", "--train-iters", "4", "--save-interval", "1"]
+           "--clip-grad", "0", "--seed", "7", "--train-iters", "4", "--save-interval", "1",
+           "--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 def _errors(stderr: str) -> list[str]:

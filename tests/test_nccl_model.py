@@ -297,7 +297,8 @@ def test_real_pipeline_on_threads(monkeypatch, vpp, old):
 
 COMMON = ["--seq-length", "48", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3",
           "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "3",
-          "--save-interval", "3"]
+          "--save-interval", "3",
+          "--attention-dropout", "0", "--hidden-dropout", "0"]
 LAYOUTS = {  # name: (model, ranks, flags)
     "pp2": ("llama", 2, ["--pp", "2"]),
     "pp4": ("llama", 4, ["--pp", "4"]),

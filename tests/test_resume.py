@@ -54,7 +54,7 @@ def test_schedule_logged_is_megatrons(runs):
     straight, first = runs
     state = json.loads((first / "iter_0000002" / "train_state.json").read_text())
     assert state["scheduler"] == {"max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 4, "lr_decay_steps": 16,
-                                  "lr_decay_style": "linear", "num_steps": 8, "start_wd": 0.1, "end_wd": 0.1,
+                                  "lr_decay_style": "linear", "num_steps": 8, "start_wd": 0.01, "end_wd": 0.01,
                                   "wd_incr_steps": 8, "wd_incr_style": "constant"}
     s = SchedulerConfig(max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=4, lr_decay_steps=16)  # the flags of COMMON
     want = [applied_at(k, 4, s)[0] for k in (1, 2, 3, 4)]

@@ -205,7 +205,8 @@ def test_defaults_and_spellings():
     assert rl.train_iters == 100 and rl.train_samples == 400
     s = rl.scheduler
     assert (s.lr_decay_style, s.lr_decay_steps, s.lr_warmup_steps, s.init_lr) == ("linear", 400, 0, 0.0)
-    assert (s.start_wd, s.end_wd, s.wd_incr_steps, s.wd_incr_style) == (0.1, 0.1, 400, "constant")
+    # Megatron-LM's --weight-decay default 0.01 (issue 41)
+    assert (s.start_wd, s.end_wd, s.wd_incr_steps, s.wd_incr_style) == (0.01, 0.01, 400, "constant")
     assert run_length(config({"global_batch_size": 4, "lr_decay_style": "wsd", "lr_wsd_decay_iters": 3})) \
         .scheduler.lr_decay_style == "WSD"
     rl = run_length(config({"global_batch_size": 8, "train_samples": 100, "lr_warmup_fraction": 0.25}))

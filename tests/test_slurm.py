@@ -22,7 +22,8 @@ from checkpoint.reader import Checkpoint
 from tests.slurm_cluster import SlurmCluster, missing
 
 COMMON = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
-          "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "4", "--save-interval", "1"]
+          "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "4", "--save-interval", "1",
+          "--attention-dropout", "0", "--hidden-dropout", "0"]
 JOB_TIMEOUT = 240
 
 

@@ -14,7 +14,8 @@ from checkpoint.reader import Checkpoint
 from tests.launcher import launch  # noqa: F401 - the trainer tests' launcher (imported from here by others)
 
 COMMON = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
-          "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7"]
+          "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7",
+          "--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
 def losses(save: Path) -> list[float]:

@@ -21,7 +21,8 @@ from tests import moe_models
 from tests.test_train import launch, losses, real_rows
 
 COMMON = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "3e-3",
-          "--lr-warmup-iters", "1", "--min-lr", "3e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "5"]
+          "--lr-warmup-iters", "1", "--min-lr", "3e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "5",
+          "--attention-dropout", "0", "--hidden-dropout", "0"]
 FLAGS = {
     "mixtral": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"],
     "deepseek_v3": ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",

@@ -25,7 +25,8 @@ from tests.test_train_moe import FLAGS
 
 # two sequences per micro-batch: the sequence-level aux loss and the SP slices see batch-major tokens of two sequences
 COMMON = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3",
-          "--lr-warmup-iters", "1", "--min-lr", "3e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "5"]
+          "--lr-warmup-iters", "1", "--min-lr", "3e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "5",
+          "--attention-dropout", "0", "--hidden-dropout", "0"]
 SP = ["--tp", "2", "--sequence-parallel"]
 # model -> (HF builder kind, overrides, flags of test_train_moe); DeepSeek-V3 with 2 layers (dense, MoE) + 1 MTP layer
 MODELS = {"mixtral": ("mixtral", {}, FLAGS["mixtral"]),

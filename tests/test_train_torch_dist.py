@@ -47,7 +47,8 @@ MEGATRON_STATE = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "ex
 def flags(iters: int) -> list[str]:
     out = ["--train-iters", str(iters), "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS),
            "--seq-length", str(SEQ), "--seed", str(SEED), "--split", SPLIT,
-           "--lr-warmup-iters", str(SCHED["lr_warmup_iters"]), "--lr-decay-style", SCHED["lr_decay_style"]]
+           "--lr-warmup-iters", str(SCHED["lr_warmup_iters"]), "--lr-decay-style", SCHED["lr_decay_style"],
+           "--attention-dropout", "0", "--hidden-dropout", "0"]
     for k, v in OPTIM.items():
         out += ["--" + k.replace("_", "-"), str(v)]
     return out

@@ -112,6 +112,12 @@ class RunConfig:
     bf16: bool = False
     transformer_impl: str | None = None  # local | transformer_engine; None: TE where installed (and a GPU)
     recompute_granularity: str | None = None
+    # megatron-core's full-recompute units (train/parallel/parallelize.py recompute_groups); None: every layer
+    recompute_method: str | None = None  # uniform | block
+    recompute_num_layers: int | None = None
+    # Megatron-LM's defaults (issue 41; before it shardkit had no dropout): train/dropout.py
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
     log_interval: int = 1
     eval_interval: int = 0
     eval_iters: int = 0
@@ -130,6 +136,8 @@ class RunConfig:
     wandb_project: str = ""
     wandb_exp_name: str = ""
     wandb_save_dir: str = ""
+    # the other Megatron-LM flags given (issue 41): (flag, Megatron dest, value), sorted out by `megatron_flags`
+    megatron: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,10 @@ class TrainConfig:
     run: RunConfig
     fp8: FP8Config = FP8Config()
     moe: MoEArgs = MoEArgs()
+
+    @property
+    def megatron(self) -> tuple:
+        return self.run.megatron
 
 
 _SECTIONS = {"parallel": ParallelConfig, "data": DataArgs, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
@@ -230,7 +242,7 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     a("--lr-wsd-decay-style", choices=list(WSD_DECAY_STYLES), help="WSD: the annealing phase (default exponential)")
     a("--lr-wsd-decay-iters", type=int, help="WSD: iterations of the annealing phase at the end of the decay")
     a("--lr-wsd-decay-samples", type=int, help="WSD: samples of the annealing phase (with --train-samples)")
-    a("--weight-decay", type=float, help="weight decay of the decaying parameters (default 0.1)")
+    a("--weight-decay", type=float, help="weight decay of the decaying parameters (default 0.01, Megatron's)")
     a("--start-weight-decay", type=float, help="with --weight-decay-incr-style linear|cosine: at the start")
     a("--end-weight-decay", type=float, help="with --weight-decay-incr-style linear|cosine: at the end")
     a("--weight-decay-incr-style", choices=list(WD_INCR_STYLES), help="default constant (--weight-decay)")
@@ -261,6 +273,13 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     a("--num-layers-at-start-in-bf16", type=int, help="with --first-last-layers-bf16 (default 1)")
     a("--num-layers-at-end-in-bf16", type=int, help="with --first-last-layers-bf16 (default 1)")
     a("--recompute-granularity", choices=["full", "selective"])
+    a("--recompute-method", choices=["uniform", "block"],
+      help="--recompute-granularity full: uniform = checkpoint runs of --recompute-num-layers layers; block = "
+           "checkpoint only the first --recompute-num-layers layers of each pipeline chunk (megatron-core's)")
+    a("--recompute-num-layers", type=int, help="with --recompute-method (megatron-core's meaning)")
+    a("--attention-dropout", type=float, help="dropout on the attention probabilities (Megatron's default 0.1)")
+    a("--hidden-dropout", type=float, help="dropout on the embedding output and on the attention and MLP outputs "
+                                           "before each residual add (Megatron's default 0.1)")
     a("--save-interval", type=int)
     a("--exit-interval", type=int, help="stop after an iteration divisible by N (saving first); the run resumes "
                                         "later with the same schedule and data order")
@@ -299,7 +318,28 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
                               "without a network)")
     a("--wandb-exp-name", help="W&B run name")
     a("--wandb-save-dir", help="W&B files directory (default: <save>/wandb)")
+    add_megatron_arguments(p)
     return actions
+
+
+MEGATRON_DEST = "mlm__"  # argparse dest prefix of the Megatron-LM flags shardkit has no field for
+
+
+def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
+    """Every other Megatron-LM flag (checkpoint/megatron_lm_args.py OPTIONS, generated from Megatron-LM's parser),
+    parsed as Megatron parses it and kept for `megatron_flags` to check, note or refuse: never argparse's
+    "unrecognized arguments" for a Megatron-LM flag. Hidden from --help (docs/TRAINING_FLAGS.md lists them)."""
+    from checkpoint.megatron_lm_args import OPTIONS
+
+    types = {"int": int, "float": float, "str": str}
+    for opt, (dest, nargs, typ, const) in OPTIONS.items():
+        if opt in p._option_string_actions:
+            continue
+        kw = dict(dest=MEGATRON_DEST + opt.lstrip("-").replace("-", "_"), default=None, help=argparse.SUPPRESS)
+        if nargs == 0:
+            p.add_argument(opt, action="store_const", const=const, **kw)
+        else:
+            p.add_argument(opt, nargs=nargs, type=types[typ], **kw)
 
 
 def _signal_name(v: str) -> str:
@@ -493,6 +533,17 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
             if key.replace("-", "_") == "tensorboard_dir":
                 values["run"]["tensorboard"] = True
     given = {k: v for k, v in vars(ns).items() if v is not None}
+    megatron = []
+    for key in [k for k in given if k.startswith(MEGATRON_DEST)]:
+        flag, dest, v = _megatron_given(key, given.pop(key))
+        try:  # a Megatron-LM alias of a shardkit flag (--persistent-save-interval, --disable-fp8-wgrad)
+            _field_of(dest)
+        except KeyError:
+            megatron.append((flag, dest, v))
+        else:
+            given.setdefault(dest, v)
+    if any(d == "recompute_activations" for _, d, _ in megatron) and "recompute_granularity" not in given:
+        given["recompute_granularity"] = "selective"  # Megatron-LM's validate_args: the older spelling of selective
     tb, log = given.get("tensorboard_dir"), given.get("log_dir")
     if tb is not None and log is not None and str(tb) != str(log):
         raise ConfigError(f"--tensorboard-dir {tb} and --log-dir {log}: one directory holds metrics.jsonl and the "
@@ -510,6 +561,7 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
     if "data_path" in values["data"]:
         values["data"]["data_path"] = tuple(str(x) for x in values["data"]["data_path"])
     try:
+        values["run"]["megatron"] = tuple(sorted(megatron, key=lambda e: e[0]))
         return TrainConfig(**{s: cls(**values[s]) for s, cls in _SECTIONS.items()})
     except TypeError as e:
         raise ConfigError(f"continue-pretrain: {e}") from None
@@ -543,6 +595,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--transformer-impl {cfg.run.transformer_impl!r}: expected local or transformer_engine")
     validate_fp8(cfg.fp8)
     check_flags_used(cfg)
+    check_dropout_recompute(cfg)
+    megatron_flags(cfg)  # the other Megatron-LM flags: a refused one is one line here
     if cfg.run.transformer_impl == "transformer_engine":
         from .te import check_installed, packed_cp_refusal, recipe_spec
 
@@ -557,6 +611,36 @@ def validate(cfg: TrainConfig) -> None:
         check_installed()  # before any process group or checkpoint: one line naming the flag and the install
     validate_moe(cfg)
     run_length(cfg)  # --train-iters/--train-samples and the LR/WD schedule flags
+
+
+def check_dropout_recompute(cfg: TrainConfig) -> None:
+    """--attention-dropout / --hidden-dropout and megatron-core's --recompute-method / --recompute-num-layers."""
+    r = cfg.run
+    for flag, v in (("--attention-dropout", r.attention_dropout), ("--hidden-dropout", r.hidden_dropout)):
+        if not 0 <= v < 1:
+            raise ConfigError(f"{flag} {v}: a dropout probability is in [0, 1)")
+    if r.attention_dropout and (cfg.parallel.cp > 1 or cfg.data.reset_attention_mask):
+        why = (f"--context-parallel-size {cfg.parallel.cp}" if cfg.parallel.cp > 1 else "--reset-attention-mask")
+        raise ConfigError(f"--attention-dropout {r.attention_dropout} with {why}: that attention (ring / all-gather "
+                          "/ per-document) applies no dropout to its probabilities here; use --attention-dropout 0")
+    if r.attention_dropout and r.transformer_impl == "transformer_engine":
+        raise ConfigError(f"--attention-dropout {r.attention_dropout} with --transformer-impl transformer_engine: "
+                          "TE's DotProductAttention is built without dropout here; use --attention-dropout 0 or "
+                          "--transformer-impl local")
+    if r.recompute_method is not None or r.recompute_num_layers is not None:
+        flag = (f"--recompute-method {r.recompute_method}" if r.recompute_method is not None
+                else f"--recompute-num-layers {r.recompute_num_layers}")
+        if r.recompute_granularity != "full":
+            raise ConfigError(f"{flag}: applies to --recompute-granularity full (megatron-core: selective "
+                              "recompute takes no method or layer count); add it or drop the flag")
+        if r.recompute_method not in ("uniform", "block"):
+            raise ConfigError(f"--recompute-num-layers {r.recompute_num_layers}: needs --recompute-method uniform or "
+                              "block (megatron-core requires both with --recompute-granularity full)")
+        if r.recompute_num_layers is None:
+            raise ConfigError(f"--recompute-method {r.recompute_method}: needs --recompute-num-layers N "
+                              "(megatron-core requires both with --recompute-granularity full)")
+        if r.recompute_num_layers < 1 and not (r.recompute_method == "block" and r.recompute_num_layers == 0):
+            raise ConfigError(f"--recompute-num-layers {r.recompute_num_layers}: must be >= 1")
 
 
 def check_flags_used(cfg: TrainConfig) -> None:
@@ -617,6 +701,13 @@ def check_for_model(cfg: TrainConfig, m) -> None:
     built: MoE / MTP flags on a model without experts / MTP layers, and packed documents under context parallelism
     on a Transformer Engine chosen by default (an explicit --transformer-impl is checked in `validate`)."""
     mo, r = cfg.moe, cfg.run
+    check_megatron_shape(cfg, m)
+    if r.recompute_num_layers is not None:
+        per_rank = m.num_layers // cfg.parallel.pp
+        if r.recompute_num_layers > per_rank:
+            raise ConfigError(f"--recompute-num-layers {r.recompute_num_layers}: more than the {per_rank} decoder "
+                              f"layers per pipeline rank ({m.num_layers} layers, --pp {cfg.parallel.pp}); "
+                              "megatron-core requires 1..layers per rank")
     experts = m.num_moe_experts if m.is_moe else 0
     if r.num_experts is not None and r.num_experts != experts:
         raise ConfigError(f"--num-experts {r.num_experts} disagrees with the checkpoint ({m.model_type}: "
@@ -674,3 +765,262 @@ def validate_moe(cfg: TrainConfig) -> None:
                     m.moe_router_bias_update_rate), ("--mtp-loss-scaling-factor", m.mtp_loss_scaling_factor)):
         if v is not None and v < 0:
             raise ConfigError(f"continue-pretrain: {flag} must be >= 0, got {v}")
+
+
+
+# -- Megatron-LM's other flags (issue 41) -----------------------------------------------------------------------------
+# Each Megatron-LM flag is honoured (a field above), checked against the checkpoint's model (`MEGATRON_CHECKS`), noted
+# as implied or irrelevant to a resumed run (`MEGATRON_NOTES`, one line each at start-up) or refused in one line
+# (`MEGATRON_REFUSALS`, or the generic line); a flag given with Megatron-LM's default value changes nothing and is
+# noted as such. docs/TRAINING_FLAGS.md has the table.
+
+_KERNEL = "a kernel / fusion choice of Megatron's CUDA path: the same math; shardkit picks its own kernels"
+_LOGS = ("a Megatron-LM log series shardkit does not write (metrics.jsonl / TensorBoard / W&B get loss, LR, weight "
+         "decay, grad norm, throughput, memory)")
+_LOADER = "a Megatron-LM data-loader knob; shardkit reads the .bin/.idx files in process"
+_TOKENIZER = "the data is pre-tokenized (.bin/.idx); the tokenizer files travel in the checkpoint's hf/"
+_INIT = "every weight comes from --load; nothing is initialised"
+MEGATRON_NOTES = {
+    "use_distributed_optimizer": "implied: shardkit always shards the optimizer state over data parallel (its "
+                                 "distributed optimizer)",
+    "deprecated_use_mcore_models": "implied: shardkit's model is megatron-core's GPTModel (same modules and keys)",
+    "init_method_std": _INIT, "use_cpu_initialization": _INIT, "perform_initialization": _INIT,
+    "init_model_with_meta_device": _INIT,
+    "tokenizer_type": _TOKENIZER, "tokenizer_model": _TOKENIZER, "vocab_file": _TOKENIZER, "merge_file": _TOKENIZER,
+    "tiktoken_pattern": _TOKENIZER,
+    "masked_softmax_fusion": _KERNEL, "bias_gelu_fusion": _KERNEL, "bias_swiglu_fusion": _KERNEL,
+    "bias_dropout_fusion": _KERNEL, "apply_rope_fusion": _KERNEL, "gradient_accumulation_fusion": _KERNEL,
+    "cross_entropy_loss_fusion": _KERNEL, "cross_entropy_fusion_impl": _KERNEL, "moe_permute_fusion": _KERNEL,
+    "moe_grouped_gemm": _KERNEL, "no_persist_layer_norm": _KERNEL, "attention_backend": _KERNEL,
+    "attention_softmax_in_fp32": "softmax runs in fp32 here always (SDPA / the unfused dropout attention)",
+    "moe_shared_expert_overlap": _KERNEL, "async_tensor_model_parallel_allreduce": _KERNEL,
+    "use_flash_attn": "flash-attn runs where it is installed on CUDA (SDPA otherwise), with or without the flag",
+    "log_throughput": "the log line always shows throughput (tokens/s; TFLOP/s and MFU where the peak is known)",
+    "log_params_norm": _LOGS, "log_num_zeros_in_grad": _LOGS, "log_timers_to_tensorboard": _LOGS,
+    "log_memory_to_tensorboard": _LOGS, "log_validation_ppl_to_tensorboard": _LOGS, "log_progress": _LOGS,
+    "log_world_size_to_tensorboard": _LOGS, "logging_level": _LOGS, "timing_log_level": _LOGS,
+    "log_loss_scale_to_tensorboard": _LOGS, "tensorboard_log_interval": _LOGS, "tensorboard_queue_size": _LOGS,
+    "manual_gc": "memory housekeeping of Megatron-LM's loop; no effect on the numbers",
+    "manual_gc_interval": "memory housekeeping of Megatron-LM's loop; no effect on the numbers",
+    "empty_unused_memory_level": "memory housekeeping of Megatron-LM's loop; no effect on the numbers",
+    "num_workers": _LOADER, "data_cache_path": _LOADER, "mmap_bin_files": _LOADER,
+    "create_attention_mask_in_dataloader": "attention masks are built per micro-batch (causal, or per document)",
+    "auto_detect_ckpt_format": "implied: shardkit detects the --load format (native or torch_dist) always",
+    "dist_ckpt_strictness": "shardkit loads strictly: every tensor present, shapes and names as the model's",
+    "enable_experimental": "shardkit has no experimental code paths to enable",
+    "fp8_param_gather": "FP8 weights are cast for each GEMM; there is no parameter all-gather to run in FP8",
+    "grad_reduce_in_bf16": "gradients are reduced in fp32 here (Megatron's bf16 reduction trades precision for "
+                           "bandwidth)",
+    "distributed_backend": "NCCL on CUDA, gloo on the CPU, chosen by the device",
+    "ckpt_fully_parallel_save": "every rank writes its own chunks always",
+    "ckpt_fully_parallel_load": "every rank reads its own regions always",
+}
+_NATIVE = ("shardkit's native engine does not overlap this communication with compute; the megatron-core engine "
+           "(issue 40) will honour it; drop the flag (the numbers are the same without it)")
+MEGATRON_REFUSALS = {
+    "fp16": "fp16 training with loss scaling is not implemented; use --bf16 (or fp32, the default)",
+    "overlap_grad_reduce": _NATIVE, "overlap_param_gather": _NATIVE,
+    "decoupled_lr": "a separate learning rate for the embedding and output layer is not implemented; drop it (the "
+                    "whole model then trains at --lr)",
+    "decoupled_min_lr": "a separate learning rate for the embedding and output layer is not implemented",
+    "mock_data": "shardkit trains on real data only; give --data-path PREFIX (pre-tokenized .bin/.idx)",
+    "exit_duration_in_mins": "not implemented; stop by iterations (--exit-interval) or by a signal "
+                             "(--exit-signal-handler, e.g. SLURM's --signal)",
+    "profile": "shardkit starts no profiler; run the command under nsys or torch.profiler instead",
+    "profile_step_start": "shardkit starts no profiler", "profile_step_end": "shardkit starts no profiler",
+    "profile_ranks": "shardkit starts no profiler", "use_pytorch_profiler": "shardkit starts no profiler",
+    "moe_router_force_load_balancing": "a benchmarking mode (random routing) that changes what is trained",
+    "recompute_modules": "shardkit's selective recompute covers core_attn only (Megatron's default); use "
+                         "--recompute-granularity full for more",
+    "moe_layer_recompute": "use --recompute-granularity full (whole layers) or selective (core attention)",
+    "finetune": "use a weights-only --load (a converted model starts at iteration 0), or --no-load-optim "
+                "--no-load-rng to keep the iteration",
+    "moe_flex_dispatcher_backend": "the flex dispatcher (DeepEP / HybridEP) is GPU-only and not used; use "
+                                   "--moe-token-dispatcher-type alltoall or allgather",
+}
+
+
+def _megatron_given(key: str, value) -> tuple[str, str, object]:
+    from checkpoint.megatron_lm_args import OPTIONS
+
+    flag = "--" + key[len(MEGATRON_DEST):].replace("_", "-")
+    if flag not in OPTIONS:  # an option spelled with underscores (--override-opt_param-scheduler style)
+        flag = next(o for o in OPTIONS if o.lstrip("-").replace("-", "_") == key[len(MEGATRON_DEST):])
+    return flag, OPTIONS[flag][0], value
+
+
+def _show(v) -> str:
+    return " ".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+def _moe_layer_freq(v, num_layers: int) -> list[int] | None:
+    """Megatron-LM's --moe-layer-freq: an int k (every k-th layer, from layer 0) or a list expression such as
+    "[0]*3+[1]*58" (read here without eval: terms `[a, b, ...]` or `[a, ...]*n` joined by +). None: unreadable."""
+    import re
+
+    text = _show(v).replace(" ", "")
+    if re.fullmatch(r"\d+", text):
+        k = int(text)
+        return [1 if k and i % k == 0 else 0 for i in range(num_layers)]
+    out: list[int] = []
+    for term in text.split("+"):
+        m = re.fullmatch(r"\[([\d,]*)\](?:\*(\d+))?", term)
+        if not m:
+            return None
+        items = [int(x) for x in m.group(1).split(",") if x]
+        out += items * int(m.group(2) or 1)
+    return out
+
+
+def _checkpoint_values(m) -> dict:
+    """Megatron dest -> the checkpoint model's value (checkpoint.config.ModelConfig), for the checks."""
+    rs = m.rope_scaling or {}
+    rope_type = rs.get("rope_type", rs.get("type"))
+    freq = m.moe_layer_freq if m.moe_layer_freq is not None else [1] * m.num_layers
+    return {
+        "ffn_hidden_size": m.ffn_hidden_size, "num_query_groups": m.num_query_groups,
+        "kv_channels": m.kv_channels, "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+        "add_position_embedding": False, "rotary_base": m.rotary_base, "rotary_percent": 1.0,
+        "rotary_interleaved": m.rotary_interleaved,
+        "untie_embeddings_and_output_weights": not m.tie_word_embeddings,
+        "add_bias_linear": bool(m.add_proj_bias or m.add_mlp_bias), "add_qkv_bias": m.add_qkv_bias,
+        "max_position_embeddings": m.max_position_embeddings, "layernorm_epsilon": m.norm_epsilon,
+        "layernorm_zero_centered_gamma": False,
+        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "use_rope_scaling": rope_type == "llama3", "rope_scaling_factor": rs.get("factor", 8.0),
+        "rotary_scaling_factor": rs.get("factor", 1.0), "mscale": rs.get("mscale", 1.0),
+        "mscale_all_dim": rs.get("mscale_all_dim", 0.0),
+        "multi_latent_attention": m.multi_latent_attention, "qk_layernorm": m.multi_latent_attention,
+        "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_head_dim": m.qk_head_dim,
+        "qk_pos_emb_head_dim": m.qk_pos_emb_head_dim, "v_head_dim": m.v_head_dim,
+        "moe_router_topk": m.moe_router_topk if m.is_moe else None,
+        "moe_ffn_hidden_size": (m.moe_ffn_hidden_size or m.ffn_hidden_size) if m.is_moe else None,
+        "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+        "moe_layer_freq": freq if m.is_moe else None,
+        "moe_router_score_function": m.moe_router_score_function if m.is_moe else None,
+        "moe_router_topk_scaling_factor": m.moe_router_topk_scaling_factor,
+        "moe_router_num_groups": m.moe_router_num_groups, "moe_router_group_topk": m.moe_router_group_topk,
+        "moe_router_enable_expert_bias": m.moe_router_enable_expert_bias,
+        "moe_router_pre_softmax": (m.moe_router_score_function == "softmax" and not m.moe_router_norm_topk)
+        if m.is_moe else None,
+        "mtp_num_layers": m.mtp_num_layers, "group_query_attention": m.num_query_groups < m.num_attention_heads,
+    }
+
+
+def _is_megatron_default(dest: str, value) -> bool:
+    from checkpoint.megatron_lm_args import DEFAULTS
+
+    d = DEFAULTS.get(dest, object())
+    if isinstance(d, dict) and "member" in d:
+        return str(value) in (d["member"], str(d["value"]))
+    return value == d or (isinstance(d, (int, float)) and not isinstance(d, bool)
+                          and isinstance(value, (int, float)) and float(value) == float(d))
+
+
+def megatron_flags(cfg: TrainConfig) -> list[str]:
+    """The Megatron-LM flags without a shardkit field, before any checkpoint is read: the first refused one is a
+    one-line ConfigError; the others give their one-line notes (returned; the trainer logs them). The checks
+    against the model (`MEGATRON_CHECKS` dests) come in `check_megatron_shape`."""
+    notes = []
+    given = {d for _, d, _ in cfg.megatron}
+    checks = set(_checkpoint_values_keys())
+    for flag, dest, value in cfg.megatron:
+        shown = flag if value is True or value is False else f"{flag} {_show(value)}"
+        if dest in checks:
+            continue
+        if dest == "calculate_per_token_loss":
+            if cfg.data.eod_mask_loss:
+                raise ConfigError(f"{flag} with --eod-mask-loss: shardkit averages the loss per micro-batch; with "
+                                  "masked tokens the per-token average differs; drop one of the two")
+            notes.append(f"note: {shown}: every micro-batch has --seq-length unmasked tokens here, so the per-token "
+                         "average equals the per-micro-batch average")
+            continue
+        if dest == "recompute_activations":
+            notes.append(f"note: {shown}: Megatron-LM's older spelling of --recompute-granularity selective "
+                         "(honoured)")
+            continue
+        if dest in MEGATRON_NOTES:
+            notes.append(f"note: {shown}: {MEGATRON_NOTES[dest]}")
+            continue
+        if dest in MEGATRON_REFUSALS:
+            raise ConfigError(f"{shown}: {MEGATRON_REFUSALS[dest]}")
+        if _is_megatron_default(dest, value):
+            notes.append(f"note: {shown}: Megatron-LM's default value, nothing to do")
+            continue
+        raise ConfigError(f"{shown}: a Megatron-LM flag ({dest}) that shardkit's trainer does not implement; drop it "
+                          "(docs/TRAINING_FLAGS.md lists each flag: honoured, checked, noted or refused)")
+    if "num_query_groups" in given and "group_query_attention" not in given:
+        notes.append("note: --num-query-groups without --group-query-attention: Megatron-LM would build multi-head "
+                     "attention; the checkpoint's query groups are used")
+    return notes
+
+
+def _checkpoint_values_keys() -> list[str]:
+    from checkpoint.config import ModelConfig
+
+    m = ModelConfig(model_type="llama", num_layers=1, hidden_size=8, ffn_hidden_size=8, num_attention_heads=1,
+                    num_query_groups=1, kv_channels=8, vocab_size=8, max_position_embeddings=8, norm_epsilon=1e-5,
+                    rotary_base=1e4)
+    return list(_checkpoint_values(m))
+
+
+def check_megatron_shape(cfg: TrainConfig, m) -> list[str]:
+    """Megatron-LM's model-shape flags against the checkpoint's model: agreement is silent (a line for the record
+    is returned), a mismatch one ConfigError line naming the flag, its value and the checkpoint's."""
+    have = _checkpoint_values(m)
+    given = {d: v for _, d, v in cfg.megatron}
+    checked = []
+    for flag, dest, value in cfg.megatron:
+        if dest not in have:
+            continue
+        want = have[dest]
+        v = value
+        if dest == "moe_layer_freq":
+            v = _moe_layer_freq(value, m.num_layers)
+        elif dest == "num_query_groups" and "group_query_attention" not in given:
+            continue  # Megatron-LM ignores it without --group-query-attention (noted by megatron_flags)
+        elif dest == "group_query_attention":  # a switch: the groups are --num-query-groups (Megatron's default 1)
+            if "num_query_groups" in given:
+                continue
+            v, want = 1, m.num_query_groups
+            if v != want:
+                raise ConfigError(f"{flag} (with Megatron-LM's default --num-query-groups 1) disagrees with the "
+                                  f"checkpoint ({m.model_type}: num_query_groups {want}); add --num-query-groups "
+                                  f"{want}, or load the right checkpoint")
+            checked.append(flag)
+            continue
+        elif dest == "kv_channels" and m.multi_latent_attention:
+            continue  # megatron-core's MLA sizes heads by --qk-head-dim / --v-head-dim, not --kv-channels
+        elif dest == "moe_router_pre_softmax" and m.is_moe and m.moe_router_score_function == "sigmoid":
+            continue  # megatron-core reads it for softmax scores only
+        if isinstance(want, float) or isinstance(v, float):
+            same = want is not None and v is not None and float(v) == float(want)
+        else:
+            same = v == want
+        shown = flag if value is True or value is False else f"{flag} {_show(value)}"
+        if not same:
+            theirs = "none" if want is None else (_show(want) if not isinstance(want, bool) else
+                                                  ("yes" if want else "no"))
+            raise ConfigError(f"{shown} disagrees with the checkpoint ({m.model_type}: {dest} {theirs}); drop the "
+                              "flag or load the right checkpoint")
+        checked.append(flag)
+    return checked
+
+
+def default_changes(cfg: TrainConfig) -> str | None:
+    """The one start-up line naming each Megatron-LM default in effect that differs from shardkit's behaviour before
+    issue 41 (none when every such flag was given another value)."""
+    r, o = cfg.run, cfg.optimizer
+    parts = []
+    if r.attention_dropout == 0.1:
+        parts.append("--attention-dropout 0.1")
+    if r.hidden_dropout == 0.1:
+        parts.append("--hidden-dropout 0.1")
+    if parts:
+        parts = [", ".join(parts) + " (no dropout before)"]
+    if o.weight_decay == 0.01:
+        parts.append("--weight-decay 0.01 (0.1 before)")
+    if not parts:
+        return None
+    return ("defaults: Megatron-LM's, which differ from earlier shardkit releases: " + "; ".join(parts)
+            + "; pass the old values to keep the old behaviour")

@@ -28,7 +28,8 @@ from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
 from train import moe
-from train.config import TrainConfig, check_for_model, run_length, validate
+from train import dropout as dropout_mod
+from train.config import TrainConfig, check_for_model, default_changes, megatron_flags, run_length, validate
 from train.data import DataConfig, DataError, build_datasets, check_vocab, micro_batches
 from train.failures import bound_every_group
 from train.signals import ExitSignals
@@ -113,6 +114,7 @@ class Trainer:
         self.groups: Groups = build_groups(dims)
         self.layout = dims.model_parallel
         self.notes: list[str] = []  # logged by rank 0 at the start of run()
+        self.notes += [line for line in (default_changes(cfg), *megatron_flags(cfg)) if line]  # issue 41
         c = cfg.checkpoint
         if is_torch_dist(c.load):  # Megatron-LM's torch_dist (or shardkit's): read in place, by region
             from train.torch_dist_ckpt import TorchDistLoad
@@ -122,12 +124,14 @@ class Trainer:
             self.state, notes = self.ck.train_state(d.global_batch_size)
             self.notes += notes
         else:
-            for flag, given in (("--hf-config", c.hf_config), ("--vocab-size", c.vocab_size)):
-                if given:
-                    raise ConfigError(f"{flag}: only for a torch_dist --load without shardkit.json; {c.load} is a "
-                                      "shardkit checkpoint, whose manifest describes the model (drop the flag)")
+            if c.hf_config:
+                raise ConfigError(f"--hf-config: only for a torch_dist --load without shardkit.json; {c.load} is a "
+                                  "shardkit checkpoint, whose manifest describes the model (drop the flag)")
             self.src = resolve_iteration(c.load)
             self.ck = Checkpoint(self.src, check=not c.skip_verify)
+            if c.vocab_size is not None and c.vocab_size != self.ck.config.vocab_size:  # Megatron's flag: a check
+                raise ConfigError(f"--vocab-size {c.vocab_size} disagrees with the checkpoint {self.src} (vocab size "
+                                  f"{self.ck.config.vocab_size}); drop the flag or load the right checkpoint")
             self.state = ckpt_io.read_train_state(self.src)
         self.model_cfg = self.ck.config
         check_model_flags(cfg, self.model_cfg, self.src)
@@ -145,7 +149,9 @@ class Trainer:
         self.packing = packing_from(d, self.model_cfg, self.ck.hf_dir())
         # PP split, EP, TP, CP, recompute, TE/FP8, MoE training: in one place and order (train/parallel/parallelize.py)
         par = parallelize(self.model_cfg, self.groups, self.device, self.dtype, p, cfg.run, cfg.fp8, cfg.moe,
-                          self.packing)
+                          self.packing, seed=d.seed)
+        if dropout_mod.CURRENT is not None:  # the dropout streams restart at each iteration (train/dropout.py)
+            dropout_mod.CURRENT.iteration_of = lambda: self.iteration
         self.model, self.backend, self.moe = par.model, par.backend, par.moe
         self.attention, self.attention_line = par.attention, par.attention_line
         self.table = ckpt_io.param_table(self.model, self.model_cfg, self.layout, self.groups)
@@ -174,8 +180,12 @@ class Trainer:
         self.length = run_length(cfg)
         self.train_iters = self.length.train_iters
         self.scheduler = ParamScheduler(self.length.scheduler)
-        if self.state is not None:
+        if self.state is not None and not cfg.checkpoint.no_load_optim:
             self.notes += self._load_scheduler()
+        elif self.state is not None:  # Megatron-LM's load_checkpoint: the scheduler comes with the optimizer
+            self.notes.append(f"note: --no-load-optim: the LR/WD schedule restarts from its first step (as "
+                              f"Megatron-LM's, which loads the scheduler with the optimizer); iteration "
+                              f"{self.iteration} and the data position are kept")
         self._data()
         self.step = StageStep(self.model, self.groups, self.attention, self.moe)
         seq = d.seq_length // dims.cp  # a CP rank's tokens

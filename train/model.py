@@ -58,6 +58,8 @@ from torch import Tensor, nn
 
 from checkpoint.config import ModelConfig
 
+from .dropout import attention_with_dropout, dropout
+
 INIT_STD = 0.02  # Megatron's default init_method_std
 
 
@@ -251,6 +253,10 @@ class SelfAttention(nn.Module):
     linear_qkv's output rows are grouped per query group: [q heads of group g; k_g; v_g] for g = 0..ng-1. Query
     heads come out in HF order (group-major), and KV head g serves query heads g*hpg .. (g+1)*hpg - 1."""
 
+    # --attention-dropout on the softmax probabilities (train/dropout.py; set by parallelize.apply_dropout)
+    attention_dropout: float = 0.0
+    dropout_rng = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -278,6 +284,8 @@ class SelfAttention(nn.Module):
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """softmax(q k^T) v: the part selective recompute re-runs in the backward pass. q [b, nh, s, hd], k and v
         [b, ng, s, hd] (one head per query group)."""
+        if self.attention_dropout and self.training and torch.is_grad_enabled():
+            return attention_with_dropout(q, k, v, self.attention_dropout, self.dropout_rng.attention(), mask)
         return gqa_attention(q, k, v, mask, is_causal=mask is None)
 
     def _sliding_window_mask(self, s: int, device: torch.device) -> Tensor | None:
@@ -357,7 +365,13 @@ class MLASelfAttention(nn.Module):
         out = self.core_attention(q, k, v, None)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, nh * self.v_dim))
 
+    attention_dropout: float = 0.0  # as SelfAttention's
+    dropout_rng = None
+
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        if self.attention_dropout and self.training and torch.is_grad_enabled():
+            return attention_with_dropout(q, k, v, self.attention_dropout, self.dropout_rng.attention(),
+                                          scale=self.softmax_scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
 
 
@@ -519,9 +533,18 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = RMSNorm(h, eps) if moe else nn.Identity()
         self.mlp = MoELayer(cfg) if moe else MLP(h, cfg.ffn_hidden_size, cfg.add_mlp_bias, eps)
 
+    # --hidden-dropout in megatron-core's bias-dropout-add after attention and after the MLP (train/dropout.py)
+    hidden_dropout: float = 0.0
+    dropout_rng = None
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+        x = self._dropout_add(x, self.self_attention(self.input_layernorm(x), cos, sin))
+        return self._dropout_add(x, self.mlp(self.pre_mlp_layernorm(x)))
+
+    def _dropout_add(self, residual: Tensor, out: Tensor) -> Tensor:
+        if self.hidden_dropout and self.training and torch.is_grad_enabled():
+            out = dropout(out, self.hidden_dropout, self.dropout_rng.residual())
+        return residual + out
 
 
 class TransformerBlock(nn.Module):
@@ -620,9 +643,16 @@ class GPTModel(nn.Module):
         logits = self.logits(normed)
         return (logits, normed) if return_hidden else logits
 
+    hidden_dropout: float = 0.0  # megatron-core's embedding dropout (train/dropout.py)
+    dropout_rng = None
+
     def embed(self, input_ids: Tensor) -> Tensor:
-        """Token embeddings [b, s, h] (tensor parallelism swaps in a vocab-parallel embedding)."""
-        return self.embedding(input_ids)
+        """Token embeddings [b, s, h] (tensor parallelism swaps in a vocab-parallel embedding), after the embedding
+        dropout (--hidden-dropout) in training."""
+        x = self.embedding(input_ids)
+        if self.hidden_dropout and self.training and torch.is_grad_enabled():
+            x = dropout(x, self.hidden_dropout, self.dropout_rng.embedding())
+        return x
 
     def rope(self, input_ids: Tensor, position_ids: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(cos, sin) [b, s, head_dim] for the batch's positions (default 0..s-1)."""

@@ -32,7 +32,7 @@ from train.parallel.groups import Groups
 class OptimizerConfig:
     lr: float = 3e-4
     min_lr: float = 0.0
-    weight_decay: float = 0.1
+    weight_decay: float = 0.01  # Megatron-LM's default (0.1 before issue 41)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
