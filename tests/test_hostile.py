@@ -772,6 +772,11 @@ def _fifo_cases(tmp: Path, good: dict[str, Path]) -> list[tuple[str, list[str]]]
     os.mkfifo(tmp / "in.jsonl")  # preprocess-data --input
     cases.append((str(tmp / "in.jsonl"), ["preprocess-data", "--input", str(tmp / "in.jsonl"), "--tokenizer",
                                           str(good["hf"]), "--output-prefix", f"{out}/d", "--quiet"]))
+    ck = copy("ck", "ck-train-state")  # a training resume reading train_state.json
+    (ck / ITER / "train_state.json").write_text("{}")
+    cases.append((str(_fifo_at(ck, f"{ITER}/train_state.json")), [
+        "continue-pretrain", "--load", str(ck), "--data-path", str(good["data"]), "--save", out, "--seq-length", "16",
+        "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1"]))
     os.mkfifo(tmp / "cfg.toml")  # continue-pretrain's --config, directly and through launch
     cases.append((str(tmp / "cfg.toml"), ["continue-pretrain", "--config", str(tmp / "cfg.toml"), "--load",
                                           str(good["ck"]), "--data-path", str(good["data"]), "--train-iters", "1"]))
