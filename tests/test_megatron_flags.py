@@ -281,6 +281,17 @@ def test_every_sorted_dest_is_megatron_lms_and_aliases_reach_shardkits_flags(roo
     assert cfg.checkpoint.save_interval == 5 and cfg.fp8.fp8_wgrad is False and cfg.megatron == ()
 
 
+def test_recompute_activations_is_selective_and_llama3_rope_scaling_agrees(root):
+    from train.config import from_namespace, megatron_flags
+
+    cfg = from_namespace(parser().parse_args(["continue-pretrain", "--recompute-activations"]))
+    assert cfg.run.recompute_granularity == "selective"
+    assert any(n.startswith("note: --recompute-activations: Megatron-LM's older spelling") for n in megatron_flags(cfg))
+    ck = ck_of(root, "llama")  # Llama 3.1-style scaling in the tiny Llama: Megatron-LM's --use-rope-scaling
+    assert config_errors(["--load", str(ck), "--data-path", str(root / "data"), *NODROP, "--use-rope-scaling",
+                          "--rope-scaling-factor", "8"], ck) is None
+
+
 # -- refusals and mismatches, one test each --------------------------------------------------------------------------
 
 SHAPE_MISMATCH = [  # (model, flag group, the checkpoint's value as the line shows it)
