@@ -123,7 +123,8 @@ def parse_pipeline_layout(text: str) -> list[str]:
             grown[0] += len(m.group(1)) * (n - 1) - len(digits) - 1
             if grown[0] > LAYOUT_MAX_CHARS:
                 raise LayoutError(f"--pipeline-model-parallel-layout {text[:80]!r}: the repeat {m.group(0)[:40]!r} "
-                                  f"unrolls to more than {LAYOUT_MAX_CHARS:,} layers and stages; no model has that many")
+                                  f"unrolls to more than {LAYOUT_MAX_CHARS:,} layers and stages; no model has that "
+                                  "many")
             return m.group(1) * n
 
         s = re.sub(pattern, unroll, s)

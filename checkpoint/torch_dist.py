@@ -785,7 +785,8 @@ class TorchDistCheckpoint:
         self._files = sizes
         spans: dict[str, list] = {}
         for key, info in self._storage.items():
-            spans.setdefault(info.relative_path, []).append((int(info.offset), int(info.offset) + int(info.length), key))
+            start = int(info.offset)
+            spans.setdefault(info.relative_path, []).append((start, start + int(info.length), key))
         for rel, items in spans.items():  # every item its own bytes: two entries on one range (aliased, swapped in
             items.sort(key=lambda x: (x[0], x[1]))  # for another) or overlapping ranges are damage, not a format
             for (a0, a1, ka), (b0, b1, kb) in zip(items, items[1:]):
