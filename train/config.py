@@ -111,6 +111,7 @@ class CheckpointConfig:
 class RunConfig:
     bf16: bool = False
     transformer_impl: str | None = None  # local | transformer_engine; None: TE where installed (and a GPU)
+    engine: str | None = None  # megatron-core | native; None: megatron-core on CUDA where installed (train/engines)
     recompute_granularity: str | None = None
     # megatron-core's full-recompute units (train/parallel/parallelize.py recompute_groups); None: every layer
     recompute_method: str | None = None  # uniform | block
@@ -257,6 +258,9 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
     a("--adam-beta2", type=float)
     a("--adam-eps", type=float)
     a("--bf16", action="store_true", default=None)
+    a("--engine", choices=["megatron-core", "native"],
+      help="training engine: megatron-core's (GPTModel, DDP, distributed optimizer, schedules; the default on CUDA "
+           "where installed) or shardkit's native one (the default on the CPU); issue 40")
     a("--transformer-impl", choices=["local", "transformer_engine"],
       help="model backend: plain PyTorch, or Transformer Engine (GPU; default where it is installed)")
     a("--fp8-format", "--fp8", dest="fp8_format", choices=["hybrid", "e4m3"],
@@ -816,7 +820,7 @@ MEGATRON_NOTES = {
     "ckpt_fully_parallel_load": "every rank reads its own regions always",
 }
 _NATIVE = ("shardkit's native engine does not overlap this communication with compute; the megatron-core engine "
-           "(issue 40) will honour it; drop the flag (the numbers are the same without it)")
+           "(--engine megatron-core, issue 40) honours it; drop the flag (the numbers are the same without it)")
 MEGATRON_REFUSALS = {
     "fp16": "fp16 training with loss scaling is not implemented; use --bf16 (or fp32, the default)",
     "overlap_grad_reduce": _NATIVE, "overlap_param_gather": _NATIVE,
@@ -942,6 +946,9 @@ def megatron_flags(cfg: TrainConfig) -> list[str]:
         if dest in MEGATRON_NOTES:
             notes.append(f"note: {shown}: {MEGATRON_NOTES[dest]}")
             continue
+        if dest in ("overlap_grad_reduce", "overlap_param_gather") and _on_megatron_core(cfg):  # issue 40
+            notes.append(f"note: {shown}: honoured by megatron-core's DistributedDataParallel (--engine megatron-core)")
+            continue
         if dest in MEGATRON_REFUSALS:
             raise ConfigError(f"{shown}: {MEGATRON_REFUSALS[dest]}")
         if _is_megatron_default(dest, value):
@@ -953,6 +960,12 @@ def megatron_flags(cfg: TrainConfig) -> list[str]:
         notes.append("note: --num-query-groups without --group-query-attention: Megatron-LM would build multi-head "
                      "attention; the checkpoint's query groups are used")
     return notes
+
+
+def _on_megatron_core(cfg: TrainConfig) -> bool:
+    from train.engines import default_engine
+
+    return (cfg.run.engine or default_engine()) == "megatron-core"
 
 
 def _checkpoint_values_keys() -> list[str]:

@@ -667,7 +667,9 @@ def main(cfg: TrainConfig, log=print) -> list[dict]:
     """Run on this process (one rank of the job); returns the metrics history on every rank."""
     init_distributed(cfg.run.distributed_timeout_minutes)
     try:
-        trainer = Trainer(cfg)
+        from train.engines import make_trainer  # --engine native | megatron-core (issue 40)
+
+        trainer = make_trainer(cfg)
         return trainer.run(log)
     finally:
         if dist.is_initialized():

@@ -1,0 +1,195 @@
+"""`continue-pretrain --engine megatron-core` (issue 40, first slice): megatron-core's GPTModel (local spec), DDP,
+distributed optimizer, pipeline schedules and OptimizerParamScheduler, loaded from and saving to shardkit's native
+checkpoints, equal the native engine on the same checkpoint and data.
+
+megatron-core runs on the CPU here through the engine's explicit test switch (SHARDKIT_MEGATRON_CORE_CPU=1: its CUDA
+stand-ins, train/engines/megatron_core.py `cpu_stand_ins`); every multi-rank run is forked by tests/launcher.py and
+runs under tests/nccl_model.py (NCCL's point-to-point rules on gloo), megatron-core's own pipeline exchanges included.
+The reference is the native engine on one process (itself equal to its TP/PP/DP layouts, tests/test_train.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.launcher import REPO, launch
+
+pytest.importorskip("megatron.core")
+
+SWITCH = "SHARDKIT_MEGATRON_CORE_CPU"
+ITERS = 5
+# fp32, no dropout (each engine draws its own masks), clipping exercised (the norms are ~6)
+FLAGS = ["--train-iters", str(ITERS), "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "32",
+         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--clip-grad",
+         "1.0", "--attention-dropout", "0", "--hidden-dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """The tiny Llama (vocab 1000: TP padding to 1024, llama3 RoPE scaling), converted, and the pattern corpus."""
+    from tests.corpus import tiny_llama_setup
+
+    return tiny_llama_setup(tmp_path_factory.mktemp("engine_mcore"))
+
+
+def train(work: Path, name: str, nproc: int, engine: str, *flags: str, load: Path | None = None) -> list[dict]:
+    """One run; its metrics rows (the save and log under work/name)."""
+    out = work / name
+    env = {SWITCH: "1"} if engine == "megatron-core" else {}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        launch(nproc, "--load", str(load or work / "ck"), "--data-path", str(work / "data"), "--save", str(out),
+               "--log-dir", str(out), "--engine", engine, *FLAGS, *flags)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def tensors(save: Path) -> dict:
+    from checkpoint.commit import resolve_iteration
+    from checkpoint.reader import Checkpoint
+
+    return Checkpoint(resolve_iteration(save)).state_dict(optimizer=True)
+
+
+def assert_same_tensors(ours: Path, ref: Path, tol: float = 1e-5) -> float:
+    """Every saved tensor (weights, fp32 params, both moments) within `tol` of the reference's, relative to the
+    tensor's largest value; returns the largest such difference."""
+    a, b = tensors(ours), tensors(ref)
+    assert sorted(a) == sorted(b)
+    assert any(k.startswith("optimizer") or "exp_avg" in k for k in a), sorted(a)[:5]
+    worst = 0.0
+    for k in b:
+        x, y = a[k].double().numpy(), b[k].double().numpy()
+        assert x.shape == y.shape, k
+        d = float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30))
+        assert d <= tol, (k, d)
+        worst = max(worst, d)
+    return worst
+
+
+def assert_same_rows(rows: list[dict], ref: list[dict]) -> None:
+    assert [r["iteration"] for r in rows] == [r["iteration"] for r in ref]
+    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref], rtol=1e-5, atol=0)
+    np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref], rtol=1e-5, atol=0)
+    np.testing.assert_allclose([r["lr"] for r in rows], [r["lr"] for r in ref], rtol=1e-12, atol=0)
+
+
+@pytest.fixture(scope="module")
+def native(work):
+    """The reference: the native engine on one process, 5 iterations, a save after the 3rd and at the end."""
+    return train(work, "native", 1, "native", "--save-interval", "3")
+
+
+LAYOUTS = {"1rank": (1, ()), "tp2-sp": (2, ("--tp", "2", "--sequence-parallel")),
+           "pp2": (2, ("--pp", "2")), "pp2-vpp2": (2, ("--pp", "2", "--vpp", "2")),
+           "dp2-overlap": (2, ("--overlap-grad-reduce", "--overlap-param-gather"))}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_megatron_core_equals_native(work, native, layout, tmp_path):
+    """Losses, grad norms, LRs and the saved weights and optimizer moments after 5 steps equal the native engine's;
+    the multi-rank runs' point-to-point traffic went through the NCCL model (megatron-core's own exchanges at PP)."""
+    nproc, flags = LAYOUTS[layout]
+    log = tmp_path / "nccl.jsonl"
+    os.environ["SHARDKIT_TEST_NCCL_MODEL_LOG"] = str(log)
+    try:
+        rows = train(work, f"mcore-{layout}", nproc, "megatron-core", "--save-interval", "3", *flags)
+    finally:
+        os.environ.pop("SHARDKIT_TEST_NCCL_MODEL_LOG", None)
+    assert len(rows) == ITERS and max(r["grad_norm"] for r in rows) > 1.0  # clipping was exercised
+    assert_same_rows(rows, native)
+    worst = assert_same_tensors(work / f"mcore-{layout}", work / "native")
+    print(f"{layout}: largest relative difference of a saved tensor {worst:.2e}")
+    if nproc > 1:
+        counts = [json.loads(line) for line in log.read_text().splitlines()]
+        assert len(counts) == nproc  # every rank ran under the model
+        if "--pp" in flags:
+            assert all(c["batches"] > 0 for c in counts), counts  # megatron-core's batched p2p, under NCCL's rules
+
+
+def test_megatron_core_save_resumes_on_native(work, native):
+    """megatron-core's save after iteration 3 (its distributed-optimizer state gathered into shardkit's canonical
+    tensors) resumed by the native engine gives the native straight run's iterations 4 and 5 and its final state."""
+    src = work / "mcore-1rank"
+    if not (src / "iter_0000003").is_dir():
+        train(work, "mcore-1rank", 1, "megatron-core", "--save-interval", "3")
+    rows = train(work, "resume-native", 1, "native", load=src / "iter_0000003")
+    assert_same_rows(rows, native[3:])
+    assert_same_tensors(work / "resume-native", work / "native")
+
+
+def test_native_save_resumes_on_megatron_core(work, native):
+    """The other way: the native save after iteration 3 (fp32 params and moments) loaded into megatron-core's
+    distributed optimizer, at TP 2 + SP, continues as the native straight run."""
+    rows = train(work, "resume-mcore", 2, "megatron-core", "--tp", "2", "--sequence-parallel",
+                 load=work / "native" / "iter_0000003")
+    assert_same_rows(rows, native[3:])
+    assert_same_tensors(work / "resume-mcore", work / "native")
+
+
+def test_pickle_allowlist_kept(work, tmp_path):
+    """A megatron-core run leaves torch.load's safe globals as they were (megatron-core registers ~26 classes when
+    imported); a bare import would have changed them. In a subprocess: the test process never imports megatron-core."""
+    code = f"""
+import os, sys, torch
+os.environ[{SWITCH!r}] = "1"
+before = [str(g) for g in torch.serialization.get_safe_globals()]
+from shardkit.cli import main
+rc = main(["continue-pretrain", "--load", {str(work / "ck")!r}, "--data-path", {str(work / "data")!r},
+           "--engine", "megatron-core", "--train-iters", "1", "--micro-batch-size", "2", "--global-batch-size", "2",
+           "--seq-length", "16", "--attention-dropout", "0", "--hidden-dropout", "0"])
+assert rc == 0, rc
+assert "megatron.core" in sys.modules
+after = [str(g) for g in torch.serialization.get_safe_globals()]
+assert after == before, sorted(set(after) - set(before))
+from megatron.core.safe_globals import register_safe_globals
+register_safe_globals()  # what importing megatron-core does (megatron/core/__init__.py): registers its classes
+assert len(torch.serialization.get_safe_globals()) > len(before)
+print("ALLOWLIST KEPT", len(before))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    assert r.returncode == 0 and "ALLOWLIST KEPT" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+
+
+def test_default_engine_on_the_cpu_is_native():
+    import torch
+
+    from train.engines import default_engine
+
+    assert not torch.cuda.is_available() and default_engine() == "native"
+
+
+@pytest.mark.parametrize("flags,switch,says", [
+    ((), False, "megatron-core's engine runs on CUDA"),
+    (("--fp8-format", "hybrid"), True, "--fp8-format hybrid: megatron-core cannot run it on the CPU"),
+    (("--context-parallel-size", "2"), True, "--context-parallel-size 2: megatron-core cannot run it on the CPU"),
+    (("--transformer-impl", "transformer_engine"), True, "TE's layer spec"),
+])
+def test_refused_in_one_line(work, flags, switch, says):
+    """What megatron-core cannot do on a CPU (and the CPU itself without the test switch) is one error line, exit 1,
+    before any iteration; the default engine on the CPU is the native one."""
+    old = os.environ.pop(SWITCH, None)
+    if switch:
+        os.environ[SWITCH] = "1"
+    try:
+        r = launch(1, "--load", str(work / "ck"), "--data-path", str(work / "data"), "--engine", "megatron-core",
+                   *FLAGS, *flags, check=False)
+    finally:
+        os.environ.pop(SWITCH, None)
+        if old is not None:
+            os.environ[SWITCH] = old
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("shardkit: error:")]
+    assert r.returncode != 0 and len(errors) == 1 and says in errors[0], (r.stdout[-2000:], r.stderr[-2000:])
+    assert "--engine megatron-core" in errors[0] and "iteration 1" not in r.stdout

@@ -1,0 +1,672 @@
+"""`continue-pretrain --engine megatron-core` (issue 40): megatron-core's own training machinery on shardkit's
+checkpoints, data, flags and logs.
+
+    shardkit's model config -> TransformerConfig (here, once: `transformer_config`) -> GPTModel per model chunk (local
+    layer spec) -> weights read by region through the sharding table (each rank its own) -> megatron-core's
+    DistributedDataParallel (--overlap-grad-reduce / --overlap-param-gather) -> its DistributedOptimizer (Adam with
+    shardkit's optimizer flags) -> per iteration get_forward_backward_func()'s schedule (no pipelining, 1F1B or
+    interleaved 1F1B) over shardkit's micro-batches, its grad norm and clipping, its OptimizerParamScheduler
+    -> saves through shardkit's native save path (train/checkpointing.py): the weights from the parameters, the
+    distributed optimizer's fp32 params and moments gathered back into shardkit's canonical tensors per region.
+
+The trainer is train/loop.py's Trainer with the model, the step and the optimizer state replaced: the data pipeline,
+the scheduler checks on resume, the NaN stop (before the optimizer step), exit signals, the log lines and the save path
+are the native engine's own. megatron-core's parameter names are shardkit's canonical names (checkpoint/megatron.py:
+the local spec's separate norms map to their TE names), so the sharding table gives every parameter its regions.
+
+What this first slice covers: dense Llama-family models (no MoE, MLA, MTP, sliding window or linear biases other than
+QKV's), TP (+ SP), PP (1F1B, interleaved with --vpp, even splits), DP with the distributed optimizer, fp32 and bf16,
+native checkpoints (load: weights, and the optimizer state when resuming; save: native format). Refused in one line:
+TE's layer spec, FP8, context parallelism, expert parallelism, packed documents, uneven pipeline splits, torch_dist
+load/save. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
+switch SHARDKIT_MEGATRON_CORE_CPU=1 (`cpu_stand_ins`); without it --engine megatron-core on the CPU is refused.
+
+Importing megatron-core registers some 26 classes as torch.load safe globals (its megatron/core/safe_globals.py);
+`import_megatron` puts torch's allowlist back as it was, so shardkit's `weights_only=True` reads keep their checks.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from checkpoint.errors import ConfigError, FormatError
+from checkpoint.megatron import canonical_candidates
+from checkpoint.reader import Checkpoint
+from checkpoint.sharding import OPTIMIZER_STATES, local_shape, model_specs, optimizer_key, owner
+from train import checkpointing as ckpt_io
+from train.loop import Trainer, check_model_flags, check_save_format, is_torch_dist
+from train.model import canonical_name
+
+CPU_SWITCH = "SHARDKIT_MEGATRON_CORE_CPU"  # "1": run megatron-core on the CPU with CUDA stand-ins (tests only)
+OVERLAP_DESTS = ("overlap_grad_reduce", "overlap_param_gather")
+
+
+class NotCovered(Exception):
+    """A run this engine does not cover (yet): refused in one line when asked for by name, the native engine when
+    megatron-core was only the default."""
+
+    def as_config_error(self) -> ConfigError:
+        return ConfigError(f"--engine megatron-core: {self}")
+
+
+# -- megatron-core, imported without touching torch's pickle allowlist -------------------------------------------------
+
+@contextlib.contextmanager
+def keep_pickle_allowlist():
+    """torch.serialization's safe globals as they were before the block (megatron-core adds its own at import)."""
+    before = list(torch.serialization.get_safe_globals())
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
+def import_megatron() -> None:
+    """Import every megatron-core module this engine uses, the allowlist kept as it was."""
+    import warnings
+
+    with keep_pickle_allowlist(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed" (the CPU): said once below
+        import megatron.core  # noqa: F401
+        import megatron.core.distributed  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        import megatron.core.optimizer.clip_grads  # noqa: F401
+        import megatron.core.optimizer_param_scheduler  # noqa: F401
+        import megatron.core.parallel_state  # noqa: F401
+        import megatron.core.pipeline_parallel  # noqa: F401
+        import megatron.core.pipeline_parallel.schedules  # noqa: F401
+        import megatron.core.tensor_parallel  # noqa: F401
+        import megatron.core.transformer.transformer_config  # noqa: F401
+        from megatron.core.transformer.module import Float16Module  # noqa: F401
+
+
+def cpu_stand_ins() -> None:
+    """megatron-core on the CPU (tests on gloo; DESIGN.md's recipe, as tests/megatron_oracle.py applies it): the
+    current device is the CPU, synchronize does nothing, the CUDA RNG tracker's fork is a null context, tensors report
+    `torch.cuda.*` types (the distributed optimizer and its clipping refuse others), `.cuda()` is the identity and
+    `device="cuda"` factory calls land on the CPU. No arithmetic changes. Process-wide: only under CPU_SWITCH."""
+    from megatron.core import tensor_parallel
+
+    if getattr(torch, "_shardkit_mcore_cpu", False):
+        return
+    torch._shardkit_mcore_cpu = True
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+    def on_cpu(fn):
+        @functools.wraps(fn)
+        def wrapped(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return fn(*a, **k)
+        return wrapped
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    orig_type = torch.Tensor.type
+
+    def tensor_type(self, *a, **k):
+        if a or k:
+            return orig_type(self, *a, **k)
+        t = orig_type(self)
+        return t if t.startswith("torch.cuda.") else t.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = tensor_type
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+
+class RMSNorm:
+    """The local spec's norm (torch.nn.RMSNorm, as megatron-core's WrappedTorchNorm builds it) that also runs under
+    sequence parallelism: WrappedTorchNorm refuses it (megatron-core leaves SP norms to TE's TENorm or Apex), though
+    the arithmetic is per token; its weight is marked `sequence_parallel` as TENorm's is, so finalize_model_grads
+    sums its gradient over the TP group."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+# -- what the engine covers ----------------------------------------------------------------------------------------------
+
+def check_flags(cfg, on_cpu: bool) -> None:
+    """The flags this engine cannot honour (yet): NotCovered naming the flag, before anything is read or created."""
+    p, r, d, c = cfg.parallel, cfg.run, cfg.data, cfg.checkpoint
+    where = "megatron-core cannot run it on the CPU" if on_cpu else "not in the megatron-core engine yet (issue 40)"
+    if on_cpu and os.environ.get(CPU_SWITCH) != "1":
+        raise NotCovered("megatron-core's engine runs on CUDA; on the CPU it runs only as a test of itself on gloo "
+                         f"({CPU_SWITCH}=1); use --engine native here")
+    if r.transformer_impl == "transformer_engine":
+        raise NotCovered(f"--transformer-impl transformer_engine (TE's layer spec): {where}; use --transformer-impl "
+                         "local or --engine native")
+    if cfg.fp8.enabled:
+        raise NotCovered(f"--fp8-format {cfg.fp8.fp8_format}: {where}; use --engine native")
+    if p.cp > 1:
+        raise NotCovered(f"--context-parallel-size {p.cp}: {where}; use --engine native")
+    if p.ep > 1 or (p.etp is not None and p.etp != p.tp):
+        raise NotCovered("--expert-model-parallel-size / --expert-tensor-parallel-size: not in the megatron-core "
+                         "engine yet (issue 40); use --engine native")
+    for flag, on in (("--reset-position-ids", d.reset_position_ids), ("--reset-attention-mask", d.reset_attention_mask),
+                     ("--eod-mask-loss", d.eod_mask_loss)):
+        if on:
+            raise NotCovered(f"{flag} (packed documents): not in the megatron-core engine yet (issue 40); use "
+                             "--engine native")
+    split = [f for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                         "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                         "pipeline_model_parallel_layout") if getattr(p, f, None)]
+    if split:
+        raise NotCovered(f"--{split[0].replace('_', '-')} (an uneven pipeline split): not in the megatron-core engine "
+                         "yet (issue 40); use --engine native")
+    if c.save_format == "torch_dist":
+        raise NotCovered("--save-format torch_dist: the megatron-core engine saves the native format in this slice "
+                         "(issue 40); save native and export with `shardkit reshard --format torch_dist`")
+    if c.load and is_torch_dist(c.load):
+        raise NotCovered(f"--load {c.load} is a torch_dist checkpoint: the megatron-core engine loads shardkit's "
+                         "native checkpoints in this slice (issue 40); use --engine native")
+
+
+def check_model(m) -> None:
+    """A dense Llama-family model: what the local spec builds here with the same names and numbers."""
+    what = ("MoE" if m.is_moe else "multi-latent attention" if m.multi_latent_attention else
+            "multi-token prediction" if m.mtp_num_layers else "a heterogeneous layer stack" if m.heterogeneous else
+            "sliding-window attention" if m.sliding_window else
+            "biases on the output projection / MLP" if m.add_proj_bias or m.add_mlp_bias else None)
+    if what:
+        raise NotCovered(f"{m.model_type} has {what}: the megatron-core engine builds dense Llama-family models in "
+                         "this slice (issue 40); use --engine native")
+    rope = (m.rope_scaling or {}).get("rope_type", "default")
+    if rope not in ("default", "llama3", "linear"):
+        raise NotCovered(f"RoPE scaling {rope!r}: not in the megatron-core engine yet (issue 40); use --engine native")
+
+
+def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bool):
+    """megatron-core's TransformerConfig for shardkit's model config `m` at this run's layout: the one place the
+    engine's shapes come from (never from flags retyped by the user)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups, kv_channels=m.kv_channels,
+        layernorm_epsilon=m.norm_epsilon, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=m.add_qkv_bias, rotary_interleaved=m.rotary_interleaved,
+        hidden_dropout=run.hidden_dropout, attention_dropout=run.attention_dropout,
+        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None, sequence_parallel=sp,
+        context_parallel_size=1, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        attention_softmax_in_fp32=True, use_cpu_initialization=on_cpu,
+        # initialised (then overwritten by the checkpoint): megatron-core sets its tensor-parallel attributes there
+        perform_initialization=True,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
+        recompute_granularity=run.recompute_granularity, recompute_method=run.recompute_method,
+        recompute_num_layers=run.recompute_num_layers)
+
+
+def distributed_parts(mopt) -> list:
+    """The DistributedOptimizers of get_megatron_optimizer's result (a ChainedOptimizer of one, for a dense model)."""
+    return list(getattr(mopt, "chained_optimizers", [mopt]))
+
+
+# -- the optimizer state, as train/checkpointing.py's save reads it ------------------------------------------------------
+
+class SavedState:
+    """What shardkit's save path (ckpt_io.saved_values, the finiteness check, the param groups) asks of an optimizer:
+    names, params, expert flags, the flags' config, the step count, which parameters this rank writes (round-robin
+    over DP ranks, whole tensors) and their fp32 params and moments. `refresh()` gathers them from megatron-core's
+    distributed optimizer (its own get_parameter_state_dp_zero, every DP rank) into shardkit's tensors."""
+
+    def __init__(self, table, mopt, cfg, groups, dp: int) -> None:
+        trained = [lp for lp in table if not lp.tied_copy and lp.param.requires_grad]
+        self.names = [lp.name for lp in trained]
+        self.params = [lp.param for lp in trained]
+        self.expert = [False] * len(trained)
+        self.cfg, self.mopt, self.groups, self.dp = cfg, mopt, groups, dp
+        self.steps = 0
+        self._state: dict[int, dict[str, torch.Tensor]] = {}
+
+    def is_mine(self, i: int | None) -> bool:
+        return i is not None and i % self.dp == self.groups.dp_rank
+
+    def owned(self) -> list[int]:
+        return [i for i in range(len(self.names)) if self.is_mine(i)]
+
+    def state_of(self, i: int) -> dict[str, torch.Tensor]:
+        return self._state[i]
+
+    def refresh(self) -> None:
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self._state = {}
+        for part in distributed_parts(self.mopt):
+            world = part.get_parameter_state_dp_zero(use_gloo_comm=False, return_on_all_ranks=True)
+            for b, buffer in enumerate(part.buffers):
+                for dtype, tensors in world[b].items():
+                    if not isinstance(tensors, dict):
+                        continue
+                    for p, (start, end, _) in buffer.param_index_map.items():
+                        i = index.get(id(p))
+                        if i is None or not self.is_mine(i):
+                            continue
+                        self._state[i] = {s: tensors[key][start:end].reshape(p.shape).clone()
+                                          for s, key in zip(OPTIMIZER_STATES, ("param", "exp_avg", "exp_avg_sq"))}
+
+
+# -- the trainer -----------------------------------------------------------------------------------------------------------
+
+class _Backend:
+    """What the native loop asks of its backend: a description and (no) FP8 state."""
+
+    def __init__(self, line: str) -> None:
+        self.line = line
+
+    def describe(self) -> str:
+        return self.line
+
+    def state_dict(self, groups):
+        return None
+
+    def load_state_dict(self, state, src) -> None:
+        pass
+
+
+class MegatronCoreTrainer(Trainer):
+    """train/loop.py's Trainer with megatron-core's model, DDP, optimizer, schedules and scheduler (see the module
+    docstring). Construction refuses what it does not cover (NotCovered) before any process group is created."""
+
+    engine = "megatron-core"
+
+    def __init__(self, cfg) -> None:  # noqa: C901 - one linear set-up, in the native Trainer's order
+        from checkpoint.commit import resolve_iteration
+        from checkpoint.layout import PipelineSplit
+        from checkpoint.run_layout import RunLayout
+        from train.config import default_changes, megatron_flags, run_length, validate
+        from train.metrics import check_wandb, flops_per_step
+        from train.optim import ParamScheduler
+        from train.parallel.groups import build_groups
+
+        self.on_cpu = not torch.cuda.is_available()
+        check_flags(cfg, self.on_cpu)  # first: what this engine refuses is said as its own line
+        validate(cfg)
+        if cfg.run.wandb_project:
+            check_wandb(cfg.run.wandb_project)
+        self.cfg = cfg
+        p, d, c = cfg.parallel, cfg.data, cfg.checkpoint
+        if c.hf_config:
+            raise ConfigError(f"--hf-config: only for a torch_dist --load without shardkit.json; {c.load} is a "
+                              "shardkit checkpoint, whose manifest describes the model (drop the flag)")
+        self.src = resolve_iteration(c.load)
+        self.ck = Checkpoint(self.src, check=not c.skip_verify)
+        if c.vocab_size is not None and c.vocab_size != self.ck.config.vocab_size:
+            raise ConfigError(f"--vocab-size {c.vocab_size} disagrees with the checkpoint {self.src} (vocab size "
+                              f"{self.ck.config.vocab_size}); drop the flag or load the right checkpoint")
+        self.model_cfg = m = self.ck.config
+        check_model(m)
+        # --overlap-grad-reduce / --overlap-param-gather: honoured here (megatron_flags notes them; native refuses)
+        self.overlap = {dest: bool(v) for _, dest, v in cfg.run.megatron if dest in OVERLAP_DESTS}
+        self.notes = [line for line in (default_changes(cfg), *megatron_flags(cfg)) if line]
+        world = dist.get_world_size()
+        dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp,
+                                    split=PipelineSplit.from_args(p))
+        if d.global_batch_size % (d.micro_batch_size * dims.dp):
+            raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
+                              f"{d.micro_batch_size} x data-parallel size {dims.dp}")
+        self.dims = dims
+        self.groups = build_groups(dims)  # shardkit's coordinates and groups: the save path and the step's one read
+        self.layout = dims.model_parallel
+        self.state = ckpt_io.read_train_state(self.src)
+        check_model_flags(cfg, m, self.src)
+        check_save_format(c.save, c.save_format)
+        self.dtype = torch.bfloat16 if cfg.run.bf16 else torch.float32
+        self.sp = p.sequence_parallel and dims.tp > 1
+        if self.sp and d.seq_length % dims.tp:
+            raise ConfigError(f"--sequence-parallel: --seq-length {d.seq_length} is not divisible by --tp {dims.tp}")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if not self.on_cpu
+                       else torch.device("cpu"))
+        self.moe, self.interleaved = None, None
+        self._build_megatron()
+        self.table = self._param_table()
+        ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
+        self._wrap_and_optimizer()
+        self.opt = SavedState(self.table, self.mopt, cfg.optimizer, self.groups, dims.dp)
+        self.iteration, self.consumed = 0, 0
+        if self.state is not None:
+            self.iteration = int(self.state["iteration"])
+            self.consumed = int(self.state["consumed_samples"])
+            if not c.no_load_optim:
+                self._load_optimizer(int(self.state.get("optimizer_steps", self.iteration)))
+            if not c.no_load_rng and self.state.get("rng"):
+                ckpt_io.set_rng_state(self.state["rng"])
+        self.num_micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
+        self.length = run_length(cfg)
+        self.train_iters = self.length.train_iters
+        self.scheduler = ParamScheduler(self.length.scheduler)  # the checks on resume and the saved state
+        if self.state is not None and not c.no_load_optim:
+            self.notes += self._load_scheduler()
+        elif self.state is not None:
+            self.notes.append(f"note: --no-load-optim: the LR/WD schedule restarts from its first step (as "
+                              f"Megatron-LM's, which loads the scheduler with the optimizer); iteration "
+                              f"{self.iteration} and the data position are kept")
+        self.msched = self._megatron_scheduler()
+        self._data()
+        self.flops = flops_per_step(m, d.seq_length, d.global_batch_size * d.seq_length)
+        self.pending_save = None
+        self.save_group = None
+        self.peak_mem_gib = 0.0
+
+    # -- megatron-core's pieces ----------------------------------------------------------------------------------
+    def _build_megatron(self) -> None:
+        import_megatron()
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        from megatron.core.transformer.module import Float16Module
+
+        if self.on_cpu:
+            cpu_stand_ins()
+        dims, m = self.dims, self.model_cfg
+        ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+                                     virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
+                                     context_parallel_size=1, expert_model_parallel_size=1)
+        g = self.groups
+        theirs = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                  ps.get_data_parallel_rank())
+        if theirs != (g.tp_rank, g.pp_rank, g.dp_rank):
+            raise ConfigError(f"rank {g.rank}: megatron-core's coordinates (tp, pp, dp) {theirs} differ from "
+                              f"shardkit's {(g.tp_rank, g.pp_rank, g.dp_rank)}")
+        # NCCL's rule: a communicator's first use is a collective of all its ranks (megatron-core's pipeline
+        # exchanges are batched point-to-point on the pipeline group)
+        for group in (ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group(),
+                      ps.get_data_parallel_group()):
+            dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        if not self.on_cpu:
+            tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.data.seed)
+        self.tconfig = tc = transformer_config(m, dims, self.cfg.run, sp=self.sp, dtype=self.dtype,
+                                               on_cpu=self.on_cpu)
+        self.padded_vocab = m.padded_vocab_size(dims.tp)
+        chunks = []
+        for v in range(dims.vpp):
+            vs = v if dims.vpp > 1 else None
+            spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vs)
+            spec.layer_norm = RMSNorm  # the final norm; and each layer's two (sequence parallel: see RMSNorm)
+            for layer in spec.layer_specs:
+                layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+            with keep_pickle_allowlist():
+                model = GPTModel(tc, spec, vocab_size=self.padded_vocab, max_sequence_length=m.max_position_embeddings,
+                                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vs),
+                                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vs),
+                                 share_embeddings_and_output_weights=m.tie_word_embeddings,
+                                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(m.rotary_base)
+                                 if float(m.rotary_base).is_integer() else m.rotary_base, vp_stage=vs)
+            if not self.on_cpu:
+                model.cuda(torch.cuda.current_device())
+            self._shardkit_rope(model)
+            if getattr(model, "output_layer", None) is not None and self.padded_vocab > m.vocab_size:
+                model.output_layer.register_forward_hook(self._mask_padded_vocab)
+            chunks.append(model)
+        self.chunks = chunks  # the GPTModels (their parameter names are the canonical ones)
+        self.wrapped = [Float16Module(tc, c) if self.dtype == torch.bfloat16 else c for c in chunks]
+
+    def _shardkit_rope(self, model) -> None:
+        """RoPE's inverse frequencies as shardkit's model computes them (transformers' own function for the model's
+        rope_type: Llama 3's scaling with the checkpoint's parameters, which megatron-core's fixed llama3 constants
+        would not reproduce)."""
+        from train.model import rope_init
+
+        rope = getattr(model, "rotary_pos_emb", None)
+        if rope is None:
+            return
+        rope_type = (self.model_cfg.rope_scaling or {}).get("rope_type", "default")
+        inv_freq, scaling = rope_init(self.model_cfg.hf_transformers_config(), rope_type, torch.device("cpu"))
+        if scaling != 1.0:
+            raise NotCovered(f"RoPE {rope_type!r} scales attention by {scaling}: not in the megatron-core engine yet")
+        rope.inv_freq = inv_freq.to(device=rope.inv_freq.device, dtype=rope.inv_freq.dtype)
+
+    def _mask_padded_vocab(self, module, args, out):
+        """The loss over the true vocabulary, as the native engine takes it: the output layer's TP padding columns
+        get -inf logits (megatron-core would count them in its softmax)."""
+        logits, bias = out
+        local = logits.shape[-1]
+        valid = self.model_cfg.vocab_size - self.groups.tp_rank * local
+        if valid >= local:
+            return out
+        cols = torch.arange(local, device=logits.device) >= max(valid, 0)
+        return logits.masked_fill(cols, float("-inf")), bias
+
+    def _param_table(self) -> list:
+        """shardkit's LocalParam table for megatron-core's parameters: canonical name (global layer number), spec,
+        position in this rank's local stacked tensor and model chunk."""
+        m, layout, g = self.model_cfg, self.layout, self.groups
+        specs = {s.name: s for s in model_specs(m, layout)}
+        prefix = "decoder.layers."
+        out = []
+        for v, model in enumerate(self.chunks):
+            start, stop = layout.layer_range(m.num_layers, g.pp_rank, v)
+            built = len(model.decoder.layers)
+            if built != stop - start:
+                raise ConfigError(f"megatron-core built {built} decoder layers for pipeline rank {g.pp_rank} chunk {v}; "
+                                  f"shardkit's layout gives it layers {start}..{stop - 1}")
+            for name, p in model.named_parameters():
+                tied_copy = False
+                key = name
+                if name == "output_layer.weight" and m.tie_word_embeddings:  # the last stage's copy of the embedding
+                    key, tied_copy = "embedding.word_embeddings.weight", True
+                local = None
+                if key.startswith(prefix):
+                    local, rest = key[len(prefix):].split(".", 1)
+                    local = int(local)
+                    key = f"{prefix}{start + local}.{rest}"
+                found = None
+                for cand in canonical_candidates(key):
+                    cname, layer = canonical_name(cand, not m.heterogeneous)
+                    if cname in specs:
+                        found = (cname, layer)
+                        break
+                if found is None:
+                    raise FormatError(f"megatron-core parameter {name}: no canonical tensor for it in the sharding "
+                                      "table")
+                spec = specs[found[0]]
+                want = local_shape(spec, layout)[1 if found[1] is not None else 0:]
+                if tuple(p.shape) != tuple(want):
+                    raise FormatError(f"megatron-core parameter {name}: local shape {list(p.shape)}, the sharding "
+                                      f"table gives {spec.name} {list(want)} at tp={layout.tp} pp={layout.pp}")
+                vstage = v if found[1] is not None else owner(spec, layout, m.num_layers)[1]
+                out.append(ckpt_io.LocalParam(f"{v}/{name}", p, spec, local, tied_copy, vstage))
+        return out
+
+    def _wrap_and_optimizer(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
+
+        o = self.cfg.optimizer
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, check_for_nan_in_grad=False,
+            overlap_grad_reduce=self.overlap.get("overlap_grad_reduce", False),
+            overlap_param_gather=self.overlap.get("overlap_param_gather", False))
+        with keep_pickle_allowlist():
+            self.ddp = [DistributedDataParallel(self.tconfig, ddp_cfg, c,
+                                                disable_bucketing=v > 0) for v, c in enumerate(self.wrapped)]
+            ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                                   adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                                   clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16, fp16=False,
+                                   params_dtype=torch.float32, use_distributed_optimizer=True)
+            self.mopt = get_megatron_optimizer(ocfg, self.ddp, config_overrides=get_standard_config_overrides(ocfg))
+        tc = self.tconfig
+        tc.grad_scale_func = self.mopt.scale_loss
+        tc.finalize_model_grads_func = finalize_model_grads
+        if ddp_cfg.overlap_grad_reduce:  # as Megatron-LM's train() sets them
+            tc.no_sync_func = [c.no_sync for c in self.ddp]
+            tc.grad_sync_func = [c.start_grad_sync for c in self.ddp]
+            if len(self.ddp) == 1:
+                tc.no_sync_func, tc.grad_sync_func = tc.no_sync_func[0], tc.grad_sync_func[0]
+        if ddp_cfg.overlap_param_gather:
+            tc.param_sync_func = [c.start_param_sync for c in self.ddp]
+            if len(self.ddp) == 1:
+                tc.param_sync_func = tc.param_sync_func[0]
+        self.ddp_cfg = ddp_cfg
+        backend = ("TE" if False else "local") + " layer spec"
+        self.backend = _Backend(
+            f"engine: megatron-core (GPTModel, {backend}; DistributedDataParallel, overlap grad reduce "
+            f"{'on' if ddp_cfg.overlap_grad_reduce else 'off'}, param gather "
+            f"{'on' if ddp_cfg.overlap_param_gather else 'off'}; distributed optimizer; "
+            f"{'interleaved 1F1B' if self.dims.vpp > 1 else '1F1B' if self.dims.pp > 1 else 'no pipelining'})")
+        self.attention_line = "attention: megatron-core's DotProductAttention (local spec)"
+
+    def _megatron_scheduler(self):
+        """megatron-core's OptimizerParamScheduler on shardkit's schedule (train/config.py run_length), at the
+        position shardkit's scheduler holds (its state checked against the command line on resume)."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        s = self.scheduler.cfg
+        sched = OptimizerParamScheduler(
+            self.mopt, init_lr=s.init_lr, max_lr=s.max_lr, min_lr=s.min_lr, lr_warmup_steps=s.lr_warmup_steps,
+            lr_decay_steps=s.lr_decay_steps, lr_decay_style=s.lr_decay_style, start_wd=s.start_wd, end_wd=s.end_wd,
+            wd_incr_steps=s.wd_incr_steps, wd_incr_style=s.wd_incr_style, use_checkpoint_opt_param_scheduler=True,
+            override_opt_param_scheduler=False, wsd_decay_steps=s.wsd_decay_steps,
+            lr_wsd_decay_style=s.lr_wsd_decay_style)
+        if self.scheduler.num_steps:
+            sched.load_state_dict(self.scheduler.state_dict())
+        return sched
+
+    @torch.no_grad()
+    def _load_optimizer(self, step: int) -> None:
+        """The checkpoint's fp32 params and moments into the distributed optimizer: each rank reads its parameters'
+        local tensors through the sharding table and keeps its DP range of each."""
+        ck = self.ck
+        missing = [s for s in OPTIMIZER_STATES if s not in ck.optimizer_states]
+        if missing:
+            raise FormatError(f"{ck.path}: optimizer state {missing} missing; cannot resume the optimizer "
+                              "(pass --no-load-optim to start it fresh)")
+        part_of = {}
+        for part in distributed_parts(self.mopt):
+            part_of.update({id(p): part for p in part.model_param_group_index_map})
+        by_t = {}
+        for lp in self.table:
+            if not lp.tied_copy and id(lp.param) in part_of:
+                by_t.setdefault(lp.spec.name, []).append(lp)
+        for cname, lps in by_t.items():
+            coord = ckpt_io._coord(lps[0], self.groups)
+            states = {s: ck.read_local(optimizer_key(s, cname), self.layout, coord) for s in OPTIMIZER_STATES}
+            for lp in lps:
+                vals = {s: (t[lp.vstage] if lp.index is None else t[lp.vstage][lp.index]) for s, t in states.items()}
+                mopt = part_of[id(lp.param)]
+                r = mopt._get_model_param_range_map(lp.param)["param"]
+                gi, go = mopt.model_param_group_index_map[lp.param]
+                main = mopt.optimizer.param_groups[gi]["params"][go]
+                main.copy_(vals["fp32_param"].reshape(-1)[r.start:r.end].to(main))
+                mopt.optimizer.state[main] = {
+                    "step": torch.tensor(float(step)),
+                    "exp_avg": vals["exp_avg"].reshape(-1)[r.start:r.end].to(main).clone(),
+                    "exp_avg_sq": vals["exp_avg_sq"].reshape(-1)[r.start:r.end].to(main).clone()}
+        for mopt in distributed_parts(self.mopt):
+            if self.dtype == torch.bfloat16:  # the model's bf16 weights from the loaded fp32 main params
+                mopt._copy_main_params_to_model_params()
+            for group in mopt.optimizer.param_groups:
+                group["step"] = step
+        self.opt.steps = step
+
+    # -- one iteration -------------------------------------------------------------------------------------------
+    def _forward_backward(self, mbs: list, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        d = self.cfg.data
+        b, s = d.micro_batch_size, d.seq_length
+        positions = torch.arange(s, device=self.device)[None, :].expand(b, -1)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
+
+        def loss_func(output_tensor):
+            losses = output_tensor.float().reshape(-1)
+            loss = losses.sum()
+            n = torch.tensor(losses.numel(), dtype=torch.int, device=losses.device)
+            return loss, n, {"lm loss": torch.stack([loss.detach(), n.to(loss.dtype)])}
+
+        def forward_step(data_iterator, model):
+            sample = next(data_iterator).to(self.device)
+            out = model(sample[:, :-1], positions, mask, labels=sample[:, 1:])
+            return out, loss_func
+
+        iters = [iter(mbs) for _ in self.ddp]
+        return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iters, model=self.ddp,
+                                           num_microbatches=self.num_micro, seq_length=s, micro_batch_size=b,
+                                           decoder_seq_length=None, forward_only=forward_only)
+
+    def _loss_sum(self, reduced: list) -> torch.Tensor:
+        """Each micro-batch's mean token loss, summed (the native engine's loss_sum): nonzero on the last stage."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for x in reduced:
+            v = x["lm loss"]
+            total += v[0].double() / v[1].double()
+        return total
+
+    def train_step(self, batches) -> dict:
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        mbs = [next(batches) for _ in range(self.num_micro)]
+        for c in self.ddp:
+            c.zero_grad_buffer()
+        self.mopt.zero_grad()
+        reduced = self._forward_backward(mbs, forward_only=False)
+        found_inf = self.mopt.prepare_grads()  # gradients into the main params' .grad (fp32)
+        norm = float(self.mopt.get_grad_norm())  # megatron-core's: each element once over TP, PP and DP
+        # the step's one read: the loss, the NaN stop (before the optimizer step, on every rank), the peak memory
+        loss, norm, _ = self._read_step(self._loss_sum(reduced), bool(found_inf) or not math.isfinite(norm),
+                                        norm=norm)
+        o = self.cfg.optimizer
+        if o.clip_grad > 0:
+            clip_grad_by_total_norm_fp32(self.mopt.get_parameters(), o.clip_grad, norm,
+                                         self.mopt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        lr, wd = self.scheduler.lr, self.scheduler.wd
+        if not self.mopt.step_with_ready_grads():
+            raise RuntimeError("megatron-core's optimizer refused its step")
+        self.opt.steps += 1
+        self.msched.step(increment=self.cfg.data.global_batch_size)
+        self.scheduler.step(self.cfg.data.global_batch_size)
+        return {"loss": loss, "lr": lr, "weight_decay": wd, "grad_norm": norm}
+
+    def _params_synced(self) -> None:
+        """With --overlap-param-gather the updated parameters arrive with the next forward: gather them now."""
+        if self.ddp_cfg.overlap_param_gather:
+            for c in self.ddp:
+                c.start_param_sync(force_sync=True)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.valid_ds is None or not self.cfg.run.eval_iters:
+            return None
+        from train.data import micro_batches
+
+        self._params_synced()
+        d = self.cfg.data
+        it = micro_batches(self.valid_ds, 0, d.micro_batch_size, self.groups.dp_rank, self.dims.dp)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for c in self.ddp:
+            c.eval()
+        try:
+            for _ in range(self.cfg.run.eval_iters):
+                total += self._loss_sum(self._forward_backward([next(it) for _ in range(self.num_micro)], True))
+        finally:
+            for c in self.ddp:
+                c.train()
+        t = total.reshape(1)
+        if self.dims.world > 1:
+            dist.all_reduce(t)
+        return float(t) / (self.cfg.run.eval_iters * self.num_micro * self.dims.dp * self.dims.tp)
+
+    def save(self) -> None:
+        if not self.cfg.checkpoint.save:
+            return
+        self._params_synced()
+        self.wait_for_save()
+        self.opt.refresh()  # the distributed optimizer's state as shardkit's tensors (every DP rank takes part)
+        super().save()
