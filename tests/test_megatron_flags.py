@@ -323,6 +323,15 @@ SHAPE_MISMATCH = [  # (model, flag group, the checkpoint's value as the line sho
     ("deepseek_v3", ["--mtp-num-layers", "2"], "mtp_num_layers 1"),
     ("deepseek_v3", ["--rotary-scaling-factor", "40.0"], "rotary_scaling_factor 4.0"),
     ("deepseek_v3", ["--moe-shared-expert-intermediate-size", "64"], "moe_shared_expert_intermediate_size 32"),
+    ("deepseek_v3", ["--mscale", "2.0"], "mscale 1.0"),
+    ("deepseek_v3", ["--mscale-all-dim", "0.5"], "mscale_all_dim 1.0"),
+    ("deepseek_v3", ["--moe-router-num-groups", "8"], "moe_router_num_groups 4"),
+    ("deepseek_v3", ["--moe-router-group-topk", "1"], "moe_router_group_topk 2"),
+    ("deepseek_v3", ["--qk-pos-emb-head-dim", "16"], "qk_pos_emb_head_dim 8"),
+    ("mixtral", ["--moe-router-enable-expert-bias"], "moe_router_enable_expert_bias no"),
+    ("mixtral", ["--use-rope-scaling"], "use_rope_scaling no"),
+    ("llama", ["--qk-layernorm"], "qk_layernorm no"),
+    ("llama", ["--rope-scaling-factor", "32.0"], "rope_scaling_factor 8.0"),
 ]
 
 
@@ -334,6 +343,23 @@ def test_shape_mismatch_one_line(root, kind, flags, theirs):
     shown = " ".join(f for f in flags if f != "--group-query-attention")
     assert err == (f"{shown} disagrees with the checkpoint ({kind}: {theirs}); drop the flag or load the right "
                    "checkpoint"), err
+
+
+def test_group_query_attention_alone_means_one_group(root):
+    ck = ck_of(root, "llama")
+    err = config_errors(["--load", str(ck), "--data-path", str(root / "data"), *NODROP, "--group-query-attention"], ck)
+    assert err == ("--group-query-attention (with Megatron-LM's default --num-query-groups 1) disagrees with the "
+                   "checkpoint (llama: num_query_groups 2); add --num-query-groups 2, or load the right checkpoint")
+
+
+def test_other_flags_at_megatron_default_are_noted(root):
+    from train.config import from_namespace, megatron_flags
+
+    cfg = from_namespace(parser().parse_args(["continue-pretrain", "--softmax-type", "vanilla",
+                                              "--no-persist-layer-norm"]))
+    notes = megatron_flags(cfg)
+    assert "note: --softmax-type vanilla: Megatron-LM's default value, nothing to do" in notes
+    assert any(n.startswith("note: --no-persist-layer-norm: a kernel / fusion choice") for n in notes)
 
 
 def test_shape_flags_that_agree_are_silent(root):
