@@ -109,7 +109,7 @@ def parse_signal(value: str | None) -> tuple[str, int] | None:
 
 
 # a host for torchrun's --master-addr: a DNS name, an IPv4 or an IPv6 address (nothing a shell would expand)
-_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]{2,45}\]?")
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]{2,45}\]?")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -127,7 +127,7 @@ def check(spec: LaunchSpec) -> None:
     value rendered into the scripts is one line, and the rank-0 address and port are what torchrun takes."""
     if not _HOST.fullmatch(spec.master_addr):
         raise PlanError(f"--master-addr {spec.master_addr!r}: not a host name or IP address (letters, digits, '.', "
-                        "'-', ':' only)")
+                        "'-', '_', ':' only)")
     if not 1 <= spec.master_port <= 65535:
         raise PlanError(f"--master-port {spec.master_port}: a TCP port is 1 to 65535")
     for flag, v in (("--out", spec.log_dir.removesuffix("/logs")), ("--time", spec.time), ("--job-name", spec.job_name),

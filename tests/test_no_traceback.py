@@ -686,3 +686,21 @@ def test_urls_in_a_config_file_are_refused_too(w, tmp_path, capsys):
         argv += [] if key == "data_path" else ["--data-path", w["data"]]
         rc, err = run_inproc(argv, capsys)
         assert_one_line_error(rc, err, flag, value if isinstance(value, str) else value[0], "not supported")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "node-01.cluster.local", "gpu_node01", "::1", "[fe80::1]"])
+def test_launch_takes_real_rank0_addresses(host, tmp_path):
+    """What --master-addr refuses is shell text, not real host names or addresses: rendered quoted, valid bash, and
+    the address is what the script exports."""
+    from checkpoint.run_layout import RunLayout
+    from plan.launch import LaunchSpec, render_scripts
+
+    spec = LaunchSpec(RunLayout(tp=1, dp=1), 1, 1, ("--load", "ck", "--save", "run"), master_addr=host)
+    script = tmp_path / "torchrun.sh"
+    script.write_text(render_scripts(spec)["torchrun.sh"])
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    block = text[text.index("MASTER_ADDR="):text.index("\n", text.index("MASTER_ADDR="))]
+    got = subprocess.run(["bash", "-c", f"unset MASTER_ADDR; {block}; printf %s \"$MASTER_ADDR\""], capture_output=True,
+                         text=True, check=True).stdout
+    assert got == host
