@@ -586,7 +586,10 @@ _VOCAB: dict[str, tuple[int, str]] = {}
 
 
 def _check_sample(indexed: "IndexedDataset", sample: np.ndarray, i: int) -> np.ndarray:
-    limit = _VOCAB.get(os.path.realpath(indexed.bin_path))
+    key = indexed.__dict__.get("_real_bin")
+    if key is None:  # (resolved once per dataset, not per sample)
+        key = indexed.__dict__["_real_bin"] = os.path.realpath(indexed.bin_path)
+    limit = _VOCAB.get(key)
     if limit is not None and sample.size:
         lo, hi = int(sample.min()), int(sample.max())
         if lo < 0 or hi >= limit[0]:
