@@ -178,6 +178,22 @@ def output_lock(root: Path, name: str = LOCK) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
+_SPACE_WORDS = ("no space", "space left", "file too large", "quota", "resource_exhausted", "enospc", "edquot", "efbig")
+
+
+def space_related(exc: BaseException | None) -> bool:
+    """Could this failure be about space (a full disk, a quota, a file size limit)? Only then does a write error
+    carry the free-space note: an error with another cause (a path tensorstore refuses, a permission) is not blamed on
+    space (issue 34)."""
+    import errno
+
+    if exc is None:
+        return False
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return True
+    return any(w in str(exc).lower() for w in _SPACE_WORDS)
+
+
 def space_note(path: Path, needed: int | None) -> str:
     """`needed` bytes and what the filesystem of `path` has free, for a write error's message."""
     try:
@@ -278,7 +294,7 @@ class IterationWriter:
             # the free space as the write found it, before the partial output's space is given back (measured after,
             # a failed save read "needs 9.99 MB, 10.37 MB free"); reserve's refusal already says it, once
             noted = getattr(exc, "space_noted", False) or "bytes free" in str(exc)
-            note = space_note(self.root, self.needed) if write_failed and not noted else ""
+            note = space_note(self.root, self.needed) if write_failed and not noted and space_related(exc) else ""
             if exc is not None and (write_failed or not self.done) and self.partial.exists():
                 shutil.rmtree(self.partial, ignore_errors=True)
             if isinstance(exc, OSError):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import store
-from checkpoint.commit import fsync_path, fsync_tree, output_lock, replace_dir, space_note
+from checkpoint.commit import fsync_path, fsync_tree, output_lock, replace_dir, space_note, space_related
 from checkpoint.errors import ShardkitError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.progress import progress_bar
@@ -306,7 +306,8 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             where = Path(e.filename).name if getattr(e, "filename", None) else None
-            note = space_note(out if into else out.parent, total)  # the export's bytes and what is free
+            # the export's bytes and what is free, where space can be the cause
+            note = space_note(out if into else out.parent, total) if space_related(e) else ""
             raise WriteError(f"{out}: export failed while writing{f' {where}' if where else ''} ({e.strerror or e})"
                              f"{note}; {'the files written so far were removed' if not into else 'rerun it'}") \
                 from None

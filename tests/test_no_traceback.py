@@ -704,3 +704,18 @@ def test_launch_takes_real_rank0_addresses(host, tmp_path):
     got = subprocess.run(["bash", "-c", f"unset MASTER_ADDR; {block}; printf %s \"$MASTER_ADDR\""], capture_output=True,
                          text=True, check=True).stdout
     assert got == host
+
+
+def test_a_write_error_not_about_space_does_not_blame_space(w, tmp_path, capsys, monkeypatch):
+    """A failure with another cause (here: the path tensorstore refused before issue 34 resolved `..`) is one line
+    with that cause, not a free-space note suggesting "a file size limit or quota"."""
+    from checkpoint import store
+
+    def refuse(path, *a, **k):
+        raise ValueError(f'Error parsing object member "kvstore": Invalid file path: "{path}"')
+
+    monkeypatch.setattr(store, "create", refuse)
+    rc, err = run_inproc(["convert", "hf-to-mcore", w["hf"], tmp_path / "out", "--quiet", "--no-verify", "--workers",
+                          "1"], capsys)
+    line = assert_one_line_error(rc, err, "Invalid file path")
+    assert "bytes free" not in line and "quota" not in line, line
