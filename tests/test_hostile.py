@@ -786,6 +786,11 @@ def _fifo_cases(tmp: Path, good: dict[str, Path]) -> list[tuple[str, list[str]]]
     (tmp / "run").mkdir()  # plot's metrics.jsonl
     os.mkfifo(tmp / "run" / "metrics.jsonl")
     cases.append((str(tmp / "run" / "metrics.jsonl"), ["plot", str(tmp / "run"), "-o", f"{out}.png"]))
+    (tmp / "in-ok.jsonl").write_text('{"text": "hello"}\n')  # preprocess-data --tokenizer: its tokenizer.json
+    tok = copy("hf", "hf-tokenizer")
+    cases.append((str(_fifo_at(tok, "tokenizer.json")), ["preprocess-data", "--input", str(tmp / "in-ok.jsonl"),
+                                                         "--tokenizer", str(tok), "--output-prefix", f"{out}/t",
+                                                         "--quiet"]))
     legacy = tmp / "legacy-rank-fifo"  # a Megatron-LM legacy rank file
     (legacy / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
     (legacy / "latest_checkpointed_iteration.txt").write_text("1")

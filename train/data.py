@@ -161,6 +161,11 @@ def load_tokenizer(tokenizer_dir: str | os.PathLike):
     path = Path(tokenizer_dir)
     if not path.is_dir():
         raise DataError(f"--tokenizer {path}: not a directory (give a local HF tokenizer/model directory)")
+    from checkpoint.safety import is_side_file_name, regular_file
+
+    for name in ("config.json", *sorted(os.listdir(path))):  # what the loader opens: a FIFO there is one line, no hang
+        if (name == "config.json" or is_side_file_name(name)) and os.path.lexists(path / name):
+            regular_file(path / name, "--tokenizer", missing_ok=True)
     from transformers import AutoTokenizer
 
     try:
