@@ -318,26 +318,39 @@ def _commit(w: IterationWriter, hf_dir: Path, src: HFSource, cfg: ModelConfig, l
     return w.commit(manifest)
 
 
-def preload_oracle(hf_dir: str | Path) -> threading.Thread:
-    """Import torch, transformers and the model class HF_DIR's config.json names in a background thread, while the
+_PRELOAD: list[threading.Thread] = []  # the oracle's imports under way (preload_oracle), joined before the proof
+
+
+def preload_oracle(hf_dir: str | Path) -> None:
+    """Import torch, transformers and the modeling module of HF_DIR's model type in a background thread while the
     conversion that the proof follows runs (issue 42: these imports are ~3 CPU-s, on a 1.5 GB model as much as the
-    comparison itself; the conversion waits on the disk most of the time). Nothing is read but a regular config.json;
-    any error is left for the proof itself to report."""
+    comparison itself; the conversion waits on the disk most of the time). Plain imports only (the module locks make
+    them safe beside another thread's imports; transformers' lazy attributes are not, so none is touched), and the
+    proof joins the thread before it uses transformers. Nothing is read but a small regular config.json; any error
+    is left for the proof itself to report."""
     def run() -> None:
         try:
+            import importlib
+
             import torch  # noqa: F401
-            import transformers
+            import transformers  # noqa: F401
 
             cfg = Path(hf_dir) / "config.json"
             st = os.stat(cfg)
             if stat.S_ISREG(st.st_mode) and st.st_size < (1 << 20):
-                for arch in json.loads(cfg.read_text()).get("architectures") or []:
-                    getattr(transformers, str(arch), None)
+                mt = json.loads(cfg.read_text()).get("model_type")
+                if isinstance(mt, str) and mt.isidentifier():
+                    importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
         except Exception:  # noqa: BLE001 - the proof imports again and says what is wrong
             pass
     t = threading.Thread(target=run, name="shardkit-preload-oracle", daemon=True)
     t.start()
-    return t
+    _PRELOAD.append(t)
+
+
+def _join_preload() -> None:
+    while _PRELOAD:
+        _PRELOAD.pop().join()
 
 
 def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native", memory_budget: str | None = None,
@@ -351,6 +364,7 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native",
     logits to compare) and kept block-FP8 weights where only the streamed comparison could run (too big for the
     whole-model one, or an FP8 hub source transformers cannot load on the CPU): the streamed one has no reader for
     them yet."""
+    _join_preload()
     import sys
 
     from plan.units import parse_bytes
