@@ -274,6 +274,7 @@ class Checkpoint(ManifestView):
         arrays, every array's metadata matches the manifest, and every chunk file exists. Loads run it before
         writing anything (unless --skip-verify); `verify` runs it and then reads every chunk."""
         expected = {s.name: s for s in self.manifest.specs()}
+        self.hf_dir()  # hf/ linked out of the iteration: refused here, before anything is written from it
         if set(expected) != set(self.tensors):
             missing, extra = sorted(set(expected) - set(self.tensors)), sorted(set(self.tensors) - set(expected))
             raise FormatError(f"{self.path}: manifest tensors disagree with the model config "

@@ -867,10 +867,22 @@ LINKED_OUT: list[tuple[str, Callable[[Case], tuple[list, Path]], tuple[str, ...]
     ("dst-partial-link", lambda c: _dst_linked(c, "ck", ITER + ".partial", [
         "convert", "hf-to-mcore", c.good["hf"], c.out, "--overwrite", "--quiet", "--no-verify"]),
      ("symlink", ".partial")),
+    # a checkpoint's hf/ (its side files) linked out of the iteration: refused by the source check, nothing carried
+    ("ck-hf-link-out-reshard", lambda c: (["reshard", _hf_linked_out(c), c.out, "--tp", "2", "--quiet"],
+                                          c.tmp / "outside_hf"), ("hf", "symlink", "outside")),
+    ("ck-hf-link-out-export", lambda c: (["convert", "mcore-to-hf", _hf_linked_out(c), c.out, "--quiet"],
+                                         c.tmp / "outside_hf"), ("hf", "symlink", "outside")),
     # a native write into a root holding a torch_dist checkpoint: its tracker would still win every read
     ("native-over-torch_dist-root", lambda c: (["reshard", c.good["ck"], c.copy("td"), "--overwrite", "--quiet"],
                                                c.tmp / "td"), ("latest_checkpointed_iteration.txt", "torch_dist")),
 ]
+
+
+def _hf_linked_out(c: Case) -> Path:
+    ck = c.copy("ck")
+    shutil.move(ck / ITER / "hf", c.tmp / "outside_hf")
+    (ck / ITER / "hf").symlink_to(c.tmp / "outside_hf")
+    return ck
 
 
 def _dst_linked(c: Case, key: str, name: str, argv: list) -> tuple[list, Path]:
