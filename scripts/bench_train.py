@@ -708,7 +708,8 @@ def run_torchrun(spec: Spec, layouts: list[dict[str, int]], warmup: int, steps: 
                    "--seq-length", str(spec.seq), "--train-iters", str(iters), "--log-interval", "1",
                    "--lr", str(spec.lr), "--weight-decay", str(spec.weight_decay), "--clip-grad",
                    str(spec.clip_grad), "--lr-decay-style", "constant", "--save-interval", str(10 ** 6),
-                   "--eval-interval", "0", "--split", "100,0,0"]
+                   "--eval-interval", "0", "--split", "100,0,0",
+                   "--attention-dropout", "0", "--hidden-dropout", "0"]  # megatron-core's side runs without dropout
             for k in LAYOUT_FLAGS:
                 if (getattr(lay, k) or 1) > 1:
                     cmd += [f"--{k}", str(getattr(lay, k))]

@@ -105,7 +105,8 @@ def main():
             digest_tree(w / (tag + "_hf"), tag + "_hf", res)
         write_pattern_corpus(w / "data")
         common = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
-                  "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "3"]
+                  "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "3",
+                  "--attention-dropout", "0", "--hidden-dropout", "0"]
         runs = [(1, "t_llama1", "llama_tp2pp2_r", []),
                 (2, "t_llama_tp2sp", "llama_tp2pp2_r", ["--tp", "2", "--sequence-parallel"]),
                 (2, "t_llama_pp2", "llama_tp2pp2_r", ["--pp", "2"]),

@@ -82,7 +82,7 @@ def train(run_dir: Path, ck: Path, data: Path, seq: int, steps: int, extra: list
     args = ["continue-pretrain", "--load", str(ck), "--data-path", str(data), "--split", "100,0,0",
             "--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", "1",
             "--train-iters", str(steps), "--lr", "1e-5", "--lr-warmup-iters", "0", "--bf16", "--log-interval", "1",
-            "--log-dir", str(run_dir), *extra]
+            "--log-dir", str(run_dir), "--attention-dropout", "0", "--hidden-dropout", "0", *extra]
     if in_process:
         from shardkit.cli import main as cli
 

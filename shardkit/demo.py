@@ -104,7 +104,8 @@ def run_demo(out: str | None = None, keep: bool = False) -> int:
         step("continue-pretrain", ["continue-pretrain", "--load", str(ckpt), "--data-path", str(corpus),
                                    "--save", str(trained), "--train-iters", str(TRAIN_ITERS), "--seq-length", "128",
                                    "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "3e-3",
-                                   "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "1"])
+                                   "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "1",
+                                   "--attention-dropout", "0", "--hidden-dropout", "0"])
         losses = [r["loss"] for r in read_metrics(trained)]
         rows.append((f"loss over {TRAIN_ITERS} steps", f"{losses[0]:.3f} -> {losses[-1]:.3f}", ""))
         step("export trained", ["convert", "mcore-to-hf", str(trained), str(trained_hf), "--overwrite"])

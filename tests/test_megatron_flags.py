@@ -356,8 +356,10 @@ def test_other_flags_at_megatron_default_are_noted(root):
     from train.config import from_namespace, megatron_flags
 
     cfg = from_namespace(parser().parse_args(["continue-pretrain", "--softmax-type", "vanilla",
-                                              "--no-persist-layer-norm"]))
+                                              "--no-persist-layer-norm", "--recompute-modules", "core_attn"]))
     notes = megatron_flags(cfg)
+    assert "note: --recompute-modules core_attn: what shardkit's selective recompute covers (Megatron-LM's " \
+        "default)" in notes
     assert "note: --softmax-type vanilla: Megatron-LM's default value, nothing to do" in notes
     assert any(n.startswith("note: --no-persist-layer-norm: a kernel / fusion choice") for n in notes)
 
@@ -375,7 +377,7 @@ REFUSALS = [  # one per refusal line added for Megatron-LM's flags (the examples
     (["--finetune"], "--finetune: use a weights-only --load"),
     (["--moe-layer-recompute"], "--moe-layer-recompute: use --recompute-granularity full"),
     (["--use-pytorch-profiler"], "--use-pytorch-profiler: shardkit starts no profiler"),
-    (["--profile-ranks", "0"], "--profile-ranks 0: shardkit starts no profiler"),
+    (["--profile-ranks", "1"], "--profile-ranks 1: shardkit starts no profiler"),
     (["--hybrid-context-parallel"], "--hybrid-context-parallel: a Megatron-LM flag (hybrid_context_parallel) that "
                                     "shardkit's trainer does not implement; drop it"),
     (["--calculate-per-token-loss", "--eod-mask-loss"], "--calculate-per-token-loss with --eod-mask-loss"),

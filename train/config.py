@@ -939,6 +939,9 @@ def megatron_flags(cfg: TrainConfig) -> list[str]:
             notes.append(f"note: {shown}: every micro-batch has --seq-length unmasked tokens here, so the per-token "
                          "average equals the per-micro-batch average")
             continue
+        if dest == "recompute_modules" and value == ["core_attn"]:
+            notes.append(f"note: {shown}: what shardkit's selective recompute covers (Megatron-LM's default)")
+            continue
         if dest == "recompute_activations":
             notes.append(f"note: {shown}: Megatron-LM's older spelling of --recompute-granularity selective "
                          "(honoured)")
@@ -949,11 +952,11 @@ def megatron_flags(cfg: TrainConfig) -> list[str]:
         if dest in ("overlap_grad_reduce", "overlap_param_gather") and _on_megatron_core(cfg):  # issue 40
             notes.append(f"note: {shown}: honoured by megatron-core's DistributedDataParallel (--engine megatron-core)")
             continue
-        if dest in MEGATRON_REFUSALS:
-            raise ConfigError(f"{shown}: {MEGATRON_REFUSALS[dest]}")
-        if _is_megatron_default(dest, value):
+        if _is_megatron_default(dest, value):  # e.g. --profile-ranks 0: nothing asked beyond the default
             notes.append(f"note: {shown}: Megatron-LM's default value, nothing to do")
             continue
+        if dest in MEGATRON_REFUSALS:
+            raise ConfigError(f"{shown}: {MEGATRON_REFUSALS[dest]}")
         raise ConfigError(f"{shown}: a Megatron-LM flag ({dest}) that shardkit's trainer does not implement; drop it "
                           "(docs/TRAINING_FLAGS.md lists each flag: honoured, checked, noted or refused)")
     if "num_query_groups" in given and "group_query_attention" not in given:
