@@ -153,6 +153,9 @@ def check_flags(cfg, on_cpu: bool) -> None:
         raise NotCovered(f"--fp8-format {cfg.fp8.fp8_format}: {where}; use --engine native")
     if p.cp > 1:
         raise NotCovered(f"--context-parallel-size {p.cp}: {where}; use --engine native")
+    if on_cpu and r.recompute_granularity:  # its checkpoint function saves and restores the CUDA RNG state
+        raise NotCovered(f"--recompute-granularity {r.recompute_granularity}: {where} (its recompute restores the "
+                         "CUDA RNG state); drop it or use --engine native")
     if p.ep > 1 or (p.etp is not None and p.etp != p.tp):
         raise NotCovered("--expert-model-parallel-size / --expert-tensor-parallel-size: not in the megatron-core "
                          "engine yet (issue 40); use --engine native")
