@@ -238,16 +238,19 @@ def prepare_micro_batch(sample: Tensor, cp: int, cp_rank: int, packing: Packing,
     counted = loss_mask.sum().clamp_min(1.0)  # an all-masked micro-batch gives loss 0, not NaN
     weight = loss_mask * (cp / counted)
     S = tokens.shape[1]
-    dev = sample.device if device is None else device
+    dev = sample.device if device is None else torch.device(device)
+
+    def on(t: Tensor) -> Tensor:  # host to device (never a read of the device); nothing to do where it already is
+        return t if t.device == dev else t.to(dev)
 
     def split(t: Tensor) -> Tensor:
-        return zigzag_split(t, cp, cp_rank).contiguous().to(dev)
+        return on(zigzag_split(t, cp, cp_rank).contiguous())
 
     host = docs is not None and docs.device.type == "cpu"
     masked = masked_ring_sources(docs, S, cp, cp_rank) if host and cp > 1 else None
-    layout = AttentionLayout(S, cp, cp_rank, None if docs is None else docs.to(dev), docs if host else None, masked)
+    layout = AttentionLayout(S, cp, cp_rank, None if docs is None else on(docs), docs if host else None, masked)
     return split(tokens), split(labels), MicroBatchExtras(split(positions), split(weight), layout,
-                                                          (tokens.to(dev), labels.to(dev), loss_mask.to(dev)))
+                                                          (on(tokens), on(labels), on(loss_mask)))
 
 
 # -- masks and the plain-torch block kernel ----------------------------------------------------------------------------
