@@ -222,8 +222,10 @@ def test_logit_parity_from_saved_hf_dir(tmp_path) -> None:
     tensors = stack_canonical(tensor_maps(cfg, Layout()), dict_reader(hf.state_dict()))
     result = logit_parity(cfg, tensors, tmp_path, batch=2, seq_len=24, seed=3)
     print(f"logit_parity: {result}")
-    assert set(result) == {"max_abs_diff", "mean_abs_diff", "batch", "seq_len", "dtype"}
+    assert set(result) == {"max_abs_diff", "mean_abs_diff", "batch", "seq_len", "dtype", "embedding", "router_bias",
+                           "not_compared"}  # issue 34: the weights compared directly, and what was not
     assert (result["batch"], result["seq_len"], result["dtype"]) == (2, 24, "float32")
+    assert result["embedding"]["rows_differ"] == 0 and result["not_compared"] == []
     assert 0 <= result["mean_abs_diff"] <= result["max_abs_diff"] <= TOL
 
 
