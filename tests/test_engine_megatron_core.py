@@ -149,6 +149,36 @@ def test_megatron_core_save_resumes_on_megatron_core_at_another_layout(work, nat
     assert_same_tensors(work / "resume-mcore-pp2", work / "native")
 
 
+def test_torch_dist_save_resumes_on_native(work, native):
+    """--save-format torch_dist through the same save path (train/torch_dist_ckpt.py, every rank its own DCP items):
+    megatron-core's TP 2 + SP save after iteration 3 resumed by the native engine on one process continues as the
+    straight run."""
+    rows = train(work, "mcore-td", 2, "megatron-core", "--tp", "2", "--sequence-parallel", "--save-format",
+                 "torch_dist", "--exit-interval", "3")
+    assert_same_rows(rows, native[:3])
+    assert (work / "mcore-td" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    rows = train(work, "resume-td", 1, "native", load=work / "mcore-td")
+    assert_same_rows(rows, native[3:])
+    assert_same_tensors(work / "resume-td", work / "native")
+
+
+def test_nan_stops_before_the_step(work, tmp_path):
+    """The native engine's NaN stop (tests/test_nan_stop.py's huge LR): iteration 2's gradients are NaN; the run
+    stops before that optimizer step with the native engine's one line, `latest` stays on iteration 1."""
+    os.environ[SWITCH] = "1"
+    try:
+        r = launch(1, "--load", str(work / "ck"), "--data-path", str(work / "data"), "--save", str(tmp_path / "s"),
+                   "--engine", "megatron-core", "--seq-length", "32", "--micro-batch-size", "1",
+                   "--global-batch-size", "4", "--lr", "1e8", "--clip-grad", "0", "--seed", "7", "--train-iters", "4",
+                   "--save-interval", "1", "--attention-dropout", "0", "--hidden-dropout", "0", check=False)
+    finally:
+        os.environ.pop(SWITCH, None)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("shardkit: error:")]
+    assert r.returncode != 0 and len(errors) == 1, (r.stdout[-2000:], r.stderr[-2000:])
+    assert errors[0].startswith("shardkit: error: iteration 2: grad norm nan") and "stopped before" in errors[0]
+    assert (tmp_path / "s" / "latest").read_text().strip() == "iter_0000001"
+
+
 def test_tied_embeddings_at_pp2(tmp_path):
     """Tied input/output embeddings: megatron-core's last-stage copy of the embedding (read from the first stage's
     regions, its gradient summed over the embedding group) at PP 2 against the native engine on one process. Losses

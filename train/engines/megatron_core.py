@@ -16,9 +16,9 @@ the local spec's separate norms map to their TE names), so the sharding table gi
 
 What this first slice covers: dense Llama-family models (no MoE, MLA, MTP, sliding window or linear biases other than
 QKV's), TP (+ SP), PP (1F1B, interleaved with --vpp, even splits), DP with the distributed optimizer, fp32 and bf16,
-native checkpoints (load: weights, and the optimizer state when resuming; save: native format). Refused in one line:
-TE's layer spec, FP8, context parallelism, expert parallelism, packed documents, uneven pipeline splits, torch_dist
-load/save. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
+native checkpoints (load: weights, and the optimizer state when resuming; save: native format, or torch_dist through
+the same save path). Refused in one line: TE's layer spec, FP8, context parallelism, expert parallelism, packed
+documents, uneven pipeline splits, recompute on the CPU, a torch_dist --load. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
 switch SHARDKIT_MEGATRON_CORE_CPU=1 (`cpu_stand_ins`); without it --engine megatron-core on the CPU is refused.
 
 Importing megatron-core registers some 26 classes as torch.load safe globals (its megatron/core/safe_globals.py);
@@ -170,9 +170,6 @@ def check_flags(cfg, on_cpu: bool) -> None:
     if split:
         raise NotCovered(f"--{split[0].replace('_', '-')} (an uneven pipeline split): not in the megatron-core engine "
                          "yet (issue 40); use --engine native")
-    if c.save_format == "torch_dist":
-        raise NotCovered("--save-format torch_dist: the megatron-core engine saves the native format in this slice "
-                         "(issue 40); save native and export with `shardkit reshard --format torch_dist`")
     if c.load and is_torch_dist(c.load):
         raise NotCovered(f"--load {c.load} is a torch_dist checkpoint: the megatron-core engine loads shardkit's "
                          "native checkpoints in this slice (issue 40); use --engine native")
@@ -518,9 +515,8 @@ class MegatronCoreTrainer(Trainer):
             if len(self.ddp) == 1:
                 tc.param_sync_func = tc.param_sync_func[0]
         self.ddp_cfg = ddp_cfg
-        backend = ("TE" if False else "local") + " layer spec"
         self.backend = _Backend(
-            f"engine: megatron-core (GPTModel, {backend}; DistributedDataParallel, overlap grad reduce "
+            f"engine: megatron-core (GPTModel, local layer spec; DistributedDataParallel, overlap grad reduce "
             f"{'on' if ddp_cfg.overlap_grad_reduce else 'off'}, param gather "
             f"{'on' if ddp_cfg.overlap_param_gather else 'off'}; distributed optimizer; "
             f"{'interleaved 1F1B' if self.dims.vpp > 1 else '1F1B' if self.dims.pp > 1 else 'no pipelining'})")
