@@ -223,8 +223,8 @@ def distributed_parts(mopt) -> list:
 class SavedState:
     """What shardkit's save path (ckpt_io.saved_values, the finiteness check, the param groups) asks of an optimizer:
     names, params, expert flags, the flags' config, the step count, which parameters this rank writes (round-robin
-    over DP ranks, whole tensors) and their fp32 params and moments. `refresh()` gathers them from megatron-core's
-    distributed optimizer (its own get_parameter_state_dp_zero, every DP rank) into shardkit's tensors."""
+    over DP ranks, whole tensors) and their fp32 params and moments. `refresh()` collects them from megatron-core's
+    distributed optimizer (each DP rank's flat ranges) into shardkit's tensors, every DP rank taking part."""
 
     def __init__(self, table, mopt, cfg, groups, dp: int) -> None:
         trained = [lp for lp in table if not lp.tied_copy and lp.param.requires_grad]
@@ -244,21 +244,32 @@ class SavedState:
     def state_of(self, i: int) -> dict[str, torch.Tensor]:
         return self._state[i]
 
+    @torch.no_grad()
     def refresh(self) -> None:
-        index = {id(p): i for i, p in enumerate(self.params)}
+        """Each parameter's fp32 param and moments, whole, on the DP rank that writes it (and only there): every DP
+        rank puts its range of the distributed optimizer's shard into a zero buffer, one reduce per parameter to the
+        owner (x + 0 = x: exact). What a rank keeps is 1/DP of its model-parallel shard's optimizer state, on the
+        host; the transient buffer is one parameter's."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group()
+        ranks = dist.get_process_group_ranks(group) if self.dp > 1 else [dist.get_rank()]
+        parts = distributed_parts(self.mopt)
         self._state = {}
-        for part in distributed_parts(self.mopt):
-            world = part.get_parameter_state_dp_zero(use_gloo_comm=False, return_on_all_ranks=True)
-            for b, buffer in enumerate(part.buffers):
-                for dtype, tensors in world[b].items():
-                    if not isinstance(tensors, dict):
-                        continue
-                    for p, (start, end, _) in buffer.param_index_map.items():
-                        i = index.get(id(p))
-                        if i is None or not self.is_mine(i):
-                            continue
-                        self._state[i] = {s: tensors[key][start:end].reshape(p.shape).clone()
-                                          for s, key in zip(OPTIMIZER_STATES, ("param", "exp_avg", "exp_avg_sq"))}
+        for i, p in enumerate(self.params):
+            buf = torch.zeros(3, p.numel(), dtype=torch.float32, device=p.device)
+            for part in parts:
+                if p in part.model_param_gbuf_map:  # this DP rank holds a range of it
+                    r = part._get_model_param_range_map(p)["param"]
+                    t = part._get_main_param_and_optimizer_states(p)
+                    for k, key in enumerate(("param", "exp_avg", "exp_avg_sq")):
+                        buf[k, r.start:r.end] = t[key].detach().reshape(-1)
+            owner = i % self.dp
+            if self.dp > 1:
+                dist.reduce(buf, dst=ranks[owner], group=group)
+            if owner == self.groups.dp_rank:
+                host = buf.cpu()
+                self._state[i] = {s: host[k].view(p.shape) for k, s in enumerate(OPTIMIZER_STATES)}
 
 
 # -- the trainer -----------------------------------------------------------------------------------------------------------
