@@ -151,8 +151,8 @@ def test_megatron_core_save_resumes_on_megatron_core_at_another_layout(work, nat
 
 def test_torch_dist_save_resumes_on_native(work, native):
     """--save-format torch_dist through the same save path (train/torch_dist_ckpt.py, every rank its own DCP items):
-    megatron-core's TP 2 + SP save after iteration 3 resumed by the native engine on one process continues as the
-    straight run."""
+    megatron-core's TP 2 + SP save after iteration 3 resumed by the native engine on one process, and by megatron-core
+    at PP 2 (a torch_dist --load), continues as the straight run."""
     rows = train(work, "mcore-td", 2, "megatron-core", "--tp", "2", "--sequence-parallel", "--save-format",
                  "torch_dist", "--exit-interval", "3")
     assert_same_rows(rows, native[:3])
@@ -160,6 +160,10 @@ def test_torch_dist_save_resumes_on_native(work, native):
     rows = train(work, "resume-td", 1, "native", load=work / "mcore-td")
     assert_same_rows(rows, native[3:])
     assert_same_tensors(work / "resume-td", work / "native")
+    # and by megatron-core itself, at PP 2 (its torch_dist --load: by region, as the native engine reads it)
+    rows = train(work, "resume-td-mcore", 2, "megatron-core", "--pp", "2", load=work / "mcore-td")
+    assert_same_rows(rows, native[3:])
+    assert_same_tensors(work / "resume-td-mcore", work / "native")
 
 
 def test_nan_stops_before_the_step(work, tmp_path):

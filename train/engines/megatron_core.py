@@ -17,8 +17,9 @@ the local spec's separate norms map to their TE names), so the sharding table gi
 What this first slice covers: dense Llama-family models (no MoE, MLA, MTP, sliding window or linear biases other than
 QKV's), TP (+ SP), PP (1F1B, interleaved with --vpp, even splits), DP with the distributed optimizer, fp32 and bf16,
 native checkpoints (load: weights, and the optimizer state when resuming; save: native format, or torch_dist through
-the same save path). Refused in one line: TE's layer spec, FP8, context parallelism, expert parallelism, packed
-documents, uneven pipeline splits, recompute on the CPU, a torch_dist --load. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
+the same save path; torch_dist loads too, Megatron-LM's own included, read by region as the native engine reads them).
+Refused in one line: TE's layer spec, FP8, context parallelism, expert parallelism, packed documents, uneven pipeline
+splits, recompute on the CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
 switch SHARDKIT_MEGATRON_CORE_CPU=1 (`cpu_stand_ins`); without it --engine megatron-core on the CPU is refused.
 
 Importing megatron-core registers some 26 classes as torch.load safe globals (its megatron/core/safe_globals.py);
@@ -170,9 +171,6 @@ def check_flags(cfg, on_cpu: bool) -> None:
     if split:
         raise NotCovered(f"--{split[0].replace('_', '-')} (an uneven pipeline split): not in the megatron-core engine "
                          "yet (issue 40); use --engine native")
-    if c.load and is_torch_dist(c.load):
-        raise NotCovered(f"--load {c.load} is a torch_dist checkpoint: the megatron-core engine loads shardkit's "
-                         "native checkpoints in this slice (issue 40); use --engine native")
 
 
 def check_model(m) -> None:
@@ -312,19 +310,28 @@ class MegatronCoreTrainer(Trainer):
             check_wandb(cfg.run.wandb_project)
         self.cfg = cfg
         p, d, c = cfg.parallel, cfg.data, cfg.checkpoint
-        if c.hf_config:
-            raise ConfigError(f"--hf-config: only for a torch_dist --load without shardkit.json; {c.load} is a "
-                              "shardkit checkpoint, whose manifest describes the model (drop the flag)")
-        self.src = resolve_iteration(c.load)
-        self.ck = Checkpoint(self.src, check=not c.skip_verify)
-        if c.vocab_size is not None and c.vocab_size != self.ck.config.vocab_size:
-            raise ConfigError(f"--vocab-size {c.vocab_size} disagrees with the checkpoint {self.src} (vocab size "
-                              f"{self.ck.config.vocab_size}); drop the flag or load the right checkpoint")
+        load_notes: list[str] = []
+        if is_torch_dist(c.load):  # Megatron-LM's torch_dist (or shardkit's): read in place, by region, as native
+            from train.torch_dist_ckpt import TorchDistLoad
+
+            self.ck = TorchDistLoad(c.load, c.hf_config or None, c.vocab_size, load_optim=not c.no_load_optim)
+            self.src = self.ck.path
+            self.state, load_notes = self.ck.train_state(d.global_batch_size)
+        else:
+            if c.hf_config:
+                raise ConfigError(f"--hf-config: only for a torch_dist --load without shardkit.json; {c.load} is a "
+                                  "shardkit checkpoint, whose manifest describes the model (drop the flag)")
+            self.src = resolve_iteration(c.load)
+            self.ck = Checkpoint(self.src, check=not c.skip_verify)
+            if c.vocab_size is not None and c.vocab_size != self.ck.config.vocab_size:
+                raise ConfigError(f"--vocab-size {c.vocab_size} disagrees with the checkpoint {self.src} (vocab size "
+                                  f"{self.ck.config.vocab_size}); drop the flag or load the right checkpoint")
+            self.state = ckpt_io.read_train_state(self.src)
         self.model_cfg = m = self.ck.config
         check_model(m)
         # --overlap-grad-reduce / --overlap-param-gather: honoured here (megatron_flags notes them; native refuses)
         self.overlap = {dest: bool(v) for _, dest, v in cfg.run.megatron if dest in OVERLAP_DESTS}
-        self.notes = [line for line in (default_changes(cfg), *megatron_flags(cfg)) if line]
+        self.notes = [line for line in (default_changes(cfg), *megatron_flags(cfg)) if line] + load_notes
         world = dist.get_world_size()
         dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp,
                                     split=PipelineSplit.from_args(p))
@@ -334,7 +341,6 @@ class MegatronCoreTrainer(Trainer):
         self.dims = dims
         self.groups = build_groups(dims)  # shardkit's coordinates and groups: the save path and the step's one read
         self.layout = dims.model_parallel
-        self.state = ckpt_io.read_train_state(self.src)
         check_model_flags(cfg, m, self.src)
         check_save_format(c.save, c.save_format)
         self.dtype = torch.bfloat16 if cfg.run.bf16 else torch.float32
