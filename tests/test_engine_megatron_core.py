@@ -118,6 +118,20 @@ def test_megatron_core_equals_native(work, native, layout, tmp_path):
             assert all(c["batches"] > 0 for c in counts), counts  # megatron-core's batched p2p, under NCCL's rules
 
 
+def test_megatron_core_save_reshards_exports_and_verifies(work, native, tmp_path):
+    """The TP 2 + SP save of the megatron-core engine through shardkit's other commands: `reshard` to TP 1 x PP 2,
+    `convert mcore-to-hf`, and `verify` of both against the export (logits equal)."""
+    from shardkit.cli import main as cli
+
+    src = work / "mcore-tp2-sp"
+    if not src.is_dir():
+        train(work, "mcore-tp2-sp", 2, "megatron-core", "--tp", "2", "--sequence-parallel")
+    assert cli(["reshard", str(src), str(tmp_path / "rs"), "--tp", "1", "--pp", "2"]) == 0
+    assert cli(["convert", "mcore-to-hf", str(src), str(tmp_path / "hf"), "--quiet"]) == 0
+    for ck in (src, tmp_path / "rs"):
+        assert cli(["verify", str(ck), "--against", str(tmp_path / "hf")]) == 0
+
+
 def test_megatron_core_save_resumes_on_native(work, native):
     """megatron-core's save after iteration 3 (its distributed-optimizer state gathered into shardkit's canonical
     tensors) resumed by the native engine gives the native straight run's iterations 4 and 5 and its final state."""
