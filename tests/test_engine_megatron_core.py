@@ -256,6 +256,8 @@ def test_default_engine_on_the_cpu_is_native():
     (("--fp8-format", "hybrid"), True, "--fp8-format hybrid: megatron-core cannot run it on the CPU"),
     (("--context-parallel-size", "2"), True, "--context-parallel-size 2: megatron-core cannot run it on the CPU"),
     (("--transformer-impl", "transformer_engine"), True, "TE's layer spec"),
+    # on 2 ranks (PP 2): the interleaved schedule's micro-batch groups
+    (("--pp", "2", "--vpp", "2", "--global-batch-size", "2"), True, "in groups of --pp 2, but each DP rank has 1"),
 ])
 def test_refused_in_one_line(work, flags, switch, says):
     """What megatron-core cannot do on a CPU (and the CPU itself without the test switch) is one error line, exit 1,
@@ -264,12 +266,13 @@ def test_refused_in_one_line(work, flags, switch, says):
     if switch:
         os.environ[SWITCH] = "1"
     try:
-        r = launch(1, "--load", str(work / "ck"), "--data-path", str(work / "data"), "--engine", "megatron-core",
-                   *FLAGS, *flags, check=False)
+        r = launch(2 if "--pp" in flags else 1, "--load", str(work / "ck"), "--data-path", str(work / "data"),
+                   "--engine", "megatron-core", *FLAGS, *flags, check=False)
     finally:
         os.environ.pop(SWITCH, None)
         if old is not None:
             os.environ[SWITCH] = old
     errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("shardkit: error:")]
-    assert r.returncode != 0 and len(errors) == 1 and says in errors[0], (r.stdout[-2000:], r.stderr[-2000:])
+    # one line (the same on every rank)
+    assert r.returncode != 0 and len(set(errors)) == 1 and says in errors[0], (r.stdout[-2000:], r.stderr[-2000:])
     assert "--engine megatron-core" in errors[0] and "iteration 1" not in r.stdout

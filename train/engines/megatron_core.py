@@ -47,6 +47,15 @@ CPU_SWITCH = "SHARDKIT_MEGATRON_CORE_CPU"  # "1": run megatron-core on the CPU w
 OVERLAP_DESTS = ("overlap_grad_reduce", "overlap_param_gather")
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 class NotCovered(Exception):
     """A run this engine does not cover (yet): refused in one line when asked for by name, the native engine when
     megatron-core was only the default."""
@@ -332,12 +341,21 @@ class MegatronCoreTrainer(Trainer):
         # --overlap-grad-reduce / --overlap-param-gather: honoured here (megatron_flags notes them; native refuses)
         self.overlap = {dest: bool(v) for _, dest, v in cfg.run.megatron if dest in OVERLAP_DESTS}
         self.notes = [line for line in (default_changes(cfg), *megatron_flags(cfg)) if line] + load_notes
+        if cfg.run.transformer_impl is None and not self.on_cpu and _installed("transformer_engine"):
+            self.notes.append("note: the megatron-core engine builds megatron-core's local layer spec; its Transformer "
+                              "Engine spec is not wired in yet (issue 40), although Transformer Engine is installed")
         world = dist.get_world_size()
         dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp,
                                     split=PipelineSplit.from_args(p))
         if d.global_batch_size % (d.micro_batch_size * dims.dp):
             raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
                               f"{d.micro_batch_size} x data-parallel size {dims.dp}")
+        micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
+        if dims.vpp > 1 and micro % dims.pp:  # megatron-core's interleaved schedule: groups of PP micro-batches
+            raise NotCovered(f"--vpp {dims.vpp}: megatron-core's interleaved schedule runs the micro-batches in groups "
+                             f"of --pp {dims.pp}, but each DP rank has {micro} per step (--global-batch-size "
+                             f"{d.global_batch_size} / (--micro-batch-size {d.micro_batch_size} x DP {dims.dp})); "
+                             f"make it a multiple of {dims.pp}")
         self.dims = dims
         self.groups = build_groups(dims)  # shardkit's coordinates and groups: the save path and the step's one read
         self.layout = dims.model_parallel
