@@ -11,6 +11,7 @@ SLOW = {
     "tests/test_engine_megatron_core.py::test_megatron_core_equals_native[pp2]",
     "tests/test_engine_megatron_core.py::test_tied_embeddings_at_pp2",
     "tests/test_engine_megatron_core.py::test_torch_dist_save_resumes_on_native",
+    "tests/test_engine_megatron_core.py::test_bf16_follows_native",
     # context parallelism: docs-cp2tp2-sp-allgather stays (CP x TP x SP, all-gather, packed documents)
     "tests/test_context_parallel.py::test_cp_equals_one_process[cp2]",
     "tests/test_context_parallel.py::test_cp_equals_one_process[cp4-allgather]",

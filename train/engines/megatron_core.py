@@ -603,9 +603,8 @@ class MegatronCoreTrainer(Trainer):
                     "step": torch.tensor(float(step)),
                     "exp_avg": vals["exp_avg"].reshape(-1)[r.start:r.end].to(main).clone(),
                     "exp_avg_sq": vals["exp_avg_sq"].reshape(-1)[r.start:r.end].to(main).clone()}
+        # the model's (bf16) weights stay the checkpoint's weights, as the native engine's load leaves them
         for mopt in distributed_parts(self.mopt):
-            if self.dtype == torch.bfloat16:  # the model's bf16 weights from the loaded fp32 main params
-                mopt._copy_main_params_to_model_params()
             for group in mopt.optimizer.param_groups:
                 group["step"] = step
         self.opt.steps = step
