@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or REHEARSE), rea
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
           "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7", "--log-interval", "1",
-          "--attention-dropout", "0", "--hidden-dropout", "0"]
+          "--attention-dropout", "0", "--hidden-dropout", "0", "--engine", "native"]  # the engine the CPU side runs
 FLAGS = {"llama": [], "mixtral": ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"],
          "deepseek_v3": ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
                          "--moe-router-bias-update-rate", "0.01"]}
