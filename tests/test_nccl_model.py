@@ -37,10 +37,22 @@ from tests.nccl_model import Deadlock, Mismatch, NcclModel, ThreadTransport
 
 
 def _threads(n: int, fn, timeout: float = 60.0) -> dict:
-    """Run fn(model, rank) on n threads under one thread-mode model; {rank: result or exception}."""
+    """Run fn(model, rank) on n threads under one thread-mode model, which also stands in for torch.distributed in
+    train/parallel/p2p.py until every thread has returned; {rank: result or exception}."""
+    from train.parallel import p2p
+
     local = threading.local()
     model = NcclModel(ThreadTransport(), lambda: local.rank, timeout=timeout)
     out: dict = {}
+    saved, p2p.dist = p2p.dist, model.module()
+    try:
+        _run_threads(n, fn, model, local, out, timeout)
+    finally:
+        p2p.dist = saved
+    return out
+
+
+def _run_threads(n: int, fn, model, local, out: dict, timeout: float) -> None:
 
     def body(r: int) -> None:
         local.rank = r
@@ -55,7 +67,6 @@ def _threads(n: int, fn, timeout: float = 60.0) -> dict:
     for t in ts:
         t.join(timeout * 3)
     assert not any(t.is_alive() for t in ts), "a thread never returned"
-    return out
 
 
 # -- 1. the model ---------------------------------------------------------------------------------------------------
@@ -86,13 +97,7 @@ def _batched_ring(cp):
     def fn(model, r):
         from train.parallel import p2p
 
-        saved = p2p.dist
-        p2p.dist = model.module()
-        try:
-            (buf,) = p2p.exchange([(torch.full((64,), float(r)), (r + 1) % cp)], [(torch.empty(64), (r - 1) % cp)],
-                                  "cp")
-        finally:
-            p2p.dist = saved
+        (buf,) = p2p.exchange([(torch.full((64,), float(r)), (r + 1) % cp)], [(torch.empty(64), (r - 1) % cp)], "cp")
         return buf
     return fn
 
@@ -273,17 +278,12 @@ def test_real_pipeline_on_threads(monkeypatch, vpp, old):
         monkeypatch.setattr(p2p, "exchange", _old_style_exchange)
 
     def fn(model, r):
-        p2p.dist = model.module()
         if vpp == 1:
             return pipeline.forward_backward(stages[r], mbs, (2, 8, 16), torch.float64)
         return interleaved.InterleavedPipeline(stages[r], stages[r].groups, n, torch.device("cpu")).forward_backward(
             mbs, (2, 8, 16), torch.float64)
 
-    saved = p2p.dist
-    try:
-        out = _threads(pp, fn, timeout=3.0 if old else 60.0)
-    finally:
-        p2p.dist = saved
+    out = _threads(pp, fn, timeout=3.0 if old else 60.0)
     if old:
         assert any(isinstance(v, Deadlock) for v in out.values()), out
     else:
