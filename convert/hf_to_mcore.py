@@ -353,6 +353,18 @@ def _join_preload() -> None:
         _PRELOAD.pop().join()
 
 
+PROOF_SEQ_DENSE = 8  # the default proof's sequence length for a dense model (2 sequences); MoE keeps verify's 32
+
+
+def proof_seq_len(cfg: ModelConfig) -> int:
+    """Tokens per sequence of the default proof (issue 42: at 2 x 32 tokens its matmuls alone were ~1x a 1.5 GB
+    conversion). A dense model's weights are all exercised by any random tokens (each element of a linear layer's
+    weight meets a nonzero input; q and k need two positions, RoPE several), the embedding's rows are compared bit
+    for bit, and every layer on HF's own input: 2 x 8 tokens prove the same. Routed experts are exercised only by
+    the tokens routed to them, so an MoE model keeps `verify --against`'s 2 x 32 (what none selected is listed)."""
+    return 32 if cfg.is_moe else PROOF_SEQ_DENSE
+
+
 def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native", memory_budget: str | None = None,
                       quiet: bool = False, asked: bool = True, allow_nonfinite: bool = False,
                       withdraw: bool = False) -> int:
@@ -403,7 +415,8 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native",
     try:
         with progress_bar("verify", total=2 * ck.nbytes(), items=ck.config.num_layers, unit="layers",
                           disable=quiet) as bar:
-            p = against_hf(ck, hf_dir, memory_budget=budget, progress=lambda nbytes: bar.advance(nbytes, items=1))
+            p = against_hf(ck, hf_dir, memory_budget=budget, seq_len=proof_seq_len(ck.config),
+                           progress=lambda nbytes: bar.advance(nbytes, items=1))
     except ShardkitError as e:
         if withdraw:  # a proof that cannot be made commits nothing either
             raise ShardkitError(f"{e}; {_withdraw(Path(path))}") from None
