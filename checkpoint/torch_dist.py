@@ -66,6 +66,7 @@ from .layout import Layout
 from .megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, RELEASE, TRACKER, MegatronEnum, TorchDtype, arg, check_args,
                        config_from_megatron_args, hf_model_type_of, iter_dirname, iteration_of, layout_from_args,
                        missing_model_args, with_args_vocab)
+from .megatron_bridge import RUN_CONFIG, load_run_config, load_train_state
 from .safety import open_input, read_input, read_pointer, regular_file, safe_path
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
 METADATA_JSON = "metadata.json"
 DCP_METADATA = ".metadata"
 COMMON_PT = "common.pt"
+COMMON_ITEM = "common_state/shard_0_1"  # megatron-core >= 0.17: the common state as a DCP bytes item (no common.pt)
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
 DCP_VERSION = "1.0.0"
@@ -380,9 +382,14 @@ def _pickle_globals(data: bytes) -> list[str]:
     return out
 
 
-def _torch_save_pickle(path: Path) -> bytes:
+def _src(path: Path, data: bytes | None):
+    """What the common-state readers open: the file, or a fresh stream over an item's bytes (common state inside DCP)."""
+    return path if data is None else io.BytesIO(data)
+
+
+def _torch_save_pickle(path: Path, data: bytes | None = None) -> bytes:
     """The data.pkl record of a torch.save zip file (read as bytes, never unpickled)."""
-    with zipfile.ZipFile(path) as z:
+    with zipfile.ZipFile(_src(path, data)) as z:
         names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
         if not names:
             raise FormatError(f"{path}: not a torch.save archive (no data.pkl)")
@@ -434,13 +441,13 @@ class _CommonUnpickler(pickle.Unpickler):
         raise _TorchDecides("a tensor")
 
 
-def _load_common_light(path: Path) -> Any:
+def _load_common_light(path: Path, data: bytes | None = None) -> Any:
     """common.pt read without torch: its zip archive's data.pkl (checked by its crc32) unpickled by _CommonUnpickler.
     The result equals torch.load(weights_only=True)'s under safe_load's allowlist, torch dtypes as _Dtype (equal to
     torch's; tests/test_torch_dist.py compares them). FormatError (the same line the full reader gives) when the
     pickle references a global that could run code; _TorchDecides where torch's reader must decide."""
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(_src(path, data)) as z:
             names = z.namelist()
             pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
             if len(pkl) != 1 or any(n.split("/", 1)[-1].startswith("data/") for n in names):
@@ -465,15 +472,15 @@ def _load_common_light(path: Path) -> Any:
 COMMON_MAX = 256 << 20  # bytes: common.pt's records, uncompressed (Megatron's hold args and small states: KBs to MBs)
 
 
-def _check_common_size(path: Path) -> None:
+def _check_common_size(path: Path, data: bytes | None = None) -> None:
     """Bound what reading common.pt can cost before anything is read (issue 34: a 3 MB deflate-compressed record
     inflated to 6.3 GB): the file itself, and its zip records' declared uncompressed sizes (both readers, zipfile's
     and torch's, stop at the declared size or fail)."""
-    size = path.stat().st_size
+    size = path.stat().st_size if data is None else len(data)
     if size > COMMON_MAX:
         raise FormatError(f"{path}: {size:,} bytes, more than a common.pt's {COMMON_MAX:,}; refusing to read it")
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(_src(path, data)) as z:
             infos = z.infolist()
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         return  # not a zip archive (a legacy torch.save, damage): the readers below say what it is
@@ -485,17 +492,19 @@ def _check_common_size(path: Path) -> None:
                           "refusing to read it")
 
 
-def load_common(path: Path) -> tuple[dict | None, str | None]:
+def load_common(path: Path, data: bytes | None = None) -> tuple[dict | None, str | None]:
     """common.pt as (dict, None), or (None, note) when it cannot be loaded as plain data but references only benign
     Megatron data classes. Raises FormatError naming the file when it references anything that could run code.
-    Plain data is read without torch (_load_common_light); torch.load(weights_only=True) reads the rest."""
+    Plain data is read without torch (_load_common_light); torch.load(weights_only=True) reads the rest. With `data`
+    (megatron-core >= 0.17: the common state is the DCP item `common_state/shard_0_1`, its bytes already CRC-checked)
+    the same readers, under the same bounds, read those bytes; `path` then only labels them."""
     from .safe_load import load_torch
 
-    if not regular_file(path, missing_ok=True):  # a FIFO or device: one line naming it
+    if data is None and not regular_file(path, missing_ok=True):  # a FIFO or device: one line naming it
         return None, f"{path.name} is missing"
-    _check_common_size(path)
+    _check_common_size(path) if data is None else _check_common_size(path, data)
     try:
-        obj = _load_common_light(path)
+        obj = _load_common_light(path) if data is None else _load_common_light(path, data)
     except _MegatronClass as m:  # what torch's reader would refuse the same way (the note below), without torch
         return None, _ignored_note(path, f"refusing to unpickle {m}: not plain data (a pickle that could run code); "
                                          "the file was not loaded")
@@ -503,10 +512,10 @@ def load_common(path: Path) -> tuple[dict | None, str | None]:
         obj = _UNREAD
     try:
         if obj is _UNREAD:
-            obj = load_torch(path)
+            obj = load_torch(_src(path, data), what=None if data is None else str(path))
     except FormatError as e:
         try:
-            globs = _pickle_globals(_torch_save_pickle(path))
+            globs = _pickle_globals(_torch_save_pickle(path, data))
         except (zipfile.BadZipFile, OSError, KeyError, FormatError) as z:
             raise FormatError(f"{path}: not a readable torch.save file ({type(z).__name__}: {z})") from None
         bad = [g for g in globs if not _BENIGN_GLOBALS.match(g)]
@@ -514,6 +523,8 @@ def load_common(path: Path) -> tuple[dict | None, str | None]:
             raise FormatError(f"{path}: refusing to unpickle: it references {bad[0].replace(' ', '.')}, which is not "
                               "plain data (a pickle that would run code); the file was not loaded") from None
         return None, _ignored_note(path, str(e).split(": ", 1)[-1])
+    if data is not None and isinstance(obj, list) and len(obj) == 1:  # megatron-core's common_state item: [dict]
+        obj = obj[0]
     if not isinstance(obj, dict):
         return None, f"{path.name} ignored: it holds a {type(obj).__name__}, not a dict"
     return obj, None
@@ -618,21 +629,60 @@ class TorchDistCheckpoint:
             self._validate(md)
         except (TypeError, ValueError, AttributeError) as e:
             raise FormatError(f"{self.path / DCP_METADATA}: malformed DCP metadata ({type(e).__name__}: {e})") from None
-        self.common, note = load_common(self.path / COMMON_PT)
-        if note:
-            self.notes.append(note)
         self.sidecar: dict | None = load_sidecar(self.path)
         self._cache: tuple | None = None
         self._array: tuple | None = None  # item_array's last item
         self._checked: set = set()  # items whose bytes passed their CRC-32s (check_item)
         self.spool_dir: Path | None = None  # where items > ITEM_MMAP_BYTES are copied to be memory-mapped
+        self.common_source = self.path / COMMON_PT
+        if COMMON_ITEM in self.objects and not os.path.lexists(self.path / COMMON_PT):
+            self.common, note = self._load_common_item()
+        else:
+            self.common, note = load_common(self.path / COMMON_PT)
+        if note:
+            self.notes.append(note)
+        # Megatron-Bridge: the model from run_config.yaml, iteration and consumed samples from train_state.pt
+        self.args_source = self.common_source
+        self.bridge_args, note = (None, None) if self._common_args() is not None else load_run_config(self.path)
+        self.train_state = load_train_state(self.path) if self.bridge_args is not None else None
+        if note:
+            self.notes.append(note)
+        if self.bridge_args is not None:
+            self.args_source = self.path / RUN_CONFIG
+            consumed = (self.train_state or {}).get("consumed_train_samples")
+            if isinstance(consumed, int) and not isinstance(consumed, bool):
+                self.bridge_args.consumed_train_samples = consumed
+
+    def _common_args(self) -> argparse.Namespace | None:
+        a = (self.common or {}).get("args")
+        return a if isinstance(a, argparse.Namespace) else None
+
+    def _load_common_item(self) -> tuple[dict | None, str | None]:
+        """megatron-core >= 0.17 writes no common.pt: the common state is the DCP bytes item `common_state/shard_0_1`
+        (a torch.save archive of [dict]). Its bytes are bounded (COMMON_MAX) and checked against their zip CRC-32s
+        (check_item, as every item) before load_common's restricted readers see them."""
+        info = self._storage[(COMMON_ITEM, None)]
+        label = self.path / info.relative_path
+        self.common_source = Path(f"{label} item {COMMON_ITEM}")
+        if int(info.length) > COMMON_MAX:
+            raise FormatError(f"{label}: item {COMMON_ITEM} is {int(info.length):,} bytes, more than a common "
+                              f"state's {COMMON_MAX:,}; refusing to read it")
+        self.check_item(COMMON_ITEM, None)
+        with open(label, "rb") as f:
+            f.seek(int(info.offset))
+            data = f.read(int(info.length))
+        if len(data) != int(info.length):
+            raise FormatError(f"{label}: item {COMMON_ITEM}: short read; the checkpoint is damaged")
+        return load_common(self.common_source, data)
 
     # -- basic facts ----------------------------------------------------------------------------------------------
     @property
     def iteration(self) -> int:
         it = (self.common or {}).get("iteration")
+        if it is None and self.train_state is not None:
+            it = self.train_state.get("step")
         if isinstance(it, int) and not isinstance(it, bool) and it > MAX_ITERATION:
-            raise FormatError(f"{self.path / COMMON_PT}: iteration {str(it)[:40]} is beyond any run's "
+            raise FormatError(f"{self.common_source}: iteration {str(it)[:40]} is beyond any run's "
                               f"({MAX_ITERATION:,}); the file is damaged, not a name to write")
         if isinstance(it, int) and not isinstance(it, bool) and it >= 0:
             return it
@@ -641,8 +691,8 @@ class TorchDistCheckpoint:
 
     @property
     def args(self) -> argparse.Namespace | None:
-        a = (self.common or {}).get("args")
-        return a if isinstance(a, argparse.Namespace) else None
+        """Megatron-LM's args from the common state, else those made from a Megatron-Bridge run_config.yaml."""
+        return self._common_args() or self.bridge_args
 
     @property
     def layout(self) -> Layout | None:
@@ -671,7 +721,7 @@ class TorchDistCheckpoint:
         (one line naming the argument and both values). ConfigError naming exactly what is missing, and how to
         supply it, when nothing describes the model."""
         args = self.args
-        common = self.path / COMMON_PT
+        common = self.args_source
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
                                        or vocab_size < 1):
             raise ConfigError(f"--vocab-size {vocab_size!r}: expected a positive number of tokens")

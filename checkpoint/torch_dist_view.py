@@ -63,7 +63,7 @@ def shape_problems(td: TorchDistCheckpoint, cfg: ModelConfig, specs: list[Tensor
                 out.append(f"{td.path}: tensor {k} has {got[0]} rows, fewer than the vocab_size={cfg.vocab_size} of "
                            f"{origin}")
             elif model and padded is not None and got[0] != padded:
-                out.append(f"{td.path}: tensor {k} has {got[0]} rows, but {td.path / 'common.pt'} args say "
+                out.append(f"{td.path}: tensor {k} has {got[0]} rows, but {td.args_source} args say "
                            f"padded_vocab_size={padded}")
         elif got != want:
             e = int(s.per_layer)  # the expert axis of the experts' and the router's tensors

@@ -59,6 +59,7 @@ from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint, ReadPlan, count_nonfinite, entry_nbytes, read_padded, vocab_padding
 from checkpoint.safety import check_output, check_target, is_side_file_name, side_files
 from checkpoint.sharding import TensorSpec, split_optimizer_key
+from checkpoint.megatron_bridge import flat_buffers, flat_layout_proved
 from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, RankFile, TorchDistCheckpoint, close_all,
                                    none_object_bytes, read_torch_dist, write_common, write_sidecar)
 from checkpoint.torch_dist_view import (TorchDistSource, import_optimizer_states, match_keys, plan_import,
@@ -759,7 +760,7 @@ def describe_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig | None = None,
         "format": "torch_dist (Megatron-LM)",
         "iteration": td.iteration,
         "layout": layout.to_dict() if layout else None,
-        "layout_from": f"{td.path / 'common.pt'} args" if layout else None,
+        "layout_from": f"{td.args_source} args" if layout else None,
         "model_from": origin,
         "model": {k: v for k, v in cfg.to_dict().items() if k != "hf_config"} if cfg else None,
         "model_unknown": why_unknown if cfg is None else None,
@@ -827,7 +828,7 @@ def verify_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig, origin: str,
     try:
         layout.check(cfg)
     except ShardkitError as e:
-        problems.append(f"{td.path / 'common.pt'}: the args' layout does not fit {origin}: {e}")
+        problems.append(f"{td.args_source}: the args' layout does not fit {origin}: {e}")
     optimizer = import_optimizer_states(td) or None
     specs = Manifest(0, cfg, layout, {}, optimizer=optimizer).specs()
     keys, missing, unexpected = match_keys(td, specs)
@@ -836,10 +837,19 @@ def verify_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig, origin: str,
         problems += shard_problems(td, cfg, layout, specs, keys)
     nonfinite: dict[str, int] = {}
     items = nbytes = 0
+    # Megatron-LM's dp_reshardable flat buffers: their padding between parameters is uninitialised memory, so
+    # non-finite values are counted over the parameters' ranges only, where the layout is rebuilt and proved
+    flat = {k for ks in flat_buffers(td).values() for k in ks}
+    spans = flat_layout_proved(td, cfg.num_layers) if flat else None
     for name, t in td.tensors.items():
         for off, _ in t.chunks:
             value = td.read_item(name, off)
-            bad = _nonfinite(value)
+            if name in flat and spans is not None:  # the parts of this chunk that hold parameters
+                lo, hi = off[0], off[0] + value.shape[0]
+                bad = sum(_nonfinite(value[max(s, lo) - lo:min(s + n, hi) - lo]) for _, _, s, n in spans
+                          if max(s, lo) < min(s + n, hi))
+            else:
+                bad = _nonfinite(value)
             if bad:
                 nonfinite[name] = nonfinite.get(name, 0) + bad
             n = value.numel() * value.element_size()
@@ -849,7 +859,7 @@ def verify_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig, origin: str,
             if progress:
                 progress(n)
     return {"path": str(td.path), "format": "torch_dist", "iteration": td.iteration, "layout": layout.to_dict(),
-            "layout_from": f"{td.path / 'common.pt'} args" if td.layout else "none (tp=pp=1 assumed)",
+            "layout_from": f"{td.args_source} args" if td.layout else "none (tp=pp=1 assumed)",
             "model_from": origin, "tensors": len(td.tensors), "items": items, "objects": len(td.objects),
             "files": len(td.files()), "bytes": nbytes, "missing": missing, "unexpected": unexpected,
             "problems": problems, "nonfinite": nonfinite, "optimizer": optimizer,

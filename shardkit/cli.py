@@ -650,7 +650,7 @@ def _reshard_source(args: argparse.Namespace):
         ck = Checkpoint(args.src)
         return ck.layout, ck.config, ""
     td, cfg, _ = _torch_dist_model(args, args.src)
-    return td.layout, cfg, f"{td.path / 'common.pt'} holds no usable Megatron args"
+    return td.layout, cfg, f"{td.args_source} holds no usable Megatron args"
 
 
 def _torch_dist_model(args: argparse.Namespace, src: str):

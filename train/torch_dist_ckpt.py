@@ -43,7 +43,8 @@ from checkpoint.megatron import (CHECKPOINT_VERSION, MEGATRON_SCHEDULER_KEYS, TR
                                  megatron_optimizer_common, megatron_optimizer_groups, source_keys, stored_key)
 from checkpoint.reader import Checkpoint, entry_nbytes, vocab_padding
 from checkpoint.sharding import OPTIMIZER_STATES, split_optimizer_key
-from checkpoint.torch_dist import (COMMON_PT, HF_SUBDIR, DCPWriter, none_object_bytes,
+from checkpoint.megatron_bridge import FLAT_PREFIX, flat_buffers
+from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, none_object_bytes,
                                    read_torch_dist, write_common, write_sidecar)
 from checkpoint.torch_dist_view import TorchDistSource, import_optimizer_states, match_keys, plan_import
 from train import checkpointing as ckpt_io
@@ -70,6 +71,10 @@ class TorchDistLoad(TorchDistSource):
             layout.check(cfg)
         except ShardkitError:  # args whose layout does not fit the model (e.g. --hf-config's): read at tp=pp=1
             layout = Layout()
+        if load_optim and flat_buffers(td):
+            raise FormatError(f"{td.path}: its optimizer state is Megatron-LM's dp_reshardable flat buffers "
+                              f"({FLAT_PREFIX}*), which shardkit does not resume; pass --no-load-optim to start the "
+                              "optimizer fresh from its weights")
         states = import_optimizer_states(td) if load_optim else []
         if states:
             self._check_optimizer(td, cfg, layout, states)
@@ -113,7 +118,7 @@ class TorchDistLoad(TorchDistSource):
         verbatim in common.pt. Megatron-LM's own: iteration, consumed samples (args.consumed_train_samples), the
         optimizer step (its param groups' `step`), the scheduler state; None for iteration 0 (a converted model)."""
         common = self.td.common or {}
-        where = self.path / COMMON_PT
+        where = self.td.common_source
         carried = common.get(TRAIN_STATE_KEY)
         if isinstance(carried, str):
             try:

@@ -1,0 +1,181 @@
+"""Megatron-Bridge (0.6) torch_dist checkpoints: what describes the model and the run beside the DCP files.
+
+    <root>/iter_000000N/run_config.yaml    the ConfigContainer as YAML; `model:` is the model provider's config
+                                           (megatron-core TransformerConfig field names)
+    <root>/iter_000000N/train_state.pt     torch.save of {step, consumed_train_samples, ...} (0-d tensors)
+
+The YAML is read with `yaml.safe_load` only (plain data; the `_target_` entries stay strings, nothing is imported or
+called), bounded in size; train_state.pt with `torch.load(weights_only=True)` (checkpoint.safe_load). The model
+config becomes a Megatron-LM args namespace (the names Megatron-LM's parse_args uses), so the readers that take a
+model and a layout from Megatron-LM args (config_from_megatron_args, layout_from_args, check_args) take a Bridge
+checkpoint's too. Megatron-Bridge does not pad the vocabulary unless `should_pad_vocab`: the args then say
+make_vocab_size_divisible_by=1 and padded_vocab_size=vocab_size (the stored rows).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from .errors import FormatError
+from .safety import read_input, regular_file
+
+RUN_CONFIG = "run_config.yaml"
+TRAIN_STATE = "train_state.pt"
+RUN_CONFIG_MAX = 4 << 20  # bytes: Bridge writes ~20 KB; a larger one is damage or hostile
+TRAIN_STATE_MAX = 1 << 20
+
+# provider field -> Megatron-LM argument, where the names differ
+_RENAMED = {"num_moe_experts": "num_experts", "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
+            "rope_scaling": "use_rope_scaling", "layernorm_epsilon": "norm_epsilon"}
+_SCALAR = (str, int, float, bool, type(None))
+
+
+def _target(v: Any) -> str | None:
+    """A `{_target_: 'torch.float32', _call_: false}` entry as its dotted name (a plain string; nothing imported)."""
+    return v.get("_target_") if isinstance(v, dict) and isinstance(v.get("_target_"), str) else None
+
+
+def load_run_config(iter_dir: Path) -> tuple[argparse.Namespace | None, str | None]:
+    """(Megatron-LM args made from run_config.yaml's `model:`, None), or (None, None) without a run_config.yaml, or
+    (None, note) where it cannot be used. FormatError for a file that is not one (too large, not YAML)."""
+    p = Path(iter_dir) / RUN_CONFIG
+    if not regular_file(p, missing_ok=True):
+        return None, None
+    try:
+        import yaml
+    except ImportError:
+        return None, f"{p} not read: PyYAML is not installed (pip install pyyaml)"
+    text = read_input(p, limit=RUN_CONFIG_MAX)
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise FormatError(f"{p}: not valid YAML ({str(e).splitlines()[0][:160]})") from None
+    except RecursionError:
+        raise FormatError(f"{p}: nested too deeply") from None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    if not isinstance(model, dict):
+        return None, f"{p} holds no `model:` mapping (not a Megatron-Bridge run config)"
+    ns: dict[str, Any] = {}
+    for k, v in model.items():
+        if not isinstance(k, str) or k.startswith("_"):
+            continue
+        if isinstance(v, _SCALAR) or isinstance(v, list) and all(isinstance(x, _SCALAR) for x in v):
+            ns[_RENAMED.get(k, k)] = v
+    ns["layernorm_epsilon"] = ns.get("norm_epsilon")
+    ns["max_position_embeddings"] = model.get("max_position_embeddings") or model.get("seq_length")
+    act = _target(model.get("activation_func"))
+    glu = bool(model.get("gated_linear_unit"))
+    # a GLU of another activation (or none): swiglu=False, which config_from_megatron_args refuses, naming it
+    ns["swiglu"] = glu and act in ("torch.nn.functional.silu", "torch.nn.functional.silu_")
+    share = model.get("share_embeddings_and_output_weights")
+    ns["untie_embeddings_and_output_weights"] = not share if isinstance(share, bool) else None
+    groups = model.get("num_query_groups")
+    ns["group_query_attention"] = groups is not None and groups != model.get("num_attention_heads")
+    dtype = _target(model.get("params_dtype"))
+    ns["params_dtype"] = dtype
+    vocab = model.get("vocab_size")
+    if not model.get("should_pad_vocab", False) and isinstance(vocab, int):
+        ns["make_vocab_size_divisible_by"] = 1
+        ns["padded_vocab_size"] = vocab
+    ns["megatron_bridge_run_config"] = str(p)
+    return argparse.Namespace(**ns), None
+
+
+def load_train_state(iter_dir: Path) -> dict | None:
+    """train_state.pt as plain ints / floats / bools (torch.load(weights_only=True), 0-d tensors unwrapped), or None
+    without one."""
+    from .safe_load import load_torch
+
+    p = Path(iter_dir) / TRAIN_STATE
+    if not regular_file(p, missing_ok=True):
+        return None
+    if p.stat().st_size > TRAIN_STATE_MAX:
+        raise FormatError(f"{p}: {p.stat().st_size:,} bytes, more than a train state's {TRAIN_STATE_MAX:,}; refusing "
+                          "to read it")
+    obj = load_torch(p)
+    if not isinstance(obj, dict):
+        raise FormatError(f"{p}: holds a {type(obj).__name__}, not Megatron-Bridge's train state dict")
+    out = {}
+    for k, v in obj.items():
+        if hasattr(v, "numel") and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, (int, float, bool)):
+            out[str(k)] = v
+    return out
+
+
+# -- Megatron-LM's `dp_reshardable` distributed-optimizer state (flat buffers) ---------------------------------------
+#
+# Megatron-LM >= 0.17 saves its distributed optimizer by default as the DP ranks' flat buffers
+# `optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<b>.dtype_(<param>, <grad>).bucket_idx_<k>.{param,exp_avg,exp_avg_sq}`
+# plus `per_bucket_numel`. Within a bucket the parameters lie in the reverse of model.parameters() order, each one
+# starting at a multiple of 64 elements (megatron-core's _ParamAndGradBuffer with the distributed optimizer); the gaps
+# are padding (uninitialised memory: NaN/Inf there is not damage). flat_layout rebuilds that layout for the one form
+# shardkit can check (TP 1, PP 1, one buffer, one bucket, a dense model of the local / TE layer spec) and proves it
+# against the stored `param` buffer (the fp32 main parameters must equal the weights where the model is fp32).
+
+FLAT_PREFIX = "optimizer.distributed."
+_FLAT_ALIGN = 64
+
+
+def flat_buffers(td) -> dict[str, str]:
+    """{state: key} of the dp_reshardable flat buffers a torch_dist checkpoint holds ({} if none)."""
+    out = {}
+    for k in td.tensors:
+        if k.startswith(FLAT_PREFIX) and ".bucket_idx_" in k:
+            out.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    return out
+
+
+def flat_layout(td, layers: int) -> list[tuple[str, int | None, int, int]] | None:
+    """[(model key, layer index or None, start, numel)] of the flat buffer's parameters, in buffer order; None where
+    the checkpoint is not the one form rebuilt here."""
+    bufs = flat_buffers(td)
+    if not bufs or any(len(v) != 1 for v in bufs.values()):
+        return None
+    per_layer = ["decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+                 "decoder.layers.self_attention.linear_proj.weight", "decoder.layers.self_attention.linear_qkv.weight",
+                 "decoder.layers.mlp.linear_fc1.layer_norm_weight", "decoder.layers.mlp.linear_fc1.weight",
+                 "decoder.layers.mlp.linear_fc2.weight"]
+    order: list[tuple[str, int | None]] = [("embedding.word_embeddings.weight", None)]
+    for i in range(layers):
+        order += [(k, i) for k in per_layer]
+    order += [("decoder.final_layernorm.weight", None)]
+    if "output_layer.weight" in td.tensors:
+        order.append(("output_layer.weight", None))
+    out, pos = [], 0
+    for key, layer in reversed(order):
+        t = td.tensors.get(key)
+        if t is None or (layer is not None and (not t.shape or t.shape[0] != layers)):
+            return None
+        shape = t.shape[1:] if layer is not None else t.shape
+        n = 1
+        for s in shape:
+            n *= s
+        pos = -(-pos // _FLAT_ALIGN) * _FLAT_ALIGN
+        out.append((key, layer, pos, n))
+        pos += n
+    size = td.tensors[next(iter(bufs.values()))[0]].shape
+    if len(size) != 1 or not pos <= size[0] < pos + 2 * _FLAT_ALIGN * 64:
+        return None
+    return out
+
+
+def flat_layout_proved(td, layers: int) -> list[tuple[str, int | None, int, int]] | None:
+    """flat_layout, kept only where the stored fp32 `param` buffer equals every weight at its place (bitwise; the
+    weights must be fp32 for this proof)."""
+    import numpy as np
+
+    lay = flat_layout(td, layers)
+    bufs = flat_buffers(td)
+    if lay is None or "param" not in bufs:
+        return None
+    buf = td.read_numpy(bufs["param"][0])
+    for key, layer, start, n in lay:
+        w = td.read_numpy(key)
+        w = w[layer] if layer is not None else w
+        if w.dtype != buf.dtype or not np.array_equal(np.ascontiguousarray(w).reshape(-1).view(np.uint32),
+                                                      buf[start:start + n].view(np.uint32)):
+            return None
+    return lay
