@@ -146,3 +146,64 @@ def test_continue_pretrain_from_train_save(tmp_path):
     r = launch(1, *common, "--no-load-optim")
     assert "at iteration 7" in r.stdout and "iteration 8/8" in r.stdout, r.stdout[-2000:]
     assert (tmp_path / "out" / "iter_0000008").is_dir()
+
+
+def _bridge_copy(tmp_path: Path) -> Path:
+    import shutil
+
+    dst = tmp_path / "bridge"
+    shutil.copytree(FIX / BRIDGE, dst)
+    for p in dst.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    dst.chmod(0o755)
+    return dst / "iter_0000000"
+
+
+def test_bridge_run_config_is_plain_yaml_only(tmp_path):
+    """run_config.yaml goes through yaml.safe_load: a python tag is refused (nothing runs), a huge file is not read."""
+    from checkpoint.errors import FormatError
+    from checkpoint.torch_dist import read_torch_dist
+
+    it = _bridge_copy(tmp_path)
+    marker = tmp_path / "ran"
+    (it / "run_config.yaml").write_text(f"model: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(FormatError, match="not valid YAML"):
+        read_torch_dist(it)
+    assert not marker.exists()
+    (it / "run_config.yaml").write_text("model:\n  x: " + "a" * (5 << 20) + "\n")
+    with pytest.raises(FormatError, match="more than"):
+        read_torch_dist(it)
+
+
+def test_bridge_train_state_is_weights_only(tmp_path):
+    import pickle
+
+    from checkpoint.errors import FormatError
+    from checkpoint.torch_dist import read_torch_dist
+
+    it = _bridge_copy(tmp_path)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    import torch
+
+    with open(it / "train_state.pt", "wb") as f:
+        torch.save({"step": Evil()}, f, pickle_module=pickle)
+    with pytest.raises(FormatError, match="refusing to unpickle"):
+        read_torch_dist(it)
+
+
+def test_no_model_description_needs_hf_config(tmp_path):
+    """A common state without args and no run_config.yaml (megatron-core's dist_checkpointing.save of the model
+    alone): one line asking for --hf-config, and with it the export equals the source."""
+    it = _bridge_copy(tmp_path)
+    (it / "run_config.yaml").unlink()
+    rc, out, err = cli("convert", "mcore-to-hf", it, tmp_path / "hf")
+    assert rc != 0
+    lines = [ln for ln in err.strip().splitlines() if ln]
+    assert len(lines) == 1 and "--hf-config" in lines[0] and "holds no Megatron args" in lines[0], err
+    rc, out, err = cli("convert", "mcore-to-hf", it, tmp_path / "hf", "--hf-config", FIX / "llama-hf")
+    assert rc == 0, out + err
+    same_as_source(tmp_path / "hf", "llama-hf")
