@@ -203,7 +203,8 @@ class Trainer:
         (default: refuse a difference; --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler). A
         checkpoint of an older shardkit has none: the command line's schedule, at the consumed samples."""
         s = self.cfg.schedule
-        where = str(self.src / (ckpt_io.TRAIN_STATE if isinstance(self.ck, Checkpoint) else "common.pt"))
+        where = str(self.src / ckpt_io.TRAIN_STATE if isinstance(self.ck, Checkpoint)
+                    else getattr(getattr(self.ck, "td", None), "common_source", self.src / "common.pt"))
         sd = self.state.get("scheduler")
         if not is_scheduler_state(sd):
             self.scheduler.step(self.consumed)

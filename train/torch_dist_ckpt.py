@@ -71,10 +71,11 @@ class TorchDistLoad(TorchDistSource):
             layout.check(cfg)
         except ShardkitError:  # args whose layout does not fit the model (e.g. --hf-config's): read at tp=pp=1
             layout = Layout()
-        if load_optim and flat_buffers(td):
+        if load_optim and flat_buffers(td) and not _attach_flat_optimizer(td, cfg):
             raise FormatError(f"{td.path}: its optimizer state is Megatron-LM's dp_reshardable flat buffers "
-                              f"({FLAT_PREFIX}*), which shardkit does not resume; pass --no-load-optim to start the "
-                              "optimizer fresh from its weights")
+                              f"({FLAT_PREFIX}*) in a form whose bucket layout shardkit cannot rebuild and prove (it "
+                              "resumes TP 1 / PP 1, one bucket, a dense local-spec model in fp32); pass "
+                              "--no-load-optim to start the optimizer fresh from its weights")
         states = import_optimizer_states(td) if load_optim else []
         if states:
             self._check_optimizer(td, cfg, layout, states)
@@ -153,6 +154,62 @@ class TorchDistLoad(TorchDistSource):
         notes.append(f"note: {self.path} is Megatron-LM's own checkpoint: its RNG state is not read (shardkit's "
                      "generators start from --seed)")
         return state, notes
+
+
+def _attach_flat_optimizer(td, cfg: ModelConfig) -> bool:
+    """Megatron-LM 0.19's dp_reshardable distributed-optimizer state as the model-space tensors the load reads
+    (`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`, views of the flat buffers at the bucket layout rebuilt from
+    the model and proved against the stored fp32 `param` buffer: checkpoint.megatron_bridge.flat_layout_proved), and
+    its param groups (the Adam step) where train_state looks for them. False (nothing attached) where the layout
+    cannot be rebuilt and proved: the caller refuses the optimizer in one line."""
+    from checkpoint.megatron_bridge import flat_layout_proved
+    from checkpoint.torch_dist import TDTensor, load_common
+
+    bufs = flat_buffers(td)
+    if (set(bufs) != {"param", "exp_avg", "exp_avg_sq"} or arg(td.args, "transformer_impl") != "local"
+            or (td.layout or Layout()).tp != 1 or (td.layout or Layout()).pp != 1):
+        return False
+    spans = flat_layout_proved(td, cfg.num_layers)
+    groups_key = next((k for k in td.objects if k.startswith(FLAT_PREFIX) and ".optimizer/" in k), None)
+    if spans is None or groups_key is None:
+        return False
+    info = td._storage[(groups_key, None)]
+    td.check_item(groups_key, None)
+    with open(td.path / info.relative_path, "rb") as f:
+        f.seek(int(info.offset))
+        data = f.read(int(info.length))
+    entry, _ = load_common(td.path / f"{info.relative_path} item {groups_key}", data)
+    if not isinstance(entry, dict) or not isinstance(entry.get("param_groups"), list):
+        return False
+    views: dict[str, tuple[str, list[tuple[int | None, int, int]]]] = {}
+    for state, (bkey,) in bufs.items():
+        for key, layer, start, n in spans:
+            vkey = f"optimizer.state.{state}.{key}"
+            views.setdefault(vkey, (bkey, []))[1].append((layer, start, n))
+            shape = td.tensors[key].shape
+            td.tensors[vkey] = TDTensor(vkey, shape, td.tensors[bkey].dtype, [((0,) * len(shape), shape)])
+    base_read, cache = td.read, {}
+
+    def read(name: str, box=None):
+        if name not in views:
+            return base_read(name, box)
+        bkey, parts = views[name]
+        if bkey not in cache:
+            cache.clear()
+            cache[bkey] = base_read(bkey)
+        buf, shape = cache[bkey], td.tensors[name].shape
+        whole = torch.empty(shape, dtype=buf.dtype)
+        for layer, start, n in parts:
+            (whole if layer is None else whole[layer]).copy_(buf[start:start + n].view(
+                shape if layer is None else shape[1:]))
+        box = tuple((0, s) for s in shape) if box is None else tuple(box)
+        return whole[tuple(slice(a, b) for a, b in box)].clone()
+
+    td.read = read
+    common = dict(td.common or {})
+    common["optimizer"] = {**(common.get("optimizer") or {}), "optimizer": {"param_groups": entry["param_groups"]}}
+    td.common = common
+    return True
 
 
 # -- save -------------------------------------------------------------------------------------------------------------
