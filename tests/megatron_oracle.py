@@ -78,29 +78,11 @@ def init_megatron_cpu(port_span: int = 1000, ep: int = 1) -> None:
 
 
 def cuda_as_cpu() -> None:
-    """The distributed optimizer's CUDA on the CPU: `Tensor.type()` reporting `torch.cuda.*Tensor` (it refuses other
-    parameter types, and so does its gradient clipping), `Tensor.cuda()` as identity and `device="cuda"` factory
-    calls placed on the CPU (its overflow buffer and its gather for `fully_reshardable`). No arithmetic changes."""
-    def on_cpu(fn):
-        @functools.wraps(fn)
-        def wrapped(*a, **k):
-            if str(k.get("device", "")).startswith("cuda"):
-                k["device"] = "cpu"
-            return fn(*a, **k)
-        return wrapped
+    """The distributed optimizer's CUDA on the CPU (`Tensor.type()` as `torch.cuda.*`, `.cuda()` the identity,
+    `device="cuda"` factories on the CPU): the engine's own stand-in (train/engines/cpu_shims.py), one copy."""
+    from train.engines.cpu_shims import cuda_as_cpu as stand_in
 
-    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like"):
-        setattr(torch, name, on_cpu(getattr(torch, name)))
-    orig_type = torch.Tensor.type
-
-    def tensor_type(self, *a, **k):
-        if a or k:
-            return orig_type(self, *a, **k)
-        t = orig_type(self)
-        return t if t.startswith("torch.cuda.") else t.replace("torch.", "torch.cuda.", 1)
-
-    torch.Tensor.type = tensor_type
-    torch.Tensor.cuda = lambda self, *a, **k: self
+    stand_in()
 
 
 def tolerate_adam_step() -> None:

@@ -28,7 +28,6 @@ Importing megatron-core registers some 26 classes as torch.load safe globals (it
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 
@@ -41,6 +40,7 @@ from checkpoint.reader import Checkpoint
 from checkpoint.sharding import OPTIMIZER_STATES, local_shape, model_specs, optimizer_key, owner
 from train import checkpointing as ckpt_io
 from train.loop import Trainer, check_model_flags, check_save_format, is_torch_dist
+from train.engines.cpu_shims import cuda_as_cpu
 from train.model import canonical_name
 
 CPU_SWITCH = "SHARDKIT_MEGATRON_CORE_CPU"  # "1": run megatron-core on the CPU with CUDA stand-ins (tests only)
@@ -112,26 +112,7 @@ def cpu_stand_ins() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
-    def on_cpu(fn):
-        @functools.wraps(fn)
-        def wrapped(*a, **k):
-            if str(k.get("device", "")).startswith("cuda"):
-                k["device"] = "cpu"
-            return fn(*a, **k)
-        return wrapped
-
-    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like"):
-        setattr(torch, name, on_cpu(getattr(torch, name)))
-    orig_type = torch.Tensor.type
-
-    def tensor_type(self, *a, **k):
-        if a or k:
-            return orig_type(self, *a, **k)
-        t = orig_type(self)
-        return t if t.startswith("torch.cuda.") else t.replace("torch.", "torch.cuda.", 1)
-
-    torch.Tensor.type = tensor_type
-    torch.Tensor.cuda = lambda self, *a, **k: self
+    cuda_as_cpu()
 
 
 class RMSNorm:
