@@ -119,8 +119,8 @@ FLAT_PREFIX = "optimizer.distributed."
 _FLAT_ALIGN = 64
 
 
-def flat_buffers(td) -> dict[str, str]:
-    """{state: key} of the dp_reshardable flat buffers a torch_dist checkpoint holds ({} if none)."""
+def flat_buffers(td) -> dict[str, list[str]]:
+    """{state: [key, ...]} of the dp_reshardable flat buffers a torch_dist checkpoint holds ({} if none)."""
     out = {}
     for k in td.tensors:
         if k.startswith(FLAT_PREFIX) and ".bucket_idx_" in k:
@@ -173,8 +173,10 @@ def flat_layout_proved(td, layers: int) -> list[tuple[str, int | None, int, int]
         return None
     buf = td.read_numpy(bufs["param"][0])
     for key, layer, start, n in lay:
-        w = td.read_numpy(key)
-        w = w[layer] if layer is not None else w
+        if layer is None:
+            w = td.read_numpy(key)
+        else:  # that layer's rows only (not the whole stacked tensor once per layer)
+            w = td.read_numpy(key, ((layer, layer + 1),) + tuple((0, s) for s in td.tensors[key].shape[1:]))[0]
         if w.dtype != buf.dtype or not np.array_equal(np.ascontiguousarray(w).reshape(-1).view(np.uint32),
                                                       buf[start:start + n].view(np.uint32)):
             return None

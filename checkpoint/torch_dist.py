@@ -502,9 +502,9 @@ def load_common(path: Path, data: bytes | None = None) -> tuple[dict | None, str
 
     if data is None and not regular_file(path, missing_ok=True):  # a FIFO or device: one line naming it
         return None, f"{path.name} is missing"
-    _check_common_size(path) if data is None else _check_common_size(path, data)
+    _check_common_size(path, data)
     try:
-        obj = _load_common_light(path) if data is None else _load_common_light(path, data)
+        obj = _load_common_light(path) if data is None else _load_common_light(path, data)  # (a 1-arg stub in tests)
     except _MegatronClass as m:  # what torch's reader would refuse the same way (the note below), without torch
         return None, _ignored_note(path, f"refusing to unpickle {m}: not plain data (a pickle that could run code); "
                                          "the file was not loaded")

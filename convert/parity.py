@@ -225,6 +225,7 @@ def compare_rows(name: str, hf_name: str, vocab: int, read_ours: Callable[[int, 
                     n += k
                     first = lo + int(bad.nonzero()[0]) if first is None else first
                     worst = max(worst, (theirs[lo - a:hi - a].float() - mine.float()).abs().max().item())
+            theirs = mine = None  # (streamed: one block of each side held at a time)
     return {"tensor": name, "hf_tensor": hf_name, "rows": vocab, "rows_differ": n, "first_row_differ": first,
             "max_abs_diff": worst}
 

@@ -11,7 +11,7 @@ frees it again. Sub-layer pieces, so that the memory stays under `--memory-budge
 - a dense MLP too wide for the budget runs as a sum of narrower copies of transformers' own MLP module, each holding a
   contiguous range of the intermediate rows (the ranges are those `checkpoint.sharding.regions` gives a virtual
   tensor-parallel split, so our side reads exactly its storage chunks);
-- the embedding reads only the rows of the test tokens, the output head runs in vocabulary blocks.
+- the embedding is read (and compared bit for bit) in row blocks, the output head runs in vocabulary blocks.
 
 When HF's decoder layer i has run, ours runs on the same weights, read from the checkpoint's chunks for that layer
 only, on two inputs at once (so each of our experts and MLP pieces is read once): HF's input of the layer (the
@@ -819,20 +819,6 @@ class _OurSide:
     def read_shape(self, name: str) -> list[int]:
         return self.ck.entry(name).shape
 
-    def embedding_rows(self, ids: Tensor) -> Tensor:
-        """Rows `ids` (sorted, unique) of our embedding, fp32, each storage chunk read once."""
-        name = "embedding.word_embeddings.weight"
-        e = self.ck.entry(name)
-        step = e.chunk[0]
-        out = torch.empty(len(ids), e.shape[1])
-        for block in sorted({int(i) // step for i in ids}):
-            a, b = block * step, min((block + 1) * step, e.shape[0])
-            sel = ((ids >= a) & (ids < b)).nonzero().flatten()
-            t = self.read(name, (slice(a, b), slice(None)))
-            out[sel] = t[ids[sel] - a].float()
-            del t
-        return out
-
     def read_rows(self, name: str, a: int, b: int) -> list[tuple[int, int, Tensor]]:
         """Rows [a, b) of a 2-D tensor, one read per storage chunk of rows they touch (views of the mapped chunks:
         no copy), as (lo, hi, rows lo..hi)."""
@@ -880,7 +866,7 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
     # imported (seconds); a hint for a tensor the HF side turns out not to have is never read
     ahead = ours.ahead = _Readahead(min(READAHEAD_WINDOW, available_memory() // 4))
     try:
-        walk = ahead.walk(_read_steps(weights, ours, cfg, needed, plan["head_rows"]))
+        walk = ahead.walk(_read_steps(weights, ours, cfg, plan["head_rows"]))
         walk.at(0)
         check_same_math(cfg, hf_config(hf_dir, weights), hf_dir)  # before any layer runs
         hf = load_quietly(lambda: _HFSide(hf_dir, weights, cfg.num_layers, cfg.mtp_num_layers, pool), hf_dir)
@@ -890,8 +876,8 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
         ahead.close()
 
 
-def _read_steps(hf: HFWeights, ours: _OurSide, cfg: ModelConfig, needed: Tensor, head_rows: int) -> list[list[Range]]:
-    """The walk's reads in order, as read-ahead ranges: the embedding rows of the test tokens, each decoder layer
+def _read_steps(hf: HFWeights, ours: _OurSide, cfg: ModelConfig, head_rows: int) -> list[list[Range]]:
+    """The walk's reads in order, as read-ahead ranges: every embedding row (both sides), each decoder layer
     without its routed experts (the last with the final norm), each MTP layer, each head block (HF's head tensors
     and ours)."""
     by_layer = hf.layer_keys()
@@ -902,7 +888,6 @@ def _read_steps(hf: HFWeights, ours: _OurSide, cfg: ModelConfig, needed: Tensor,
 
     emb = "embedding.word_embeddings.weight"
     step = ours.ck.entry(emb).chunk[0]
-    blocks = sorted({int(i) // step for i in needed})
     steps = [[hf.byte_range("model.embed_tokens.weight", rows=slice(0, cfg.vocab_size))]  # every row (issue 34)
              + [r for k in range(-(-cfg.vocab_size // step))
                 for r in ours.chunk_ranges(emb, (slice(k * step, (k + 1) * step),))]]
@@ -951,31 +936,29 @@ def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, p
 
     # embedding: every row compared bit for bit (issue 34: the test tokens select only a few), a block at a time,
     # each side's rows read once; the rows of the test tokens kept for the forward
-    from .parity import rows_differ
+    from .parity import compare_rows
 
     emb, hf_emb = "embedding.word_embeddings.weight", "model.embed_tokens.weight"
     hf_rows = torch.empty(len(needed), cfg.hidden_size)
     my_rows = torch.empty(len(needed), cfg.hidden_size)
-    embedding = {"tensor": emb, "hf_tensor": hf_emb, "rows": cfg.vocab_size, "rows_differ": 0,
-                 "first_row_differ": None, "max_abs_diff": 0.0}
-    for a in range(0, cfg.vocab_size, plan["head_rows"]):
-        b = min(a + plan["head_rows"], cfg.vocab_size)
+
+    def read_hf(a: int, b: int) -> Tensor:
+        if a:
+            weights.release()  # the previous block's files
         theirs = weights.get(hf_emb, rows=slice(a, b))
         sel = ((needed >= a) & (needed < b)).nonzero().flatten()
         hf_rows[sel] = theirs[needed[sel] - a].float()
-        for lo, hi, mine in ours.read_rows(emb, a, b):
-            bad = rows_differ(theirs[lo - a:hi - a], mine)
-            if bad.any():
-                embedding["rows_differ"] += int(bad.sum())
-                if embedding["first_row_differ"] is None:
-                    embedding["first_row_differ"] = lo + int(bad.nonzero()[0])
-                embedding["max_abs_diff"] = max(embedding["max_abs_diff"], (
-                    theirs[lo - a:hi - a].float() - mine.float()).abs().max().item())
+        return theirs
+
+    def read_ours(a: int, b: int) -> list[tuple[int, int, Tensor]]:
+        rows = ours.read_rows(emb, a, b)
+        for lo, hi, mine in rows:
             s = ((needed >= lo) & (needed < hi)).nonzero().flatten()
             my_rows[s] = mine[needed[s] - lo].float()
-            del mine
-        del theirs
-        weights.release()
+        return rows
+
+    embedding = compare_rows(emb, hf_emb, cfg.vocab_size, read_ours, read_hf, block=plan["head_rows"])
+    weights.release()
     hf_embed = _Gathered(needed, hf_rows)
     our_embed = _Gathered(needed, my_rows)
     inner.embed_tokens = hf_embed
@@ -1127,17 +1110,6 @@ def _row(i, on_hf: Tensor, h_out: Tensor, rep: dict, standin, cfg: ModelConfig, 
 def _beyond(row: dict, tolerance: float) -> bool:
     return any(k in row and not row[k] <= tolerance
                for k in ("max_abs_diff", "expert_max_abs_diff", "eh_proj_max_abs_diff", "logits_max_abs_diff"))
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int]]:
-    """Sorted ids as contiguous [a, b) runs."""
-    out: list[list[int]] = []
-    for i in ids:
-        if out and out[-1][1] == i:
-            out[-1][1] = i + 1
-        else:
-            out.append([i, i + 1])
-    return [(a, b) for a, b in out]
 
 
 def _expert_keys(keys: list[str]) -> dict[int, list[str]]:

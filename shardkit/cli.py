@@ -743,7 +743,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from checkpoint.errors import ShardkitError
     from checkpoint.progress import progress_bar
     from checkpoint.reader import Checkpoint
 

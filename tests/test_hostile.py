@@ -18,6 +18,7 @@ import pytest
 
 from checkpoint.manifest import _digest
 from shardkit.cli import main
+from tests.test_user_files import run
 
 TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=300)
 TENSOR = "decoder.layers.mlp.linear_fc2.weight"
@@ -459,13 +460,25 @@ print(json.dumps(results))
 """
 
 
-def test_pointer_files_are_bounded(good, tmp_path):
-    """`latest` / Megatron's tracker as a symlink to /dev/zero, a FIFO, or a 5 MB file: one line naming it, no hang,
-    no memory blow-up (all cases in one subprocess under a timeout and an address-space limit)."""
+def _run_cases(cases: list[tuple[str, list]], timeout: float) -> list:
+    """Every case's argv in one subprocess under a timeout and an 8 GiB address-space cap: [(rc, stderr)]."""
     import resource
     import subprocess
     import sys
 
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    res = subprocess.run([sys.executable, "-c", _POINTER_RUNNER, json.dumps([a for _, a in cases])],
+                         capture_output=True, text=True, timeout=timeout, preexec_fn=limit,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_pointer_files_are_bounded(good, tmp_path):
+    """`latest` / Megatron's tracker as a symlink to /dev/zero, a FIFO, or a 5 MB file: one line naming it, no hang,
+    no memory blow-up (all cases in one subprocess under a timeout and an address-space limit)."""
     cases = []
     for kind in ("dev-zero", "fifo", "huge"):
         for fmt, name in (("ck", "latest"), ("td", "latest_checkpointed_iteration.txt")):
@@ -488,14 +501,7 @@ def test_pointer_files_are_bounded(good, tmp_path):
                   ["convert", "megatron-to-mcore", str(legacy), str(tmp_path / "o-legacy"), "--hf-config",
                    str(good["hf"]), "--quiet"]))
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
-
-    res = subprocess.run([sys.executable, "-c", _POINTER_RUNNER, json.dumps([a for _, a in cases])],
-                         capture_output=True, text=True, timeout=180, preexec_fn=limit,
-                         cwd=Path(__file__).resolve().parent.parent)
-    assert res.returncode == 0, res.stderr[-2000:]
-    results = json.loads(res.stdout.strip().splitlines()[-1])
+    results = _run_cases(cases, 180)
     assert len(results) == len(cases) == 7
     for (path, argv), (rc, err) in zip(cases, results):
         lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -805,20 +811,8 @@ def test_fifos_and_devices_as_inputs_never_block(good, tmp_path):
     zarr.json, chunk, train_state.json; torch_dist .metadata, metadata.json, common.pt, a .distcp file), or a link to
     /dev/zero as config.json: one line naming it, non-zero exit, no hang (one subprocess under a timeout and an
     address-space cap), nothing written."""
-    import resource
-    import subprocess
-    import sys
-
     cases = _fifo_cases(tmp_path, good)
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
-
-    res = subprocess.run([sys.executable, "-c", _POINTER_RUNNER, json.dumps([a for _, a in cases])],
-                         capture_output=True, text=True, timeout=300, preexec_fn=limit,
-                         cwd=Path(__file__).resolve().parent.parent)
-    assert res.returncode == 0, res.stderr[-2000:]
-    results = json.loads(res.stdout.strip().splitlines()[-1])
+    results = _run_cases(cases, 300)
     assert len(results) == len(cases) >= 16
     for (path, argv), (rc, err) in zip(cases, results):
         lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -902,13 +896,8 @@ def test_links_out_of_a_root_are_never_followed(good, tmp_path, capsys, build, w
     c = Case(tmp_path, good)
     argv, victim = build(c)
     before = _hash_tree(victim)
-    capsys.readouterr()
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    rc, lines = run(argv, capsys)  # tests/test_user_files.py's: the exit status and stderr's non-blank lines
+    err = "\n".join(lines)
     assert rc == 1 and len(lines) == 1 and lines[0].startswith("shardkit: error:"), err
     for w in words:
         assert w in lines[0], f"{w!r} not named in: {lines[0]}"

@@ -33,9 +33,6 @@ from torch import Tensor
 
 TP_SEED_OFFSET = 2718  # megatron-core model_parallel_cuda_manual_seed
 PP_SEED_STRIDE = 100  # Megatron-LM _set_random_seed
-# the streams of the model this process trains (set by parallelize.apply_dropout; None without dropout): saved and
-# restored with the checkpoint's RNG state (train/checkpointing.py rng_state / set_rng_state)
-CURRENT: "DropoutRNG | None" = None
 _MIX = 1_000_003
 
 

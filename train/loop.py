@@ -28,7 +28,6 @@ from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
 from train import moe
-from train import dropout as dropout_mod
 from train.config import TrainConfig, check_for_model, default_changes, megatron_flags, run_length, validate
 from train.data import DataConfig, DataError, build_datasets, check_vocab, micro_batches
 from train.failures import bound_every_group
@@ -65,6 +64,27 @@ def is_torch_dist(path: str | Path) -> bool:
 
     p = Path(path)
     return os.path.lexists(p / TRACKER) or (p / "metadata.json").is_file() or (p / ".metadata").is_file()
+
+
+def open_load(c, global_batch_size: int):
+    """--load opened for training, by either engine: (checkpoint, its iteration directory, train state, notes).
+    A torch_dist one (Megatron-LM's or shardkit's) is read in place, by region; a shardkit native one is verified,
+    and --hf-config is refused for it and --vocab-size checked against its manifest."""
+    if is_torch_dist(c.load):
+        from train.torch_dist_ckpt import TorchDistLoad
+
+        ck = TorchDistLoad(c.load, c.hf_config or None, c.vocab_size, load_optim=not c.no_load_optim)
+        state, notes = ck.train_state(global_batch_size)
+        return ck, ck.path, state, notes
+    if c.hf_config:
+        raise ConfigError(f"--hf-config: only for a torch_dist --load without shardkit.json; {c.load} is a "
+                          "shardkit checkpoint, whose manifest describes the model (drop the flag)")
+    src = resolve_iteration(c.load)
+    ck = Checkpoint(src, check=not c.skip_verify)
+    if c.vocab_size is not None and c.vocab_size != ck.config.vocab_size:  # Megatron's flag: a check
+        raise ConfigError(f"--vocab-size {c.vocab_size} disagrees with the checkpoint {src} (vocab size "
+                          f"{ck.config.vocab_size}); drop the flag or load the right checkpoint")
+    return ck, src, ckpt_io.read_train_state(src), []
 
 
 def check_save_format(save: str, save_format: str) -> None:
@@ -116,23 +136,8 @@ class Trainer:
         self.notes: list[str] = []  # logged by rank 0 at the start of run()
         self.notes += [line for line in (default_changes(cfg), *megatron_flags(cfg)) if line]  # issue 41
         c = cfg.checkpoint
-        if is_torch_dist(c.load):  # Megatron-LM's torch_dist (or shardkit's): read in place, by region
-            from train.torch_dist_ckpt import TorchDistLoad
-
-            self.ck = TorchDistLoad(c.load, c.hf_config or None, c.vocab_size, load_optim=not c.no_load_optim)
-            self.src = self.ck.path
-            self.state, notes = self.ck.train_state(d.global_batch_size)
-            self.notes += notes
-        else:
-            if c.hf_config:
-                raise ConfigError(f"--hf-config: only for a torch_dist --load without shardkit.json; {c.load} is a "
-                                  "shardkit checkpoint, whose manifest describes the model (drop the flag)")
-            self.src = resolve_iteration(c.load)
-            self.ck = Checkpoint(self.src, check=not c.skip_verify)
-            if c.vocab_size is not None and c.vocab_size != self.ck.config.vocab_size:  # Megatron's flag: a check
-                raise ConfigError(f"--vocab-size {c.vocab_size} disagrees with the checkpoint {self.src} (vocab size "
-                                  f"{self.ck.config.vocab_size}); drop the flag or load the right checkpoint")
-            self.state = ckpt_io.read_train_state(self.src)
+        self.ck, self.src, self.state, notes = open_load(c, d.global_batch_size)
+        self.notes += notes
         self.model_cfg = self.ck.config
         check_model_flags(cfg, self.model_cfg, self.src)
         check_save_format(c.save, c.save_format)
@@ -150,8 +155,8 @@ class Trainer:
         # PP split, EP, TP, CP, recompute, TE/FP8, MoE training: in one place and order (train/parallel/parallelize.py)
         par = parallelize(self.model_cfg, self.groups, self.device, self.dtype, p, cfg.run, cfg.fp8, cfg.moe,
                           self.packing, seed=d.seed)
-        if dropout_mod.CURRENT is not None:  # the dropout streams restart at each iteration (train/dropout.py)
-            dropout_mod.CURRENT.iteration_of = lambda: self.iteration
+        if par.dropout is not None:  # the dropout streams restart at each iteration (train/dropout.py)
+            par.dropout.iteration_of = lambda: self.iteration
         self.model, self.backend, self.moe = par.model, par.backend, par.moe
         self.attention, self.attention_line = par.attention, par.attention_line
         self.table = ckpt_io.param_table(self.model, self.model_cfg, self.layout, self.groups)
@@ -177,15 +182,7 @@ class Trainer:
         self.num_micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
         # Megatron's OptimizerParamScheduler (train/optim.py): in samples, built with step(0), advanced by the
         # global batch after each optimizer step; on resume checked against the checkpoint's (_load_scheduler)
-        self.length = run_length(cfg)
-        self.train_iters = self.length.train_iters
-        self.scheduler = ParamScheduler(self.length.scheduler)
-        if self.state is not None and not cfg.checkpoint.no_load_optim:
-            self.notes += self._load_scheduler()
-        elif self.state is not None:  # Megatron-LM's load_checkpoint: the scheduler comes with the optimizer
-            self.notes.append(f"note: --no-load-optim: the LR/WD schedule restarts from its first step (as "
-                              f"Megatron-LM's, which loads the scheduler with the optimizer); iteration "
-                              f"{self.iteration} and the data position are kept")
+        self._schedule()
         self._data()
         self.step = StageStep(self.model, self.groups, self.attention, self.moe)
         seq = d.seq_length // dims.cp  # a CP rank's tokens
@@ -198,13 +195,24 @@ class Trainer:
         self.pending_save: ckpt_io.AsyncSave | None = None
         self.save_group = None
 
+    def _schedule(self) -> None:
+        """The run's length and LR/WD scheduler, restored from the train state on resume (both engines)."""
+        self.length = run_length(self.cfg)
+        self.train_iters = self.length.train_iters
+        self.scheduler = ParamScheduler(self.length.scheduler)
+        if self.state is not None and not self.cfg.checkpoint.no_load_optim:
+            self.notes += self._load_scheduler()
+        elif self.state is not None:  # Megatron-LM's load_checkpoint: the scheduler comes with the optimizer
+            self.notes.append(f"note: --no-load-optim: the LR/WD schedule restarts from its first step (as "
+                              f"Megatron-LM's, which loads the scheduler with the optimizer); iteration "
+                              f"{self.iteration} and the data position are kept")
+
     def _load_scheduler(self) -> list[str]:
         """Megatron-LM's resume: the scheduler state saved in train_state.json, checked against the command line's
         (default: refuse a difference; --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler). A
         checkpoint of an older shardkit has none: the command line's schedule, at the consumed samples."""
         s = self.cfg.schedule
-        where = str(self.src / ckpt_io.TRAIN_STATE if isinstance(self.ck, Checkpoint)
-                    else getattr(getattr(self.ck, "td", None), "common_source", self.src / "common.pt"))
+        where = str(self.src / ckpt_io.TRAIN_STATE if isinstance(self.ck, Checkpoint) else self.ck.td.common_source)
         sd = self.state.get("scheduler")
         if not is_scheduler_state(sd):
             self.scheduler.step(self.consumed)
@@ -254,7 +262,6 @@ class Trainer:
 
     # -- one iteration ----------------------------------------------------------------------------------------------
     def train_step(self, batches) -> dict:
-        g = self.groups
         mbs = [self._prepare(next(batches)) for _ in range(self.num_micro)]
         self.opt.zero_grad()
         if self.moe is not None:
@@ -309,8 +316,10 @@ class Trainer:
                              else not math.isfinite(norm) and not_finite)
             # bit 1: this rank's loss is not finite, bit 2: its gradients are not
             t[1 + self.groups.rank] = ((~torch.isfinite(loss_sum).all()).double()
-                                       + 2 * torch.as_tensor(grads_bad, device=t.device).double())
-        mem = torch.tensor([memory_stats(t.device)["mem_gib"]], dtype=torch.float64, device=t.device)
+                                       + 2 * (grads_bad.double() if isinstance(grads_bad, torch.Tensor)
+                                              else float(bool(grads_bad))))
+        # filled on the device (torch.tensor(list, device=...) is a host-to-device copy, which waits for the stream)
+        mem = torch.full((1,), memory_stats(t.device)["mem_gib"], dtype=torch.float64, device=t.device)
         if world > 1:
             dist.all_reduce(t)  # only last-stage ranks contribute; each DP x TP replica once, CP ranks x cp each
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)

@@ -320,7 +320,8 @@ class MoETraining:
         on the device, the float64 values the logs need, for the caller to read to the host together with its own
         (the step's one host read; `finish_step` takes them). `replicas`: how many ranks saw each micro-batch's tokens
         of one layer (data-parallel x context-parallel ranks split them; TP ranks repeat them)."""
-        comm = torch.tensor([sum(t.seconds for t in self.timers)], dtype=torch.float64, device=self.counts.device)
+        comm = torch.full((1,), float(sum(t.seconds for t in self.timers)), dtype=torch.float64,
+                          device=self.counts.device)  # a fill, not a host-to-device copy (which waits for the stream)
         flat = torch.cat([self.counts.reshape(-1), self.aux, self.mtp, comm])
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:

@@ -36,10 +36,9 @@ import torch.distributed as dist
 
 from checkpoint.errors import ConfigError, FormatError
 from checkpoint.megatron import canonical_candidates
-from checkpoint.reader import Checkpoint
 from checkpoint.sharding import OPTIMIZER_STATES, local_shape, model_specs, optimizer_key, owner
 from train import checkpointing as ckpt_io
-from train.loop import Trainer, check_model_flags, check_save_format, is_torch_dist
+from train.loop import Trainer, check_model_flags, check_save_format, open_load
 from train.engines.cpu_shims import cuda_as_cpu
 from train.model import canonical_name
 
@@ -132,7 +131,7 @@ class RMSNorm:
 
 def check_flags(cfg, on_cpu: bool) -> None:
     """The flags this engine cannot honour (yet): NotCovered naming the flag, before anything is read or created."""
-    p, r, d, c = cfg.parallel, cfg.run, cfg.data, cfg.checkpoint
+    p, r, d = cfg.parallel, cfg.run, cfg.data
     where = "megatron-core cannot run it on the CPU" if on_cpu else "not in the megatron-core engine yet (issue 40)"
     if on_cpu and os.environ.get(CPU_SWITCH) != "1":
         raise NotCovered("megatron-core's engine runs on CUDA; on the CPU it runs only as a test of itself on gloo "
@@ -285,12 +284,10 @@ class MegatronCoreTrainer(Trainer):
     engine = "megatron-core"
 
     def __init__(self, cfg) -> None:  # noqa: C901 - one linear set-up, in the native Trainer's order
-        from checkpoint.commit import resolve_iteration
         from checkpoint.layout import PipelineSplit
         from checkpoint.run_layout import RunLayout
-        from train.config import default_changes, megatron_flags, run_length, validate
+        from train.config import default_changes, megatron_flags, validate
         from train.metrics import check_wandb, flops_per_step
-        from train.optim import ParamScheduler
         from train.parallel.groups import build_groups
 
         self.on_cpu = not torch.cuda.is_available()
@@ -300,23 +297,7 @@ class MegatronCoreTrainer(Trainer):
             check_wandb(cfg.run.wandb_project)
         self.cfg = cfg
         p, d, c = cfg.parallel, cfg.data, cfg.checkpoint
-        load_notes: list[str] = []
-        if is_torch_dist(c.load):  # Megatron-LM's torch_dist (or shardkit's): read in place, by region, as native
-            from train.torch_dist_ckpt import TorchDistLoad
-
-            self.ck = TorchDistLoad(c.load, c.hf_config or None, c.vocab_size, load_optim=not c.no_load_optim)
-            self.src = self.ck.path
-            self.state, load_notes = self.ck.train_state(d.global_batch_size)
-        else:
-            if c.hf_config:
-                raise ConfigError(f"--hf-config: only for a torch_dist --load without shardkit.json; {c.load} is a "
-                                  "shardkit checkpoint, whose manifest describes the model (drop the flag)")
-            self.src = resolve_iteration(c.load)
-            self.ck = Checkpoint(self.src, check=not c.skip_verify)
-            if c.vocab_size is not None and c.vocab_size != self.ck.config.vocab_size:
-                raise ConfigError(f"--vocab-size {c.vocab_size} disagrees with the checkpoint {self.src} (vocab size "
-                                  f"{self.ck.config.vocab_size}); drop the flag or load the right checkpoint")
-            self.state = ckpt_io.read_train_state(self.src)
+        self.ck, self.src, self.state, load_notes = open_load(c, d.global_batch_size)  # as native (train/loop.py)
         self.model_cfg = m = self.ck.config
         check_model(m)
         # --overlap-grad-reduce / --overlap-param-gather: honoured here (megatron_flags notes them; native refuses)
@@ -363,15 +344,7 @@ class MegatronCoreTrainer(Trainer):
             if not c.no_load_rng and self.state.get("rng"):
                 ckpt_io.set_rng_state(self.state["rng"])
         self.num_micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
-        self.length = run_length(cfg)
-        self.train_iters = self.length.train_iters
-        self.scheduler = ParamScheduler(self.length.scheduler)  # the checks on resume and the saved state
-        if self.state is not None and not c.no_load_optim:
-            self.notes += self._load_scheduler()
-        elif self.state is not None:
-            self.notes.append(f"note: --no-load-optim: the LR/WD schedule restarts from its first step (as "
-                              f"Megatron-LM's, which loads the scheduler with the optimizer); iteration "
-                              f"{self.iteration} and the data position are kept")
+        self._schedule()  # shardkit's scheduler: the checks on resume and the saved state (as native)
         self.msched = self._megatron_scheduler()
         self._data()
         self.flops = flops_per_step(m, d.seq_length, d.global_batch_size * d.seq_length)
@@ -602,7 +575,7 @@ class MegatronCoreTrainer(Trainer):
         def loss_func(output_tensor):
             losses = output_tensor.float().reshape(-1)
             loss = losses.sum()
-            n = torch.tensor(losses.numel(), dtype=torch.int, device=losses.device)
+            n = torch.full((), losses.numel(), dtype=torch.int, device=losses.device)  # a fill: no H2D copy
             return loss, n, {"lm loss": torch.stack([loss.detach(), n.to(loss.dtype)])}
 
         def forward_step(data_iterator, model):

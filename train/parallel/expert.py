@@ -326,7 +326,9 @@ class AllGatherExperts(ExpertParallelExperts):
 def grouped_swiglu(mlp: GroupedMLP, rows: Tensor, counts: list[int]) -> Tensor:
     """SwiGLU experts over rows grouped by expert, as two grouped GEMMs (`torch._grouped_mm`: one kernel per GEMM for
     all experts on GPUs that have it, torchtitan's MoE path; on CPU the same numbers as the per-expert loop)."""
-    offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)  # on the host: the counts are host numbers already
+    if rows.device.type == "cuda":  # an asynchronous copy from pinned memory: no wait on the GPU per layer
+        offs = offs.pin_memory().to(rows.device, non_blocking=True)
     gate, up = torch._grouped_mm(rows, mlp.linear_fc1.weight.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     return torch._grouped_mm(F.silu(gate) * up, mlp.linear_fc2.weight.transpose(1, 2), offs=offs)
 

@@ -39,7 +39,6 @@ from train import moe as moe_mod
 from train import precision
 from train.config import MoEArgs, ParallelConfig, RunConfig
 from train.dropout import DropoutRNG
-from train import dropout as dropout_mod
 from train.fp8 import FP8Config
 from train.model import GPTModel
 
@@ -61,6 +60,7 @@ class Parallelized:
     attention_line: str  # one line saying what attention runs
     backend: precision.Backend  # local / TE, FP8
     moe: moe_mod.MoETraining | None  # None for a dense model
+    dropout: DropoutRNG | None = None  # the dropout streams (None without dropout); the trainer sets iteration_of
 
 
 def parallelize(model_cfg: ModelConfig, groups: Groups, device: torch.device, dtype: torch.dtype,
@@ -94,7 +94,7 @@ def parallelize(model_cfg: ModelConfig, groups: Groups, device: torch.device, dt
                           "TE's DotProductAttention is built without dropout here; use --attention-dropout 0 or "
                           "--transformer-impl local")
     moe_state = moe_mod.setup(moe, model_cfg, model, groups, sp)
-    return Parallelized(model, attention, line, backend, moe_state)
+    return Parallelized(model, attention, line, backend, moe_state, rng)
 
 
 def apply_pipeline_split(model: GPTModel, cfg: ModelConfig, groups: Groups) -> None:
@@ -123,14 +123,12 @@ def apply_dropout(model: GPTModel, run: RunConfig, groups: Groups, sp: bool, att
     the bias-dropout-adds read hidden_dropout, the plain core attention attention_dropout. None when both are 0.
     Attention dropout needs the plain attention (config.check_dropout refuses the others before this)."""
     if not (run.attention_dropout or run.hidden_dropout) or device.type == "meta":
-        dropout_mod.CURRENT = None
         return None
     if run.attention_dropout and attention is not None:
         raise ConfigError(f"--attention-dropout {run.attention_dropout}: the installed attention ({line}) applies no "
                           "dropout to its probabilities; attention dropout runs in the plain local attention only "
                           "(no context parallelism, packed documents or flash-attn): use --attention-dropout 0")
     rng = DropoutRNG(seed, groups.pp_rank, groups.tp_rank, sp, device)
-    dropout_mod.CURRENT = rng  # the trainer sets its iteration_of (the streams restart each iteration)
     for mod in model.modules():
         if hasattr(mod, "hidden_dropout") and isinstance(mod, torch.nn.Module):
             mod.hidden_dropout, mod.dropout_rng = run.hidden_dropout, rng
