@@ -66,6 +66,17 @@ def is_torch_dist(path: str | Path) -> bool:
     return os.path.lexists(p / TRACKER) or (p / "metadata.json").is_file() or (p / ".metadata").is_file()
 
 
+def run_layout(cfg: TrainConfig) -> RunLayout:
+    """The run's layout from the world size and the parallel flags; the global batch must split over DP."""
+    p, d = cfg.parallel, cfg.data
+    dims = RunLayout.from_world(dist.get_world_size(), p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp,
+                                split=PipelineSplit.from_args(p))
+    if d.global_batch_size % (d.micro_batch_size * dims.dp):
+        raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
+                          f"{d.micro_batch_size} x data-parallel size {dims.dp}")
+    return dims
+
+
 def open_load(c, global_batch_size: int):
     """--load opened for training, by either engine: (checkpoint, its iteration directory, train state, notes).
     A torch_dist one (Megatron-LM's or shardkit's) is read in place, by region; a shardkit native one is verified,
@@ -124,12 +135,7 @@ class Trainer:
             check_wandb(cfg.run.wandb_project)
         self.cfg = cfg
         p, d = cfg.parallel, cfg.data
-        world = dist.get_world_size()
-        dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp,
-                                    split=PipelineSplit.from_args(p))
-        if d.global_batch_size % (d.micro_batch_size * dims.dp):
-            raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
-                              f"{d.micro_batch_size} x data-parallel size {dims.dp}")
+        dims = run_layout(cfg)
         self.dims = dims
         self.groups: Groups = build_groups(dims)
         self.layout = dims.model_parallel

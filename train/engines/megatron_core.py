@@ -38,7 +38,7 @@ from checkpoint.errors import ConfigError, FormatError
 from checkpoint.megatron import canonical_candidates
 from checkpoint.sharding import OPTIMIZER_STATES, local_shape, model_specs, optimizer_key, owner
 from train import checkpointing as ckpt_io
-from train.loop import Trainer, check_model_flags, check_save_format, open_load
+from train.loop import Trainer, check_model_flags, check_save_format, open_load, run_layout
 from train.engines.cpu_shims import cuda_as_cpu
 from train.model import canonical_name
 
@@ -284,8 +284,6 @@ class MegatronCoreTrainer(Trainer):
     engine = "megatron-core"
 
     def __init__(self, cfg) -> None:  # noqa: C901 - one linear set-up, in the native Trainer's order
-        from checkpoint.layout import PipelineSplit
-        from checkpoint.run_layout import RunLayout
         from train.config import default_changes, megatron_flags, validate
         from train.metrics import check_wandb, flops_per_step
         from train.parallel.groups import build_groups
@@ -306,12 +304,7 @@ class MegatronCoreTrainer(Trainer):
         if cfg.run.transformer_impl is None and not self.on_cpu and _installed("transformer_engine"):
             self.notes.append("note: the megatron-core engine builds megatron-core's local layer spec; its Transformer "
                               "Engine spec is not wired in yet (issue 40), although Transformer Engine is installed")
-        world = dist.get_world_size()
-        dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp,
-                                    split=PipelineSplit.from_args(p))
-        if d.global_batch_size % (d.micro_batch_size * dims.dp):
-            raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
-                              f"{d.micro_batch_size} x data-parallel size {dims.dp}")
+        dims = run_layout(cfg)
         micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
         if dims.vpp > 1 and micro % dims.pp:  # megatron-core's interleaved schedule: groups of PP micro-batches
             raise NotCovered(f"--vpp {dims.vpp}: megatron-core's interleaved schedule runs the micro-batches in groups "
