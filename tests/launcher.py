@@ -79,6 +79,15 @@ def server() -> ForkServer:
     return _server
 
 
+def exit_worker() -> None:
+    """The end of a worker that torch.multiprocessing spawned, after its work succeeded: exit now, without the
+    interpreter's shutdown, in which a gloo worker thread still dropping a finished collective's tensors aborts the
+    process (torch's ProcessGroupGloo; the trainer's own exit avoids it with train.loop.shutdown_distributed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

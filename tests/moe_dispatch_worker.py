@@ -85,3 +85,6 @@ def run(rank: int, world: int, store_path: str, out_dir: str) -> None:
         Path(out_dir, str(rank)).write_text(result)
     finally:
         dist.destroy_process_group()
+    from tests.launcher import exit_worker
+
+    exit_worker()

@@ -262,6 +262,9 @@ def _attention_worker(rank: int, world: int, init: str, out: str) -> None:
         with open(f"{out}.{rank}.err", "w") as f:
             f.write(traceback.format_exc())
         raise
+    from tests.launcher import exit_worker
+
+    exit_worker()
 
 
 def _case(cp, rank, ring, group, i, comm, hpg, d, dv, packed, window) -> list[float]:

@@ -394,6 +394,9 @@ def _ep_worker(rank: int, world: int, store: str, out: str, ck: str, data: str, 
     finally:
         dist.destroy_process_group()
     Path(out, f"{rank}.json").write_text(json.dumps(res))
+    from tests.launcher import exit_worker
+
+    exit_worker()
 
 
 def test_expert_parallel_dispatch_one_sync_per_layer(root, tmp_path):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -532,7 +534,7 @@ def _tp_worker(rank: int, world: int, port: int, argv: list[str], out: str) -> N
 
     from checkpoint.sharding import Rule
     from train.config import from_namespace
-    from train.loop import Trainer, init_distributed
+    from train.loop import Trainer, init_distributed, shutdown_distributed
 
     init_distributed(5)
     cfg = from_namespace(parser().parse_args(["continue-pretrain", *argv]))
@@ -547,7 +549,42 @@ def _tp_worker(rank: int, world: int, port: int, argv: list[str], out: str) -> N
             diffs[lp.name] = max(float((o - mine).abs().max()) for o in other)
     if rank == 0:
         Path(out).write_text(json.dumps({"diffs": diffs, "losses": [h["loss"] for h in hist]}))
-    dist.destroy_process_group()
+    del t, lp
+    shutdown_distributed()
+
+
+EXIT_PROBE = """
+import os, sys
+from shardkit.cli import main
+from train import loop
+
+def runloops():
+    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop" for t in os.listdir("/proc/self/task"))
+
+counts, shutdown = [], loop.shutdown_distributed
+def probe():
+    counts.append(runloops())
+    shutdown()
+    counts.append(runloops())
+loop.shutdown_distributed = probe
+rc = main(sys.argv[1:])
+print("gloo worker threads", counts)
+sys.exit(rc)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_training_exit_joins_the_groups_threads(root, tmp_path):
+    """`continue-pretrain` in a fresh interpreter: when it returns, no gloo worker thread is left to drop a collective's
+    tensors during the interpreter's shutdown (that aborted successful runs, exit 134, "terminate called without an
+    active exception": torch._dynamo imported after init_process_group kept the default group alive)."""
+    r = subprocess.run([sys.executable, "-c", EXIT_PROBE, "continue-pretrain", "--load", str(root / "ck"),
+                        "--data-path", str(root / "data"), "--train-iters", "2", *TRAIN],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, after = json.loads(r.stdout.rsplit("gloo worker threads", 1)[1])
+    assert before > 0 and after == 0, (before, after)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])

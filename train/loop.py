@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import os
 import tempfile
@@ -44,6 +45,9 @@ from train.parallel.pipeline import StageStep, forward_backward, forward_only
 
 def init_distributed(timeout_minutes: float) -> None:
     """torchrun / SLURM env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) or a single process; gloo on CPU, NCCL on GPU."""
+    import torch._dynamo  # noqa: F401 - imported after init_process_group it keeps the default group alive in C++
+    # until the interpreter's shutdown, whose gloo worker threads then abort the process (see shutdown_distributed)
+
     timeout = datetime.timedelta(minutes=timeout_minutes)
     bound_every_group(timeout)  # the TP/PP/DP/... groups too, not only the default one
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -55,6 +59,16 @@ def init_distributed(timeout_minutes: float) -> None:
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def shutdown_distributed() -> None:
+    """destroy_process_group, then a collection: every process group (held by nothing now, the caller has dropped its
+    trainer) is destroyed and its worker threads joined while the interpreter is alive. A gloo worker thread that
+    drops a finished collective's tensors during interpreter shutdown aborts the process ("terminate called without
+    an active exception", exit 134) after a run that succeeded (torch's ProcessGroupGloo)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def is_torch_dist(path: str | Path) -> bool:
@@ -682,11 +696,12 @@ def _flat(cfg: TrainConfig) -> dict:
 def main(cfg: TrainConfig, log=print) -> list[dict]:
     """Run on this process (one rank of the job); returns the metrics history on every rank."""
     init_distributed(cfg.run.distributed_timeout_minutes)
+    trainer = None
     try:
         from train.engines import make_trainer  # --engine native | megatron-core (issue 40)
 
         trainer = make_trainer(cfg)
         return trainer.run(log)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        trainer = None  # its process groups go with it (shutdown_distributed)
+        shutdown_distributed()
