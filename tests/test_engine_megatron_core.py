@@ -236,6 +236,7 @@ def test_pickle_allowlist_kept(work, tmp_path):
     code = f"""
 import os, sys, torch
 os.environ[{SWITCH!r}] = "1"
+import torch._dynamo  # torch's own import registers its DTensor classes (the trainer imports it before init)
 before = sorted(str(g) for g in torch.serialization.get_safe_globals())  # a set inside torch: compare sorted
 from shardkit.cli import main
 rc = main(["continue-pretrain", "--load", {str(work / "ck")!r}, "--data-path", {str(work / "data")!r},
