@@ -96,7 +96,10 @@ def native(work):
 
 LAYOUTS = {"1rank": (1, ()), "tp2-sp": (2, ("--tp", "2", "--sequence-parallel")),
            "pp2": (2, ("--pp", "2")), "pp2-vpp2": (2, ("--pp", "2", "--vpp", "2")),
-           "dp2-overlap": (2, ("--overlap-grad-reduce", "--overlap-param-gather"))}
+           "dp2-overlap": (2, ("--overlap-grad-reduce", "--overlap-param-gather")),
+           # uneven: megatron-core builds 1 + 3 layers from Megatron-LM's flag (its parameter table checks each layer)
+           "pp2-first1": (2, ("--pp", "2", "--decoder-first-pipeline-num-layers", "1")),
+           "pp2-vpp2-layout": (2, ("--pp", "2", "--vpp", "2", "--pipeline-model-parallel-layout", "Et|t|t|tL"))}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -14,12 +14,13 @@ the scheduler checks on resume, the NaN stop (before the optimizer step), exit s
 are the native engine's own. megatron-core's parameter names are shardkit's canonical names (checkpoint/megatron.py:
 the local spec's separate norms map to their TE names), so the sharding table gives every parameter its regions.
 
-What this first slice covers: dense Llama-family models (no MoE, MLA, MTP, sliding window or linear biases other than
-QKV's), TP (+ SP), PP (1F1B, interleaved with --vpp, even splits), DP with the distributed optimizer, fp32 and bf16,
+What this engine covers: dense Llama-family models (no MoE, MLA, MTP, sliding window or linear biases other than
+QKV's), TP (+ SP), PP (1F1B, interleaved with --vpp; even and uneven splits by Megatron-LM's split flags), DP with
+the distributed optimizer, fp32 and bf16,
 native checkpoints (load: weights, and the optimizer state when resuming; save: native format, or torch_dist through
 the same save path; torch_dist loads too, Megatron-LM's own included, read by region as the native engine reads them).
-Refused in one line: TE's layer spec, FP8, context parallelism, expert parallelism, packed documents, uneven pipeline
-splits, recompute on the CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
+Refused in one line: TE's layer spec, FP8, context parallelism, expert parallelism, packed documents, recompute on the
+CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
 switch SHARDKIT_MEGATRON_CORE_CPU=1 (`cpu_stand_ins`); without it --engine megatron-core on the CPU is refused.
 
 Importing megatron-core registers some 26 classes as torch.load safe globals (its megatron/core/safe_globals.py);
@@ -154,12 +155,6 @@ def check_flags(cfg, on_cpu: bool) -> None:
         if on:
             raise NotCovered(f"{flag} (packed documents): not in the megatron-core engine yet (issue 40); use "
                              "--engine native")
-    split = [f for f in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                         "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-                         "pipeline_model_parallel_layout") if getattr(p, f, None)]
-    if split:
-        raise NotCovered(f"--{split[0].replace('_', '-')} (an uneven pipeline split): not in the megatron-core engine "
-                         "yet (issue 40); use --engine native")
 
 
 def check_model(m) -> None:
@@ -197,7 +192,18 @@ def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bo
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
         recompute_granularity=run.recompute_granularity, recompute_method=run.recompute_method,
-        recompute_num_layers=run.recompute_num_layers)
+        recompute_num_layers=run.recompute_num_layers, **pipeline_split_fields(dims.split))
+
+
+def pipeline_split_fields(split) -> dict:
+    """An uneven pipeline split (checkpoint.layout.PipelineSplit: Megatron-LM's flags) as TransformerConfig's fields;
+    megatron-core then builds each stage's layers by its own rules, which the engine's parameter table checks against
+    shardkit's layout layer by layer."""
+    if split is None:
+        return {}
+    return {"num_layers_in_first_pipeline_stage": split.first, "num_layers_in_last_pipeline_stage": split.last,
+            "account_for_embedding_in_pipeline_split": split.embedding,
+            "account_for_loss_in_pipeline_split": split.loss, "pipeline_model_parallel_layout": split.layout}
 
 
 def distributed_parts(mopt) -> list:
