@@ -40,14 +40,15 @@ def work(tmp_path_factory):
     return tiny_llama_setup(tmp_path_factory.mktemp("engine_mcore"))
 
 
-def train(work: Path, name: str, nproc: int, engine: str, *flags: str, load: Path | None = None) -> list[dict]:
+def train(work: Path, name: str, nproc: int, engine: str, *flags: str, load: Path | None = None,
+          data: Path | None = None) -> list[dict]:
     """One run; its metrics rows (the save and log under work/name)."""
     out = work / name
     env = {SWITCH: "1"} if engine == "megatron-core" else {}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        launch(nproc, "--load", str(load or work / "ck"), "--data-path", str(work / "data"), "--save", str(out),
+        launch(nproc, "--load", str(load or work / "ck"), "--data-path", str(data or work / "data"), "--save", str(out),
                "--log-dir", str(out), "--engine", engine, *FLAGS, *flags)
     finally:
         for k, v in old.items():
@@ -122,6 +123,30 @@ def test_megatron_core_equals_native(work, native, layout, tmp_path):
         assert len(counts) == nproc  # every rank ran under the model
         if "--pp" in flags:
             assert all(c["batches"] > 0 for c in counts), counts  # megatron-core's batched p2p, under NCCL's rules
+
+
+PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--eod-token-id", "2"]
+
+
+@pytest.mark.parametrize("layout", ["1rank", "tp2-sp"])
+def test_packed_documents_equal_native(work, layout):
+    """Packed documents (Megatron's three flags): short documents ended by EOD, several per sample and crossing sample
+    boundaries; megatron-core's attention takes the per-document causal mask, its RoPE the reset positions and its
+    loss the EOD-masked tokens, and equals the native engine's run on the same data."""
+    from tests.corpus import write_packed_corpus
+
+    data = work / "packed-data"
+    if not (work / "packed-native" / "metrics.jsonl").exists():  # the reference, shared by the layouts
+        write_packed_corpus(data, eod=2, lengths=(5, 14))
+        train(work, "packed-native", 1, "native", *PACKED, data=data)
+    ref = [json.loads(line) for line in (work / "packed-native" / "metrics.jsonl").read_text().splitlines()]
+    nproc, flags = LAYOUTS[layout]
+    rows = train(work, f"packed-mcore-{layout}", nproc, "megatron-core", *PACKED, *flags, data=data)
+    assert_same_rows(rows, ref)
+    assert_same_tensors(work / f"packed-mcore-{layout}", work / "packed-native")
+    if nproc == 1:
+        plain = train(work, "unpacked-mcore", 1, "megatron-core", data=data)
+        assert abs(plain[0]["loss"] - rows[0]["loss"]) > 1e-3  # the flags changed what was computed
 
 
 def test_megatron_core_save_reshards_exports_and_verifies(work, native, tmp_path):

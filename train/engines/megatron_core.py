@@ -19,8 +19,8 @@ QKV's), TP (+ SP), PP (1F1B, interleaved with --vpp; even and uneven splits by M
 the distributed optimizer, fp32 and bf16,
 native checkpoints (load: weights, and the optimizer state when resuming; save: native format, or torch_dist through
 the same save path; torch_dist loads too, Megatron-LM's own included, read by region as the native engine reads them).
-Refused in one line: TE's layer spec, FP8, context parallelism, expert parallelism, packed documents, recompute on the
-CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
+Packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) as the native engine takes them.
+Refused in one line: TE's layer spec, FP8, context parallelism, expert parallelism, recompute on the CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
 switch SHARDKIT_MEGATRON_CORE_CPU=1 (`cpu_stand_ins`); without it --engine megatron-core on the CPU is refused.
 
 Importing megatron-core registers some 26 classes as torch.load safe globals (its megatron/core/safe_globals.py);
@@ -29,6 +29,7 @@ Importing megatron-core registers some 26 classes as torch.load safe globals (it
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 
@@ -42,6 +43,7 @@ from train import checkpointing as ckpt_io
 from train.loop import Trainer, check_model_flags, check_save_format, open_load, run_layout
 from train.engines.cpu_shims import cuda_as_cpu
 from train.model import canonical_name
+from train.parallel.context import ltor_masks_and_position_ids, packing_from
 
 CPU_SWITCH = "SHARDKIT_MEGATRON_CORE_CPU"  # "1": run megatron-core on the CPU with CUDA stand-ins (tests only)
 OVERLAP_DESTS = ("overlap_grad_reduce", "overlap_param_gather")
@@ -150,11 +152,6 @@ def check_flags(cfg, on_cpu: bool) -> None:
     if p.ep > 1 or (p.etp is not None and p.etp != p.tp):
         raise NotCovered("--expert-model-parallel-size / --expert-tensor-parallel-size: not in the megatron-core "
                          "engine yet (issue 40); use --engine native")
-    for flag, on in (("--reset-position-ids", d.reset_position_ids), ("--reset-attention-mask", d.reset_attention_mask),
-                     ("--eod-mask-loss", d.eod_mask_loss)):
-        if on:
-            raise NotCovered(f"{flag} (packed documents): not in the megatron-core engine yet (issue 40); use "
-                             "--engine native")
 
 
 def check_model(m) -> None:
@@ -329,6 +326,8 @@ class MegatronCoreTrainer(Trainer):
         self.device = (torch.device("cuda", torch.cuda.current_device()) if not self.on_cpu
                        else torch.device("cpu"))
         self.moe, self.interleaved = None, None
+        # packed documents (--reset-position-ids / --reset-attention-mask / --eod-mask-loss): the native engine's rule
+        self.packing = packing_from(d, m, self.ck.hf_dir())
         self._build_megatron()
         self.table = self._param_table()
         ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
@@ -568,19 +567,28 @@ class MegatronCoreTrainer(Trainer):
 
         d = self.cfg.data
         b, s = d.micro_batch_size, d.seq_length
-        positions = torch.arange(s, device=self.device)[None, :].expand(b, -1)
-        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
 
-        def loss_func(output_tensor):
-            losses = output_tensor.float().reshape(-1)
-            loss = losses.sum()
-            n = torch.full((), losses.numel(), dtype=torch.int, device=losses.device)  # a fill: no H2D copy
+        def loss_func(loss_mask, output_tensor):
+            """The micro-batch's loss over its counted tokens (an all-masked micro-batch gives 0, as native)."""
+            losses = output_tensor.float()
+            loss = (losses * loss_mask).sum()
+            n = loss_mask.sum().clamp_min(1.0).to(torch.int)
             return loss, n, {"lm loss": torch.stack([loss.detach(), n.to(loss.dtype)])}
 
         def forward_step(data_iterator, model):
-            sample = next(data_iterator).to(self.device)
-            out = model(sample[:, :-1], positions, mask, labels=sample[:, 1:])
-            return out, loss_func
+            """Positions, loss mask and documents from the host's copy of the micro-batch (the native engine's
+            ltor_masks_and_position_ids), then to the device; megatron-core's mask is True where masked out (the
+            local spec's attention takes it as given: causal, and across documents with --reset-attention-mask)."""
+            sample = next(data_iterator)
+            positions, loss_mask, docs = ltor_masks_and_position_ids(sample[:, :-1], self.packing)
+            sample = sample.to(self.device)
+            mask = causal
+            if docs is not None:
+                docs = docs.to(self.device)
+                mask = causal | (docs[:, :, None] != docs[:, None, :])[:, None]
+            out = model(sample[:, :-1], positions.to(self.device), mask, labels=sample[:, 1:])
+            return out, functools.partial(loss_func, loss_mask.to(self.device))
 
         iters = [iter(mbs) for _ in self.ddp]
         return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iters, model=self.ddp,
