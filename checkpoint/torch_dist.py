@@ -38,6 +38,7 @@ import io
 import json
 import mmap
 import os
+import pathlib
 import pickle
 import pickletools
 import re
@@ -131,7 +132,14 @@ def _allowed() -> dict[tuple[str, str], Any]:
         ("torch", "Size"): torch.Size,
         ("torch.serialization", "_get_layout"): _layout,
         ("collections", "OrderedDict"): OrderedDict,
+        **_PATHS,
     }
+
+
+# DCP's StorageMeta.checkpoint_id is the path the saver passed (torch >= 2.4: a pathlib path, e.g. torchtitan's
+# `step-N`): read as pure paths (parsing only, no filesystem access)
+_PATHS = {("pathlib", n): getattr(pathlib, "Pure" + n.removeprefix("Pure"))
+          for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")}
 
 
 def _dcp_md():
@@ -315,6 +323,8 @@ class _LightUnpickler(pickle.Unpickler):
             return _Light.Plan
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
+        if (module, name) in _PATHS:
+            return _PATHS[(module, name)]
         if module == "torch" and name in _TORCH_DTYPES:
             return _Dtype(name)  # (no torch import: the reader of the import path stays torch-free)
         raise pickle.UnpicklingError(f"{module}.{name}")
@@ -612,12 +622,15 @@ def _volume(box) -> int:
 
 
 class TorchDistCheckpoint:
-    """A parsed torch_dist iteration: tensors (name -> TDTensor), bytes objects, common.pt, item reads."""
+    """A parsed torch_dist iteration: tensors (name -> TDTensor), bytes objects, common.pt, item reads. With
+    `megatron=False`, a plain DCP directory (`.metadata` and `.distcp` files only, e.g. torchtitan's `step-N`): its
+    tensors and items, no Megatron files looked for."""
 
-    def __init__(self, path: str | Path):
-        self.path = resolve_torch_dist(path)
+    def __init__(self, path: str | Path, megatron: bool = True):
+        self.path = resolve_torch_dist(path) if megatron else Path(path)
         self.notes: list[str] = []
-        self._check_backend()
+        if megatron:
+            self._check_backend()
         md = _load_metadata_light(self.path / DCP_METADATA)  # torch's DCP classes are only needed when it fails
         if md is None:
             md = load_dcp_metadata(self.path / DCP_METADATA)
@@ -629,11 +642,13 @@ class TorchDistCheckpoint:
             self._validate(md)
         except (TypeError, ValueError, AttributeError) as e:
             raise FormatError(f"{self.path / DCP_METADATA}: malformed DCP metadata ({type(e).__name__}: {e})") from None
-        self.sidecar: dict | None = load_sidecar(self.path)
+        self.sidecar: dict | None = load_sidecar(self.path) if megatron else None
         self._cache: tuple | None = None
         self._array: tuple | None = None  # item_array's last item
         self._checked: set = set()  # items whose bytes passed their CRC-32s (check_item)
         self.spool_dir: Path | None = None  # where items > ITEM_MMAP_BYTES are copied to be memory-mapped
+        if not megatron:
+            return
         self.common_source = self.path / COMMON_PT
         if COMMON_ITEM in self.objects and not os.path.lexists(self.path / COMMON_PT):
             self.common, note = self._load_common_item()

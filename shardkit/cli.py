@@ -202,6 +202,39 @@ def build_parser() -> argparse.ArgumentParser:
     m2m.add_argument("--overwrite", action="store_true")
     m2m.add_argument("--quiet", action="store_true")
 
+    t2m = csub.add_parser("torchtitan-to-mcore", help="torchtitan DCP checkpoint (step-N/, Llama 3) -> shardkit "
+                          "checkpoint")
+    t2m.add_argument("src", help="a torchtitan step-N directory, or its checkpoint folder (the newest step-N)")
+    t2m.add_argument("out")
+    t2m_cfg = t2m.add_mutually_exclusive_group()
+    t2m_cfg.add_argument("--model-flavor", metavar="FLAVOR", default=None,
+                         help="the torchtitan flavour (e.g. 8B, debugmodel), read from torchtitan's own registry")
+    t2m_cfg.add_argument("--job-config", metavar="TOML", default=None,
+                         help="torchtitan's job config: its [model] name and flavor")
+    t2m_cfg.add_argument("--hf-config", metavar="HF_DIR", default=None,
+                         help="an HF directory whose config.json describes the model")
+    t2m.add_argument("--model-name", default="llama3", help="torchtitan model of --model-flavor (default llama3)")
+    _layout_flags(t2m)
+    _dtype_flag(t2m, "store weights as bf16|fp16|fp32 (default: the source dtype)")
+    t2m.add_argument("--workers", type=_workers, default=None, help="writer processes (at most the CPU count)")
+    t2m.add_argument("--allow-nonfinite", action="store_true",
+                     help="convert NaN/Inf source weights as they are (default: refuse them, naming the tensor)")
+    _format_flags(t2m)
+    t2m.add_argument("--overwrite", action="store_true")
+    t2m.add_argument("--quiet", action="store_true")
+
+    m2t = csub.add_parser("mcore-to-torchtitan", help="shardkit checkpoint -> torchtitan DCP (model-only step-N/, "
+                          "Llama 3)")
+    m2t.add_argument("ckpt", help="a native checkpoint")
+    m2t.add_argument("out", help="torchtitan's checkpoint folder: step-N/ is written in it")
+    _dtype_flag(m2t, "write as bf16|fp16|fp32 (default: the stored dtype)")
+    m2t.add_argument("--step", type=int, default=None, help="N of step-N (default: the checkpoint's iteration)")
+    m2t.add_argument("--torchtitan-names", choices=["0.3", "0.1-0.2"], default="0.3",
+                     help="torchtitan's key names: 0.3 (attention.qkv_linear.wq, lm_head) or 0.1-0.2 (attention.wq, "
+                          "output); default 0.3")
+    m2t.add_argument("--overwrite", action="store_true")
+    m2t.add_argument("--quiet", action="store_true")
+
     rs = sub.add_parser("reshard", help="rewrite a checkpoint for another TP/PP/VPP/EP layout (offline); flags not "
                         "given keep the source's values")
     rs.add_argument("src", help="a native checkpoint, or a torch_dist one")
@@ -545,6 +578,28 @@ def _dispatch(args: argparse.Namespace) -> int:
                config_from_megatron_args(read_legacy_args(args.src), args.model_type, vocab_size=args.vocab_size))
         path = legacy_to_native(args.src, args.out, cfg, overwrite=args.overwrite, quiet=args.quiet,
                                 workers=args.workers, hf_dir=args.hf_config)
+        print(f"wrote {path}")
+        return 0
+    if args.cmd == "convert" and args.direction == "torchtitan-to-mcore":
+        from checkpoint.layout import Layout, PipelineSplit
+        from convert.torchtitan import convert_torchtitan_to_mcore, model_config
+
+        dtype = _check_dtype(args.dtype)
+        layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
+                        split=PipelineSplit.from_args(args))
+        cfg = model_config(args.src, flavor=args.model_flavor, name=args.model_name, job_config=args.job_config,
+                           hf_config=args.hf_config)
+        path = _write(args, args.out, lambda out: convert_torchtitan_to_mcore(
+            args.src, out, layout, cfg, dtype=dtype, workers=args.workers, overwrite=args.overwrite,
+            quiet=args.quiet, allow_nonfinite=args.allow_nonfinite))
+        print(f"wrote {path}")
+        return 0
+    if args.cmd == "convert" and args.direction == "mcore-to-torchtitan":
+        from convert.torchtitan import convert_mcore_to_torchtitan
+
+        path = convert_mcore_to_torchtitan(args.ckpt, args.out, dtype=_check_dtype(args.dtype),
+                                           generation=args.torchtitan_names, step=args.step,
+                                           overwrite=args.overwrite, quiet=args.quiet)
         print(f"wrote {path}")
         return 0
     if args.cmd == "reshard":

@@ -1,0 +1,435 @@
+"""torchtitan DCP checkpoints <-> native shardkit checkpoints (Llama 3), streaming, bounded in memory.
+
+torchtitan saves `<folder>/step-N/` with DCP's `.metadata` and `__<rank>_0.distcp` files; the model's entries are its
+own state-dict names (flattened to the top level of the DCP state dict, as its CheckpointManager saves them):
+
+    tok_embeddings.weight, norm.weight, lm_head.weight (0.3; `output.weight` before),
+    layers.N.attention.qkv_linear.wq|wk|wv.weight (0.3; `layers.N.attention.wq|wk|wv.weight` before),
+    layers.N.attention.wo.weight, layers.N.feed_forward.w1|w2|w3.weight, layers.N.attention_norm|ffn_norm.weight
+
+A full training checkpoint adds optimizer, lr_scheduler, dataloader and train_state entries: they are not converted
+(a note says how many were left).
+
+Q/K rows. torchtitan applies RoPE to adjacent pairs (its ComplexRoPE: `view_as_complex` of (x[2i], x[2i+1])), so
+its wq/wk rows are in Meta's interleaved layout; HF (and Megatron-Core's default, non-interleaved RoPE, which our
+layout follows) rotate the two halves of each head. Its own HF adapter (Llama3StateDictAdapter._permute) moves row
+2i+a of a head to row a*head_dim/2 + i; `hf_row_source` is that permutation, applied to the rows a chunk reads.
+
+The model's tensors are presented under their HF names (TorchtitanSource, read through checkpoint.torch_dist's DCP
+reader: `.metadata` by its restricted unpickler - DCP's own FileSystemReader.read_metadata is a bare pickle.load -,
+items as numpy views of the mapped `.distcp` files), so the llama family's one mapping table, hf_to_mcore's plan and
+chunk worker and the one write/commit path do the rest; mcore-to-torchtitan runs mcore_to_hf's export plan and
+writes DCP items with checkpoint.torch_dist.DCPWriter, one tensor at a time.
+
+The model config: a torchtitan flavour read from torchtitan's own registry (`--model-flavor 8B`, model
+`--model-name llama3`; or torchtitan's job config TOML, its [model] name and flavor), or an HF config.json
+(`--hf-config`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from checkpoint.config import ModelConfig
+from checkpoint.errors import ConfigError, FormatError, ShardkitError
+from checkpoint.layout import Layout
+
+STEP_RE = re.compile(r"^step-(\d+)$")
+
+# HF name template -> torchtitan name template, per torchtitan generation ({} = layer)
+NAMES_03 = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.qkv_linear.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.qkv_linear.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.qkv_linear.wv.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+NAMES_02 = {**{k: v.replace("attention.qkv_linear.", "attention.") for k, v in NAMES_03.items()},
+            "lm_head.weight": "output.weight"}
+GENERATIONS = {"0.3": NAMES_03, "0.1-0.2": NAMES_02}
+# top-level entries of a full training checkpoint that are not model weights (CheckpointManager's states)
+TRAINING_PREFIXES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+ROPE_PERMUTED = ("q_proj", "k_proj")  # HF tensors whose rows torchtitan keeps in the interleaved RoPE layout
+
+
+def _template(name: str) -> tuple[str, int | None]:
+    m = re.search(r"\.(\d+)\.", name)
+    return (name, None) if m is None else (name[:m.start()] + ".{}." + name[m.end():], int(m.group(1)))
+
+
+def hf_row_source(head_dim: int) -> np.ndarray:
+    """For each HF (half-split) row of one head, the torchtitan (interleaved) row it comes from."""
+    j = np.arange(head_dim)
+    half = head_dim // 2
+    return 2 * (j % half) + j // half
+
+
+# -- the model config -------------------------------------------------------------------------------------------------
+
+def _registry_config(name: str, flavor: str):
+    """torchtitan's own model config of a flavour (0.3: `<name>_configs[flavor](attn_backend=...)`; before:
+    `<name>_args[flavor]`)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(f"torchtitan.models.{name}")
+    except Exception as e:  # noqa: BLE001 - not installed, or its GPU-only imports (triton) missing
+        raise ConfigError(f"--model-flavor {flavor}: torchtitan's model registry is not importable here "
+                          f"(torchtitan.models.{name}: {type(e).__name__}: {e}); pass --hf-config HF_DIR (a "
+                          "config.json describing the model) instead") from None
+    configs = getattr(mod, f"{name}_configs", None)
+    if configs is not None:
+        if flavor not in configs:
+            raise ConfigError(f"--model-flavor {flavor}: torchtitan's {name} has no such flavour; it has "
+                              f"{', '.join(configs)}")
+        return configs[flavor](attn_backend="flex")
+    args = getattr(mod, f"{name}_args", None)
+    if args is None or flavor not in args:
+        raise ConfigError(f"--model-flavor {flavor}: torchtitan's {name} has no such flavour"
+                          + (f"; it has {', '.join(args)}" if args else ""))
+    return args[flavor]
+
+
+def _rope_scaling(rope) -> dict | None:
+    scaling = getattr(rope, "scaling", None)
+    if scaling in (None, "none"):
+        return None
+    if scaling != "llama":
+        raise ConfigError(f"torchtitan RoPE scaling {scaling!r} has no HF/Megatron counterpart here (llama only)")
+    return {"rope_type": "llama3", "factor": float(rope.scaling_factor),
+            "low_freq_factor": float(rope.low_freq_factor), "high_freq_factor": float(rope.high_freq_factor),
+            "original_max_position_embeddings": int(rope.original_max_position_embeddings)}
+
+
+def hf_config_of(tt_cfg, dtype: str = "float32") -> dict:
+    """The HF LlamaConfig dict of a torchtitan Llama 3 model config (0.3's Llama3Model.Config, or the older
+    TransformerModelArgs)."""
+    if hasattr(tt_cfg, "layers"):  # 0.3
+        layer = tt_cfg.layers[0]
+        attn = layer.attention
+        n_heads = attn.n_heads
+        n_kv = attn.n_kv_heads or n_heads
+        head_dim = attn.head_dim or tt_cfg.dim // n_heads
+        rope = attn.rope
+        ffn, eps = layer.feed_forward.w1.out_features, layer.attention_norm.eps
+        layers, theta, max_seq = len(tt_cfg.layers), rope.theta, rope.max_seq_len
+        scaling, tied = _rope_scaling(rope), bool(getattr(tt_cfg, "enable_weight_tying", False))
+    else:  # 0.1/0.2 TransformerModelArgs
+        n_heads = tt_cfg.n_heads
+        n_kv = tt_cfg.n_kv_heads or n_heads
+        head_dim = tt_cfg.dim // n_heads
+        ffn = int(2 * 4 * tt_cfg.dim / 3)
+        if tt_cfg.ffn_dim_multiplier is not None:
+            ffn = int(tt_cfg.ffn_dim_multiplier * ffn)
+        ffn = tt_cfg.multiple_of * ((ffn + tt_cfg.multiple_of - 1) // tt_cfg.multiple_of)
+        eps, layers, theta, max_seq = tt_cfg.norm_eps, tt_cfg.n_layers, tt_cfg.rope_theta, tt_cfg.max_seq_len
+        scaling = None
+        if getattr(tt_cfg, "rope_scaling_args", None) is not None:
+            r = tt_cfg.rope_scaling_args
+            scaling = {"rope_type": "llama3", "factor": float(r.scaling_factor),
+                       "low_freq_factor": float(r.low_freq_factor), "high_freq_factor": float(r.high_freq_factor),
+                       "original_max_position_embeddings": int(r.original_max_position_embeddings)}
+        tied = bool(getattr(tt_cfg, "enable_weight_tying", False))
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": int(tt_cfg.dim),
+            "intermediate_size": int(ffn), "num_hidden_layers": int(layers), "num_attention_heads": int(n_heads),
+            "num_key_value_heads": int(n_kv), "head_dim": int(head_dim), "vocab_size": int(tt_cfg.vocab_size),
+            "max_position_embeddings": int(max_seq), "rms_norm_eps": float(eps), "rope_theta": float(theta),
+            "rope_scaling": scaling, "tie_word_embeddings": tied, "hidden_act": "silu", "torch_dtype": dtype}
+
+
+def read_job_config(path: str | Path) -> tuple[str, str]:
+    """(model name, flavor) from torchtitan's job config TOML ([model] name and flavor)."""
+    import tomllib
+
+    from checkpoint.safety import read_input
+
+    try:
+        job = tomllib.loads(read_input(Path(path), limit=4 << 20))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--job-config {path}: cannot read it as TOML ({e})") from None
+    model = job.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    flavor = model.get("flavor") if isinstance(model, dict) else None
+    if not isinstance(name, str) or not isinstance(flavor, str):
+        raise ConfigError(f"--job-config {path}: no [model] name and flavor (torchtitan's job config names the "
+                          "model there)")
+    return name, flavor
+
+
+def model_config(src: str | Path | None = None, *, flavor: str | None = None, name: str = "llama3", job_config: str | None = None,
+                 hf_config: str | None = None, dtype: str = "float32") -> ModelConfig:
+    """The model config of a torchtitan checkpoint, from exactly one of --model-flavor, --job-config, --hf-config
+    (or the config.json mcore-to-torchtitan writes beside the step's files)."""
+    given = [f for f, v in (("--model-flavor", flavor), ("--job-config", job_config), ("--hf-config", hf_config))
+             if v is not None]
+    if not given and src is not None and (resolve_step(src) / "config.json").is_file():
+        hf_config = str(resolve_step(src))  # written by mcore-to-torchtitan
+        given = ["config.json"]
+    if len(given) != 1:
+        raise ConfigError("a torchtitan checkpoint does not describe its model: pass one of --model-flavor FLAVOR "
+                          "(a torchtitan flavour, e.g. 8B), --job-config TOML (torchtitan's job config) or "
+                          f"--hf-config HF_DIR" + (f" (got {' and '.join(given)})" if given else ""))
+    if hf_config is not None:
+        return ModelConfig.from_hf_dir(hf_config)
+    if job_config is not None:
+        name, flavor = read_job_config(job_config)
+    if name != "llama3":
+        raise ConfigError(f"torchtitan model {name!r}: only llama3 converts so far")
+    return ModelConfig.from_hf(hf_config_of(_registry_config(name, flavor), dtype),
+                               source=f"torchtitan {name} flavour {flavor}")
+
+
+# -- reading torchtitan DCP -------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Info:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def resolve_step(path: str | Path) -> Path:
+    """A `step-N` directory, or a checkpoint folder holding step-N directories (the highest N is taken)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FormatError(f"{p}: no such torchtitan checkpoint directory")
+    if (p / ".metadata").exists():
+        return p
+    steps = sorted((int(m.group(1)), x) for x in p.iterdir() if (m := STEP_RE.match(x.name)) and x.is_dir()
+                   and (x / ".metadata").exists())
+    if not steps:
+        raise FormatError(f"{p}: not a torchtitan checkpoint: no .metadata and no complete step-N directory in it")
+    return steps[-1][1]
+
+
+class TorchtitanSource:
+    """A torchtitan step directory's model tensors under their HF names (hf_to_mcore's HFSource interface): reads
+    return numpy rows, Q/K rows permuted to the half-split RoPE layout."""
+
+    fp8_block = None
+
+    def __init__(self, path: str | Path, cfg: ModelConfig, quiet: bool = True):
+        from checkpoint import store
+        from checkpoint.torch_dist import TorchDistCheckpoint, _dtype_str
+
+        self.dir = resolve_step(path)
+        self.td = TorchDistCheckpoint(self.dir, megatron=False)
+        self.cfg = cfg
+        names = set(self.td.tensors)
+        gen = max(GENERATIONS, key=lambda g: len(names & {t.format(0) for t in GENERATIONS[g].values()}))
+        self.generation, table = gen, GENERATIONS[gen]
+        back = {tt: hf for hf, tt in table.items()}
+        self.tt_name: dict[str, str] = {}
+        self.tensors: dict[str, _Info] = {}
+        skipped = [n for n in list(names) + self.td.objects if n.split(".")[0] in TRAINING_PREFIXES]
+        for n, t in self.td.tensors.items():
+            if n in skipped:
+                continue
+            tmpl, layer = _template(n)
+            hf = back.get(tmpl)
+            hf = n if hf is None else (hf if layer is None else hf.format(layer))  # unknown: plan() names it
+            self.tt_name[hf] = n
+            dtype = _dtype_str(t.dtype)
+            store.numpy_dtype(dtype)
+            self.tensors[hf] = _Info(self.td.item_file(n, t.chunks[0][0]), dtype, tuple(t.shape))
+        self.skipped = sorted(skipped)
+        if skipped and not quiet:
+            print(f"shardkit: note: {self.dir}: {len(skipped)} training-state entries (optimizer, lr_scheduler, "
+                  "dataloader, train_state) are not converted; the model weights are", file=sys.stderr)
+
+    def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> np.ndarray:
+        tt = self.tt_name[name]
+        ncols = self.tensors[name].shape[1:]
+        cbox = ((cols.start or 0, ncols[0] if cols.stop is None else cols.stop),) if cols is not None else \
+            tuple((0, c) for c in ncols)
+        hd = self.cfg.kv_channels if name.split(".")[-2] in ROPE_PERMUTED else None
+        if hd is None:
+            return self.td.read_numpy(tt, ((start, stop), *cbox))
+        rows = np.arange(start, stop)
+        src = (rows // hd) * hd + hf_row_source(hd)[rows % hd]
+        lo, hi = int(src.min()), int(src.max()) + 1
+        return self.td.read_numpy(tt, ((lo, hi), *cbox))[src - lo]
+
+    def willneed(self, name: str, start: int, stop: int) -> None:
+        pass
+
+    def check_fp8(self, block) -> set:
+        return set()
+
+    def fingerprint(self) -> list[dict]:
+        return [{"name": n, "size": s} for n, s in self.td.files().items()] + [
+            {"name": ".metadata", "size": (self.dir / ".metadata").stat().st_size}]
+
+    def resume_fingerprint(self) -> list[dict]:
+        return [{**f, "mtime_ns": (self.dir / f["name"]).stat().st_mtime_ns} for f in self.fingerprint()]
+
+    def close(self) -> None:
+        self.td._array = self.td._cache = None
+
+
+class _LazyTT:
+    """The worker's source: opened on first use (hf_to_mcore._LazySource's interface)."""
+
+    def __init__(self, path: str, cfg: ModelConfig):
+        self.path, self.cfg, self.src = path, cfg, None
+
+    def source(self) -> TorchtitanSource:
+        if self.src is None:
+            self.src = TorchtitanSource(self.path, self.cfg)
+        return self.src
+
+    def read(self, name, start, stop, cols=None):
+        return self.source().read(name, start, stop, cols)
+
+    def release(self, limit: int = 0) -> None:
+        if self.src is not None:
+            self.src.close()
+
+    close = release
+
+
+def _worker_class():
+    from .hf_to_mcore import _Worker
+
+    class _TTWorker(_Worker):
+        def __init__(self, src_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, dtypes: dict,
+                     allow_nonfinite: bool = False) -> None:
+            super().__init__(src_dir, cfg_dict, layout_dict, out_dir, dtypes, None, allow_nonfinite)
+            self.src = _LazyTT(src_dir, ModelConfig.from_dict(cfg_dict))
+
+    return _TTWorker
+
+
+def _make_worker(*args):
+    return _worker_class()(*args)
+
+
+def convert_torchtitan_to_mcore(src: str | Path, out: str | Path, layout: Layout, cfg: ModelConfig,
+                                dtype: str | None = None, workers: int | None = None, overwrite: bool = False,
+                                quiet: bool = False, allow_nonfinite: bool = False) -> Path:
+    """Convert a torchtitan step directory (or the newest step-N under a checkpoint folder) and commit
+    `<out>/iter_<N>`; returns the iteration directory."""
+    from checkpoint import store
+    from checkpoint.manifest import Manifest
+    from checkpoint.safety import check_output
+
+    from . import distributed
+    from .hf_to_mcore import VERSION, _jsonable, plan
+    from .writer import write_chunks
+
+    step = resolve_step(src)
+    out = Path(out)
+    check_output(out, [("SRC", step)])
+    if cfg.model_type != "llama" or cfg.is_moe:
+        raise ConfigError(f"model_type {cfg.model_type!r}: torchtitan conversion supports Llama 3 so far")
+    layout.check(cfg)
+    dtype = store.dtype_name(dtype) if dtype else None
+    source = TorchtitanSource(step, cfg, quiet=quiet)
+    entries, _, _ = plan(cfg, layout, source, dtype, quiet=quiet)
+    m = STEP_RE.match(step.name)
+    iteration = int(m.group(1)) if m else 0
+    job = {"tool": VERSION, "source": str(step.resolve()), "files": source.resume_fingerprint(),
+           "layout": layout.to_dict(), "dtype": dtype, "model": _jsonable(cfg.to_dict())}
+    started = time.time()
+    with distributed.open_writer(out, iteration, job, overwrite, None) as w:
+        args = (str(step), cfg.to_dict(), layout.to_dict(), str(w.partial), {n: e.dtype for n, e in entries.items()},
+                allow_nonfinite)
+        write_chunks(w, entries, "torchtitan-to-mcore", _make_worker, args, workers, quiet)
+        if source.resume_fingerprint() != job["files"]:
+            raise FormatError(f"{step}: changed while it was being converted; nothing was committed")
+        manifest = Manifest(
+            iteration=iteration, model=cfg, layout=layout, tensors=entries, fp8=None,
+            provenance={"tool": f"shardkit {VERSION}", "command": "convert torchtitan-to-mcore",
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "source": {"kind": "torchtitan", "generation": source.generation, "path": str(step.resolve()),
+                                   "files": source.fingerprint(), "not_converted": source.skipped},
+                        "seconds": round(time.time() - started, 3)})
+        return w.commit(manifest)
+
+
+# -- writing torchtitan DCP -------------------------------------------------------------------------------------------
+
+def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: str | None = None,
+                                generation: str = "0.3", step: int | None = None, overwrite: bool = False,
+                                quiet: bool = False) -> Path:
+    """Write `<out>/step-<N>/` (N: the checkpoint's iteration unless `step`): a model-only DCP checkpoint under
+    torchtitan's names, which its CheckpointManager (initial_load_model_only) and `dcp.load` read. One tensor in
+    memory at a time; the directory is written under a temporary name and renamed into place when complete."""
+    import torch
+
+    from checkpoint import store
+    from checkpoint.progress import progress_bar
+    from checkpoint.reader import Checkpoint
+    from checkpoint.safety import check_output
+    from checkpoint.torch_dist import DCPWriter
+
+    from .mcore_to_hf import _read_block, plan_export
+
+    ckpt = Checkpoint(ckpt_path)
+    cfg = ckpt.config
+    if cfg.model_type != "llama" or cfg.is_moe or cfg.add_qkv_bias or cfg.add_proj_bias or cfg.add_mlp_bias:
+        raise ConfigError(f"{ckpt.path}: model_type {cfg.model_type!r}"
+                          + (" with biases" if cfg.model_type == "llama" else "")
+                          + ": torchtitan's Llama 3 has no such model; only bias-free llama converts so far")
+    if generation not in GENERATIONS:
+        raise ConfigError(f"--torchtitan-names {generation!r}: one of {', '.join(GENERATIONS)}")
+    table = GENERATIONS[generation]
+    dtype = store.dtype_name(dtype) if dtype else None
+    out = Path(out)
+    check_output(out, [("CKPT", ckpt.path)])
+    step = ckpt.manifest.iteration if step is None else step
+    final = out / f"step-{step}"
+    if final.exists() and not overwrite:
+        raise ShardkitError(f"{final}: exists; pass --overwrite to replace it")
+    plans = plan_export(ckpt, dtype)
+    if cfg.tie_word_embeddings:  # torchtitan's tied model keeps both keys (one tensor)
+        emb = next(p for p in plans if p.name == "model.embed_tokens.weight")
+        plans.append(dataclasses.replace(emb, name="lm_head.weight"))
+    tmp = out / f".step-{step}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    w = DCPWriter(tmp)
+    total = sum(p.nbytes for p in plans)
+    with progress_bar("mcore-to-torchtitan", total=total, items=len(plans), disable=quiet) as bar:
+        with w.rank_file(0) as f:
+            for p in plans:
+                tmpl, layer = _template(p.name)
+                name = table[tmpl] if layer is None else table[tmpl].format(layer)
+                value = torch.cat([_read_block(ckpt, tm, seg.start, seg.stop) for tm, seg in p.blocks])
+                value = store.cast(value, p.dtype, p.name)
+                proj = p.name.split(".")[-2]
+                if proj in ROPE_PERMUTED:  # half-split -> torchtitan's interleaved rows
+                    hd = cfg.kv_channels
+                    inv = np.argsort(hf_row_source(hd))
+                    rows = np.arange(value.shape[0])
+                    value = value[torch.from_numpy((rows // hd) * hd + inv[rows % hd])]
+                w.declare_tensor(name, value.shape, p.dtype, [((0,) * value.ndim, tuple(value.shape))])
+                f.add_tensor(name, (0,) * value.ndim, value)
+                bar.advance(p.nbytes, 1)
+    # the model config beside (torchtitan reads only the files .metadata names): read back with no flags
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(dtype), indent=1))
+    w.write_metadata(str(final))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return final
