@@ -29,7 +29,8 @@ def add_parsers(sub) -> None:
     pl.add_argument("--optimizer-sharding", "--use-distributed-optimizer", dest="optimizer_sharding",
                     action="store_true", help="distributed optimizer: Adam state split over DP x CP (ZeRO-1)")
     pl.add_argument("--layout", action="append", default=None, metavar="tp=4,pp=4,dp=4",
-                    help="estimate this layout only (repeatable); otherwise every layout is enumerated")
+                    help="estimate this layout only (repeatable; an uneven split as first=N,last=N, or the planner "
+                         "picks one); otherwise every layout is enumerated")
     pl.add_argument("--max-cp", type=int, default=None,
                     help="largest context-parallel size to enumerate (the model does not charge CP for smaller "
                          "kernels at short per-GPU sequences; cap it at short sequences)")
@@ -46,10 +47,21 @@ def add_parsers(sub) -> None:
     hw.add_argument("--reserved-memory", default="2GiB",
                     help="per-GPU memory taken by CUDA context, NCCL, workspaces (default 2GiB)")
 
-    la = sub.add_parser("launch", help="render torchrun / sbatch scripts for continue-pretrain at a layout")
-    la.add_argument("--layout", required=True, metavar="tp=4,pp=4,dp=4")
+    la = sub.add_parser("launch", help="render torchrun / sbatch scripts for continue-pretrain at a layout, after "
+                        "the trainer's start-up checks against --load")
+    la.add_argument("--layout", required=True, metavar="tp=8,pp=8,dp=2,first=15,last=15",
+                    help="the layout plan chose, as plan prints it: keys tp pp vpp cp ep etp dp, and an uneven "
+                         "pipeline split first=N last=N (Megatron's --decoder-first/last-pipeline-num-layers), "
+                         "embedding-in-split, loss-in-split or layout=STRING; plan's table label (tp8 pp8 dp2 first15 "
+                         "last15) is taken too")
     la.add_argument("--nodes", type=int, required=True)
     la.add_argument("--gpus-per-node", type=int, default=8)
+    la.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+                    help="the activation recompute plan chose: written as --recompute-granularity (default: as "
+                         "given after `--`, none if not)")
+    la.add_argument("--skip-load-check", action="store_true",
+                    help="do not open --load here (it is not reachable from this machine): the layout is then not "
+                         "checked against its model before the job is written (the trainer checks it at start-up)")
     la.add_argument("--slurm", action="store_true", help="print / submit-ready sbatch script (default: torchrun)")
     la.add_argument("--dry-run", action="store_true", help="print the scripts instead of writing them")
     la.add_argument("--out", default="launch", help="directory for torchrun.sh and job.sbatch (default ./launch)")
@@ -105,13 +117,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from . import report
-    from checkpoint.run_layout import RunLayout
 
     from dataclasses import replace
 
     from .memory import TrainSettings
     from .perf import Hardware
-    from .search import check_gpus, plan, uneven_split
+    from .search import check_gpus, parse_layout, plan, uneven_split
 
     gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory")
     reserved = parse_bytes(args.reserved_memory, "--reserved-memory")
@@ -138,21 +149,30 @@ def _plan(args: argparse.Namespace) -> int:
     # a given layout whose stages do not divide the layers gets the uneven split the planner would pick
     layouts = [replace(lay, split=uneven_split(cfg.num_layers, lay.pp, lay.vpp, cfg.mtp_num_layers))
                if lay.split is None else lay
-               for lay in (RunLayout.parse(x) for x in args.layout or [])]
+               for lay in (parse_layout(x) for x in args.layout or [])]
     cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, max_cp=args.max_cp)
     requested = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, layouts=layouts) if layouts else []
     title = (f"{name}: {args.gpus} GPUs x {gpu_memory / 2**30:.1f} GiB, seq {s.seq_length}, micro batch "
              f"{s.micro_batch_size}, global batch {s.global_batch_size}"
              f"{', FP8' if s.fp8 else ''}{', distributed optimizer' if s.distributed_optimizer else ''}")
+    chosen = next((c for c in requested + cands if c.fits), None)  # a layout asked for first, else the fastest
+    load = name if Path(name).is_dir() and not (Path(name) / "config.json").exists() else None  # a checkpoint
+    launch = None if chosen is None else report.launch_argv(chosen, args.gpus, args.gpus_per_node, load)
     if args.json:
         out = report.to_json(cands, name, args.gpus, gpu_memory, s, hw, limit=args.top)
         if requested:
             out["requested"] = [c.to_dict() for c in requested]
+        out["launch"] = launch
         from checkpoint.progress import json_text
 
         print(json_text(out))
     else:
         report.print_table(cands, title, gpu_memory, top=args.top, requested=requested)
+        if launch is not None:
+            import shlex
+
+            rest = " --data-path DATA --save DIR" + ("" if load else " --load CKPT")
+            print(f"to run it: {shlex.join(launch)}{rest}")
     if args.plot:
         shown = requested + [c for c in cands if c.fits][:args.top] or cands[:args.top]
         path = report.plot(shown, args.plot, gpu_memory, title)
@@ -163,18 +183,19 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from .launch import LaunchSpec, check_trainer_args, render_scripts, write_scripts
-    from checkpoint.run_layout import RunLayout
-
+    from .search import parse_layout
 
     extra = list(args.trainer_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    spec = LaunchSpec(layout=RunLayout.parse(args.layout), log_dir=str(Path(args.out).resolve() / "logs"), nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                      args=tuple(extra), master_addr=args.master_addr, master_port=args.master_port,
-                      job_name=args.job_name, time=args.time, sbatch_extra=tuple(x if x.startswith("-") else "--" + x for x in args.sbatch), env=tuple(args.env),
-                      partition=args.partition, account=args.account, qos=args.qos, exclusive=args.exclusive,
-                      requeue=args.requeue, signal=args.signal)
-    check_trainer_args(spec)
+    spec = LaunchSpec(layout=parse_layout(args.layout), log_dir=str(Path(args.out).resolve() / "logs"),
+                      nodes=args.nodes, gpus_per_node=args.gpus_per_node, args=tuple(extra),
+                      master_addr=args.master_addr, master_port=args.master_port, job_name=args.job_name,
+                      time=args.time, sbatch_extra=tuple(x if x.startswith("-") else "--" + x for x in args.sbatch),
+                      env=tuple(args.env), partition=args.partition, account=args.account, qos=args.qos,
+                      exclusive=args.exclusive, requeue=args.requeue, signal=args.signal, recompute=args.recompute,
+                      check_load=not args.skip_load_check)
+    check_trainer_args(spec)  # the trainer's start-up checks, against --load: a refusal writes nothing
     if args.dry_run:
         out = Path(args.out).resolve()
         scripts = render_scripts(spec, torchrun_path=str(out / "torchrun.sh"))
@@ -187,6 +208,6 @@ def _launch(args: argparse.Namespace) -> int:
     if args.slurm:
         print(f"wrote {paths['job.sbatch']} and {paths['torchrun.sh']}; submit with: sbatch {paths['job.sbatch']}")
     else:
-        print(f"wrote {paths['torchrun.sh']} and {paths['job.sbatch']}; run on each node with NODE_RANK=0..{args.nodes - 1}"
-              f": bash {paths['torchrun.sh']}")
+        print(f"wrote {paths['torchrun.sh']} and {paths['job.sbatch']}; run on each node with NODE_RANK=0.."
+              f"{args.nodes - 1}: bash {paths['torchrun.sh']}")
     return 0

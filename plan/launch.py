@@ -1,7 +1,13 @@
-"""`shardkit launch`: render scripts/torchrun.sh and scripts/sbatch.template for continue-pretrain at a layout.
+"""`shardkit launch`: render the torchrun and sbatch templates (package data: plan/templates/) for continue-pretrain
+at a layout, after the trainer's own start-up checks.
 
-The layout's model-parallel sizes become Megatron's flags on the continue-pretrain command line; data parallel is
-what is left of the world size (the trainer derives it), so it is checked here, not passed.
+The layout's model-parallel sizes, its pipeline split, sequence parallelism (with TP, as `plan` assumes) and the
+recompute `plan` chose become Megatron's flags on the continue-pretrain command line; data parallel is what is left
+of the world size (the trainer derives it), so it is checked here, not passed. Before anything is written the whole
+command line goes through what `shardkit continue-pretrain` runs at start-up (train/config.py validate, train/loop.py
+run_layout at the job's world size, open_load and check_layout_for_model against the --load checkpoint): a job the
+trainer would refuse is refused here, in its words. The rendered scripts hold nothing of this machine: the Python
+that runs the trainer is found when the job runs (SHARDKIT_PYTHON, else python3 on PATH).
 """
 from __future__ import annotations
 
@@ -11,18 +17,17 @@ import os
 import re
 import shlex
 import stat
-import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 
-from checkpoint.errors import WriteError
+from checkpoint.errors import ShardkitError, WriteError
 from checkpoint.run_layout import RunLayout
 from checkpoint.safety import check_target, read_input
 
 from .units import PlanError
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "scripts"
 TORCHRUN_TEMPLATE = "torchrun.sh"
 SBATCH_TEMPLATE = "sbatch.template"
 # flags the layout sets; the same flag after `--` would contradict it
@@ -34,6 +39,11 @@ _LAYOUT_FLAGS = {
     "ep": ("--expert-model-parallel-size", "--ep"),
     "etp": ("--expert-tensor-parallel-size", "--etp"),
 }
+# the pipeline split's flags: after `--` they contradict a --layout that gives a split
+_SPLIT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                "--pipeline-model-parallel-layout")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,6 @@ class LaunchSpec:
     job_name: str = "shardkit-pretrain"
     time: str = "24:00:00"
     log_dir: str = "logs"  # SLURM does not create it: write_scripts does
-    python: str = sys.executable
     sbatch_extra: tuple[str, ...] = ()  # extra '#SBATCH ...' lines (options launch has no flag for)
     env: tuple[str, ...] = ()  # extra KEY=VALUE exports
     partition: str | None = None
@@ -56,6 +65,8 @@ class LaunchSpec:
     exclusive: bool = True
     requeue: bool = False  # '#SBATCH --requeue'; the job resumes from the newest complete checkpoint in --save
     signal: str | None = "USR1@300"  # SLURM's --signal=SIG@SECONDS before the time limit; the trainer saves and exits
+    recompute: str | None = None  # plan's choice: none | selective | full (--recompute-granularity); None: as given
+    check_load: bool = True  # open --load here and check the layout against its model (launch --skip-load-check)
 
 
 # SLURM's --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (and no limit)
@@ -146,12 +157,19 @@ def check(spec: LaunchSpec) -> None:
     if lay.tp > spec.gpus_per_node or spec.gpus_per_node % lay.tp:
         raise PlanError(f"--layout: tp {lay.tp} must divide --gpus-per-node {spec.gpus_per_node} (TP stays inside a "
                         "node)")
+    if spec.recompute is not None and spec.recompute not in RECOMPUTE:
+        raise PlanError(f"--recompute {spec.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     for a in spec.args:
         name = a.split("=", 1)[0]
         for flags in _LAYOUT_FLAGS.values():
             if name in flags:
                 raise PlanError(f"{name} after `--` contradicts --layout ({lay.label()}); give the layout once, in "
                                 "--layout")
+        if lay.split is not None and name in _SPLIT_FLAGS:
+            raise PlanError(f"{name} after `--` contradicts --layout ({lay.label()}), which gives the pipeline "
+                            "split; give it once, in --layout")
+        if spec.recompute is not None and name in ("--recompute-granularity", "--recompute-activations"):
+            raise PlanError(f"{name} after `--` contradicts --recompute {spec.recompute}; give it once")
     for e in spec.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", e):
             raise PlanError(f"--env {e!r}: expected KEY=VALUE")
@@ -191,65 +209,107 @@ class _TrainerParser(argparse.ArgumentParser):
                         "continue-pretrain --help)")
 
 
-def check_trainer_args(spec: LaunchSpec) -> None:
-    """Parse the continue-pretrain command line with the trainer's flags now, not when the job starts after hours in
-    a queue: a flag the trainer does not know (a layout dimension it does not implement yet, a typo) is an error
-    here."""
+def _trainer_parser() -> tuple[_TrainerParser, set[str]]:
     from train.config import add_arguments
 
-    check(spec)
     parser = _TrainerParser(prog="shardkit continue-pretrain", add_help=False)
-    known = {s for a in add_arguments(parser) for s in a.option_strings}
+    return parser, {s for a in add_arguments(parser) for s in a.option_strings}
+
+
+def check_trainer_args(spec: LaunchSpec):
+    """What `shardkit continue-pretrain` checks at start-up, run now on the command line launch would write, not
+    when the job starts after hours in a queue: the trainer's parser (a typo, a layout dimension it does not
+    implement), its value and flag checks (train/config.py validate, shardkit/flagcheck.py), the layout at the job's
+    world size (train/loop.py run_layout: the global batch over DP, the expert grid), --save against --load, and,
+    with `check_load`, the layout against the model of --load (open_load, check_layout_for_model: heads, KV groups,
+    ffn and experts over TP/EP, the pipeline split against its layers, sequence parallelism). Every refusal is the
+    trainer's own line, with what to do. Returns the trainer's configuration."""
+    check(spec)
+    parser, known = _trainer_parser()
     args = trainer_args(spec)
     for a in args[:len(args) - len(spec.args)]:
         if a.startswith("--") and a not in known:
             raise PlanError(f"--layout {spec.layout.label()}: continue-pretrain has no {a}; this layout cannot be "
                             "launched with this version of shardkit")
     ns = parser.parse_args(args)
-    _check_batch(spec, ns)
     sig = parse_signal(spec.signal)
     if sig and ns.exit_signal is not None and ns.exit_signal != sig[0]:
         raise PlanError(f"--exit-signal {ns.exit_signal} after `--` is not --signal {spec.signal}'s {sig[0]}: the "
                         "trainer would not catch what SLURM sends; give the signal once, in --signal")
+    try:
+        cfg = _trainer_checks(spec, ns)
+    except PlanError:
+        raise
+    except ShardkitError as e:
+        raise PlanError(f"{e}{_split_hint(spec, e)} (continue-pretrain would refuse this job at start-up; nothing "
+                        "written)") from None
     if spec.requeue:
         _resume_paths(spec)
+    return cfg
 
 
-def _check_batch(spec: LaunchSpec, ns: argparse.Namespace) -> None:
-    """What the trainer checks first once all ranks are up (train/loop.py), checked before the job is queued:
-    the global batch is whole micro-batches on every data-parallel rank, and the --config values are typed."""
-    from train.config import from_namespace
+def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
+    """The start-up of `shardkit continue-pretrain` (shardkit/cli.py) and of the trainer (train/loop.py Trainer)
+    up to building the model, without a process group: the same functions, in the same order."""
+    from shardkit.cli import _check_train_outputs
+    from shardkit.flagcheck import check_train_values
+    from train.config import from_namespace, validate
+    from train.loop import check_layout_for_model, check_save_format, open_load, run_layout
 
     if getattr(ns, "config", None):  # read next: a FIFO there would block it forever
         from checkpoint.safety import regular_file
 
         regular_file(ns.config, "--config", missing_ok=True)
-    d = from_namespace(ns).data
-    dp = spec.layout.dp
-    if d.micro_batch_size < 1 or d.global_batch_size < 1:
-        raise PlanError(f"continue-pretrain arguments after `--`: --micro-batch-size {d.micro_batch_size} and "
-                        f"--global-batch-size {d.global_batch_size} must be >= 1")
-    if d.global_batch_size % (d.micro_batch_size * dp):
-        raise PlanError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
-                        f"{d.micro_batch_size} x data-parallel size {dp} (--layout {spec.layout.label()}); the "
-                        "trainer would refuse it once the job starts")
+    cfg = from_namespace(ns)
+    check_train_values(cfg)
+    _check_train_outputs(cfg)
+    validate(cfg)
+    dims = run_layout(cfg, world=spec.layout.world)
+    if spec.check_load:
+        c = cfg.checkpoint  # the model config is what is checked here; the trainer verifies the chunks when it starts
+        ck, src, _, _ = open_load(replace(c, skip_verify=True), cfg.data.global_batch_size)
+        check_layout_for_model(cfg, dims, ck.config, src)
+    check_save_format(cfg.checkpoint.save, cfg.checkpoint.save_format)
+    return cfg
+
+
+def _split_hint(spec: LaunchSpec, e: Exception) -> str:
+    """A layout without a split whose stages do not divide the layers: the split `plan` picks for it, as --layout."""
+    lay = spec.layout
+    m = re.search(r"num_hidden_layers=(\d+) is not divisible by --pp", str(e))
+    if m is None or lay.split is not None or lay.pp < 2:
+        return ""
+    from .search import layout_arg, uneven_split
+
+    split = uneven_split(int(m.group(1)), lay.pp, lay.vpp)
+    if split is None:
+        return ""
+    return f"; plan's split for it: --layout {shlex.quote(layout_arg(replace(lay, split=split)))}"
 
 
 def trainer_args(spec: LaunchSpec) -> list[str]:
-    """continue-pretrain's arguments: the layout as Megatron flags, then the user's."""
+    """continue-pretrain's arguments: the layout as Megatron flags (its pipeline split too), sequence parallelism
+    with TP (what plan's memory estimate assumes, and megatron-core requires for MoE), plan's recompute, the
+    signal handler, then the user's."""
     lay = spec.layout
+    names = {a.split("=", 1)[0] for a in spec.args}
     out = ["--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp)]
     if lay.vpp > 1:
         out += ["--virtual-pipeline-model-parallel-size", str(lay.vpp)]
+    if lay.split is not None:
+        out += lay.split.flags()
     if lay.cp > 1:
         out += ["--context-parallel-size", str(lay.cp)]
     if lay.ep > 1:
         out += ["--expert-model-parallel-size", str(lay.ep)]
     if lay.etp is not None and lay.etp != lay.tp:
         out += ["--expert-tensor-parallel-size", str(lay.etp)]
+    if lay.tp > 1 and "--sequence-parallel" not in names:
+        out.append("--sequence-parallel")
+    if spec.recompute in ("selective", "full"):
+        out += ["--recompute-granularity", spec.recompute]
     sig = parse_signal(spec.signal)
     if sig:  # SLURM sends it --signal's seconds before the time limit: save, then exit cleanly
-        names = {a.split("=", 1)[0] for a in spec.args}
         if "--exit-signal-handler" not in names:
             out.append("--exit-signal-handler")
         if "--exit-signal" not in names:
@@ -284,16 +344,29 @@ def render(template: str, fields: dict[str, str], name: str) -> str:
     return re.sub(r"\{\{([A-Z_]+)\}\}", sub, template)
 
 
-def _read_template(name: str, template_dir: Path) -> str:
-    path = template_dir / name
+def _read_template(name: str, template_dir: Path | None) -> str:
+    """A launch template: the package's (plan/templates/, installed with shardkit as package data), or one in
+    `template_dir`."""
+    where = resources.files("plan").joinpath("templates", name) if template_dir is None else Path(template_dir) / name
     try:
-        return path.read_text()
+        return where.read_text()
     except OSError as e:
-        raise PlanError(f"{path}: cannot read the launch template ({e.strerror or e})") from None
+        raise PlanError(f"{where}: cannot read the launch template ({e.strerror or e}); reinstall shardkit (the "
+                        "templates are package data)") from None
+
+
+def run_line(spec: LaunchSpec) -> str:
+    """The header line saying what the job runs as `plan` estimated it: recompute, sequence parallelism and the
+    optimizer sharding (the layout and its split are on the line above)."""
+    lay = spec.layout
+    rec = {"selective": "selective recompute", "full": "full recompute", "none": "no recompute"}.get(
+        spec.recompute or "", "recompute as given below")
+    sp = "sequence parallel" if lay.tp > 1 else "no TP/SP"
+    return f"{rec}; {sp}; optimizer state sharded over DP x CP = {lay.dp * lay.cp} (the distributed optimizer)"
 
 
 def render_scripts(spec: LaunchSpec, torchrun_path: str = "torchrun.sh",
-                   template_dir: Path = TEMPLATES) -> dict[str, str]:
+                   template_dir: Path | None = None) -> dict[str, str]:
     """{"torchrun.sh": ..., "job.sbatch": ...}: the rendered launch scripts."""
     check(spec)
     args = trainer_args(spec)
@@ -319,9 +392,9 @@ def render_scripts(spec: LaunchSpec, torchrun_path: str = "torchrun.sh",
         groups[-1].append((i, a))
     lines = ["    " + " ".join(a if i in raw else shlex.quote(a) for i, a in g) for g in groups]
     common = {"LAYOUT": spec.layout.label(), "WORLD": str(spec.layout.world), "NODES": str(spec.nodes),
-              "GPUS_PER_NODE": str(spec.gpus_per_node), "MASTER_PORT": str(spec.master_port)}
+              "GPUS_PER_NODE": str(spec.gpus_per_node), "MASTER_PORT": str(spec.master_port), "RUN": run_line(spec)}
     torchrun = render(_read_template(TORCHRUN_TEMPLATE, template_dir), {
-        **common, "MASTER_ADDR": shlex.quote(spec.master_addr), "PYTHON": shlex.quote(spec.python),
+        **common, "MASTER_ADDR": shlex.quote(spec.master_addr),
         "ENV": "".join(f"export {e.split('=', 1)[0]}={shlex.quote(e.split('=', 1)[1])}\n" for e in spec.env),
         "RESUME": resume, "ARGS": " \\\n".join(lines)}, TORCHRUN_TEMPLATE)
     sig = parse_signal(spec.signal)
@@ -341,10 +414,7 @@ def _resume_paths(spec: LaunchSpec) -> tuple[str, str]:
     """--requeue: (--load, --save) of the continue-pretrain command line (flags or --config); both are needed."""
     from train.config import from_namespace
 
-    parser = _TrainerParser(prog="shardkit continue-pretrain", add_help=False)
-    from train.config import add_arguments
-
-    add_arguments(parser)
+    parser, _ = _trainer_parser()
     c = from_namespace(parser.parse_args(trainer_args(spec))).checkpoint
     if not c.save or not c.load:
         raise PlanError("--requeue: the continue-pretrain arguments after `--` need --load and --save (a requeued job "

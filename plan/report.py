@@ -52,6 +52,29 @@ def _settings(s: TrainSettings) -> dict:
     return asdict(s)
 
 
+def launch_argv(c: Candidate, gpus: int, gpus_per_node: int, load: str | None = None) -> list[str]:
+    """The `shardkit launch` command that runs candidate `c` as planned: its layout (and pipeline split), recompute,
+    nodes, and after `--` what the estimate assumes: the sequence, batch sizes, bf16, no dropout, and for a plan of a
+    checkpoint --load. --data-path and --save are the user's to add."""
+    from .search import layout_arg
+
+    s = c.settings
+    argv = ["shardkit", "launch", "--layout", layout_arg(c.layout), "--nodes", str(max(1, gpus // gpus_per_node)),
+            "--gpus-per-node", str(min(gpus, gpus_per_node)), "--recompute", s.recompute, "--",
+            "--seq-length", str(s.seq_length), "--micro-batch-size", str(s.micro_batch_size),
+            "--global-batch-size", str(s.global_batch_size)]
+    if s.params_dtype in ("bfloat16", "bf16"):
+        argv.append("--bf16")
+    # no dropout, as the estimate counts no dropout masks and as these models were trained (Megatron's default 0.1
+    # would also refuse context parallelism, whose attention applies none)
+    argv += ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    if s.fp8:
+        argv += ["--fp8-format", "hybrid"]
+    if load:
+        argv += ["--load", load]
+    return argv
+
+
 def stage_memory_line(c: Candidate) -> str:
     """Each pipeline stage's GiB per GPU and decoder layers, the heaviest (the one that decides "fits") marked."""
     m, layers = c.memory, c.stage_layers

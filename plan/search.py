@@ -8,6 +8,7 @@ A layout that breaks one is still estimated (layers dealt out unevenly) so the t
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 from checkpoint.config import ModelConfig
@@ -46,6 +47,55 @@ class Candidate:
                 "distributed_optimizer": self.settings.distributed_optimizer, "valid": self.valid,
                 "violations": self.violations, "fits": self.fits, "reason": self.reason,
                 "memory": self.memory.to_dict(), "stage_layers": self.stage_layers, "perf": self.perf}
+
+
+_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "first", "last")
+
+
+def parse_layout(text: str, flag: str = "--layout") -> RunLayout:
+    """A layout as `plan` prints it or as flags: 'tp=8,pp=8,dp=16,first=15,last=15' or the table's label 'tp8 pp8
+    dp16 first15 last15' (keys tp pp vpp cp ep etp dp, missing ones 1; first / last: Megatron's
+    --decoder-first/last-pipeline-num-layers; embedding-in-split / loss-in-split: --account-for-embedding/loss-in-
+    pipeline-split; layout=STRING: --pipeline-model-parallel-layout, whose commas are its own)."""
+    out: dict[str, int] = {}
+    split: dict = {}
+    items: list[str] = []
+    for word in text.split():
+        items += [word] if word.startswith("layout=") else [x for x in word.split(",") if x]
+    for item in items:
+        if item.startswith("layout="):
+            key, value = "layout", item[len("layout="):]
+        elif item in ("embedding-in-split", "loss-in-split"):
+            key, value = item.split("-")[0], True
+        else:
+            m = re.fullmatch(r"(tp|pp|vpp|cp|ep|etp|dp|first|last)=?([0-9]+)", item)
+            if not m:
+                raise LayoutError(f"{flag}: cannot parse {item!r} in {text!r}; write e.g. tp=4,pp=4,dp=4 or the "
+                                  "label plan prints (tp8 pp8 dp16 first15 last15); keys: tp pp vpp cp ep etp dp, "
+                                  "first last (uneven pipeline), layout=STRING")
+            key, value = m.group(1), int(m.group(2))
+        if key in out or key in split:
+            raise LayoutError(f"{flag}: {key} given twice in {text!r}")
+        (split if key in ("first", "last", "embedding", "loss", "layout") else out)[key] = value
+    if not out and not split:
+        raise LayoutError(f"{flag}: empty layout; write e.g. tp=4,pp=4,dp=4")
+    return RunLayout(**out, split=PipelineSplit(**split) if split else None)
+
+
+def layout_arg(lay: RunLayout) -> str:
+    """The layout as launch's --layout takes it (tp=8,pp=8,dp=16,first=15,last=15): what `plan` tells to run."""
+    parts = [f"tp={lay.tp}", f"pp={lay.pp}"] + [f"{k}={getattr(lay, k)}" for k in ("vpp", "cp", "ep")
+                                                  if getattr(lay, k) > 1]
+    if lay.etp is not None and lay.etp != lay.tp:
+        parts.append(f"etp={lay.etp}")
+    parts.append(f"dp={lay.dp}")
+    if lay.split is not None:
+        d = lay.split.as_dict()
+        parts += [f"{k}={d[k]}" for k in ("first", "last") if k in d]
+        parts += [f"{k}-in-split" for k in ("embedding", "loss") if d.get(k)]
+        if "layout" in d:
+            return ",".join(parts) + " layout=" + d["layout"]
+    return ",".join(parts)
 
 
 def divisors(n: int) -> list[int]:

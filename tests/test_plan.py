@@ -1,11 +1,10 @@
 """shardkit plan / launch: presets equal the hub configs, the memory estimate equals hand computations from the
 formulas (written out below as arithmetic, not pasted from the estimator), parameter counts equal the sharding table's
-regions, bad input, and the rendered launch scripts."""
+regions, bad input (launch: tests/test_launch.py)."""
 from __future__ import annotations
 
 import json
 import math
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from checkpoint.errors import ConfigError, LayoutError, ShardkitError
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import model_specs, regions
-from plan.launch import LaunchSpec, render_scripts
 from plan.memory import TrainSettings, estimate_memory, in_flight, param_bytes_per_rank, stage_layers, total_params
 from plan.perf import Hardware, flops_per_token, step_time
 from plan.search import plan
@@ -309,9 +307,6 @@ def test_cli_plan_from_hf_dir(tmp_path, capsys):
     (["plan", "--model", "llama3-8b", "--gpus", "12"], "--gpus 12 is not a multiple of --gpus-per-node 8"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-memory", "eighty gigs"], "--gpu-memory: cannot parse"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "tp=4,pp=two"], "--layout: cannot parse"),
-    (["launch", "--layout", "tp=4,pp=4,dp=4", "--nodes", "1", "--dry-run"], "uses tp x pp x cp x dp = 64 GPUs"),
-    (["launch", "--layout", "tp=8,dp=2", "--nodes", "4", "--gpus-per-node", "4", "--dry-run"], "must divide"),
-    (["launch", "--layout", "tp=2,dp=4", "--nodes", "1", "--dry-run", "--", "--tp", "4"], "contradicts --layout"),
 ])
 def test_bad_input(argv, needle, capsys):
     assert main(argv) == 1
@@ -331,62 +326,6 @@ def test_parse_bytes():
         with pytest.raises(PlanError):
             parse_bytes(bad)
     assert issubclass(PlanError, ShardkitError)
-
-
-def test_launch_dry_run(capsys, tmp_path):
-    out = tmp_path / "run"
-    assert main(["launch", "--layout", "tp=4,pp=2,vpp=2,dp=4", "--nodes", "4", "--gpus-per-node", "8", "--slurm",
-                 "--dry-run", "--out", str(out), "--partition", "gpu", "--account", "llm", "--",
-                 "--load", "/ckpt/llama", "--save", "/ckpt/run 1", "--data", "/d/a", "/d/b",
-                 "--micro-batch-size", "1", "--global-batch-size", "512", "--seq-length", "8192"]) == 0
-    text = capsys.readouterr().out
-    sbatch, torchrun = text.split(f"# ---- {out / 'torchrun.sh'} ----\n")
-    assert sbatch.startswith(f"# ---- {out / 'job.sbatch'} ----")
-    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --account=llm",
-                 f"srun --kill-on-bad-exit=1 bash {out / 'torchrun.sh'}"):
-        assert line in sbatch
-    assert "NNODES=${NNODES:-4}" in torchrun and "GPUS_PER_NODE=${GPUS_PER_NODE:-8}" in torchrun
-    assert "-m shardkit continue-pretrain" in torchrun
-    joined = " ".join(torchrun.replace("\\\n", " ").split())
-    assert ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
-            "--exit-signal-handler --exit-signal SIGUSR1 --load /ckpt/llama --save '/ckpt/run 1' --data /d/a /d/b") in joined
-    assert "{{" not in text
-    assert "    --data /d/a /d/b \\\n" in torchrun  # one flag and its values per line
-    assert f"#SBATCH --output={out / 'logs'}/%x-%j.out" in sbatch
-    assert not out.exists()  # dry run writes nothing
-
-
-def test_launch_writes_valid_shell(tmp_path, capsys):
-    assert main(["launch", "--layout", "tp=2,pp=2,dp=2", "--nodes", "1", "--out", str(tmp_path), "--env",
-                 "NCCL_SOCKET_IFNAME=eth0", "--", "--load", "ck", "--save", "out", "--data", "d"]) == 0
-    for name in ("torchrun.sh", "job.sbatch"):
-        p = tmp_path / name
-        assert p.stat().st_mode & 0o111
-        subprocess.run(["bash", "-n", str(p)], check=True)  # syntax only
-    assert "export NCCL_SOCKET_IFNAME=eth0" in (tmp_path / "torchrun.sh").read_text()
-    assert (tmp_path / "logs").is_dir()
-    scripts = render_scripts(LaunchSpec(RunLayout(tp=4, cp=2, ep=8, etp=1, dp=1), 1, 8, ("--save", "x")))
-    assert ("--context-parallel-size 2 \\\n    --expert-model-parallel-size 8 \\\n    --expert-tensor-parallel-size 1"
-            in scripts["torchrun.sh"])
-
-
-def test_launch_checks_the_trainer_flags_before_queueing(capsys):
-    """The continue-pretrain arguments go through the trainer's own parser at launch time: a typo, or a layout
-    dimension the trainer does not implement, fails now and not hours later in the queue."""
-    import argparse
-
-    from train.config import add_arguments
-
-    assert main(["launch", "--layout", "tp=2,pp=2,dp=2", "--nodes", "1", "--dry-run", "--",
-                 "--load", "ck", "--save", "out", "--data", "d", "--lr-warmup-itres", "10"]) == 1
-    assert "unrecognized arguments: --lr-warmup-itres 10" in capsys.readouterr().err
-    known = {s for a in add_arguments(argparse.ArgumentParser()) for s in a.option_strings}
-    rc = main(["launch", "--layout", "tp=2,cp=2,dp=2", "--nodes", "1", "--dry-run", "--", "--save", "out"])
-    err = capsys.readouterr().err
-    if "--context-parallel-size" in known:
-        assert rc == 0
-    else:
-        assert rc == 1 and "continue-pretrain has no --context-parallel-size" in err
 
 
 def test_moe_mla_layer_activations_by_hand():

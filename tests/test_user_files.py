@@ -124,7 +124,8 @@ WRITERS = {
     "plan-plot": lambda g, out: ["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "2", "--plot",
                                  out / "plan.png"],
     "launch": lambda g, out: ["launch", "--layout", "tp=1,pp=1,dp=8", "--nodes", "1", "--out", out, "--",
-                              "--load", g["ck"], "--data-path", g["data"], "--save", out / "run"],
+                              "--load", g["ck"], "--data-path", g["data"], "--save", out / "run", "--seq-length",
+                              "64"],
 }
 
 
@@ -329,7 +330,8 @@ LAUNCH = ["launch", "--layout", "tp=1,pp=1,dp=8", "--nodes", "1"]
 
 
 def _launch(g, out: Path, *extra) -> list:
-    return [*LAUNCH, "--out", out, *extra, "--", "--load", g["ck"], "--data-path", g["data"], "--save", out / "run"]
+    return [*LAUNCH, "--out", out, *extra, "--", "--load", g["ck"], "--data-path", g["data"], "--save", out / "run",
+            "--seq-length", "64"]  # the tiny model's positions: launch checks the job against --load's model
 
 
 def _user_script(out: Path, t: Path, name: str) -> Path | None:

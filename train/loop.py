@@ -39,7 +39,7 @@ from train.optim import DistributedOptimizer, ParamScheduler, is_scheduler_state
 from train.parallel.context import packing_from, prepare_micro_batch
 from train.parallel.groups import Groups, build_groups, new_group
 from train.parallel.interleaved import InterleavedPipeline
-from train.parallel.parallelize import parallelize
+from train.parallel.parallelize import check_parallel, parallelize
 from train.parallel.pipeline import StageStep, forward_backward, forward_only
 
 
@@ -80,10 +80,12 @@ def is_torch_dist(path: str | Path) -> bool:
     return os.path.lexists(p / TRACKER) or (p / "metadata.json").is_file() or (p / ".metadata").is_file()
 
 
-def run_layout(cfg: TrainConfig) -> RunLayout:
-    """The run's layout from the world size and the parallel flags; the global batch must split over DP."""
+def run_layout(cfg: TrainConfig, world: int | None = None) -> RunLayout:
+    """The run's layout from the world size (default: the process group's; `shardkit launch` passes the job's) and
+    the parallel flags; the global batch must split over DP."""
     p, d = cfg.parallel, cfg.data
-    dims = RunLayout.from_world(dist.get_world_size(), p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp,
+    world = dist.get_world_size() if world is None else world
+    dims = RunLayout.from_world(world, p.tp, p.pp, cp=p.cp, vpp=p.vpp, ep=p.ep, etp=p.etp,
                                 split=PipelineSplit.from_args(p))
     if d.global_batch_size % (d.micro_batch_size * dims.dp):
         raise ConfigError(f"--global-batch-size {d.global_batch_size} is not divisible by --micro-batch-size "
@@ -142,6 +144,23 @@ def check_model_flags(cfg: TrainConfig, m: ModelConfig, source: Path) -> None:
     check_for_model(cfg, m)  # MoE / MTP flags on a model without them, TE + packed docs under CP
 
 
+def check_layout_for_model(cfg: TrainConfig, dims: RunLayout, m: ModelConfig, source: Path) -> None:
+    """Everything the trainer refuses about this run's flags and layout for the model of its --load before it builds
+    anything, with no process group: the model flags, the layout against the model (heads, KV groups, ffn and experts
+    over TP/EP, the pipeline split against the layers: train/parallel/parallelize.py check_parallel), a pipeline rank
+    with nothing to run, sequence parallelism against the sequence. `shardkit launch` runs it before writing a job."""
+    check_model_flags(cfg, m, source)
+    check_parallel(m, dims, cfg.parallel)
+    layout = dims.model_parallel
+    idle = layout.idle_ranks(m.num_layers)
+    if idle:  # Megatron's layout strings allow a stage with nothing in it; shardkit's trainer does not run one
+        raise ConfigError(f"{' '.join(layout.split.flags())}: pipeline rank(s) {', '.join(map(str, idle))} "
+                          "would hold no decoder layer, embedding or loss; the trainer needs work on every stage")
+    if cfg.parallel.sequence_parallel and dims.tp > 1 and cfg.data.seq_length % dims.tp:
+        raise ConfigError(f"--sequence-parallel: --seq-length {cfg.data.seq_length} is not divisible by --tp "
+                          f"{dims.tp}")
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         validate(cfg)
@@ -159,16 +178,10 @@ class Trainer:
         self.ck, self.src, self.state, notes = open_load(c, d.global_batch_size)
         self.notes += notes
         self.model_cfg = self.ck.config
-        check_model_flags(cfg, self.model_cfg, self.src)
+        check_layout_for_model(cfg, dims, self.model_cfg, self.src)  # the checks `shardkit launch` runs too
         check_save_format(c.save, c.save_format)
-        idle = self.layout.idle_ranks(self.model_cfg.num_layers)
-        if idle:  # Megatron's layout strings allow a stage with nothing in it; shardkit's trainer does not run one
-            raise ConfigError(f"{' '.join(self.layout.split.flags())}: pipeline rank(s) {', '.join(map(str, idle))} "
-                              "would hold no decoder layer, embedding or loss; the trainer needs work on every stage")
         self.dtype = torch.bfloat16 if cfg.run.bf16 else torch.float32
         self.sp = p.sequence_parallel and dims.tp > 1
-        if self.sp and d.seq_length % dims.tp:
-            raise ConfigError(f"--sequence-parallel: --seq-length {d.seq_length} is not divisible by --tp {dims.tp}")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         self.packing = packing_from(d, self.model_cfg, self.ck.hf_dir())
@@ -445,16 +458,20 @@ class Trainer:
             from train import torch_dist_ckpt
 
             groups = self._megatron_param_groups()
-            out = torch_dist_ckpt.save(Path(c.save), self.iteration, self.model_cfg, self.layout, self.table,
+            out = torch_dist_ckpt.save(Path(c.save), self.iteration, self.model_cfg, self.layout, self._saved_table(),
                                        self.opt, self.groups, state, self.ck.hf_dir(), provenance, c.key_naming,
                                        groups, self._megatron_training_args(), async_group=async_group)
         else:
-            out = ckpt_io.save(Path(c.save), self.iteration, self.model_cfg, self.layout, self.table, self.opt,
-                               self.groups, state, self.ck.hf_dir(), provenance, async_group=async_group)
+            out = ckpt_io.save(Path(c.save), self.iteration, self.model_cfg, self.layout, self._saved_table(),
+                               self.opt, self.groups, state, self.ck.hf_dir(), provenance, async_group=async_group)
         if isinstance(out, ckpt_io.AsyncSave):
             self.pending_save = _TimedSave(out, self.iteration, t0)
         else:
             self._log_saved(self.iteration, time.perf_counter() - t0)
+
+    def _saved_table(self) -> list:
+        """The parameters a save writes (the megatron-core engine stacks its per-expert weights by layer)."""
+        return self.table
 
     def _megatron_param_groups(self) -> list[dict]:
         from train import torch_dist_ckpt

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # shardkit continue-pretrain under torchrun: {{LAYOUT}} ({{WORLD}} GPUs: {{NODES}} node(s) x {{GPUS_PER_NODE}}).
-# Template: `shardkit launch` fills in the double-brace fields (scripts/torchrun.sh in the shardkit repository).
+# {{RUN}}
+# Template: `shardkit launch` fills in the double-brace fields (plan/templates/torchrun.sh in the shardkit package).
 # Run the rendered script once per node with NODE_RANK=0..NNODES-1 and MASTER_ADDR set to node 0, or submit the
 # sbatch script rendered beside it, which runs it once per rank under srun with SHARDKIT_LAUNCHER=srun (no torchrun:
 # each SLURM task is one rank). Environment variables override the rendered defaults.
@@ -21,11 +22,19 @@ export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-10}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 {{ENV}}{{RESUME}}
+# the Python that runs shardkit, found when the job runs (nothing of the submitting machine is written here):
+# SHARDKIT_PYTHON, else python3 on PATH (sbatch passes the submitting shell's environment on: an activated venv)
+PYTHON=${SHARDKIT_PYTHON:-python3}
+if ! "$PYTHON" -c 'import shardkit' 2>/dev/null; then
+    echo "$0: $PYTHON cannot import shardkit: activate the environment shardkit is installed in, or set" \
+         "SHARDKIT_PYTHON to its python" >&2
+    exit 2
+fi
 case ${SHARDKIT_LAUNCHER:-torchrun} in
-    torchrun) launcher=({{PYTHON}} -m torch.distributed.run
+    torchrun) launcher=("$PYTHON" -m torch.distributed.run
                         --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --node-rank "$NODE_RANK"
                         --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT") ;;
-    srun) launcher=({{PYTHON}}) ;;  # this process is one rank: the trainer reads SLURM_PROCID, SLURM_NTASKS, MASTER_ADDR
+    srun) launcher=("$PYTHON") ;;  # this process is one rank: the trainer reads SLURM_PROCID, SLURM_NTASKS, MASTER_ADDR
     *) echo "$0: SHARDKIT_LAUNCHER=$SHARDKIT_LAUNCHER: expected torchrun or srun" >&2; exit 2 ;;
 esac
 exec "${launcher[@]}" -m shardkit continue-pretrain \

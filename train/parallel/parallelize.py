@@ -70,12 +70,8 @@ def parallelize(model_cfg: ModelConfig, groups: Groups, device: torch.device, dt
     of the run applied in the order of the module docstring. Without `run` (parity checks, benchmarks, memory
     plans) the model has no dropout; the trainer passes its RunConfig (Megatron's dropout defaults)."""
     layout = groups.dims.model_parallel
-    layout.check(model_cfg)
+    local = check_parallel(model_cfg, groups.dims, parallel)
     sp = parallel.sequence_parallel and groups.dims.tp > 1
-    if model_cfg.is_moe and groups.dims.tp > 1 and not sp:  # Megatron asserts the same
-        raise ConfigError(f"--tp {groups.dims.tp} with an MoE model ({model_cfg.model_type}) needs "
-                          "--sequence-parallel (megatron-core's MoE layers take the sequence-parallel slice)")
-    local = local_config(model_cfg, layout)
     with torch.device("meta"):
         model = GPTModel(local, local.vocab_size)
         apply_pipeline_split(model, model_cfg, groups)
@@ -95,6 +91,18 @@ def parallelize(model_cfg: ModelConfig, groups: Groups, device: torch.device, dt
                           "--transformer-impl local")
     moe_state = moe_mod.setup(moe, model_cfg, model, groups, sp)
     return Parallelized(model, attention, line, backend, moe_state, rng)
+
+
+def check_parallel(model_cfg: ModelConfig, dims, parallel: ParallelConfig) -> ModelConfig:
+    """The run's layout (a checkpoint.run_layout.RunLayout) against the model, before anything is built: the layout's
+    own checks (heads, KV groups, ffn, experts, the pipeline split), MoE under TP needing sequence parallelism, and
+    what one TP rank builds (`local_config`, returned). No process group needed (`shardkit launch` runs it too)."""
+    layout = dims.model_parallel
+    layout.check(model_cfg)
+    if model_cfg.is_moe and dims.tp > 1 and not parallel.sequence_parallel:  # Megatron asserts the same
+        raise ConfigError(f"--tp {dims.tp} with an MoE model ({model_cfg.model_type}) needs "
+                          "--sequence-parallel (megatron-core's MoE layers take the sequence-parallel slice)")
+    return local_config(model_cfg, layout)
 
 
 def apply_pipeline_split(model: GPTModel, cfg: ModelConfig, groups: Groups) -> None:
