@@ -273,3 +273,54 @@ def test_launch_checks_the_trainer_flags_before_queueing(models, capsys):
     assert "unrecognized arguments: --lr-warmup-itres 10" in capsys.readouterr().err
     assert main(["launch", "--layout", "tp=2,cp=2,dp=2", "--nodes", "1", "--dry-run", "--", *train,
                  "--attention-dropout", "0"]) == 0
+
+
+# -- from an installed package ----------------------------------------------------------------------------------------
+
+def test_launch_from_a_wheel_install(models, tmp_path, capsys):
+    """shardkit built as a wheel and installed (--no-deps) into a fresh venv that borrows this one's dependencies
+    (torch, transformers, ...), run from outside the repository: launch reads its templates from the installed
+    package, renders plan's choice for Llama-3.1-405B, and the command line it writes passes the trainer's checks."""
+    import shutil
+
+    src = tmp_path / "src"  # a copy: setuptools builds in the source tree (build/, *.egg-info)
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for pkg in ("checkpoint", "convert", "train", "shardkit", "plan"):
+        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    quiet = dict(check=True, capture_output=True, text=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w",
+                    str(tmp_path / "dist")], cwd=tmp_path, **quiet)
+    wheel = next((tmp_path / "dist").glob("shardkit-*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], **quiet)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               **quiet).stdout.strip())
+    deps = Path(subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               **quiet).stdout.strip())
+    # this venv's packages as a plain path entry: its .pth files (the editable shardkit's finder) are not run
+    (site / "borrowed-deps.pth").write_text(f"{deps}\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
+                   **quiet)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PYTHONWARNINGS"] = "ignore"
+    where = subprocess.run([py, "-c", "import plan.launch, shardkit; print(plan.launch.__file__)"], cwd=tmp_path,
+                           env=env, **quiet).stdout.strip()
+    assert where.startswith(str(site)), where  # the installed package, not the repository
+    preset, gpus, seq = PLANS["llama3.1-405b"]
+    r = subprocess.run([venv / "bin" / "shardkit", "plan", "--model", preset, "--gpus", str(gpus), "--seq-length",
+                        str(seq), "--json", "--top", "1"], cwd=tmp_path, env=env, **quiet)
+    argv = json.loads(r.stdout)["launch"]
+    out = tmp_path / "launch"
+    r = subprocess.run([venv / "bin" / "shardkit", "launch", "--out", str(out), *argv[2:], "--load",
+                        str(models["llama3.1-405b"]), "--data-path", str(models["data"]), "--save",
+                        str(tmp_path / "save")], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    torchrun = (out / "torchrun.sh").read_text()
+    for machine in (str(venv), str(REPO), sys.executable):
+        assert machine not in torchrun and machine not in (out / "job.sbatch").read_text()
+    lay = parse_layout(argv[argv.index("--layout") + 1])
+    _, dims = trainer_accepts(continue_pretrain_args(torchrun), world=gpus)
+    assert dims == lay
