@@ -75,6 +75,9 @@ def assert_same_tensors(ours: Path, ref: Path, tol: float = 1e-5) -> float:
     worst = 0.0
     for k in b:
         x, y = a[k].double().numpy(), b[k].double().numpy()
+        if x.shape != y.shape and ("word_embeddings" in k or "output_layer" in k):  # another TP pads the vocab more
+            assert x.shape[1:] == y.shape[1:], k
+            x, y = x[:min(len(x), len(y))], y[:min(len(x), len(y))]  # the padding rows repeat a true row
         assert x.shape == y.shape, k
         d = float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30))
         assert d <= tol, (k, d)
@@ -147,6 +150,36 @@ def test_packed_documents_equal_native(work, layout):
     if nproc == 1:
         plain = train(work, "unpacked-mcore", 1, "megatron-core", data=data)
         assert abs(plain[0]["loss"] - rows[0]["loss"]) > 1e-3  # the flags changed what was computed
+
+
+@pytest.fixture(scope="module")
+def mixtral(work):
+    """A tiny Mixtral (4 experts, top-2), converted, with the native engine's reference run (aux loss 0.01)."""
+    from shardkit.cli import main as cli
+    from tests import moe_models
+
+    root = work / "mixtral"
+    moe_models.build("mixtral", root / "hf")
+    assert cli(["convert", "hf-to-mcore", str(root / "hf"), str(root / "ck"), "--quiet", "--no-verify"]) == 0
+    train(work, "mixtral-native", 1, "native", *MOE, load=root / "ck")
+    return root
+
+
+MOE = ["--moe-aux-loss-coeff", "0.01"]
+MOE_LAYOUTS = {"1rank": (1, ()), "1rank-allgather": (1, ("--moe-token-dispatcher-type", "allgather")),
+               "tp2-sp": (2, ("--tp", "2", "--sequence-parallel"))}
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_mixtral_equals_native(work, mixtral, layout):
+    """Mixtral's MoE layers on megatron-core (its router, load-balancing loss, token dispatcher and SequentialMLP;
+    the per-expert weights loaded from and saved into shardkit's stacked expert tensors) equal the native engine:
+    losses, grad norms (the aux loss's gradient included), and every saved weight and optimizer moment."""
+    ref = [json.loads(line) for line in (work / "mixtral-native" / "metrics.jsonl").read_text().splitlines()]
+    nproc, flags = MOE_LAYOUTS[layout]
+    rows = train(work, f"mixtral-mcore-{layout}", nproc, "megatron-core", *MOE, *flags, load=mixtral / "ck")
+    assert_same_rows(rows, ref)
+    assert_same_tensors(work / f"mixtral-mcore-{layout}", work / "mixtral-native")
 
 
 def test_megatron_core_save_reshards_exports_and_verifies(work, native, tmp_path):

@@ -55,6 +55,12 @@ class LocalParam:
     index: int | None  # position on the stacked layer axis of this rank's local tensor (None: not stacked)
     tied_copy: bool = False  # the last stage's copy of a tied embedding: read, never written
     vstage: int = 0  # the model chunk (--vpp) whose local tensor holds it
+    expert: int | None = None  # one local expert of a stacked expert tensor (megatron-core's per-expert weights)
+
+    def of(self, local: torch.Tensor) -> torch.Tensor:
+        """This parameter's part of its model chunk's local tensor."""
+        t = local if self.index is None else local[self.index]
+        return t if self.expert is None else t[self.expert]
 
 
 def param_table(model: nn.Module, cfg: ModelConfig, layout: Layout, groups: Groups) -> list[LocalParam]:
@@ -105,7 +111,7 @@ def load_model(ck: Checkpoint, table: list[LocalParam], layout: Layout, groups: 
     for cname, lps in _by_tensor(table).items():
         local = _local(ck, cname, layout, _coord(lps[0], groups))
         for lp in lps:
-            lp.param.copy_(local[lp.vstage] if lp.index is None else local[lp.vstage][lp.index])
+            lp.param.copy_(lp.of(local[lp.vstage]))
 
 
 def load_optimizer(ck: Checkpoint, table: list[LocalParam], opt: DistributedOptimizer, layout: Layout,
@@ -121,7 +127,7 @@ def load_optimizer(ck: Checkpoint, table: list[LocalParam], opt: DistributedOpti
         coord = _coord(lps[0], groups)
         states = {s: _local(ck, optimizer_key(s, cname), layout, coord) for s in OPTIMIZER_STATES}
         for lp in lps:
-            vals = {s: (t[lp.vstage] if lp.index is None else t[lp.vstage][lp.index]) for s, t in states.items()}
+            vals = {s: lp.of(t[lp.vstage]) for s, t in states.items()}
             opt.load_state(index[lp.name], vals, step)
 
 
@@ -139,6 +145,8 @@ def _boxes(entry: TensorEntry, lp: LocalParam, value: torch.Tensor, layout: Layo
     """The chunks of `entry` this rank writes for one parameter (chunk grid position, global offsets, value: a view
     of `value`): the primary regions of its model chunk, cut on the entry's chunk grid. The native save writes each
     as a chunk file, the torch_dist save (train/torch_dist_ckpt.py) as one DCP item."""
+    if lp.expert is not None:  # a chunk holds a layer's local experts together: save them stacked
+        raise ValueError(f"{lp.name}: one expert of {lp.spec.name} cannot be saved alone; stack the layer's experts")
     for r in regions(lp.spec, layout, groups.coord, num_layers):
         if not r.primary or r.vstage != lp.vstage:
             continue

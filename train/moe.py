@@ -380,14 +380,19 @@ def check_mtp_sequence(seq_length: int, cfg: ModelConfig, mtp_loss_scaling_facto
                           "--mtp-loss-scaling-factor 0")
 
 
+def settings_of(args, cfg: ModelConfig) -> MoESettings:
+    """The run's MoEArgs resolved against the checkpoint (either engine's)."""
+    coeff = args.moe_aux_loss_coeff if args.moe_aux_loss_coeff is not None else cfg.moe_aux_loss_coeff
+    return MoESettings(args.moe_router_load_balancing_type, float(coeff), args.moe_router_bias_update_rate,
+                       args.mtp_loss_scaling_factor, args.moe_router_dtype)
+
+
 def setup(args, cfg: ModelConfig, model: nn.Module, groups, sequence_parallel: bool = False) -> MoETraining | None:
     """The MoE training state of this stage (None for a dense model). `args`: the run's MoEArgs; the aux-loss
     coefficient defaults to the checkpoint's (HF router_aux_loss_coef / aux_loss_alpha)."""
     if not cfg.is_moe:
         return None
-    coeff = args.moe_aux_loss_coeff if args.moe_aux_loss_coeff is not None else cfg.moe_aux_loss_coeff
-    settings = MoESettings(args.moe_router_load_balancing_type, float(coeff), args.moe_router_bias_update_rate,
-                           args.mtp_loss_scaling_factor, args.moe_router_dtype)
+    settings = settings_of(args, cfg)
     # the ranks splitting one sequence (context parallel, and TP under sequence parallelism) share its token counts
     sp = sequence_parallel and groups.dims.tp > 1
     return MoETraining(model, cfg, settings, token_group=groups.tp_cp if sp else groups.cp, tp=groups.dims.tp,

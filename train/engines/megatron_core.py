@@ -14,13 +14,15 @@ the scheduler checks on resume, the NaN stop (before the optimizer step), exit s
 are the native engine's own. megatron-core's parameter names are shardkit's canonical names (checkpoint/megatron.py:
 the local spec's separate norms map to their TE names), so the sharding table gives every parameter its regions.
 
-What this engine covers: dense Llama-family models (no MoE, MLA, MTP, sliding window or linear biases other than
-QKV's), TP (+ SP), PP (1F1B, interleaved with --vpp; even and uneven splits by Megatron-LM's split flags), DP with
-the distributed optimizer, fp32 and bf16,
+What this engine covers: Llama-family models (no MLA, MTP, sliding window or linear biases other than QKV's) and
+Mixtral's MoE (megatron-core's router, load-balancing loss, alltoall / allgather dispatchers and SequentialMLP, whose
+per-expert weights are read from and saved into shardkit's stacked expert tensors), TP (+ SP), PP (1F1B, interleaved
+with --vpp; even and uneven splits by Megatron-LM's split flags), DP with the distributed optimizer, fp32 and bf16,
 native checkpoints (load: weights, and the optimizer state when resuming; save: native format, or torch_dist through
 the same save path; torch_dist loads too, Megatron-LM's own included, read by region as the native engine reads them).
 Packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) as the native engine takes them.
-Refused in one line: TE's layer spec, FP8, context parallelism, expert parallelism, recompute on the CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
+Refused in one line: TE's layer spec, FP8, context parallelism, expert parallelism (EP > 1, ETP != TP), recompute on
+the CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
 switch SHARDKIT_MEGATRON_CORE_CPU=1 (`cpu_stand_ins`); without it --engine megatron-core on the CPU is refused.
 
 Importing megatron-core registers some 26 classes as torch.load safe globals (its megatron/core/safe_globals.py);
@@ -32,6 +34,7 @@ import contextlib
 import functools
 import math
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -96,15 +99,19 @@ def import_megatron() -> None:
         import megatron.core.pipeline_parallel  # noqa: F401
         import megatron.core.pipeline_parallel.schedules  # noqa: F401
         import megatron.core.tensor_parallel  # noqa: F401
+        import megatron.core.transformer.moe.moe_utils as moe_utils
         import megatron.core.transformer.transformer_config  # noqa: F401
         from megatron.core.transformer.module import Float16Module  # noqa: F401
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16 without Transformer Engine: its router's fallback GEMM
+        moe_utils.te_general_gemm = None  # (the name is otherwise undefined there: a NameError in every MoE forward)
 
 
 def cpu_stand_ins() -> None:
     """megatron-core on the CPU (tests on gloo; DESIGN.md's recipe, as tests/megatron_oracle.py applies it): the
     current device is the CPU, synchronize does nothing, the CUDA RNG tracker's fork is a null context, tensors report
-    `torch.cuda.*` types (the distributed optimizer and its clipping refuse others), `.cuda()` is the identity and
-    `device="cuda"` factory calls land on the CPU. No arithmetic changes. Process-wide: only under CPU_SWITCH."""
+    `torch.cuda.*` types (the distributed optimizer and its clipping refuse others), `.cuda()` is the identity,
+    `device="cuda"` factory calls land on the CPU and streams are synchronous stand-ins. No arithmetic changes.
+    Process-wide: only under CPU_SWITCH."""
     from megatron.core import tensor_parallel
 
     if getattr(torch, "_shardkit_mcore_cpu", False):
@@ -113,8 +120,43 @@ def cpu_stand_ins() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    # the alltoall token dispatcher's side stream for its device-to-host copies: on the CPU every copy is done when
+    # it returns, so a stream and its events only need to exist
+    torch.cuda.Stream = _HostStream
+    main_stream = _HostStream()
+    torch.cuda.current_stream = lambda *a, **k: main_stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
     cuda_as_cpu()
+
+
+class _HostEvent:
+    """An event of _HostStream: always complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """A CUDA stream stand-in on the CPU (cpu_stand_ins): work is synchronous, so waiting and recording are no-ops."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostEvent:
+        return event or _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
 
 
 class RMSNorm:
@@ -134,7 +176,7 @@ class RMSNorm:
 
 def check_flags(cfg, on_cpu: bool) -> None:
     """The flags this engine cannot honour (yet): NotCovered naming the flag, before anything is read or created."""
-    p, r, d = cfg.parallel, cfg.run, cfg.data
+    p, r = cfg.parallel, cfg.run
     where = "megatron-core cannot run it on the CPU" if on_cpu else "not in the megatron-core engine yet (issue 40)"
     if on_cpu and os.environ.get(CPU_SWITCH) != "1":
         raise NotCovered("megatron-core's engine runs on CUDA; on the CPU it runs only as a test of itself on gloo "
@@ -155,20 +197,55 @@ def check_flags(cfg, on_cpu: bool) -> None:
 
 
 def check_model(m) -> None:
-    """A dense Llama-family model: what the local spec builds here with the same names and numbers."""
-    what = ("MoE" if m.is_moe else "multi-latent attention" if m.multi_latent_attention else
+    """A Llama-family model, dense or with Mixtral's MoE (softmax top-k routing, no shared expert): what the local
+    spec builds here with the same names and numbers."""
+    if m.is_moe:
+        moe = ("shared experts" if m.moe_shared_expert_intermediate_size else
+               "an expert bias (aux-loss-free balancing)" if m.moe_router_enable_expert_bias else
+               "group-limited routing" if m.moe_router_num_groups else
+               f"{m.moe_router_score_function} router scores" if m.moe_router_score_function != "softmax" else
+               "a top-k scaling factor" if m.moe_router_topk_scaling_factor else None)
+        if moe:
+            raise NotCovered(f"{m.model_type} has {moe}: the megatron-core engine builds Mixtral's MoE in this slice "
+                             "(issue 40); use --engine native")
+    what = ("multi-latent attention" if m.multi_latent_attention else
             "multi-token prediction" if m.mtp_num_layers else "a heterogeneous layer stack" if m.heterogeneous else
             "sliding-window attention" if m.sliding_window else
             "biases on the output projection / MLP" if m.add_proj_bias or m.add_mlp_bias else None)
     if what:
-        raise NotCovered(f"{m.model_type} has {what}: the megatron-core engine builds dense Llama-family models in "
-                         "this slice (issue 40); use --engine native")
+        raise NotCovered(f"{m.model_type} has {what}: the megatron-core engine builds Llama-family models (and "
+                         "Mixtral) in this slice (issue 40); use --engine native")
     rope = (m.rope_scaling or {}).get("rope_type", "default")
     if rope not in ("default", "llama3", "linear"):
         raise NotCovered(f"RoPE scaling {rope!r}: not in the megatron-core engine yet (issue 40); use --engine native")
 
 
-def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bool):
+def moe_fields(m, dims, moe_args) -> dict:
+    """TransformerConfig's MoE fields: the model's (checkpoint.megatron.model_args, Megatron-LM's names) and the run's
+    (--moe-router-load-balancing-type, --moe-aux-loss-coeff or the checkpoint's, --moe-router-dtype,
+    --moe-token-dispatcher-type); dropless, experts as the local spec's SequentialMLP (one weight per expert)."""
+    if not m.is_moe:
+        return {}
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from checkpoint.megatron import model_args
+    from train.moe import settings_of
+
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    a = model_args(m, dims.model_parallel)
+    out = {k: v for k, v in a.items() if k.startswith("moe_") and k in known}
+    s = settings_of(moe_args, m)
+    out.update(num_moe_experts=a["num_experts"], moe_router_load_balancing_type=s.load_balancing_type,
+               moe_aux_loss_coeff=s.aux_loss_coeff, moe_router_dtype=s.router_dtype, moe_grouped_gemm=False,
+               moe_token_dispatcher_type=moe_args.moe_token_dispatcher_type, moe_permute_fusion=False,
+               moe_router_fusion=False, expert_model_parallel_size=dims.ep,
+               expert_tensor_parallel_size=dims.expert_tp)
+    return out
+
+
+def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bool, moe_args=None):
     """megatron-core's TransformerConfig for shardkit's model config `m` at this run's layout: the one place the
     engine's shapes come from (never from flags retyped by the user)."""
     import torch.nn.functional as F
@@ -189,7 +266,8 @@ def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bo
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False, deallocate_pipeline_outputs=True,
         recompute_granularity=run.recompute_granularity, recompute_method=run.recompute_method,
-        recompute_num_layers=run.recompute_num_layers, **pipeline_split_fields(dims.split))
+        recompute_num_layers=run.recompute_num_layers, **pipeline_split_fields(dims.split),
+        **moe_fields(m, dims, moe_args))
 
 
 def pipeline_split_fields(split) -> dict:
@@ -214,13 +292,18 @@ class SavedState:
     """What shardkit's save path (ckpt_io.saved_values, the finiteness check, the param groups) asks of an optimizer:
     names, params, expert flags, the flags' config, the step count, which parameters this rank writes (round-robin
     over DP ranks, whole tensors) and their fp32 params and moments. `refresh()` collects them from megatron-core's
-    distributed optimizer (each DP rank's flat ranges) into shardkit's tensors, every DP rank taking part."""
+    distributed optimizer (each DP rank's flat ranges) into shardkit's tensors, every DP rank taking part.
+    megatron-core's per-expert weights are saved stacked by layer (a chunk of an expert tensor holds a layer's local
+    experts together): `table` is the table a save writes, its stacks taken afresh by `refresh()`."""
 
-    def __init__(self, table, mopt, cfg, groups, dp: int) -> None:
-        trained = [lp for lp in table if not lp.tied_copy and lp.param.requires_grad]
-        self.names = [lp.name for lp in trained]
-        self.params = [lp.param for lp in trained]
-        self.expert = [False] * len(trained)
+    def __init__(self, table, mopt, cfg, groups, dp: int, expert: frozenset = frozenset()) -> None:
+        self.entries = stacked_entries(table)  # (saved LocalParam, its megatron-core parameters' LocalParams)
+        self.table = [lp for lp, _ in self.entries]
+        trained = [k for k, (lp, _) in enumerate(self.entries) if not lp.tied_copy and lp.param.requires_grad]
+        self._trained = trained
+        self.names = [self.table[k].name for k in trained]
+        self.params = [self.table[k].param for k in trained]
+        self.expert = [self.table[k].spec.name in expert for k in trained]
         self.cfg, self.mopt, self.groups, self.dp = cfg, mopt, groups, dp
         self.steps = 0
         self._state: dict[int, dict[str, torch.Tensor]] = {}
@@ -239,27 +322,62 @@ class SavedState:
         """Each parameter's fp32 param and moments, whole, on the DP rank that writes it (and only there): every DP
         rank puts its range of the distributed optimizer's shard into a zero buffer, one reduce per parameter to the
         owner (x + 0 = x: exact). What a rank keeps is 1/DP of its model-parallel shard's optimizer state, on the
-        host; the transient buffer is one parameter's."""
+        host; the transient buffer is one parameter's. Stacked entries take their members' weights afresh."""
+        import dataclasses
+
         from megatron.core import parallel_state as ps
 
         group = ps.get_data_parallel_group()
         ranks = dist.get_process_group_ranks(group) if self.dp > 1 else [dist.get_rank()]
         parts = distributed_parts(self.mopt)
         self._state = {}
-        for i, p in enumerate(self.params):
-            buf = torch.zeros(3, p.numel(), dtype=torch.float32, device=p.device)
-            for part in parts:
-                if p in part.model_param_gbuf_map:  # this DP rank holds a range of it
-                    r = part._get_model_param_range_map(p)["param"]
-                    t = part._get_main_param_and_optimizer_states(p)
-                    for k, key in enumerate(("param", "exp_avg", "exp_avg_sq")):
-                        buf[k, r.start:r.end] = t[key].detach().reshape(-1)
+        for k, (lp, members) in enumerate(self.entries):
+            if len(members) > 1 or members[0] is not lp:
+                self.entries[k] = (dataclasses.replace(lp, param=torch.stack([m.param.detach() for m in members])),
+                                   members)
+        self.table = [lp for lp, _ in self.entries]
+        self.params = [self.table[k].param for k in self._trained]
+        for i, k in enumerate(self._trained):
             owner = i % self.dp
-            if self.dp > 1:
-                dist.reduce(buf, dst=ranks[owner], group=group)
+            states = []
+            for m in self.entries[k][1]:
+                p = m.param
+                buf = torch.zeros(3, p.numel(), dtype=torch.float32, device=p.device)
+                for part in parts:
+                    if p in part.model_param_gbuf_map:  # this DP rank holds a range of it
+                        r = part._get_model_param_range_map(p)["param"]
+                        t = part._get_main_param_and_optimizer_states(p)
+                        for j, key in enumerate(("param", "exp_avg", "exp_avg_sq")):
+                            buf[j, r.start:r.end] = t[key].detach().reshape(-1)
+                if self.dp > 1:
+                    dist.reduce(buf, dst=ranks[owner], group=group)
+                states.append(buf.cpu().view(3, *p.shape))
             if owner == self.groups.dp_rank:
-                host = buf.cpu()
-                self._state[i] = {s: host[k].view(p.shape) for k, s in enumerate(OPTIMIZER_STATES)}
+                both = states[0] if len(states) == 1 else torch.stack(states, dim=1)
+                self._state[i] = {s: both[j] for j, s in enumerate(OPTIMIZER_STATES)}
+
+
+def stacked_entries(table) -> list:
+    """The saved table of megatron-core's parameters: each its own entry, except one layer's local experts of one
+    expert tensor, stacked in expert order into one entry (named as megatron-core's GroupedMLP would name it)."""
+    import dataclasses
+
+    out, stacks = [], {}
+    for lp in table:
+        if lp.expert is None:
+            out.append((lp, [lp]))
+            continue
+        key = (lp.spec.name, lp.vstage, lp.index)
+        if key not in stacks:
+            stacks[key] = []
+            name = re.sub(r"\.local_experts\.\d+\.", ".", lp.name)
+            out.append((dataclasses.replace(lp, name=name, expert=None), stacks[key]))
+        stacks[key].append(lp)
+    for members in stacks.values():
+        members.sort(key=lambda m: m.expert)
+        if [m.expert for m in members] != list(range(len(members))):
+            raise FormatError(f"{members[0].name}: local experts {[m.expert for m in members]} are not 0..n-1")
+    return out
 
 
 # -- the trainer -----------------------------------------------------------------------------------------------------------
@@ -332,7 +450,9 @@ class MegatronCoreTrainer(Trainer):
         self.table = self._param_table()
         ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
         self._wrap_and_optimizer()
-        self.opt = SavedState(self.table, self.mopt, cfg.optimizer, self.groups, dims.dp)
+        expert = ({lp.spec.name for lp in self.table if lp.spec.expert}
+                  if dims.ep > 1 or dims.expert_tp != dims.tp else frozenset())  # as the native engine's optimizer
+        self.opt = SavedState(self.table, self.mopt, cfg.optimizer, self.groups, dims.dp, frozenset(expert))
         self.iteration, self.consumed = 0, 0
         if self.state is not None:
             self.iteration = int(self.state["iteration"])
@@ -364,7 +484,8 @@ class MegatronCoreTrainer(Trainer):
         dims, m = self.dims, self.model_cfg
         ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                                      virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
-                                     context_parallel_size=1, expert_model_parallel_size=1)
+                                     context_parallel_size=1, expert_model_parallel_size=dims.ep,
+                                     expert_tensor_parallel_size=dims.expert_tp)
         g = self.groups
         theirs = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                   ps.get_data_parallel_rank())
@@ -373,13 +494,17 @@ class MegatronCoreTrainer(Trainer):
                               f"shardkit's {(g.tp_rank, g.pp_rank, g.dp_rank)}")
         # NCCL's rule: a communicator's first use is a collective of all its ranks (megatron-core's pipeline
         # exchanges are batched point-to-point on the pipeline group)
-        for group in (ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group(),
-                      ps.get_data_parallel_group()):
+        groups = [ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group(),
+                  ps.get_data_parallel_group()]
+        if m.is_moe:  # the MoE layers' token exchanges and the expert gradients' reduction
+            groups += [ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
+                       ps.get_expert_data_parallel_group()]
+        for group in groups:
             dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         if not self.on_cpu:
             tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.data.seed)
         self.tconfig = tc = transformer_config(m, dims, self.cfg.run, sp=self.sp, dtype=self.dtype,
-                                               on_cpu=self.on_cpu)
+                                               on_cpu=self.on_cpu, moe_args=self.cfg.moe)
         self.padded_vocab = m.padded_vocab_size(dims.tp)
         chunks = []
         for v in range(dims.vpp):
@@ -436,6 +561,7 @@ class MegatronCoreTrainer(Trainer):
         m, layout, g = self.model_cfg, self.layout, self.groups
         specs = {s.name: s for s in model_specs(m, layout)}
         prefix = "decoder.layers."
+        experts = re.compile(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.(.*)")  # SequentialMLP's per-expert weights
         out = []
         for v, model in enumerate(self.chunks):
             start, stop = layout.layer_range(m.num_layers, g.pp_rank, v)
@@ -448,11 +574,14 @@ class MegatronCoreTrainer(Trainer):
                 key = name
                 if name == "output_layer.weight" and m.tie_word_embeddings:  # the last stage's copy of the embedding
                     key, tied_copy = "embedding.word_embeddings.weight", True
-                local = None
+                local, expert = None, None
                 if key.startswith(prefix):
                     local, rest = key[len(prefix):].split(".", 1)
                     local = int(local)
                     key = f"{prefix}{start + local}.{rest}"
+                hit = experts.fullmatch(key)
+                if hit:  # local expert e of this rank's stacked expert tensor (canonical: mlp.experts.experts.*)
+                    key, expert = f"{hit[1]}.experts.{hit[3]}", int(hit[2])
                 found = None
                 for cand in canonical_candidates(key):
                     cname, layer = canonical_name(cand, not m.heterogeneous)
@@ -463,12 +592,12 @@ class MegatronCoreTrainer(Trainer):
                     raise FormatError(f"megatron-core parameter {name}: no canonical tensor for it in the sharding "
                                       "table")
                 spec = specs[found[0]]
-                want = local_shape(spec, layout)[1 if found[1] is not None else 0:]
+                want = local_shape(spec, layout)[(found[1] is not None) + (expert is not None):]
                 if tuple(p.shape) != tuple(want):
                     raise FormatError(f"megatron-core parameter {name}: local shape {list(p.shape)}, the sharding "
                                       f"table gives {spec.name} {list(want)} at tp={layout.tp} pp={layout.pp}")
                 vstage = v if found[1] is not None else owner(spec, layout, m.num_layers)[1]
-                out.append(ckpt_io.LocalParam(f"{v}/{name}", p, spec, local, tied_copy, vstage))
+                out.append(ckpt_io.LocalParam(f"{v}/{name}", p, spec, local, tied_copy, vstage, expert))
         return out
 
     def _wrap_and_optimizer(self) -> None:
@@ -545,7 +674,7 @@ class MegatronCoreTrainer(Trainer):
             coord = ckpt_io._coord(lps[0], self.groups)
             states = {s: ck.read_local(optimizer_key(s, cname), self.layout, coord) for s in OPTIMIZER_STATES}
             for lp in lps:
-                vals = {s: (t[lp.vstage] if lp.index is None else t[lp.vstage][lp.index]) for s, t in states.items()}
+                vals = {s: lp.of(t[lp.vstage]) for s, t in states.items()}
                 mopt = part_of[id(lp.param)]
                 r = mopt._get_model_param_range_map(lp.param)["param"]
                 gi, go = mopt.model_param_group_index_map[lp.param]
@@ -656,6 +785,9 @@ class MegatronCoreTrainer(Trainer):
         if self.dims.world > 1:
             dist.all_reduce(t)
         return float(t) / (self.cfg.run.eval_iters * self.num_micro * self.dims.dp * self.dims.tp)
+
+    def _saved_table(self) -> list:
+        return self.opt.table  # megatron-core's per-expert weights stacked by layer (SavedState.refresh)
 
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
