@@ -357,7 +357,9 @@ def convert_torchtitan_to_mcore(src: str | Path, out: str | Path, layout: Layout
             provenance={"tool": f"shardkit {VERSION}", "command": "convert torchtitan-to-mcore",
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "source": {"kind": "torchtitan", "generation": source.generation, "path": str(step.resolve()),
-                                   "files": source.fingerprint(), "not_converted": source.skipped},
+                                   "files": source.fingerprint(),
+                                   "not_converted": {p: sum(n.split(".")[0] == p for n in source.skipped)
+                                                     for p in TRAINING_PREFIXES}},
                         "seconds": round(time.time() - started, 3)})
         return w.commit(manifest)
 

@@ -7,6 +7,8 @@ and saved by torchtitan's CheckpointManager (model-only, as its last step saves)
   its own weights within 1e-5 (fp32), which checks the Q/K RoPE row permutation and the rope scaling too;
 - mcore-to-torchtitan: every tensor bitwise equal to what torchtitan saved, and torchtitan's CheckpointManager loads
   it (initial_load_path, model-only) into a fresh model whose forward equals the original bitwise;
+- a full training checkpoint (AdamW moments, lr_scheduler, dataloader) converts to the same weights at tp=2 pp=2,
+  saying what it leaves;
 - the flavour registry: `8B` gives Meta's published Llama-3-8B shape; a wrong flavour is one line.
 
 The torchtitan side runs in its own interpreter (its import registers torch safe globals and loggers the rest of
@@ -84,6 +86,12 @@ SAVE = PRELUDE + textwrap.dedent("""
             if "norm" in n:
                 p.add_(torch.randn_like(p) * 0.1)
     manager(model, out + "/tt", last_save_model_only=True, export_dtype="float32").save(5, last_step=True)
+    # a full training checkpoint too: AdamW moments (created by torchtitan's zero step), lr_scheduler, dataloader
+    from torchtitan.components.optimizer.optimizer import default_adamw
+    opt = default_adamw(implementation="for-loop").build(model_parts=[model])
+    cfg_full = CheckpointManager.Config(enable=True, folder=out + "/full", keep_latest_k=0, last_save_model_only=False)
+    CheckpointManager(cfg_full, dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=None, states={},
+                      sd_adapter=None).save(6, last_step=True)
     tokens = torch.randint(0, 256, (2, 12))
     np.save(out + "/tokens.npy", tokens.numpy())
     np.save(out + "/logits.npy", forward(model, tokens).numpy())
@@ -157,9 +165,16 @@ def test_torchtitan_round_trip_and_forward(tmp_path, capsys):
                  "--quiet"]) == 0
     from checkpoint.reader import Checkpoint
 
-    x, y = Checkpoint(tmp_path / "native"), Checkpoint(tmp_path / "native2")
+    # the full training checkpoint: the same weights; its training state is named as not converted
+    assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "full"), str(tmp_path / "native3"), "--hf-config",
+                 str(tmp_path / "hfcfg"), "--tp", "2", "--pp", "2"]) == 0
+    assert "training-state entries (optimizer, lr_scheduler, dataloader, train_state) are not converted" in \
+        capsys.readouterr().err
+    x, y, z = (Checkpoint(tmp_path / n) for n in ("native", "native2", "native3"))
+    assert z.manifest.iteration == 6 and z.manifest.provenance["source"]["not_converted"]["optimizer"] > 0
     for name in x.manifest.tensors:
         assert torch.equal(x.read(name), y.read(name)), name
+        assert torch.equal(x.read(name), z.read(name)), name
 
 
 def test_missing_config_is_one_line(tmp_path, capsys):
