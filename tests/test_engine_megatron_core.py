@@ -167,7 +167,10 @@ def mixtral(work):
 
 MOE = ["--moe-aux-loss-coeff", "0.01"]
 MOE_LAYOUTS = {"1rank": (1, ()), "1rank-allgather": (1, ("--moe-token-dispatcher-type", "allgather")),
-               "tp2-sp": (2, ("--tp", "2", "--sequence-parallel"))}
+               "tp2-sp": (2, ("--tp", "2", "--sequence-parallel")),
+               "ep2": (2, ("--expert-model-parallel-size", "2")),
+               "tp2-sp-etp1-ep2": (2, ("--tp", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+                                       "--expert-model-parallel-size", "2"))}
 
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))

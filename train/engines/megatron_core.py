@@ -21,7 +21,8 @@ with --vpp; even and uneven splits by Megatron-LM's split flags), DP with the di
 native checkpoints (load: weights, and the optimizer state when resuming; save: native format, or torch_dist through
 the same save path; torch_dist loads too, Megatron-LM's own included, read by region as the native engine reads them).
 Packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) as the native engine takes them.
-Refused in one line: TE's layer spec, FP8, context parallelism, expert parallelism (EP > 1, ETP != TP), recompute on
+Expert parallelism (--expert-model-parallel-size, --expert-tensor-parallel-size) on megatron-core's expert groups,
+checked against shardkit's coordinates. Refused in one line: TE's layer spec, FP8, context parallelism, recompute on
 the CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
 switch SHARDKIT_MEGATRON_CORE_CPU=1 (`cpu_stand_ins`); without it --engine megatron-core on the CPU is refused.
 
@@ -126,6 +127,14 @@ def cpu_stand_ins() -> None:
     main_stream = _HostStream()
     torch.cuda.current_stream = lambda *a, **k: main_stream
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    # ...and its split sizes, which it moves to the host as numpy arrays (what all_to_all_single takes): on the CPU
+    # they are host tensors already, which megatron-core leaves as they are
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
     cuda_as_cpu()
 
@@ -191,9 +200,6 @@ def check_flags(cfg, on_cpu: bool) -> None:
     if on_cpu and r.recompute_granularity:  # its checkpoint function saves and restores the CUDA RNG state
         raise NotCovered(f"--recompute-granularity {r.recompute_granularity}: {where} (its recompute restores the "
                          "CUDA RNG state); drop it or use --engine native")
-    if p.ep > 1 or (p.etp is not None and p.etp != p.tp):
-        raise NotCovered("--expert-model-parallel-size / --expert-tensor-parallel-size: not in the megatron-core "
-                         "engine yet (issue 40); use --engine native")
 
 
 def check_model(m) -> None:
@@ -305,11 +311,14 @@ class SavedState:
         self.params = [self.table[k].param for k in trained]
         self.expert = [self.table[k].spec.name in expert for k in trained]
         self.cfg, self.mopt, self.groups, self.dp = cfg, mopt, groups, dp
+        # expert weights' optimizer state is sharded over their expert-data-parallel group (as native's)
+        self.owner = [i % (groups.dims.edp if e else dp) for i, e in enumerate(self.expert)]
         self.steps = 0
         self._state: dict[int, dict[str, torch.Tensor]] = {}
 
     def is_mine(self, i: int | None) -> bool:
-        return i is not None and i % self.dp == self.groups.dp_rank
+        g = self.groups
+        return i is not None and self.owner[i] == (g.edp_rank if self.expert[i] else g.dp_rank)
 
     def owned(self) -> list[int]:
         return [i for i in range(len(self.names)) if self.is_mine(i)]
@@ -327,8 +336,9 @@ class SavedState:
 
         from megatron.core import parallel_state as ps
 
-        group = ps.get_data_parallel_group()
-        ranks = dist.get_process_group_ranks(group) if self.dp > 1 else [dist.get_rank()]
+        dense = ps.get_data_parallel_group()
+        expert = ps.get_expert_data_parallel_group() if any(self.expert) else None
+        ranks = {g: dist.get_process_group_ranks(g) for g in (dense, expert) if g is not None}
         parts = distributed_parts(self.mopt)
         self._state = {}
         for k, (lp, members) in enumerate(self.entries):
@@ -338,7 +348,7 @@ class SavedState:
         self.table = [lp for lp, _ in self.entries]
         self.params = [self.table[k].param for k in self._trained]
         for i, k in enumerate(self._trained):
-            owner = i % self.dp
+            owner, group = self.owner[i], expert if self.expert[i] else dense
             states = []
             for m in self.entries[k][1]:
                 p = m.param
@@ -349,10 +359,10 @@ class SavedState:
                         t = part._get_main_param_and_optimizer_states(p)
                         for j, key in enumerate(("param", "exp_avg", "exp_avg_sq")):
                             buf[j, r.start:r.end] = t[key].detach().reshape(-1)
-                if self.dp > 1:
-                    dist.reduce(buf, dst=ranks[owner], group=group)
+                if len(ranks[group]) > 1:
+                    dist.reduce(buf, dst=ranks[group][owner], group=group)
                 states.append(buf.cpu().view(3, *p.shape))
-            if owner == self.groups.dp_rank:
+            if self.is_mine(i):
                 both = states[0] if len(states) == 1 else torch.stack(states, dim=1)
                 self._state[i] = {s: both[j] for j, s in enumerate(OPTIMIZER_STATES)}
 
@@ -488,10 +498,12 @@ class MegatronCoreTrainer(Trainer):
                                      expert_tensor_parallel_size=dims.expert_tp)
         g = self.groups
         theirs = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                  ps.get_data_parallel_rank())
-        if theirs != (g.tp_rank, g.pp_rank, g.dp_rank):
-            raise ConfigError(f"rank {g.rank}: megatron-core's coordinates (tp, pp, dp) {theirs} differ from "
-                              f"shardkit's {(g.tp_rank, g.pp_rank, g.dp_rank)}")
+                  ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank(),
+                  ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())
+        ours = (g.tp_rank, g.pp_rank, g.dp_rank, g.ep_rank, g.etp_rank, g.edp_rank)
+        if theirs != ours:
+            raise ConfigError(f"rank {g.rank}: megatron-core's coordinates (tp, pp, dp, ep, etp, edp) {theirs} differ "
+                              f"from shardkit's {ours}")
         # NCCL's rule: a communicator's first use is a collective of all its ranks (megatron-core's pipeline
         # exchanges are batched point-to-point on the pipeline group)
         groups = [ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group(),
@@ -746,9 +758,12 @@ class MegatronCoreTrainer(Trainer):
         loss, norm, _ = self._read_step(self._loss_sum(reduced), bool(found_inf) or not math.isfinite(norm),
                                         norm=norm)
         o = self.cfg.optimizer
-        if o.clip_grad > 0:
-            clip_grad_by_total_norm_fp32(self.mopt.get_parameters(), o.clip_grad, norm,
-                                         self.mopt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        if o.clip_grad > 0:  # each part of a ChainedOptimizer (dense and expert) by the one total norm, as its step()
+            for part in distributed_parts(self.mopt):
+                params = part.get_parameters()
+                if params and not getattr(part, "is_stub_optimizer", False):
+                    clip_grad_by_total_norm_fp32(params, o.clip_grad, norm,
+                                                 part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         lr, wd = self.scheduler.lr, self.scheduler.wd
         if not self.mopt.step_with_ready_grads():
             raise RuntimeError("megatron-core's optimizer refused its step")
