@@ -217,13 +217,23 @@ def resolve_step(path: str | Path) -> Path:
     return steps[-1][1]
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")  # torchtitan's AdamW state per parameter (besides `step`)
+
+
+def moment_name(state: str, hf_name: str) -> str:
+    """TorchtitanSource's name of an Adam moment of an HF tensor (the native optimizer key's form)."""
+    return f"optimizer.state.{state}.{hf_name}"
+
+
 class TorchtitanSource:
     """A torchtitan step directory's model tensors under their HF names (hf_to_mcore's HFSource interface): reads
-    return numpy rows, Q/K rows permuted to the half-split RoPE layout."""
+    return numpy rows, Q/K rows permuted to the half-split RoPE layout. With `optimizer`, its AdamW moments too
+    (`moment_name(state, hf_name)`, in `moments`): per parameter, and for 0.3's fused `qkv_linear.wqkv` (rows per
+    KV group [q heads of the group; k; v], as FusedQKVLinear splits it on save) the rows of q_proj/k_proj/v_proj."""
 
     fp8_block = None
 
-    def __init__(self, path: str | Path, cfg: ModelConfig, quiet: bool = True):
+    def __init__(self, path: str | Path, cfg: ModelConfig, quiet: bool = True, optimizer: bool = False):
         from checkpoint import store
         from checkpoint.torch_dist import TorchDistCheckpoint, _dtype_str
 
@@ -234,8 +244,9 @@ class TorchtitanSource:
         gen = max(GENERATIONS, key=lambda g: len(names & {t.format(0) for t in GENERATIONS[g].values()}))
         self.generation, table = gen, GENERATIONS[gen]
         back = {tt: hf for hf, tt in table.items()}
-        self.tt_name: dict[str, str] = {}
+        self.tt_name: dict[str, tuple[str, object]] = {}  # HF (or moment) name -> (torchtitan name, row rule)
         self.tensors: dict[str, _Info] = {}
+        self.moments: dict[str, _Info] = {}
         skipped = [n for n in list(names) + self.td.objects if n.split(".")[0] in TRAINING_PREFIXES]
         for n, t in self.td.tensors.items():
             if n in skipped:
@@ -243,25 +254,74 @@ class TorchtitanSource:
             tmpl, layer = _template(n)
             hf = back.get(tmpl)
             hf = n if hf is None else (hf if layer is None else hf.format(layer))  # unknown: plan() names it
-            self.tt_name[hf] = n
+            self.tt_name[hf] = (n, "rope" if hf.split(".")[-2] in ROPE_PERMUTED else None)
             dtype = _dtype_str(t.dtype)
             store.numpy_dtype(dtype)
             self.tensors[hf] = _Info(self.td.item_file(n, t.chunks[0][0]), dtype, tuple(t.shape))
+        self.steps: set[float] = set()
+        if optimizer:
+            self._find_moments(names)
+            skipped = [n for n in skipped if not (n.startswith("optimizer.state.")
+                                                  and n.rsplit(".", 1)[-1] in (*MOMENTS, "step"))]
         self.skipped = sorted(skipped)
         if skipped and not quiet:
-            print(f"shardkit: note: {self.dir}: {len(skipped)} training-state entries (optimizer, lr_scheduler, "
-                  "dataloader, train_state) are not converted; the model weights are", file=sys.stderr)
+            print(f"shardkit: note: {self.dir}: {len(skipped)} training-state entries ("
+                  + ("optimizer param_groups, " if optimizer else "optimizer, ")
+                  + "lr_scheduler, dataloader, train_state) are not converted; the model weights are"
+                  + ("" if optimizer else " (--optimizer converts the AdamW moments)"), file=sys.stderr)
+
+    def _find_moments(self, names: set[str]) -> None:
+        """The AdamW moments of every model tensor (the parameter's own, or its share of the fused wqkv), checked
+        for presence and shape; their common step."""
+        from checkpoint.torch_dist import _dtype_str
+
+        fused = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
+        for hf, (tt, rule) in list(self.tt_name.items()):
+            m = fused.match(hf) if self.generation == "0.3" else None
+            param = f"layers.{m.group(1)}.attention.qkv_linear.wqkv.weight" if m else tt
+            want = ((self.cfg.num_attention_heads + 2 * self.cfg.num_query_groups) * self.cfg.kv_channels,
+                    self.cfg.hidden_size) if m else self.tensors[hf].shape
+            for state in MOMENTS:
+                key = f"optimizer.state.{param}.{state}"
+                t = self.td.tensors.get(key)
+                if t is None:
+                    raise FormatError(f"{self.dir}: --optimizer: no {key} (the AdamW moment of {tt}); is this a full "
+                                      "training checkpoint of torchtitan's AdamW?")
+                if tuple(t.shape) != tuple(want):
+                    raise FormatError(f"{self.dir}: {key} has shape {list(t.shape)}, expected {list(want)}")
+                name = moment_name(state, hf)
+                self.tt_name[name] = (key, ("qkv", m.group(2)) if m else rule)
+                self.moments[name] = _Info(self.td.item_file(key, t.chunks[0][0]), _dtype_str(t.dtype),
+                                           self.tensors[hf].shape)
+            step = self.td.tensors.get(f"optimizer.state.{param}.step")
+            if step is not None:
+                self.steps.add(float(np.asarray(self.td.read_numpy(step.name)).reshape(-1)[0]))
+        if len(self.steps) > 1:
+            raise FormatError(f"{self.dir}: the AdamW states hold different steps {sorted(self.steps)}")
+
+    def _source_rows(self, rule, rows: np.ndarray) -> np.ndarray:
+        hd = self.cfg.kv_channels
+        perm = hf_row_source(hd)
+        if rule == "rope":
+            return (rows // hd) * hd + perm[rows % hd]
+        _, part = rule  # the fused wqkv: per KV group [hpk q heads; k; v]
+        hpk = self.cfg.heads_per_group
+        group = (hpk + 2) * hd
+        if part == "q":
+            head = rows // hd
+            return (head // hpk) * group + (head % hpk) * hd + perm[rows % hd]
+        if part == "k":
+            return (rows // hd) * group + hpk * hd + perm[rows % hd]
+        return (rows // hd) * group + (hpk + 1) * hd + rows % hd
 
     def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> np.ndarray:
-        tt = self.tt_name[name]
-        ncols = self.tensors[name].shape[1:]
+        tt, rule = self.tt_name[name]
+        ncols = (self.tensors.get(name) or self.moments[name]).shape[1:]
         cbox = ((cols.start or 0, ncols[0] if cols.stop is None else cols.stop),) if cols is not None else \
             tuple((0, c) for c in ncols)
-        hd = self.cfg.kv_channels if name.split(".")[-2] in ROPE_PERMUTED else None
-        if hd is None:
+        if rule is None:
             return self.td.read_numpy(tt, ((start, stop), *cbox))
-        rows = np.arange(start, stop)
-        src = (rows // hd) * hd + hf_row_source(hd)[rows % hd]
+        src = self._source_rows(rule, np.arange(start, stop))
         lo, hi = int(src.min()), int(src.max()) + 1
         return self.td.read_numpy(tt, ((lo, hi), *cbox))[src - lo]
 
@@ -285,12 +345,12 @@ class TorchtitanSource:
 class _LazyTT:
     """The worker's source: opened on first use (hf_to_mcore._LazySource's interface)."""
 
-    def __init__(self, path: str, cfg: ModelConfig):
-        self.path, self.cfg, self.src = path, cfg, None
+    def __init__(self, path: str, cfg: ModelConfig, optimizer: bool):
+        self.path, self.cfg, self.optimizer, self.src = path, cfg, optimizer, None
 
     def source(self) -> TorchtitanSource:
         if self.src is None:
-            self.src = TorchtitanSource(self.path, self.cfg)
+            self.src = TorchtitanSource(self.path, self.cfg, optimizer=self.optimizer)
         return self.src
 
     def read(self, name, start, stop, cols=None):
@@ -308,9 +368,11 @@ def _worker_class():
 
     class _TTWorker(_Worker):
         def __init__(self, src_dir: str, cfg_dict: dict, layout_dict: dict, out_dir: str, dtypes: dict,
-                     allow_nonfinite: bool = False) -> None:
+                     allow_nonfinite: bool = False, optimizer: bool = False) -> None:
             super().__init__(src_dir, cfg_dict, layout_dict, out_dir, dtypes, None, allow_nonfinite)
-            self.src = _LazyTT(src_dir, ModelConfig.from_dict(cfg_dict))
+            self.src = _LazyTT(src_dir, ModelConfig.from_dict(cfg_dict), optimizer)
+            if optimizer:
+                self.maps.update({(tm.canonical, tm.lead): tm for tm in optimizer_maps(self.maps.values())})
 
     return _TTWorker
 
@@ -319,14 +381,33 @@ def _make_worker(*args):
     return _worker_class()(*args)
 
 
+def optimizer_maps(maps) -> list:
+    """The native optimizer entries of model maps: fp32_param from the weights, the Adam moments from
+    TorchtitanSource's moment names, rows as the weight's."""
+    from checkpoint.sharding import OPTIMIZER_STATES, optimizer_key
+
+    out = []
+    for tm in maps:
+        for state in OPTIMIZER_STATES:
+            segs = tuple(s if state == "fp32_param" else dataclasses.replace(s, hf_name=moment_name(state, s.hf_name))
+                         for s in tm.segments)
+            out.append(dataclasses.replace(tm, canonical=optimizer_key(state, tm.canonical), segments=segs))
+    return out
+
+
 def convert_torchtitan_to_mcore(src: str | Path, out: str | Path, layout: Layout, cfg: ModelConfig,
                                 dtype: str | None = None, workers: int | None = None, overwrite: bool = False,
-                                quiet: bool = False, allow_nonfinite: bool = False) -> Path:
+                                quiet: bool = False, allow_nonfinite: bool = False, optimizer: bool = False,
+                                global_batch_size: int | None = None) -> Path:
     """Convert a torchtitan step directory (or the newest step-N under a checkpoint folder) and commit
-    `<out>/iter_<N>`; returns the iteration directory."""
+    `<out>/iter_<N>`; returns the iteration directory. With `optimizer` (a full training checkpoint of torchtitan's
+    AdamW), a training checkpoint: the fp32 weights and Adam moments as the native optimizer state, and
+    train_state.json (iteration, optimizer step, consumed samples = N x `global_batch_size`, which torchtitan does not
+    count in samples)."""
     from checkpoint import store
     from checkpoint.manifest import Manifest
     from checkpoint.safety import check_output
+    from checkpoint.sharding import OPTIMIZER_STATES
 
     from . import distributed
     from .hf_to_mcore import VERSION, _jsonable, plan
@@ -339,21 +420,39 @@ def convert_torchtitan_to_mcore(src: str | Path, out: str | Path, layout: Layout
         raise ConfigError(f"model_type {cfg.model_type!r}: torchtitan conversion supports Llama 3 so far")
     layout.check(cfg)
     dtype = store.dtype_name(dtype) if dtype else None
-    source = TorchtitanSource(step, cfg, quiet=quiet)
+    if optimizer and not global_batch_size:
+        raise ConfigError("--optimizer needs --global-batch-size N (the run's samples per step: the trainer resumes "
+                          "at N x step consumed samples)")
+    source = TorchtitanSource(step, cfg, quiet=quiet, optimizer=optimizer)
     entries, _, _ = plan(cfg, layout, source, dtype, quiet=quiet)
     m = STEP_RE.match(step.name)
     iteration = int(m.group(1)) if m else 0
+    if optimizer:
+        from checkpoint.manifest import TensorEntry
+        from checkpoint.sharding import model_specs, optimizer_specs
+
+        entries.update({s.name: TensorEntry.of(s, layout, "float32")
+                        for s in optimizer_specs(model_specs(cfg, layout))})
     job = {"tool": VERSION, "source": str(step.resolve()), "files": source.resume_fingerprint(),
-           "layout": layout.to_dict(), "dtype": dtype, "model": _jsonable(cfg.to_dict())}
+           "layout": layout.to_dict(), "dtype": dtype, "model": _jsonable(cfg.to_dict()), "optimizer": optimizer}
     started = time.time()
     with distributed.open_writer(out, iteration, job, overwrite, None) as w:
         args = (str(step), cfg.to_dict(), layout.to_dict(), str(w.partial), {n: e.dtype for n, e in entries.items()},
-                allow_nonfinite)
+                allow_nonfinite, optimizer)
         write_chunks(w, entries, "torchtitan-to-mcore", _make_worker, args, workers, quiet)
         if source.resume_fingerprint() != job["files"]:
             raise FormatError(f"{step}: changed while it was being converted; nothing was committed")
+        if optimizer:
+            from checkpoint.manifest import TRAIN_STATE
+
+            steps = int(source.steps.pop()) if source.steps else iteration
+            (w.partial / TRAIN_STATE).write_text(json.dumps(
+                {"iteration": iteration, "consumed_samples": iteration * global_batch_size,
+                 "optimizer_steps": steps}, indent=1) + "\n")
         manifest = Manifest(
             iteration=iteration, model=cfg, layout=layout, tensors=entries, fp8=None,
+            optimizer=list(OPTIMIZER_STATES) if optimizer else None,
+            training={"iteration": iteration, "consumed_samples": iteration * global_batch_size} if optimizer else None,
             provenance={"tool": f"shardkit {VERSION}", "command": "convert torchtitan-to-mcore",
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "source": {"kind": "torchtitan", "generation": source.generation, "path": str(step.resolve()),

@@ -216,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     t2m.add_argument("--model-name", default="llama3", help="torchtitan model of --model-flavor (default llama3)")
     _layout_flags(t2m)
     _dtype_flag(t2m, "store weights as bf16|fp16|fp32 (default: the source dtype)")
+    t2m.add_argument("--optimizer", action="store_true",
+                     help="a full training checkpoint of torchtitan's AdamW: convert its moments too (a native "
+                          "training checkpoint that continue-pretrain resumes); needs --global-batch-size")
+    t2m.add_argument("--global-batch-size", type=int, default=None, metavar="N",
+                     help="with --optimizer: the run's samples per step (consumed samples = N x step)")
     t2m.add_argument("--workers", type=_workers, default=None, help="writer processes (at most the CPU count)")
     t2m.add_argument("--allow-nonfinite", action="store_true",
                      help="convert NaN/Inf source weights as they are (default: refuse them, naming the tensor)")
@@ -591,7 +596,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                            hf_config=args.hf_config)
         path = _write(args, args.out, lambda out: convert_torchtitan_to_mcore(
             args.src, out, layout, cfg, dtype=dtype, workers=args.workers, overwrite=args.overwrite,
-            quiet=args.quiet, allow_nonfinite=args.allow_nonfinite))
+            quiet=args.quiet, allow_nonfinite=args.allow_nonfinite, optimizer=args.optimizer,
+            global_batch_size=args.global_batch_size))
         print(f"wrote {path}")
         return 0
     if args.cmd == "convert" and args.direction == "mcore-to-torchtitan":

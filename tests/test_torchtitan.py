@@ -7,8 +7,9 @@ and saved by torchtitan's CheckpointManager (model-only, as its last step saves)
   its own weights within 1e-5 (fp32), which checks the Q/K RoPE row permutation and the rope scaling too;
 - mcore-to-torchtitan: every tensor bitwise equal to what torchtitan saved, and torchtitan's CheckpointManager loads
   it (initial_load_path, model-only) into a fresh model whose forward equals the original bitwise;
-- a full training checkpoint (AdamW moments, lr_scheduler, dataloader) converts to the same weights at tp=2 pp=2,
-  saying what it leaves;
+- a full training checkpoint (AdamW, lr_scheduler, dataloader) converts at tp=2 pp=2 to the same weights and, with
+  --optimizer, a native training checkpoint: each Adam moment element where its weight element is (moments set to
+  2w and w*w in torchtitan, the fused wqkv's included), train_state.json with torchtitan's step;
 - the flavour registry: `8B` gives Meta's published Llama-3-8B shape; a wrong flavour is one line.
 
 The torchtitan side runs in its own interpreter (its import registers torch safe globals and loggers the rest of
@@ -89,6 +90,12 @@ SAVE = PRELUDE + textwrap.dedent("""
     # a full training checkpoint too: AdamW moments (created by torchtitan's zero step), lr_scheduler, dataloader
     from torchtitan.components.optimizer.optimizer import default_adamw
     opt = default_adamw(implementation="for-loop").build(model_parts=[model])
+    opt.state_dict()  # torchtitan's zero step creates the states; then moments that show where each element goes
+    for o in opt.optimizers:
+        for p, st in o.state.items():
+            st["exp_avg"].copy_(2 * p.detach())
+            st["exp_avg_sq"].copy_(p.detach() * p.detach())
+            st["step"].fill_(7)
     cfg_full = CheckpointManager.Config(enable=True, folder=out + "/full", keep_latest_k=0, last_save_model_only=False)
     CheckpointManager(cfg_full, dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=None, states={},
                       sd_adapter=None).save(6, last_step=True)
@@ -165,16 +172,29 @@ def test_torchtitan_round_trip_and_forward(tmp_path, capsys):
                  "--quiet"]) == 0
     from checkpoint.reader import Checkpoint
 
-    # the full training checkpoint: the same weights; its training state is named as not converted
+    # the full training checkpoint: the same weights, and with --optimizer its AdamW moments; what is left is named
     assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "full"), str(tmp_path / "native3"), "--hf-config",
-                 str(tmp_path / "hfcfg"), "--tp", "2", "--pp", "2"]) == 0
-    assert "training-state entries (optimizer, lr_scheduler, dataloader, train_state) are not converted" in \
+                 str(tmp_path / "hfcfg"), "--tp", "2", "--pp", "2", "--optimizer", "--global-batch-size", "4"]) == 0
+    assert "(optimizer param_groups, lr_scheduler, dataloader, train_state) are not converted" in \
         capsys.readouterr().err
     x, y, z = (Checkpoint(tmp_path / n) for n in ("native", "native2", "native3"))
     assert z.manifest.iteration == 6 and z.manifest.provenance["source"]["not_converted"]["optimizer"] > 0
+    assert json.loads((z.path / "train_state.json").read_text()) == {"iteration": 6, "consumed_samples": 24,
+                                                                     "optimizer_steps": 7}
+    assert z.manifest.optimizer == ["fp32_param", "exp_avg", "exp_avg_sq"]
+    z.verify()
+    from checkpoint.sharding import optimizer_key
+
+    v = z.config.vocab_size
     for name in x.manifest.tensors:
-        assert torch.equal(x.read(name), y.read(name)), name
-        assert torch.equal(x.read(name), z.read(name)), name
+        w = x.read(name)
+        assert torch.equal(w, y.read(name)), name
+        assert torch.equal(w, z.read(name)), name
+        # each moment element sits where its weight element does (the fused wqkv's q/k/v rows and RoPE layout too)
+        m1, m2 = (z.read(optimizer_key(st, name)) for st in ("exp_avg", "exp_avg_sq"))
+        real = slice(0, v) if name in ("embedding.word_embeddings.weight", "output_layer.weight") else slice(None)
+        assert torch.equal(m1[real], 2 * w[real]) and torch.equal(m2[real], w[real] * w[real]), name
+        assert torch.equal(z.read(optimizer_key("fp32_param", name)), w), name
 
 
 def test_missing_config_is_one_line(tmp_path, capsys):
