@@ -19,7 +19,9 @@ def add_parsers(sub) -> None:
     pl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; TP stays inside one (default 8)")
     pl.add_argument("--seq-length", type=int, default=4096)
     pl.add_argument("--global-batch-size", type=int, default=1024, help="sequences per optimizer step (default 1024)")
-    pl.add_argument("--micro-batch-size", type=int, default=1)
+    pl.add_argument("--micro-batch-size", default="1", metavar="N|N,M,...|auto",
+                    help="sequences per micro-batch: one size, several (1,2,4) or auto (1,2,4,8), each layout with "
+                         "the sizes that divide its batch (default 1)")
     pl.add_argument("--fp8", action="store_true", help="FP8 GEMMs (Transformer Engine)")
     pl.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
                     help="activation recompute; auto tries all three (default)")
@@ -27,7 +29,15 @@ def add_parsers(sub) -> None:
                     help="activations kept by fused kernels (Megatron/TE/flash, default) or by plain PyTorch autograd "
                          "(shardkit's trainer; dense models)")
     pl.add_argument("--optimizer-sharding", "--use-distributed-optimizer", dest="optimizer_sharding",
-                    action="store_true", help="distributed optimizer: Adam state split over DP x CP (ZeRO-1)")
+                    action=argparse.BooleanOptionalAction, default=True,
+                    help="distributed optimizer: Adam state split over DP x CP (ZeRO-1), as continue-pretrain always "
+                         "runs (default); --no-optimizer-sharding for a Megatron run without it")
+    pl.add_argument("--headroom", default="4GiB", metavar="SIZE",
+                    help="memory a layout must leave free to fit: allocator fragmentation, the estimate's error "
+                         "(default 4GiB; 0 for none)")
+    pl.add_argument("--prefer-common-within", type=float, default=5.0, metavar="PCT",
+                    help="a layout of the field's recipes within PCT percent of the fastest estimate ranks before "
+                         "an unusual one (CP at short sequences, MoE without EP, stages of < 4 layers); default 5")
     pl.add_argument("--layout", action="append", default=None, metavar="tp=4,pp=4,dp=4",
                     help="estimate this layout only (repeatable; an uneven split as first=N,last=N, or the planner "
                          "picks one); otherwise every layout is enumerated")
@@ -111,6 +121,19 @@ def resolve_model(model: str) -> tuple[str, ModelConfig]:
                       f"{', '.join(presets.preset_names())}")
 
 
+def micro_batch_sizes(text: str) -> list[int]:
+    """--micro-batch-size: N, N,M,... or auto (1, 2, 4, 8)."""
+    if text.strip().lower() == "auto":
+        return [1, 2, 4, 8]
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise PlanError(f"--micro-batch-size {text!r}: expected a positive size, several (1,2,4) or auto")
+    return sorted(set(sizes))
+
+
 def run(args: argparse.Namespace) -> int:
     return _plan(args) if args.cmd == "plan" else _launch(args)
 
@@ -126,6 +149,12 @@ def _plan(args: argparse.Namespace) -> int:
 
     gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory")
     reserved = parse_bytes(args.reserved_memory, "--reserved-memory")
+    headroom = 0 if args.headroom.strip() in ("0", "0GiB", "0GB") else parse_bytes(args.headroom, "--headroom")
+    if headroom >= gpu_memory:
+        raise PlanError(f"--headroom {args.headroom} leaves nothing of --gpu-memory {args.gpu_memory}")
+    if not 0 <= args.prefer_common_within < 100:
+        raise PlanError(f"--prefer-common-within is a percentage in [0, 100), got {args.prefer_common_within}")
+    sizes = micro_batch_sizes(args.micro_batch_size)
     for flag, v in (("--peak-tflops", args.peak_tflops), ("--nvlink-bandwidth", args.nvlink_bandwidth),
                     ("--network-bandwidth", args.network_bandwidth), ("--compute-efficiency", args.compute_efficiency)):
         if not 0 < v < float("inf"):  # (inf: an infinitely fast GPU or link, meaningless; issue 34)
@@ -139,7 +168,7 @@ def _plan(args: argparse.Namespace) -> int:
                   gpus_per_node=args.gpus_per_node)
     check_gpus(args.gpus, args.gpus_per_node)
     name, cfg = resolve_model(args.model)
-    s = TrainSettings(seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+    s = TrainSettings(seq_length=args.seq_length, micro_batch_size=sizes[0],
                       global_batch_size=args.global_batch_size, recompute="none" if args.recompute == "auto" else
                       args.recompute, distributed_optimizer=args.optimizer_sharding, fp8=args.fp8,
                       reserved_bytes=reserved, kernels=args.kernels)
@@ -150,11 +179,14 @@ def _plan(args: argparse.Namespace) -> int:
     layouts = [replace(lay, split=uneven_split(cfg.num_layers, lay.pp, lay.vpp, cfg.mtp_num_layers))
                if lay.split is None else lay
                for lay in (parse_layout(x) for x in args.layout or [])]
-    cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, max_cp=args.max_cp)
-    requested = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, layouts=layouts) if layouts else []
-    title = (f"{name}: {args.gpus} GPUs x {gpu_memory / 2**30:.1f} GiB, seq {s.seq_length}, micro batch "
-             f"{s.micro_batch_size}, global batch {s.global_batch_size}"
-             f"{', FP8' if s.fp8 else ''}{', distributed optimizer' if s.distributed_optimizer else ''}")
+    within = args.prefer_common_within / 100
+    cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, max_cp=args.max_cp, headroom=headroom,
+                 micro_batch_sizes=sizes, prefer_within=within)
+    requested = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, layouts=layouts, headroom=headroom,
+                     micro_batch_sizes=sizes, prefer_within=within) if layouts else []
+    title = (f"{name}: {args.gpus} GPUs x {gpu_memory / 2**30:.1f} GiB ({headroom / 2**30:.1f} GiB headroom), seq "
+             f"{s.seq_length}, micro batch {','.join(map(str, sizes))}, global batch {s.global_batch_size}"
+             f"{', FP8' if s.fp8 else ''}, optimizer {'sharded' if s.distributed_optimizer else 'not sharded'}")
     chosen = next((c for c in requested + cands if c.fits), None)  # a layout asked for first, else the fastest
     load = name if Path(name).is_dir() and not (Path(name) / "config.json").exists() else None  # a checkpoint
     launch = None if chosen is None else report.launch_argv(chosen, args.gpus, args.gpus_per_node, load)
@@ -167,12 +199,11 @@ def _plan(args: argparse.Namespace) -> int:
 
         print(json_text(out))
     else:
-        report.print_table(cands, title, gpu_memory, top=args.top, requested=requested)
+        report.print_table(cands, title, gpu_memory, top=args.top, requested=requested, chosen=chosen)
         if launch is not None:
-            import shlex
-
-            rest = " --data-path DATA --save DIR" + ("" if load else " --load CKPT")
-            print(f"to run it: {shlex.join(launch)}{rest}")
+            rest = ["--data-path", "DATA", "--save", "DIR"] + ([] if load else ["--load", "CKPT"])
+            print("to run it (DATA, DIR" + ("" if load else ", CKPT") + " yours):")
+            print(report.shell_command(launch + rest))
     if args.plot:
         shown = requested + [c for c in cands if c.fits][:args.top] or cands[:args.top]
         path = report.plot(shown, args.plot, gpu_memory, title)

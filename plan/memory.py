@@ -51,7 +51,8 @@ class TrainSettings:
     micro_batch_size: int = 1
     global_batch_size: int = 1024
     recompute: str = "none"  # none | selective | full
-    distributed_optimizer: bool = False  # Megatron --use-distributed-optimizer (ZeRO-1 over DP x CP)
+    # Megatron --use-distributed-optimizer (ZeRO-1 over DP x CP): on, as continue-pretrain always shards its optimizer
+    distributed_optimizer: bool = True
     fp8: bool = False  # FP8 GEMMs (Transformer Engine): linear inputs saved in 1 byte, an FP8 copy of the weights
     params_dtype: str = "bfloat16"
     grad_dtype: str = "float32"  # Megatron's main-grad buffer (accumulate and reduce in fp32)

@@ -5,7 +5,16 @@ Compute: model FLOPs per token = 6 x (GEMM parameters active per token, output l
 evenly over all GPUs, run at `compute_efficiency` x peak (FP8 doubles the peak of the GEMMs, not of attention).
 Recompute adds its forward passes: core attention (selective) or the whole layer forward (full).
 
-Pipeline: compute x (1 + (pp - 1) / (vpp x m)), the 1F1B/interleaved bubble.
+GEMM efficiency follows the rows of a micro-batch's GEMMs, M = micro batch x sequence / cp tokens (sequence
+parallelism gathers the full sequence of the CP rank before each column-parallel GEMM): M / (M + 384) of the large-GEMM
+rate (H100 BF16 cuBLAS at h = 8192 runs ~57% of its 16k-row rate at 512 rows, ~76% at 1024, ~91% at 4096),
+normalised to the reference micro-batch of 4096 tokens that `compute_efficiency` is calibrated on (Megatron-Core's
+published MFU: seq 4096, micro batch 1). So micro batch 4 or 8 runs its GEMMs a few percent faster than 1, and CP 8 at
+seq 4096 (512 tokens per rank) much slower. Each micro-batch also costs a fixed `LAYER_OVERHEAD_S` per layer forward
+and backward (kernel launches, the schedule's bookkeeping), which fewer, larger micro-batches pay less often.
+
+Pipeline: compute x (1 + (pp - 1) / (vpp x m)), the 1F1B/interleaved bubble: larger micro-batches mean fewer of them
+(m = global batch / (micro batch x dp)) and a larger bubble, the other side of the trade.
 
 Communication, per micro-batch, ring algorithms at the bandwidth of the link the group spans (NVLink when every
 member sits in one node under Megatron's rank order tp-cp-ep-dp-pp, else the network, per GPU):
@@ -33,6 +42,16 @@ from .memory import DTYPE_BYTES, TrainSettings, param_bytes_per_rank, stage_laye
 
 
 CP_ATTENTION_EFFICIENCY = 0.9
+GEMM_HALF_ROWS = 384  # GEMM rows at which the rate is half the large-GEMM rate (M / (M + 384))
+REFERENCE_ROWS = 4096  # the micro-batch `compute_efficiency` is calibrated on (seq 4096, micro batch 1, cp 1)
+LAYER_OVERHEAD_S = 60e-6  # per decoder layer and micro-batch, forward + backward: launches, schedule bookkeeping
+
+
+def gemm_efficiency(rows: int) -> float:
+    """The GEMM rate at `rows` rows relative to the reference micro-batch's (1.0 at 4096 rows)."""
+    def g(m: float) -> float:
+        return m / (m + GEMM_HALF_ROWS)
+    return g(max(1, rows)) / g(REFERENCE_ROWS)
 
 
 @dataclass(frozen=True)
@@ -105,7 +124,9 @@ def step_time(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardwar
     tokens_step = m * dp * s.micro_batch_size * s.seq_length
     f = flops_per_token(cfg, s.seq_length, cfg.padded_vocab_size(tp))
     model_flops = (f["gemm"] + f["attention"]) * tokens_step
-    gemm_peak = hw.peak_tflops * 1e12 * hw.compute_efficiency * (2 if s.fp8 else 1)
+    rows = s.micro_batch_size * s.seq_length // cp  # the rows of a micro-batch's GEMMs on one rank
+    gemm_eff = min(1.0, hw.compute_efficiency * gemm_efficiency(rows))
+    gemm_peak = hw.peak_tflops * 1e12 * gemm_eff * (2 if s.fp8 else 1)
     # zigzag ring attention reaches ~90% of ideal fwd+bwd (ring-flash-attention README, 8xH800)
     attn_peak = hw.peak_tflops * 1e12 * hw.compute_efficiency * (CP_ATTENTION_EFFICIENCY if cp > 1 else 1.0)
     gemm_flops = f["gemm"] + (f["layer_forward"] if s.recompute == "full" else 0.0)
@@ -154,8 +175,10 @@ def step_time(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardwar
         t_dp_grads, t_dp_params = 2 * t_dp_grads, 0.0
     per_mb = compute / m
     t_dp = max(0.0, t_dp_grads - per_mb * 2 / 3) + max(0.0, t_dp_params - per_mb / 3)
-    total = compute + bubble + t_tp + t_cp + t_ep + t_pp + t_dp
+    overhead = m * layers_rank * LAYER_OVERHEAD_S  # every micro-batch through every layer of the busiest rank
+    total = compute + bubble + t_tp + t_cp + t_ep + t_pp + t_dp + overhead
     mfu = model_flops / (total * world * hw.peak_tflops * 1e12)
     return {"step_s": total, "compute_s": compute, "bubble_s": bubble, "tp_comm_s": t_tp, "cp_comm_s": t_cp,
-            "ep_comm_s": t_ep, "pp_comm_s": t_pp, "dp_comm_s": t_dp, "microbatches": m, "tokens_per_step": tokens_step,
+            "ep_comm_s": t_ep, "pp_comm_s": t_pp, "dp_comm_s": t_dp, "overhead_s": overhead,
+            "gemm_efficiency": gemm_eff, "microbatches": m, "tokens_per_step": tokens_step,
             "tokens_per_s_per_gpu": tokens_step / total / world, "model_flops_per_step": model_flops, "mfu": mfu}

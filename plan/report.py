@@ -84,53 +84,110 @@ def stage_memory_line(c: Candidate) -> str:
             f"heaviest: stage {m.pp_rank} ({number(m.total / GiB, 1)} GiB)")
 
 
+_RECOMPUTE = {"none": "none", "selective": "sel", "full": "full"}
+TABLE_WIDTH = 120  # the table's columns fit this many; the reasons go below it, one line each
+
+
+def wrap(text: str, width: int = TABLE_WIDTH) -> str:
+    """A detail line below the table: wrapped at `width`, continuation lines indented."""
+    import textwrap
+
+    return textwrap.fill(text, width, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+
+
+def shell_command(argv: list[str], width: int = TABLE_WIDTH) -> str:
+    """A command for people to copy: quoted, broken into lines of at most `width` with backslash continuations."""
+    import shlex
+
+    groups: list[str] = []  # a flag with its values stays on one line
+    for word in argv:
+        if word.startswith("-") or not groups or not groups[-1].startswith("-"):
+            groups.append(shlex.quote(word))
+        else:
+            groups[-1] += " " + shlex.quote(word)
+    lines, cur = [], ""
+    for word in groups:
+        if cur and len(cur) + 1 + len(word) > width - 2:
+            lines.append(cur)
+            cur = "    " + word
+        else:
+            cur = f"{cur} {word}" if cur else word
+    return " \\\n".join(lines + [cur])
+
+
 def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 10,
-                requested: list[Candidate] | None = None) -> None:
+                requested: list[Candidate] | None = None, chosen: Candidate | None = None) -> None:
+    """The ranked layouts as a table that fits 120 columns (memory by component in GiB, what is left free, step time,
+    throughput, MFU, a one-word note) and, below it, what each note stands for: why a layout does not fit or breaks
+    a constraint, why an unusual layout ranks first, the per-stage memory of a layout asked for."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     con = Console()
-    if not con.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-        con = Console(width=220)
+    if not con.is_terminal:  # piped or captured: the table's own width, not 80 columns
+        con = Console(width=TABLE_WIDTH)
     fitting = [c for c in cands if c.fits]
     valid_misfit = [c for c in cands if c.valid and not c.fits]
-    rows = (requested or []) + fitting[:top]
-    if not fitting:
-        rows += valid_misfit[:max(3, top // 2)]
-    t = Table(title=title, title_justify="left")
-    for col in ("#", "layout", "recompute", "weights", "grads", "optim", "activ", "comm", "other", "total GiB", "step s",
-                "tok/s/GPU", "MFU", "note"):
-        t.add_column(col, justify="left" if col in ("layout", "recompute", "note") else "right",
-                     no_wrap=col != "note")
+    rows = (requested or []) + (fitting[:top] if fitting else valid_misfit[:top])
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+              collapse_padding=True)
+    for col in ("#", "layout", "mbs", "rec", "wts", "grad", "opt", "act", "GiB", "free", "step s", "tok/s", "MFU",
+                "note"):
+        t.add_column(col, justify="left" if col in ("layout", "rec", "note") else "right",
+                     no_wrap=col != "layout", overflow="fold")
+    details: list[str] = []
     for i, c in enumerate(rows):
         m = c.memory
-        tag = "req" if requested and i < len(requested) else str(cands.index(c) + 1)
-        note = "fits" if c.fits else c.reason
-        style = None if c.fits else ("red" if not c.valid else "yellow")
-        t.add_row(tag, c.layout.label(), c.settings.recompute, *(number(x / GiB, 1) for x in (
-            m.weights, m.grads, m.optimizer, m.activations, m.comm_buffers, m.fp8_weights + m.reserved, m.total)),
-            number(c.perf['step_s'], 2), f"{c.perf['tokens_per_s_per_gpu']:,.0f}", f"{100 * c.perf['mfu']:.1f}%",
-            note, style=style)
+        tag = f"r{i + 1}" if requested and i < len(requested) else str(cands.index(c) + 1)
+        if not c.valid:
+            note, style = "invalid", "red"
+        elif not c.fits:
+            note, style = "no fit", "yellow"
+        else:
+            note, style = ("unusual" if c.unusual else "fits"), None
+        if not c.fits:
+            details.append(f"{tag}: {c.reason}")
+        elif c.why:
+            details.append(f"{tag}: {c.why}")
+        elif c.unusual:
+            details.append(f"{tag}: unusual: {'; '.join(c.unusual)}")
+        if tag.startswith("r") and c.layout.pp > 1:  # a layout asked for: every stage, not only the heaviest
+            details.append(f"{tag}: {stage_memory_line(c)}")
+        t.add_row(tag, c.layout.label(), str(c.settings.micro_batch_size), _RECOMPUTE[c.settings.recompute],
+                  *(number(x / GiB, 1) for x in (m.weights, m.grads, m.optimizer, m.activations, m.total)),
+                  number(c.free / GiB, 1), number(c.perf['step_s'], 2), f"{c.perf['tokens_per_s_per_gpu']:,.0f}",
+                  f"{100 * c.perf['mfu']:.1f}%", note, style=style)
     con.print(t)
-    for c in requested or []:  # a layout asked for: every stage, not only the heaviest
-        if c.layout.pp > 1:
-            con.print(stage_memory_line(c), markup=False, highlight=False, soft_wrap=True)
+    out = con.file
+
+    def line(text: str) -> None:  # plain text wrapped at the table's width (never into 80 columns)
+        out.write(wrap(text) + "\n")
+
+    line("GiB per GPU on the heaviest pipeline stage (weights, grads, optimizer, activations, communication buffers, "
+         "reserved); free: what is left of the GPU; rec: activation recompute; tok/s: tokens/s per GPU")
+    for d in details:
+        line(d)
     invalid = [c for c in cands if not c.valid]
     if invalid:
         kinds = Counter(constraint_name(v) for c in invalid for v in c.violations)
-        con.print(f"{len(invalid)} layout(s) break a constraint: " +
-                  ", ".join(f"{k} ({n})" for k, n in kinds.most_common()))
+        line(f"{len(invalid)} layout(s) break a constraint: " +
+             ", ".join(f"{k} ({n})" for k, n in kinds.most_common()))
     if not valid_misfit and not fitting:
-        con.print("[bold red]no layout satisfies the constraints[/] (see the notes above)")
+        line("no layout satisfies the constraints (see the notes above)")
     elif not fitting:
         best = min(valid_misfit, key=lambda c: c.memory.total)
-        con.print(f"[bold red]nothing fits in {gpu_memory / GiB:.1f} GiB per GPU[/]; the smallest is "
-                  f"{best.layout.label()} ({best.settings.recompute} recompute) at {best.memory.total / GiB:.1f} GiB")
+        line(f"nothing fits in {gpu_memory / GiB:.1f} GiB per GPU with {best.headroom / GiB:.1f} GiB headroom; the "
+             f"smallest is {best.layout.label()} ({best.settings.recompute} recompute) at "
+             f"{best.memory.total / GiB:.1f} GiB")
     else:
         b = fitting[0]
-        con.print(f"fastest that fits: [bold]{b.layout.label()}[/], {b.settings.recompute} recompute: "
-                  f"{number(b.memory.total / GiB, 1)} GiB per GPU, {number(b.perf['step_s'], 2)} s/step, MFU "
-                  f"{100 * b.perf['mfu']:.1f}%")
+        line(f"plan's choice: {b.layout.label()}, micro batch {b.settings.micro_batch_size}, "
+             f"{b.settings.recompute} recompute: {number(b.memory.total / GiB, 1)} GiB per GPU "
+             f"({number(b.free / GiB, 1)} free), {number(b.perf['step_s'], 2)} s/step, MFU {100 * b.perf['mfu']:.1f}%")
+    if chosen is not None and chosen is not (fitting[0] if fitting else None):
+        line(f"the command below runs the layout asked for that fits: {chosen.layout.label()}, micro batch "
+             f"{chosen.settings.micro_batch_size}, {chosen.settings.recompute} recompute")
 
 
 def plot(cands: list[Candidate], path: str, gpu_memory: int, title: str, top: int = 8) -> Path:

@@ -31,6 +31,10 @@ class Candidate:
     fits: bool = False
     reason: str = ""  # why it does not fit / is invalid, one line
     num_layers: int = 0  # the model's decoder layers
+    free: float = 0.0  # GPU memory left at the heaviest stage (negative: short by that much)
+    headroom: int = 0  # the reserve "fits" keeps free (allocator fragmentation, the estimate's error)
+    unusual: list[str] = field(default_factory=list)  # why a Megatron user would not expect this layout
+    why: str = ""  # an unusual layout ranked first: what it wins by, against the fastest usual one
 
     @property
     def valid(self) -> bool:
@@ -45,11 +49,10 @@ class Candidate:
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "label": self.layout.label(), "recompute": self.settings.recompute,
                 "distributed_optimizer": self.settings.distributed_optimizer, "valid": self.valid,
-                "violations": self.violations, "fits": self.fits, "reason": self.reason,
-                "memory": self.memory.to_dict(), "stage_layers": self.stage_layers, "perf": self.perf}
-
-
-_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "first", "last")
+                "micro_batch_size": self.settings.micro_batch_size, "violations": self.violations,
+                "fits": self.fits, "reason": self.reason, "free_bytes": self.free, "headroom_bytes": self.headroom,
+                "unusual": self.unusual, "why": self.why, "memory": self.memory.to_dict(),
+                "stage_layers": self.stage_layers, "perf": self.perf}
 
 
 def parse_layout(text: str, flag: str = "--layout") -> RunLayout:
@@ -149,20 +152,42 @@ def violations(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, gpus: int,
     return out
 
 
+def unusual(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> list[str]:
+    """What a Megatron user would not expect in this layout (empty: a layout of the field's recipes). Context
+    parallelism that leaves a CP rank fewer than 4096 tokens (the recipes use CP 2 at 8k, more only for long
+    context), an MoE model without expert parallelism, pipeline stages of fewer than 4 decoder layers."""
+    out = []
+    if layout.cp > 1 and s.seq_length // layout.cp < 4096:
+        out.append(f"context parallelism {layout.cp} at --seq-length {s.seq_length} ({s.seq_length // layout.cp} "
+                   "tokens per CP rank; the field uses CP for long sequences)")
+    if cfg.is_moe and layout.ep == 1 and layout.tp * layout.cp * layout.dp > 1:
+        out.append("no expert parallelism for an MoE model (the field splits the experts: EP)")
+    per_stage = cfg.num_layers / layout.pp
+    if layout.pp > 1 and per_stage < 4:
+        out.append(f"{layout.pp} pipeline stages of {per_stage:.1f} decoder layers (the field keeps 4 or more per "
+                   "stage)")
+    return out
+
+
 def evaluate(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardware, gpus: int,
-             gpu_memory: int) -> Candidate:
+             gpu_memory: int, headroom: int = 0) -> Candidate:
+    """One layout's memory and step time, its broken constraints, and whether it fits: its heaviest stage plus the
+    `headroom` reserve within `gpu_memory`."""
     mem = estimate_memory(cfg, layout, s)
     perf = step_time(cfg, layout, s, hw)
     bad = violations(cfg, layout, s, gpus, hw.gpus_per_node)
-    c = Candidate(layout, s, mem, perf, bad, num_layers=cfg.num_layers)
-    c.fits = not bad and mem.total <= gpu_memory
+    c = Candidate(layout, s, mem, perf, bad, num_layers=cfg.num_layers, free=gpu_memory - mem.total,
+                  headroom=headroom, unusual=unusual(cfg, layout, s))
+    c.fits = not bad and mem.total + headroom <= gpu_memory
     if bad:
         c.reason = "; ".join(bad)
     elif not c.fits:
-        c.reason = f"needs {mem.total / 2**30:.1f} GiB > {gpu_memory / 2**30:.1f} GiB (largest: stage {mem.pp_rank})"
+        over = "" if mem.total > gpu_memory else f" + {headroom / 2**30:.1f} GiB headroom"
+        c.reason = (f"needs {mem.total / 2**30:.1f} GiB{over} > {gpu_memory / 2**30:.1f} GiB (heaviest: stage "
+                    f"{mem.pp_rank})")
         if not s.distributed_optimizer:
             sharded = mem.total - mem.optimizer + mem.optimizer_sharded
-            if sharded <= gpu_memory:
+            if sharded + headroom <= gpu_memory:
                 c.reason += f"; fits with --optimizer-sharding ({sharded / 2**30:.1f} GiB)"
     return c
 
@@ -279,24 +304,74 @@ def enumerate_layouts(cfg: ModelConfig, gpus: int, gpus_per_node: int, seq_lengt
     return out
 
 
+PREFER_WITHIN = 0.05  # a usual layout this close to the fastest estimate ranks first
+
+
 def plan(cfg: ModelConfig, gpus: int, gpu_memory: int, s: TrainSettings, hw: Hardware,
          recompute: list[str] | None = None, layouts: list[RunLayout] | None = None,
-         max_cp: int | None = None) -> list[Candidate]:
-    """All candidates, ranked: fitting ones by step time, then valid ones that do not fit by memory, then invalid.
-    `recompute` lists the recompute modes to try (default: the one in `s`)."""
+         max_cp: int | None = None, headroom: int = 0, micro_batch_sizes: list[int] | None = None,
+         prefer_within: float = PREFER_WITHIN) -> list[Candidate]:
+    """All candidates, ranked (`rank`). `recompute` lists the recompute modes to try (default: the one in `s`),
+    `micro_batch_sizes` the micro-batch sizes (default: the one in `s`; when several are tried, those that do not
+    divide a layout's batch are left out for it); a layout fits with `headroom` bytes to spare."""
     check_gpus(gpus, hw.gpus_per_node)
     modes = recompute or [s.recompute]
     for r in modes:
         if r not in RECOMPUTE:
             raise PlanError(f"--recompute must be one of {', '.join(RECOMPUTE)} or auto, got {r!r}")
+    sizes = micro_batch_sizes or [s.micro_batch_size]
     if layouts is None:
         layouts = enumerate_layouts(cfg, gpus, hw.gpus_per_node, s.seq_length, max_cp=max_cp)
-    cands = [evaluate(cfg, lay, replace(s, recompute=r), hw, gpus, gpu_memory) for lay in layouts for r in modes]
-    return rank(cands)
+    cands = [evaluate(cfg, lay, replace(s, recompute=r, micro_batch_size=mbs), hw, gpus, gpu_memory, headroom)
+             for lay in layouts for mbs in sizes for r in modes
+             if len(sizes) == 1 or s.global_batch_size % (mbs * lay.dp) == 0]
+    return rank(cands, prefer_within)
 
 
-def rank(cands: list[Candidate]) -> list[Candidate]:
+_WINS = {"compute_s": "compute (GEMM efficiency {:.0%} vs {:.0%})", "bubble_s": "pipeline bubble",
+         "tp_comm_s": "TP communication", "cp_comm_s": "CP communication", "ep_comm_s": "EP all-to-all",
+         "pp_comm_s": "PP sends", "dp_comm_s": "DP gradient traffic", "overhead_s": "per-micro-batch overhead"}
+
+
+def why_first(c: Candidate, usual: Candidate | None) -> str:
+    """Why an unusual layout ranks first: how much faster the estimate makes it than the fastest usual layout, the
+    components it wins by, and what is unusual about it."""
+    what = "; ".join(c.unusual)
+    if usual is None:
+        return f"{c.layout.label()} is unusual ({what}), and no usual layout fits"
+    gain = usual.perf["step_s"] / c.perf["step_s"] - 1
+    deltas = sorted(((usual.perf[k] - c.perf[k], k) for k in _WINS), reverse=True)
+    parts = []
+    for d, k in deltas[:2]:
+        if d <= 0:
+            break
+        name = _WINS[k].format(c.perf["gemm_efficiency"], usual.perf["gemm_efficiency"])
+        parts.append(f"{name} {usual.perf[k]:.2f} -> {c.perf[k]:.2f} s")
+    return (f"{c.layout.label()} [{c.settings.recompute}] ranks first although it is unusual ({what}): the estimate "
+            f"makes it {gain:.1%} faster than the fastest usual layout, {usual.layout.label()} "
+            f"[{usual.settings.recompute}] ({', '.join(parts) or 'in total'} per step); the model does not charge "
+            "everything that makes the field avoid it")
+
+
+def rank(cands: list[Candidate], prefer_within: float = 0.0) -> list[Candidate]:
+    """Fitting layouts first, by step time, except that a usual layout (`unusual` finds nothing) within
+    `prefer_within` of the fastest estimate goes before the unusual ones (the estimate is not that exact, and the
+    field's layouts are the tested ones); then valid ones that do not fit, by memory; then invalid ones. An unusual
+    layout still first gets `why`."""
     def key(c: Candidate):
         group = 0 if c.fits else (1 if c.valid else 2)
         return (group, c.perf["step_s"] if group == 0 else c.memory.total, c.layout.label())
-    return sorted(cands, key=key)
+    ordered = sorted(cands, key=key)
+    fitting = [c for c in ordered if c.fits]
+    if not fitting:
+        return ordered
+    best = fitting[0].perf["step_s"]
+    near = [c for c in fitting if not c.unusual and c.perf["step_s"] <= best * (1 + prefer_within)]
+    ids = {id(c) for c in near}
+    head = near + [c for c in fitting if id(c) not in ids]
+    first_usual = next((c for c in head if not c.unusual), None)
+    for c in head:
+        if not c.unusual:
+            break
+        c.why = why_first(c, first_usual)
+    return head + ordered[len(fitting):]

@@ -13,12 +13,12 @@ import pytest
 from checkpoint import presets
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError, LayoutError, ShardkitError
-from checkpoint.layout import Layout, RankCoord
+from checkpoint.layout import Layout, PipelineSplit, RankCoord
 from checkpoint.run_layout import RunLayout
 from checkpoint.sharding import model_specs, regions
 from plan.memory import TrainSettings, estimate_memory, in_flight, param_bytes_per_rank, stage_layers, total_params
 from plan.perf import Hardware, flops_per_token, step_time
-from plan.search import plan
+from plan.search import plan, rank
 from plan.units import GiB, PlanError, parse_bytes
 from shardkit.cli import main
 
@@ -194,8 +194,10 @@ def test_folklore_llama3_70b_64_gpus_tp4_pp4_dp4():
     c = plan(cfg, 64, 80 * GiB, s, Hardware(), layouts=[lay])[0]
     assert c.fits and c.valid
     # without the distributed optimizer it does not: 12 bytes/param of Adam state on every rank
-    c = plan(cfg, 64, 80 * GiB, TrainSettings(seq_length=4096, recompute="selective"), Hardware(), layouts=[lay])[0]
+    c = plan(cfg, 64, 80 * GiB, TrainSettings(seq_length=4096, recompute="selective", distributed_optimizer=False),
+             Hardware(), layouts=[lay])[0]
     assert not c.fits and "fits with --optimizer-sharding" in c.reason
+    assert TrainSettings().distributed_optimizer  # the planner's default is the trainer's: always sharded
 
 
 def test_folklore_llama31_405b_128_gpus_tp8_pp8_cp2():
@@ -251,7 +253,8 @@ def test_plan_ranks_fitting_layouts_by_step_time():
 
 
 def test_step_time_model_by_hand():
-    """One GPU, no parallelism: step = model FLOPs / (peak x efficiency); MFU = the efficiency."""
+    """One GPU, no parallelism, the reference micro-batch (4096 tokens): step = model FLOPs / (peak x efficiency)
+    plus the per-micro-batch overhead of each layer (8 micro-batches x 32 layers x 60 us)."""
     cfg = presets.model_config("llama3-8b")
     hw = Hardware(peak_tflops=1000.0, compute_efficiency=0.5)
     s = TrainSettings(seq_length=4096, global_batch_size=8)
@@ -262,8 +265,99 @@ def test_step_time_model_by_hand():
     per_token = 6 * gemm + 3 * 2 * 2 * L * nh * hd * 4096 // 2
     assert flops_per_token(cfg, 4096, 128256)["gemm"] == 6 * gemm
     assert r["model_flops_per_step"] == pytest.approx(per_token * 8 * 4096)
-    assert r["step_s"] == pytest.approx(per_token * 8 * 4096 / (1000e12 * 0.5))
-    assert r["mfu"] == pytest.approx(0.5)
+    compute = per_token * 8 * 4096 / (1000e12 * 0.5)
+    assert r["compute_s"] == pytest.approx(compute) and r["gemm_efficiency"] == pytest.approx(0.5)
+    assert r["overhead_s"] == pytest.approx(8 * 32 * 60e-6)
+    assert r["step_s"] == pytest.approx(compute + 8 * 32 * 60e-6)
+    assert r["mfu"] == pytest.approx(0.5 * compute / r["step_s"])
+
+
+def test_micro_batch_size_changes_the_step_time():
+    """The folklore's 70B TP4 PP4 DP4 at micro batch 1, 4 and 8 (global batch 1024): larger micro-batches run their
+    GEMMs closer to the large-GEMM rate (M / (M + 384) rows: 4096 -> 16384 -> 32768) and pay the per-micro-batch
+    overhead less often, but leave fewer micro-batches to fill the pipeline: each term by hand, three different
+    step times, and the activations grow with the micro-batch."""
+    from plan.perf import GEMM_HALF_ROWS, LAYER_OVERHEAD_S, gemm_efficiency
+
+    cfg = presets.model_config("llama3-70b")
+    lay, hw = RunLayout(tp=4, pp=4, dp=4), Hardware()
+    steps, acts = {}, {}
+    for mbs in (1, 4, 8):
+        s = TrainSettings(seq_length=4096, micro_batch_size=mbs, global_batch_size=1024, recompute="selective")
+        r = step_time(cfg, lay, s, hw)
+        rows = 4096 * mbs
+        g = (rows / (rows + GEMM_HALF_ROWS)) / (4096 / (4096 + GEMM_HALF_ROWS))
+        assert gemm_efficiency(rows) == pytest.approx(g) and r["gemm_efficiency"] == pytest.approx(0.52 * g)
+        m = 1024 // (mbs * 4)
+        assert r["microbatches"] == m
+        assert r["bubble_s"] == pytest.approx(r["compute_s"] * 3 / m)  # (pp - 1) / (vpp x m)
+        assert r["overhead_s"] == pytest.approx(m * 20 * LAYER_OVERHEAD_S)  # 20 layers per stage
+        steps[mbs], acts[mbs] = r["step_s"], estimate_memory(cfg, lay, s).activations
+    assert steps[1] != steps[4] != steps[8] != steps[1]
+    assert steps[4] < steps[1]  # faster GEMMs outweigh the larger bubble at 64 micro-batches
+    assert steps[8] > steps[4]  # at 32 micro-batches the bubble (3/32) wins
+    assert acts[1] < acts[4] < acts[8]
+    # the planner tries them when asked (--micro-batch-size auto): micro batch 2 and 4 would be faster, but their
+    # activations do not fit 80 GiB without full recompute, which costs more than they win: micro batch 1, the field's
+    cands = plan(cfg, 64, 80 * GiB, TrainSettings(seq_length=4096, global_batch_size=1024), hw,
+                 recompute=["none", "selective", "full"], layouts=[lay], micro_batch_sizes=[1, 2, 4, 8],
+                 headroom=4 * GiB)
+    assert {c.settings.micro_batch_size for c in cands} == {1, 2, 4, 8}
+    chosen = cands[0]
+    assert chosen.fits and chosen.settings.micro_batch_size == 1 and chosen.settings.recompute == "none"
+    faster = [c for c in cands if c.perf["step_s"] < chosen.perf["step_s"]]
+    assert {c.settings.micro_batch_size for c in faster} == {2, 4, 8} and not any(c.fits for c in faster)
+    assert min(c.perf["step_s"] for c in cands if c.fits and c.settings.recompute == "full") > chosen.perf["step_s"]
+
+
+def test_headroom_decides_fits():
+    """A layout fits when its heaviest stage plus the headroom reserve is within the GPU: the folklore's 405B TP8 PP8
+    CP2 with full recompute needs 75.4 GiB, which fits 80 GiB with the default 4 GiB reserve and not with 5 GiB; the
+    70B layout the issue found at 79.6 of 80 GiB no longer fits at all."""
+    cfg = presets.model_config("llama3.1-405b")
+    lay = RunLayout(tp=8, pp=8, cp=2, dp=1, split=PipelineSplit(first=15, last=15))
+    s = TrainSettings(seq_length=8192, global_batch_size=1024, recompute="full")
+    total = estimate_memory(cfg, lay, s).total
+    assert 75 * GiB < total < 76 * GiB
+    for headroom, fits in ((0, True), (4 * GiB, True), (5 * GiB, False)):
+        c = plan(cfg, 128, 80 * GiB, s, Hardware(), layouts=[lay], headroom=headroom)[0]
+        assert c.fits == fits and c.free == pytest.approx(80 * GiB - total) and c.headroom == headroom
+        if not fits:
+            assert c.reason.startswith(f"needs {total / GiB:.1f} GiB + 5.0 GiB headroom > 80.0 GiB")
+    cfg70 = presets.model_config("llama3-70b")
+    tight = RunLayout(tp=1, pp=8, cp=8, dp=1)
+    s70 = TrainSettings(seq_length=4096, global_batch_size=1024, recompute="none")
+    e = estimate_memory(cfg70, tight, s70)
+    assert 76 * GiB < e.total <= 80 * GiB  # inside the GPU, not inside it with the reserve
+    assert not plan(cfg70, 64, 80 * GiB, s70, Hardware(), layouts=[tight], headroom=4 * GiB)[0].fits
+
+
+def test_ranking_prefers_the_fields_layouts():
+    """70B on 64 GPUs and Mixtral 8x7B on 64 (the issue's cases): no context parallelism at seq 4096 and no MoE
+    without EP at the top; 405B at 8192 on 128: Meta's TP8 PP16 first, ahead of faster estimates with stages of
+    fewer than 4 layers, which are marked unusual and named below it."""
+    for name, gpus in (("llama3-70b", 64), ("mixtral-8x7b", 64)):
+        cfg = presets.model_config(name)
+        cands = plan(cfg, gpus, 80 * GiB, TrainSettings(seq_length=4096), Hardware(),
+                     recompute=["none", "selective", "full"], headroom=4 * GiB, prefer_within=0.05)
+        top = [c for c in cands if c.fits][:5]
+        assert all(c.layout.cp == 1 and not c.unusual for c in top), [c.layout.label() for c in top]
+        assert all(c.free >= 4 * GiB for c in top)
+        if cfg.is_moe:
+            assert all(c.layout.ep > 1 for c in top)
+    cfg = presets.model_config("llama3.1-405b")
+    cands = plan(cfg, 128, 80 * GiB, TrainSettings(seq_length=8192), Hardware(),
+                 recompute=["none", "selective", "full"], headroom=4 * GiB, prefer_within=0.05)
+    fits = [c for c in cands if c.fits]
+    assert fits[0].layout.label() == "tp8 pp16 dp1 first7 last7" and not fits[0].unusual
+    faster = [c for c in fits if c.perf["step_s"] < fits[0].perf["step_s"]]
+    assert faster and all(c.unusual for c in faster)
+    assert all(c.perf["step_s"] <= fits[0].perf["step_s"] * 1.05 for c in faster[:1])
+    # with no preference the fastest estimate is first, and says why although unusual
+    raw = rank(fits, 0.0)
+    assert raw[0].unusual and raw[0].why.startswith(f"{raw[0].layout.label()} [full] ranks first although it is "
+                                                    "unusual (32 pipeline stages of 3.9 decoder layers")
+    assert "faster than the fastest usual layout, tp8 pp16 dp1 first7 last7 [full]" in raw[0].why
 
 
 @pytest.mark.parametrize("name,layout,published", [
@@ -293,7 +387,37 @@ def test_cli_plan_json_and_plot(tmp_path, capsys):
 def test_cli_plan_table(capsys):
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--optimizer-sharding", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "fastest that fits:" in out and "ep" in out
+    assert "plan's choice:" in out and "ep" in out
+
+
+def test_cli_plan_table_fits_120_columns(capsys):
+    """Piped (captured) output: the table and everything below it within 120 columns, the reasons below the table
+    (one per row that needs one), and plan's launch command at the end."""
+    import re
+
+    assert main(["plan", "--model", "llama3.1-405b", "--gpus", "128", "--seq-length", "8192", "--top", "6",
+                 "--layout", "tp=8,pp=8,cp=2,dp=1"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 120
+    rows = [line for line in out.splitlines() if re.match(r"\s*(r?\d+)\s+tp\d", line)]
+    assert [r.split()[0] for r in rows] == ["r1", "r2", "r3", "1", "2", "3", "4"]  # asked for (3 recomputes), then
+    # the 4 that fit (of the 6 asked for)
+    assert "\nr1: tp8 pp8 cp2 dp1 first15 last15 [full] per stage, GiB (decoder layers): 0: 74.1 (15) | *1: 75.4 (16)" \
+        in out  # a layout asked for: its stages, below the table
+    assert "\nr2: needs 101.7 GiB > 80.0 GiB (heaviest: stage 0)" in out
+    assert "the command below runs the layout asked for that fits: tp8 pp8 cp2 dp1 first15 last15" in out
+    assert re.search(r"\n\d: unusual: 32 pipeline stages of 3.9 decoder layers", out)
+    assert "\nto run it (DATA, DIR, CKPT yours):\nshardkit launch --layout tp=8,pp=8,cp=2,dp=1,first=15,last=15" in out
+
+
+def test_cli_plan_top_is_honoured_when_nothing_fits(capsys):
+    import re
+
+    assert main(["plan", "--model", "llama3.1-405b", "--gpus", "8", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"\s*\d+\s+tp\d", line)]
+    assert len(rows) == 1 and "no fit" in rows[0]
+    assert "nothing fits in 80.0 GiB per GPU with 4.0 GiB headroom" in out and "to run it" not in out
 
 
 def test_cli_plan_from_hf_dir(tmp_path, capsys):
