@@ -100,9 +100,13 @@ class NormLinear(nn.Module):
         """Applied to the normed input before the linear; tensor parallelism sets it to its copy/all-gather."""
         return x
 
+    parallel_linear = None  # sequence parallelism: the gather and the linear in one (comm.gathered_linear)
+
     def forward(self, x: Tensor) -> Tensor:
-        x = self.parallel_input(rms_norm(x, self.layer_norm_weight, self.eps))
-        return F.linear(x, self.weight, self.bias)
+        x = rms_norm(x, self.layer_norm_weight, self.eps)
+        if self.parallel_linear is not None:
+            return self.parallel_linear(x, self.weight, self.bias)
+        return F.linear(self.parallel_input(x), self.weight, self.bias)
 
 
 def linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:

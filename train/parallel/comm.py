@@ -5,6 +5,9 @@
     gather_seq        forward: all-gather (seq)   backward: reduce-scatter (sequence parallel: column input)
     reduce_scatter_seq forward: reduce-scatter    backward: all-gather     (sequence parallel: row output)
     split_seq         forward: keep own chunk     backward: all-gather
+    gathered_linear   gather_seq then a linear, saving the local shard, not the gathered input, for backward (which
+                      gathers it again): megatron-core's LinearWithGradAccumulationAndAsyncCommunication with
+                      sequence parallelism; the same arithmetic as gather_seq followed by F.linear
 
 Gathers and reduce-scatters go into preallocated tensors (all_gather_into_tensor, reduce_scatter_tensor), on gloo
 and NCCL alike.
@@ -127,6 +130,34 @@ def copy_to_tp(x: Tensor, group) -> Tensor:
 
 def reduce_from_tp(x: Tensor, group) -> Tensor:
     return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """F.linear(all-gather(x) along the sequence, weight, bias), keeping x (this rank's 1/TP of the sequence) for
+    backward instead of the gathered input: the column-parallel linears' saved activations shrink by TP."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(_all_gather(x, group, SEQ_DIM), weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        total = _all_gather(x, ctx.group, SEQ_DIM)  # gathered again
+        g2, t2 = g.reshape(-1, g.shape[-1]), total.reshape(-1, total.shape[-1])
+        grad_weight = g2.t().mm(t2) if ctx.needs_input_grad[1] else None
+        grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = _reduce_scatter(g.matmul(weight), ctx.group, SEQ_DIM)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def gathered_linear(x: Tensor, weight: Tensor, bias: Tensor | None, group) -> Tensor:
+    """gather_seq(x) then F.linear, saving only x for backward (see _GatheredLinear)."""
+    if _size(group) == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _GatheredLinear.apply(x, weight, bias, group)
 
 
 def gather_seq(x: Tensor, group) -> Tensor:

@@ -5,7 +5,8 @@ table's local shapes) and holds exactly the local shards the table assigns it, s
 Then `apply_tensor_parallel` hooks on:
 
 - column-parallel linears (linear_qkv, linear_fc1) get `copy_to_tp` (or, with sequence parallelism, the all-gather
-  of the sequence) between their fused norm and the matmul;
+  of the sequence, fused with the matmul so that only the local slice is kept for backward) between their fused
+  norm and the matmul;
 - row-parallel linears (linear_proj, linear_fc2) get an all-reduce (or a reduce-scatter of the sequence) on their
   output;
 - the embedding becomes vocab-parallel (each rank looks up its rows, the partial results are summed), the output
@@ -113,6 +114,15 @@ def resize_mtp_projections(model: GPTModel, cfg: ModelConfig, layout: Layout) ->
         layer.eh_proj = nn.Linear(inp, out, bias=False)
 
 
+def _column_input(linear: nn.Module, group, sp: bool) -> None:
+    """A NormLinear's collective between its norm and its matmul: the copy, or with sequence parallelism the
+    all-gather, fused with the matmul so that backward keeps the local slice, not the gathered input
+    (comm.gathered_linear; FP8's NormLinear keeps `parallel_input`)."""
+    linear.parallel_input = _entry(group, sp)
+    if sp:
+        linear.parallel_linear = partial(comm.gathered_linear, group=group)
+
+
 def _pre_hook(group, sp: bool):
     fn = _entry(group, sp)
 
@@ -133,15 +143,15 @@ def _layer_tensor_parallel(layer: nn.Module, group, sp: bool) -> list[nn.Paramet
         # megatron-core's MLA: the latent down-projections (and their norms) are replicated and run on the
         # sequence slice; the up-projections are column-parallel (whole heads), the shared RoPE key is gathered
         if att.q_lora:
-            att.linear_q_up_proj.parallel_input = _entry(group, sp)
+            _column_input(att.linear_q_up_proj, group, sp)
             partial_grads.append(att.linear_q_down_proj.weight)
         else:
             att.linear_q_proj.register_forward_pre_hook(_pre_hook(group, sp))
-        att.linear_kv_up_proj.parallel_input = _entry(group, sp)
+        _column_input(att.linear_kv_up_proj, group, sp)
         att.parallel_k_pe = _entry(group, sp)
         partial_grads.append(att.linear_kv_down_proj.weight)
     else:
-        att.linear_qkv.parallel_input = _entry(group, sp)
+        _column_input(att.linear_qkv, group, sp)
     att.linear_proj.register_forward_hook(_exit_hook(group, sp))
     if isinstance(mlp, MoELayer):
         # the router is replicated and routes this rank's tokens; the routed experts exchange tokens with the EP and
@@ -151,7 +161,7 @@ def _layer_tensor_parallel(layer: nn.Module, group, sp: bool) -> list[nn.Paramet
             mlp.shared_experts.linear_fc1.register_forward_pre_hook(_pre_hook(group, sp))
             mlp.shared_experts.linear_fc2.register_forward_hook(_exit_hook(group, sp))
     else:
-        mlp.linear_fc1.parallel_input = _entry(group, sp)
+        _column_input(mlp.linear_fc1, group, sp)
         mlp.linear_fc2.register_forward_hook(_exit_hook(group, sp))
     return partial_grads
 
