@@ -7,8 +7,10 @@ own state-dict names (flattened to the top level of the DCP state dict, as its C
     layers.N.attention.qkv_linear.wq|wk|wv.weight (0.3; `layers.N.attention.wq|wk|wv.weight` before),
     layers.N.attention.wo.weight, layers.N.feed_forward.w1|w2|w3.weight, layers.N.attention_norm|ffn_norm.weight
 
-A full training checkpoint adds optimizer, lr_scheduler, dataloader and train_state entries: they are not converted
-(a note says how many were left).
+A full training checkpoint adds optimizer, lr_scheduler, dataloader and train_state entries. With `optimizer`, the
+AdamW moments (`optimizer.state.<param>.exp_avg|exp_avg_sq|step`; 0.3 keys the attention's by the fused
+`qkv_linear.wqkv` parameter) become the native optimizer state; the rest (param_groups, and the pickled lr_scheduler,
+dataloader and train_state objects, never unpickled) is left, and a note says how much.
 
 Q/K rows. torchtitan applies RoPE to adjacent pairs (its ComplexRoPE: `view_as_complex` of (x[2i], x[2i+1])), so
 its wq/wk rows are in Meta's interleaved layout; HF (and Megatron-Core's default, non-interleaved RoPE, which our

@@ -220,4 +220,17 @@ def test_missing_config_is_one_line(tmp_path, capsys):
                  str(tmp_path / "cfg")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a torchtitan checkpoint" in err, err
-    assert not (tmp_path / "o").exists()
+    # a .metadata that would run code (DCP's own FileSystemReader.read_metadata is a bare pickle.load): refused
+    import os
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'MARKER'}",))
+
+    (tmp_path / "step-1" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    assert main(["convert", "torchtitan-to-mcore", str(tmp_path), str(tmp_path / "o"), "--hf-config",
+                 str(tmp_path / "cfg")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refusing to unpickle" in err and "system" in err, err
+    assert not (tmp_path / "MARKER").exists() and not (tmp_path / "o").exists()
