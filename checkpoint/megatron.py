@@ -248,11 +248,67 @@ def megatron_args(cfg: ModelConfig, layout: Layout, key_naming: str = "te", dtyp
         world_size=world_size(layout), data_parallel_size=rank_sizes(layout)["dp"],
         params_dtype=TorchDtype(dtype), use_dist_ckpt=True, data_parallel_random_init=False,
         consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
-        # no RNG state is written, nor optimizer state for a weights-only checkpoint (_common clears no_save_optim
-        # when there is): Megatron-LM must not try to restore them
+        # no RNG state is written, nor optimizer state for a weights-only checkpoint (megatron_common clears
+        # no_save_optim when there is): Megatron-LM must not try to restore them
         no_save_optim=True, no_save_rng=True,
+        **NEWEST_ARGS,
     )
     return argparse.Namespace(**a)
+
+
+# What makes the 0.16.1 namespace valid for megatron-core 0.17-0.19 and Megatron-Bridge 0.6 as well (the fields their
+# readers turn into a TransformerConfig / tokenizer), each as Megatron-LM 0.19.2's own training save writes it:
+# - the per-backend MoE SM counts are deprecated in 0.19: set (0.16's defaults 20 and 16) they are routed into
+#   moe_flex_dispatcher_num_sms and, differing, raise "Conflicting deprecated SM-count knobs"; None is each backend's
+#   default in both lines;
+# - a tokenizer that needs no files and whose size is args.vocab_size (the true vocabulary): what Megatron-LM's
+#   readers (and Bridge's MLM path) build the tokenizer from, and pad to padded_vocab_size again.
+NEWEST_ARGS = {"moe_deepep_num_sms": None, "moe_hybridep_num_sms": None, "moe_flex_dispatcher_num_sms": None,
+               "tokenizer_type": "NullTokenizer"}
+
+# The common-state layout of a torch_dist checkpoint, by the megatron-core line that writes it (`--megatron-version`):
+# "0.16" keeps it in common.pt, which megatron-core 0.13-0.16 need and 0.17-0.19 and Megatron-Bridge 0.6 still load
+# (0.19: "load_common is deprecated"), so it is the default: the one file every line reads. "0.19" writes it as
+# megatron-core >= 0.17 does, the DCP item `common_state/shard_0_1` (no common.pt), which 0.16 cannot load.
+MEGATRON_VERSIONS = ("0.16", "0.19")
+DEFAULT_MEGATRON_VERSION = "0.16"
+
+
+def check_megatron_version(version: str) -> str:
+    if version not in MEGATRON_VERSIONS:
+        raise ShardkitError(f"--megatron-version {version!r}: use 0.16 (common.pt: megatron-core 0.13-0.19 and "
+                            "Megatron-Bridge 0.6 load it; the default) or 0.19 (the common state inside the DCP "
+                            "files, as megatron-core >= 0.17 writes it; 0.16 cannot load it)")
+    return version
+
+
+def megatron_common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str | None, iteration: int, *,
+                    optimizer: bool = False, param_groups: list[dict] | None = None, scheduler: Any = None,
+                    consumed_samples: int | None = None, train_state: str | None = None,
+                    training_args: Mapping[str, Any] | None = None) -> dict:
+    """Megatron-LM's common state of a torch_dist checkpoint (common.pt, or megatron-core >= 0.17's common-state
+    item): iteration, checkpoint_version, the whole args namespace (megatron_args, with `training_args` set on it and
+    the consumed samples), content_metadata; with optimizer state its `optimizer` entry (the param groups where known)
+    and `opt_param_scheduler` where `scheduler` is in Megatron's own form; `train_state` (shardkit's
+    train_state.json, its text) rides along verbatim. The one builder for the export and the trainer's save."""
+    args = megatron_args(cfg, layout, key_naming, dtype)
+    for k, v in (training_args or {}).items():
+        setattr(args, k, v)
+    common: dict = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                    "num_floating_point_operations_so_far": 0,
+                    "content_metadata": megatron_content_metadata(optimizer)}
+    if train_state is not None:
+        common[TRAIN_STATE_KEY] = train_state
+    if optimizer:
+        args.no_save_optim = None  # Megatron-LM restores the optimizer state from this checkpoint
+        common["optimizer"] = (megatron_optimizer_common(param_groups) if param_groups is not None
+                               else {"param_state_sharding_type": MEGATRON_OPTIM_SHARDING})  # no groups known
+    if isinstance(scheduler, dict) and MEGATRON_SCHEDULER_KEYS <= set(scheduler):  # an older shardkit's own form
+        common["opt_param_scheduler"] = scheduler  # is not Megatron's and would break its load: left out
+    if isinstance(consumed_samples, int) and not isinstance(consumed_samples, bool):
+        args.consumed_train_samples = consumed_samples
+    common["args"] = args
+    return common
 
 
 # -- Megatron-LM args: read --------------------------------------------------------------------------------------------

@@ -82,6 +82,60 @@ def load_run_config(iter_dir: Path) -> tuple[argparse.Namespace | None, str | No
     return argparse.Namespace(**ns), None
 
 
+BRIDGE_CONFIG_CONTAINER = "megatron.bridge.training.config.ConfigContainer"
+BRIDGE_GPT_PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+
+
+def bridge_run_config(cfg: Any, layout: Any, dtype: str) -> str | None:
+    """run_config.yaml for a torch_dist checkpoint shardkit writes, so that Megatron-Bridge 0.6 (`load_megatron_model`,
+    AutoBridge's `load_megatron_model` / `export_ckpt`) builds its model from it: for a Megatron-LM checkpoint (args
+    only) Bridge needs a `model_type` those entry points never pass. `model:` is GPTModelProvider's config (the
+    inverse of load_run_config), its other fields at their defaults; the true vocabulary with `should_pad_vocab`
+    where the stored rows are padded (Bridge then pads as Megatron-LM does). The layer spec is megatron-core's local
+    one, which reads either key naming (TE's names mapped) and runs where `export_ckpt` does, on the CPU (Bridge's
+    default spec is always Transformer Engine's). None for a model GPTModelProvider does not describe (MoE, MLA,
+    MTP, RoPE scaling other than llama3's): no run_config.yaml."""
+    if cfg.is_moe or cfg.multi_latent_attention or cfg.mtp_num_layers:
+        return None
+    import yaml
+
+    rope = cfg.rope_scaling or {}
+    if rope and rope.get("rope_type") != "llama3":
+        return None  # (linear / yarn scaling: no GPTModelProvider field says it)
+    padded = cfg.padded_vocab_size(layout.tp)
+    fn = {"_target_": "torch.nn.functional.silu", "_call_": False}
+    torch_dtype = {"_target_": f"torch.{dtype}", "_call_": False}
+    model = {
+        "_target_": BRIDGE_GPT_PROVIDER, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+        "ffn_hidden_size": cfg.ffn_hidden_size, "num_attention_heads": cfg.num_attention_heads,
+        "num_query_groups": cfg.num_query_groups, "kv_channels": cfg.kv_channels, "vocab_size": cfg.vocab_size,
+        "should_pad_vocab": padded != cfg.vocab_size, "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
+        "seq_length": cfg.max_position_embeddings, "normalization": "RMSNorm", "layernorm_epsilon": cfg.norm_epsilon,
+        "gated_linear_unit": True, "activation_func": fn, "add_bias_linear": bool(cfg.add_proj_bias),
+        "add_qkv_bias": bool(cfg.add_qkv_bias), "position_embedding_type": "rope", "rotary_base": cfg.rotary_base,
+        "rotary_percent": 1.0, "rotary_interleaved": bool(cfg.rotary_interleaved),
+        "rope_scaling": bool(rope), "rope_scaling_factor": float(rope.get("factor", 1.0)) if rope else 1.0,
+        "share_embeddings_and_output_weights": bool(cfg.tie_word_embeddings), "hidden_dropout": 0.0,
+        "attention_dropout": 0.0, "params_dtype": torch_dtype, "pipeline_dtype": dict(torch_dtype),
+        "bf16": dtype == "bfloat16", "fp16": dtype == "float16",
+        "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+        "transformer_layer_spec": {"_target_": "megatron.bridge.models.gpt_provider.local_layer_spec", "_call_": False},
+        # kernels the local spec on the CPU has not (apex, TE); speed only, never the numbers
+        **{k: False for k in ("gradient_accumulation_fusion", "apply_rope_fusion", "bias_activation_fusion",
+                              "bias_dropout_fusion", "masked_softmax_fusion", "persist_layer_norm")}}
+    doc = {"_target_": BRIDGE_CONFIG_CONTAINER, "model": model}
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def write_run_config(directory: Path, cfg: Any, layout: Any, dtype: str) -> None:
+    """run_config.yaml (bridge_run_config) into an iteration directory being written, where the model has one."""
+    text = bridge_run_config(cfg, layout, dtype)
+    if text is not None:
+        from .commit import write_file_atomic
+
+        write_file_atomic(Path(directory) / RUN_CONFIG, text)
+
+
 def load_train_state(iter_dir: Path) -> dict | None:
     """train_state.pt as plain ints / floats / bools (torch.load(weights_only=True), 0-d tensors unwrapped), or None
     without one."""

@@ -60,13 +60,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import numpy as np
 
 from . import chunkio, store
-from .commit import write_file_atomic
+from .commit import done_logs, write_file_atomic
 from .config import ModelConfig
 from .errors import ConfigError, FormatError, LayoutError, WriteError
 from .layout import Layout
-from .megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, RELEASE, TRACKER, MegatronEnum, TorchDtype, arg, check_args,
-                       config_from_megatron_args, hf_model_type_of, iter_dirname, iteration_of, layout_from_args,
-                       missing_model_args, with_args_vocab)
+from .megatron import (CHECKPOINT_VERSION, DEFAULT_MEGATRON_VERSION, KEY_NAMINGS, RELEASE, TRACKER, MegatronEnum,
+                       TorchDtype, arg, check_args, check_megatron_version, config_from_megatron_args,
+                       hf_model_type_of, iter_dirname, iteration_of, layout_from_args, missing_model_args,
+                       with_args_vocab)
 from .megatron_bridge import RUN_CONFIG, load_run_config, load_train_state
 from .safety import open_input, read_input, read_pointer, regular_file, safe_path
 
@@ -1710,9 +1711,59 @@ _ARGS_PICKLE = type(sys)("shardkit_common_pickle")
 _ARGS_PICKLE.Pickler = _ArgsPickler
 
 
-def write_common(directory: Path, common: dict) -> None:
-    write_file_atomic(Path(directory) / COMMON_PT, torch_save_bytes(common))
-    write_file_atomic(Path(directory) / METADATA_JSON, json.dumps(BACKEND))
+# megatron-core >= 0.17's metadata.json names no common backend (there is no common.pt)
+BACKEND_NEWEST = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+INTEGRITY = "integrity.json"  # megatron-core 0.19's manifest for dist_checkpointing.load(verify_integrity=True)
+_HASH_CHUNK = 1 << 20
+
+
+def write_common(directory: Path, common: dict, meta: "DCPWriter | None" = None,
+                 megatron_version: str = DEFAULT_MEGATRON_VERSION) -> None:
+    """Megatron's common state and metadata.json in the layout of `megatron_version` (checkpoint.megatron: "0.16"
+    common.pt; "0.19" the DCP item `common_state/shard_0_1`, torch.save of the one-element list of local objects as
+    megatron-core >= 0.17 saves a ShardedObject, in a rank-0 file of its own and declared in `meta`, so it must come
+    before `meta.write_metadata`)."""
+    directory = Path(directory)
+    check_megatron_version(megatron_version)
+    if megatron_version == "0.16":
+        write_file_atomic(directory / COMMON_PT, torch_save_bytes(common))
+        backend = BACKEND
+    else:
+        if meta is None:
+            raise ValueError("the common-state item needs the DCPWriter that writes .metadata")
+        used = {info[0] for info in meta.storage_data.values()}
+        part = next(k for k in range(len(used) + 1) if f"__0_{k}.distcp" not in used)
+        with meta.rank_file(0, part) as f:
+            f.add_bytes(COMMON_ITEM, torch_save_bytes([common]))
+        meta.declare_object(COMMON_ITEM)
+        backend = BACKEND_NEWEST
+    write_file_atomic(directory / METADATA_JSON, json.dumps(backend))
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_integrity(directory: Path) -> None:
+    """integrity.json, as megatron-core 0.19's save_integrity_manifest writes it and its
+    `dist_checkpointing.load(..., verify_integrity=True)` (Megatron-LM's --verify-integrity) checks it: the SHA-256 of
+    every regular file directly in the iteration directory but itself, by name, sorted ({"algorithm": "sha256",
+    "files": {...}}, indent 2). Written last: one more read of the checkpoint's files (as Megatron's own), in
+    parallel. The writer's resume records (job.json, done logs: removed by the commit) are not part of it."""
+    directory = Path(directory)
+    transient = {INTEGRITY, "job.json", *(p.name for p in done_logs(directory))}  # the writer's, gone at commit
+    names = sorted(e.name for e in os.scandir(directory) if e.is_file(follow_symlinks=False)
+                   and e.name not in transient)
+    with ThreadPoolExecutor(min(8, max(1, len(names))), thread_name_prefix="shardkit-sha256") as pool:
+        digests = list(pool.map(lambda n: _sha256(directory / n), names))
+    write_file_atomic(directory / INTEGRITY, json.dumps({"algorithm": "sha256", "files": dict(zip(names, digests))},
+                                                        indent=2))
 
 
 # -- shardkit.json ----------------------------------------------------------------------------------------------------
@@ -1851,6 +1902,6 @@ def load_sidecar(iter_dir: Path) -> dict | None:
 
 
 __all__ = ["TorchDistCheckpoint", "TDTensor", "read_torch_dist", "resolve_torch_dist", "load_dcp_metadata",
-           "load_common", "DCPWriter", "RankFile", "close_all", "write_common", "write_sidecar", "load_sidecar", "SIDECAR",
+           "load_common", "DCPWriter", "RankFile", "close_all", "write_common", "write_integrity", "INTEGRITY", "write_sidecar", "load_sidecar", "SIDECAR",
            "HF_SUBDIR",
            "none_object_bytes", "BACKEND", "TRACKER", "CHECKPOINT_VERSION"]

@@ -51,17 +51,16 @@ from checkpoint.errors import FormatError, ShardkitError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.layout import Layout
 from checkpoint.manifest import MANIFEST, TRAIN_STATE, Manifest, TensorEntry, valid_iter_dirname
-from checkpoint.megatron import (CHECKPOINT_VERSION, KEY_NAMINGS, MEGATRON_OPTIM_SHARDING, MEGATRON_SCHEDULER_KEYS,
-                                 TRACKER, TRAIN_STATE_KEY, arg, chunk_rank, extra_state_objects, layout_from_args,
-                                 megatron_args, megatron_content_metadata, megatron_optimizer_common, shard_owners,
-                                 stored_key)
+from checkpoint.megatron import (DEFAULT_MEGATRON_VERSION, KEY_NAMINGS, TRACKER, TRAIN_STATE_KEY, arg, chunk_rank,
+                                 check_megatron_version, extra_state_objects, layout_from_args, megatron_common,
+                                 shard_owners, stored_key)
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint, ReadPlan, count_nonfinite, entry_nbytes, read_padded, vocab_padding
 from checkpoint.safety import check_output, check_target, is_side_file_name, side_files
 from checkpoint.sharding import TensorSpec, split_optimizer_key
-from checkpoint.megatron_bridge import flat_buffers, flat_layout_proved
+from checkpoint.megatron_bridge import flat_buffers, flat_layout_proved, write_run_config
 from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, RankFile, TorchDistCheckpoint, close_all,
-                                   none_object_bytes, read_torch_dist, write_common, write_sidecar)
+                                   none_object_bytes, read_torch_dist, write_common, write_integrity, write_sidecar)
 from checkpoint.torch_dist_view import (TorchDistSource, import_optimizer_states, match_keys, plan_import,
                                         shape_problems)
 
@@ -202,7 +201,8 @@ def _declare(w: DCPWriter, declared: list[tuple]) -> None:
 def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key_naming: str = "te",
                      overwrite: bool = False, quiet: bool = False, workers: int | None = None,
                      layout: Layout | None = None, dtype: str | None = None, skip_verify: bool = False,
-                     group=None, estimate_above: int | None = None) -> Path:
+                     group=None, estimate_above: int | None = None,
+                     megatron_version: str = DEFAULT_MEGATRON_VERSION) -> Path:
     """Write `<out_root>/iter_N` (N = the native checkpoint's iteration) as a Megatron-LM torch_dist checkpoint and
     point `latest_checkpointed_iteration.txt` at it; returns the iteration directory.
 
@@ -213,6 +213,7 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
     writes torch.save's and DCP's bytes itself). With `group` (one rank of several, convert.distributed) this rank
     writes its share of the rank files and rank 0 commits (_write_files); the source is checked by rank 0 alone."""
     check_output(out_root, [("source", ckpt.path if isinstance(ckpt, Checkpoint) else ckpt)])
+    check_megatron_version(megatron_version)
     ck = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt, check=not skip_verify and distributed.leads(group))
     _check_key_naming(key_naming)
     if ck.manifest.fp8:
@@ -275,7 +276,8 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
             _declare(w_meta, declared)
             w_meta.storage_data.update(storage)
             assets = side_files(ck.hf_dir())  # known tokenizer / generation names only, never links
-            _finish(w, w_meta, common, cfg, layout, entries, key_naming, iteration, optim, provenance, assets)
+            _finish(w, w_meta, common, cfg, layout, entries, key_naming, iteration, optim, provenance, assets,
+                    megatron_version)
             path = w.commit(None)
     return distributed.finish(group, path, out_root)
 
@@ -402,11 +404,13 @@ def _check_key_naming(key_naming: str) -> None:
 
 def _finish(w: IterationWriter, meta: DCPWriter, common: dict, cfg: ModelConfig, layout: Layout,
             entries: dict[str, TensorEntry], key_naming: str, iteration: int, optimizer: list[str] | None,
-            provenance: dict, assets: list[Path]) -> None:
-    """Everything of an export but the items: DCP's .metadata, common.pt + metadata.json, shardkit's description."""
+            provenance: dict, assets: list[Path], megatron_version: str = DEFAULT_MEGATRON_VERSION) -> None:
+    """Everything of an export but the items: Megatron's common state (in the layout of `megatron_version`) and
+    metadata.json, DCP's .metadata, shardkit's description, and last integrity.json over all of them."""
+    write_common(w.partial, common, meta, megatron_version)
     meta.write_metadata(str(w.final))
-    write_common(w.partial, common)
     _write_description(w.partial, cfg, layout, entries, key_naming, iteration, optimizer, provenance, assets)
+    write_integrity(w.partial)
 
 
 class _DCPSink:
@@ -429,7 +433,8 @@ def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout,
                       make: Callable, args: Callable[[Path], tuple], key_naming: str, overwrite: bool, quiet: bool,
                       provenance: dict, assets: list[Path], job: dict, label: str = "torch_dist",
                       group=None, estimate_above: int | None = None,
-                      before_commit: Callable[[], None] | None = None) -> Path:
+                      before_commit: Callable[[], None] | None = None,
+                      megatron_version: str = DEFAULT_MEGATRON_VERSION) -> Path:
     """`--format torch_dist` for a converter with no native checkpoint in between: its worker (`make(*args)`, a
     convert.writer worker, `args` a function of the partial output directory; called with a Task, it computes the
     chunk and hands it to its `sink`) writes every chunk of `entries` (the native layout's chunks, one DCP item each,
@@ -440,6 +445,7 @@ def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout,
     the same one keeps the rank files recorded durable. With `group` (one rank of several) this rank writes its share
     of the rank files, reading only the source regions their chunks need, and rank 0 commits (_write_files)."""
     _check_key_naming(key_naming)
+    check_megatron_version(megatron_version)
     specs = {s.name: s for s in Manifest(0, cfg, layout, {}).specs()}
     tasks = sorted(chunk_tasks(entries), key=lambda t: (t.name, t.box))  # write_torch_dist's order: the same files
     per_rank, declared, total = _plan_items(specs, entries, tasks, layout, key_naming, cfg.num_layers)
@@ -472,14 +478,15 @@ def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout,
             meta.storage_data.update(storage)
             if before_commit is not None:  # e.g. the source is still the one the conversion read (issue 34)
                 before_commit()
-            _finish(w, meta, common, cfg, layout, entries, key_naming, 0, None, provenance, assets)
+            _finish(w, meta, common, cfg, layout, entries, key_naming, 0, None, provenance, assets, megatron_version)
             path = w.commit(None)
     return distributed.finish(group, path, out_root)
 
 
 def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout, *, dtype: str | None = None,
                              key_naming: str = "te", overwrite: bool = False, quiet: bool = False,
-                             allow_nonfinite: bool = False, group=None, estimate_above: int | None = None) -> Path:
+                             allow_nonfinite: bool = False, group=None, estimate_above: int | None = None,
+                             megatron_version: str = DEFAULT_MEGATRON_VERSION) -> Path:
     """`convert hf-to-mcore --format torch_dist`: HF safetensors straight into a torch_dist `<out>/iter_0000000`
     (hf_to_mcore's plan and chunk worker, stream_torch_dist's rank files; no native checkpoint in between). The items
     are the chunks the native conversion writes, so the result equals the export of that conversion. With `group`
@@ -509,7 +516,7 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout
                              key_naming=key_naming, overwrite=overwrite, quiet=quiet, provenance=provenance,
                              assets=find_assets(hf_dir), job=job, label="hf-to-torch_dist", group=group,
                              before_commit=lambda: source_unchanged(src, job["files"]),
-                             estimate_above=estimate_above)
+                             estimate_above=estimate_above, megatron_version=megatron_version)
 
 
 def _write_description(directory: Path, cfg: ModelConfig, layout: Layout, entries: dict[str, TensorEntry],
@@ -525,6 +532,7 @@ def _write_description(directory: Path, cfg: ModelConfig, layout: Layout, entrie
     dtype = max(weights, key=weights.get)
     write_sidecar(directory, iteration=iteration, model=cfg, layout=layout, dtype=dtype, key_naming=key_naming,
                   optimizer=optimizer, provenance=provenance)
+    write_run_config(directory, cfg, layout, dtype)  # for Megatron-Bridge
     hf = directory / HF_SUBDIR
     hf.mkdir(exist_ok=True)
     for asset in assets:  # from side_files / find_assets: allowlisted names, regular files
@@ -536,25 +544,17 @@ def _write_description(directory: Path, cfg: ModelConfig, layout: Layout, entrie
 
 def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str | None, iteration: int,
             optimizer: list[str] | None, train_state: str | None, train_state_path: Path | None = None) -> dict:
-    """common.pt: what Megatron-LM keeps outside the sharded tensors. With optimizer state, Megatron's own entries
-    are filled from train_state.json (`train_state`, its text) where it has them (`optimizer.param_groups`
-    (+ `optimizer.step`), `scheduler`, `consumed_samples`), and the file itself rides along verbatim under
-    `shardkit_train_state`."""
-    args = megatron_args(cfg, layout, key_naming, dtype)
-    common: dict = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
-                    "num_floating_point_operations_so_far": 0,
-                    "content_metadata": megatron_content_metadata(bool(optimizer))}
+    """Megatron's common state of an export (checkpoint.megatron.megatron_common): with optimizer state, Megatron's own
+    entries are filled from train_state.json (`train_state`, its text) where it has them (`optimizer.param_groups`
+    (+ `optimizer.step`), `scheduler`, `consumed_samples`), and the file itself rides along verbatim."""
     state = None
     if train_state is not None:
-        common[TRAIN_STATE_KEY] = train_state
         try:
             state = json.loads(train_state)
         except (ValueError, RecursionError):
             raise FormatError(f"{train_state_path or 'train_state.json'}: not valid JSON; the checkpoint is "
                               "damaged") from None
-    if optimizer:
-        args.no_save_optim = None  # Megatron-LM restores the optimizer state from this checkpoint
-        common["optimizer"] = {"param_state_sharding_type": MEGATRON_OPTIM_SHARDING}  # no param groups known
+    groups = sched = consumed = None
     if isinstance(state, dict):
         opt = state.get("optimizer")
         if optimizer and isinstance(opt, dict) and isinstance(opt.get("param_groups"), list):
@@ -564,16 +564,9 @@ def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str | None
                 g.pop("params", None)
                 if step is not None:
                     g.setdefault("step", step)
-            # megatron-core's form: a MoE model's expert groups go to its ChainedOptimizer's second optimizer
-            common["optimizer"] = megatron_optimizer_common(groups)
-        sched = state.get("scheduler")
-        if isinstance(sched, dict) and MEGATRON_SCHEDULER_KEYS <= set(sched):  # an older shardkit's own form is not
-            common["opt_param_scheduler"] = sched  # Megatron's and would break its load: left out (still in the text)
-        consumed = state.get("consumed_samples")
-        if isinstance(consumed, int):
-            args.consumed_train_samples = consumed
-    common["args"] = args
-    return common
+        sched, consumed = state.get("scheduler"), state.get("consumed_samples")
+    return megatron_common(cfg, layout, key_naming, dtype, iteration, optimizer=bool(optimizer), param_groups=groups,
+                           scheduler=sched, consumed_samples=consumed, train_state=train_state)
 
 
 def _ours(staging: Path) -> bool:
@@ -616,7 +609,8 @@ def staged_across_ranks(out: Path, group, produce: Callable[[Path], Path], consu
 
 
 def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: str = "te", overwrite: bool = False,
-               quiet: bool = False, workers: int | None = None, group=None) -> Path:
+               quiet: bool = False, workers: int | None = None, group=None,
+               megatron_version: str = DEFAULT_MEGATRON_VERSION) -> Path:
     """`--format torch_dist` for a command that writes a native checkpoint: `produce(staging_root)` writes it into a
     staging directory next to `out` (same filesystem; needs the model's size in free space once more), which is
     exported to `out` and then removed. Returns the torch_dist iteration directory.
@@ -627,15 +621,18 @@ def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: 
     out = Path(out)
     if key_naming not in KEY_NAMINGS:
         raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' or 'local'")
+    check_megatron_version(megatron_version)
     check_output_root(out, overwrite)  # fail before the expensive part
     if group is not None:
         return staged_across_ranks(out, group, produce, lambda native: write_torch_dist(
-            native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers, group=group))
+            native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers, group=group,
+            megatron_version=megatron_version))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.native-", dir=out.parent))
     try:
         native = produce(staging)
-        return write_torch_dist(native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers)
+        return write_torch_dist(native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers,
+                                megatron_version=megatron_version)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -72,6 +72,10 @@ def _format_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-naming", choices=("te", "local"), default="te",
                    help="torch_dist keys as megatron-core's Transformer Engine spec names them (default) or as its "
                         "local spec does (MoE pre-MLP norm: mlp.linear_fc1.layer_norm_weight)")
+    p.add_argument("--megatron-version", choices=("0.16", "0.19"), default="0.16",
+                   help="torch_dist's common-state layout: 0.16 (default) writes common.pt, which megatron-core "
+                        "0.13-0.19 and Megatron-Bridge 0.6 all load; 0.19 writes it inside the DCP files as "
+                        "megatron-core >= 0.17 does (0.16 cannot load that)")
 
 
 def _hf_config_flag(p: argparse.ArgumentParser) -> None:
@@ -546,7 +550,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             path = convert_hf_to_torch_dist(args.hf_dir, args.out, layout, dtype=dtype, key_naming=args.key_naming,
                                             overwrite=args.overwrite, quiet=args.quiet,
                                             allow_nonfinite=args.allow_nonfinite, group=group,
-                                            estimate_above=_estimate_above(args))
+                                            estimate_above=_estimate_above(args),
+                                            megatron_version=args.megatron_version)
         else:
             path = _write(args, args.out, lambda out: convert_hf_to_mcore(
                 args.hf_dir, out, layout, dtype=dtype, workers=args.workers, overwrite=args.overwrite,
@@ -629,7 +634,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             path = write_torch_dist(args.src, args.dst, layout=layout, dtype=dtype, key_naming=args.key_naming,
                                     overwrite=args.overwrite, quiet=args.quiet, workers=args.workers,
                                     skip_verify=args.skip_verify, group=group,
-                                    estimate_above=_estimate_above(args))
+                                    estimate_above=_estimate_above(args), megatron_version=args.megatron_version)
         else:
             path = _write(args, args.dst, lambda out: reshard(args.src, out, layout, dtype=dtype,
                                                               workers=args.workers, overwrite=args.overwrite,
@@ -740,7 +745,8 @@ def _write(args: argparse.Namespace, out: str, produce):
     from convert.torch_dist_io import via_native
 
     return via_native(produce, out, key_naming=args.key_naming, overwrite=args.overwrite, quiet=args.quiet,
-                      workers=args.workers, group=getattr(args, "group", None))
+                      workers=args.workers, group=getattr(args, "group", None),
+                      megatron_version=args.megatron_version)
 
 
 def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):

@@ -6,6 +6,12 @@ from __future__ import annotations
 import pytest
 
 SLOW = {
+    # megatron-core 0.19.2 / Megatron-Bridge 0.6.2 (issue 41): their Python 3.12 environment takes minutes to build
+    # on a fresh machine (scripts/oracle_env.sh); the default run keeps test_megatron_write_newest.py's checks of the
+    # files themselves (common-state layouts, integrity.json, the args 0.19 needs) and test_torch_dist.py's 0.16 load
+    "tests/test_megatron_write_newest.py::test_loaded_by_megatron_core_019[0.16]",
+    "tests/test_megatron_write_newest.py::test_loaded_by_megatron_core_019[0.19]",
+    "tests/test_megatron_write_newest.py::test_exported_by_megatron_bridge_bitwise",
     # the megatron-core engine (issue 40): pp2-vpp2 stays (megatron-core's 1F1B machinery, interleaved, under the NCCL
     # model), with 1rank, tp2-sp and dp2-overlap; pp2-vpp2-layout covers uneven splits (a layout string) for pp2-first1
     "tests/test_engine_megatron_core.py::test_megatron_core_equals_native[pp2]",

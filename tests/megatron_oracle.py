@@ -125,8 +125,9 @@ def build(m: dict, grouped: bool = False):
                            attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
                            masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                            moe_token_dispatcher_type="allgather", **tc_fields)
+    # (megatron-core 0.19 has no legacy grouped GEMM and no such keyword: only named where it is used)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped, normalization="RMSNorm",
-                                    moe_use_legacy_grouped_gemm=grouped)
+                                    **({"moe_use_legacy_grouped_gemm": True} if grouped else {}))
     model = GPTModel(tc, spec, vocab_size=m["padded_vocab_size"], max_sequence_length=m["max_sequence_length"],
                      position_embedding_type="rope", rotary_base=m["rotary_base"],
                      share_embeddings_and_output_weights=m["tied"])

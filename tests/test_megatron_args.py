@@ -18,8 +18,8 @@ import pytest
 from checkpoint import megatron_lm_args as fixture
 from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
-from checkpoint.megatron import (MegatronEnum, config_from_megatron_args, layout_from_args, megatron_args,
-                                 megatron_lm_defaults, model_args)
+from checkpoint.megatron import (NEWEST_ARGS, MegatronEnum, config_from_megatron_args, layout_from_args,
+                                 megatron_args, megatron_lm_defaults, model_args)
 from checkpoint.sharding import model_specs
 
 LLAMA = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -55,10 +55,11 @@ def test_namespace_has_every_argument(hf, layout):
     a = vars(megatron_args(cfg, layout))
     defaults = megatron_lm_defaults()
     assert set(defaults) <= set(a)
-    assert set(a) - set(defaults) <= DERIVED
+    assert set(a) - set(defaults) <= DERIVED | set(NEWEST_ARGS)  # (0.19's moe_flex_dispatcher_num_sms)
     decided = model_args(cfg, layout)
     layout_decided = {"world_size", "no_save_optim", "no_save_rng", "data_parallel_random_init",
-                      "num_layers_per_virtual_pipeline_stage"}
+                      "num_layers_per_virtual_pipeline_stage", *NEWEST_ARGS}
+    assert all(a[k] == v for k, v in NEWEST_ARGS.items())  # what megatron-core 0.19 / Megatron-Bridge 0.6 need
     for name, default in defaults.items():
         if name not in decided and name not in DERIVED | layout_decided:
             assert a[name] == default, name  # Megatron-LM's default where the model does not decide

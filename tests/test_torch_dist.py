@@ -357,6 +357,7 @@ def test_common_pt_with_megatron_objects_is_ignored_with_a_note(td_copy):
                    td_copy / "common.pt")
     finally:
         del sys.modules[mod.__name__]
+    (td_copy / "run_config.yaml").unlink()  # (else the args would come from our export's Megatron-Bridge file)
     td = read_torch_dist(td_copy)
     assert td.common is None and td.args is None and td.iteration == 0  # from the directory name
     assert len(td.notes) == 1 and "common.pt ignored" in td.notes[0]

@@ -38,14 +38,13 @@ from checkpoint.errors import FormatError, ShardkitError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.layout import Layout
 from checkpoint.manifest import Manifest, iter_dirname
-from checkpoint.megatron import (CHECKPOINT_VERSION, MEGATRON_SCHEDULER_KEYS, TRACKER, TRAIN_STATE_KEY, arg,
-                                 extra_state_objects, megatron_args, megatron_content_metadata,
-                                 megatron_optimizer_common, megatron_optimizer_groups, source_keys, stored_key)
+from checkpoint.megatron import (TRACKER, TRAIN_STATE_KEY, arg, extra_state_objects, megatron_common,
+                                 megatron_optimizer_groups, source_keys, stored_key)
 from checkpoint.reader import Checkpoint, entry_nbytes, vocab_padding
 from checkpoint.sharding import OPTIMIZER_STATES, split_optimizer_key
-from checkpoint.megatron_bridge import FLAT_PREFIX, flat_buffers
-from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, none_object_bytes,
-                                   read_torch_dist, write_common, write_sidecar)
+from checkpoint.megatron_bridge import FLAT_PREFIX, flat_buffers, write_run_config
+from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, none_object_bytes, read_torch_dist, write_common,
+                                   write_integrity, write_sidecar)
 from checkpoint.torch_dist_view import TorchDistSource, import_optimizer_states, match_keys, plan_import
 from train import checkpointing as ckpt_io
 from train.optim import DistributedOptimizer, is_scheduler_state
@@ -237,21 +236,10 @@ def megatron_param_groups(opt: DistributedOptimizer, lr: float, wd: float, max_l
 
 def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str, iteration: int, state: dict,
             param_groups: list[dict], training_args: dict) -> dict:
-    """common.pt of a training save: Megatron-LM's entries, plus train_state.json verbatim."""
-    args = megatron_args(cfg, layout, key_naming, dtype)
-    for k, v in training_args.items():
-        setattr(args, k, v)
-    args.no_save_optim = None  # Megatron-LM restores the optimizer state from this checkpoint
-    args.consumed_train_samples = int(state["consumed_samples"])
-    common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
-              "num_floating_point_operations_so_far": 0,
-              "content_metadata": megatron_content_metadata(optimizer=True),
-              "optimizer": megatron_optimizer_common(param_groups),
-              "args": args, TRAIN_STATE_KEY: json.dumps(state, indent=1) + "\n"}
-    sched = state.get("scheduler")
-    if isinstance(sched, dict) and MEGATRON_SCHEDULER_KEYS <= set(sched):
-        common["opt_param_scheduler"] = sched
-    return common
+    """The common state of a training save: Megatron-LM's entries, plus train_state.json verbatim."""
+    return megatron_common(cfg, layout, key_naming, dtype, iteration, optimizer=True, param_groups=param_groups,
+                           scheduler=state.get("scheduler"), consumed_samples=int(state["consumed_samples"]),
+                           train_state=json.dumps(state, indent=1) + "\n", training_args=training_args)
 
 
 def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: list[ckpt_io.LocalParam],
@@ -319,16 +307,17 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
                 meta.declare_object(key)
             for _, st in gathered:
                 meta.storage_data.update(st)
-            meta.write_metadata(str(writer.final))
             weights: dict[str, int] = {}
             for name, e in entries.items():
                 if split_optimizer_key(name) is None:
                     weights[e.dtype] = weights.get(e.dtype, 0) + entry_nbytes(e)
             dtype = max(weights, key=weights.get)
             write_common(writer.partial, _common(cfg, layout, key_naming, dtype, iteration, store_state,
-                                                 param_groups, training_args))
+                                                 param_groups, training_args), meta)
+            meta.write_metadata(str(writer.final))
             write_sidecar(writer.partial, iteration=iteration, model=cfg, layout=layout, dtype=dtype,
                           key_naming=key_naming, optimizer=list(OPTIMIZER_STATES), provenance=provenance)
+            write_run_config(writer.partial, cfg, layout, dtype)  # for Megatron-Bridge
             hf = writer.partial / HF_SUBDIR
             hf.mkdir()
             if assets_from is not None and Path(assets_from).is_dir():  # known side-file names only, never links
@@ -336,6 +325,7 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
 
                 copy_side_files(assets_from, hf, exclude=("config.json",))
             (hf / "config.json").write_text(json.dumps(cfg.to_hf(dtype=dtype), indent=2) + "\n")
+            write_integrity(writer.partial)
             return writer.commit(None)
 
         return ckpt_io.commit_on_rank0(writer, groups, async_group, commit)

@@ -1,0 +1,204 @@
+"""Issue 41 part 3: the torch_dist shardkit writes, loaded by the newest Megatron releases and still by 0.16.
+
+The oracles are megatron-core 0.19.2 and Megatron-Bridge 0.6.2 themselves, in the Python 3.12 environment
+scripts/oracle_env.sh builds on demand (tests/megatron_oracle_newest.py; skipped, saying why, where it cannot be
+built; slow: building it from an empty pip cache takes minutes). megatron-core 0.16.1's load of the same default
+layout is tests/test_torch_dist.py's. The default run checks the files themselves (the common-state layout of each
+--megatron-version, integrity.json against the files, the args 0.19 needs) without an oracle:
+
+- our torch_dist (a tiny Llama at TP 2, both --megatron-version layouts) loads with megatron-core 0.19.2's own
+  dist_checkpointing.load(verify_integrity=True) into its GPTModel, whose logits equal transformers'; its
+  verify_integrity_manifest refuses a copy with one flipped byte, naming the file;
+- Megatron-Bridge 0.6.2 builds its TransformerConfig from the args (0.19's deprecation checks included; the same args
+  with 0.16's SM-count defaults are refused, so the check can fail), and its AutoBridge.export_ckpt writes an HF
+  directory that transformers loads, every tensor bitwise the source's, and load_megatron_model reads it.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ORACLE = ROOT / "tests" / "megatron_oracle_newest.py"
+TOL = 1e-4
+SEQ = 16
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    from shardkit.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in argv])
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+    return rc or 0, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """A tiny Llama (fp32, vocab 1024: unpadded at TP 2) as torch_dist at TP 2 in both common-state layouts."""
+    from shardkit.demo import build_tiny_llama
+
+    w = tmp_path_factory.mktemp("write_newest")
+    hf = build_tiny_llama(w / "hf", dtype=torch.float32, vocab_size=1024, rope_scaling=None)
+    out = {"dir": w, "hf": hf}
+    for version in ("0.16", "0.19"):
+        rc, o, e = cli("convert", "hf-to-mcore", hf, w / f"td{version}", "--format", "torch_dist", "--tp", "2",
+                       "--megatron-version", version, "--quiet", "--no-verify")
+        assert rc == 0, o + e
+        out[version] = w / f"td{version}" / "iter_0000000"
+    return out
+
+
+# -- the files (default run) -------------------------------------------------------------------------------------------
+
+def test_common_state_layout_per_megatron_version(exports):
+    """0.16 (default): common.pt and metadata.json naming the common backend; 0.19: no common.pt, the common state as
+    the DCP item megatron-core >= 0.17 writes; shardkit reads both back (model, iteration, args)."""
+    from checkpoint.torch_dist import COMMON_ITEM, read_torch_dist
+
+    old, new = exports["0.16"], exports["0.19"]
+    assert (old / "common.pt").is_file() and not (new / "common.pt").exists()
+    assert json.loads((old / "metadata.json").read_text())["common_backend"] == "torch"
+    assert json.loads((new / "metadata.json").read_text()) == {"sharded_backend": "torch_dist",
+                                                                "sharded_backend_version": 1}
+    a, b = read_torch_dist(old), read_torch_dist(new)
+    assert (COMMON_ITEM, None) in b._storage and (COMMON_ITEM, None) not in a._storage
+    for td in (a, b):
+        assert td.iteration == 0 and td.args.num_layers == 4 and td.args.tensor_model_parallel_size == 2
+        # what 0.19's readers need: no deprecated SM counts set, a tokenizer built from the args alone
+        assert td.args.moe_deepep_num_sms is None and td.args.moe_hybridep_num_sms is None
+        assert td.args.moe_flex_dispatcher_num_sms is None
+        assert td.args.tokenizer_type == "NullTokenizer" and td.args.vocab_size == 1024
+    assert {k: repr(v) for k, v in vars(a.args).items()} == {k: repr(v) for k, v in vars(b.args).items()}
+
+
+def test_integrity_json_matches_the_files(exports):
+    """integrity.json in megatron-core 0.19's format: the SHA-256 of every file of the iteration directory but
+    itself, and nothing of the writer's own (job.json, done.log) that the commit removed."""
+    for version in ("0.16", "0.19"):
+        it = exports[version]
+        doc = json.loads((it / "integrity.json").read_text())
+        files = sorted(p.name for p in it.iterdir() if p.is_file() and p.name != "integrity.json")
+        assert doc["algorithm"] == "sha256" and sorted(doc["files"]) == files
+        assert "run_config.yaml" in files and ".metadata" in files
+        for name, digest in doc["files"].items():
+            assert hashlib.sha256((it / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_bridge_run_config_describes_the_model(exports):
+    """run_config.yaml (Megatron-Bridge's model description) read back by shardkit as Bridge's reader does."""
+    from checkpoint.megatron_bridge import load_run_config
+
+    args, note = load_run_config(exports["0.16"])
+    assert note is None
+    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.kv_channels) == (4, 128, 2, 16)
+    assert args.padded_vocab_size == 1024 and args.swiglu and args.untie_embeddings_and_output_weights
+
+
+def test_megatron_version_refused_in_one_line(tmp_path, exports):
+    rc, out, err = cli("convert", "hf-to-mcore", exports["hf"], tmp_path / "x", "--format", "torch_dist",
+                       "--megatron-version", "0.18")
+    lines = [ln for ln in err.strip().splitlines() if ln]
+    assert rc == 2 and len(lines) == 1 and "--megatron-version" in lines[0] and "0.18" in lines[0], err
+    assert not (tmp_path / "x").exists()
+
+
+# -- megatron-core 0.19.2 and Megatron-Bridge 0.6.2 (slow: their environment) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def oracle_python():
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "oracle_env.sh")], capture_output=True, text=True,
+                       timeout=1800)
+    if r.returncode != 0:
+        pytest.skip(f"the megatron-core 0.19.2 / Megatron-Bridge 0.6.2 environment cannot be built here: "
+                    f"{r.stderr.strip()[-300:]}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+def run_oracle(python: str, topic: str, job: dict, w: Path) -> dict:
+    path = w / f"{topic}-{len(list(w.glob('*.json')))}.json"
+    path.write_text(json.dumps(job))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    r = subprocess.run([python, str(ORACLE), topic, str(path)], capture_output=True, text=True, timeout=600,
+                       cwd=str(w), env=env)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    return torch.load(job["out"], weights_only=False)
+
+
+@torch.no_grad()
+def hf_logits(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+    return model.eval()(input_ids=ids, use_cache=False).logits.float()
+
+
+@pytest.mark.parametrize("version", ["0.16", "0.19"])
+def test_loaded_by_megatron_core_019(version, exports, oracle_python, tmp_path):
+    """megatron-core 0.19.2's load (integrity verified) into its GPTModel: logits equal transformers'; its
+    verify_integrity refuses a copy with one flipped byte; Bridge's reading of the args passes 0.19's checks."""
+    it = exports[version]
+    tampered = tmp_path / "tampered"
+    shutil.copytree(it, tampered)
+    victim = sorted(tampered.glob("__1_*.distcp"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1024, (2, SEQ))
+    torch.save(ids, tmp_path / "ids.pt")
+    model = dict(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, kv_channels=16,
+                 ffn_hidden_size=352, add_bias_linear=False, add_qkv_bias=False, layernorm_epsilon=1e-6,
+                 padded_vocab_size=1024, max_sequence_length=256, rotary_base=500000.0, tied=False)
+    got = run_oracle(oracle_python, "load", {"ckpt": str(it), "model": model, "input_ids": str(tmp_path / "ids.pt"),
+                                             "tampered": [str(tampered)], "out": str(tmp_path / "out.pt")}, tmp_path)
+    assert got["common_source"] == ("common.pt" if version == "0.16" else "dcp item") and got["iteration"] == 0
+    diff = (got["logits"] - hf_logits(exports["hf"], ids)).abs().max().item()
+    assert diff < TOL, diff
+    err = got["tampered"][str(tampered)]
+    assert err is not None and "hash mismatch" in err and victim.name in err, err
+    cfg = got["args_config"]
+    assert "error" not in cfg, cfg
+    assert (cfg["num_layers"], cfg["hidden_size"], cfg["num_query_groups"], cfg["kv_channels"]) == (4, 128, 2, 16)
+    assert "Conflicting deprecated SM-count knobs" in got["args_config_016_sms"].get("error", ""), got
+
+
+def test_exported_by_megatron_bridge_bitwise(exports, oracle_python, tmp_path):
+    """Megatron-Bridge 0.6.2's AutoBridge.export_ckpt of our default-layout torch_dist (TP 2): every HF tensor
+    bitwise the source's, transformers loads the directory (its logits equal the source's), and Bridge's
+    load_megatron_model reads the checkpoint's weights."""
+    from safetensors.numpy import load_file
+
+    out_hf = tmp_path / "bridge_hf"
+    got = run_oracle(oracle_python, "bridge", {"hf": str(exports["hf"]), "ckpt": str(exports["0.16"].parent),
+                                               "out_hf": str(out_hf), "out": str(tmp_path / "out.pt")}, tmp_path)
+
+    def tensors(d: Path) -> dict:
+        t: dict = {}
+        for f in sorted(d.glob("*.safetensors")):
+            t.update(load_file(str(f)))
+        return t
+
+    mine, src = tensors(out_hf), tensors(exports["hf"])
+    assert sorted(mine) == sorted(src)
+    for k, v in src.items():
+        assert mine[k].dtype == v.dtype and mine[k].shape == v.shape and mine[k].tobytes() == v.tobytes(), k
+    ids = torch.randint(0, 1024, (2, SEQ))
+    assert torch.equal(hf_logits(out_hf, ids), hf_logits(exports["hf"], ids))
+    loaded = got["loaded"]
+    emb = torch.from_numpy(src["model.embed_tokens.weight"])
+    assert torch.equal(loaded["embedding.word_embeddings.weight"], emb)
