@@ -71,6 +71,14 @@ def shutdown_distributed() -> None:
     gc.collect()
 
 
+def not_all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A device flag: `t` holds a NaN or an infinity. Two reductions (NaN propagates through max and min), no
+    tensor-sized temporary (`~isfinite(t).all()` allocated a byte per element of the gradient buffer)."""
+    if not t.numel():
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return ~(torch.isfinite(t.amax()) & torch.isfinite(t.amin()))
+
+
 def is_torch_dist(path: str | Path) -> bool:
     """A Megatron torch_dist checkpoint: a root with latest_checkpointed_iteration.txt, or an iteration directory
     with metadata.json / DCP's .metadata (a shardkit native one has `latest` / manifest.json)."""
@@ -306,7 +314,7 @@ class Trainer:
         self.backend.after_backward()
         # as Megatron's DDP: this rank's own gradients, before the reduction spreads a NaN to its replicas (a flag on
         # the device, read with the step's other values)
-        grads_bad = ~torch.isfinite(self.opt.buffer).all() if self.cfg.run.check_for_nan_in_loss_and_grad else None
+        grads_bad = not_all_finite(self.opt.buffer) if self.cfg.run.check_for_nan_in_loss_and_grad else None
         self.opt.reduce_grads()
         norm_sq = self.opt.grad_norm_sq()
         moe_stats = self.moe.reduce_stats(self.dims.dp) if self.moe is not None else None
@@ -344,7 +352,7 @@ class Trainer:
         t[0] = loss_sum.detach().double().reshape(())
         if check:
             if grads_bad is None:  # say which ranks hold the non-finite gradients when the global norm is not finite
-                not_finite = ~torch.isfinite(self.opt.buffer).all()
+                not_finite = not_all_finite(self.opt.buffer)
                 grads_bad = (not_finite & ~torch.isfinite(norm_sq) if norm is None
                              else not math.isfinite(norm) and not_finite)
             # bit 1: this rank's loss is not finite, bit 2: its gradients are not

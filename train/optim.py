@@ -308,7 +308,7 @@ class DistributedOptimizer:
     def _accumulate(self, j: int, p: Tensor) -> None:
         """Post-accumulate-grad hook of parameter j (p): move p.grad into p.main_grad."""
         if self._filled[j]:
-            p.main_grad.add_(p.grad.float())  # type: ignore[attr-defined]
+            p.main_grad.add_(p.grad)  # type: ignore[attr-defined] - in fp32, without an fp32 copy of a bf16 grad
         else:
             p.main_grad.copy_(p.grad)  # type: ignore[attr-defined]
             self._filled[j] = True

@@ -1,10 +1,15 @@
-"""Sequence parallelism keeps the local slice for backward (issue 40's native-memory item): the column-parallel
+"""The native engine's memory where it was cheap to fix (issue 40).
+
+Sequence parallelism keeps the local slice for backward: the column-parallel
 linears' gather is fused with the matmul (train/parallel/comm.py gathered_linear, megatron-core's
 LinearWithGradAccumulationAndAsyncCommunication), so backward re-gathers instead of keeping the gathered input.
 
 Two ranks on gloo: gathered_linear against gather_seq followed by F.linear, the same inputs: outputs and gradients
 bitwise equal, and the bytes autograd keeps (saved-tensor hooks, exact) smaller by the gathered input less its
-local slice."""
+local slice.
+
+The NaN check of the gradient buffer: two reductions, no byte-per-element temporary.
+"""
 from __future__ import annotations
 
 import json
@@ -72,3 +77,16 @@ def test_gathered_linear_keeps_the_local_slice(tmp_path):
             assert r["fused"][k] == r["plain"][k], k  # bitwise: the same arithmetic
         # the plain path keeps the gathered input; the fused one only this rank's slice of it
         assert r["plain"]["saved"] - r["fused"]["saved"] == r["gathered_input_bytes"] - r["local_bytes"], r
+
+
+def test_nan_check_without_a_buffer_sized_temporary():
+    """not_all_finite flags NaN, +inf and -inf anywhere and nothing else, via max and min only."""
+    from train.loop import not_all_finite
+
+    t = torch.randn(4096)
+    assert not bool(not_all_finite(t)) and not bool(not_all_finite(torch.empty(0)))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for where in (0, 1234, 4095):
+            u = t.clone()
+            u[where] = bad
+            assert bool(not_all_finite(u)), (bad, where)
