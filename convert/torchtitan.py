@@ -318,7 +318,8 @@ class TorchtitanSource:
 
     def read(self, name: str, start: int, stop: int, cols: slice | None = None) -> np.ndarray:
         tt, rule = self.tt_name[name]
-        ncols = (self.tensors.get(name) or self.moments[name]).shape[1:]
+        nrows, *ncols = (self.tensors.get(name) or self.moments[name]).shape
+        stop = min(stop, nrows)  # (as numpy slices: callers may ask past the end)
         cbox = ((cols.start or 0, ncols[0] if cols.stop is None else cols.stop),) if cols is not None else \
             tuple((0, c) for c in ncols)
         if rule is None:

@@ -10,6 +10,7 @@ and saved by torchtitan's CheckpointManager (model-only, as its last step saves)
 - a full training checkpoint (AdamW, lr_scheduler, dataloader) converts at tp=2 pp=2 to the same weights and, with
   --optimizer, a native training checkpoint: each Adam moment element where its weight element is (moments set to
   2w and w*w in torchtitan, the fused wqkv's included), train_state.json with torchtitan's step;
+- a tied model (torchtitan's 1B/3B: both keys saved) round-trips bitwise;
 - the flavour registry: `8B` gives Meta's published Llama-3-8B shape; a wrong flavour is one line.
 
 The torchtitan side runs in its own interpreter (its import registers torch safe globals and loggers the rest of
@@ -50,10 +51,10 @@ PRELUDE = textwrap.dedent("""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.components.checkpoint import CheckpointManager
 
-    def tiny():
+    def tiny(tied=False):
         dim, vocab = 64, 256
         return Llama3Model.Config(
-            dim=dim, vocab_size=vocab,
+            dim=dim, vocab_size=vocab, enable_weight_tying=tied,
             tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
             norm=RMSNorm.Config(normalized_shape=dim), lm_head=Linear.Config(in_features=dim, out_features=vocab),
             layers=_build_llama3_layers(n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, hidden_dim=160,
@@ -77,6 +78,7 @@ SAVE = PRELUDE + textwrap.dedent("""
     from checkpoint.errors import ConfigError
     from convert.torchtitan import hf_config_of, hf_row_source, model_config
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+    import os
     out = sys.argv[1]
     torch.manual_seed(0)
     cfg = tiny()
@@ -99,10 +101,15 @@ SAVE = PRELUDE + textwrap.dedent("""
     cfg_full = CheckpointManager.Config(enable=True, folder=out + "/full", keep_latest_k=0, last_save_model_only=False)
     CheckpointManager(cfg_full, dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=None, states={},
                       sd_adapter=None).save(6, last_step=True)
+    tied = tiny(tied=True).build()  # torchtitan's 1B/3B tie the head to the embedding (both keys saved)
+    tied.init_states()
+    assert tied.lm_head.weight is tied.tok_embeddings.weight
+    manager(tied, out + "/tied", last_save_model_only=True, export_dtype="float32").save(2, last_step=True)
+    os.makedirs(out + "/tiedcfg")
+    json.dump(hf_config_of(tiny(tied=True)), open(out + "/tiedcfg/config.json", "w"))
     tokens = torch.randint(0, 256, (2, 12))
     np.save(out + "/tokens.npy", tokens.numpy())
     np.save(out + "/logits.npy", forward(model, tokens).numpy())
-    import os
     os.makedirs(out + "/hfcfg")
     json.dump(hf_config_of(cfg), open(out + "/hfcfg/config.json", "w"))
     # the row permutation is torchtitan's own HF adapter's
@@ -167,6 +174,13 @@ def test_torchtitan_round_trip_and_forward(tmp_path, capsys):
         assert b.tensors[name].dtype == t.dtype
         assert np.array_equal(a.read_numpy(name), b.read_numpy(name)), name
     _torchtitan(LOAD, tmp_path)
+    # tied: stored once (the head is checked equal to the embedding), both keys written back
+    assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "tied"), str(tmp_path / "ntied"), "--hf-config",
+                 str(tmp_path / "tiedcfg"), "--tp", "2", "--quiet"]) == 0
+    assert main(["convert", "mcore-to-torchtitan", str(tmp_path / "ntied"), str(tmp_path / "btied"), "--quiet"]) == 0
+    a, b = (TorchDistCheckpoint(p / "step-2", megatron=False) for p in (tmp_path / "tied", tmp_path / "btied"))
+    assert set(a.tensors) == set(b.tensors) and "lm_head.weight" in a.tensors
+    assert all(np.array_equal(a.read_numpy(n), b.read_numpy(n)) for n in a.tensors)
     # read back with no flags (the config.json written beside), bitwise the same native checkpoint
     assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "back"), str(tmp_path / "native2"), "--tp", "2",
                  "--quiet"]) == 0
