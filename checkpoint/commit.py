@@ -387,6 +387,9 @@ class IterationWriter:
         # committed here: free their space
         for p in self.root.glob(f"iter_*{PARTIAL_SUFFIX}"):
             shutil.rmtree(p, ignore_errors=True)
+        from .storage import committed
+
+        committed(self.root)  # a root staged for object storage (a training --save s3://...) publishes it
         return self.final
 
 

@@ -15,8 +15,8 @@
 - `check_target`: every name a writer is about to create or replace in a directory the user owns (`launch --out`'s
   scripts, an iteration directory, a pointer): a symlink or a non-regular file there is refused (never followed),
   and a regular file the writer did not write is refused without `--overwrite`.
-- `refuse_url`: a path argument that is a URL (`s3://...`) is refused (object storage is not supported yet), never
-  taken as a relative directory named `s3:`. (Paths reach tensorstore resolved: checkpoint.store.array_spec.)
+- `refuse_url`: a path argument that is a URL (`s3://...`) and not a checkpoint location (checkpoint/storage.py) is
+  refused, never taken as a relative directory named `s3:`. (Paths reach tensorstore resolved: checkpoint.store.array_spec.)
 - `side_files` / `copy_side_files`: the tokenizer and generation files carried beside the weights (a checkpoint's
   `hf/`): untrusted input, only known names that are regular files, never over the writer's own files.
 - `inside_iteration`: no write goes into a committed checkpoint iteration.
@@ -287,8 +287,9 @@ def is_url(value: object) -> bool:
 def refuse_url(value: object, flag: str) -> None:
     if is_url(value):
         scheme = str(value).split("://", 1)[0]
-        raise ShardkitError(f"{flag + ' ' if flag else ''}{value}: object storage ({scheme}://) is not supported yet; give a local path "
-                            "(a mounted filesystem works)")
+        raise ShardkitError(f"{flag + ' ' if flag else ''}{value}: a URL ({scheme}://) is not supported here; only "
+                            "checkpoint locations take s3:// or gs:// (convert OUT / CKPT, reshard SRC / DST, inspect, "
+                            "verify, continue-pretrain --load / --save); give a local path (a mounted filesystem works)")
 
 
 

@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_malloc()
     try:
-        _refuse_urls(sys.argv[1:] if argv is None else argv)
+        _refuse_urls(sys.argv[1:] if argv is None else argv, _storage_values(args))
         if args.cmd in ("convert", "reshard"):
             return _across_ranks(args)
         return _dispatch(args)
@@ -368,16 +368,95 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _refuse_urls(argv: list) -> None:
-    """Every path shardkit takes is local: an argument that is a URL (`s3://bucket/x`, `gs://`, `https://`) is one
-    line naming it (object storage is not supported yet), never a relative directory named `s3:`."""
+def _refuse_urls(argv: list, allowed: set = frozenset()) -> None:
+    """A path argument that is a URL (`s3://bucket/x`, `gs://`, `https://`) is one line naming it, never a relative
+    directory named `s3:`, unless it is one of the command's checkpoint arguments (`allowed`, _storage_args), which
+    take object storage (checkpoint/storage.py)."""
     from checkpoint.safety import is_url, refuse_url
 
     for i, a in enumerate(map(str, argv)):
         flag, _, value = a.partition("=") if a.startswith("--") else ("", "", a)
-        if is_url(value):
+        if is_url(value) and value not in allowed:
             prev = str(argv[i - 1]) if i else ""
             refuse_url(value, flag or (prev if prev.startswith("-") else ""))
+
+
+def _storage_args(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The checkpoint arguments of a command that take object storage (s3://, gs://, file://), with "r" (read) or
+    "w" (write)."""
+    cmd, direction = args.cmd, getattr(args, "direction", None)
+    return {("convert", "hf-to-mcore"): [("out", "w")], ("convert", "mcore-to-hf"): [("ckpt", "r")],
+            ("reshard", None): [("src", "r"), ("dst", "w")], ("inspect", None): [("ckpt", "r")],
+            ("verify", None): [("ckpt", "r")],
+            ("continue-pretrain", None): [("load", "r"), ("save", "w")]}.get((cmd, direction), [])
+
+
+def _storage_values(args: argparse.Namespace) -> set:
+    return {getattr(args, a, None) for a, _ in _storage_args(args)} - {None}
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    """Run the command with its object-storage checkpoint arguments made local: a source is downloaded (the
+    iteration it resolves to), an output is written to a staging root and published when the command succeeds
+    (checkpoint/storage.py). continue-pretrain does the same once its --config is merged (_train_storage)."""
+    from checkpoint import storage
+    from checkpoint.errors import ShardkitError
+
+    spots = [(a, m) for a, m in _storage_args(args) if args.cmd != "continue-pretrain"
+             and storage.parse(getattr(args, a, None), a.upper()) is not None]
+    for a, _ in _storage_args(args):
+        if isinstance(getattr(args, a, None), str):
+            setattr(args, a, storage.local(getattr(args, a)))  # file://
+    if not spots:
+        return _dispatch_local(args)
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        writers = []
+        for a, mode in spots:
+            value = getattr(args, a)
+            if mode == "r":
+                setattr(args, a, stack.enter_context(storage.reading(value)))
+                continue
+            if getattr(args, "format", "native") == "torch_dist":
+                raise ShardkitError(f"{value}: " + storage.TORCH_DIST_REFUSED.format(scheme=value.split(":")[0]))
+            w = storage.Writing(value, overwrite=getattr(args, "overwrite", False), flag=a.upper())
+            setattr(args, a, w.path)
+            writers.append(w)
+        rc = _dispatch_local(args)
+        if rc == 0:
+            for w in writers:
+                print(f"published {w.publish()}")
+        return rc
+
+
+def _train_storage(cfg, stack):
+    """continue-pretrain's --load / --save on object storage: --load is downloaded; --save is a staging root whose
+    every commit (sync or async save) is published (checkpoint.storage.mirror); --load equal to --save resumes from
+    the store's latest."""
+    import dataclasses
+
+    from checkpoint import storage
+
+    load, save = cfg.checkpoint.load, cfg.checkpoint.save
+    new_load, new_save = storage.local(load), storage.local(save)
+    if save and storage.parse(save, "--save") is not None:
+        if cfg.checkpoint.save_format == "torch_dist":
+            from checkpoint.errors import ShardkitError
+
+            raise ShardkitError(f"--save {save}: " + storage.TORCH_DIST_REFUSED.format(scheme=save.split(":")[0]))
+        w = storage.Writing(save, overwrite=True, flag="--save")
+        new_save = w.path
+        storage.mirror(w.path, w.loc)
+        if load and load.rstrip("/") == save.rstrip("/"):
+            new_load = w.path
+            if w.remote_has_checkpoint:
+                storage.fetch(w.loc, Path(w.path))
+    if load and new_load == load and storage.parse(load, "--load") is not None:
+        new_load = stack.enter_context(storage.reading(load))
+    if (new_load, new_save) == (load, save):
+        return cfg
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=new_load, save=new_save))
 
 
 def _check_dtype(value: str | None) -> str | None:
@@ -515,7 +594,7 @@ def _across_ranks(args: argparse.Namespace) -> int:
         group.close(error)
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _dispatch_local(args: argparse.Namespace) -> int:
     from checkpoint.errors import ShardkitError
 
     if args.cmd == "convert" and args.direction == "hf-to-mcore":
@@ -661,14 +740,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         from shardkit.flagcheck import check_train_values
 
         check_train_values(cfg)  # NaN/inf/out-of-range --lr, --adam-eps, --clip-grad, timeouts... (issue 34)
-        _check_train_outputs(cfg)
-        try:
-            train_main(cfg)
-        except RuntimeError as e:  # a collective failed: another rank died or hangs
-            err = peer_failure(e, cfg.checkpoint.save)
-            if err is None:
-                raise
-            raise err from None
+        import contextlib
+
+        with contextlib.ExitStack() as stack:
+            cfg = _train_storage(cfg, stack)  # s3:// / gs:// --load and --save (checkpoint/storage.py)
+            _check_train_outputs(cfg)
+            try:
+                train_main(cfg)
+            except RuntimeError as e:  # a collective failed: another rank died or hangs
+                err = peer_failure(e, cfg.checkpoint.save)
+                if err is None:
+                    raise
+                raise err from None
         return 0
     if args.cmd in ("plan", "launch"):
         from plan.commands import run as run_plan

@@ -1,0 +1,347 @@
+"""Checkpoint locations: local paths and object storage (`s3://bucket/prefix`, `gs://bucket/prefix`), in one place.
+
+Object storage goes through tensorstore's own kvstore drivers (`s3`, `gcs`: `ts.KvStore`), the same layer its zarr3
+driver reads arrays through; no second client library. Endpoint, region and credentials are taken the way the AWS
+tools take them (tensorstore's s3 driver reads `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_SESSION_TOKEN`,
+`AWS_PROFILE` with `~/.aws/credentials` and `~/.aws/config`, and the instance metadata service); `AWS_ENDPOINT_URL`
+(`AWS_ENDPOINT_URL_S3` first) and `AWS_REGION` (`AWS_DEFAULT_REGION`) are passed on as the spec's `endpoint` and
+`aws_region`. Credentials are never put in a spec, a message or a log. GCS takes Google's application default
+credentials.
+
+A command writes a checkpoint to object storage through a local staging root (`SHARDKIT_STAGING`, default
+`$TMPDIR/shardkit-staging/<hash of the URL>`): the ordinary writer and commit protocol run there (so an interrupted
+conversion resumes from the staging root's `iter_N.partial`, redoing only missing chunks), and `publish` then puts the
+committed iteration on the store: every object of the iteration but `manifest.json`, then `manifest.json`, then the
+pointer `latest` (a conditional write against the generation read before, so two writers cannot both move it). A
+store has no rename: an iteration prefix without `manifest.json` is never a checkpoint, and `latest` is written
+last. Reading (`fetch`) resolves the iteration as `commit.resolve_iteration` does locally and downloads it into a
+temporary root the readers check as usual (digest, every chunk's crc32c). docs/FORMAT.md "Object storage".
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from .errors import FormatError, ShardkitError, WriteError
+
+SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> tensorstore kvstore driver
+LATEST = "latest"
+MANIFEST = "manifest.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER = re.compile(r"^iter_\d{7}$")
+INFLIGHT_BYTES = 256 << 20  # bytes of uploads/downloads in flight at once (memory bound)
+TORCH_DIST_REFUSED = "torch_dist needs a local path; use the native format for {scheme}:// (--format native)"
+
+
+@dataclass(frozen=True)
+class Location:
+    url: str
+    scheme: str
+    bucket: str
+    prefix: str  # without leading or trailing '/'; '' is the bucket's root
+
+    def key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+
+def parse(value: object, flag: str = "") -> Location | None:
+    """The object-storage location a path argument (`flag`) names, or None for a local path (`file://` included:
+    see `local`). Any other scheme (`https://`, `msc://`) is one line."""
+    if not isinstance(value, str) or "://" not in value:
+        return None
+    scheme, _, rest = value.partition("://")
+    if scheme == "file":
+        return None
+    if scheme not in SCHEMES:
+        raise ShardkitError(f"{flag + ' ' if flag else ''}{value}: {scheme}:// is not supported; a checkpoint "
+                            "location is a local path, file://, s3://bucket/prefix or gs://bucket/prefix")
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    if not bucket or any(p in ("", ".", "..") for p in prefix.split("/") if prefix) or "\\" in prefix:
+        raise ShardkitError(f"{flag + ' ' if flag else ''}{value}: not a {scheme}://bucket/prefix location")
+    return Location(value, scheme, bucket, prefix)
+
+
+def local(value: str) -> str:
+    """A local path argument with `file://` removed."""
+    return value[len("file://"):] if isinstance(value, str) and value.startswith("file://") else value
+
+
+def kvstore_spec(loc: Location, sub: str = "") -> dict:
+    """The tensorstore kvstore spec of `loc` (plus `sub`, a key prefix below it): no credentials in it."""
+    path = loc.key(sub) if sub else loc.prefix
+    spec: dict = {"driver": SCHEMES[loc.scheme], "bucket": loc.bucket, "path": path + "/" if path else ""}
+    if loc.scheme == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if endpoint:
+            spec["endpoint"] = endpoint
+        if region:
+            spec["aws_region"] = region
+        retries = os.environ.get("SHARDKIT_STORAGE_RETRIES")  # tensorstore's default: 32 with backoff
+        if retries:
+            spec["context"] = {"s3_request_retries": {"max_retries": int(retries), "initial_delay": "100ms",
+                                                      "max_delay": "1s"}}
+    return spec
+
+
+def _error(loc: Location, what: str, e: BaseException, cls=ShardkitError) -> ShardkitError:
+    msg = " ".join(str(e).split())  # one line; tensorstore's messages name the key and the HTTP status
+    body = re.search(r"<Code>([^<]*)</Code>\s*(?:<Message>([^<]*)</Message>)?", msg)
+    if body:  # an S3 error document: its code and message, not the XML
+        msg = msg[:msg.index(":")] + ": " + ": ".join(x for x in body.groups() if x)
+    msg = re.sub(r"\s*\[source locations=.*?\]", "", msg)
+    if len(msg) > 300:
+        msg = msg[:300] + "..."
+    return cls(f"{loc.url}: {what} failed ({msg})")
+
+
+class ObjectStore:
+    """Small-object operations on one location (keys relative to its prefix), through ts.KvStore."""
+
+    def __init__(self, loc: Location):
+        import tensorstore as ts
+
+        self.loc = loc
+        self._ts = ts
+        try:
+            self.kv = ts.KvStore.open(kvstore_spec(loc)).result()
+        except Exception as e:
+            raise _error(loc, "opening the store", e) from None
+
+    def read(self, key: str) -> bytes | None:
+        return self.read_stamped(key)[0]
+
+    def read_stamped(self, key: str) -> tuple[bytes | None, bytes]:
+        """(value or None when missing, generation) of one object."""
+        try:
+            r = self.kv.read(key).result()
+        except Exception as e:
+            raise _error(self.loc, f"reading {key}", e, FormatError) from None
+        return (bytes(r.value) if r.state == "value" else None), r.stamp.generation
+
+    def write(self, key: str, data: bytes, if_equal: bytes | None = None) -> bool:
+        """Write one object; with `if_equal`, only if its generation is still that (False when it is not)."""
+        try:
+            kw = {} if if_equal is None else {"if_equal": if_equal}
+            stamp = self.kv.write(key, data, **kw).result()
+        except Exception as e:
+            raise _error(self.loc, f"writing {key}", e, WriteError) from None
+        return bool(stamp.generation)
+
+    def list(self, prefix: str = "") -> list[str]:
+        try:
+            rng = self._ts.KvStore.KeyRange(prefix, _successor(prefix)) if prefix else self._ts.KvStore.KeyRange()
+            return sorted(k.decode() for k in self.kv.list(rng).result())
+        except Exception as e:
+            raise _error(self.loc, f"listing {prefix or '/'}", e, FormatError) from None
+
+    def delete_prefix(self, prefix: str) -> None:
+        try:
+            self.kv.delete_range(self._ts.KvStore.KeyRange(prefix, _successor(prefix))).result()
+        except Exception as e:
+            raise _error(self.loc, f"deleting {prefix}", e, WriteError) from None
+
+    def upload(self, files: list[tuple[Path, str]]) -> None:
+        """Write local files as objects, in parallel, with at most INFLIGHT_BYTES read into memory at once."""
+        pending: dict = {}
+        held = 0
+        try:
+            for path, key in files:
+                size = path.stat().st_size
+                while pending and held + size > INFLIGHT_BYTES:
+                    done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                    for f in done:
+                        held -= pending.pop(f)[0]
+                        f.result()
+                pending[self.kv.write(key, path.read_bytes())] = (size, key)
+                held += size
+            for f in list(pending):
+                f.result()
+        except OSError as e:
+            raise WriteError(f"{e.filename or self.loc.url}: reading the staged file failed ({e.strerror or e})") \
+                from None
+        except Exception as e:
+            raise _error(self.loc, "writing the checkpoint's objects", e, WriteError) from None
+
+    def download(self, keys: list[str], dest: Path, strip: str = "") -> None:
+        """Objects `keys` into files below `dest` (each key less `strip`), in parallel, bounded in memory."""
+        from .safety import safe_path
+
+        pending: list = []
+
+        def drain(n: int) -> None:
+            while len(pending) > n:
+                fut, path, key = pending.pop(0)
+                r = fut.result()
+                if r.state != "value":
+                    raise FormatError(f"{self.loc.url}/{key}: disappeared while reading the checkpoint")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(bytes(r.value))
+
+        try:
+            for key in keys:
+                path = safe_path(dest, key[len(strip):], f"{self.loc.url}/{key}")
+                pending.append((self.kv.read(key), path, key))
+                drain(16)
+            drain(0)
+        except ShardkitError:
+            raise
+        except Exception as e:
+            raise _error(self.loc, "reading the checkpoint's objects", e, FormatError) from None
+
+
+def _successor(prefix: str) -> str:
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def resolve(store: ObjectStore) -> str:
+    """The iteration (`iter_NNNNNNN`, or '' when the location is an iteration itself) a reader takes, by the rules
+    of commit.resolve_iteration: `latest` wins and must name an iteration whose manifest.json exists; without it,
+    the newest iteration with a manifest; an iteration prefix without manifest.json (a write that never finished) is
+    never taken."""
+    loc = store.loc
+    if store.read(MANIFEST) is not None:
+        return ""
+    if store.read(TRACKER) is not None:
+        raise ShardkitError(f"{loc.url}: a torch_dist checkpoint; " + TORCH_DIST_REFUSED.format(scheme=loc.scheme))
+    text = store.read(LATEST)
+    if text is not None:
+        name = text[:4096].decode(errors="replace").strip()
+        if not _ITER.match(name):
+            raise FormatError(f"{loc.url}/{LATEST}: names {name[:80]!r}, not an iteration (iter_NNNNNNN)")
+        if store.read(f"{name}/{MANIFEST}") is None:
+            raise FormatError(f"{loc.url}/{LATEST}: points to {name}, which is missing or incomplete")
+        return name
+    keys = store.list()
+    done = sorted({k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + MANIFEST)
+                   and _ITER.match(k.split("/")[0])})
+    if done:
+        return done[-1]
+    started = sorted({k.split("/")[0] for k in keys if _ITER.match(k.split("/")[0])})
+    hint = f" (only {started[-1]} without {MANIFEST}: a write that never finished)" if started else ""
+    raise FormatError(f"{loc.url}: not a shardkit checkpoint: no {LATEST} and no {MANIFEST}{hint}")
+
+
+def fetch(loc: Location, dest: Path) -> Path:
+    """Download the iteration a reader takes at `loc` into `dest/<iter>` (with `dest/latest` naming it) and return
+    the local root; the readers then check it as any local checkpoint."""
+    store = ObjectStore(loc)
+    name = resolve(store)
+    if not name:  # the URL is an iteration itself
+        name = loc.prefix.rsplit("/", 1)[-1] if _ITER.match(loc.prefix.rsplit("/", 1)[-1]) else "iter_0000000"
+        store.download(store.list(), dest / name)
+    else:
+        store.download(store.list(name + "/"), dest / name, strip=name + "/")
+    (dest / LATEST).write_text(name + "\n")
+    return dest
+
+
+def publish(local_root: Path, loc: Location) -> str:
+    """Put the committed iteration `latest` names in `local_root` on the store: its objects, then manifest.json,
+    then `latest` (conditional on the generation read first). An existing iteration of that name there first loses
+    its manifest.json (it stops being complete), then its objects."""
+    from .commit import resolve_iteration
+
+    it = resolve_iteration(local_root)
+    name = it.name
+    store = ObjectStore(loc)
+    _, generation = store.read_stamped(LATEST)
+    if store.list(name + "/"):
+        store.delete_prefix(f"{name}/{MANIFEST}")
+        store.delete_prefix(name + "/")
+    files = sorted(p for p in it.rglob("*") if p.is_file() and p != it / MANIFEST)
+    store.upload([(p, f"{name}/{p.relative_to(it).as_posix()}") for p in files])
+    store.upload([(it / MANIFEST, f"{name}/{MANIFEST}")])
+    if not store.write(LATEST, f"{name}\n".encode(), if_equal=generation):
+        raise WriteError(f"{loc.url}/{LATEST}: another writer moved it while {name} was being written; {name} is "
+                         "complete on the store but not the latest")
+    return f"{loc.url.rstrip('/')}/{name}"
+
+
+def staging_dir(loc: Location) -> Path:
+    base = os.environ.get("SHARDKIT_STAGING") or os.path.join(tempfile.gettempdir(), "shardkit-staging")
+    return Path(base) / hashlib.sha256(loc.url.rstrip("/").encode()).hexdigest()[:16]
+
+
+# -- the CLI's checkpoint arguments -----------------------------------------------------------------------------------
+
+def _one_process(url: str) -> None:
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        try:
+            if int(os.environ.get(var, "1")) > 1:
+                raise ShardkitError(f"{url}: object storage runs as one process for now ({var}={os.environ[var]}); "
+                                    "start it without torchrun/srun, or use a shared filesystem")
+        except ValueError:
+            pass
+
+
+@contextlib.contextmanager
+def reading(value: str) -> Iterator[str]:
+    """A checkpoint argument to read: a local path as given (file:// removed), or a temporary local copy of the
+    iteration an object-storage location resolves to, removed afterwards."""
+    loc = parse(value)
+    if loc is None:
+        yield local(value)
+        return
+    _one_process(value)
+    tmp = Path(tempfile.mkdtemp(prefix="shardkit-read-"))
+    try:
+        yield str(fetch(loc, tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Writing:
+    """A checkpoint argument to write: `path` is the local root the writer uses (the staging root for object
+    storage); `publish()` puts its committed iteration on the store."""
+
+    def __init__(self, value: str, overwrite: bool = False, flag: str = "OUT"):
+        self.loc = parse(value)
+        self.value = value
+        self.path = str(staging_dir(self.loc)) if self.loc else local(value)
+        if self.loc is None:
+            return
+        _one_process(value)
+        keys = ObjectStore(self.loc).list()
+        if keys and not overwrite:
+            raise ShardkitError(f"{flag} {value}: the location is not empty ({', '.join(keys[:3])}"
+                                f"{', ...' if len(keys) > 3 else ''}); pass --overwrite to write a checkpoint there")
+        root = Path(self.path)  # only an interrupted write (iter_N.partial) is worth keeping: it resumes
+        if root.is_dir():
+            for p in root.iterdir():
+                if not p.name.endswith(".partial"):
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        self.remote_has_checkpoint = bool(keys)
+
+    def publish(self) -> str | None:
+        if self.loc is None:
+            return None
+        url = publish(Path(self.path), self.loc)
+        shutil.rmtree(self.path, ignore_errors=True)
+        return url
+
+
+# -- training saves: every commit of a mirrored root is published ----------------------------------------------------
+
+_MIRRORS: dict[str, Location] = {}
+
+
+def mirror(local_root: str, loc: Location) -> None:
+    _MIRRORS[os.path.realpath(local_root)] = loc
+
+
+def committed(root: Path) -> None:
+    """Called by commit.IterationWriter.commit after `latest` was written: a root mirrored to object storage (a
+    training --save s3://...) publishes the new iteration."""
+    loc = _MIRRORS.get(os.path.realpath(root))
+    if loc is not None:
+        publish(root, loc)

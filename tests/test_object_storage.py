@@ -1,0 +1,218 @@
+"""Checkpoints on object storage (issue 38), against a real S3 server on loopback: moto's server mode, started here
+(ThreadedMotoServer, a Werkzeug HTTP server speaking the S3 REST API; no mock of any client library). tensorstore's
+own s3 kvstore driver talks to it over HTTP, as it would to AWS."""
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+moto_server = pytest.importorskip("moto.server")
+
+from checkpoint import storage  # noqa: E402
+from shardkit.cli import main  # noqa: E402
+from shardkit.demo import build_tiny_llama  # noqa: E402
+
+BUCKET = "shardkit-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A moto S3 server on a free loopback port, with the environment tensorstore (and the AWS tools) read."""
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    empty = tmp_path_factory.mktemp("aws") / "none"
+    empty.write_text("")
+    env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_REGION": "us-east-1", "AWS_CONFIG_FILE": str(empty), "AWS_SHARED_CREDENTIALS_FILE": str(empty),
+           "SHARDKIT_STAGING": str(tmp_path_factory.mktemp("staging"))}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import boto3  # moto's own dependency: only to create the bucket, as an admin would
+
+    boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    try:
+        yield url
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    return build_tiny_llama(d / "hf", num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=300,
+                            num_attention_heads=4, num_key_value_heads=2)
+
+
+def _objects(url: str) -> dict[str, bytes]:
+    store = storage.ObjectStore(storage.parse(url))
+    return {k: store.read(k) for k in store.list()}
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _one_line_error(capsys, rc: int) -> str:
+    err = capsys.readouterr().err.strip()
+    assert rc != 0
+    lines = [ln for ln in err.splitlines() if ln.startswith("shardkit:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _same_iteration(objects: dict[str, bytes], local_root: Path) -> None:
+    """The store's objects are the local checkpoint's files, byte for byte (the manifest aside: its provenance
+    names the command and the time), and the manifests' tensor tables are equal."""
+    import json
+
+    local = _files(local_root / "iter_0000000")
+    remote = {k[len("iter_0000000/"):]: v for k, v in objects.items() if k.startswith("iter_0000000/")}
+    assert set(remote) == set(local)
+    for k in local:
+        if k != "manifest.json":
+            assert remote[k] == local[k], k
+    assert json.loads(remote["manifest.json"])["tensors"] == json.loads(local["manifest.json"])["tensors"]
+    assert objects["latest"] == b"iter_0000000\n"
+
+
+def test_convert_reshard_export_on_s3_bitwise(s3, tiny, tmp_path, capsys):
+    """convert hf-to-mcore to s3://, inspect and verify there, reshard s3 -> s3, mcore-to-hf from s3: every result
+    equals the local-path command's, byte for byte."""
+    args = ["--tensor-model-parallel-size", "2", "--no-verify", "--quiet"]
+    assert main(["convert", "hf-to-mcore", str(tiny), f"s3://{BUCKET}/a", *args]) == 0
+    assert main(["convert", "hf-to-mcore", str(tiny), str(tmp_path / "a"), *args]) == 0
+    _same_iteration(_objects(f"s3://{BUCKET}/a"), tmp_path / "a")
+    assert "published s3://" in capsys.readouterr().out
+
+    assert main(["inspect", f"s3://{BUCKET}/a"]) == 0
+    assert "linear_qkv" in capsys.readouterr().out
+    assert main(["verify", f"s3://{BUCKET}/a"]) == 0
+
+    rs = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--quiet"]
+    assert main(["reshard", f"s3://{BUCKET}/a", f"s3://{BUCKET}/b", *rs]) == 0
+    assert main(["reshard", str(tmp_path / "a"), str(tmp_path / "b"), *rs]) == 0
+    _same_iteration(_objects(f"s3://{BUCKET}/b"), tmp_path / "b")
+
+    assert main(["convert", "mcore-to-hf", f"s3://{BUCKET}/b", str(tmp_path / "hf_s3"), "--quiet"]) == 0
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "b"), str(tmp_path / "hf_local"), "--quiet"]) == 0
+    a, b = _files(tmp_path / "hf_s3"), _files(tmp_path / "hf_local")
+    assert a.keys() == b.keys() and any(k.endswith(".safetensors") for k in a)
+    assert all(a[k] == b[k] for k in a if k.endswith(".safetensors"))
+
+    # file:// is a local path
+    assert main(["inspect", f"file://{tmp_path / 'a'}"]) == 0
+    # an existing checkpoint is not overwritten without --overwrite
+    line = _one_line_error(capsys, main(["convert", "hf-to-mcore", str(tiny), f"s3://{BUCKET}/a", *args]))
+    assert "not empty" in line and "--overwrite" in line
+    # torch_dist needs a local path
+    line = _one_line_error(capsys, main(["convert", "hf-to-mcore", str(tiny), f"s3://{BUCKET}/td", *args,
+                                         "--format", "torch_dist"]))
+    assert "torch_dist needs a local path" in line
+
+
+def test_half_written_iteration_never_latest(s3, tiny, capsys):
+    """An iteration prefix without manifest.json (a write killed before its manifest) is never taken: not with
+    `latest` naming the committed one, not without `latest`, and a `latest` naming it is an error."""
+    url = f"s3://{BUCKET}/half"
+    assert main(["convert", "hf-to-mcore", str(tiny), url, "--no-verify", "--quiet"]) == 0
+    store = storage.ObjectStore(storage.parse(url))
+    for k in store.list("iter_0000000/"):  # iter_1: everything but the manifest
+        if not k.endswith("manifest.json"):
+            store.write("iter_0000001/" + k[len("iter_0000000/"):], store.read(k))
+    assert storage.resolve(store) == "iter_0000000"
+    store.delete_prefix("latest")
+    assert storage.resolve(store) == "iter_0000000"
+    assert main(["verify", url]) == 0
+    store.write("latest", b"iter_0000001\n")
+    line = _one_line_error(capsys, main(["inspect", url]))
+    assert "iter_0000001" in line and "incomplete" in line
+    store.delete_prefix("iter_0000000/manifest.json")
+    store.delete_prefix("latest")
+    line = _one_line_error(capsys, main(["inspect", url]))
+    assert "not a shardkit checkpoint" in line and "never finished" in line
+
+
+def _nothing_complete(url: str) -> None:
+    with contextlib.suppress(Exception):
+        keys = storage.ObjectStore(storage.parse(url)).list()
+        assert "latest" not in keys and not any(k.endswith("manifest.json") for k in keys), keys
+
+
+def test_missing_bucket(s3, tiny, capsys):
+    url = "s3://no-such-bucket-38/x"
+    line = _one_line_error(capsys, main(["convert", "hf-to-mcore", str(tiny), url, "--no-verify", "--quiet"]))
+    assert "no-such-bucket-38" in line
+    line = _one_line_error(capsys, main(["inspect", url]))
+    assert "no-such-bucket-38" in line
+
+
+def test_wrong_credentials(s3, tiny, capsys, monkeypatch):
+    """With authentication on (moto checks keys against its IAM), a key the server does not know is refused: one
+    line, and the secret is never printed."""
+    from moto import settings
+
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG1")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-38")
+    url = f"s3://{BUCKET}/creds"
+    rc = main(["convert", "hf-to-mcore", str(tiny), url, "--no-verify", "--quiet"])
+    line = _one_line_error(capsys, rc)
+    assert "InvalidAccessKeyId" in line, line
+    assert "wrong-secret-38" not in line
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", float("inf"))
+    monkeypatch.undo()
+    _nothing_complete(url)
+
+
+class _Throttling(http.server.BaseHTTPRequestHandler):
+    def _slow_down(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+        self.send_response(503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _slow_down
+
+    def log_message(self, *a):
+        pass
+
+
+def test_throttling_server(s3, tiny, capsys, monkeypatch):
+    """A server that answers every request with 503 SlowDown: tensorstore retries (here twice), then one line."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Throttling)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("SHARDKIT_STORAGE_RETRIES", "2")
+        url = f"s3://{BUCKET}/slow"
+        rc = main(["convert", "hf-to-mcore", str(tiny), url, "--no-verify", "--quiet"])
+        line = _one_line_error(capsys, rc)
+        assert "503" in line or "SlowDown" in line or "unavailable" in line.lower(), line
+        line = _one_line_error(capsys, main(["inspect", url]))
+    finally:
+        server.shutdown()
+    monkeypatch.undo()
+    _nothing_complete(f"s3://{BUCKET}/slow")
