@@ -9,8 +9,6 @@ source, and `continue-pretrain --load` of it runs one iteration (its optimizer r
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
@@ -22,20 +20,12 @@ if not FIX.is_dir():
     pytest.skip(f"{FIX} is absent (the fixtures of issue 41: Megatron-Core 0.19.2 / Megatron-Bridge 0.6.2 saves)",
                 allow_module_level=True)
 
+from tests.test_megatron_write_newest import cli  # noqa: E402  (shardkit's CLI in-process: rc, stdout, stderr)
+
 CORE, BRIDGE, TRAIN = "llama-megatron-core-0.19.2", "llama-megatron-bridge-0.6.2", "llama-plain-megatron-lm-0.19.2-train"
 SOURCE = {CORE: "llama-hf", BRIDGE: "llama-hf", TRAIN: "llama-plain-hf"}
 
 
-def cli(*argv: str) -> tuple[int, str, str]:
-    from shardkit.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main([str(a) for a in argv])
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc or 0, out.getvalue(), err.getvalue()
 
 
 def hf_tensors(d: Path) -> dict[str, np.ndarray]:

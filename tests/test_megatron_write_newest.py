@@ -32,9 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 ORACLE = ROOT / "tests" / "megatron_oracle_newest.py"
 TOL = 1e-4
 SEQ = 16
+# the exports' model as megatron_oracle.build takes it (the demo's tiny Llama, vocab 1024, no RoPE scaling)
+MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, kv_channels=16,
+             ffn_hidden_size=352, add_bias_linear=False, add_qkv_bias=False, layernorm_epsilon=1e-6,
+             padded_vocab_size=1024, max_sequence_length=256, rotary_base=500000.0, tied=False)
 
 
 def cli(*argv) -> tuple[int, str, str]:
+    """shardkit's CLI in this process: (exit status, stdout, stderr)."""
     from shardkit.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -116,6 +121,23 @@ def test_megatron_version_refused_in_one_line(tmp_path, exports):
     assert not (tmp_path / "x").exists()
 
 
+def test_megatron_core_016_cannot_load_the_019_layout(exports, tmp_path):
+    """Why 0.16 is the default: megatron-core 0.16.1 (this environment's; tests/test_torch_dist.py loads the default
+    layout with it, and test_loaded_by_megatron_core_019 the same with 0.19.2) looks for common.pt."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed")
+    ids = tmp_path / "ids.pt"
+    torch.save(torch.zeros(1, 4, dtype=torch.long), ids)
+    job = [{"mode": "load", "ckpt": str(exports["0.19"]), "model": MODEL, "input_ids": str(ids),
+            "out": str(tmp_path / "out.pt")}]
+    (tmp_path / "jobs.json").write_text(json.dumps(job))
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "megatron_oracle.py"), "torch_dist",
+                        str(tmp_path / "jobs.json")], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert r.returncode != 0 and "common.pt" in r.stderr, (r.stdout[-1000:], r.stderr[-2000:])
+
+
 # -- megatron-core 0.19.2 and Megatron-Bridge 0.6.2 (slow: their environment) ------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -161,10 +183,7 @@ def test_loaded_by_megatron_core_019(version, exports, oracle_python, tmp_path):
     torch.manual_seed(0)
     ids = torch.randint(0, 1024, (2, SEQ))
     torch.save(ids, tmp_path / "ids.pt")
-    model = dict(num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2, kv_channels=16,
-                 ffn_hidden_size=352, add_bias_linear=False, add_qkv_bias=False, layernorm_epsilon=1e-6,
-                 padded_vocab_size=1024, max_sequence_length=256, rotary_base=500000.0, tied=False)
-    got = run_oracle(oracle_python, "load", {"ckpt": str(it), "model": model, "input_ids": str(tmp_path / "ids.pt"),
+    got = run_oracle(oracle_python, "load", {"ckpt": str(it), "model": MODEL, "input_ids": str(tmp_path / "ids.pt"),
                                              "tampered": [str(tampered)], "out": str(tmp_path / "out.pt")}, tmp_path)
     assert got["common_source"] == ("common.pt" if version == "0.16" else "dcp item") and got["iteration"] == 0
     diff = (got["logits"] - hf_logits(exports["hf"], ids)).abs().max().item()
