@@ -162,6 +162,21 @@ def hf_config(name: str) -> dict:
     return copy.deepcopy(PRESETS[key])
 
 
-def model_config(name: str) -> ModelConfig:
-    """The preset as shardkit's ModelConfig (through ModelConfig.from_hf, like a config.json on disk)."""
-    return ModelConfig.from_hf(hf_config(name), source=f"preset {name} ({HUB_REPOS[name.lower()]})")
+# What transformers reads for the fields some hub files leave out (its config classes' defaults; where it has none,
+# what ModelConfig.from_hf assumes without it): filled in so that a preset is read without importing transformers
+# (~2 s of CPU at every `plan`). tests/test_plan.py checks each preset gives the same ModelConfig both ways.
+OMITTED_DEFAULTS = {
+    "llama": {"attention_bias": False, "mlp_bias": False, "rope_theta": 10000.0},
+    "deepseek_v2": {"mlp_bias": False, "rope_interleave": True, "num_nextn_predict_layers": 0},
+    "deepseek_v3": {"mlp_bias": False, "rope_interleave": True},
+}
+
+
+def model_config(name: str, fill_defaults: bool = True) -> ModelConfig:
+    """The preset as shardkit's ModelConfig (through ModelConfig.from_hf, like a config.json on disk), the fields its
+    hub file omits filled from OMITTED_DEFAULTS (`fill_defaults=False`: from transformers, as for a file on disk)."""
+    hf = hf_config(name)
+    if fill_defaults:
+        for key, value in OMITTED_DEFAULTS.get(hf.get("model_type"), {}).items():
+            hf.setdefault(key, value)
+    return ModelConfig.from_hf(hf, source=f"preset {name} ({HUB_REPOS[name.lower()]})")

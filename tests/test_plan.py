@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,6 +46,27 @@ def test_preset_equals_hub_config(name):
     if not path.is_file():
         pytest.skip("shared/hf-configs not present")
     assert presets.hf_config(name) == json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("name", presets.preset_names())
+def test_preset_defaults_are_transformers(name):
+    """A preset is read without transformers (its omitted fields from presets.OMITTED_DEFAULTS) into the same
+    ModelConfig as the hub file read with transformers' defaults."""
+    from dataclasses import asdict
+
+    filled, hub = presets.model_config(name), presets.model_config(name, fill_defaults=False)
+    assert {k: v for k, v in asdict(filled).items() if k != "hf_config"} == \
+        {k: v for k, v in asdict(hub).items() if k != "hf_config"}
+
+
+def test_plan_of_a_preset_imports_no_torch(tmp_path):
+    """`plan` for a preset starts without torch or transformers (issue 37: 6-7.5 s before)."""
+    code = ("import sys, io, contextlib\nfrom shardkit.cli import main\nwith contextlib.redirect_stdout(io.StringIO()):"
+            "\n    assert main(['plan', '--model', sys.argv[1], '--gpus', '64', '--top', '1']) == 0\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
+    for name in ("llama2-7b", "llama3-70b", "mixtral-8x7b", "deepseek-v3"):
+        r = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, check=True)
+        assert r.stdout.strip() == "[]", (name, r.stdout, r.stderr)
 
 
 def test_presets_translate_with_published_sizes():
