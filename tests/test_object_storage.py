@@ -216,3 +216,39 @@ def test_throttling_server(s3, tiny, capsys, monkeypatch):
         server.shutdown()
     monkeypatch.undo()
     _nothing_complete(f"s3://{BUCKET}/slow")
+
+
+def test_continue_pretrain_load_save_on_s3(s3, tmp_path, capsys):
+    """continue-pretrain from s3:// to s3:// (every save published: sync, then async), resumed from the store's
+    latest: the store holds what the same local-path runs write, byte for byte (chunks and train_state.json)."""
+    import torch
+
+    from tests.corpus import write_pattern_corpus
+
+    hf = build_tiny_llama(tmp_path / "hf", dtype=torch.float32, num_hidden_layers=2, hidden_size=64,
+                          intermediate_size=96, vocab_size=300, num_attention_heads=4, num_key_value_heads=2)
+    data = write_pattern_corpus(tmp_path / "data", docs=60)
+    assert main(["convert", "hf-to-mcore", str(hf), f"s3://{BUCKET}/ck", "--quiet", "--no-verify"]) == 0
+    assert main(["convert", "hf-to-mcore", str(hf), str(tmp_path / "ck"), "--quiet", "--no-verify"]) == 0
+    train = ["--data-path", str(data), "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+             "--save-interval", "1"]
+    for load, save in ((f"s3://{BUCKET}/ck", f"s3://{BUCKET}/run"), (str(tmp_path / "ck"), str(tmp_path / "run"))):
+        assert main(["continue-pretrain", "--load", load, "--save", save, *train, "--train-iters", "2"]) == 0
+        assert main(["continue-pretrain", "--load", save, "--save", save, *train, "--train-iters", "3",
+                     "--async-save", "--use-checkpoint-opt_param-scheduler"]) == 0
+    objects = _objects(f"s3://{BUCKET}/run")
+    assert objects["latest"] == b"iter_0000003\n"
+    assert {k.split("/")[0] for k in objects if k.endswith("manifest.json")} == \
+        {"iter_0000001", "iter_0000002", "iter_0000003"}
+    local = _files(tmp_path / "run" / "iter_0000003")
+    remote = {k[len("iter_0000003/"):]: v for k, v in objects.items() if k.startswith("iter_0000003/")}
+    assert set(remote) == set(local)
+    import json
+
+    for k in local:
+        if k == "train_state.json":
+            a, b = json.loads(remote[k]), json.loads(local[k])
+            a.pop("args", None), b.pop("args", None)  # the paths it was given
+            assert a == b
+        elif k != "manifest.json":
+            assert remote[k] == local[k], k
