@@ -6,7 +6,10 @@
     (b) bf16 tokens/s and MFU (Megatron's and torchtitan's conventions, train/metrics.py) of a ~1B Llama
         (Llama-3.2-1B's shape) at seq 4096; goal: Megatron MFU >= 45%;
     (c) FP8 (local backend: tensorwise and delayed; TE too when installed) vs bf16 tokens/s and MFU at seq 8192;
-        goal: FP8 >= 1.3x bf16 tokens/s.
+        goal: FP8 >= 1.3x bf16 tokens/s;
+    (d) the megatron-core engine (`--engine megatron-core`, issue 40) vs the native engine on (b)'s model and data:
+        bf16 tokens/s, MFU and the losses step by step -- skipped when megatron-core is not importable
+        (scripts/gpu_wheels.sh downloads its cp312 wheel into .gpu-wheels/, which scripts/gpu_check.sh installs).
 
 Every number comes from the real trainer: a random HF Llama is built locally from transformers' LlamaConfig (no hub),
 saved, converted with `shardkit convert hf-to-mcore`, and trained for a few steps by `shardkit continue-pretrain` on a
@@ -77,7 +80,7 @@ def build_corpus(work: Path, vocab: int, tokens: int) -> Path:
 
 
 def train(run_dir: Path, ck: Path, data: Path, seq: int, steps: int, extra: list[str], in_process: bool,
-          timeout: float) -> list[dict]:
+          timeout: float, env: dict | None = None) -> list[dict]:
     """`shardkit continue-pretrain` for `steps` steps (one sequence each); its metrics.jsonl rows."""
     args = ["continue-pretrain", "--load", str(ck), "--data-path", str(data), "--split", "100,0,0",
             "--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", "1",
@@ -90,7 +93,7 @@ def train(run_dir: Path, ck: Path, data: Path, seq: int, steps: int, extra: list
             raise RuntimeError(f"continue-pretrain {' '.join(extra)} failed")
     else:
         r = subprocess.run([sys.executable, "-m", "shardkit", *args], capture_output=True, text=True,
-                           timeout=timeout, cwd=REPO)
+                           timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
         if r.returncode != 0:
             raise RuntimeError(f"continue-pretrain {' '.join(extra)} failed ({r.returncode}): "
                                f"{(r.stderr or r.stdout)[-1500:]}")
@@ -159,9 +162,10 @@ class Check:
         self.summary[key]["wall_s"] = round(time.monotonic() - t, 1)
         self.write()
 
-    def run(self, name: str, ck: Path, data: Path, seq: int, steps: int, extra: list[str]) -> dict:
-        rows = train(self.work / name, ck, data, seq, steps, [*extra, *self.extra], self.smoke,
-                     timeout=max(60.0, self.left()))
+    def run(self, name: str, ck: Path, data: Path, seq: int, steps: int, extra: list[str],
+            env: dict | None = None) -> dict:
+        rows = train(self.work / name, ck, data, seq, steps, [*extra, *self.extra], self.smoke and env is None,
+                     timeout=max(60.0, self.left()), env=env)
         return summarise(rows, self.args.skip if steps > self.args.skip else 0)
 
     def write(self) -> None:
@@ -229,6 +233,33 @@ class Check:
         res["goal_met"] = None if self.smoke else best >= GOAL_FP8_SPEEDUP  # CPU timings say nothing about GPUs
         return res
 
+    def engines(self) -> dict:
+        """(d) the megatron-core engine vs the native engine on (b)'s model, data and sequence length (the native
+        numbers are (b)'s where it ran): tokens/s, MFU, and the per-step losses. megatron-core runs in its own
+        process (on the CPU under its test switch, whose stand-ins are process-wide)."""
+        import importlib.util
+
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            return {"skipped": "megatron-core is not importable (scripts/gpu_wheels.sh downloads its cp312 wheel "
+                               "into .gpu-wheels/, which scripts/gpu_check.sh installs)"}
+        seq = 128 if self.smoke else 4096
+        ck, data = self.big()
+        native = self.summary.get("b_bf16_seq4096") or {}
+        if not native.get("tokens_per_s"):
+            native = self.run(f"d-native-{seq}", ck, data, seq, self.args.steps, ["--transformer-impl", "local"])
+        mc = self.run(f"d-megatron-core-{seq}", ck, data, seq, self.args.steps,
+                      ["--engine", "megatron-core", "--transformer-impl", "local"],
+                      env={"SHARDKIT_MEGATRON_CORE_CPU": "1"} if self.smoke else {})
+        keys = ("tokens_per_s", "mfu_megatron", "mfu_torchtitan", "mem_gib", "losses")
+        res: dict = {"seq_length": seq, "native": {k: native.get(k) for k in keys},
+                     "megatron_core": {k: mc.get(k) for k in keys}}
+        if native.get("tokens_per_s") and mc.get("tokens_per_s"):
+            res["megatron_core_over_native"] = mc["tokens_per_s"] / native["tokens_per_s"]
+        pairs = list(zip(native.get("losses") or [], mc.get("losses") or []))
+        res["max_rel_loss_diff"] = max((abs(a - b) / abs(a) for a, b in pairs), default=None)
+        res["goal_met"] = None if self.smoke else (mc.get("mfu_megatron") or 0) >= GOAL_MFU
+        return res
+
     def big(self) -> tuple[Path, Path]:
         if not hasattr(self, "_big"):
             shape = TINY if self.smoke else BIG
@@ -247,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="training steps per throughput run (default 10)")
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians (default 3)")
     p.add_argument("--deadline-s", type=float, default=480, help="skip parts that would start after this")
-    p.add_argument("--parts", default="a,b,c", help="which of a,b,c to run")
+    p.add_argument("--parts", default="a,b,c,d", help="which of a,b,c,d to run")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -257,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     # the goals' numbers first; the backend comparison last (it needs TE, and builds a model of its own)
     if "b" in parts:
         check.part("b_bf16_seq4096", check.bf16_4096)
+    if "d" in parts:  # after (b), whose native run it reuses
+        check.part("d_megatron_core_vs_native_seq4096", check.engines)
     if "c" in parts:
         check.part("c_fp8_vs_bf16_seq8192", check.fp8_8192)
     if "a" in parts:

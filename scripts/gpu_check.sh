@@ -5,6 +5,8 @@
 #   (a) Transformer Engine backend vs local backend: same losses from the same checkpoint (skipped without TE)
 #   (b) bf16 tokens/s and MFU of a ~1B Llama at seq 4096        (goal: Megatron MFU >= 45%)
 #   (c) FP8 vs bf16 tokens/s and MFU of the same model at seq 8192 (goal: FP8 >= 1.3x bf16)
+#   (d) the megatron-core engine vs the native engine on (b)'s model: tokens/s, MFU, losses (skipped without
+#       megatron-core; run scripts/gpu_wheels.sh here first and carry .gpu-wheels)
 # and writes $OUT/gpu_check.json (./gpu_check_out/ when OUT is unset).
 #
 #   bash scripts/gpu_check.sh                 # on the GPU machine
@@ -50,6 +52,10 @@ else
 fi
 "$PY" -c "import shardkit, tensorstore, transformers" 2>/dev/null || "$PY" -m pip install -q -e . || {
   echo "gpu_check: pip install -e . failed"; exit 1; }
+# wheels carried from the CPU host (scripts/gpu_wheels.sh: megatron-core for part (d)); no network here
+if compgen -G ".gpu-wheels/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps .gpu-wheels/*.whl || echo "gpu_check: the carried wheels did not install"
+fi
 if [ "${GPU_CHECK_INSTALL_TE:-0}" = 1 ]; then
   timeout 420 "$PY" -m pip install -q --no-build-isolation "transformer-engine[pytorch]" \
     || echo "gpu_check: Transformer Engine did not install; part (a) will be skipped"

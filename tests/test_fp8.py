@@ -367,7 +367,8 @@ def test_transformer_engine_missing_is_one_line(setup, capsys):
 
 def test_gpu_check_cpu_smoke(tmp_path):
     """scripts/gpu_check.sh --cpu-smoke: the GPU check's code on the CPU with tiny sizes (every part, both runs of the
-    backend comparison, bf16 and FP8 throughput with MFU), writing the JSON summary under $OUT."""
+    backend comparison, bf16 and FP8 throughput with MFU, the megatron-core engine against the native one), writing
+    the JSON summary under $OUT."""
     import os
     import subprocess
     import sys
@@ -389,6 +390,10 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert a["bf16"]["same_within_2e-2"] and a["fp8_tensorwise"]["same_within_2e-2"]
     assert len(a["bf16"]["local"]) == 4
     assert b["tokens_per_s"] > 0 and b["mfu_megatron"] > 0 and b["mfu_torchtitan"] > b["mfu_megatron"]
+    d = s["d_megatron_core_vs_native_seq4096"]  # megatron-core is a test dependency: the engine comparison ran
+    assert "error" not in d and "skipped" not in d, d
+    assert d["megatron_core_over_native"] > 0 and len(d["megatron_core"]["losses"]) == 3
+    assert d["max_rel_loss_diff"] < 1e-3  # bf16, the same model and data: the two engines track each other
     for label in ("fp8_tensorwise", "fp8_delayed"):
         assert c[label]["speedup_over_bf16"] > 0
         fp8, bf16 = np.array(c[label]["losses"]), np.array(c["bf16"]["losses"])
