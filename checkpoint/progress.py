@@ -91,21 +91,53 @@ def json_text(obj, indent: int | None = 1) -> str:
     return json.dumps(_finite(obj), indent=indent, allow_nan=False)
 
 
+def _console():
+    """inspect's console: the terminal's width, or, piped or captured, wide enough that no row is wrapped at 80
+    columns (each tensor stays one line for grep and scripts)."""
+    from rich.console import Console
+
+    con = Console()
+    return con if con.is_terminal else Console(width=240, soft_wrap=True)
+
+
+def layout_text(lay: dict, num_layers: int | None, ep: bool = False) -> str:
+    """A manifest's (or Megatron args') layout for people: tp, pp, vpp, ep and etp where they apply, and an uneven
+    pipeline split as Megatron's flags with the decoder layers of each stage (issue 37: it was in --json only)."""
+    from .layout import Layout
+
+    text = f"tp={lay['tp']} pp={lay['pp']} vpp={lay.get('vpp', 1)}"
+    if ep or lay.get("ep", 1) > 1:
+        text += f" ep={lay.get('ep', 1)}"
+    if lay.get("etp") is not None and lay.get("etp") != lay["tp"]:
+        text += f" etp={lay['etp']}"
+    split = lay.get("pipeline_split")
+    if split:
+        try:
+            layout = Layout.from_dict(lay)
+            text += f"  pipeline split: {' '.join(layout.split.flags())}"
+            if num_layers:
+                counts = layout.chunk_layers(num_layers)
+                stages = [sum(counts[v * layout.pp + r] for v in range(layout.vpp)) for r in range(layout.pp)]
+                text += f" (decoder layers per stage: {' | '.join(map(str, stages))})"
+        except Exception as e:  # noqa: BLE001 - shown as it is stored, with why it does not resolve
+            text += f"  pipeline split: {split} ({e})"
+    return text
+
+
 def print_description(d: dict, console=None) -> None:
     """`shardkit inspect`: header, layout, the model fields that apply, and the tensor table. Tensor names are
     never cut: the other columns wrap, and when even that cannot fit (an 80-column terminal, MTP names of 80
     characters) each tensor gets its own line with its details below it."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     from .config import applicable_fields
 
-    con = console or Console()
+    con = console or _console()
     lay = d["layout"]
     con.print(f"[bold]{escape(str(d['path']))}[/]  {d['format']}  iteration {d['iteration']}")
-    con.print(f"layout: tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']}   vocab: {d['vocab']['size']} "
-              f"(padded {d['vocab']['padded_size']})")
+    con.print(escape(f"layout: {layout_text(lay, d['model'].get('num_layers'))}   vocab: {d['vocab']['size']} "
+                     f"(padded {d['vocab']['padded_size']})"))
     con.print("model: " + escape(", ".join(f"{k}={v}" for k, v in applicable_fields(d["model"]).items())))
     rows = [(r["name"], str(tuple(r["shape"])), r["dtype"], str(tuple(r["chunk"])), r["rule"], f"{r['bytes']:,}")
             for r in d["tensors"]]
@@ -141,19 +173,17 @@ def print_torch_dist_description(d: dict, console=None) -> None:
     """`shardkit inspect` of a torch_dist checkpoint: header, layout (from the Megatron args), the model config where
     something describes it, the tensor table of DCP's metadata (key, global shape, dtype, shards, rank files, bytes),
     the optimizer state, objects and shardkit's own files."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     from .config import applicable_fields
 
-    con = console or Console()
+    con = console or _console()
     con.print(f"[bold]{escape(str(d['path']))}[/]  {d['format']}  iteration {d['iteration']}")
     lay = d["layout"]
     if lay:
-        con.print(escape(f"layout: tp={lay['tp']} pp={lay['pp']} vpp={lay['vpp']} ep={lay['ep']}"
-                         + (f" etp={lay['etp']}" if lay.get("etp") is not None else "")
-                         + f" (from {d['layout_from']})"))
+        con.print(escape(f"layout: {layout_text(lay, (d['model'] or {}).get('num_layers'), ep=True)} "
+                         f"(from {d['layout_from']})"))
     else:
         con.print("layout: unknown (common.pt holds no usable Megatron args)")
     if d["model"] is not None:

@@ -324,3 +324,19 @@ def test_launch_from_a_wheel_install(models, tmp_path, capsys):
     lay = parse_layout(argv[argv.index("--layout") + 1])
     _, dims = trainer_accepts(continue_pretrain_args(torchrun), world=gpus)
     assert dims == lay
+
+
+def test_inspect_shows_the_uneven_split(models, tmp_path, capsys):
+    """inspect's text (not only --json) names an uneven split and each stage's decoder layers; piped or captured it is
+    not wrapped at 80 columns: one line per tensor."""
+    ck = tmp_path / "pp8"
+    assert main(["reshard", str(models["llama3.1-405b"]), str(ck), "--pp", "8", "--decoder-first-pipeline-num-layers",
+                 "15", "--decoder-last-pipeline-num-layers", "15", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(ck)]) == 0
+    out = capsys.readouterr().out
+    assert ("layout: tp=1 pp=8 vpp=1  pipeline split: --decoder-first-pipeline-num-layers 15 "
+            "--decoder-last-pipeline-num-layers 15 (decoder layers per stage: 15 | 16 | 16 | 16 | 16 | 16 | 16 | 15)"
+            in out)
+    rows = [line for line in out.splitlines() if "decoder.layers.self_attention.linear_qkv.weight" in line]
+    assert len(rows) == 1 and "(126, " in rows[0] and len(rows[0]) > 80  # shape, dtype, chunk on the tensor's line
