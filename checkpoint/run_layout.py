@@ -46,6 +46,12 @@ class RunLayout:
         stage = tp * cp * lay.dp
         if stage % (lay.expert_tp * ep) == 0:
             return lay
+        if lay.expert_tp == tp and tp > 1 and stage % ep == 0:  # issue 37: the fix is ETP 1, not more ranks
+            raise LayoutError(f"--expert-model-parallel-size {ep} with --tp {tp}: the experts are split by TP too "
+                              f"(--expert-tensor-parallel-size defaults to --tp), leaving EP the data-parallel x "
+                              f"context-parallel size {lay.dp} x {cp} = {lay.dp * cp}; add --expert-tensor-parallel-size "
+                              f"1 to lay EP over all tp x cp x dp = {stage} ranks of a stage (DeepSeek-V3's and "
+                              "Mixtral's recipes), or use more ranks")
         if lay.expert_tp == tp:
             raise LayoutError(f"--expert-model-parallel-size {ep} must divide data-parallel x context-parallel size "
                               f"{lay.dp} x {cp} = {lay.dp * cp} (EP groups are formed inside DP x CP); use more ranks "

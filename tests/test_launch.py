@@ -340,3 +340,15 @@ def test_inspect_shows_the_uneven_split(models, tmp_path, capsys):
             in out)
     rows = [line for line in out.splitlines() if "decoder.layers.self_attention.linear_qkv.weight" in line]
     assert len(rows) == 1 and "(126, " in rows[0] and len(rows[0]) > 80  # shape, dtype, chunk on the tensor's line
+
+
+def test_moe_tp_ep_message_names_etp(models, capsys):
+    """Mixtral at --tp 2 --ep 2 on 2 ranks: the fix is --expert-tensor-parallel-size 1 (EP over the TP ranks), and the
+    refusal says so instead of "use more ranks or a smaller --ep"; with it the trainer's checks pass."""
+    argv = ["launch", "--nodes", "1", "--gpus-per-node", "2", "--dry-run"]
+    train = ["--", "--load", str(models["mixtral-8x7b"]), "--data-path", str(models["data"])]
+    assert main([*argv, "--layout", "tp=2,ep=2,dp=1", *train]) == 1
+    err = capsys.readouterr().err
+    assert "add --expert-tensor-parallel-size 1 to lay EP over all tp x cp x dp = 2 ranks" in err
+    assert "smaller --ep" not in err and err.count("\n") == 1
+    assert main([*argv, "--layout", "tp=2,ep=2,etp=1,dp=1", *train]) == 0
