@@ -20,6 +20,8 @@ Sites (where a crash is most likely to break an invariant):
     commit.rename   the new iteration is durable under its temporary name (commit.py)
     commit.swapped  the new iteration is in place; the old one (same iteration) not yet removed (commit.py)
     commit.latest   the new iteration is in place; `latest` still names the previous one (commit.py)
+    storage.objects an iteration's objects are on the object store, its manifest.json is not (checkpoint/storage.py)
+    storage.manifest  its manifest.json is on the store too; `latest` there still names the previous iteration
     store.write     an array region is handed to tensorstore (every writer, and every rank of a training save)
     collective      a rank enters an all-reduce (a training step: gradients, loss, norm)
 """

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import FormatError, ShardkitError, WriteError
+from .faults import fault_point
 
 SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> tensorstore kvstore driver
 LATEST = "latest"
@@ -260,7 +261,9 @@ def publish(local_root: Path, loc: Location) -> str:
         store.delete_prefix(name + "/")
     files = sorted(p for p in it.rglob("*") if p.is_file() and p != it / MANIFEST)
     store.upload([(p, f"{name}/{p.relative_to(it).as_posix()}") for p in files])
+    fault_point("storage.objects")
     store.upload([(it / MANIFEST, f"{name}/{MANIFEST}")])
+    fault_point("storage.manifest")
     if not store.write(LATEST, f"{name}\n".encode(), if_equal=generation):
         raise WriteError(f"{loc.url}/{LATEST}: another writer moved it while {name} was being written; {name} is "
                          "complete on the store but not the latest")
