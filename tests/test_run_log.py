@@ -27,7 +27,8 @@ def test_start_up_block_and_checkpoint_lines(setup, tmp_path):  # noqa: F811
     got = lines[start:start + 11]
     assert got[0] == ("model: llama, 961,664 parameters, 4 layers, hidden 128, ffn 352, 8 heads / 2 query groups, "
                       "vocab 1000 (padded 1024 for TP 1)"), got[0]
-    assert got[1] == "layout: TP 1, PP 1, VPP 1, DP 1, CP 1, EP 1, SP off (1 rank, CPU)"
+    assert got[1] == ("layout: TP 1, PP 1, VPP 1, DP 1, CP 1, EP 1, SP off (1 rank, CPU); recompute: none (no "
+                      "--recompute-granularity)")
     assert got[2].startswith("precision: bf16 (fp32 main weights, grads and optimizer state); FP8 off; backend "), got
     assert got[3].startswith("attention: "), got
     assert re.fullmatch(r"data: 2 prefixes, \d+ train samples of 32 tokens \(seed 7, split 969,30,1\)", got[4]), got
@@ -170,3 +171,17 @@ def test_wandb_flag_without_wandb_is_one_line(setup, tmp_path):  # noqa: F811
     assert r.returncode == 1 and "iteration 1" not in r.stdout
     assert r.stderr.strip() == ("shardkit: error: --wandb-project proj: wandb is not installed (pip install wandb, "
                                 "or drop the flag)"), r.stderr[-2000:]
+
+
+def test_start_up_block_names_recompute_and_emulated_fp8(setup, tmp_path):  # noqa: F811
+    """Issue 37: the block says which recompute runs (--recompute-granularity and megatron-core's method) and that
+    FP8 on the CPU is emulated (its numerics, not its speed)."""
+    r = launch(1, "--load", str(setup / "ck"), "--data-path", str(setup / "data"), *FLAGS[:10],
+               "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "1", "--fp8-format", "hybrid", "--recompute-granularity", "full",
+               "--recompute-method", "uniform", "--recompute-num-layers", "2")
+    lines = _block(r.stdout)
+    layout = next(ln for ln in lines if ln.startswith("layout: "))
+    assert layout.endswith("(1 rank, CPU); recompute: full (--recompute-granularity full: runs of 2 layers)"), layout
+    precision = next(ln for ln in lines if ln.startswith("precision: "))
+    assert ("FP8 hybrid, delayed recipe (emulated on the CPU: the FP8 values multiplied in fp32, FP8's numerics, not "
+            "its speed)") in precision, precision

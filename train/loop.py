@@ -169,6 +169,18 @@ def check_layout_for_model(cfg: TrainConfig, dims: RunLayout, m: ModelConfig, so
                           f"{dims.tp}")
 
 
+def recompute_text(r) -> str:
+    """--recompute-granularity (and megatron-core's method and layer count) for the start-up block."""
+    if r.recompute_granularity == "selective":
+        return "selective (--recompute-granularity selective: the core attention)"
+    if r.recompute_granularity == "full":
+        what = ("every decoder layer" if r.recompute_method is None else
+                f"runs of {r.recompute_num_layers} layers" if r.recompute_method == "uniform" else
+                f"the first {r.recompute_num_layers} layers of each pipeline chunk")
+        return f"full (--recompute-granularity full: {what})"
+    return "none (no --recompute-granularity)"
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         validate(cfg)
@@ -545,11 +557,14 @@ class Trainer:
         if m.mtp_num_layers:
             model += f", {m.mtp_num_layers} MTP layer{'s' if m.mtp_num_layers > 1 else ''}"
         etp = f"ETP {dims.expert_tp}, " if dims.expert_tp != dims.tp else ""
+        split = f", split {' '.join(dims.split.flags())}" if dims.split is not None else ""
         layout = (f"layout: TP {dims.tp}, PP {dims.pp}, VPP {dims.vpp}, DP {dims.dp}, CP {dims.cp}, EP {dims.ep}, "
-                  f"{etp}SP {'on' if self.sp else 'off'} ({dims.world} rank{'s' if dims.world > 1 else ''}, "
-                  f"{self._device_line()})")
+                  f"{etp}SP {'on' if self.sp else 'off'}{split} ({dims.world} rank{'s' if dims.world > 1 else ''}, "
+                  f"{self._device_line()}); recompute: {recompute_text(c.run)}")
         prec = "bf16 (fp32 main weights, grads and optimizer state)" if c.run.bf16 else "fp32"
         fp8 = (f"FP8 {c.fp8.fp8_format}, {c.fp8.fp8_recipe} recipe" if c.fp8.enabled else "FP8 off")
+        if c.fp8.enabled and self.device.type != "cuda":  # issue 37: say that this is not FP8's speed
+            fp8 += " (emulated on the CPU: the FP8 values multiplied in fp32, FP8's numerics, not its speed)"
         precision_line = f"precision: {prec}; {fp8}; {self.backend.describe()}"
         lines = [model, layout, precision_line, self.attention_line, *self._data_lines()]
         tokens = d.global_batch_size * d.seq_length
