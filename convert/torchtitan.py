@@ -1,4 +1,4 @@
-"""torchtitan DCP checkpoints <-> native shardkit checkpoints (Llama 3), streaming, bounded in memory.
+"""torchtitan DCP checkpoints <-> native shardkit checkpoints (Llama 3, DeepSeek-V3), streaming, bounded in memory.
 
 torchtitan saves `<folder>/step-N/` with DCP's `.metadata` and `__<rank>_0.distcp` files; the model's entries are its
 own state-dict names (flattened to the top level of the DCP state dict, as its CheckpointManager saves them):
@@ -64,6 +64,39 @@ NAMES_03 = {
 NAMES_02 = {**{k: v.replace("attention.qkv_linear.", "attention.") for k, v in NAMES_03.items()},
             "lm_head.weight": "output.weight"}
 GENERATIONS = {"0.3": NAMES_03, "0.1-0.2": NAMES_02}
+# DeepSeek-V3 (torchtitan 0.3, its DeepSeekV3StateDictAdapter's names): MLA, routed experts stacked in one tensor per
+# layer (w1_EFD / w3_EFD [E, F, D], w2_EDF [E, D, F]: HF expert e's gate/up/down is [e]), MTP layer i as
+# `mtp_layers.i.` (HF `model.layers.{num_layers + i}.`); no RoPE row permutation (both keep DeepSeek's layout)
+NAMES_DSV3 = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
+    "model.layers.{}.self_attn.q_a_proj.weight": "layers.{}.attention.wq_a.weight",
+    "model.layers.{}.self_attn.q_a_layernorm.weight": "layers.{}.attention.q_norm.weight",
+    "model.layers.{}.self_attn.q_b_proj.weight": "layers.{}.attention.wq_b.weight",
+    "model.layers.{}.self_attn.kv_a_proj_with_mqa.weight": "layers.{}.attention.wkv_a.weight",
+    "model.layers.{}.self_attn.kv_a_layernorm.weight": "layers.{}.attention.kv_norm.weight",
+    "model.layers.{}.self_attn.kv_b_proj.weight": "layers.{}.attention.wkv_b.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.layers.{}.mlp.gate.weight": "layers.{}.moe.router.gate.weight",
+    "model.layers.{}.mlp.gate.e_score_correction_bias": "layers.{}.moe.expert_bias_E",
+    "model.layers.{}.mlp.shared_experts.gate_proj.weight": "layers.{}.moe.shared_experts.w1.weight",
+    "model.layers.{}.mlp.shared_experts.up_proj.weight": "layers.{}.moe.shared_experts.w3.weight",
+    "model.layers.{}.mlp.shared_experts.down_proj.weight": "layers.{}.moe.shared_experts.w2.weight",
+    "model.layers.{}.enorm.weight": "layers.{}.enorm.weight",
+    "model.layers.{}.hnorm.weight": "layers.{}.hnorm.weight",
+    "model.layers.{}.eh_proj.weight": "layers.{}.eh_proj.weight",
+    "model.layers.{}.shared_head.norm.weight": "layers.{}.mtp_norm.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+DSV3_EXPERTS = {"layers.{}.moe.routed_experts.inner_experts.w1_EFD": "gate_proj",
+                "layers.{}.moe.routed_experts.inner_experts.w3_EFD": "up_proj",
+                "layers.{}.moe.routed_experts.inner_experts.w2_EDF": "down_proj"}
 # top-level entries of a full training checkpoint that are not model weights (CheckpointManager's states)
 TRAINING_PREFIXES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 ROPE_PERMUTED = ("q_proj", "k_proj")  # HF tensors whose rows torchtitan keeps in the interleaved RoPE layout
@@ -191,7 +224,8 @@ def model_config(src: str | Path | None = None, *, flavor: str | None = None, na
     if job_config is not None:
         name, flavor = read_job_config(job_config)
     if name != "llama3":
-        raise ConfigError(f"torchtitan model {name!r}: only llama3 converts so far")
+        raise ConfigError(f"torchtitan model {name!r}: its flavours are not read yet (llama3's are); pass "
+                          "--hf-config HF_DIR (a config.json describing the model; DeepSeek-V3's converts so)")
     return ModelConfig.from_hf(hf_config_of(_registry_config(name, flavor), dtype),
                                source=f"torchtitan {name} flavour {flavor}")
 
@@ -243,8 +277,10 @@ class TorchtitanSource:
         self.td = TorchDistCheckpoint(self.dir, megatron=False)
         self.cfg = cfg
         names = set(self.td.tensors)
-        gen = max(GENERATIONS, key=lambda g: len(names & {t.format(0) for t in GENERATIONS[g].values()}))
-        self.generation, table = gen, GENERATIONS[gen]
+        deepseek = cfg.model_type in ("deepseek_v3", "deepseek_v2")
+        gen = "deepseek_v3" if deepseek else max(
+            GENERATIONS, key=lambda g: len(names & {t.format(0) for t in GENERATIONS[g].values()}))
+        self.generation, table = gen, NAMES_DSV3 if deepseek else GENERATIONS[gen]
         back = {tt: hf for hf, tt in table.items()}
         self.tt_name: dict[str, tuple[str, object]] = {}  # HF (or moment) name -> (torchtitan name, row rule)
         self.tensors: dict[str, _Info] = {}
@@ -253,13 +289,13 @@ class TorchtitanSource:
         for n, t in self.td.tensors.items():
             if n in skipped:
                 continue
-            tmpl, layer = _template(n)
-            hf = back.get(tmpl)
-            hf = n if hf is None else (hf if layer is None else hf.format(layer))  # unknown: plan() names it
-            self.tt_name[hf] = (n, "rope" if hf.split(".")[-2] in ROPE_PERMUTED else None)
             dtype = _dtype_str(t.dtype)
             store.numpy_dtype(dtype)
-            self.tensors[hf] = _Info(self.td.item_file(n, t.chunks[0][0]), dtype, tuple(t.shape))
+            file = self.td.item_file(n, t.chunks[0][0])
+            for hf, rule in self._hf_names(n, back, deepseek, tuple(t.shape)):
+                self.tt_name[hf] = (n, rule)
+                self.tensors[hf] = _Info(file, dtype, tuple(t.shape[1:]) if rule and rule[0] == "expert"
+                                         else tuple(t.shape))
         self.steps: set[float] = set()
         if optimizer:
             self._find_moments(names)
@@ -271,6 +307,22 @@ class TorchtitanSource:
                   + ("optimizer param_groups, " if optimizer else "optimizer, ")
                   + "lr_scheduler, dataloader, train_state) are not converted; the model weights are"
                   + ("" if optimizer else " (--optimizer converts the AdamW moments)"), file=sys.stderr)
+
+    def _hf_names(self, n: str, back: dict, deepseek: bool, shape: tuple) -> list[tuple[str, object]]:
+        """The HF name(s) of torchtitan tensor `n` with their row rules; an unknown one keeps its own name (plan()
+        then names it as not mapped)."""
+        if deepseek and n.startswith("mtp_layers."):  # MTP layer i = HF layer num_layers + i
+            m = re.match(r"^mtp_layers\.(\d+)\.(.*)$", n)
+            n = f"layers.{self.cfg.num_layers + int(m.group(1))}.{m.group(2)}"
+        tmpl, layer = _template(n)
+        if deepseek and tmpl in DSV3_EXPERTS:
+            return [(f"model.layers.{layer}.mlp.experts.{e}.{DSV3_EXPERTS[tmpl]}.weight", ("expert", e))
+                    for e in range(shape[0])]
+        hf = back.get(tmpl)
+        if hf is None:
+            return [(n, None)]
+        hf = hf if layer is None else hf.format(layer)
+        return [(hf, "rope" if not deepseek and hf.split(".")[-2] in ROPE_PERMUTED else None)]
 
     def _find_moments(self, names: set[str]) -> None:
         """The AdamW moments of every model tensor (the parameter's own, or its share of the fused wqkv), checked
@@ -324,6 +376,8 @@ class TorchtitanSource:
             tuple((0, c) for c in ncols)
         if rule is None:
             return self.td.read_numpy(tt, ((start, stop), *cbox))
+        if rule[0] == "expert":
+            return self.td.read_numpy(tt, ((rule[1], rule[1] + 1), (start, stop), *cbox))[0]
         src = self._source_rows(rule, np.arange(start, stop))
         lo, hi = int(src.min()), int(src.max()) + 1
         return self.td.read_numpy(tt, ((lo, hi), *cbox))[src - lo]
@@ -419,8 +473,10 @@ def convert_torchtitan_to_mcore(src: str | Path, out: str | Path, layout: Layout
     step = resolve_step(src)
     out = Path(out)
     check_output(out, [("SRC", step)])
-    if cfg.model_type != "llama" or cfg.is_moe:
-        raise ConfigError(f"model_type {cfg.model_type!r}: torchtitan conversion supports Llama 3 so far")
+    if not (cfg.model_type == "llama" and not cfg.is_moe or cfg.model_type == "deepseek_v3"):
+        raise ConfigError(f"model_type {cfg.model_type!r}: torchtitan conversion supports Llama 3 and DeepSeek-V3")
+    if optimizer and cfg.model_type != "llama":
+        raise ConfigError("--optimizer: the AdamW moments convert for Llama 3 so far, not DeepSeek-V3")
     layout.check(cfg)
     dtype = store.dtype_name(dtype) if dtype else None
     if optimizer and not global_batch_size:
@@ -468,6 +524,21 @@ def convert_torchtitan_to_mcore(src: str | Path, out: str | Path, layout: Layout
 
 # -- writing torchtitan DCP -------------------------------------------------------------------------------------------
 
+def _tt_item(hf_name: str, table: dict, cfg: ModelConfig) -> tuple[str, int | None]:
+    """torchtitan's name of an HF tensor, and the expert index where it is one expert of a stacked tensor."""
+    m = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", hf_name)
+    if m:
+        stacked = {v: k for k, v in DSV3_EXPERTS.items()}[f"{m.group(3)}_proj"]
+        name, expert = stacked.format(m.group(1)), int(m.group(2))
+    else:
+        tmpl, layer = _template(hf_name)
+        name, expert = (table[tmpl] if layer is None else table[tmpl].format(layer)), None
+    layer_m = re.match(r"^layers\.(\d+)\.(.*)$", name)
+    if layer_m and int(layer_m.group(1)) >= cfg.num_layers:  # an MTP layer
+        name = f"mtp_layers.{int(layer_m.group(1)) - cfg.num_layers}.{layer_m.group(2)}"
+    return name, expert
+
+
 def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: str | None = None,
                                 generation: str = "0.3", step: int | None = None, overwrite: bool = False,
                                 quiet: bool = False) -> Path:
@@ -486,13 +557,15 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
 
     ckpt = Checkpoint(ckpt_path)
     cfg = ckpt.config
-    if cfg.model_type != "llama" or cfg.is_moe or cfg.add_qkv_bias or cfg.add_proj_bias or cfg.add_mlp_bias:
+    deepseek = cfg.model_type == "deepseek_v3"
+    if not deepseek and (cfg.model_type != "llama" or cfg.is_moe or cfg.add_qkv_bias or cfg.add_proj_bias
+                         or cfg.add_mlp_bias):
         raise ConfigError(f"{ckpt.path}: model_type {cfg.model_type!r}"
                           + (" with biases" if cfg.model_type == "llama" else "")
-                          + ": torchtitan's Llama 3 has no such model; only bias-free llama converts so far")
+                          + ": torchtitan has no such model; bias-free llama and deepseek_v3 convert")
     if generation not in GENERATIONS:
         raise ConfigError(f"--torchtitan-names {generation!r}: one of {', '.join(GENERATIONS)}")
-    table = GENERATIONS[generation]
+    table = NAMES_DSV3 if deepseek else GENERATIONS[generation]
     dtype = store.dtype_name(dtype) if dtype else None
     out = Path(out)
     check_output(out, [("CKPT", ckpt.path)])
@@ -501,6 +574,10 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
     if final.exists() and not overwrite:
         raise ShardkitError(f"{final}: exists; pass --overwrite to replace it")
     plans = plan_export(ckpt, dtype)
+    if deepseek:  # torchtitan's MTP layers share the embedding and head: no copies
+        copies = {f"model.layers.{cfg.num_layers + i}.{n}" for i in range(cfg.mtp_num_layers)
+                  for n in ("embed_tokens.weight", "shared_head.head.weight")}
+        plans = [p for p in plans if p.name not in copies]
     if cfg.tie_word_embeddings:  # torchtitan's tied model keeps both keys (one tensor)
         emb = next(p for p in plans if p.name == "model.embed_tokens.weight")
         plans.append(dataclasses.replace(emb, name="lm_head.weight"))
@@ -509,15 +586,26 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
     tmp.mkdir(parents=True)
     w = DCPWriter(tmp)
     total = sum(p.nbytes for p in plans)
+    items = [(p, *_tt_item(p.name, table, cfg)) for p in plans]
+    stacked: dict[str, list] = {}  # routed experts: one DCP tensor per layer, one chunk per expert
+    for p, name, e in items:
+        if e is not None:
+            stacked.setdefault(name, []).append((e, p.shape))
+    for name, chunks in stacked.items():
+        shape = chunks[0][1]
+        w.declare_tensor(name, (len(chunks), *shape), next(p.dtype for p, n, _ in items if n == name),
+                         [((e, *(0,) * len(shape)), (1, *shape)) for e, _ in sorted(chunks)])
     with progress_bar("mcore-to-torchtitan", total=total, items=len(plans), disable=quiet) as bar:
         with w.rank_file(0) as f:
-            for p in plans:
-                tmpl, layer = _template(p.name)
-                name = table[tmpl] if layer is None else table[tmpl].format(layer)
+            for p, name, expert in items:
                 value = torch.cat([_read_block(ckpt, tm, seg.start, seg.stop) for tm, seg in p.blocks])
                 value = store.cast(value, p.dtype, p.name)
+                if expert is not None:
+                    f.add_tensor(name, (expert, *(0,) * value.ndim), value[None])
+                    bar.advance(p.nbytes, 1)
+                    continue
                 proj = p.name.split(".")[-2]
-                if proj in ROPE_PERMUTED:  # half-split -> torchtitan's interleaved rows
+                if proj in ROPE_PERMUTED and not deepseek:  # half-split -> torchtitan's interleaved rows
                     hd = cfg.kv_channels
                     inv = np.argsort(hf_row_source(hd))
                     rows = np.arange(value.shape[0])

@@ -206,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     m2m.add_argument("--overwrite", action="store_true")
     m2m.add_argument("--quiet", action="store_true")
 
-    t2m = csub.add_parser("torchtitan-to-mcore", help="torchtitan DCP checkpoint (step-N/, Llama 3) -> shardkit "
-                          "checkpoint")
+    t2m = csub.add_parser("torchtitan-to-mcore", help="torchtitan DCP checkpoint (step-N/; Llama 3, DeepSeek-V3) -> "
+                          "shardkit checkpoint")
     t2m.add_argument("src", help="a torchtitan step-N directory, or its checkpoint folder (the newest step-N)")
     t2m.add_argument("out")
     t2m_cfg = t2m.add_mutually_exclusive_group()
@@ -232,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     t2m.add_argument("--overwrite", action="store_true")
     t2m.add_argument("--quiet", action="store_true")
 
-    m2t = csub.add_parser("mcore-to-torchtitan", help="shardkit checkpoint -> torchtitan DCP (model-only step-N/, "
-                          "Llama 3)")
+    m2t = csub.add_parser("mcore-to-torchtitan", help="shardkit checkpoint -> torchtitan DCP (model-only step-N/; "
+                          "Llama 3, DeepSeek-V3)")
     m2t.add_argument("ckpt", help="a native checkpoint")
     m2t.add_argument("out", help="torchtitan's checkpoint folder: step-N/ is written in it")
     _dtype_flag(m2t, "write as bf16|fp16|fp32 (default: the stored dtype)")

@@ -144,8 +144,8 @@ LOAD = PRELUDE + textwrap.dedent("""
 """)
 
 
-def _torchtitan(script: str, out) -> None:
-    r = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=300)
+def _torchtitan(script: str, out, *args: str) -> None:
+    r = subprocess.run([sys.executable, "-c", script, str(out), *args], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -248,3 +248,101 @@ def test_missing_config_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "refusing to unpickle" in err and "system" in err, err
     assert not (tmp_path / "MARKER").exists() and not (tmp_path / "o").exists()
+
+
+DSV3 = textwrap.dedent("""
+    import json, sys
+    import torch
+    from safetensors.torch import save_file
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers, _build_mtp_layers
+    from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.components.checkpoint import CheckpointManager
+    out = sys.argv[1]
+    dim, vocab = 64, 256
+    layers = _build_dsv3_layers(
+        n_layers=3, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, mscale=1.0, dense_hidden_dim=128, moe_hidden_dim=32, num_experts=4,
+        num_shared_experts=1, router_top_k=2, router_score_func="sigmoid", router_num_expert_groups=2,
+        router_num_limited_groups=1, router_route_scale=2.5, router_route_norm=True, attn_backend="flex",
+        moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=8, max_seq_len=512, theta=10000.0, scaling="yarn", rope_factor=4.0,
+                                beta_fast=32.0, beta_slow=1.0, original_seq_len=128))
+    cfg = DeepSeekV3Model.Config(
+        vocab_size=vocab, dim=dim, tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
+        norm=RMSNorm.Config(normalized_shape=dim), lm_head=Linear.Config(in_features=dim, out_features=vocab),
+        layers=layers, mtp_layers=_build_mtp_layers(layers[-1], dim=dim, num_mtp_layers=1))
+    if sys.argv[2:] == ["load"]:  # torchtitan's CheckpointManager loads what mcore-to-torchtitan wrote
+        torch.manual_seed(1)
+        model = cfg.build()
+        model.init_states()
+        c = CheckpointManager.Config(enable=True, folder=out + "/unused", initial_load_path=out + "/back/step-3",
+                                     initial_load_model_only=True)
+        assert CheckpointManager(c, dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None,
+                                 states={}, sd_adapter=None).load()
+        want = torch.load(out + "/sd.pt", weights_only=True)
+        got = model.state_dict()
+        assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+        print("loaded")
+        sys.exit(0)
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_states()
+    with torch.no_grad():  # every tensor distinct (norms and the expert bias too)
+        for p in list(model.parameters()) + list(model.buffers()):
+            if p.is_floating_point():
+                p.copy_(torch.randn_like(p))
+    c = CheckpointManager.Config(enable=True, folder=out + "/tt", keep_latest_k=0, last_save_model_only=True)
+    CheckpointManager(c, dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None, states={},
+                      sd_adapter=None).save(3, last_step=True)
+    # torchtitan's own HF mapping of the same weights: the oracle for names, expert split and MTP placement
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(sd, out + "/sd.pt")
+    save_file(DeepSeekV3StateDictAdapter(cfg, None).to_hf(sd), out + "/oracle.safetensors")
+    import os
+    os.makedirs(out + "/hfcfg")
+    json.dump({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": vocab,
+               "hidden_size": dim, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 4,
+               "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+               "routed_scaling_factor": 2.5, "norm_topk_prob": True, "topk_method": "noaux_tc",
+               "scoring_func": "sigmoid", "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+               "qk_rope_head_dim": 8, "v_head_dim": 16, "num_nextn_predict_layers": 1,
+               "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+               "rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                                "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0},
+               "tie_word_embeddings": False, "torch_dtype": "float32"}, open(out + "/hfcfg/config.json", "w"))
+    print("saved")
+""")
+
+
+def test_deepseek_v3_against_torchtitans_own_hf_mapping(tmp_path):
+    """DeepSeek-V3 (MLA with q LoRA, routed experts stacked in torchtitan, shared experts, expert bias, an MTP
+    layer): torchtitan-to-mcore at tp2/ep2, then mcore-to-hf, equals torchtitan's own DeepSeekV3StateDictAdapter.to_hf
+    of the same weights, tensor for tensor, bitwise; mcore-to-torchtitan gives back torchtitan's save bitwise, and
+    torchtitan's CheckpointManager loads it into a fresh model (the experts as one DCP chunk each) exactly."""
+    _torchtitan(DSV3, tmp_path)
+    assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "tt"), str(tmp_path / "native"), "--hf-config",
+                 str(tmp_path / "hfcfg"), "--tp", "2", "--ep", "2", "--quiet"]) == 0
+    assert main(["convert", "mcore-to-hf", str(tmp_path / "native"), str(tmp_path / "hf"), "--quiet"]) == 0
+    from safetensors import safe_open
+
+    ours = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        with safe_open(f, "pt") as g:
+            ours.update({k: g.get_tensor(k) for k in g.keys()})
+    with safe_open(tmp_path / "oracle.safetensors", "pt") as g:
+        oracle = {k: g.get_tensor(k) for k in g.keys()}
+    assert "model.layers.3.eh_proj.weight" in oracle and "model.layers.1.mlp.experts.3.down_proj.weight" in oracle
+    # ours adds the MTP layer's copies of the embedding and head (HF's layout; Megatron shares them)
+    assert set(oracle) == set(ours) - {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"}
+    for k, v in oracle.items():
+        assert torch.equal(ours[k], v), k
+    # and back: every tensor of torchtitan's own save, bitwise (the experts as one chunk each)
+    assert main(["convert", "mcore-to-torchtitan", str(tmp_path / "native"), str(tmp_path / "back"), "--quiet"]) == 0
+    a = TorchDistCheckpoint(tmp_path / "tt" / "step-3", megatron=False)
+    b = TorchDistCheckpoint(tmp_path / "back" / "step-3", megatron=False)
+    assert set(a.tensors) == set(b.tensors)
+    for name in a.tensors:
+        assert np.array_equal(a.read_numpy(name), b.read_numpy(name)), name
+    _torchtitan(DSV3, tmp_path, "load")
