@@ -44,7 +44,7 @@ from checkpoint.errors import ConfigError, FormatError
 from checkpoint.megatron import canonical_candidates
 from checkpoint.sharding import OPTIMIZER_STATES, local_shape, model_specs, optimizer_key, owner
 from train import checkpointing as ckpt_io
-from train.loop import Trainer, check_model_flags, check_save_format, open_load, run_layout
+from train.loop import Trainer, check_layout_for_model, check_save_format, open_load, run_layout
 from train.engines.cpu_shims import cuda_as_cpu
 from train.model import canonical_name
 from train.parallel.context import ltor_masks_and_position_ids, packing_from
@@ -443,14 +443,12 @@ class MegatronCoreTrainer(Trainer):
                              f"{d.global_batch_size} / (--micro-batch-size {d.micro_batch_size} x DP {dims.dp})); "
                              f"make it a multiple of {dims.pp}")
         self.dims = dims
+        check_layout_for_model(cfg, dims, m, self.src)  # the native engine's (and `shardkit launch`'s) checks
+        check_save_format(c.save, c.save_format)
         self.groups = build_groups(dims)  # shardkit's coordinates and groups: the save path and the step's one read
         self.layout = dims.model_parallel
-        check_model_flags(cfg, m, self.src)
-        check_save_format(c.save, c.save_format)
         self.dtype = torch.bfloat16 if cfg.run.bf16 else torch.float32
         self.sp = p.sequence_parallel and dims.tp > 1
-        if self.sp and d.seq_length % dims.tp:
-            raise ConfigError(f"--sequence-parallel: --seq-length {d.seq_length} is not divisible by --tp {dims.tp}")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if not self.on_cpu
                        else torch.device("cpu"))
         self.moe, self.interleaved = None, None
