@@ -149,8 +149,20 @@ def _torchtitan(script: str, out, *args: str) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def test_torchtitan_round_trip_and_forward(tmp_path, capsys):
-    _torchtitan(SAVE, tmp_path)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """torchtitan's saves for both tests, made in one interpreter (torchtitan's import is most of its cost)."""
+    root = tmp_path_factory.mktemp("torchtitan")
+    for d in ("llama", "dsv3"):
+        (root / d).mkdir()
+    both = (f"import sys\nroot = sys.argv[1]\nsys.argv[1:] = [root + '/llama']\nexec(compile({SAVE!r}, 'save', 'exec'))"
+            f"\nsys.argv[1:] = [root + '/dsv3']\nexec(compile({DSV3!r}, 'dsv3', 'exec'))\n")
+    _torchtitan(both, root)
+    return root
+
+
+def test_torchtitan_round_trip_and_forward(saved, capsys):
+    tmp_path = saved / "llama"
     tt = tmp_path / "tt"
     assert main(["convert", "torchtitan-to-mcore", str(tt), str(tmp_path / "native"), "--hf-config",
                  str(tmp_path / "hfcfg"), "--tp", "2", "--quiet"]) == 0
@@ -316,12 +328,12 @@ DSV3 = textwrap.dedent("""
 """)
 
 
-def test_deepseek_v3_against_torchtitans_own_hf_mapping(tmp_path):
+def test_deepseek_v3_against_torchtitans_own_hf_mapping(saved):
     """DeepSeek-V3 (MLA with q LoRA, routed experts stacked in torchtitan, shared experts, expert bias, an MTP
     layer): torchtitan-to-mcore at tp2/ep2, then mcore-to-hf, equals torchtitan's own DeepSeekV3StateDictAdapter.to_hf
     of the same weights, tensor for tensor, bitwise; mcore-to-torchtitan gives back torchtitan's save bitwise, and
     torchtitan's CheckpointManager loads it into a fresh model (the experts as one DCP chunk each) exactly."""
-    _torchtitan(DSV3, tmp_path)
+    tmp_path = saved / "dsv3"
     assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "tt"), str(tmp_path / "native"), "--hf-config",
                  str(tmp_path / "hfcfg"), "--tp", "2", "--ep", "2", "--quiet"]) == 0
     assert main(["convert", "mcore-to-hf", str(tmp_path / "native"), str(tmp_path / "hf"), "--quiet"]) == 0
