@@ -130,8 +130,7 @@ def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 
     fitting = [c for c in cands if c.fits]
     valid_misfit = [c for c in cands if c.valid and not c.fits]
     rows = (requested or []) + (fitting[:top] if fitting else valid_misfit[:top])
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-              collapse_padding=True)
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
     for col in ("#", "layout", "mbs", "rec", "wts", "grad", "opt", "act", "GiB", "free", "step s", "tok/s", "MFU",
                 "note"):
         t.add_column(col, justify="left" if col in ("layout", "rec", "note") else "right",
@@ -158,11 +157,13 @@ def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 
                   *(number(x / GiB, 1) for x in (m.weights, m.grads, m.optimizer, m.activations, m.total)),
                   number(c.free / GiB, 1), number(c.perf['step_s'], 2), f"{c.perf['tokens_per_s_per_gpu']:,.0f}",
                   f"{100 * c.perf['mfu']:.1f}%", note, style=style)
-    con.print(t)
     out = con.file
 
     def line(text: str) -> None:  # plain text wrapped at the table's width (never into 80 columns)
         out.write(wrap(text) + "\n")
+
+    line(title)
+    con.print(t)
 
     line("GiB per GPU on the heaviest pipeline stage (weights, grads, optimizer, activations, communication buffers, "
          "reserved); free: what is left of the GPU; rec: activation recompute; tok/s: tokens/s per GPU")
@@ -178,16 +179,16 @@ def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 
     elif not fitting:
         best = min(valid_misfit, key=lambda c: c.memory.total)
         line(f"nothing fits in {gpu_memory / GiB:.1f} GiB per GPU with {best.headroom / GiB:.1f} GiB headroom; the "
-             f"smallest is {best.layout.label()} ({best.settings.recompute} recompute) at "
+             f"smallest is {best.layout.label()} (recompute {best.settings.recompute}) at "
              f"{best.memory.total / GiB:.1f} GiB")
     else:
         b = fitting[0]
-        line(f"plan's choice: {b.layout.label()}, micro batch {b.settings.micro_batch_size}, "
-             f"{b.settings.recompute} recompute: {number(b.memory.total / GiB, 1)} GiB per GPU "
+        line(f"plan's choice: {b.layout.label()}, micro batch {b.settings.micro_batch_size}, recompute "
+             f"{b.settings.recompute}: {number(b.memory.total / GiB, 1)} GiB per GPU "
              f"({number(b.free / GiB, 1)} free), {number(b.perf['step_s'], 2)} s/step, MFU {100 * b.perf['mfu']:.1f}%")
     if chosen is not None and chosen is not (fitting[0] if fitting else None):
         line(f"the command below runs the layout asked for that fits: {chosen.layout.label()}, micro batch "
-             f"{chosen.settings.micro_batch_size}, {chosen.settings.recompute} recompute")
+             f"{chosen.settings.micro_batch_size}, recompute {chosen.settings.recompute}")
 
 
 def plot(cands: list[Candidate], path: str, gpu_memory: int, title: str, top: int = 8) -> Path:
