@@ -548,6 +548,7 @@ def test_torch_dist_without_any_model_description(td, out, capsys):
     common, _ = load_common(it / "common.pt")
     del common["args"]
     write_common(it, common)
+    (it / "run_config.yaml").unlink()  # (our export's description for Megatron-Bridge: the model again)
     rc, err = run_inproc(["verify", td, "--vocab-size", "300", "--quiet"], capsys)
     assert_one_line_error(rc, err, "shardkit.json", "no usable Megatron args", "--hf-config")
     rc, err = run_inproc(["reshard", td, out.with_name("o2"), "--vocab-size", "-3", "--quiet"], capsys)

@@ -261,7 +261,7 @@ def _td_argv(root: Path, case: str, out: Path) -> list:
 def td_files(it: Path) -> dict:
     """Every file of a torch_dist iteration (or, for a native one, files_of): DCP's .metadata as its objects without
     the run's own storage_meta (a fresh save id), shardkit.json without its provenance (time, staging path) and
-    digest. Everything else byte for byte."""
+    digest, integrity.json without those two files' SHA-256s. Everything else byte for byte."""
     import json
 
     from checkpoint.torch_dist import load_dcp_metadata
@@ -278,6 +278,10 @@ def td_files(it: Path) -> dict:
                 md.storage_meta = None
             elif rel == "shardkit.json":
                 out[rel] = {k: v for k, v in json.loads(out[rel]).items() if k not in ("provenance", "digest")}
+            elif rel == "integrity.json":  # every file named; the digests but those of the two files above
+                d = json.loads(out[rel])
+                out[rel] = (d["algorithm"], sorted(d["files"]), {k: v for k, v in d["files"].items()
+                                                                 if k not in (".metadata", "shardkit.json")})
     return out
 
 
