@@ -584,41 +584,52 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
     tmp = out / f".step-{step}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    w = DCPWriter(tmp)
-    total = sum(p.nbytes for p in plans)
-    items = [(p, *_tt_item(p.name, table, cfg)) for p in plans]
-    stacked: dict[str, list] = {}  # routed experts: one DCP tensor per layer, one chunk per expert
-    for p, name, e in items:
-        if e is not None:
-            stacked.setdefault(name, []).append((e, p.shape))
-    for name, chunks in stacked.items():
-        shape = chunks[0][1]
-        w.declare_tensor(name, (len(chunks), *shape), next(p.dtype for p, n, _ in items if n == name),
-                         [((e, *(0,) * len(shape)), (1, *shape)) for e, _ in sorted(chunks)])
-    with progress_bar("mcore-to-torchtitan", total=total, items=len(plans), disable=quiet) as bar:
-        with w.rank_file(0) as f:
-            for p, name, expert in items:
-                value = torch.cat([_read_block(ckpt, tm, seg.start, seg.stop) for tm, seg in p.blocks])
-                value = store.cast(value, p.dtype, p.name)
-                if expert is not None:
-                    f.add_tensor(name, (expert, *(0,) * value.ndim), value[None])
+    try:
+        w = DCPWriter(tmp)
+        total = sum(p.nbytes for p in plans)
+        items = [(p, *_tt_item(p.name, table, cfg)) for p in plans]
+        stacked: dict[str, list] = {}  # routed experts: one DCP tensor per layer, one chunk per expert
+        for p, name, e in items:
+            if e is not None:
+                stacked.setdefault(name, []).append((e, p.shape))
+        for name, chunks in stacked.items():
+            shape = chunks[0][1]
+            w.declare_tensor(name, (len(chunks), *shape), next(p.dtype for p, n, _ in items if n == name),
+                             [((e, *(0,) * len(shape)), (1, *shape)) for e, _ in sorted(chunks)])
+        with progress_bar("mcore-to-torchtitan", total=total, items=len(plans), disable=quiet) as bar:
+            with w.rank_file(0) as f:
+                for p, name, expert in items:
+                    value = torch.cat([_read_block(ckpt, tm, seg.start, seg.stop) for tm, seg in p.blocks])
+                    value = store.cast(value, p.dtype, p.name)
+                    if expert is not None:
+                        f.add_tensor(name, (expert, *(0,) * value.ndim), value[None])
+                        bar.advance(p.nbytes, 1)
+                        continue
+                    proj = p.name.split(".")[-2]
+                    if proj in ROPE_PERMUTED and not deepseek:  # half-split -> torchtitan's interleaved rows
+                        hd = cfg.kv_channels
+                        inv = np.argsort(hf_row_source(hd))
+                        rows = np.arange(value.shape[0])
+                        value = value[torch.from_numpy((rows // hd) * hd + inv[rows % hd])]
+                    w.declare_tensor(name, value.shape, p.dtype, [((0,) * value.ndim, tuple(value.shape))])
+                    f.add_tensor(name, (0,) * value.ndim, value)
                     bar.advance(p.nbytes, 1)
-                    continue
-                proj = p.name.split(".")[-2]
-                if proj in ROPE_PERMUTED and not deepseek:  # half-split -> torchtitan's interleaved rows
-                    hd = cfg.kv_channels
-                    inv = np.argsort(hf_row_source(hd))
-                    rows = np.arange(value.shape[0])
-                    value = value[torch.from_numpy((rows // hd) * hd + inv[rows % hd])]
-                w.declare_tensor(name, value.shape, p.dtype, [((0,) * value.ndim, tuple(value.shape))])
-                f.add_tensor(name, (0,) * value.ndim, value)
-                bar.advance(p.nbytes, 1)
-    # the model config beside (torchtitan reads only the files .metadata names): read back with no flags
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(dtype), indent=1))
-    w.write_metadata(str(final))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        # the model config beside (torchtitan reads only the files .metadata names): read back with no flags
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf(dtype), indent=1))
+        w.write_metadata(str(final))
+    except BaseException:  # nothing half-written is left (the temporary directory is ours)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():  # --overwrite: our files replace the old ones (.metadata last); files of others stay
+        ours = sorted(os.listdir(tmp), key=lambda n: n == ".metadata")
+        for name in ours:
+            os.replace(tmp / name, final / name)
+        for old in final.iterdir():
+            if re.fullmatch(r"__\d+_\d+\.distcp", old.name) and old.name not in ours:
+                old.unlink()
+        tmp.rmdir()
+    else:
+        os.replace(tmp, final)
     fd = os.open(out, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -186,6 +186,15 @@ def test_torchtitan_round_trip_and_forward(saved, capsys):
         assert b.tensors[name].dtype == t.dtype
         assert np.array_equal(a.read_numpy(name), b.read_numpy(name)), name
     _torchtitan(LOAD, tmp_path)
+    # --overwrite replaces our files and leaves the user's
+    (tmp_path / "back" / "step-5" / "notes.txt").write_text("mine")
+    assert main(["convert", "mcore-to-torchtitan", str(tmp_path / "native"), str(tmp_path / "back"), "--quiet"]) == 1
+    assert main(["convert", "mcore-to-torchtitan", str(tmp_path / "native"), str(tmp_path / "back"), "--quiet",
+                 "--overwrite"]) == 0
+    assert (tmp_path / "back" / "step-5" / "notes.txt").read_text() == "mine"
+    assert not list((tmp_path / "back").glob(".step-*"))
+    c = TorchDistCheckpoint(tmp_path / "back" / "step-5", megatron=False)
+    assert all(np.array_equal(a.read_numpy(n), c.read_numpy(n)) for n in a.tensors)
     # tied: stored once (the head is checked equal to the embedding), both keys written back
     assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "tied"), str(tmp_path / "ntied"), "--hf-config",
                  str(tmp_path / "tiedcfg"), "--tp", "2", "--quiet"]) == 0
