@@ -47,11 +47,8 @@ from checkpoint.layout import Layout
 STEP_RE = re.compile(r"^step-(\d+)$")
 
 # HF name template -> torchtitan name template, per torchtitan generation ({} = layer)
-NAMES_03 = {
+_SHARED = {  # Llama 3's and DeepSeek-V3's alike
     "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.qkv_linear.wq.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.qkv_linear.wk.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.qkv_linear.wv.weight",
     "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
     "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
     "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
@@ -61,6 +58,12 @@ NAMES_03 = {
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
+NAMES_03 = {
+    **_SHARED,
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.qkv_linear.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.qkv_linear.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.qkv_linear.wv.weight",
+}
 NAMES_02 = {**{k: v.replace("attention.qkv_linear.", "attention.") for k, v in NAMES_03.items()},
             "lm_head.weight": "output.weight"}
 GENERATIONS = {"0.3": NAMES_03, "0.1-0.2": NAMES_02}
@@ -68,7 +71,7 @@ GENERATIONS = {"0.3": NAMES_03, "0.1-0.2": NAMES_02}
 # layer (w1_EFD / w3_EFD [E, F, D], w2_EDF [E, D, F]: HF expert e's gate/up/down is [e]), MTP layer i as
 # `mtp_layers.i.` (HF `model.layers.{num_layers + i}.`); no RoPE row permutation (both keep DeepSeek's layout)
 NAMES_DSV3 = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
+    **_SHARED,
     "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
     "model.layers.{}.self_attn.q_a_proj.weight": "layers.{}.attention.wq_a.weight",
     "model.layers.{}.self_attn.q_a_layernorm.weight": "layers.{}.attention.q_norm.weight",
@@ -76,12 +79,6 @@ NAMES_DSV3 = {
     "model.layers.{}.self_attn.kv_a_proj_with_mqa.weight": "layers.{}.attention.wkv_a.weight",
     "model.layers.{}.self_attn.kv_a_layernorm.weight": "layers.{}.attention.kv_norm.weight",
     "model.layers.{}.self_attn.kv_b_proj.weight": "layers.{}.attention.wkv_b.weight",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
-    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
-    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
-    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
     "model.layers.{}.mlp.gate.weight": "layers.{}.moe.router.gate.weight",
     "model.layers.{}.mlp.gate.e_score_correction_bias": "layers.{}.moe.expert_bias_E",
     "model.layers.{}.mlp.shared_experts.gate_proj.weight": "layers.{}.moe.shared_experts.w1.weight",
@@ -91,8 +88,6 @@ NAMES_DSV3 = {
     "model.layers.{}.hnorm.weight": "layers.{}.hnorm.weight",
     "model.layers.{}.eh_proj.weight": "layers.{}.eh_proj.weight",
     "model.layers.{}.shared_head.norm.weight": "layers.{}.mtp_norm.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
 }
 DSV3_EXPERTS = {"layers.{}.moe.routed_experts.inner_experts.w1_EFD": "gate_proj",
                 "layers.{}.moe.routed_experts.inner_experts.w3_EFD": "up_proj",
