@@ -221,3 +221,27 @@ def test_exported_by_megatron_bridge_bitwise(exports, oracle_python, tmp_path):
     loaded = got["loaded"]
     emb = torch.from_numpy(src["model.embed_tokens.weight"])
     assert torch.equal(loaded["embedding.word_embeddings.weight"], emb)
+
+
+def test_training_save_loaded_by_megatron_core_019(exports, oracle_python, tmp_path):
+    """The trainer's torch_dist save (one iteration from our export; optimizer state, common state and integrity.json
+    through the same writer) loads in megatron-core 0.19.2 with verify_integrity: its model tensors are the save's."""
+    from checkpoint.torch_dist import read_torch_dist
+    from tests.corpus import write_pattern_corpus
+    from tests.launcher import launch
+
+    corpus = write_pattern_corpus(tmp_path / "corpus")
+    launch(1, "--load", str(exports["0.16"].parent), "--data-path", str(corpus), "--train-iters", "1",
+           "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "32", "--save", str(tmp_path / "s"),
+           "--save-format", "torch_dist")
+    it = tmp_path / "s" / "iter_0000001"
+    assert (it / "integrity.json").is_file() and (it / "run_config.yaml").is_file()
+    torch.save(torch.zeros(1, SEQ, dtype=torch.long), tmp_path / "ids.pt")
+    got = run_oracle(oracle_python, "load", {"ckpt": str(it), "model": MODEL, "input_ids": str(tmp_path / "ids.pt"),
+                                             "out": str(tmp_path / "out.pt")}, tmp_path)
+    assert got["iteration"] == 1 and "error" not in got["args_config"], got["args_config"]
+    td = read_torch_dist(it)
+    keys = sorted(set(got["tensors"]) & set(td.tensors))
+    assert "decoder.layers.self_attention.linear_qkv.weight" in keys and "embedding.word_embeddings.weight" in keys
+    for k in keys:
+        assert torch.equal(got["tensors"][k], td.read(k)), k
