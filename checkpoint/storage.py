@@ -25,7 +25,7 @@ import os
 import re
 import shutil
 import tempfile
-from concurrent.futures import FIRST_COMPLETED, wait
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -153,20 +153,19 @@ class ObjectStore:
 
     def upload(self, files: list[tuple[Path, str]]) -> None:
         """Write local files as objects, in parallel, with at most INFLIGHT_BYTES read into memory at once."""
-        pending: dict = {}
+        pending: deque = deque()  # (future, size), oldest first
         held = 0
         try:
             for path, key in files:
                 size = path.stat().st_size
                 while pending and held + size > INFLIGHT_BYTES:
-                    done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                    for f in done:
-                        held -= pending.pop(f)[0]
-                        f.result()
-                pending[self.kv.write(key, path.read_bytes())] = (size, key)
+                    fut, n = pending.popleft()
+                    fut.result()
+                    held -= n
+                pending.append((self.kv.write(key, path.read_bytes()), size))
                 held += size
-            for f in list(pending):
-                f.result()
+            while pending:
+                pending.popleft()[0].result()
         except OSError as e:
             raise WriteError(f"{e.filename or self.loc.url}: reading the staged file failed ({e.strerror or e})") \
                 from None
@@ -177,11 +176,11 @@ class ObjectStore:
         """Objects `keys` into files below `dest` (each key less `strip`), in parallel, bounded in memory."""
         from .safety import safe_path
 
-        pending: list = []
+        pending: deque = deque()
 
         def drain(n: int) -> None:
             while len(pending) > n:
-                fut, path, key = pending.pop(0)
+                fut, path, key = pending.popleft()
                 r = fut.result()
                 if r.state != "value":
                     raise FormatError(f"{self.loc.url}/{key}: disappeared while reading the checkpoint")
@@ -201,7 +200,7 @@ class ObjectStore:
 
 
 def _successor(prefix: str) -> str:
-    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else ""  # "": the end of the key space
 
 
 def resolve(store: ObjectStore) -> str:

@@ -380,6 +380,46 @@ class Run:
     extra: dict = field(default_factory=dict)
 
 
+S3_BUCKET = "bench"
+
+
+def start_s3(workdir: Path) -> object:
+    """A loopback S3 server (moto's server mode, the tests' server) for --formats s3, with the environment the
+    shardkit processes read (AWS_ENDPOINT_URL, test credentials, staging below the work directory)."""
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1",
+                      SHARDKIT_STAGING=str(workdir / "s3-staging"))
+    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(
+        Bucket=S3_BUCKET)
+    return server
+
+
+def s3_bytes(url: str) -> int:
+    import boto3
+
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    return sum(o["Size"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+               for o in page.get("Contents", []))
+
+
+def s3_remove(url: str) -> None:
+    sys.path.insert(0, str(REPO))
+    from checkpoint import storage
+
+    storage.ObjectStore(storage.parse(url)).delete_prefix("")
+
+
 def run_measured(label: str, cmd: list[str], poll_s: float, log: Path, env: dict | None = None) -> Run:
     import psutil
 
@@ -505,10 +545,13 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                 key = fmt + ("+proof" if proof else "")  # the default command: the conversion and its proof
                 out = base / ((f"mcore-{code.label}-w{workers}" if native else f"td-{code.label}-w{workers}")
                               + ("-proof" if proof else ""))
-                if out.exists():
+                if fmt == "s3":  # the native format through the object-storage path (checkpoint/storage.py)
+                    out = f"s3://{S3_BUCKET}/{base.name}/mcore-{code.label}-w{workers}{'-proof' if proof else ''}"
+                elif out.exists():
                     shutil.rmtree(out)
                 cmd = [sk, "convert", "hf-to-mcore", str(src), str(out), "--tp", str(args.tp), "--pp", str(args.pp),
-                       "--quiet", *([] if proof else code.no_verify())] + ([] if native else ["--format", fmt])
+                       "--quiet", *([] if proof else code.no_verify())] + \
+                    ([] if fmt in ("native", "s3") else ["--format", fmt]) + (["--overwrite"] if fmt == "s3" else [])
                 if args.vpp != 1:
                     cmd += ["--vpp", str(args.vpp)]
                 if args.ep != 1:
@@ -525,6 +568,8 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                     out_chunks = sum(1 for f in out.glob("iter_*/model/*/c/**/*") if f.is_file())
                     manifest = json.loads(next(out.glob("iter_*/manifest.json")).read_text())
                     r.extra["inner_s"] = manifest.get("provenance", {}).get("seconds")
+                elif fmt == "s3":
+                    r.extra["out_bytes"], r.extra["inner_s"] = s3_bytes(str(out)), None
                 else:
                     r.extra["out_bytes"] = dir_bytes(out)
                     r.extra["inner_s"] = None
@@ -536,7 +581,9 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
                       f"process {r.peak_max_rss / MB:.0f} MB; CPU {r.cpu_s:.1f}s; wrote "
                       f"{(out_bytes if native else r.extra['out_bytes']) / GB:.3f} GB", flush=True)
                 # disk: keep at most the checkpoint the export reads and this one
-                if not args.keep and (out != ck0 or not args.export):
+                if fmt == "s3":
+                    s3_remove(str(out))
+                elif not args.keep and (out != ck0 or not args.export):
                     shutil.rmtree(out)
             # (c) optionally back to HF, from the checkpoint of the first --workers value
             if args.export:
@@ -742,8 +789,10 @@ def parse_args(argv: list[str] | None = None):
                          "every shardkit subprocess) instead of the installed ones; repeat for an interleaved A/B, "
                          "'installed' names the installed tree, e.g. --src installed --src patched=/tmp/tree")
     ap.add_argument("--formats", default="native",
-                    help="comma-separated output formats to convert to, each timed (native, torch_dist; default "
-                         "native), e.g. native,torch_dist: torch_dist rows get the 'vs native' ratios")
+                    help="comma-separated output formats to convert to, each timed (native, torch_dist, s3; default "
+                         "native), e.g. native,torch_dist: torch_dist rows get the 'vs native' ratios; s3: the native "
+                         "format to s3://bench/... on a loopback S3 server this script starts (moto's server mode, "
+                         "objects in its memory; staging under the work directory), vs native to local disk")
     ap.add_argument("--proof", default="off", choices=("off", "on", "both"),
                     help="time the conversion alone (off: --no-verify where the tree proves by default), the default "
                          "command with its proof (on; rows 'native+proof', 'vs native' = its cost over the "
@@ -765,8 +814,8 @@ def parse_args(argv: list[str] | None = None):
     args.size_list = [float(x) for x in args.sizes.split(",")] if args.sizes else [args.size_gb]
     args.workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    if not args.formats or set(args.formats) - {"native", "torch_dist"}:
-        ap.error(f"--formats: {args.formats!r}: use native and/or torch_dist")
+    if not args.formats or set(args.formats) - {"native", "torch_dist", "s3"}:
+        ap.error(f"--formats: {args.formats!r}: use native, torch_dist and/or s3")
     if args.export and "native" not in args.formats:
         ap.error("--export reads the native checkpoint: add native to --formats")
     for w in args.workers:
@@ -786,6 +835,7 @@ def parse_args(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    s3_server = start_s3(Path(args.workdir)) if "s3" in args.formats else None  # before Code.parse takes os.environ
     args.codes = [Code.parse(x) for x in (args.src or ["installed"])]
     args.proofs = {"off": [False], "on": [True], "both": [False, True]}[args.proof]
     if len({c.label for c in args.codes}) != len(args.codes):
@@ -858,6 +908,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   code_digest(code_after[c.label])]
                                                         for c in args.codes},
                                                "rows": rows}, indent=1) + "\n")
+    if s3_server is not None:
+        s3_server.stop()
     return 0
 
 
