@@ -122,11 +122,13 @@ def _registry_config(name: str, flavor: str):
         raise ConfigError(f"--model-flavor {flavor}: torchtitan's model registry is not importable here "
                           f"(torchtitan.models.{name}: {type(e).__name__}: {e}); pass --hf-config HF_DIR (a "
                           "config.json describing the model) instead") from None
-    configs = getattr(mod, f"{name}_configs", None)
+    configs = getattr(mod, f"{name.replace('_', '')}_configs", None)  # llama3_configs, deepseekv3_configs
     if configs is not None:
         if flavor not in configs:
             raise ConfigError(f"--model-flavor {flavor}: torchtitan's {name} has no such flavour; it has "
                               f"{', '.join(configs)}")
+        if name == "deepseek_v3":  # (the MoE token exchange does not change the weights)
+            return configs[flavor](attn_backend="flex", moe_comm_backend="standard")
         return configs[flavor](attn_backend="flex")
     args = getattr(mod, f"{name}_args", None)
     if args is None or flavor not in args:
@@ -182,6 +184,42 @@ def hf_config_of(tt_cfg, dtype: str = "float32") -> dict:
             "rope_scaling": scaling, "tie_word_embeddings": tied, "hidden_act": "silu", "torch_dtype": dtype}
 
 
+def hf_config_of_deepseek(tt_cfg, mtp_layers: int = 0, dtype: str = "float32") -> dict:
+    """The HF DeepseekV3Config dict of torchtitan's DeepSeekV3Model.Config (MLA, MoE with sigmoid routing and
+    expert bias, YaRN RoPE; `mtp_layers`: the MTP layers the checkpoint holds)."""
+    moe_layers = [layer for layer in tt_cfg.layers if layer.moe is not None]
+    dense = [layer for layer in tt_cfg.layers if layer.moe is None]
+    attn, moe = tt_cfg.layers[0].attention, moe_layers[0].moe
+    router, rope = moe.router, attn.rope
+    moe_ffn = moe.routed_experts.inner_experts.hidden_dim
+    shared = moe.shared_experts.w1.out_features // moe_ffn if moe.shared_experts is not None else 0
+    if router.score_func != "sigmoid":
+        raise ConfigError(f"torchtitan DeepSeek-V3 router score_func {router.score_func!r}: HF/Megatron's "
+                          "DeepSeek-V3 routes with sigmoid (noaux_tc) only")
+    if rope.scaling != "yarn":
+        raise ConfigError(f"torchtitan DeepSeek-V3 RoPE scaling {rope.scaling!r}: only yarn has an HF counterpart")
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": int(tt_cfg.vocab_size),
+        "hidden_size": int(tt_cfg.dim), "num_hidden_layers": len(tt_cfg.layers),
+        "intermediate_size": int(dense[0].feed_forward.w1.out_features if dense else moe_ffn),
+        "moe_intermediate_size": int(moe_ffn), "num_attention_heads": int(attn.n_heads),
+        "num_key_value_heads": int(attn.n_heads), "n_shared_experts": int(shared),
+        "n_routed_experts": int(router.num_experts), "num_experts_per_tok": int(router.top_k),
+        "first_k_dense_replace": len(dense), "n_group": int(router.num_expert_groups or 1),
+        "topk_group": int(router.num_limited_groups or 1), "routed_scaling_factor": float(router.route_scale),
+        "norm_topk_prob": bool(router.route_norm), "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "q_lora_rank": int(attn.q_lora_rank) or None, "kv_lora_rank": int(attn.kv_lora_rank),
+        "qk_nope_head_dim": int(attn.qk_nope_head_dim), "qk_rope_head_dim": int(attn.qk_rope_head_dim),
+        "v_head_dim": int(attn.v_head_dim), "num_nextn_predict_layers": int(mtp_layers),
+        "max_position_embeddings": int(rope.max_seq_len), "rms_norm_eps": float(tt_cfg.layers[0].attention_norm.eps),
+        "rope_theta": float(rope.theta),
+        "rope_scaling": {"type": "yarn", "factor": float(rope.rope_factor), "beta_fast": float(rope.beta_fast),
+                         "beta_slow": float(rope.beta_slow), "original_max_position_embeddings":
+                         int(rope.original_seq_len), "mscale": float(attn.mscale),
+                         "mscale_all_dim": float(attn.mscale)},
+        "tie_word_embeddings": bool(getattr(tt_cfg, "enable_weight_tying", False)), "torch_dtype": dtype}
+
+
 def read_job_config(path: str | Path) -> tuple[str, str]:
     """(model name, flavor) from torchtitan's job config TOML ([model] name and flavor)."""
     import tomllib
@@ -218,11 +256,21 @@ def model_config(src: str | Path | None = None, *, flavor: str | None = None, na
         return ModelConfig.from_hf_dir(hf_config)
     if job_config is not None:
         name, flavor = read_job_config(job_config)
-    if name != "llama3":
-        raise ConfigError(f"torchtitan model {name!r}: its flavours are not read yet (llama3's are); pass "
-                          "--hf-config HF_DIR (a config.json describing the model; DeepSeek-V3's converts so)")
-    return ModelConfig.from_hf(hf_config_of(_registry_config(name, flavor), dtype),
-                               source=f"torchtitan {name} flavour {flavor}")
+    if name not in ("llama3", "deepseek_v3"):
+        raise ConfigError(f"torchtitan model {name!r}: its flavours are not read (llama3's and deepseek_v3's are); "
+                          "pass --hf-config HF_DIR (a config.json describing the model)")
+    tt_cfg = _registry_config(name, flavor)
+    if name == "deepseek_v3":  # how many MTP layers the run trained is the checkpoint's, not the flavour's
+        mtp = 0
+        if src is not None:
+            from checkpoint.torch_dist import TorchDistCheckpoint
+
+            keys = TorchDistCheckpoint(resolve_step(src), megatron=False).tensors
+            mtp = len({k.split(".")[1] for k in keys if k.startswith("mtp_layers.")})
+        hf = hf_config_of_deepseek(tt_cfg, mtp, dtype)
+    else:
+        hf = hf_config_of(tt_cfg, dtype)
+    return ModelConfig.from_hf(hf, source=f"torchtitan {name} flavour {flavor}")
 
 
 # -- reading torchtitan DCP -------------------------------------------------------------------------------------------

@@ -123,6 +123,17 @@ SAVE = PRELUDE + textwrap.dedent("""
             c.tie_word_embeddings) == (4096, 14336, 32, 32, 8, 128256, 500000.0, "llama3", 8.0, False), c
     open(out + "/job.toml", "w").write('[model]\\nname = "llama3"\\nflavor = "8B"\\n')  # torchtitan <= 0.2's job config
     assert model_config(job_config=out + "/job.toml") == c
+    # the registry's DeepSeek-V3 671B: deepseek-ai/DeepSeek-V3's published config.json
+    d = model_config(flavor="671B", name="deepseek_v3")
+    assert (d.hidden_size, d.ffn_hidden_size, d.moe_ffn_hidden_size, d.num_layers, d.num_attention_heads,
+            d.num_moe_experts, d.moe_shared_expert_intermediate_size, d.moe_router_topk, d.moe_layer_freq[:4],
+            d.moe_router_num_groups, d.moe_router_group_topk, d.moe_router_topk_scaling_factor,
+            d.moe_router_norm_topk, d.moe_router_score_function, d.moe_router_enable_expert_bias, d.q_lora_rank,
+            d.kv_lora_rank, d.qk_head_dim, d.qk_pos_emb_head_dim, d.v_head_dim, d.vocab_size, d.rotary_base,
+            d.rope_scaling["factor"], d.rope_scaling["original_max_position_embeddings"],
+            d.rope_scaling["mscale_all_dim"]) == (
+        7168, 18432, 2048, 61, 128, 256, 2048, 8, [0, 0, 0, 1], 8, 4, 2.5, True, "sigmoid", True, 1536, 512, 128,
+        64, 128, 129280, 10000.0, 40.0, 4096, 1.0), d
     try:
         model_config(flavor="nosuch")
         raise AssertionError("a wrong flavour was taken")
