@@ -341,6 +341,12 @@ def mirror(local_root: str, loc: Location) -> None:
     _MIRRORS[os.path.realpath(local_root)] = loc
 
 
+def release(local_root: str) -> None:
+    """The end of a run that mirrored `local_root`: every save is on the store, the staging root goes."""
+    if _MIRRORS.pop(os.path.realpath(local_root), None) is not None:
+        shutil.rmtree(local_root, ignore_errors=True)
+
+
 def committed(root: Path) -> None:
     """Called by commit.IterationWriter.commit after `latest` was written: a root mirrored to object storage (a
     training --save s3://...) publishes the new iteration."""

@@ -752,6 +752,9 @@ def _dispatch_local(args: argparse.Namespace) -> int:
                 if err is None:
                     raise
                 raise err from None
+            from checkpoint.storage import release
+
+            release(cfg.checkpoint.save)  # a --save s3://... staging root, every save published
         return 0
     if args.cmd in ("plan", "launch"):
         from plan.commands import run as run_plan

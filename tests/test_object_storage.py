@@ -40,20 +40,16 @@ def s3(tmp_path_factory):
     env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_REGION": "us-east-1", "AWS_CONFIG_FILE": str(empty), "AWS_SHARED_CREDENTIALS_FILE": str(empty),
            "SHARDKIT_STAGING": str(tmp_path_factory.mktemp("staging"))}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     import boto3  # moto's own dependency: only to create the bucket, as an admin would
 
-    boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket=BUCKET)
-    try:
-        yield url
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        try:
+            yield url
+        finally:
+            server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -237,6 +233,7 @@ def test_continue_pretrain_load_save_on_s3(s3, tmp_path, capsys):
         assert main(["continue-pretrain", "--load", load, "--save", save, *train, "--train-iters", "2"]) == 0
         assert main(["continue-pretrain", "--load", save, "--save", save, *train, "--train-iters", "3",
                      "--async-save", "--use-checkpoint-opt_param-scheduler"]) == 0
+    assert not storage.staging_dir(storage.parse(f"s3://{BUCKET}/run")).exists()  # released after the run
     objects = _objects(f"s3://{BUCKET}/run")
     assert objects["latest"] == b"iter_0000003\n"
     assert {k.split("/")[0] for k in objects if k.endswith("manifest.json")} == \
