@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="torchtitan's job config: its [model] name and flavor")
     t2m_cfg.add_argument("--hf-config", metavar="HF_DIR", default=None,
                          help="an HF directory whose config.json describes the model")
-    t2m.add_argument("--model-name", default="llama3", help="torchtitan model of --model-flavor (default llama3)")
+    t2m.add_argument("--model-name", default="llama3", choices=["llama3", "deepseek_v3"],
+                     help="torchtitan model of --model-flavor (default llama3)")
     _layout_flags(t2m)
     _dtype_flag(t2m, "store weights as bf16|fp16|fp32 (default: the source dtype)")
     t2m.add_argument("--optimizer", action="store_true",
