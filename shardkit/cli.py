@@ -577,6 +577,12 @@ def _across_ranks(args: argparse.Namespace) -> int:
     found = rank_and_world(os.environ, command)
     if found is None or found[1] == 1:
         return _dispatch(args)
+    from checkpoint.storage import parse
+
+    urls = [v for a, v in ((a, getattr(args, a, None)) for a, _ in _storage_args(args)) if parse(v, a.upper())]
+    if urls:  # before any rendezvous: every rank says the same line
+        raise ShardkitError(f"{urls[0]}: object storage runs as one process for now (rank {found[0]} of "
+                            f"{found[1]} here); start {command} without torchrun/srun, or use a shared filesystem")
     if args.cmd == "convert" and args.direction not in ("hf-to-mcore", "mcore-to-hf"):
         raise ShardkitError(f"{command} runs as one process (rank {found[0]} of {found[1]} here): start it "
                             "without torchrun/srun; hf-to-mcore, mcore-to-hf and reshard run across ranks")

@@ -154,6 +154,18 @@ def _nothing_complete(url: str) -> None:
     assert "latest" not in keys and not any(k.endswith("manifest.json") for k in keys), keys
 
 
+def test_several_ranks_refused(s3, tiny, capsys, monkeypatch):
+    """Object storage runs as one process: a rank of several says so before any rendezvous (no hang)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    line = _one_line_error(capsys, main(["reshard", f"s3://{BUCKET}/nothing", str(tiny.parent / "never"),
+                                         "--quiet"]))
+    assert "one process" in line
+    assert not (tiny.parent / "never").exists()
+
+
 def test_missing_bucket(s3, tiny, capsys):
     url = "s3://no-such-bucket-38/x"
     line = _one_line_error(capsys, main(["convert", "hf-to-mcore", str(tiny), url, "--no-verify", "--quiet"]))
