@@ -192,6 +192,31 @@ def test_wrong_credentials(s3, tiny, capsys, monkeypatch):
     _nothing_complete(url)
 
 
+def test_bucket_that_refuses_writes(s3, tiny, capsys, monkeypatch):
+    """Keys the server knows whose IAM policy denies s3:PutObject on the bucket (listing and reading allowed): the
+    publish fails on its first object, one line, nothing on the store."""
+    import json
+
+    import boto3
+    from moto import settings
+
+    boto3.client("s3", endpoint_url=s3, region_name="us-east-1").create_bucket(Bucket="read-only-38")
+    iam = boto3.client("iam", endpoint_url=s3, region_name="us-east-1")
+    iam.create_user(UserName="reader")
+    iam.put_user_policy(UserName="reader", PolicyName="read-only", PolicyDocument=json.dumps({
+        "Version": "2012-10-17", "Statement": [
+            {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+            {"Effect": "Deny", "Action": "s3:PutObject", "Resource": "arn:aws:s3:::read-only-38/*"}]}))
+    key = iam.create_access_key(UserName="reader")["AccessKey"]
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    url = "s3://read-only-38/ck"
+    line = _one_line_error(capsys, main(["convert", "hf-to-mcore", str(tiny), url, "--no-verify", "--quiet"]))
+    assert "AccessDenied" in line and key["SecretAccessKey"] not in line, line
+    assert storage.ObjectStore(storage.parse(url)).list() == []
+
+
 class _Throttling(http.server.BaseHTTPRequestHandler):
     def _slow_down(self):
         length = int(self.headers.get("Content-Length") or 0)
