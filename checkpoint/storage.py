@@ -231,16 +231,22 @@ def resolve(store: ObjectStore) -> str:
     raise FormatError(f"{loc.url}: not a shardkit checkpoint: no {LATEST} and no {MANIFEST}{hint}")
 
 
-def fetch(loc: Location, dest: Path) -> Path:
+ARRAY_DIRS = ("model/", "optim/")  # an iteration's arrays; the rest is its small files (manifest, state, hf/)
+
+
+def fetch(loc: Location, dest: Path, arrays: bool = True) -> Path:
     """Download the iteration a reader takes at `loc` into `dest/<iter>` (with `dest/latest` naming it) and return
-    the local root; the readers then check it as any local checkpoint."""
+    the local root; the readers then check it as any local checkpoint. `arrays=False`: only its small files (what
+    `inspect` reads)."""
     store = ObjectStore(loc)
     name = resolve(store)
+    strip = name + "/" if name else ""
     if not name:  # the URL is an iteration itself
         name = loc.prefix.rsplit("/", 1)[-1] if _ITER.match(loc.prefix.rsplit("/", 1)[-1]) else "iter_0000000"
-        store.download(store.list(), dest / name)
-    else:
-        store.download(store.list(name + "/"), dest / name, strip=name + "/")
+    keys = store.list(strip)
+    if not arrays:
+        keys = [k for k in keys if not k[len(strip):].startswith(ARRAY_DIRS)]
+    store.download(keys, dest / name, strip=strip)
     (dest / LATEST).write_text(name + "\n")
     return dest
 
@@ -287,9 +293,9 @@ def _one_process(url: str) -> None:
 
 
 @contextlib.contextmanager
-def reading(value: str) -> Iterator[str]:
+def reading(value: str, arrays: bool = True) -> Iterator[str]:
     """A checkpoint argument to read: a local path as given (file:// removed), or a temporary local copy of the
-    iteration an object-storage location resolves to, removed afterwards."""
+    iteration an object-storage location resolves to (`arrays=False`: its small files only), removed afterwards."""
     loc = parse(value)
     if loc is None:
         yield local(value)
@@ -297,7 +303,7 @@ def reading(value: str) -> Iterator[str]:
     _one_process(value)
     tmp = Path(tempfile.mkdtemp(prefix="shardkit-read-"))
     try:
-        yield str(fetch(loc, tmp))
+        yield str(fetch(loc, tmp, arrays))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -383,11 +383,11 @@ def _refuse_urls(argv: list, allowed: set = frozenset()) -> None:
 
 
 def _storage_args(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """The checkpoint arguments of a command that take object storage (s3://, gs://, file://), with "r" (read) or
-    "w" (write)."""
+    """The checkpoint arguments of a command that take object storage (s3://, gs://, file://), with "r" (read),
+    "m" (read its small files: manifest, train state, hf/) or "w" (write)."""
     cmd, direction = args.cmd, getattr(args, "direction", None)
     return {("convert", "hf-to-mcore"): [("out", "w")], ("convert", "mcore-to-hf"): [("ckpt", "r")],
-            ("reshard", None): [("src", "r"), ("dst", "w")], ("inspect", None): [("ckpt", "r")],
+            ("reshard", None): [("src", "r"), ("dst", "w")], ("inspect", None): [("ckpt", "m")],
             ("verify", None): [("ckpt", "r")],
             ("continue-pretrain", None): [("load", "r"), ("save", "w")]}.get((cmd, direction), [])
 
@@ -416,8 +416,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         writers = []
         for a, mode in spots:
             value = getattr(args, a)
-            if mode == "r":
-                setattr(args, a, stack.enter_context(storage.reading(value)))
+            if mode in "rm":
+                setattr(args, a, stack.enter_context(storage.reading(value, arrays=mode == "r")))
                 continue
             if getattr(args, "format", "native") == "torch_dist":
                 raise ShardkitError(f"{value}: " + storage.TORCH_DIST_REFUSED.format(scheme=value.split(":")[0]))
