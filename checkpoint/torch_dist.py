@@ -2,12 +2,17 @@
 
     <root>/latest_checkpointed_iteration.txt     "N" (or "release")
     <root>/iter_000000N/metadata.json            {"sharded_backend": "torch_dist", ...}
-    <root>/iter_000000N/common.pt                torch.save of the non-sharded state (iteration, args, ...)
+    <root>/iter_000000N/common.pt                torch.save of the non-sharded state (iteration, args, ...); in
+                                                 megatron-core >= 0.17's layout (--megatron-version 0.19) the DCP
+                                                 item common_state/shard_0_1 instead
     <root>/iter_000000N/.metadata                pickled torch.distributed.checkpoint.metadata.Metadata
     <root>/iter_000000N/__<rank>_<k>.distcp      items: each a torch.save(tensor) blob at an offset
     <root>/iter_000000N/shardkit.json            (shardkit's exports) model config incl. the true vocab, layout,
                                                  dtype, provenance: read back with no flags
     <root>/iter_000000N/hf/                      (shardkit's exports) config.json + tokenizer / generation files
+    <root>/iter_000000N/run_config.yaml          (shardkit's exports, dense models) the model for Megatron-Bridge
+    <root>/iter_000000N/integrity.json           (shardkit's exports) every file's SHA-256, megatron-core 0.19's
+                                                 verify_integrity manifest
 
 Reading never runs pickle code it does not know: `.metadata` goes through an unpickler that resolves only DCP's own
 metadata classes (anything else is refused, naming the file and the global); items and `common.pt` go through
