@@ -36,6 +36,17 @@ class TensorSpec:
     expert: bool = False  # expert axis (after the layer axis), split by EP; its TP split uses the expert TP size
     layer: int | None = None  # per-layer key of a heterogeneous stack: the global layer it belongs to
     stage: str | None = None  # "first" / "last": the pipeline stage of a tensor outside the decoder layers
+    # a replicated tensor's gradient over TP: "sp" = partial under sequence parallelism (it sees this rank's slice of
+    # the sequence: norms, routers, MLA's down-projections), summed over TP then; "always" = partial whatever the
+    # flags (it sees this rank's heads only: megatron-core's q/k layernorms); None = whole on every rank. "auto":
+    # "sp" for REPLICATED tensors, None otherwise
+    tp_grad: str | None = "auto"
+
+    def __post_init__(self) -> None:
+        if self.tp_grad == "auto":
+            object.__setattr__(self, "tp_grad", "sp" if self.rule is Rule.REPLICATED else None)
+        if self.tp_grad not in ("sp", "always", None):
+            raise ValueError(f"{self.name}: tp_grad {self.tp_grad!r}")
 
     @property
     def lead(self) -> int:

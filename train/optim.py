@@ -339,7 +339,7 @@ class DistributedOptimizer:
             comm.all_reduce(self.expert_buffer, g.edp)  # the same on every rank of the group (one pipeline stage)
             self.expert_buffer.div_(g.dims.dp * g.dims.cp)
         for p in self.params:
-            if getattr(p, "sequence_parallel", False):
+            if getattr(p, "tp_partial_grad", False):  # train/parallel/tensor.py mark_partial_grads
                 comm.all_reduce(p.main_grad, g.tp)
         if self.tied_embeddings:
             for n, p in zip(self.names, self.params):

@@ -354,9 +354,6 @@ class TEBackend:
             if int(key) in keep:  # FP8 off inside this layer, its names unchanged
                 att.forward = _HighPrecision(TESelfAttention.forward.__get__(att), backend.fp8_off)
                 mlp.forward = _HighPrecision(TEMLP.forward.__get__(mlp), backend.fp8_off)
-            for name, p in list(att.named_parameters()) + list(mlp.named_parameters()):
-                if name.endswith("layer_norm_weight") and sequence_parallel:
-                    p.sequence_parallel = True  # type: ignore[attr-defined]  (grads summed over TP)
         return backend
 
     def wrap(self, step):

@@ -23,6 +23,8 @@ place and one fixed order (torchtitan's `parallelize_llama` shape). `parallelize
                           before the parameters are registered in the sharding table, since TE makes new ones
     9. MoE training       router hooks (load-balancing losses, expert-bias updates, MTP loss, load statistics) on the
                           modules that will run; after the dtype cast, as it keeps the expert bias in fp32
+   10. gradient marks     which replicated parameters' gradients are partial over TP (summed there by the optimizer),
+                          from the sharding table's `tp_grad`; last, since TE's modules are new parameters
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from train.model import GPTModel
 from .context import AttentionState, Packing, apply_context_parallel
 from .expert import apply_expert_parallel
 from .groups import Groups
-from .tensor import apply_tensor_parallel, local_config, resize_mtp_projections
+from .tensor import apply_tensor_parallel, local_config, mark_partial_grads, resize_mtp_projections
 
 
 NO_DROPOUT = RunConfig(attention_dropout=0.0, hidden_dropout=0.0)
@@ -90,6 +92,7 @@ def parallelize(model_cfg: ModelConfig, groups: Groups, device: torch.device, dt
                           "TE's DotProductAttention is built without dropout here; use --attention-dropout 0 or "
                           "--transformer-impl local")
     moe_state = moe_mod.setup(moe, model_cfg, model, groups, sp)
+    mark_partial_grads(model, model_cfg, layout, sp)  # last: TE's modules are new parameters
     return Parallelized(model, attention, line, backend, moe_state, rng)
 
 

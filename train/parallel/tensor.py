@@ -14,7 +14,8 @@ Then `apply_tensor_parallel` hooks on:
   that never gathers the logits (this rank's first row from the table's region of the embedding).
 
 With sequence parallelism the residual stream between those points is split along the sequence, so the norms see
-a slice of the tokens: their gradients are partial and are all-reduced over TP (params marked `sequence_parallel`).
+a slice of the tokens: their gradients are partial and are all-reduced over TP (which parameters: the sharding
+table's `tp_grad`, applied by `mark_partial_grads`, never a name suffix).
 
 MoE and multi-latent attention (megatron-core's layouts; MoE at TP > 1 requires sequence parallelism, as Megatron):
 
@@ -42,7 +43,7 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.sharding import local_shape, model_specs, regions
-from train.model import GPTModel, token_cross_entropy
+from train.model import GPTModel, canonical_name, token_cross_entropy
 
 from . import comm
 
@@ -133,37 +134,32 @@ def _pre_hook(group, sp: bool):
 
 
 def _layer_tensor_parallel(layer: nn.Module, group, sp: bool) -> list[nn.Parameter]:
-    """Hook the collectives onto one transformer layer; returns the replicated parameters that see only this rank's
-    slice of the sequence under sequence parallelism (their gradients are partial: summed over TP)."""
+    """Hook the collectives onto one transformer layer (which replicated parameters see only this rank's slice of the
+    sequence, and so get partial gradients, the sharding table says: `mark_partial_grads`)."""
     from train.model import MLASelfAttention, MoELayer
 
     att, mlp = layer.self_attention, layer.mlp
-    partial_grads: list[nn.Parameter] = []
     if isinstance(att, MLASelfAttention):
         # megatron-core's MLA: the latent down-projections (and their norms) are replicated and run on the
         # sequence slice; the up-projections are column-parallel (whole heads), the shared RoPE key is gathered
         if att.q_lora:
             _column_input(att.linear_q_up_proj, group, sp)
-            partial_grads.append(att.linear_q_down_proj.weight)
         else:
             att.linear_q_proj.register_forward_pre_hook(_pre_hook(group, sp))
         _column_input(att.linear_kv_up_proj, group, sp)
         att.parallel_k_pe = _entry(group, sp)
-        partial_grads.append(att.linear_kv_down_proj.weight)
     else:
         _column_input(att.linear_qkv, group, sp)
     att.linear_proj.register_forward_hook(_exit_hook(group, sp))
     if isinstance(mlp, MoELayer):
         # the router is replicated and routes this rank's tokens; the routed experts exchange tokens with the EP and
         # expert-TP groups themselves (train/parallel/expert.py); shared experts are a column/row-parallel MLP
-        partial_grads.append(mlp.router.weight)
         if mlp.shared_experts is not None:
             mlp.shared_experts.linear_fc1.register_forward_pre_hook(_pre_hook(group, sp))
             mlp.shared_experts.linear_fc2.register_forward_hook(_exit_hook(group, sp))
     else:
         _column_input(mlp.linear_fc1, group, sp)
         mlp.linear_fc2.register_forward_hook(_exit_hook(group, sp))
-    return partial_grads
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -200,23 +196,32 @@ def apply_tensor_parallel(model: GPTModel, cfg: ModelConfig, layout: Layout, tp_
                                   group=group)
     if group is None or dist.get_world_size(group) == 1:
         return
-    partial_grads: list[nn.Parameter] = []
     for layer in model.decoder.layers.values():
-        partial_grads += _layer_tensor_parallel(layer, group, sequence_parallel)
+        _layer_tensor_parallel(layer, group, sequence_parallel)
     for mtp in [] if model.mtp is None else model.mtp.layers:
-        partial_grads += _layer_tensor_parallel(mtp.transformer_layer, group, sequence_parallel)
+        _layer_tensor_parallel(mtp.transformer_layer, group, sequence_parallel)
         pre, post = _mtp_projection_hooks(group, sequence_parallel)
         mtp.eh_proj.register_forward_pre_hook(pre)
         mtp.eh_proj.register_forward_hook(post)
-        partial_grads += [mtp.enorm.weight, mtp.hnorm.weight]
     model.head_input = _entry(group, sequence_parallel)
     if model.embedding is not None:
         model.embedding = VocabParallelEmbedding(model.embedding.word_embeddings, start, group, sequence_parallel)
-    if sequence_parallel:
-        marked = {id(p) for p in partial_grads}
-        for name, p in model.named_parameters():
-            if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight") or id(p) in marked:
-                p.sequence_parallel = True  # type: ignore[attr-defined]
+
+
+def mark_partial_grads(model: nn.Module, cfg: ModelConfig, layout: Layout, sequence_parallel: bool) -> None:
+    """Mark the parameters whose gradient is partial over TP (`tp_partial_grad`; train/optim.py sums them over the
+    TP group) from the sharding table's `tp_grad` (checkpoint/sharding.py), never from name suffixes: "always", or
+    "sp" under sequence parallelism. Run last among the model's transformations (Transformer Engine's modules are
+    new parameters); a parameter with no canonical tensor is an error, as in the parameter table."""
+    if layout.tp == 1:
+        return
+    specs = {s.name: s for s in model_specs(cfg, layout)}
+    for name, p in model.named_parameters():
+        cname, _ = canonical_name(name, not cfg.heterogeneous)
+        if cname not in specs:
+            raise LayoutError(f"parameter {name}: no canonical tensor {cname} in the sharding table")
+        mode = specs[cname].tp_grad
+        p.tp_partial_grad = mode == "always" or (mode == "sp" and sequence_parallel)  # type: ignore[attr-defined]
 
 
 class VocabParallelEmbedding(nn.Module):
