@@ -93,7 +93,8 @@ _FIELD_TYPES: dict[str, tuple[str, Any, bool]] = {
     "model_type": ("str", None, False),
     "vocab_size": ("int", 1, False), "hidden_size": ("int", 1, False), "intermediate_size": ("int", 1, False),
     "num_hidden_layers": ("int", 1, False), "num_attention_heads": ("int", 1, False),
-    "num_key_value_heads": ("int", 1, False),  # null: Llama reads heads, Mistral refuses it: refused "head_dim": ("int", 1, True),
+    "num_key_value_heads": ("int", 1, False),  # null: Llama reads heads, Mistral refuses it: refused
+    "head_dim": ("int", 1, True),
     "max_position_embeddings": ("int", 1, False), "hidden_act": ("str", None, True),
     "rms_norm_eps": ("num", ">0", False), "rope_theta": ("num", ">0", False),
     "rope_scaling": ("dict", None, True), "rope_parameters": ("dict", None, True),

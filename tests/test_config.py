@@ -124,6 +124,8 @@ def test_auto_map_is_carried_as_data():
     ({"num_key_value_heads": True}, "num_key_value_heads=true is a boolean"),
     ({"intermediate_size": 0}, "intermediate_size=0 is out of range; expected an integer >= 1"),
     ({"hidden_act": ["silu"]}, "hidden_act"),
+    ({"head_dim": "16"}, 'head_dim="16" is a string'),
+    ({"head_dim": 0}, "head_dim=0 is out of range; expected an integer >= 1"),
 ])
 def test_field_types_and_ranges(patch, match):
     base = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
