@@ -317,3 +317,27 @@ def test_kill_during_save_to_s3(s3, tmp_path, site):
     assert main(argv) == 0
     assert store.read("latest") == b"iter_0000002\n"
     assert main(["verify", url, "--quiet"]) == 0
+
+
+def test_locations_and_specs(monkeypatch):
+    """The URL forms and the kvstore specs tensorstore gets: s3 with the endpoint and region of the environment, gcs
+    for gs://, never a credential; file:// is a local path; other schemes and malformed URLs are one line."""
+    import json
+
+    from checkpoint.errors import ShardkitError
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-38")
+    loc = storage.parse("s3://bkt/a/b/")
+    assert (loc.bucket, loc.prefix) == ("bkt", "a/b")
+    spec = storage.kvstore_spec(loc, "iter_0000001")
+    assert spec == {"driver": "s3", "bucket": "bkt", "path": "a/b/iter_0000001/", "endpoint": "http://127.0.0.1:9",
+                    "aws_region": "eu-west-1"}
+    assert "s3cr3t-38" not in json.dumps(spec)
+    assert storage.kvstore_spec(storage.parse("gs://g/ck")) == {"driver": "gcs", "bucket": "g", "path": "ck/"}
+    assert storage.parse("file:///x/y") is None and storage.local("file:///x/y") == "/x/y"
+    assert storage.parse("/local/ck") is None
+    for bad in ("az://c/x", "s3://", "s3://bkt/a/../b", "msc://p/x"):
+        with pytest.raises(ShardkitError, match="--load"):
+            storage.parse(bad, "--load")
