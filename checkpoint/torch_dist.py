@@ -1399,8 +1399,10 @@ class _ArgsPickler(pickle._Pickler):
             if set(vars(obj)) != {"args"} or len(obj.args) != 1:
                 raise FormatError(f"cannot write {obj!r} back into common.pt: shardkit keeps only its data")
             return _global_ref(obj.qualname), obj.args
-        torch = sys.modules.get("torch")
-        if self.standalone and torch is not None and isinstance(obj, torch.Tensor):
+        # (no Tensor yet while another thread is still importing torch, e.g. the conversion's proof preloading it:
+        # then no tensor exists to be pickled either)
+        tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+        if self.standalone and tensor is not None and isinstance(obj, tensor):
             raise _NeedsTorch  # only torch.save writes its storage records
         return NotImplemented
 

@@ -31,6 +31,7 @@ model config and the sharding table, every item read).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -486,7 +487,8 @@ def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout,
 def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout, *, dtype: str | None = None,
                              key_naming: str = "te", overwrite: bool = False, quiet: bool = False,
                              allow_nonfinite: bool = False, group=None, estimate_above: int | None = None,
-                             megatron_version: str = DEFAULT_MEGATRON_VERSION) -> Path:
+                             megatron_version: str = DEFAULT_MEGATRON_VERSION,
+                             make_vocab_size_divisible_by: int | None = None) -> Path:
     """`convert hf-to-mcore --format torch_dist`: HF safetensors straight into a torch_dist `<out>/iter_0000000`
     (hf_to_mcore's plan and chunk worker, stream_torch_dist's rank files; no native checkpoint in between). The items
     are the chunks the native conversion writes, so the result equals the export of that conversion. With `group`
@@ -498,6 +500,11 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout
     check_output(out, [("HF_DIR", hf_dir)])  # never over, inside or around the source
     _check_key_naming(key_naming)
     cfg = ModelConfig.from_hf_dir(hf_dir)
+    n = make_vocab_size_divisible_by
+    if n is not None:  # Megatron-LM's --make-vocab-size-divisible-by (the model config's, recorded in the args)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 16:
+            raise ShardkitError(f"--make-vocab-size-divisible-by {n!r}: expected a whole number from 1 to 65536")
+        cfg = dataclasses.replace(cfg, make_vocab_size_divisible_by=n)
     layout.check(cfg)
     dtype = store.dtype_name(dtype) if dtype else None
     src = HFSource(hf_dir)

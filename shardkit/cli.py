@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--allow-nonfinite", action="store_true",
                      help="convert NaN/Inf source weights as they are (default: refuse them, naming the tensor)")
     _format_flags(h2m)
+    h2m.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
+                     help="with --format torch_dist: pad the vocabulary to a multiple of N x TP, as Megatron-LM's flag "
+                          "(default 128); an N the true size is a multiple of (e.g. 8 for 1000 at TP 1) stores it "
+                          "unpadded, which Megatron-Bridge 0.6's export_ckpt needs (it exports the rows as stored)")
     h2m.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory: the iteration written here replaces any earlier one of the same number; other files are left alone")
     h2m.add_argument("--quiet", action="store_true", help="no progress bar")
     h2m.add_argument("--download", action="store_true",
@@ -622,6 +626,9 @@ def _dispatch_local(args: argparse.Namespace) -> int:
         dtype = _check_dtype(args.dtype)
         layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
                         split=PipelineSplit.from_args(args))
+        if args.format != "torch_dist" and args.make_vocab_size_divisible_by is not None:
+            raise ShardkitError("--make-vocab-size-divisible-by goes with --format torch_dist (a native checkpoint "
+                                "keeps 128 and re-pads for each layout; reshard it to torch_dist)")
         if args.format == "torch_dist" and args.keep_fp8:
             raise ShardkitError("--keep-fp8 with --format torch_dist: Megatron's torch_dist has no block-FP8 "
                                 "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
@@ -637,7 +644,8 @@ def _dispatch_local(args: argparse.Namespace) -> int:
                                             overwrite=args.overwrite, quiet=args.quiet,
                                             allow_nonfinite=args.allow_nonfinite, group=group,
                                             estimate_above=_estimate_above(args),
-                                            megatron_version=args.megatron_version)
+                                            megatron_version=args.megatron_version,
+                                            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         else:
             path = _write(args, args.out, lambda out: convert_hf_to_mcore(
                 args.hf_dir, out, layout, dtype=dtype, workers=args.workers, overwrite=args.overwrite,

@@ -113,6 +113,41 @@ def test_bridge_run_config_describes_the_model(exports):
     assert args.padded_vocab_size == 1024 and args.swiglu and args.untie_embeddings_and_output_weights
 
 
+@pytest.fixture(scope="module")
+def unpadded(tmp_path_factory):
+    """The demo's vocabulary of 1000 (not a multiple of 128 x 2) at TP 2 with --make-vocab-size-divisible-by 4: the
+    rows stored unpadded, as Megatron-Bridge's export needs them."""
+    from shardkit.demo import build_tiny_llama
+
+    w = tmp_path_factory.mktemp("unpadded")
+    hf = build_tiny_llama(w / "hf", dtype=torch.float32, rope_scaling=None)
+    rc, o, e = cli("convert", "hf-to-mcore", hf, w / "td", "--format", "torch_dist", "--tp", "2", "--quiet",
+                   "--no-verify", "--make-vocab-size-divisible-by", "4")
+    assert rc == 0, o + e
+    return hf, w / "td" / "iter_0000000"
+
+
+def test_make_vocab_size_divisible_by(unpadded, tmp_path):
+    """Megatron-LM's flag: the stored rows, the args and run_config.yaml agree on the unpadded vocabulary; the default
+    pads to 1024; with --format native, or out of range, one line."""
+    from checkpoint.megatron_bridge import load_run_config
+    from checkpoint.torch_dist import read_torch_dist
+
+    hf, it = unpadded
+    td = read_torch_dist(it)
+    assert td.tensors["embedding.word_embeddings.weight"].shape[0] == 1000
+    assert td.args.padded_vocab_size == 1000 and td.args.make_vocab_size_divisible_by == 4
+    args, _ = load_run_config(it)
+    assert args.padded_vocab_size == 1000 and "should_pad_vocab: false" in (it / "run_config.yaml").read_text()
+    for more, words in ((["--format", "native"], "goes with --format torch_dist"),
+                        (["--format", "torch_dist"], "from 1 to 65536")):
+        n = "4" if "native" in more else "0"
+        rc, o, e = cli("convert", "hf-to-mcore", hf, tmp_path / "x", *more, "--make-vocab-size-divisible-by", n)
+        lines = [ln for ln in e.strip().splitlines() if ln]
+        assert rc == 1 and len(lines) == 1 and "--make-vocab-size-divisible-by" in lines[0] and words in lines[0], e
+        assert not (tmp_path / "x" / "iter_0000000").exists()
+
+
 def test_megatron_version_refused_in_one_line(tmp_path, exports):
     rc, out, err = cli("convert", "hf-to-mcore", exports["hf"], tmp_path / "x", "--format", "torch_dist",
                        "--megatron-version", "0.18")
@@ -196,15 +231,18 @@ def test_loaded_by_megatron_core_019(version, exports, oracle_python, tmp_path):
     assert "Conflicting deprecated SM-count knobs" in got["args_config_016_sms"].get("error", ""), got
 
 
-def test_exported_by_megatron_bridge_bitwise(exports, oracle_python, tmp_path):
-    """Megatron-Bridge 0.6.2's AutoBridge.export_ckpt of our default-layout torch_dist (TP 2): every HF tensor
-    bitwise the source's, transformers loads the directory (its logits equal the source's), and Bridge's
-    load_megatron_model reads the checkpoint's weights."""
+@pytest.mark.parametrize("case", ["vocab1024", "vocab1000-divisible-by-4"])
+def test_exported_by_megatron_bridge_bitwise(case, exports, unpadded, oracle_python, tmp_path):
+    """Megatron-Bridge 0.6.2's AutoBridge.export_ckpt of our default-layout torch_dist (TP 2; a vocabulary 128 x 2
+    divides, and the demo's 1000 written unpadded by --make-vocab-size-divisible-by 4): every HF tensor bitwise the
+    source's, transformers loads the directory (its logits equal the source's), and Bridge's load_megatron_model
+    reads the checkpoint's weights."""
     from safetensors.numpy import load_file
 
+    hf, it = (exports["hf"], exports["0.16"]) if case == "vocab1024" else unpadded
     out_hf = tmp_path / "bridge_hf"
-    got = run_oracle(oracle_python, "bridge", {"hf": str(exports["hf"]), "ckpt": str(exports["0.16"].parent),
-                                               "out_hf": str(out_hf), "out": str(tmp_path / "out.pt")}, tmp_path)
+    got = run_oracle(oracle_python, "bridge", {"hf": str(hf), "ckpt": str(it.parent), "out_hf": str(out_hf),
+                                               "out": str(tmp_path / "out.pt")}, tmp_path)
 
     def tensors(d: Path) -> dict:
         t: dict = {}
@@ -212,12 +250,12 @@ def test_exported_by_megatron_bridge_bitwise(exports, oracle_python, tmp_path):
             t.update(load_file(str(f)))
         return t
 
-    mine, src = tensors(out_hf), tensors(exports["hf"])
+    mine, src = tensors(out_hf), tensors(hf)
     assert sorted(mine) == sorted(src)
     for k, v in src.items():
         assert mine[k].dtype == v.dtype and mine[k].shape == v.shape and mine[k].tobytes() == v.tobytes(), k
-    ids = torch.randint(0, 1024, (2, SEQ))
-    assert torch.equal(hf_logits(out_hf, ids), hf_logits(exports["hf"], ids))
+    ids = torch.randint(0, 1000, (2, SEQ))
+    assert torch.equal(hf_logits(out_hf, ids), hf_logits(hf, ids))
     loaded = got["loaded"]
     emb = torch.from_numpy(src["model.embed_tokens.weight"])
     assert torch.equal(loaded["embedding.word_embeddings.weight"], emb)
