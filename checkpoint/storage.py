@@ -87,6 +87,11 @@ def kvstore_spec(loc: Location, sub: str = "") -> dict:
             spec["endpoint"] = endpoint
         if region:
             spec["aws_region"] = region
+        if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY") and \
+                not os.environ.get("AWS_PROFILE"):
+            # keys in the environment win, as for the AWS tools; naming that provider also spares stderr the default
+            # chain's log lines about a missing ~/.aws/config (the values stay in the environment, not in the spec)
+            spec["aws_credentials"] = {"type": "environment"}
         retries = os.environ.get("SHARDKIT_STORAGE_RETRIES")  # tensorstore's default: 32 with backoff
         if retries:
             spec["context"] = {"s3_request_retries": {"max_retries": int(retries), "initial_delay": "100ms",

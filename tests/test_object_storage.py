@@ -328,13 +328,17 @@ def test_locations_and_specs(monkeypatch):
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA38")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-38")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
     loc = storage.parse("s3://bkt/a/b/")
     assert (loc.bucket, loc.prefix) == ("bkt", "a/b")
     spec = storage.kvstore_spec(loc, "iter_0000001")
     assert spec == {"driver": "s3", "bucket": "bkt", "path": "a/b/iter_0000001/", "endpoint": "http://127.0.0.1:9",
-                    "aws_region": "eu-west-1"}
-    assert "s3cr3t-38" not in json.dumps(spec)
+                    "aws_region": "eu-west-1", "aws_credentials": {"type": "environment"}}
+    assert "s3cr3t-38" not in json.dumps(spec) and "AKIA38" not in json.dumps(spec)
+    monkeypatch.setenv("AWS_PROFILE", "team")  # a profile: the default chain (config files), as the AWS tools
+    assert "aws_credentials" not in storage.kvstore_spec(loc)
     assert storage.kvstore_spec(storage.parse("gs://g/ck")) == {"driver": "gcs", "bucket": "g", "path": "ck/"}
     assert storage.parse("file:///x/y") is None and storage.local("file:///x/y") == "/x/y"
     assert storage.parse("/local/ck") is None
