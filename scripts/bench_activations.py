@@ -17,7 +17,7 @@ Two sequence lengths s1 < s2 are measured (b = 1); bytes(s) = A*s + B*s^2 is sol
 sized terms, the s x s softmax) and scaled to --target-seq (4096). The native engine's SDPA keeps O(s) (the flash
 kernel's output and log-sum-exp), so its B is 0; megatron-core's local spec keeps the softmax. (megatron-core's
 recompute keeps one 4-byte tensor whatever s is: B is off by ~1e-5 byte there.) The full run (2 widths x 3 TPs x 2
-engines x 2 recompute settings, s = 256 and 512) takes ~4 minutes on 2 cores and ~8 GB at its peak (70B at TP 1).
+engines x 2 recompute settings, s = 256 and 512) took under 3.5 minutes on this 2-core machine.
 
 The formula (Korthikanti et al. Sec. 4, bf16, sequence parallel, per layer, a = heads, t = TP):
 
