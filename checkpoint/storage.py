@@ -156,8 +156,9 @@ class ObjectStore:
         except Exception as e:
             raise _error(self.loc, f"deleting {prefix}", e, WriteError) from None
 
-    def upload(self, files: list[tuple[Path, str]]) -> None:
-        """Write local files as objects, in parallel, with at most INFLIGHT_BYTES read into memory at once."""
+    def upload(self, files: list[tuple[Path, str]], bar=None) -> None:
+        """Write local files as objects, in parallel, with at most INFLIGHT_BYTES read into memory at once (`bar`:
+        a checkpoint.progress bar advanced in bytes)."""
         pending: deque = deque()  # (future, size), oldest first
         held = 0
         try:
@@ -167,17 +168,22 @@ class ObjectStore:
                     fut, n = pending.popleft()
                     fut.result()
                     held -= n
+                    if bar is not None:
+                        bar.advance(n, 1)
                 pending.append((self.kv.write(key, path.read_bytes()), size))
                 held += size
             while pending:
-                pending.popleft()[0].result()
+                fut, n = pending.popleft()
+                fut.result()
+                if bar is not None:
+                    bar.advance(n, 1)
         except OSError as e:
             raise WriteError(f"{e.filename or self.loc.url}: reading the staged file failed ({e.strerror or e})") \
                 from None
         except Exception as e:
             raise _error(self.loc, "writing the checkpoint's objects", e, WriteError) from None
 
-    def download(self, keys: list[str], dest: Path, strip: str = "") -> None:
+    def download(self, keys: list[str], dest: Path, strip: str = "", bar=None) -> None:
         """Objects `keys` into files below `dest` (each key less `strip`), in parallel, bounded in memory."""
         from .safety import safe_path
 
@@ -191,6 +197,8 @@ class ObjectStore:
                     raise FormatError(f"{self.loc.url}/{key}: disappeared while reading the checkpoint")
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(bytes(r.value))
+                if bar is not None:
+                    bar.advance(len(r.value), 1)
 
         try:
             for key in keys:
@@ -239,7 +247,7 @@ def resolve(store: ObjectStore) -> str:
 ARRAY_DIRS = ("model/", "optim/")  # an iteration's arrays; the rest is its small files (manifest, state, hf/)
 
 
-def fetch(loc: Location, dest: Path, arrays: bool = True) -> Path:
+def fetch(loc: Location, dest: Path, arrays: bool = True, quiet: bool = False) -> Path:
     """Download the iteration a reader takes at `loc` into `dest/<iter>` (with `dest/latest` naming it) and return
     the local root; the readers then check it as any local checkpoint. `arrays=False`: only its small files (what
     `inspect` reads)."""
@@ -251,12 +259,15 @@ def fetch(loc: Location, dest: Path, arrays: bool = True) -> Path:
     keys = store.list(strip)
     if not arrays:
         keys = [k for k in keys if not k[len(strip):].startswith(ARRAY_DIRS)]
-    store.download(keys, dest / name, strip=strip)
+    from .progress import progress_bar
+
+    with progress_bar(f"reading {loc.url}", None, len(keys), disable=quiet or not arrays, unit="objects") as bar:
+        store.download(keys, dest / name, strip=strip, bar=bar)  # (sizes unknown before reading: no total)
     (dest / LATEST).write_text(name + "\n")
     return dest
 
 
-def publish(local_root: Path, loc: Location) -> str:
+def publish(local_root: Path, loc: Location, quiet: bool = True) -> str:
     """Put the committed iteration `latest` names in `local_root` on the store: its objects, then manifest.json,
     then `latest` (conditional on the generation read first). An existing iteration of that name there first loses
     its manifest.json (it stops being complete), then its objects."""
@@ -270,7 +281,11 @@ def publish(local_root: Path, loc: Location) -> str:
         store.delete_prefix(f"{name}/{MANIFEST}")
         store.delete_prefix(name + "/")
     files = sorted(p for p in it.rglob("*") if p.is_file() and p != it / MANIFEST)
-    store.upload([(p, f"{name}/{p.relative_to(it).as_posix()}") for p in files])
+    from .progress import progress_bar
+
+    with progress_bar(f"publishing {loc.url}", sum(p.stat().st_size for p in files), len(files), disable=quiet,
+                      unit="objects") as bar:
+        store.upload([(p, f"{name}/{p.relative_to(it).as_posix()}") for p in files], bar)
     fault_point("storage.objects")
     store.upload([(it / MANIFEST, f"{name}/{MANIFEST}")])
     fault_point("storage.manifest")
@@ -298,7 +313,7 @@ def _one_process(url: str) -> None:
 
 
 @contextlib.contextmanager
-def reading(value: str, arrays: bool = True) -> Iterator[str]:
+def reading(value: str, arrays: bool = True, quiet: bool = False) -> Iterator[str]:
     """A checkpoint argument to read: a local path as given (file:// removed), or a temporary local copy of the
     iteration an object-storage location resolves to (`arrays=False`: its small files only), removed afterwards."""
     loc = parse(value)
@@ -308,7 +323,7 @@ def reading(value: str, arrays: bool = True) -> Iterator[str]:
     _one_process(value)
     tmp = Path(tempfile.mkdtemp(prefix="shardkit-read-"))
     try:
-        yield str(fetch(loc, tmp, arrays))
+        yield str(fetch(loc, tmp, arrays, quiet))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -335,10 +350,10 @@ class Writing:
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         self.remote_has_checkpoint = bool(keys)
 
-    def publish(self) -> str | None:
+    def publish(self, quiet: bool = False) -> str | None:
         if self.loc is None:
             return None
-        url = publish(Path(self.path), self.loc)
+        url = publish(Path(self.path), self.loc, quiet)
         shutil.rmtree(self.path, ignore_errors=True)
         return url
 

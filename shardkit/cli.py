@@ -421,7 +421,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         for a, mode in spots:
             value = getattr(args, a)
             if mode in "rm":
-                setattr(args, a, stack.enter_context(storage.reading(value, arrays=mode == "r")))
+                setattr(args, a, stack.enter_context(storage.reading(value, arrays=mode == "r",
+                                                                     quiet=getattr(args, "quiet", False))))
                 continue
             if getattr(args, "format", "native") == "torch_dist":
                 raise ShardkitError(f"{value}: " + storage.TORCH_DIST_REFUSED.format(scheme=value.split(":")[0]))
@@ -431,7 +432,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         rc = _dispatch_local(args)
         if rc == 0:
             for w in writers:
-                print(f"published {w.publish()}")
+                print(f"published {w.publish(quiet=getattr(args, 'quiet', False))}")
         return rc
 
 
