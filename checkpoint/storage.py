@@ -324,6 +324,9 @@ def reading(value: str, arrays: bool = True, quiet: bool = False) -> Iterator[st
     tmp = Path(tempfile.mkdtemp(prefix="shardkit-read-"))
     try:
         yield str(fetch(loc, tmp, arrays, quiet))
+    except ShardkitError as e:  # a reader's error names the object, not the temporary copy
+        e.args = tuple(a.replace(str(tmp), value.rstrip("/")) if isinstance(a, str) else a for a in e.args)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

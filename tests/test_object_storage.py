@@ -149,6 +149,19 @@ def test_half_written_iteration_never_latest(s3, tiny, capsys):
     assert "not a shardkit checkpoint" in line and "never finished" in line
 
 
+def test_damaged_object_named_by_url(s3, tiny, capsys):
+    """A chunk object damaged on the store: verify is one line naming it by its URL (not the temporary copy)."""
+    url = f"s3://{BUCKET}/damaged"
+    assert main(["convert", "hf-to-mcore", str(tiny), url, "--no-verify", "--quiet"]) == 0
+    store = storage.ObjectStore(storage.parse(url))
+    chunk = next(k for k in store.list("iter_0000000/model/") if "/c/" in k)
+    data = bytearray(store.read(chunk))
+    data[0] ^= 0xFF
+    store.write(chunk, bytes(data))
+    line = _one_line_error(capsys, main(["verify", url, "--quiet"]))
+    assert f"{url}/iter_0000000" in line and "shardkit-read-" not in line, line
+
+
 def _nothing_complete(url: str) -> None:
     keys = storage.ObjectStore(storage.parse(url)).list()
     assert "latest" not in keys and not any(k.endswith("manifest.json") for k in keys), keys
