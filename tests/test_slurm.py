@@ -68,6 +68,10 @@ def launch(setup: Path, name: str, *flags: str, trainer: tuple[str, ...] = ()) -
     return out
 
 
+# the rendered scripts find their Python on PATH when they run (issue 37): the test's venv, as a user's activated one
+ACTIVATED = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
 def job_log(out: Path, job: int) -> str:
     p = out / "logs" / f"shardkit-pretrain-{job}.out"
     return p.read_text() if p.exists() else ""  # SLURM creates it when the job starts
@@ -88,7 +92,7 @@ def assert_bitwise(a: Path, b: Path) -> None:
 
 def sbatch(cluster: SlurmCluster, out: Path, **env: str) -> tuple[int, int, str]:
     t0 = time.monotonic()
-    job, rc = cluster.sbatch(out / "job.sbatch", timeout=JOB_TIMEOUT, **env)
+    job, rc = cluster.sbatch(out / "job.sbatch", timeout=JOB_TIMEOUT, **{**ACTIVATED, **env})
     print(f"job {job} ({out.name}): exit {rc} in {time.monotonic() - t0:.1f} s")
     return job, rc, job_log(out, job)
 
@@ -99,7 +103,7 @@ def straight(setup):
     out = launch(setup, "torchrun")
     t0 = time.monotonic()
     r = subprocess.run(["bash", str(out / "torchrun.sh")], capture_output=True, text=True, timeout=JOB_TIMEOUT,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                       env=dict(os.environ, PYTHONWARNINGS="ignore", **ACTIVATED))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     print(f"torchrun run: {time.monotonic() - t0:.1f} s")
     return out / "save"
@@ -146,7 +150,8 @@ def _wait_for(ok, timeout: float = JOB_TIMEOUT) -> None:
 
 def _submit_async(cluster: SlurmCluster, out: Path, **env: str) -> subprocess.Popen:
     """`sbatch --wait` in the background (the test signals the job meanwhile); killed at the test's end if left."""
-    return subprocess.Popen(["sbatch", "--parsable", "--wait", str(out / "job.sbatch")], env=cluster.env(**env),
+    return subprocess.Popen(["sbatch", "--parsable", "--wait", str(out / "job.sbatch")],
+                            env=cluster.env(**{**ACTIVATED, **env}),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -25,8 +25,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # the Python that runs shardkit, found when the job runs (nothing of the submitting machine is written here):
 # SHARDKIT_PYTHON, else python3 on PATH (sbatch passes the submitting shell's environment on: an activated venv)
 PYTHON=${SHARDKIT_PYTHON:-python3}
-if ! "$PYTHON" -c 'import shardkit' 2>/dev/null; then
-    echo "$0: $PYTHON cannot import shardkit: activate the environment shardkit is installed in, or set" \
+if ! "$PYTHON" -c 'import shardkit, torch' 2>/dev/null; then
+    echo "$0: $PYTHON cannot import shardkit and torch: activate the environment shardkit is installed in, or set" \
          "SHARDKIT_PYTHON to its python" >&2
     exit 2
 fi
