@@ -334,8 +334,8 @@ _WINS = {"compute_s": "compute (GEMM efficiency {:.0%} vs {:.0%})", "bubble_s": 
 
 
 def why_first(c: Candidate, usual: Candidate | None) -> str:
-    """Why an unusual layout ranks first: how much faster the estimate makes it than the fastest usual layout, the
-    components it wins by, and what is unusual about it."""
+    """Why an unusual layout ranks ahead of the usual ones: how much faster the estimate makes it than the fastest
+    usual layout, the components it wins by, and what is unusual about it."""
     what = "; ".join(c.unusual)
     if usual is None:
         return f"{c.layout.label()} is unusual ({what}), and no usual layout fits"
@@ -347,8 +347,8 @@ def why_first(c: Candidate, usual: Candidate | None) -> str:
             break
         name = _WINS[k].format(c.perf["gemm_efficiency"], usual.perf["gemm_efficiency"])
         parts.append(f"{name} {usual.perf[k]:.2f} -> {c.perf[k]:.2f} s")
-    return (f"{c.layout.label()} [{c.settings.recompute}] ranks first although it is unusual ({what}): the estimate "
-            f"makes it {gain:.1%} faster than the fastest usual layout, {usual.layout.label()} "
+    return (f"{c.layout.label()} [{c.settings.recompute}] ranks ahead of the usual layouts although it is unusual "
+            f"({what}): the estimate makes it {gain:.1%} faster than the fastest usual layout, {usual.layout.label()} "
             f"[{usual.settings.recompute}] ({', '.join(parts) or 'in total'} per step); the model does not charge "
             "everything that makes the field avoid it")
 

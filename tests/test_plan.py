@@ -378,8 +378,9 @@ def test_ranking_prefers_the_fields_layouts():
     assert all(c.perf["step_s"] <= fits[0].perf["step_s"] * 1.05 for c in faster[:1])
     # with no preference the fastest estimate is first, and says why although unusual
     raw = rank(fits, 0.0)
-    assert raw[0].unusual and raw[0].why.startswith(f"{raw[0].layout.label()} [full] ranks first although it is "
-                                                    "unusual (32 pipeline stages of 3.9 decoder layers")
+    assert raw[0].unusual and raw[0].why.startswith(f"{raw[0].layout.label()} [full] ranks ahead of the usual "
+                                                    "layouts although it is unusual (32 pipeline stages of 3.9 "
+                                                    "decoder layers")
     assert "faster than the fastest usual layout, tp8 pp16 dp1 first7 last7 [full]" in raw[0].why
 
 
