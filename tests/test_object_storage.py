@@ -7,7 +7,6 @@ import http.server
 import subprocess
 import sys
 import os
-import socket
 import threading
 from pathlib import Path
 
@@ -18,20 +17,16 @@ moto_server = pytest.importorskip("moto.server")
 from checkpoint import storage  # noqa: E402
 from shardkit.cli import main  # noqa: E402
 from shardkit.demo import build_tiny_llama  # noqa: E402
+from tests.launcher import free_port  # noqa: E402
 
 BUCKET = "shardkit-test"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
     """A moto S3 server on a free loopback port, with the environment tensorstore (and the AWS tools) read."""
-    port = _free_port()
+    port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     url = f"http://127.0.0.1:{port}"
@@ -172,7 +167,7 @@ def test_several_ranks_refused(s3, tiny, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     line = _one_line_error(capsys, main(["reshard", f"s3://{BUCKET}/nothing", str(tiny.parent / "never"),
                                          "--quiet"]))
     assert "one process" in line

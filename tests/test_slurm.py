@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,13 @@ import torch
 
 from checkpoint.reader import Checkpoint
 from tests.slurm_cluster import SlurmCluster, missing
+from tests.launcher import free_port
 
 COMMON = ["--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
           "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--clip-grad", "1.0", "--seed", "7", "--train-iters", "4", "--save-interval", "1",
           "--attention-dropout", "0", "--hidden-dropout", "0"]
 JOB_TIMEOUT = 240
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +57,7 @@ def launch(setup: Path, name: str, *flags: str, trainer: tuple[str, ...] = ()) -
 
     out = setup / name
     assert cli(["launch", "--layout", "tp=2,dp=1", "--nodes", "1", "--gpus-per-node", "2", "--slurm",
-                "--partition", "debug", "--time", "10", "--signal", "USR1@60", "--master-port", str(_port()),
+                "--partition", "debug", "--time", "10", "--signal", "USR1@60", "--master-port", str(free_port()),
                 "--out", str(out), *flags, "--", "--load", str(setup / "ck"), "--data-path", str(setup / "data"),
                 "--save", str(setup / name / "save"), *COMMON, *trainer]) == 0
     return out
