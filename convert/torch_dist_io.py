@@ -203,7 +203,7 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
                      overwrite: bool = False, quiet: bool = False, workers: int | None = None,
                      layout: Layout | None = None, dtype: str | None = None, skip_verify: bool = False,
                      group=None, estimate_above: int | None = None,
-                     megatron_version: str = DEFAULT_MEGATRON_VERSION) -> Path:
+                     megatron_version: str = DEFAULT_MEGATRON_VERSION, integrity: bool = False) -> Path:
     """Write `<out_root>/iter_N` (N = the native checkpoint's iteration) as a Megatron-LM torch_dist checkpoint and
     point `latest_checkpointed_iteration.txt` at it; returns the iteration directory.
 
@@ -278,7 +278,7 @@ def write_torch_dist(ckpt: Checkpoint | str | Path, out_root: str | Path, *, key
             w_meta.storage_data.update(storage)
             assets = side_files(ck.hf_dir())  # known tokenizer / generation names only, never links
             _finish(w, w_meta, common, cfg, layout, entries, key_naming, iteration, optim, provenance, assets,
-                    megatron_version)
+                    megatron_version, integrity)
             path = w.commit(None)
     return distributed.finish(group, path, out_root)
 
@@ -405,13 +405,17 @@ def _check_key_naming(key_naming: str) -> None:
 
 def _finish(w: IterationWriter, meta: DCPWriter, common: dict, cfg: ModelConfig, layout: Layout,
             entries: dict[str, TensorEntry], key_naming: str, iteration: int, optimizer: list[str] | None,
-            provenance: dict, assets: list[Path], megatron_version: str = DEFAULT_MEGATRON_VERSION) -> None:
+            provenance: dict, assets: list[Path], megatron_version: str = DEFAULT_MEGATRON_VERSION,
+            integrity: bool = False) -> None:
     """Everything of an export but the items: Megatron's common state (in the layout of `megatron_version`) and
-    metadata.json, DCP's .metadata, shardkit's description, and last integrity.json over all of them."""
+    metadata.json, DCP's .metadata, shardkit's description, and last, with `integrity` (--verify-integrity, as
+    Megatron-LM's save), integrity.json over all of them (one more read of every file: off by default, as
+    Megatron's)."""
     write_common(w.partial, common, meta, megatron_version)
     meta.write_metadata(str(w.final))
     _write_description(w.partial, cfg, layout, entries, key_naming, iteration, optimizer, provenance, assets)
-    write_integrity(w.partial)
+    if integrity:
+        write_integrity(w.partial)
 
 
 class _DCPSink:
@@ -435,7 +439,7 @@ def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout,
                       provenance: dict, assets: list[Path], job: dict, label: str = "torch_dist",
                       group=None, estimate_above: int | None = None,
                       before_commit: Callable[[], None] | None = None,
-                      megatron_version: str = DEFAULT_MEGATRON_VERSION) -> Path:
+                      megatron_version: str = DEFAULT_MEGATRON_VERSION, integrity: bool = False) -> Path:
     """`--format torch_dist` for a converter with no native checkpoint in between: its worker (`make(*args)`, a
     convert.writer worker, `args` a function of the partial output directory; called with a Task, it computes the
     chunk and hands it to its `sink`) writes every chunk of `entries` (the native layout's chunks, one DCP item each,
@@ -479,7 +483,8 @@ def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout,
             meta.storage_data.update(storage)
             if before_commit is not None:  # e.g. the source is still the one the conversion read (issue 34)
                 before_commit()
-            _finish(w, meta, common, cfg, layout, entries, key_naming, 0, None, provenance, assets, megatron_version)
+            _finish(w, meta, common, cfg, layout, entries, key_naming, 0, None, provenance, assets, megatron_version,
+                    integrity)
             path = w.commit(None)
     return distributed.finish(group, path, out_root)
 
@@ -487,7 +492,7 @@ def stream_torch_dist(out_root: str | Path, *, cfg: ModelConfig, layout: Layout,
 def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout, *, dtype: str | None = None,
                              key_naming: str = "te", overwrite: bool = False, quiet: bool = False,
                              allow_nonfinite: bool = False, group=None, estimate_above: int | None = None,
-                             megatron_version: str = DEFAULT_MEGATRON_VERSION,
+                             megatron_version: str = DEFAULT_MEGATRON_VERSION, integrity: bool = False,
                              make_vocab_size_divisible_by: int | None = None) -> Path:
     """`convert hf-to-mcore --format torch_dist`: HF safetensors straight into a torch_dist `<out>/iter_0000000`
     (hf_to_mcore's plan and chunk worker, stream_torch_dist's rank files; no native checkpoint in between). The items
@@ -523,7 +528,7 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout
                              key_naming=key_naming, overwrite=overwrite, quiet=quiet, provenance=provenance,
                              assets=find_assets(hf_dir), job=job, label="hf-to-torch_dist", group=group,
                              before_commit=lambda: source_unchanged(src, job["files"]),
-                             estimate_above=estimate_above, megatron_version=megatron_version)
+                             estimate_above=estimate_above, megatron_version=megatron_version, integrity=integrity)
 
 
 def _write_description(directory: Path, cfg: ModelConfig, layout: Layout, entries: dict[str, TensorEntry],
@@ -617,7 +622,7 @@ def staged_across_ranks(out: Path, group, produce: Callable[[Path], Path], consu
 
 def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: str = "te", overwrite: bool = False,
                quiet: bool = False, workers: int | None = None, group=None,
-               megatron_version: str = DEFAULT_MEGATRON_VERSION) -> Path:
+               megatron_version: str = DEFAULT_MEGATRON_VERSION, integrity: bool = False) -> Path:
     """`--format torch_dist` for a command that writes a native checkpoint: `produce(staging_root)` writes it into a
     staging directory next to `out` (same filesystem; needs the model's size in free space once more), which is
     exported to `out` and then removed. Returns the torch_dist iteration directory.
@@ -633,13 +638,13 @@ def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: 
     if group is not None:
         return staged_across_ranks(out, group, produce, lambda native: write_torch_dist(
             native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers, group=group,
-            megatron_version=megatron_version))
+            megatron_version=megatron_version, integrity=integrity))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.native-", dir=out.parent))
     try:
         native = produce(staging)
         return write_torch_dist(native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers,
-                                megatron_version=megatron_version)
+                                megatron_version=megatron_version, integrity=integrity)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -72,6 +72,10 @@ def _format_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-naming", choices=("te", "local"), default="te",
                    help="torch_dist keys as megatron-core's Transformer Engine spec names them (default) or as its "
                         "local spec does (MoE pre-MLP norm: mlp.linear_fc1.layer_norm_weight)")
+    p.add_argument("--verify-integrity", action="store_true",
+                   help="with --format torch_dist: write integrity.json (the SHA-256 of every file, as Megatron-LM's "
+                        "--verify-integrity save does), which its --verify-integrity load checks; one more read of "
+                        "the output, so off by default as in Megatron-LM")
     p.add_argument("--megatron-version", choices=("0.16", "0.19"), default="0.16",
                    help="torch_dist's common-state layout: 0.16 (default) writes common.pt, which megatron-core "
                         "0.13-0.19 and Megatron-Bridge 0.6 all load; 0.19 writes it inside the DCP files as "
@@ -645,7 +649,7 @@ def _dispatch_local(args: argparse.Namespace) -> int:
                                             overwrite=args.overwrite, quiet=args.quiet,
                                             allow_nonfinite=args.allow_nonfinite, group=group,
                                             estimate_above=_estimate_above(args),
-                                            megatron_version=args.megatron_version,
+                                            megatron_version=args.megatron_version, integrity=args.verify_integrity,
                                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         else:
             path = _write(args, args.out, lambda out: convert_hf_to_mcore(
@@ -729,7 +733,8 @@ def _dispatch_local(args: argparse.Namespace) -> int:
             path = write_torch_dist(args.src, args.dst, layout=layout, dtype=dtype, key_naming=args.key_naming,
                                     overwrite=args.overwrite, quiet=args.quiet, workers=args.workers,
                                     skip_verify=args.skip_verify, group=group,
-                                    estimate_above=_estimate_above(args), megatron_version=args.megatron_version)
+                                    estimate_above=_estimate_above(args), megatron_version=args.megatron_version,
+                                    integrity=args.verify_integrity)
         else:
             path = _write(args, args.dst, lambda out: reshard(args.src, out, layout, dtype=dtype,
                                                               workers=args.workers, overwrite=args.overwrite,
@@ -848,7 +853,7 @@ def _write(args: argparse.Namespace, out: str, produce):
 
     return via_native(produce, out, key_naming=args.key_naming, overwrite=args.overwrite, quiet=args.quiet,
                       workers=args.workers, group=getattr(args, "group", None),
-                      megatron_version=args.megatron_version)
+                      megatron_version=args.megatron_version, integrity=args.verify_integrity)
 
 
 def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):

@@ -61,7 +61,7 @@ def exports(tmp_path_factory):
     out = {"dir": w, "hf": hf}
     for version in ("0.16", "0.19"):
         rc, o, e = cli("convert", "hf-to-mcore", hf, w / f"td{version}", "--format", "torch_dist", "--tp", "2",
-                       "--megatron-version", version, "--quiet", "--no-verify")
+                       "--megatron-version", version, "--verify-integrity", "--quiet", "--no-verify")
         assert rc == 0, o + e
         out[version] = w / f"td{version}" / "iter_0000000"
     return out
@@ -88,6 +88,16 @@ def test_common_state_layout_per_megatron_version(exports):
         assert td.args.moe_flex_dispatcher_num_sms is None
         assert td.args.tokenizer_type == "NullTokenizer" and td.args.vocab_size == 1024
     assert {k: repr(v) for k, v in vars(a.args).items()} == {k: repr(v) for k, v in vars(b.args).items()}
+
+
+def test_integrity_json_only_when_asked(exports, tmp_path):
+    """integrity.json costs one more read of every file: written with --verify-integrity only, as Megatron-LM's
+    save writes it only under its --verify-integrity."""
+    rc, o, e = cli("convert", "hf-to-mcore", exports["hf"], tmp_path / "x", "--format", "torch_dist", "--quiet",
+                   "--no-verify")
+    assert rc == 0, e
+    it = tmp_path / "x" / "iter_0000000"
+    assert (it / ".metadata").is_file() and not (it / "integrity.json").exists()
 
 
 def test_integrity_json_matches_the_files(exports):
@@ -271,7 +281,7 @@ def test_training_save_loaded_by_megatron_core_019(exports, oracle_python, tmp_p
     corpus = write_pattern_corpus(tmp_path / "corpus")
     launch(1, "--load", str(exports["0.16"].parent), "--data-path", str(corpus), "--train-iters", "1",
            "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "32", "--save", str(tmp_path / "s"),
-           "--save-format", "torch_dist")
+           "--save-format", "torch_dist", "--verify-integrity")
     it = tmp_path / "s" / "iter_0000001"
     assert (it / "integrity.json").is_file() and (it / "run_config.yaml").is_file()
     torch.save(torch.zeros(1, SEQ, dtype=torch.long), tmp_path / "ids.pt")

@@ -103,6 +103,7 @@ class CheckpointConfig:
     skip_verify: bool = False  # skip Checkpoint.check of --load (chunks are still checksummed as read)
     save_format: str = "native"  # native | torch_dist (Megatron-LM's --ckpt-format torch_dist, optimizer included)
     key_naming: str = "te"  # torch_dist keys: te (Megatron-LM's default spec) | local (megatron-core's local spec)
+    verify_integrity: bool = False  # torch_dist saves: integrity.json (Megatron-LM 0.19's --verify-integrity)
     hf_config: str = ""  # a torch_dist --load without shardkit.json: the HF directory describing the model
     vocab_size: int | None = None  # ... or the true vocab size its Megatron-LM args lack
 
@@ -185,6 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.Action]:
            "state, which Megatron-LM resumes (shardkit reads it back too)")
     a("--key-naming", choices=["te", "local"],
       help="torch_dist keys of --save-format torch_dist: te (Transformer Engine spec, Megatron-LM's default) or local")
+    a("--verify-integrity", action="store_true", default=None,
+      help="--save-format torch_dist: write integrity.json with each save (SHA-256 of every file, as Megatron-LM "
+           "0.19's --verify-integrity save; its --verify-integrity load checks it); one more read of each save")
     a("--hf-config", metavar="HF_DIR", help="a torch_dist --load Megatron-LM wrote (no shardkit.json): the HF "
                                            "directory whose config.json describes the model")
     a("--vocab-size", type=int, metavar="N", help="a torch_dist --load Megatron-LM wrote: the true vocabulary size "
@@ -657,9 +661,12 @@ def check_flags_used(cfg: TrainConfig) -> None:
                           "--reset-position-ids, --reset-attention-mask or --eod-mask-loss, or drop it")
     if not c.save:
         for flag, on in (("--save-interval", c.save_interval), ("--async-save", c.async_save),
-                         ("--save-format", c.save_format != "native")):
+                         ("--save-format", c.save_format != "native"), ("--verify-integrity", c.verify_integrity)):
             if on:
                 raise ConfigError(f"{flag}: nothing is saved without --save; add --save DIR or drop the flag")
+    if c.verify_integrity and c.save_format != "torch_dist":  # Megatron-LM asserts the same
+        raise ConfigError("--verify-integrity: integrity.json is written with --save-format torch_dist only (the "
+                          "native format checksums every chunk itself); add --save-format torch_dist or drop it")
     if s.exit_signal != "SIGTERM" and not s.exit_signal_handler:
         raise ConfigError(f"--exit-signal {s.exit_signal}: only --exit-signal-handler waits for it; add "
                           "--exit-signal-handler or drop the flag")

@@ -480,7 +480,8 @@ class Trainer:
             groups = self._megatron_param_groups()
             out = torch_dist_ckpt.save(Path(c.save), self.iteration, self.model_cfg, self.layout, self._saved_table(),
                                        self.opt, self.groups, state, self.ck.hf_dir(), provenance, c.key_naming,
-                                       groups, self._megatron_training_args(), async_group=async_group)
+                                       groups, self._megatron_training_args(), async_group=async_group,
+                                       integrity=c.verify_integrity)
         else:
             out = ckpt_io.save(Path(c.save), self.iteration, self.model_cfg, self.layout, self._saved_table(),
                                self.opt, self.groups, state, self.ck.hf_dir(), provenance, async_group=async_group)

@@ -245,9 +245,10 @@ def _common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: str, itera
 def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: list[ckpt_io.LocalParam],
          opt: DistributedOptimizer, groups: Groups, train_state: dict, assets_from: Path | None, provenance: dict,
          key_naming: str, param_groups: list[dict], training_args: dict,
-         async_group: Any = None) -> Path | ckpt_io.AsyncSave | None:
+         async_group: Any = None, integrity: bool = False) -> Path | ckpt_io.AsyncSave | None:
     """One training checkpoint in torch_dist, written by every rank (see the module's doc); returns the committed
-    iteration directory on rank 0 (an AsyncSave with `async_group`, as checkpointing.save)."""
+    iteration directory on rank 0 (an AsyncSave with `async_group`, as checkpointing.save); with `integrity`
+    (--verify-integrity) integrity.json last."""
     root = Path(root)
     dtypes = ckpt_io.gather_dtypes(table)
     entries = ckpt_io._entries(cfg, layout, dtypes)
@@ -325,7 +326,8 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
 
                 copy_side_files(assets_from, hf, exclude=("config.json",))
             (hf / "config.json").write_text(json.dumps(cfg.to_hf(dtype=dtype), indent=2) + "\n")
-            write_integrity(writer.partial)
+            if integrity:  # --verify-integrity (Megatron-LM's): one more read of the save's files
+                write_integrity(writer.partial)
             return writer.commit(None)
 
         return ckpt_io.commit_on_rank0(writer, groups, async_group, commit)
