@@ -23,7 +23,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .commit import fsync_path
 from .errors import CorruptionError, WriteError
 
 try:  # hardware CRC32C (SSE4.2 / ARMv8), releases the GIL
@@ -34,6 +33,15 @@ except ImportError:  # pragma: no cover - a dependency; without it every read an
 AVAILABLE = _crc32c is not None
 CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 TRAILER = 4  # bytes of the crc32c codec's checksum after the data
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path (the low-level I/O of every writer; checkpoint/commit.py uses it too)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class BufferPool:

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from .chunkio import fsync_path, record_chunk_crcs
 from .errors import FormatError, ShardkitError, WriteError
 from .faults import fault_point
 from .manifest import MANIFEST, Manifest, iter_dirname, valid_iter_dirname
@@ -32,14 +33,6 @@ _TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's pointer (checkpoint
 PARTIAL_SUFFIX = ".partial"
 DONE_LOG = "done.log"  # finished tasks of a partial iteration (one process, or rank 0); others: RANK_LOG
 RANK_LOG = "done.rank{}.log"
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_file_atomic(path: Path, data: str | bytes) -> None:
@@ -376,7 +369,6 @@ class IterationWriter:
             (self.partial / f).unlink(missing_ok=True)
         fault_point("commit.begin")
         if manifest is not None:
-            from .chunkio import record_chunk_crcs
 
             record_chunk_crcs(manifest, self.partial)  # every chunk's crc32c, so a chunk in the wrong place is found
             write_file_atomic(self.partial / MANIFEST, manifest.to_json())
