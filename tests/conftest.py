@@ -28,6 +28,7 @@ SLOW = {
     # Mixtral on megatron-core: 1rank (alltoall dispatcher), ep2 and tp2-sp-etp1-ep2 (TP + SP with experts) stay
     "tests/test_engine_megatron_core.py::test_mixtral_equals_native[1rank-allgather]",
     "tests/test_engine_megatron_core.py::test_mixtral_equals_native[tp2-sp]",
+    "tests/test_engine_megatron_core.py::test_mixtral_equals_native[ep2]",  # EP 2 runs in tp2-sp-etp1-ep2
     "tests/test_engine_megatron_core.py::test_tied_embeddings_at_pp2",
     "tests/test_engine_megatron_core.py::test_torch_dist_save_resumes_on_native",
     "tests/test_engine_megatron_core.py::test_bf16_follows_native",
@@ -63,6 +64,8 @@ SLOW = {
     "tests/test_scale_out.py::test_ranks_byte_identical[mixtral-ep2]",
     "tests/test_scale_out.py::test_ranks_byte_identical[reshard-tp4pp2]",
     "tests/test_scale_out.py::test_rank_killed_then_resumed[chunk:1@1!stop]",
+    # a chunk written but not yet recorded: the kill/resume path of rank.done:1@2 and commit.rename:1@0
+    "tests/test_scale_out.py::test_rank_killed_then_resumed[chunk.unrecorded:1@1]",
     # torch_dist across ranks: the dense export at 2 and 3 ranks and torch_dist -> torch_dist (import and export
     # across ranks) stay
     "tests/test_scale_out.py::test_torch_dist_ranks_byte_identical[mixtral-ep2-td-3]",
