@@ -251,7 +251,7 @@ def model_config(src: str | Path | None = None, *, flavor: str | None = None, na
     if len(given) != 1:
         raise ConfigError("a torchtitan checkpoint does not describe its model: pass one of --model-flavor FLAVOR "
                           "(a torchtitan flavour, e.g. 8B), --job-config TOML (torchtitan's job config) or "
-                          f"--hf-config HF_DIR" + (f" (got {' and '.join(given)})" if given else ""))
+                          "--hf-config HF_DIR" + (f" (got {' and '.join(given)})" if given else ""))
     if hf_config is not None:
         return ModelConfig.from_hf_dir(hf_config)
     if job_config is not None:
@@ -663,13 +663,11 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
     except BaseException:  # nothing half-written is left (the temporary directory is ours)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():  # --overwrite: our files replace the old ones (.metadata last); files of others stay
+    if final.exists():  # --overwrite: our files replace those of the same name (.metadata last); any other file
+        # stays, an older save's extra rank files too (shardkit did not write them; DCP reads only what .metadata names)
         ours = sorted(os.listdir(tmp), key=lambda n: n == ".metadata")
         for name in ours:
             os.replace(tmp / name, final / name)
-        for old in final.iterdir():
-            if re.fullmatch(r"__\d+_\d+\.distcp", old.name) and old.name not in ours:
-                old.unlink()
         tmp.rmdir()
     else:
         os.replace(tmp, final)

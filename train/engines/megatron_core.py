@@ -48,18 +48,10 @@ from train.loop import Trainer, check_layout_for_model, check_save_format, open_
 from train.engines.cpu_shims import cuda_as_cpu
 from train.model import canonical_name
 from train.parallel.context import ltor_masks_and_position_ids, packing_from
+from train.te import te_available
 
 CPU_SWITCH = "SHARDKIT_MEGATRON_CORE_CPU"  # "1": run megatron-core on the CPU with CUDA stand-ins (tests only)
 OVERLAP_DESTS = ("overlap_grad_reduce", "overlap_param_gather")
-
-
-def _installed(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 class NotCovered(Exception):
@@ -432,7 +424,7 @@ class MegatronCoreTrainer(Trainer):
         # --overlap-grad-reduce / --overlap-param-gather: honoured here (megatron_flags notes them; native refuses)
         self.overlap = {dest: bool(v) for _, dest, v in cfg.run.megatron if dest in OVERLAP_DESTS}
         self.notes = [line for line in (default_changes(cfg), *megatron_flags(cfg)) if line] + load_notes
-        if cfg.run.transformer_impl is None and not self.on_cpu and _installed("transformer_engine"):
+        if cfg.run.transformer_impl is None and not self.on_cpu and te_available():
             self.notes.append("note: the megatron-core engine builds megatron-core's local layer spec; its Transformer "
                               "Engine spec is not wired in yet (issue 40), although Transformer Engine is installed")
         dims = run_layout(cfg)
