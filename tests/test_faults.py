@@ -4,7 +4,7 @@ Every trial is a real `shardkit` command (CLI main) in a process forked from tes
 SIGKILL either at a named site (SHARDKIT_FAULT_AT, checkpoint/faults.py) or after a seeded random delay. After each
 kill: whatever `latest` (or the newest complete iteration) names loads and verifies, nothing that is not complete
 looks like a checkpoint, and the same command rerun produces output bitwise equal to an uninterrupted run. The
-numbers of trials and outcomes are printed (`-s`) for the README's reliability table.
+numbers of trials and outcomes are printed (`-s`) for docs/reliability.md's table.
 """
 from __future__ import annotations
 
