@@ -106,3 +106,18 @@ def test_commands_md_usage_is_the_help(monkeypatch):
             continue
         assert cmd in documented, f"docs/commands.md's Usage block lacks `shardkit {cmd}`"
         assert documented[cmd] == parser.format_usage().rstrip(), f"`shardkit {cmd}`: usage differs from --help"
+
+
+def test_planning_md_slurm_example_is_launchs_output(capsys):
+    """docs/planning.md shows `shardkit launch --slurm --dry-run`'s output "unedited": it must be what launch prints
+    today. When a template changes, paste the new output of the command shown there."""
+    import shlex
+
+    from shardkit.cli import main
+
+    text = (REPO / "docs" / "planning.md").read_text()
+    example = re.search(r"unedited.*?```\n(shardkit launch .*?)```\n\n```bash\n(.*?)```", text, flags=re.S)
+    assert example, "docs/planning.md: no launch example followed by its output"
+    argv = shlex.split(example.group(1).replace("\\\n", " "))[1:]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == example.group(2), "docs/planning.md's SLURM example differs from launch's output"
