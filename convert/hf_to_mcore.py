@@ -370,7 +370,7 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native",
                       withdraw: bool = False) -> int:
     """`convert hf-to-mcore`'s proof (on by default, `--no-verify` skips it): the conversion just written, native or
     torch_dist (read in place), compared with the HF model it came from through transformers' own forward
-    (convert.parity.against_hf: whole, or streamed within the memory budget). One line on stdout with the verdict; a
+    (verify.against.against_hf: whole, or streamed within the memory budget). One line on stdout with the verdict; a
     difference is one `shardkit: error:` line and exit status 1. Not asked for (`asked` False: the default), it says
     so in one line and passes where no logit comparison can be made: --allow-nonfinite (NaN/Inf weights give no
     logits to compare) and kept block-FP8 weights where only the streamed comparison could run (too big for the
@@ -381,8 +381,8 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native",
 
     from plan.units import parse_bytes
 
-    from .parity import against_hf
-    from .streaming import choose_mode, quantized_source
+    from verify.against import against_hf
+    from verify.streamed import choose_mode, quantized_source
 
     budget = None if memory_budget is None else parse_bytes(memory_budget, "--memory-budget")
     started = time.time()

@@ -1009,7 +1009,7 @@ def _coverage_lines(p: dict) -> None:
 def _parity(args: argparse.Namespace, ckpt) -> dict:
     """verify --against: logits of `ckpt` (a native Checkpoint, or a torch_dist one read in place) vs HF's."""
     from checkpoint.progress import progress_bar
-    from convert.parity import against_hf
+    from verify.against import against_hf
     from plan.units import parse_bytes
 
     budget = None if args.memory_budget is None else parse_bytes(args.memory_budget, "--memory-budget")

@@ -20,7 +20,7 @@ from checkpoint.reader import Checkpoint
 from convert import hf_to_mcore
 from convert.hf_to_mcore import convert_hf_to_mcore
 from convert.mcore_to_hf import convert_mcore_to_hf
-from convert.parity import logit_parity
+from verify.whole import logit_parity
 from shardkit.demo import save_tiny_tokenizer
 from tests.test_model_parity import CASES, make_hf
 

@@ -195,7 +195,7 @@ def test_v3_saved_by_transformers_without_mtp_weights(tmp_path):
 @pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2), (1, 4), (2, 4)])
 def test_logit_parity_after_conversion(models, tmp_path, kind, tp, ep):
     """Converted at (tp, ep), read back from disk: logits equal HF transformers' own forward (fp32)."""
-    from convert.parity import logit_parity
+    from verify.whole import logit_parity
 
     convert_hf_to_mcore(models[kind], tmp_path / "ck", Layout(tp=tp, ep=ep), quiet=True)
     ck = Checkpoint(tmp_path / "ck")
@@ -208,7 +208,7 @@ def test_fp8_parity_within_fp8_error(fp8_model, tmp_path):
     so its distance to the unquantized model is exactly the FP8 error, nothing more."""
     from safetensors.torch import save_file
 
-    from convert.parity import logit_parity
+    from verify.whole import logit_parity
 
     d, unquantized, originals = fp8_model
     src = hf_tensors(d)

@@ -429,7 +429,7 @@ def test_against_reports_what_was_not_exercised(good):
     """The report names parameters neither exercised nor compared: routed experts no test token selected (whole mode
     and streaming without --all-experts), MTP layers in whole mode; a dense model has none."""
     from checkpoint.reader import Checkpoint
-    from convert.parity import against_hf
+    from verify.against import against_hf
 
     p = against_hf(Checkpoint(good["ck"]), good["hf"])
     assert p["ok"] and p["not_compared"] == [] and p["embedding"]["rows"] == TINY["vocab_size"]
@@ -442,7 +442,7 @@ def test_against_lists_unselected_experts_and_mtp(tmp_path):
     """A tiny DeepSeek-V3 (MoE + MTP) at one test token: the whole-mode report lists the routed experts the token did
     not select and the MTP layer; streamed without --all-experts it lists the experts; with it, nothing."""
     from checkpoint.reader import Checkpoint
-    from convert.parity import against_hf
+    from verify.against import against_hf
     from tests.moe_models import build
 
     hf = build("deepseek_v3", tmp_path / "hf")
@@ -593,7 +593,7 @@ def test_router_bias_that_changes_no_selection_is_still_found(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
     from checkpoint.reader import Checkpoint
-    from convert.parity import against_hf
+    from verify.against import against_hf
     from tests.moe_models import build
 
     hf = build("deepseek_v3", tmp_path / "hf")

@@ -640,9 +640,9 @@ def test_source_changed_during_conversion_commits_nothing(good, tmp_path, capsys
 @pytest.mark.parametrize("failure", ["differs", "cannot-compare"])
 def test_failed_default_proof_commits_nothing(good, tmp_path, capsys, monkeypatch, fmt, failure):
     from checkpoint.errors import ShardkitError
-    from convert import parity
+    from verify import against
 
-    real = parity.against_hf
+    real = against.against_hf
 
     def failing(*a, **k):
         if failure == "cannot-compare":
@@ -651,7 +651,7 @@ def test_failed_default_proof_commits_nothing(good, tmp_path, capsys, monkeypatc
         out.update(ok=False, max_abs_diff=1.0)
         return out
 
-    monkeypatch.setattr(parity, "against_hf", failing)
+    monkeypatch.setattr(against, "against_hf", failing)
     c = Case(tmp_path, good)
     capsys.readouterr()
     rc = main(["convert", "hf-to-mcore", str(good["hf"]), str(c.out), "--quiet", "--format", fmt])
@@ -660,7 +660,7 @@ def test_failed_default_proof_commits_nothing(good, tmp_path, capsys, monkeypatc
     assert rc == 1 and len(lines) == 1 and "nothing was committed" in lines[0], err
     assert not (c.out / "latest").exists() and not (c.out / "latest_checkpointed_iteration.txt").exists()
     assert not list(c.out.glob("iter_*"))
-    monkeypatch.setattr(parity, "against_hf", real)
+    monkeypatch.setattr(against, "against_hf", real)
     assert main(["convert", "hf-to-mcore", str(good["hf"]), str(c.out), "--quiet", "--format", fmt]) == 0
 
 

@@ -19,7 +19,7 @@ from checkpoint.layout import Layout
 from checkpoint.sharding import model_specs
 from convert import families
 from convert.mapping import dict_reader, stack_canonical
-from convert.parity import logit_parity
+from verify.whole import logit_parity
 from train.model import GPTModel
 
 TOL = 1e-4

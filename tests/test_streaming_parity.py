@@ -1,4 +1,4 @@
-"""verify --against in streaming mode (convert/streaming.py): one layer in memory at a time, the same verdict and the
+"""verify --against in streaming mode (verify/streamed.py): one layer in memory at a time, the same verdict and the
 same numbers as the whole-model mode, a planted error named at its layer (and expert), bad input in one line.
 
 The reference per-layer numbers are computed here independently of the streaming code: transformers' whole model
@@ -18,8 +18,10 @@ from safetensors.torch import load_file, save_file
 from checkpoint.layout import Layout
 from checkpoint.reader import Checkpoint
 from convert.hf_to_mcore import convert_hf_to_mcore
-from convert.parity import HF_ATTN_IMPLEMENTATION, against_hf, logit_parity
-from convert.streaming import choose_mode, stream_parity
+from verify.against import against_hf
+from verify.common import HF_ATTN_IMPLEMENTATION
+from verify.whole import logit_parity
+from verify.streamed import choose_mode, stream_parity
 from tests import moe_models
 from tests.test_model_parity import CASES, make_hf
 from train.model import GPTModel
@@ -171,7 +173,7 @@ def test_bad_input_is_one_line(tmp_path):
 def test_default_budget_is_a_constant_not_the_host(tmp_path, monkeypatch):
     """Issue 42: the default --memory-budget is DEFAULT_BUDGET (or the one piece streaming cannot cut, where larger),
     whatever the host has: the mode and budget are the same with 1 TB or 1 GB available."""
-    from convert import streaming
+    from verify import streamed as streaming
 
     hf_dir, _ = _hf_dir(tmp_path, "llama_gqa")
     ck = _convert(tmp_path, hf_dir)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from convert.parity import against_hf
-from convert.streaming import _groups, memory_needs, stream_parity
+from verify.against import against_hf
+from verify.streamed import _groups, memory_needs, stream_parity
 from tests import moe_models
 from tests.test_model_parity import CASES, make_hf
 from tests.test_streaming_parity import _cli, _convert, _hf_dir, _plant, whole_layer_diffs
@@ -66,7 +66,7 @@ def test_all_experts_finds_an_error_no_token_selects(tmp_path):
 
 def _selected(ck, hf_dir, layer):
     """The experts HF's router picks at `layer` for the 1-token test input (from a plain streaming run's stand-in)."""
-    import convert.streaming as st
+    import verify.streamed as st
 
     seen = {}
     orig = st._StreamedHFExperts.forward
@@ -133,7 +133,7 @@ def test_planted_head_row_gives_the_whole_mode_numbers(tmp_path):
     """The head in vocabulary blocks, one row of HF's lm_head wrong in its last block: the blocks whose stored bits
     equal ours share one product per input, that block is computed from each side's own weights, and the numbers are
     the whole-model mode's; the head row is the first beyond the tolerance, every layer within it."""
-    from convert.parity import logit_parity
+    from verify.whole import logit_parity
 
     hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
     ck = _convert(tmp_path, hf_dir, tp=2)
@@ -258,7 +258,7 @@ def test_cast_pool_reuses_buffers_within_its_cap():
     idle plus lent buffers never exceed the cap (beyond it they are dropped)."""
     import torch
 
-    from convert.streaming import _CastPool
+    from verify.streamed import _CastPool
 
     n = 4 * _CastPool.MIN
     pool = _CastPool(cap=4 * n * 4)
@@ -294,7 +294,7 @@ def test_readahead_names_every_byte_before_it_is_read(tmp_path, monkeypatch, cas
     every byte range of HF's safetensors the walk reads, each hinted before it is read: embedding rows, layers, MTP
     layer, routed experts once routed (all of them with --all-experts), MLP pieces and head blocks."""
     import checkpoint.chunkio as chunkio
-    import convert.streaming as st
+    import verify.streamed as st
 
     hf_dir, seq = _hf_dir(tmp_path, case)
     ck = _convert(tmp_path, hf_dir, **layout)
@@ -336,7 +336,7 @@ def test_readahead_names_every_byte_before_it_is_read(tmp_path, monkeypatch, cas
 
 def test_walk_hints_ahead_within_its_window():
     """A walk hints the step it is at and the next one always, further ones only while they fit the window."""
-    import convert.streaming as st
+    import verify.streamed as st
 
     class Rec(st._Readahead):
         def __init__(self, window):
@@ -364,7 +364,7 @@ def test_comparison_is_exact_fp32_whatever_the_process_set(tmp_path, monkeypatch
     import torch
 
     from checkpoint.errors import ShardkitError
-    from convert.parity import exact_fp32
+    from verify.common import exact_fp32
 
     hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
     ck = _convert(tmp_path, hf_dir)
@@ -390,7 +390,7 @@ def test_comparison_is_exact_fp32_whatever_the_process_set(tmp_path, monkeypatch
 def test_a_file_rewritten_during_the_comparison_is_named(tmp_path, monkeypatch):
     """Another writer rewriting the HF directory (or the checkpoint) while it is compared: one line naming the
     file, never a verdict."""
-    import convert.streaming as st
+    import verify.streamed as st
     from checkpoint.errors import ShardkitError
 
     hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")

@@ -135,7 +135,7 @@ def test_trained_checkpoint_exports_to_hf(root, kind, tmp_path):
     weights, and a lower loss than the model started with on the samples it was trained on."""
     import transformers
 
-    from convert.parity import logit_parity
+    from verify.whole import logit_parity
     from shardkit.cli import main as cli
     from train.data import DataConfig, build_datasets
 

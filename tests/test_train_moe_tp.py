@@ -208,7 +208,7 @@ def test_resumes_after_reshard_to_another_expert_layout(root, tmp_path, name, n1
     and expert TP 1, saved, `shardkit reshard` to TP 1 x EP (weights and optimizer state), resumed there for the last
     2 steps: losses, gradient norms and every weight and optimizer state after step 5 follow the one-process run within
     1e-5; the resumed run's checkpoint exported with `convert mcore-to-hf` gives transformers' own logits."""
-    from convert.parity import logit_parity
+    from verify.whole import logit_parity
     from shardkit.cli import main as cli
 
     model = "deepseek_v3"

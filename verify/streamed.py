@@ -52,7 +52,9 @@ from checkpoint.safety import read_input
 from checkpoint.sharding import SCALE_SUFFIX, Rule, TensorSpec, regions, split_optimizer_key
 from train.model import MLP, GPTModel, RotaryEmbedding, canonical_name
 
-from .parity import HF_ATTN_IMPLEMENTATION, load_quietly
+from convert.hf_source import weight_files
+
+from .common import HF_ATTN_IMPLEMENTATION, compare_rows, load_quietly
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -70,8 +72,6 @@ class HFWeights:
     def __init__(self, hf_dir: Path, fp8_block: tuple[int, int] = (128, 128),
                  dtype: torch.dtype = torch.bfloat16) -> None:
         self.fp8_block, self.dtype = fp8_block, dtype
-        from .hf_source import weight_files
-
         files, wm = weight_files(hf_dir)  # the conversion's own choice and checks (links, FIFOs, both kinds)
         if wm is not None:
             self.file_of = {k: hf_dir / f for k, f in wm.items()}
@@ -936,8 +936,6 @@ def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, p
 
     # embedding: every row compared bit for bit (issue 34: the test tokens select only a few), a block at a time,
     # each side's rows read once; the rows of the test tokens kept for the forward
-    from .parity import compare_rows
-
     emb, hf_emb = "embedding.word_embeddings.weight", "model.embed_tokens.weight"
     hf_rows = torch.empty(len(needed), cfg.hidden_size)
     my_rows = torch.empty(len(needed), cfg.hidden_size)
