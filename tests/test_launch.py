@@ -196,7 +196,7 @@ def test_rendered_scripts_hold_no_machine_path(models, tmp_path, capsys):
     assert "SHARDKIT_PYTHON" in r.stderr
     r = subprocess.run(["bash", str(torchrun)], env={**env, "SHARDKIT_LAUNCHER": "torchrun"}, capture_output=True,
                        text=True)
-    assert r.stdout.startswith("RAN -m torch.distributed.run --nnodes 1 --nproc-per-node 8")
+    assert r.stdout.startswith("RAN -m shardkit.torchrun --nnodes 1 --nproc-per-node 8")
 
 
 def test_templates_are_package_data():

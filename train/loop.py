@@ -39,7 +39,7 @@ from train.optim import DistributedOptimizer, ParamScheduler, is_scheduler_state
 from train.parallel.context import packing_from, prepare_micro_batch
 from train.parallel.groups import Groups, build_groups, new_group
 from train.parallel.interleaved import InterleavedPipeline
-from train.parallel.parallelize import check_parallel, parallelize
+from train.parallelize import check_parallel, parallelize
 from train.parallel.pipeline import StageStep, forward_backward, forward_only
 
 
@@ -59,6 +59,10 @@ def init_distributed(timeout_minutes: float) -> None:
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    import train.report
+
+    # kept past destroy_process_group: an error is said by one rank of the job (train/report.py)
+    train.report.STORE = dist.distributed_c10d._get_default_store() if "RANK" in os.environ else None
 
 
 def shutdown_distributed() -> None:

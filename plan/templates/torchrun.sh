@@ -31,7 +31,8 @@ if ! "$PYTHON" -c 'import shardkit, torch' 2>/dev/null; then
     exit 2
 fi
 case ${SHARDKIT_LAUNCHER:-torchrun} in
-    torchrun) launcher=("$PYTHON" -m torch.distributed.run
+    # torchrun's own agent and arguments; a failed job ends in one line, not torchrun's traceback (shardkit/torchrun.py)
+    torchrun) launcher=("$PYTHON" -m shardkit.torchrun
                         --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --node-rank "$NODE_RANK"
                         --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT") ;;
     srun) launcher=("$PYTHON") ;;  # this process is one rank: the trainer reads SLURM_PROCID, SLURM_NTASKS, MASTER_ADDR
