@@ -171,7 +171,7 @@ def _native_layer(hf: dict, tp: int, world: int, sp: bool, recompute: str | None
     from checkpoint.run_layout import RunLayout
     from train.config import ParallelConfig, RunConfig
     from train.parallel.groups import build_groups
-    from train.parallel.parallelize import parallelize
+    from train.parallelize import parallelize
 
     cfg = ModelConfig.from_hf(hf)
     groups = build_groups(RunLayout(tp=tp, dp=world // tp))

@@ -5,7 +5,7 @@ One training step = forward, backward and optimizer step (with global-norm clipp
 `--mbs` sequences of `--seq` tokens, fp32 on the CPU. Three implementations train the same Llama-shaped config from
 the SAME weights on the SAME batch:
 
-- ours:     train/model.py's GPTModel built by `train.parallel.parallelize.parallelize`, run by `StageStep` through
+- ours:     train/model.py's GPTModel built by `train.parallelize.parallelize`, run by `StageStep` through
             `forward_backward` (the 1F1B driver the trainer uses), then `DistributedOptimizer` reduce/clip/step
             (fp32 main params and gradient buffer, AdamW) -- the trainer's own path, on a process group of one;
 - hf:       transformers' LlamaForCausalLM (SDPA attention) with its own loss and torch.optim.AdamW, clipped with
@@ -217,7 +217,7 @@ class Ours(Impl):
         from checkpoint.run_layout import RunLayout
         from train.config import ParallelConfig
         from train.parallel.groups import build_groups
-        from train.parallel.parallelize import parallelize
+        from train.parallelize import parallelize
         from train.parallel.pipeline import StageStep
 
         s = self.spec

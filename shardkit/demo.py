@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -53,12 +54,13 @@ def build_tiny_llama(path: str | Path, seed: int = 0, dtype: torch.dtype = torch
     return Path(path)
 
 
-def run_demo(out: str | None = None, keep: bool = False) -> int:
+def run_demo(cli: Callable[[list[str]], int], out: str | None = None, keep: bool = False) -> int:
+    """The whole pipeline on a tiny LLaMA, each step through `cli` (shardkit.cli.main, which passes itself: the demo
+    runs the real commands, and imports nothing of the CLI)."""
     from rich.console import Console
     from rich.table import Table
     from safetensors import safe_open
 
-    from shardkit.cli import main as cli
     from train.data import bundled_corpus, save_corpus_tokenizer
     from train.metrics import read_metrics
 

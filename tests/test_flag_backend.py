@@ -157,7 +157,7 @@ def _stages(recompute: str | None):
     from train.fp8 import FP8Config
     from train.model import GPTModel
     from train.parallel.context import Packing, apply_context_parallel
-    from train.parallel.parallelize import apply_recompute
+    from train.parallelize import apply_recompute
     from train.parallel.pipeline import StageStep
     from train.te import TEBackend
 

@@ -478,7 +478,7 @@ def test_recompute_replays_dropout_masks(root, flags):
 
 
 def test_recompute_units_as_megatron_core():
-    from train.parallel.parallelize import recompute_groups
+    from train.parallelize import recompute_groups
 
     assert recompute_groups([0, 1, 2, 3, 4], "uniform", 2) == [[0, 1], [2, 3], [4]]
     assert recompute_groups([4, 5, 6], "block", 2) == [[4], [5]]

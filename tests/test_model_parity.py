@@ -109,7 +109,7 @@ def test_trainer_stage_loss_matches_hf(case: str) -> None:
     from checkpoint.run_layout import RunLayout
     from train.config import ParallelConfig
     from train.parallel.groups import Groups
-    from train.parallel.parallelize import parallelize
+    from train.parallelize import parallelize
     from train.parallel.pipeline import StageStep
 
     config_cls, overrides, seq_len = CASES[case]

@@ -258,7 +258,7 @@ def test_real_pipeline_on_threads(monkeypatch, vpp, old):
     from train.model import GPTModel
     from train.parallel import interleaved, p2p, pipeline
     from train.parallel.groups import Groups
-    from train.parallel.parallelize import apply_pipeline_split
+    from train.parallelize import apply_pipeline_split
 
     pp, layers, n = 2, 4, 4
     dims = RunLayout(pp=pp, vpp=vpp)

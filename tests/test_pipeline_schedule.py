@@ -114,7 +114,7 @@ def test_schedules_on_uneven_stages(layers, pp, vpp, split):
     from train.model import GPTModel
     from train.parallel import interleaved, pipeline
     from train.parallel.groups import Groups
-    from train.parallel.parallelize import apply_pipeline_split
+    from train.parallelize import apply_pipeline_split
 
     dims = RunLayout(pp=pp, vpp=vpp, split=split)
     counts = dims.model_parallel.chunk_layers(layers)

@@ -534,10 +534,10 @@ def test_cli_plan_from_checkpoint(tmp_path, capsys):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_param_bytes_equal_trainer_shards(tied):
-    """The trainer's own stage builder (train.parallel.parallelize.parallelize, on the meta device) holds exactly the
+    """The trainer's own stage builder (train.parallelize.parallelize, on the meta device) holds exactly the
     weights the estimator counts, its fp32 main-grad buffer the grads; its ZeRO-1 optimizer (whole tensors handed to
     DP ranks by train.optim.owners) holds the estimator's optimizer bytes in total over the DP group."""
-    parallelize = pytest.importorskip("train.parallel.parallelize")
+    parallelize = pytest.importorskip("train.parallelize")
     import torch
 
     from train.config import ParallelConfig

@@ -279,7 +279,7 @@ def test_bad_expert_layouts(root):
     import types
 
     from train.config import ParallelConfig
-    from train.parallel.parallelize import parallelize
+    from train.parallelize import parallelize
 
     # TP with MoE needs sequence parallelism (as Megatron asserts), refused before anything is built or read
     with pytest.raises(ConfigError, match="--tp 2 with an MoE model .mixtral. needs --sequence-parallel"):

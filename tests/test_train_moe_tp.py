@@ -162,7 +162,7 @@ def test_expert_groups_with_etp_match_megatron():
 @pytest.mark.parametrize("model", list(MODELS))
 def test_plan_charges_what_the_trainer_allocates(root, model):
     """`plan`'s parameter and gradient bytes per rank equal what the trainer's own stage builder
-    (train.parallel.parallelize on the meta device, its real process groups on torch's fake backend) allocates on
+    (train.parallelize on the meta device, its real process groups on torch's fake backend) allocates on
     every rank, for MoE and MLA at TP, EP, ETP != TP and PP (the last stage keeps a copy of the embedding for MTP)."""
     import torch
     import torch.distributed as dist
@@ -172,7 +172,7 @@ def test_plan_charges_what_the_trainer_allocates(root, model):
     from plan.memory import param_bytes_per_rank
     from train.config import ParallelConfig
     from train.parallel.groups import build_groups
-    from train.parallel.parallelize import parallelize
+    from train.parallelize import parallelize
 
     cfg = Checkpoint(root / f"{model}-ck" / "iter_0000000").config
     # TP 4 with whole experts over all 4 ranks (EP 4 x ETP 1), expert TP wider than TP (TP 1, EP 2 x ETP 2)

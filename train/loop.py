@@ -59,10 +59,6 @@ def init_distributed(timeout_minutes: float) -> None:
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    import train.report
-
-    # kept past destroy_process_group: an error is said by one rank of the job (train/report.py)
-    train.report.STORE = dist.distributed_c10d._get_default_store() if "RANK" in os.environ else None
 
 
 def shutdown_distributed() -> None:

@@ -1,5 +1,7 @@
 """Every parallelism and numeric technique the trainer uses, applied to the plain model (train/model.py) in one
-place and one fixed order (torchtitan's `parallelize_llama` shape). `parallelize` is the entry point:
+place and one fixed order (torchtitan's `parallelize_llama` shape). `parallelize` is the entry point. It composes the
+parallelism of train/parallel/ (which imports nothing of the trainer) with the trainer's own techniques (precision,
+dropout, MoE training) and its run configuration, so it lives here, beside them:
 
     1. pipeline split     the model is built on the meta device from this TP rank's `local_config`, and the layers,
                           embedding and head of other stages are removed
@@ -44,10 +46,10 @@ from train.dropout import DropoutRNG
 from train.fp8 import FP8Config
 from train.model import GPTModel
 
-from .context import AttentionState, Packing, apply_context_parallel
-from .expert import apply_expert_parallel
-from .groups import Groups
-from .tensor import apply_tensor_parallel, local_config, mark_partial_grads, resize_mtp_projections
+from train.parallel.context import AttentionState, Packing, apply_context_parallel
+from train.parallel.expert import apply_expert_parallel
+from train.parallel.groups import Groups
+from train.parallel.tensor import apply_tensor_parallel, local_config, mark_partial_grads, resize_mtp_projections
 
 
 NO_DROPOUT = RunConfig(attention_dropout=0.0, hidden_dropout=0.0)
