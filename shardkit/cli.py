@@ -121,7 +121,13 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         command = self.prog.removeprefix("shardkit").strip()
-        self.exit(2, f"shardkit: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)\n")
+        line = f"shardkit: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)"
+        if command == "continue-pretrain":  # under torchrun: said by one rank, not every rank (train/report.py)
+            from train.report import report_error
+
+            report_error(line)
+            self.exit(2)
+        self.exit(2, line + "\n")
 
 
 def _workers(text: str) -> int:
@@ -370,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             return _across_ranks(args)
         return _dispatch(args)
     except ShardkitError as e:  # one write per line: ranks sharing a stderr pipe never split each other's lines
+        if args.cmd == "continue-pretrain":  # found alike on every rank: said once per job (train/report.py)
+            from train.report import report_error
+
+            report_error(f"shardkit: error: {e}")
+            return 1
         sys.stderr.write(f"shardkit: error: {e}\n")
         return 1
     except KeyboardInterrupt:

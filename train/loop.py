@@ -59,6 +59,10 @@ def init_distributed(timeout_minutes: float) -> None:
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    import train.report
+
+    # kept past destroy_process_group: an error is said by one rank of the job (train/report.py)
+    train.report.STORE = dist.distributed_c10d._get_default_store() if "RANK" in os.environ else None
 
 
 def shutdown_distributed() -> None:
@@ -155,7 +159,7 @@ def check_model_flags(cfg: TrainConfig, m: ModelConfig, source: Path) -> None:
 def check_layout_for_model(cfg: TrainConfig, dims: RunLayout, m: ModelConfig, source: Path) -> None:
     """Everything the trainer refuses about this run's flags and layout for the model of its --load before it builds
     anything, with no process group: the model flags, the layout against the model (heads, KV groups, ffn and experts
-    over TP/EP, the pipeline split against the layers: train/parallel/parallelize.py check_parallel), a pipeline rank
+    over TP/EP, the pipeline split against the layers: train/parallelize.py check_parallel), a pipeline rank
     with nothing to run, sequence parallelism against the sequence. `shardkit launch` runs it before writing a job."""
     check_model_flags(cfg, m, source)
     check_parallel(m, dims, cfg.parallel)
@@ -205,7 +209,7 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                        else torch.device("cpu"))
         self.packing = packing_from(d, self.model_cfg, self.ck.hf_dir())
-        # PP split, EP, TP, CP, recompute, TE/FP8, MoE training: in one place and order (train/parallel/parallelize.py)
+        # PP split, EP, TP, CP, recompute, TE/FP8, MoE training: in one place and order (train/parallelize.py)
         par = parallelize(self.model_cfg, self.groups, self.device, self.dtype, p, cfg.run, cfg.fp8, cfg.moe,
                           self.packing, seed=d.seed)
         if par.dropout is not None:  # the dropout streams restart at each iteration (train/dropout.py)
