@@ -276,10 +276,7 @@ def publish(local_root: Path, loc: Location, quiet: bool = True) -> str:
     it = resolve_iteration(local_root)
     name = it.name
     store = ObjectStore(loc)
-    _, generation = store.read_stamped(LATEST)
-    if store.list(name + "/"):
-        store.delete_prefix(f"{name}/{MANIFEST}")
-        store.delete_prefix(name + "/")
+    generation = unpublish(store, name)
     files = sorted(p for p in it.rglob("*") if p.is_file() and p != it / MANIFEST)
     from .progress import progress_bar
 
@@ -295,9 +292,50 @@ def publish(local_root: Path, loc: Location, quiet: bool = True) -> str:
     return f"{loc.url.rstrip('/')}/{name}"
 
 
+def unpublish(store: ObjectStore, name: str) -> bytes:
+    """Make room for a new write of iteration `name`: an existing one of that name first loses its manifest.json
+    (it stops being complete), then its objects. When `latest` names it (a rerun saving the iteration it resumed
+    from), `latest` first moves to the newest other complete iteration, or goes when there is none, so a kill during
+    the rewrite never leaves a `latest` naming an incomplete iteration. Returns the generation of `latest` that the
+    publish's conditional write of it expects."""
+    text, generation = store.read_stamped(LATEST)
+    if not store.list(name + "/"):
+        return generation
+    if text is not None and text[:64].decode(errors="replace").strip() == name:
+        keys = store.list()
+        others = sorted({k.split("/")[0] for k in keys if k.count("/") == 1 and k.endswith("/" + MANIFEST)
+                         and _ITER.match(k.split("/")[0]) and k.split("/")[0] != name})
+        if others:
+            if not store.write(LATEST, f"{others[-1]}\n".encode(), if_equal=generation):
+                raise WriteError(f"{store.loc.url}/{LATEST}: another writer moved it while {name} was being replaced")
+        else:
+            store.delete_prefix(LATEST)
+        generation = store.read_stamped(LATEST)[1]
+    store.delete_prefix(f"{name}/{MANIFEST}")
+    store.delete_prefix(name + "/")
+    return generation
+
+
 def staging_dir(loc: Location) -> Path:
+    """The local root standing for `loc` (a conversion's staging root; a training run's --save root, where only a
+    resumed run's download of the store's latest lies). One per rank when several run: ranks share no directory."""
     base = os.environ.get("SHARDKIT_STAGING") or os.path.join(tempfile.gettempdir(), "shardkit-staging")
-    return Path(base) / hashlib.sha256(loc.url.rstrip("/").encode()).hexdigest()[:16]
+    root = Path(base) / hashlib.sha256(loc.url.rstrip("/").encode()).hexdigest()[:16]
+    return root / f"rank{_rank()}" if _world() > 1 else root
+
+
+def _world() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 # -- the CLI's checkpoint arguments -----------------------------------------------------------------------------------
@@ -313,14 +351,16 @@ def _one_process(url: str) -> None:
 
 
 @contextlib.contextmanager
-def reading(value: str, arrays: bool = True, quiet: bool = False) -> Iterator[str]:
+def reading(value: str, arrays: bool = True, quiet: bool = False, ranks: bool = False) -> Iterator[str]:
     """A checkpoint argument to read: a local path as given (file:// removed), or a temporary local copy of the
-    iteration an object-storage location resolves to (`arrays=False`: its small files only), removed afterwards."""
+    iteration an object-storage location resolves to (`arrays=False`: its small files only), removed afterwards.
+    `ranks`: the command may run as several ranks (continue-pretrain: each rank reads its own copy)."""
     loc = parse(value)
     if loc is None:
         yield local(value)
         return
-    _one_process(value)
+    if not ranks:
+        _one_process(value)
     tmp = Path(tempfile.mkdtemp(prefix="shardkit-read-"))
     try:
         yield str(fetch(loc, tmp, arrays, quiet))
@@ -335,13 +375,14 @@ class Writing:
     """A checkpoint argument to write: `path` is the local root the writer uses (the staging root for object
     storage); `publish()` puts its committed iteration on the store."""
 
-    def __init__(self, value: str, overwrite: bool = False, flag: str = "OUT"):
+    def __init__(self, value: str, overwrite: bool = False, flag: str = "OUT", ranks: bool = False):
         self.loc = parse(value)
         self.value = value
         self.path = str(staging_dir(self.loc)) if self.loc else local(value)
         if self.loc is None:
             return
-        _one_process(value)
+        if not ranks:  # (a training save: every rank writes its own objects, train/checkpointing.py)
+            _one_process(value)
         keys = ObjectStore(self.loc).list()
         if keys and not overwrite:
             raise ShardkitError(f"{flag} {value}: the location is not empty ({', '.join(keys[:3])}"
@@ -374,6 +415,9 @@ def release(local_root: str) -> None:
     """The end of a run that mirrored `local_root`: every save is on the store, the staging root goes."""
     if _MIRRORS.pop(os.path.realpath(local_root), None) is not None:
         shutil.rmtree(local_root, ignore_errors=True)
+        if _world() > 1:  # <hash>/rank<N>: the last rank out removes <hash>
+            with contextlib.suppress(OSError):
+                Path(local_root).parent.rmdir()
 
 
 def committed(root: Path) -> None:
@@ -382,3 +426,82 @@ def committed(root: Path) -> None:
     loc = _MIRRORS.get(os.path.realpath(root))
     if loc is not None:
         publish(root, loc)
+
+
+# -- training saves written straight to the store (continue-pretrain --save s3://..., any number of ranks) -----------
+
+def mirrored(local_root) -> Location | None:
+    """The object-storage location a training run's --save root stands for (None: a local --save)."""
+    return _MIRRORS.get(os.path.realpath(local_root)) if local_root else None
+
+
+def shown(local_root, name: str = "") -> str:
+    """How a message names the --save root (or its iteration `name`): the URL when it stands for object storage."""
+    loc = mirrored(local_root)
+    if loc is None:
+        return str(Path(local_root) / name) if name else str(local_root)
+    return f"{loc.url.rstrip('/')}/{name}" if name else loc.url
+
+
+def last_complete(local_root) -> str:
+    """The checkpoint a reader of the --save root takes now (its URL on object storage); ShardkitError when none."""
+    loc = mirrored(local_root)
+    if loc is None:
+        from .commit import resolve_iteration
+
+        return str(resolve_iteration(local_root))
+    return f"{loc.url.rstrip('/')}/{resolve(ObjectStore(loc))}"
+
+
+def put_chunks(loc: Location, items: list) -> list[int]:
+    """Write chunk objects straight from memory: `items` is [(key below `loc`, value: a torch tensor or numpy array
+    of the chunk's full shape)], each object the chunk's little-endian bytes followed by their crc32c (exactly
+    chunkio's chunk file, the zarr3 `bytes` + `crc32c` codecs). Parallel, with at most INFLIGHT_BYTES of objects
+    held at once (waiting on the oldest). Returns every chunk's crc32c, in the order of `items`. A failure is one
+    WriteError naming the location; a chunk object already written stays (no manifest names it)."""
+    import numpy as np
+
+    from . import chunkio, store
+
+    if not chunkio.AVAILABLE:
+        raise WriteError(f"{loc.url}: writing to object storage needs the crc32c package (pip install crc32c)")
+    s = ObjectStore(loc)
+    pending: deque = deque()
+    held, crcs = 0, []
+    try:
+        for key, value in items:
+            fault_point("store.write")  # the site every writer of array bytes passes (a kill between chunks)
+            raw = np.ascontiguousarray(store.to_numpy(value)).reshape(-1).view(np.uint8)
+            crc = chunkio.crc(raw)
+            data = raw.tobytes() + crc.to_bytes(chunkio.TRAILER, "little")
+            while pending and held + len(data) > INFLIGHT_BYTES:
+                fut, n = pending.popleft()
+                fut.result()
+                held -= n
+            pending.append((s.kv.write(key, data), len(data)))
+            held += len(data)
+            crcs.append(crc)
+        while pending:
+            pending.popleft()[0].result()
+    except ShardkitError:
+        raise
+    except Exception as e:
+        raise _error(loc, "writing the checkpoint's chunk objects", e, WriteError) from None
+    return crcs
+
+
+def publish_save(loc: Location, it: Path, manifest_json: str, generation: bytes) -> str:
+    """Rank 0's end of a training save written straight to the store, once every rank's chunk objects are there:
+    the iteration's other files from the local directory `it` (the arrays' zarr.json, train_state.json, hf/), then
+    manifest.json, then `latest` (conditional on `generation`, what `unpublish` returned)."""
+    store = ObjectStore(loc)
+    name = it.name
+    files = sorted(p for p in it.rglob("*") if p.is_file() and p != it / MANIFEST)
+    store.upload([(p, f"{name}/{p.relative_to(it).as_posix()}") for p in files])
+    fault_point("storage.objects")
+    store.write(f"{name}/{MANIFEST}", manifest_json.encode())
+    fault_point("storage.manifest")
+    if not store.write(LATEST, f"{name}\n".encode(), if_equal=generation):
+        raise WriteError(f"{loc.url}/{LATEST}: another writer moved it while {name} was being written; {name} is "
+                         "complete on the store but not the latest")
+    return f"{loc.url.rstrip('/')}/{name}"

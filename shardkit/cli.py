@@ -452,8 +452,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _train_storage(cfg, stack):
-    """continue-pretrain's --load / --save on object storage: --load is downloaded; --save is a staging root whose
-    every commit (sync or async save) is published (checkpoint.storage.mirror); --load equal to --save resumes from
+    """continue-pretrain's --load / --save on object storage, on any number of ranks: --load is downloaded (each
+    rank its own copy); --save stands for the store (checkpoint.storage.mirror): every save, sync or async, goes
+    straight there, each rank its own chunk objects (train/checkpointing.py); --load equal to --save resumes from
     the store's latest."""
     import dataclasses
 
@@ -466,7 +467,7 @@ def _train_storage(cfg, stack):
             from checkpoint.errors import ShardkitError
 
             raise ShardkitError(f"--save {save}: " + storage.TORCH_DIST_REFUSED.format(scheme=save.split(":")[0]))
-        w = storage.Writing(save, overwrite=True, flag="--save")
+        w = storage.Writing(save, overwrite=True, flag="--save", ranks=True)
         new_save = w.path
         storage.mirror(w.path, w.loc)
         if load and load.rstrip("/") == save.rstrip("/"):
@@ -474,7 +475,7 @@ def _train_storage(cfg, stack):
             if w.remote_has_checkpoint:
                 storage.fetch(w.loc, Path(w.path))
     if load and new_load == load and storage.parse(load, "--load") is not None:
-        new_load = stack.enter_context(storage.reading(load))
+        new_load = stack.enter_context(storage.reading(load, ranks=True))
     if (new_load, new_save) == (load, save):
         return cfg
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=new_load, save=new_save))

@@ -383,3 +383,61 @@ def test_interrupted_conversion_to_s3_resumes(s3, tiny, tmp_path):
                        timeout=300)
     assert r.returncode == 0, (tasks, done, r.returncode, r.stderr[-2000:])
     _same_iteration(_objects(url), local)
+
+
+def test_two_ranks_save_to_s3_killed_then_resumed(s3, tmp_path, monkeypatch):
+    """continue-pretrain at TP 2 (two ranks on gloo, each with a staging root of its own: no shared directory)
+    with --load and --save on s3://: each rank puts its own chunk objects, rank 0 the manifest and then `latest`.
+    Rank 0 killed (-9) in the second save once every rank's objects are on the store, before its manifest.json:
+    `latest` still names the first save, which verifies; the rerun resumes from the store (async saves) and the
+    store ends with exactly the bytes of the same two runs on a local --save."""
+    import json
+
+    import torch
+
+    from tests.corpus import write_pattern_corpus
+    from tests.launcher import launch
+
+    hf = build_tiny_llama(tmp_path / "hf", dtype=torch.float32, num_hidden_layers=2, hidden_size=64,
+                          intermediate_size=96, vocab_size=300, num_attention_heads=4, num_key_value_heads=2)
+    data = write_pattern_corpus(tmp_path / "data", docs=60)
+    assert main(["convert", "hf-to-mcore", str(hf), f"s3://{BUCKET}/ck2", "--quiet", "--no-verify"]) == 0
+    assert main(["convert", "hf-to-mcore", str(hf), str(tmp_path / "ck"), "--quiet", "--no-verify"]) == 0
+    train = ["--data-path", str(data), "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+             "--save-interval", "1", "--tp", "2"]
+    url = f"s3://{BUCKET}/run2"
+    monkeypatch.setenv("SHARDKIT_FAULT_AT", "storage.objects:2@0")
+    r = launch(2, "--load", f"s3://{BUCKET}/ck2", "--save", url, *train, "--train-iters", "2", check=False)
+    monkeypatch.delenv("SHARDKIT_FAULT_AT")
+    assert r.returncode != 0, r.stderr[-3000:]
+    store = storage.ObjectStore(storage.parse(url))
+    assert store.read("latest") == b"iter_0000001\n"
+    started = store.list("iter_0000002/")
+    assert started and "iter_0000002/manifest.json" not in started  # every rank's chunks, no manifest
+    assert main(["verify", url, "--quiet"]) == 0  # the first save, whole
+    resume = ["--train-iters", "3", "--async-save", "--use-checkpoint-opt_param-scheduler"]
+    launch(2, "--load", url, "--save", url, *train, *resume)
+    assert store.read("latest") == b"iter_0000003\n"
+
+    local = tmp_path / "run"
+    launch(2, "--load", str(tmp_path / "ck"), "--save", str(local), *train, "--train-iters", "2", "--exit-interval", "1")
+    launch(2, "--load", str(local), "--save", str(local), *train, *resume)
+    objects = _objects(url)
+    for it in ("iter_0000002", "iter_0000003"):
+        files = _files(local / it)
+        remote = {k[len(it) + 1:]: v for k, v in objects.items() if k.startswith(it + "/")}
+        assert set(remote) == set(files), it
+        for k in files:
+            if k == "train_state.json":
+                a, b = json.loads(remote[k]), json.loads(files[k])
+                a.pop("args", None), b.pop("args", None)  # the paths it was given
+                # Python's own RNG is never seeded by the trainer (it draws nothing from it): a forked rank's is
+                # seeded afresh from the OS (random's at-fork hook) and saved as found
+                a["rng"].pop("python"), b["rng"].pop("python")
+                assert a == b
+            elif k == "manifest.json":
+                assert json.loads(remote[k])["tensors"] == json.loads(files[k])["tensors"]  # chunk crc32c too
+            else:
+                assert remote[k] == files[k], (it, k)
+    staging = storage.staging_dir(storage.parse(url))
+    assert not staging.exists() and not (staging / "rank0").exists()  # released after the runs

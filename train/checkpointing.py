@@ -34,7 +34,7 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.layout import Layout, RankCoord
-from checkpoint.manifest import Manifest, TensorEntry, iter_dirname, tensor_path
+from checkpoint.manifest import MANIFEST, Manifest, TensorEntry, iter_dirname, tensor_path
 from checkpoint.reader import Checkpoint, entry_nbytes
 from checkpoint.sharding import (OPTIMIZER_STATES, TensorSpec, local_shape, model_specs, optimizer_key,
                                  optimizer_specs, owner, regions)
@@ -258,6 +258,12 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
     them, the error exchange and the commit run in the background (`AsyncSave`)."""
     root = Path(root)
     entries = _entries(cfg, layout, gather_dtypes(table))
+    from checkpoint.storage import mirrored
+
+    loc = mirrored(root)
+    if loc is not None:  # --save s3://... / gs://...: straight to the store, every rank its own chunk objects
+        return _save_to_store(loc, iteration, cfg, layout, table, opt, groups, train_state, assets_from, provenance,
+                              async_group, entries, root)
 
     def create_arrays(writer: IterationWriter) -> None:
         ctx = store.context()
@@ -306,6 +312,98 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
             return writer.commit(manifest)
 
         return commit_on_rank0(writer, groups, async_group, commit)
+
+    return finish() if async_group is None else AsyncSave(finish)
+
+
+def _save_to_store(loc, iteration: int, cfg: ModelConfig, layout: Layout, table: list[LocalParam],
+                   opt: DistributedOptimizer, groups: Groups, train_state: dict, assets_from: Path | None,
+                   provenance: dict, async_group: Any, entries: dict[str, TensorEntry],
+                   root: Path) -> Path | AsyncSave | None:
+    """`save` to object storage (checkpoint/storage.py), with no local copy and no shared filesystem: rank 0 first
+    clears an earlier write of this iteration from the store (`storage.unpublish`); every rank then puts its own
+    chunk objects (the chunks the local save writes as files, the same bytes); once all have, their crc32c
+    gathered, rank 0 puts the arrays' zarr.json, train_state.json and hf/, then manifest.json, then `latest`
+    (conditional). A rank that fails or is killed leaves an iteration without manifest.json: `latest` still names
+    the previous checkpoint. With `async_group` the uploads and the commit run in the background (`AsyncSave`)."""
+    import tempfile
+
+    from checkpoint import storage
+
+    name = iter_dirname(iteration)
+    err: list = [None]
+    generation: list = [None]
+    if groups.rank == 0:
+        try:
+            generation[0] = storage.unpublish(storage.ObjectStore(loc), name)
+        except Exception as e:
+            err = [f"{type(e).__name__}: {e}"]
+    _broadcast_error(err)
+    jobs: list[tuple[str, str, int, torch.Tensor]] = []  # (object key, array key, chunk index, value) of this rank
+    try:
+        for lp, values in saved_values(table, opt, groups):
+            for key, value in values.items():
+                e = entries[key]
+                for grid, _, view in _boxes(e, lp, value, layout, groups, cfg.num_layers):
+                    rel = chunkio.chunk_path(Path(name) / tensor_path(key), grid).as_posix()
+                    jobs.append((rel, key, chunkio.grid_index(grid, e.shape, e.chunk), view))
+        if async_group is not None:  # training goes on at once and changes the parameters: write copies
+            jobs = [(rel, key, i, v.to("cpu", copy=True)) for rel, key, i, v in jobs]
+    except Exception as e:
+        err = [f"rank {groups.rank}: {type(e).__name__}: {e}"]
+    store_state = dict(train_state, optimizer_steps=opt.steps)
+
+    def commit(crcs: dict[tuple[str, int], int]) -> str:
+        with tempfile.TemporaryDirectory(prefix="shardkit-save-") as tmp:
+            it = Path(tmp) / name
+            ctx = store.context()
+            for key, e in entries.items():
+                store.create(it / tensor_path(key), e.shape, e.dtype, e.chunk, ctx)
+                n = int(np.prod(chunkio.grid_shape(e.shape, e.chunk)))
+                missing = [i for i in range(n) if (key, i) not in crcs]
+                if missing:
+                    at = chunkio.grid_position(missing[0], e.shape, e.chunk)
+                    raise WriteError(f"tensor {key}: no rank wrote its chunk {list(at)} ({len(missing)} of {n} missing)")
+                e.crc32c = [crcs[key, i] for i in range(n)]
+            (it / TRAIN_STATE).write_text(json.dumps(store_state, indent=1) + "\n")
+            if assets_from is not None and assets_from.is_dir():  # known side-file names only, never links
+                from checkpoint.safety import copy_side_files
+
+                copy_side_files(assets_from, it / "hf")
+            manifest = Manifest(iteration, cfg, layout, entries, provenance=provenance,
+                                training={"iteration": iteration,
+                                          "consumed_samples": train_state.get("consumed_samples")},
+                                optimizer=list(OPTIMIZER_STATES))
+            return storage.publish_save(loc, it, manifest.to_json(), generation[0])
+
+    def finish() -> Path | None:
+        mine: list = []
+        if not err[0]:
+            try:
+                crcs = storage.put_chunks(loc, [(rel, v) for rel, _, _, v in jobs])
+                mine = [(key, i, c) for (_, key, i, _), c in zip(jobs, crcs)]
+            except Exception as e:
+                err[0] = f"rank {groups.rank}: {type(e).__name__}: {e}"
+        jobs.clear()  # the copies of an async save
+        got = [(err[0], mine)]
+        if dist.get_world_size() > 1:
+            got = [None] * dist.get_world_size()
+            dist.all_gather_object(got, (err[0], mine), group=async_group)
+        bad = [e for e, _ in got if e]
+        if bad:
+            raise WriteError(f"checkpoint save failed: {bad[0]}; {loc.url}/{name} has no {MANIFEST} (never taken as a "
+                             "checkpoint), latest is unchanged")
+        done = [None]
+        if groups.rank == 0:
+            try:
+                commit({(key, i): c for _, part in got for key, i, c in part})
+            except Exception as e:
+                done = [f"{type(e).__name__}: {e}"]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(done, src=0, group=async_group)
+        if done[0]:
+            raise WriteError(f"checkpoint save failed on rank 0: {done[0]}")
+        return root / name if groups.rank == 0 else None
 
     return finish() if async_group is None else AsyncSave(finish)
 

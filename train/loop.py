@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.commit import resolve_iteration
+from checkpoint.storage import last_complete, shown
 from checkpoint.manifest import iter_dirname
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError, ShardkitError
@@ -412,7 +413,7 @@ class Trainer:
         save = self.cfg.checkpoint.save
         if save:
             try:
-                return f"resume from the last checkpoint {resolve_iteration(save)}"
+                return f"resume from the last checkpoint {last_complete(save)}"
             except ShardkitError:
                 pass
         return f"restart from {self.src}" + (f" (no checkpoint in {save} yet)" if save else "")
@@ -538,7 +539,7 @@ class Trainer:
     def _log_saved(self, iteration: int, seconds: float, how: str = "") -> None:
         if self.groups.rank == 0:
             getattr(self, "log", print)(f"saved checkpoint iteration {iteration} in {seconds:.2f} s{how}: "
-                     f"{Path(self.cfg.checkpoint.save) / iter_dirname(iteration)}")
+                     f"{shown(self.cfg.checkpoint.save, iter_dirname(iteration))}")
 
     # -- what the run says about itself (rank 0) --------------------------------------------------------------------
     def _device_line(self) -> str:
@@ -615,9 +616,9 @@ class Trainer:
 
                 last = resolve_torch_dist(save)
             else:
-                last = resolve_iteration(save)
+                last = last_complete(save)
         except ShardkitError:
-            return f"done at iteration {self.iteration}: no complete checkpoint in {save}"
+            return f"done at iteration {self.iteration}: no complete checkpoint in {shown(save)}"
         return f"done at iteration {self.iteration}: last complete checkpoint {last}"
 
     def _wandb_config(self) -> dict | None:
