@@ -144,15 +144,27 @@ class ObjectStore:
         return bool(stamp.generation)
 
     def list(self, prefix: str = "") -> list[str]:
+        """The keys starting with `prefix`. Filtered here too: a server that ignores the listing's range (the GCS
+        emulator returns every key) must not make `latest` look like an object of an iteration."""
         try:
             rng = self._ts.KvStore.KeyRange(prefix, _successor(prefix)) if prefix else self._ts.KvStore.KeyRange()
-            return sorted(k.decode() for k in self.kv.list(rng).result())
+            return sorted(k for k in (k.decode() for k in self.kv.list(rng).result()) if k.startswith(prefix))
         except Exception as e:
             raise _error(self.loc, f"listing {prefix or '/'}", e, FormatError) from None
 
-    def delete_prefix(self, prefix: str) -> None:
+    def delete(self, key: str) -> None:
         try:
-            self.kv.delete_range(self._ts.KvStore.KeyRange(prefix, _successor(prefix))).result()
+            self.kv.write(key, None).result()
+        except Exception as e:
+            raise _error(self.loc, f"deleting {key}", e, WriteError) from None
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object whose key starts with `prefix`: the keys listed (and filtered) here, then deleted one
+        by one in parallel, never a range the server might widen."""
+        keys = self.list(prefix)
+        try:
+            for fut in [self.kv.write(k, None) for k in keys]:
+                fut.result()
         except Exception as e:
             raise _error(self.loc, f"deleting {prefix}", e, WriteError) from None
 
@@ -309,9 +321,9 @@ def unpublish(store: ObjectStore, name: str) -> bytes:
             if not store.write(LATEST, f"{others[-1]}\n".encode(), if_equal=generation):
                 raise WriteError(f"{store.loc.url}/{LATEST}: another writer moved it while {name} was being replaced")
         else:
-            store.delete_prefix(LATEST)
+            store.delete(LATEST)
         generation = store.read_stamped(LATEST)[1]
-    store.delete_prefix(f"{name}/{MANIFEST}")
+    store.delete(f"{name}/{MANIFEST}")
     store.delete_prefix(name + "/")
     return generation
 
