@@ -15,16 +15,6 @@ from typing import Any
 
 from .errors import ConfigError
 
-# model_type -> HF architecture written back on export
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
-SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # Fields that are part of PretrainedConfig's generic surface or tokenizer/generation bookkeeping: they never change the
@@ -41,29 +31,13 @@ _PASSTHROUGH = {
     # training-time knobs of the source that do not change the forward pass
     "output_router_logits", "router_jitter_noise", "ep_size", "seq_aux", "aux_loss_alpha", "router_aux_loss_coef",
 }
-# Fields we interpret (per family); anything outside these and _PASSTHROUGH is refused.
-_COMMON = {
+# Fields every family interprets; a family adds its own (checkpoint/families: Family.fields); anything outside these
+# and _PASSTHROUGH is refused.
+COMMON_FIELDS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
     "rope_parameters", "tie_word_embeddings", "head_dim",
-}
-_FAMILY_FIELDS = {
-    "llama": _COMMON | {"attention_bias", "mlp_bias"},
-    "mistral": _COMMON | {"sliding_window"},
-    "qwen2": _COMMON | {"sliding_window", "use_sliding_window", "max_window_layers", "use_mrope", "layer_types"},
-    "mixtral": _COMMON | {"sliding_window", "num_local_experts", "num_experts_per_tok"},
-}
-_DEEPSEEK = _COMMON | {
-    "attention_bias", "mlp_bias", "first_k_dense_replace", "moe_layer_freq", "n_routed_experts", "n_shared_experts",
-    "moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group", "topk_method", "norm_topk_prob",
-    "routed_scaling_factor", "scoring_func", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-    "v_head_dim", "qk_head_dim", "num_nextn_predict_layers", "quantization_config", "rope_interleave",
-}
-_FAMILY_FIELDS["deepseek_v2"] = _DEEPSEEK
-_FAMILY_FIELDS["deepseek_v3"] = _DEEPSEEK
-# DeepSeek routers: HF topk_method -> (score function, group-limited, expert bias)
-TOPK_METHODS = {"greedy": ("softmax", False, False), "group_limited_greedy": ("softmax", True, False),
-                "noaux_tc": ("sigmoid", True, True)}
+})
 
 # Refuse absurd sizes before anything is allocated (a corrupt or hostile config.json, manifest or Megatron args):
 # ModelConfig field -> (the HF config.json name, the largest value accepted). Every ModelConfig checks these on
@@ -206,6 +180,8 @@ class ModelConfig:
     add_proj_bias: bool = False
     add_mlp_bias: bool = False
     sliding_window: int | None = None
+    # RMSNorm of each query and key head before RoPE (Qwen3; Megatron's --qk-layernorm)
+    qk_layernorm: bool = False
     # MoE (Megatron TransformerConfig names). moe_layer_freq: one entry per layer, 1 = MoE, 0 = dense MLP.
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
@@ -280,7 +256,14 @@ class ModelConfig:
 
     # -- (de)serialisation for the manifest ----------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The manifest's model config. Fields added after the format's first release are written only when they
+        differ from their default, so a checkpoint that does not use a feature reads the same in a shardkit that
+        predates it (and keeps its bytes)."""
+        d = dataclasses.asdict(self)
+        for name in _LATER_FIELDS:
+            if d[name] == _DEFAULTS[name]:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -294,17 +277,18 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
         """Translate an HF config dict. Raises ConfigError naming the field on anything unsupported."""
+        from .families import family_of
+
         mt = hf.get("model_type")
-        if not isinstance(mt, str) or mt not in ARCHITECTURES:
-            raise ConfigError(f"{source}: unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        allowed = _FAMILY_FIELDS[mt] | _PASSTHROUGH
+        fam = family_of(mt, source)
+        allowed = COMMON_FIELDS | fam.fields | _PASSTHROUGH
         unknown = sorted(k for k in hf if k not in allowed)
         if unknown:
             raise ConfigError(f"{source}: unsupported field(s) {unknown} for model_type {mt!r}; "
                               "shardkit refuses fields it cannot honour rather than dropping them")
         _check_fields(hf, source)
         verbatim = dict(hf)
-        hf = _with_hf_defaults(hf, mt)
+        hf = _with_hf_defaults(hf, mt, COMMON_FIELDS | fam.fields)
 
         def req(key: str) -> Any:
             if key not in hf or hf[key] is None:
@@ -332,7 +316,6 @@ class ModelConfig:
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"{source}: dtype {dtype!r} is not supported (float32, bfloat16, float16)")
-        attention_bias = bool(hf.get("attention_bias", False))
         common = dict(
             model_type=mt, num_layers=layers, hidden_size=hidden, ffn_hidden_size=integer("intermediate_size"),
             num_attention_heads=heads, vocab_size=integer("vocab_size"),
@@ -342,56 +325,7 @@ class ModelConfig:
             # transformers' default for all these families is untied
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             params_dtype=dtype, hf_config=verbatim)
-        if mt.startswith("deepseek"):  # MLA sizes its heads itself (qk_*_head_dim, v_head_dim)
-            if attention_bias or hf.get("mlp_bias"):
-                raise ConfigError(f"{source}: attention_bias / mlp_bias are not supported for {mt}")
-            if mt == "deepseek_v2" and hidden % heads:  # transformers' DeepseekV2Config refuses it (V3's does not)
-                raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
-            return cls(**common, **_read_deepseek(hf, source, integer, layers))
-        if hidden % heads:  # transformers' Llama-family config classes refuse it too, even with an explicit head_dim
-            raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
-
-        groups = integer("num_key_value_heads", hf.get("num_key_value_heads") or heads)
-        head_dim = hf.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise ConfigError(f"{source}: hidden_size {hidden} is not divisible by num_attention_heads {heads} "
-                                  "and no head_dim is given")
-            head_dim = hidden // heads
-        head_dim = integer("head_dim", head_dim)
-        if heads % groups:
-            raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
-        if head_dim % 2:
-            raise ConfigError(f"{source}: head_dim {head_dim} must be even for rotary embeddings")
-        if mt == "qwen2":
-            if hf.get("use_mrope"):
-                raise ConfigError(f"{source}: use_mrope=true (multimodal RoPE) is not supported")
-            if hf.get("use_sliding_window"):
-                raise ConfigError(f"{source}: use_sliding_window=true is not supported for qwen2")
-            lt = hf.get("layer_types")
-            if lt and any(t != "full_attention" for t in lt):
-                raise ConfigError(f"{source}: layer_types other than 'full_attention' are not supported")
-        window = hf.get("sliding_window") if mt in ("mistral", "mixtral") else None
-        if window is not None:
-            window = integer("sliding_window", window)
-        moe = {}
-        if mt == "mixtral":
-            moe = dict(num_moe_experts=integer("num_local_experts"), moe_router_topk=integer("num_experts_per_tok"),
-                       moe_ffn_hidden_size=common["ffn_hidden_size"], moe_layer_freq=[1] * layers,
-                       moe_router_score_function="softmax", moe_router_norm_topk=True,
-                       moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef") or 0.0))
-            if moe["moe_router_topk"] > moe["num_moe_experts"]:
-                raise ConfigError(f"{source}: num_experts_per_tok exceeds num_local_experts")
-        return cls(
-            **common,
-            num_query_groups=groups,
-            kv_channels=head_dim,
-            add_qkv_bias=(mt == "qwen2") or attention_bias,
-            add_proj_bias=attention_bias,
-            add_mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=window,
-            **moe,
-        )
+        return cls(**common, **fam.read_config(hf, source, integer, common))
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | Path) -> "ModelConfig":
@@ -416,8 +350,11 @@ class ModelConfig:
     def to_hf(self, dtype: str | None = None, quantized: bool = False) -> dict:
         """The HF config.json: the source's own dict with every interpreted field rewritten from this config, in the
         style the source used (``rope_scaling`` vs ``rope_parameters``, ``torch_dtype`` vs ``dtype``)."""
+        from .families import family_of
+
+        fam = family_of(self.model_type)
         src = dict(self.hf_config)
-        out = dict(src) if src else {"architectures": [ARCHITECTURES[self.model_type]]}
+        out = dict(src) if src else {"architectures": [fam.architecture]}
         out.update({
             "model_type": self.model_type,
             "hidden_size": self.hidden_size,
@@ -434,34 +371,7 @@ class ModelConfig:
         if not self.multi_latent_attention and (src.get("head_dim") is not None or
                                                 self.kv_channels * self.num_attention_heads != self.hidden_size):
             out["head_dim"] = self.kv_channels
-        if self.model_type == "mixtral":
-            out.update(num_local_experts=self.num_moe_experts, num_experts_per_tok=self.moe_router_topk)
-        if self.multi_latent_attention:
-            freq = self.moe_layer_freq
-            method = {"sigmoid": "noaux_tc"}.get(self.moe_router_score_function,
-                                                 "group_limited_greedy" if self.moe_router_num_groups else "greedy")
-            out.update(
-                n_routed_experts=self.num_moe_experts, num_experts_per_tok=self.moe_router_topk,
-                moe_intermediate_size=self.moe_ffn_hidden_size,
-                n_shared_experts=(self.moe_shared_expert_intermediate_size or 0) // self.moe_ffn_hidden_size,
-                first_k_dense_replace=freq.index(1) if 1 in freq else len(freq),
-                norm_topk_prob=self.moe_router_norm_topk, routed_scaling_factor=self.moe_router_topk_scaling_factor,
-                n_group=self.moe_router_num_groups or src.get("n_group", 1),
-                topk_group=self.moe_router_group_topk or src.get("topk_group", 1),
-                q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_head_dim,
-                qk_rope_head_dim=self.qk_pos_emb_head_dim, v_head_dim=self.v_head_dim)
-            if "topk_method" in src or self.model_type == "deepseek_v2":
-                out["topk_method"] = method
-            if "scoring_func" in src:
-                out["scoring_func"] = self.moe_router_score_function
-            if self.mtp_num_layers or "num_nextn_predict_layers" in src:
-                out["num_nextn_predict_layers"] = self.mtp_num_layers
-        if self.model_type == "llama":
-            for key, value in (("attention_bias", self.add_proj_bias), ("mlp_bias", self.add_mlp_bias)):
-                if key in src or value:
-                    out[key] = value
-        if self.model_type == "mistral" and ("sliding_window" in src or self.sliding_window is not None):
-            out["sliding_window"] = self.sliding_window
+        fam.write_config(self, out, src)
         # RoPE, in the source's style
         if "rope_parameters" in src:
             params = _rope_in_source_style(self.rope_scaling or {"rope_type": "default"}, src["rope_parameters"])
@@ -486,6 +396,8 @@ class ModelConfig:
         return cls.from_dict(d)
 
 
+_LATER_FIELDS = ("qk_layernorm",)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _MOE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                "moe_layer_freq", "moe_router_score_function", "moe_router_norm_topk", "moe_router_topk_scaling_factor",
                "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_aux_loss_coeff")
@@ -504,75 +416,13 @@ def applicable_fields(model: dict) -> dict:
         if k in ("rope_scaling", "sliding_window", "q_lora_rank", "moe_router_num_groups", "moe_router_group_topk",
                  "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor") and v is None:
             continue
-        if k in ("rotary_interleaved", "moe_router_enable_expert_bias", "multi_latent_attention") and not v:
+        if k in ("rotary_interleaved", "moe_router_enable_expert_bias", "multi_latent_attention", "qk_layernorm") \
+                and not v:
             continue
         if k == "mtp_num_layers" and not v:
             continue
         out[k] = v
     return out
-
-
-def _read_deepseek(hf: dict, source: str, integer, layers: int) -> dict:
-    """MoE + multi-latent attention + MTP fields of DeepSeek-V2 / V2-Lite / V3."""
-    mt = hf["model_type"]
-    method = hf.get("topk_method") or ("noaux_tc" if mt == "deepseek_v3" else "greedy")
-    if method not in TOPK_METHODS or (mt == "deepseek_v3" and method != "noaux_tc"):
-        raise ConfigError(f"{source}: router topk_method {method!r} is not supported for {mt}; supported: "
-                          f"{'noaux_tc' if mt == 'deepseek_v3' else ', '.join(TOPK_METHODS)}")
-    score, grouped, bias = TOPK_METHODS[method]
-    scoring = hf.get("scoring_func", score)
-    if scoring != score:
-        raise ConfigError(f"{source}: scoring_func {scoring!r} does not match topk_method {method!r} (expects {score!r})")
-    experts = integer("n_routed_experts")
-    topk = integer("num_experts_per_tok")
-    first_dense = hf.get("first_k_dense_replace") or 0
-    freq = hf.get("moe_layer_freq", 1)
-    if not isinstance(first_dense, int) or first_dense < 0:
-        raise ConfigError(f"{source}: first_k_dense_replace must be a non-negative integer, got {first_dense!r}")
-    if freq != 1:  # transformers ignores it; DeepSeek's own code skips layers: refuse rather than guess
-        raise ConfigError(f"{source}: moe_layer_freq={freq!r} is not supported (only 1)")
-    if mt == "deepseek_v2" and hf.get("norm_topk_prob"):
-        # transformers' V2 router never renormalises, DeepSeek's renormalises instead of scaling: ambiguous
-        raise ConfigError(f"{source}: norm_topk_prob=true is not supported for deepseek_v2")
-    if mt == "deepseek_v2" and hf.get("rope_interleave") is False:
-        raise ConfigError(f"{source}: rope_interleave=false is not supported for deepseek_v2 (always interleaved)")
-    n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
-    if grouped and (experts % n_group or topk_group > n_group):
-        raise ConfigError(f"{source}: n_group={n_group} must divide n_routed_experts={experts} and be >= "
-                          f"topk_group={topk_group}")
-    qk = hf.get("qk_head_dim")
-    if qk is not None and qk != hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]:
-        raise ConfigError(f"{source}: qk_head_dim={qk} is not qk_nope_head_dim + qk_rope_head_dim = "
-                          f"{hf['qk_nope_head_dim'] + hf['qk_rope_head_dim']}")
-    shared = hf.get("n_shared_experts") or 0
-    moe_ffn = integer("moe_intermediate_size")
-    q_lora = hf.get("q_lora_rank")
-    quant = hf.get("quantization_config")
-    if quant is not None:
-        blocks = quant.get("weight_block_size") if isinstance(quant, dict) else None
-        if not isinstance(quant, dict) or quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3" \
-                or not (isinstance(blocks, list) and len(blocks) == 2 and all(isinstance(b, int) and b > 0
-                                                                              for b in blocks)):
-            raise ConfigError(f"{source}: quantization_config {quant!r} is not supported (only fp8 e4m3 with "
-                              "weight_block_size [r, c])")
-    return dict(
-        num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        kv_channels=integer("v_head_dim"),
-        num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
-        moe_shared_expert_intermediate_size=shared * moe_ffn if shared else None,
-        moe_layer_freq=[int(i >= first_dense and i % freq == 0) for i in range(layers)],
-        moe_router_score_function=score, moe_router_norm_topk=bool(hf.get("norm_topk_prob", False)),
-        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
-        moe_router_num_groups=n_group if grouped else None, moe_router_group_topk=topk_group if grouped else None,
-        moe_router_enable_expert_bias=bias,
-        moe_aux_loss_coeff=float(hf.get("aux_loss_alpha") or 0.0),
-        multi_latent_attention=True,
-        q_lora_rank=integer("q_lora_rank", q_lora) if q_lora is not None else None,
-        kv_lora_rank=integer("kv_lora_rank"), qk_head_dim=integer("qk_nope_head_dim"),
-        qk_pos_emb_head_dim=integer("qk_rope_head_dim"), v_head_dim=integer("v_head_dim"),
-        rotary_interleaved=mt == "deepseek_v2" or bool(hf.get("rope_interleave", True)),
-        mtp_num_layers=hf.get("num_nextn_predict_layers") or 0,
-    )
 
 
 # Sizes and structure-defining fields never take a default: a config.json without them is refused. Every other field
@@ -586,11 +436,11 @@ _NO_DEFAULT = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "
 _SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 
 
-def _with_hf_defaults(hf: dict, model_type: str) -> dict:
+def _with_hf_defaults(hf: dict, model_type: str, fields: frozenset[str]) -> dict:
     """hf with transformers' reading of every absent field that the converter reads (only computed when one is)."""
     theta_missing = "rope_theta" not in hf and not any("rope_theta" in (hf.get(k) or {})
                                                        for k in ("rope_parameters", "rope_scaling"))
-    wanted = [k for k in _FAMILY_FIELDS[model_type] if k in _FIELD_TYPES and k not in _NO_DEFAULT and k not in hf
+    wanted = [k for k in fields if k in _FIELD_TYPES and k not in _NO_DEFAULT and k not in hf
               and (k != "rope_theta" or theta_missing)]
     if not wanted:  # a complete config.json (what save_pretrained writes) never imports transformers (~2 s of CPU)
         return hf

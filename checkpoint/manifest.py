@@ -15,8 +15,8 @@ from .config import ModelConfig
 from .errors import ConfigError, FormatError, LayoutError
 from .layout import Layout
 from .megatron import iter_dirname, iteration_of
-from .sharding import (OPTIMIZER_PREFIX, OPTIMIZER_STATES, TensorSpec, chunk_shape, fp8_scale_specs, model_specs,
-                       optimizer_specs)
+from .sharding import OPTIMIZER_PREFIX, OPTIMIZER_STATES, TensorSpec, chunk_shape, fp8_scale_specs, optimizer_specs
+from .families import model_specs
 
 FORMAT_NAME = "shardkit"
 FORMAT_VERSION = 1

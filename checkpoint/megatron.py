@@ -196,6 +196,8 @@ def model_args(cfg: ModelConfig, layout: Layout, key_naming: str = "te", dtype: 
         bf16=dtype == "bfloat16", fp16=dtype == "float16",
         transformer_impl="transformer_engine" if key_naming == "te" else "local", ckpt_format="torch_dist",
     )
+    if cfg.qk_layernorm:  # Megatron's default is off: set only when on (args pickled into every torch_dist save)
+        a["qk_layernorm"] = True
     if rope_type == "llama3":
         a.update(use_rope_scaling=True, rope_scaling_factor=float(rope.get("factor", 8.0)))
     elif rope_type == "linear":  # positions divided by the factor
@@ -402,13 +404,11 @@ def check_args(args: Any, cfg: ModelConfig, label: str, origin: str = "the model
 
 
 def hf_model_type_of(args: Any) -> str:
-    """The HF family config_from_megatron_args should read Megatron-LM args as: mixtral with experts, qwen2 for a QKV
-    bias without other linear biases, else llama."""
-    if arg(args, "num_experts") or arg(args, "num_moe_experts"):
-        return "mixtral"
-    if arg(args, "add_qkv_bias") and not arg(args, "add_bias_linear"):
-        return "qwen2"
-    return "llama"
+    """The HF family config_from_megatron_args should read Megatron-LM args as (each family says which args are its
+    own: checkpoint/families; Mixtral's with experts, Qwen2's with a QKV bias alone, else Llama's)."""
+    from .families import megatron_family
+
+    return megatron_family(lambda name, default=None: arg(args, name, default)).model_type
 
 
 def missing_model_args(args: Any, vocab_size: int | None = None) -> list[str]:
@@ -448,11 +448,17 @@ def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "ll
         if cond:
             raise ConfigError(f"{src}: {name}={get(name)!r}: {why}")
 
+    from .families import family_of, megatron_family, megatron_model_types
+
     experts = get("num_experts") or get("num_moe_experts")
-    mt = "mixtral" if experts and hf_model_type == "llama" else hf_model_type
-    if mt not in ("llama", "mistral", "qwen2", "mixtral"):
-        raise ConfigError(f"{src}: hf_model_type {hf_model_type!r} is not supported here (llama, mistral, qwen2, "
-                          "mixtral); for DeepSeek pass the model config from its HF config.json")
+    if hf_model_type not in megatron_model_types():
+        raise ConfigError(f"{src}: hf_model_type {hf_model_type!r} is not supported here "
+                          f"({', '.join(megatron_model_types())}); for DeepSeek pass the model config from its HF "
+                          "config.json")
+    fam = family_of(hf_model_type, src)
+    if experts and hf_model_type == "llama":  # the default: the MoE family the args describe
+        fam = megatron_family(get)
+    mt = fam.model_type
     refuse(bool(get("multi_latent_attention")), "multi_latent_attention",
            "pass the model config from the HF config.json (DeepSeek)")
     refuse(get("normalization", "LayerNorm") != "RMSNorm", "normalization", "only RMSNorm is supported")
@@ -465,12 +471,6 @@ def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "ll
     refuse(bool(get("mtp_num_layers")), "mtp_num_layers", "multi-token prediction is not supported for " + mt)
     refuse(get("window_size") is not None, "window_size", "sliding-window attention: pass the model config from "
                                                           "the HF config.json")
-    refuse(bool(get("add_bias_linear")) and mt == "qwen2", "add_bias_linear", "qwen2 has no output/MLP biases")
-    refuse(bool(get("add_qkv_bias")) and not get("add_bias_linear") and mt != "qwen2", "add_qkv_bias",
-           "a QKV bias without output/MLP biases is Qwen2's layout; pass hf_model_type='qwen2'")
-    refuse(mt == "qwen2" and not get("add_qkv_bias"), "add_qkv_bias", "qwen2 needs add_qkv_bias=True")
-    refuse(bool(get("add_bias_linear")) and mt in ("mistral", "mixtral"), "add_bias_linear",
-           f"{mt} has no linear biases")
 
     def integer(name: str, *alts: str) -> int:
         for n in (name, *alts):
@@ -508,34 +508,7 @@ def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "ll
                               **MEGATRON_LLAMA3_ROPE}
     elif interp:  # positions divided by the factor = linear scaling
         hf["rope_scaling"] = {"rope_type": "linear", "factor": float(interp)}
-    if mt == "llama":
-        bias = bool(get("add_bias_linear"))
-        hf.update(attention_bias=bias, mlp_bias=bias)
-    if mt == "mixtral":
-        if not experts:
-            raise ConfigError(f"{src}: hf_model_type 'mixtral' but num_experts is not set")
-        freq = get("moe_layer_freq", 1)
-        refuse(not (freq == 1 or (isinstance(freq, (list, tuple)) and set(freq) == {1})), "moe_layer_freq",
-               "Mixtral has an MoE MLP in every layer")
-        refuse(bool(get("moe_shared_expert_intermediate_size")), "moe_shared_expert_intermediate_size",
-               "Mixtral has no shared experts")
-        refuse(get("moe_router_score_function", "softmax") != "softmax", "moe_router_score_function",
-               "Mixtral routes with softmax")
-        refuse(bool(get("moe_router_pre_softmax")), "moe_router_pre_softmax",
-               "Mixtral renormalises the top-k probabilities")
-        refuse(get("moe_router_topk_scaling_factor") not in (None, 1, 1.0), "moe_router_topk_scaling_factor",
-               "Mixtral does not scale routing weights")
-        refuse(bool(get("moe_router_num_groups")), "moe_router_num_groups", "Mixtral routes without groups")
-        refuse(bool(get("moe_router_enable_expert_bias")), "moe_router_enable_expert_bias",
-               "Mixtral has no expert bias")
-        refuse(bool(get("add_bias_linear")), "add_bias_linear", "Mixtral has no biases")
-        hf.update(intermediate_size=integer("moe_ffn_hidden_size", "ffn_hidden_size"), num_local_experts=experts,
-                  num_experts_per_tok=integer("moe_router_topk"),
-                  router_aux_loss_coef=float(get("moe_aux_loss_coeff", 0.0)))
-    else:
-        hf["intermediate_size"] = integer("ffn_hidden_size")
-    if mt in ("mistral", "mixtral"):  # full attention, as Megatron ran it (an absent field means transformers' 4096)
-        hf["sliding_window"] = None
+    fam.megatron_to_hf(get, refuse, integer, hf)
     cfg = ModelConfig.from_hf(hf, source=src)
     div = get("make_vocab_size_divisible_by")
     if isinstance(div, int) and not isinstance(div, bool) and div > 0:

@@ -20,8 +20,9 @@ from .errors import CorruptionError, FormatError, ShardkitError
 from .layout import Layout, RankCoord
 from .manifest import MANIFEST, TRAIN_STATE, Manifest, TensorEntry, tensor_path
 from .safety import read_input, regular_file, safe_path
-from .sharding import (SCALE_SUFFIX, Rule, TensorSpec, local_shape, model_specs, optimizer_specs, regions,
+from .sharding import (SCALE_SUFFIX, Rule, TensorSpec, local_shape, optimizer_specs, regions, vocab_fill,
                        split_optimizer_key)
+from .families import model_specs
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a reshard or export moves numpy views end to end
     import torch
@@ -463,20 +464,6 @@ class ReadPlan:
 
 
 Array = TypeVar("Array", "torch.Tensor", np.ndarray)
-
-
-def vocab_fill(name: str, last_row: Array, rows: int) -> Array:
-    """The one vocab-padding rule (docs/FORMAT.md): the `rows` padding rows of vocab tensor `name` (or of its
-    optimizer state) after its last real row `last_row` (shape [1, ...], numpy or torch) are that row repeated, as
-    Megatron's converter pads; the Adam moments' (exp_avg, exp_avg_sq: no update history) are zeros. A broadcast
-    view, not a copy."""
-    shape = (rows, *last_row.shape[1:])
-    moment = (split_optimizer_key(name) or ("fp32_param",))[0] != "fp32_param"
-    if isinstance(last_row, np.ndarray):
-        return np.broadcast_to(np.zeros_like(last_row) if moment else last_row, shape)
-    import torch
-
-    return (torch.zeros_like(last_row) if moment else last_row).expand(*shape)
 
 
 def read_padded(read: Callable[[tuple[slice, ...]], Array], name: str, box: tuple[tuple[int, int], ...],

@@ -1,4 +1,5 @@
-"""The one sharding table: canonical tensors, their global shapes and partition rules, and the regions a rank owns.
+"""The sharding table's entries (canonical tensors, their global shapes and partition rules) and the regions a rank
+owns. The entries of a model are its family's tensor table (checkpoint.families.model_specs).
 
 Canonical names are Megatron-Core's sharded-state-dict keys with Transformer Engine naming. A homogeneous stack drops
 the layer index and prepends a layer axis (`decoder.layers.mlp.linear_fc1.weight`, shape [L, ...]); a stack that mixes
@@ -10,9 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import TypeVar
 
-from .config import ModelConfig
+import numpy as np
+
 from .layout import Layout, RankCoord
+
+_Array = TypeVar("_Array")  # a numpy array or a torch tensor
 
 
 class Rule(str, Enum):
@@ -78,86 +83,6 @@ class Region:
         return tuple(slice(o, o + s) for o, s in zip(self.local_offset, self.shape))
 
 
-# -- the table ---------------------------------------------------------------------------------------------------------
-
-def layer_specs(cfg: ModelConfig, prefix: str, lead: tuple[int, ...], moe: bool, **kw) -> list[TensorSpec]:
-    """The tensors of one transformer layer (or of all layers stacked when `lead` = (L,))."""
-    h = cfg.hidden_size
-    out: list[TensorSpec] = []
-
-    def add(name: str, shape: tuple[int, ...], rule: Rule, expert: bool = False) -> None:
-        out.append(TensorSpec(prefix + name, (*lead, *shape), rule, bool(lead), expert, **kw))
-
-    if cfg.multi_latent_attention:
-        nh = cfg.num_attention_heads
-        add("input_layernorm.weight", (h,), Rule.REPLICATED)
-        if cfg.q_lora_rank:
-            add("self_attention.linear_q_down_proj.weight", (cfg.q_lora_rank, h), Rule.REPLICATED)
-            add("self_attention.linear_q_up_proj.layer_norm_weight", (cfg.q_lora_rank,), Rule.REPLICATED)
-            add("self_attention.linear_q_up_proj.weight", (nh * cfg.q_head_dim, cfg.q_lora_rank), Rule.COLUMN)
-        else:
-            add("self_attention.linear_q_proj.weight", (nh * cfg.q_head_dim, h), Rule.COLUMN)
-        add("self_attention.linear_kv_down_proj.weight", (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, h),
-            Rule.REPLICATED)
-        add("self_attention.linear_kv_up_proj.layer_norm_weight", (cfg.kv_lora_rank,), Rule.REPLICATED)
-        add("self_attention.linear_kv_up_proj.weight", (nh * (cfg.qk_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-            Rule.COLUMN)
-        add("self_attention.linear_proj.weight", (h, nh * cfg.v_head_dim), Rule.ROW)
-    else:
-        add("self_attention.linear_qkv.layer_norm_weight", (h,), Rule.REPLICATED)
-        add("self_attention.linear_qkv.weight", (cfg.qkv_rows, h), Rule.QKV)
-        if cfg.add_qkv_bias:
-            add("self_attention.linear_qkv.bias", (cfg.qkv_rows,), Rule.QKV)
-        add("self_attention.linear_proj.weight", (h, cfg.num_attention_heads * cfg.kv_channels), Rule.ROW)
-        if cfg.add_proj_bias:
-            add("self_attention.linear_proj.bias", (h,), Rule.REPLICATED)
-    if moe:
-        E, F = cfg.num_moe_experts, cfg.moe_ffn_hidden_size
-        add("pre_mlp_layernorm.weight", (h,), Rule.REPLICATED)
-        add("mlp.router.weight", (E, h), Rule.REPLICATED)
-        if cfg.moe_router_enable_expert_bias:
-            add("mlp.router.expert_bias", (E,), Rule.REPLICATED)
-        add("mlp.experts.experts.linear_fc1.weight", (E, 2 * F, h), Rule.GATE_UP, expert=True)
-        add("mlp.experts.experts.linear_fc2.weight", (E, h, F), Rule.ROW, expert=True)
-        S = cfg.moe_shared_expert_intermediate_size
-        if S:
-            add("mlp.shared_experts.linear_fc1.weight", (2 * S, h), Rule.GATE_UP)
-            add("mlp.shared_experts.linear_fc2.weight", (h, S), Rule.ROW)
-    else:
-        F = cfg.ffn_hidden_size
-        add("mlp.linear_fc1.layer_norm_weight", (h,), Rule.REPLICATED)
-        add("mlp.linear_fc1.weight", (2 * F, h), Rule.GATE_UP)
-        if cfg.add_mlp_bias:
-            add("mlp.linear_fc1.bias", (2 * F,), Rule.GATE_UP)
-        add("mlp.linear_fc2.weight", (h, F), Rule.ROW)
-        if cfg.add_mlp_bias:
-            add("mlp.linear_fc2.bias", (h,), Rule.REPLICATED)
-    return out
-
-
-def model_specs(cfg: ModelConfig, layout: Layout) -> list[TensorSpec]:
-    """Every canonical tensor of `cfg` as stored for `layout` (vocab padding depends on layout.tp)."""
-    h, L = cfg.hidden_size, cfg.num_layers
-    vocab = cfg.padded_vocab_size(layout.tp)
-    specs = [TensorSpec("embedding.word_embeddings.weight", (vocab, h), Rule.VOCAB, False, stage="first")]
-    if cfg.heterogeneous:
-        for i in range(L):
-            specs += layer_specs(cfg, f"decoder.layers.{i}.", (), cfg.is_moe_layer(i), layer=i)
-    else:
-        specs += layer_specs(cfg, "decoder.layers.", (L,), cfg.is_moe)
-    specs.append(TensorSpec("decoder.final_layernorm.weight", (h,), Rule.REPLICATED, False, stage="last"))
-    if not cfg.tie_word_embeddings:
-        specs.append(TensorSpec("output_layer.weight", (vocab, h), Rule.VOCAB, False, stage="last"))
-    for i in range(cfg.mtp_num_layers):
-        p = f"mtp.layers.{i}."
-        specs += [TensorSpec(p + "enorm.weight", (h,), Rule.REPLICATED, False, stage="last"),
-                  TensorSpec(p + "hnorm.weight", (h,), Rule.REPLICATED, False, stage="last"),
-                  TensorSpec(p + "eh_proj.weight", (h, 2 * h), Rule.COLUMN, False, stage="last"),
-                  TensorSpec(p + "final_layernorm.weight", (h,), Rule.REPLICATED, False, stage="last")]
-        specs += layer_specs(cfg, p + "transformer_layer.", (), cfg.is_moe, stage="last")
-    return specs
-
-
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -197,6 +122,20 @@ def split_optimizer_key(key: str) -> tuple[str, str] | None:
         return None
     state, _, name = key[len(OPTIMIZER_PREFIX):].partition(".")
     return (state, name) if state in OPTIMIZER_STATES and name else None
+
+
+def vocab_fill(name: str, last_row: _Array, rows: int) -> _Array:
+    """The one vocab-padding rule (docs/FORMAT.md): the `rows` padding rows of vocab tensor `name` (or of its
+    optimizer state) after its last real row `last_row` (shape [1, ...], numpy or torch) are that row repeated, as
+    Megatron's converter pads; the Adam moments' (exp_avg, exp_avg_sq: no update history) are zeros. A broadcast
+    view, not a copy."""
+    shape = (rows, *last_row.shape[1:])
+    moment = (split_optimizer_key(name) or ("fp32_param",))[0] != "fp32_param"
+    if isinstance(last_row, np.ndarray):
+        return np.broadcast_to(np.zeros_like(last_row) if moment else last_row, shape)
+    import torch
+
+    return (torch.zeros_like(last_row) if moment else last_row).expand(*shape)
 
 
 def optimizer_specs(specs: list[TensorSpec], states: tuple[str, ...] | list[str] = OPTIMIZER_STATES

@@ -17,19 +17,20 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint import store
+from checkpoint import families, store
 from checkpoint.commit import IterationWriter
 from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError
+from checkpoint.families import model_specs
+from checkpoint.families.mapping import TensorMap, assemble
 from checkpoint.layout import Layout
 from checkpoint.manifest import Manifest, TensorEntry
 from checkpoint.reader import count_nonfinite
 from checkpoint.safety import check_output
-from checkpoint.sharding import SCALE_SUFFIX, TensorSpec, check_fp8_layout, fp8_scale_specs, model_specs
+from checkpoint.sharding import SCALE_SUFFIX, TensorSpec, check_fp8_layout, fp8_scale_specs
 
-from . import distributed, families
+from . import distributed
 from .hf_source import HFSource, copy_assets
-from .mapping import TensorMap, assemble
 from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
 VERSION = "0.1.0"
@@ -44,8 +45,8 @@ def plan(cfg: ModelConfig, layout: Layout, src: HFSource, dtype: str | None, kee
          quiet: bool = True) -> tuple[dict[str, TensorEntry], list[Task], dict | None]:
     """Validate the source against the config and list every chunk to write. Returns (entries, tasks, fp8) where
     fp8 lists the weights kept as block-FP8 (`keep_fp8`); otherwise FP8 sources are dequantized."""
-    fam = families.for_config(cfg)
-    maps = fam.tensor_maps(cfg, layout)
+    fam = families.family_of(cfg.model_type)
+    maps = families.tensor_maps(cfg, layout)
     base = model_specs(cfg, layout)
     specs = {s.name: s for s in base}
     needed: dict[str, tuple[int, ...]] = {}
@@ -129,7 +130,7 @@ def _check_shared_copies(cfg: ModelConfig, fam, src: HFSource, quiet: bool = Tru
     which some checkpoints still save): Megatron shares them, so they must be equal to the main one, compared block
     by block; returns the copies found. A copy that differs is an error naming both tensors, never dropped."""
     found = set()
-    copies = dict(getattr(fam, "shared_copies", lambda c: {})(cfg))
+    copies = fam.shared_copies(cfg)
     if cfg.tie_word_embeddings:  # the head is the embedding: a saved head (and MTP copies of it) must equal it
         copies = {copy: EMBEDDING if main == TIED_HEAD else main for copy, main in copies.items()}
         copies[TIED_HEAD] = EMBEDDING

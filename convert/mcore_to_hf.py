@@ -25,12 +25,12 @@ from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
 from checkpoint.safety import check_target, copy_side_files
 
-from . import families
+from checkpoint import families
 from checkpoint.sharding import SCALE_SUFFIX
 
 from .hf_source import INDEX, SINGLE
 from .writer import refuse_nonfinite
-from .mapping import Segment, TensorMap, hf_sources
+from checkpoint.families.mapping import Segment, TensorMap, hf_sources
 
 _ST_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
              "float8_e5m2": "F8_E5M2"}
@@ -75,11 +75,11 @@ def plan_export(ckpt: Checkpoint, dtype: str | None, quantize_fp8: bool = False)
     A checkpoint that kept FP8 weights exports them as they are (with their scales) unless a --dtype is asked for,
     which dequantizes them."""
     cfg = ckpt.config
-    fam = families.for_config(cfg)
+    fam = families.family_of(cfg.model_type)
     kept = ckpt.manifest.fp8
     dequant = bool(kept) and dtype is not None
     sources = hf_sources(families.tensor_maps(cfg, ckpt.layout, None if dequant else kept))
-    for copy, main in getattr(fam, "shared_copies", lambda c: {})(cfg).items():
+    for copy, main in fam.shared_copies(cfg).items():
         if main in sources:
             sources[copy] = sources[main]
     quant = _fp8_selector(ckpt) if quantize_fp8 and not kept else (lambda name: None)

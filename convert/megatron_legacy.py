@@ -54,7 +54,8 @@ from checkpoint.megatron import (CHECKPOINT_VERSION, RELEASE, TRACKER, arg, cano
                                  config_from_megatron_args, int_arg, iter_dirname, iteration_of, with_args_vocab)
 from checkpoint.progress import progress_bar
 from checkpoint.safe_load import SAFE_GLOBALS, MegatronObject, load_torch  # noqa: F401 - re-exported
-from checkpoint.sharding import TensorSpec, local_shape, model_specs, regions
+from checkpoint.sharding import TensorSpec, local_shape, regions
+from checkpoint.families import model_specs
 
 from .hf_to_mcore import VERSION
 from .writer import WORKER_MIN_BYTES, ChunkSink, Task, Workers, chunk_tasks, create_arrays

@@ -2,7 +2,7 @@
 
 Arrays are global, so resharding is re-chunking: every destination chunk reads exactly the source box it covers
 (tensorstore fetches only the source chunks that box touches). Vocab padding is recomputed for the destination TP
-by the one rule (checkpoint.reader.vocab_fill, as hf-to-mcore pads: the last real row repeated), so reshard(convert(hf, A), B) equals convert(hf, B) byte for
+by the one rule (checkpoint.sharding.vocab_fill, as hf-to-mcore pads: the last real row repeated), so reshard(convert(hf, A), B) equals convert(hf, B) byte for
 byte, and the true vocabulary never changes.
 
 A training checkpoint's optimizer state (`optimizer.state.<state>.<name>`, fp32, same specs as the weights) moves the
@@ -25,7 +25,8 @@ from checkpoint.layout import Layout, PipelineSplit
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry
 from checkpoint.reader import Checkpoint, ReadPlan, read_padded, vocab_padding
 from checkpoint.safety import check_output
-from checkpoint.sharding import Rule, check_fp8_layout, model_specs, split_optimizer_key
+from checkpoint.sharding import Rule, check_fp8_layout, split_optimizer_key
+from checkpoint.families import model_specs
 
 from .hf_to_mcore import VERSION
 from . import distributed

@@ -531,7 +531,8 @@ def convert_torchtitan_to_mcore(src: str | Path, out: str | Path, layout: Layout
     iteration = int(m.group(1)) if m else 0
     if optimizer:
         from checkpoint.manifest import TensorEntry
-        from checkpoint.sharding import model_specs, optimizer_specs
+        from checkpoint.sharding import optimizer_specs
+        from checkpoint.families import model_specs
 
         entries.update({s.name: TensorEntry.of(s, layout, "float32")
                         for s in optimizer_specs(model_specs(cfg, layout))})

@@ -34,7 +34,8 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
 from checkpoint.layout import Layout, PipelineSplit
 from checkpoint.run_layout import RunLayout
-from checkpoint.sharding import local_shape, model_specs
+from checkpoint.sharding import local_shape
+from checkpoint.families import model_specs
 
 from .units import GiB, PlanError
 

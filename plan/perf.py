@@ -36,7 +36,8 @@ from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
 from checkpoint.megatron import DENSE_ORDER, EXPERT_ORDER, span
 from checkpoint.run_layout import RunLayout
-from checkpoint.sharding import Rule, model_specs
+from checkpoint.sharding import Rule
+from checkpoint.families import model_specs
 
 from .memory import DTYPE_BYTES, TrainSettings, param_bytes_per_rank, stage_layers, total_params
 

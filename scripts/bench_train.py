@@ -15,7 +15,7 @@ the SAME weights on the SAME batch:
             built with the CPU shims of tests/megatron_oracle.py on a gloo group of one.
 
 The weights are a randomly initialised LlamaForCausalLM (seeded) saved once with save_pretrained; ours loads them
-through the converter's mapping (convert.llama.tensor_maps -> canonical tensors), megatron-core through its own
+through the converter's mapping (checkpoint.families.tensor_maps -> canonical tensors), megatron-core through its own
 sharded-state-dict keys (which are the canonical names), checked equal after loading. All three therefore compute
 the same loss at the first step (printed; a mismatch is reported in the JSON).
 
@@ -369,8 +369,8 @@ class Megatron(Impl):
 def _canonical_from_hf(cfg, weights: Path) -> dict:
     """HF tensors -> canonical (Megatron sharded-state-dict) tensors through the converter's own mapping."""
     from checkpoint.layout import Layout
-    from convert.families import tensor_maps
-    from convert.mapping import dict_reader, stack_canonical
+    from checkpoint.families import tensor_maps
+    from checkpoint.families.mapping import dict_reader, stack_canonical
 
     return stack_canonical(tensor_maps(cfg, Layout()), dict_reader(hf_state(weights)))
 

@@ -215,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     src_cfg.add_argument("--from-args", action="store_true", help="derive the model config from the checkpoint's "
                          "Megatron-LM args (needs --vocab-size)")
     m2m.add_argument("--vocab-size", type=int, default=None, help="true vocabulary size (args hold the padded one)")
-    m2m.add_argument("--model-type", default="llama", choices=["llama", "mistral", "qwen2", "mixtral"])
+    from checkpoint.families import megatron_model_types
+
+    m2m.add_argument("--model-type", default="llama", choices=megatron_model_types())
     m2m.add_argument("--workers", type=_workers, default=None, help="writer processes (at most the CPU count)")
     m2m.add_argument("--overwrite", action="store_true")
     m2m.add_argument("--quiet", action="store_true")

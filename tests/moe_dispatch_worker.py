@@ -14,7 +14,8 @@ def _case(rank: int, world: int, idle: bool, grouped_mm: bool, kind: str = "allt
     """kind: alltoall-ep (E/world experts per rank), alltoall-etp (every expert, its ffn split over the ranks: expert
     TP), allgather-ep (Megatron's allgather dispatcher over the EP ranks), allgather-etp (over the expert-TP ranks)."""
     from checkpoint.layout import Layout, RankCoord
-    from checkpoint.sharding import model_specs, regions
+    from checkpoint.sharding import regions
+    from checkpoint.families import model_specs
     from train.model import Experts
     from train.parallel.expert import AllGatherExperts, ExpertParallelExperts
 

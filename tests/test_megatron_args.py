@@ -20,7 +20,7 @@ from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
 from checkpoint.megatron import (NEWEST_ARGS, MegatronEnum, config_from_megatron_args, layout_from_args,
                                  megatron_args, megatron_lm_defaults, model_args)
-from checkpoint.sharding import model_specs
+from checkpoint.families import model_specs
 
 LLAMA = dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,

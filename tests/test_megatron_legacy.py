@@ -482,7 +482,7 @@ def test_resolve_keys_of_other_families():
     per-layer keys of a dense+MoE stack, MTP layers)."""
     from convert.megatron_legacy import resolve_key
     from checkpoint.layout import Layout
-    from checkpoint.sharding import model_specs
+    from checkpoint.families import model_specs
     from tests.moe_models import BASE, CONFIGS
 
     cls, kw = CONFIGS["deepseek_v3"]

@@ -20,7 +20,7 @@ import pytest
 from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
 from checkpoint.megatron import sharded_key
-from checkpoint.sharding import model_specs
+from checkpoint.families import model_specs
 
 # megatron-core runs only in the oracle subprocess: importing it here would register its pickle safe globals in
 # this process and weaken the allowlist checks of other tests.

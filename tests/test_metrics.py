@@ -11,7 +11,7 @@ import pytest
 
 from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
-from checkpoint.sharding import model_specs
+from checkpoint.families import model_specs
 from shardkit.cli import main as cli
 from train.metrics import (MetricsError, MetricsLogger, flops_per_step, format_line, peak_flops, peak_flops_for_name,
                            plot_metrics, read_metrics, throughput)

@@ -14,9 +14,9 @@ import transformers
 
 from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
-from checkpoint.sharding import model_specs
-from convert.llama import tensor_maps
-from convert.mapping import dict_reader, stack_canonical
+from checkpoint.families import model_specs
+from checkpoint.families import tensor_maps
+from checkpoint.families.mapping import dict_reader, stack_canonical
 from verify.whole import logit_parity
 from train.model import GPTModel
 

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
-from checkpoint.sharding import model_specs
-from convert import families
-from convert.mapping import dict_reader, stack_canonical
+from checkpoint.families import model_specs
+from checkpoint import families
+from checkpoint.families.mapping import dict_reader, stack_canonical
 from verify.whole import logit_parity
 from train.model import GPTModel
 
@@ -96,7 +96,7 @@ def saved_canonical(hf, path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     hf.save_pretrained(path)
     cfg = ModelConfig.from_hf_dir(path)
     state = load_file(path / "model.safetensors")
-    return cfg, stack_canonical(families.for_config(cfg).tensor_maps(cfg, Layout()), dict_reader(state))
+    return cfg, stack_canonical(families.tensor_maps(cfg, Layout()), dict_reader(state))
 
 
 def ours_from(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> GPTModel:

@@ -14,8 +14,8 @@ from checkpoint.errors import CorruptionError, FormatError
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.manifest import TRAIN_STATE, Manifest, TensorEntry, tensor_path
 from checkpoint.reader import Checkpoint
-from checkpoint.sharding import (OPTIMIZER_STATES, Rule, model_specs, optimizer_key, optimizer_specs,
-                                 split_optimizer_key)
+from checkpoint.sharding import OPTIMIZER_STATES, Rule, optimizer_key, optimizer_specs, split_optimizer_key
+from checkpoint.families import model_specs
 from convert.hf_to_mcore import convert_hf_to_mcore
 from convert.reshard import reshard
 from shardkit.demo import build_tiny_llama

@@ -293,7 +293,8 @@ def _our_boxes(cfg, layout: Layout, coord) -> set:
     shape, primary)."""
     import itertools
 
-    from checkpoint.sharding import model_specs, regions
+    from checkpoint.sharding import regions
+    from checkpoint.families import model_specs
 
     out = set()
     for s in model_specs(cfg, layout):
@@ -361,7 +362,7 @@ def test_regions_equal_megatron_core(megatron_regions, case):
     they differ when the last chunk holds no decoder layer ("...|mL")."""
     from checkpoint.layout import RankCoord
     from checkpoint.megatron import canonical_candidates
-    from checkpoint.sharding import model_specs
+    from checkpoint.families import model_specs
 
     model, layers, layout = REGION_CASES[case]
     cfg = (_llama_cfg if model == "llama" else _deepseek_cfg)(layers)
@@ -417,7 +418,7 @@ def test_legacy_uneven_stages_convert(tmp_path, case):
     from checkpoint.config import ModelConfig
     from checkpoint.megatron import canonical_candidates
     from checkpoint.reader import Checkpoint
-    from checkpoint.sharding import model_specs
+    from checkpoint.families import model_specs
     from convert.megatron_legacy import legacy_to_native
 
     layers, pp, vpp, split = LEGACY_CASES[case]

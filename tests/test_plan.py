@@ -17,7 +17,8 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError, LayoutError, ShardkitError
 from checkpoint.layout import Layout, PipelineSplit, RankCoord
 from checkpoint.run_layout import RunLayout
-from checkpoint.sharding import model_specs, regions
+from checkpoint.sharding import regions
+from checkpoint.families import model_specs
 from plan.memory import TrainSettings, estimate_memory, in_flight, param_bytes_per_rank, stage_layers, total_params
 from plan.perf import Hardware, flops_per_token, step_time
 from plan.search import plan, rank

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
 from checkpoint.layout import Layout, PipelineSplit, RankCoord
-from checkpoint.sharding import Rule, chunk_shape, local_shape, model_specs, regions
+from checkpoint.sharding import Rule, chunk_shape, local_shape, regions
+from checkpoint.families import model_specs
 
 
 @st.composite
@@ -35,21 +36,21 @@ def model_and_layout(draw):
         freq = draw(st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers))
         moe = dict(num_moe_experts=ep * draw(st.integers(1, 3)), moe_ffn_hidden_size=2 * draw(st.integers(1, 3)),
                    moe_layer_freq=freq if kind == "mla_moe" else [1] * layers,
-                   moe_shared_expert_intermediate_size=draw(st.sampled_from([None, tp * 2])),
-                   moe_router_enable_expert_bias=draw(st.booleans()))
+                   moe_shared_expert_intermediate_size=draw(st.sampled_from([None, tp * 2])) if kind == "mla_moe"
+                   else None, moe_router_enable_expert_bias=draw(st.booleans()) and kind == "mla_moe")
     else:
         ep, etp = 1, None
     if kind == "mla_moe":
         moe.update(multi_latent_attention=True, q_lora_rank=draw(st.sampled_from([None, 6])), kv_lora_rank=4,
                    qk_head_dim=2, qk_pos_emb_head_dim=2, v_head_dim=draw(st.sampled_from([2, 4])),
                    mtp_num_layers=draw(st.integers(0, 1)))
-    cfg = ModelConfig(
-        model_type="llama", num_layers=layers, hidden_size=draw(st.sampled_from([4, 8, 12])),
+    cfg = ModelConfig(  # each kind as the family that has it: Llama, Mixtral, DeepSeek-V3
+        model_type={"dense": "llama", "moe": "mixtral", "mla_moe": "deepseek_v3"}[kind], num_layers=layers, hidden_size=draw(st.sampled_from([4, 8, 12])),
         ffn_hidden_size=tp * draw(st.integers(1, 3)), num_attention_heads=groups * hpg,
         num_query_groups=groups * hpg if kind == "mla_moe" else groups,
         kv_channels=head_dim, vocab_size=draw(st.integers(1, 40)), max_position_embeddings=64, norm_epsilon=1e-5,
-        rotary_base=10000.0, tie_word_embeddings=draw(st.booleans()), add_qkv_bias=draw(st.booleans()),
-        add_proj_bias=draw(st.booleans()), add_mlp_bias=draw(st.booleans()) and kind == "dense",
+        rotary_base=10000.0, tie_word_embeddings=draw(st.booleans()), add_qkv_bias=draw(st.booleans()) and kind == "dense",
+        add_proj_bias=draw(st.booleans()) and kind == "dense", add_mlp_bias=draw(st.booleans()) and kind == "dense",
         make_vocab_size_divisible_by=draw(st.sampled_from([1, 4, 128])), **moe)
     if cfg.is_moe and etp is not None and cfg.moe_ffn_hidden_size % etp:
         etp = 1

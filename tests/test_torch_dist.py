@@ -29,7 +29,8 @@ from checkpoint.errors import FormatError, ShardkitError
 from checkpoint.layout import Layout
 from checkpoint.megatron import chunk_rank, extra_state_objects, stored_key
 from checkpoint.reader import Checkpoint
-from checkpoint.sharding import model_specs, regions
+from checkpoint.sharding import regions
+from checkpoint.families import model_specs
 from checkpoint.torch_dist import load_dcp_metadata, read_torch_dist
 from convert.hf_to_mcore import convert_hf_to_mcore
 from convert.mcore_to_hf import convert_mcore_to_hf

@@ -11,7 +11,8 @@ import torch
 
 from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout
-from checkpoint.sharding import Rule, model_specs
+from checkpoint.sharding import Rule
+from checkpoint.families import model_specs
 from train.model import GPTModel, canonical_name
 from train.parallel import tensor
 from tests import moe_models

@@ -33,7 +33,8 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
 
 from checkpoint.megatron import sharded_key  # noqa: E402
 from checkpoint.reader import Checkpoint  # noqa: E402
-from checkpoint.sharding import OPTIMIZER_STATES, model_specs, optimizer_key  # noqa: E402
+from checkpoint.sharding import OPTIMIZER_STATES, optimizer_key  # noqa: E402
+from checkpoint.families import model_specs
 from tests.test_torch_dist import megatron_model  # noqa: E402
 from tests.launcher import free_port, launch  # noqa: E402
 

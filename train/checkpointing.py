@@ -36,8 +36,9 @@ from checkpoint.faults import fault_point
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.manifest import MANIFEST, Manifest, TensorEntry, iter_dirname, tensor_path
 from checkpoint.reader import Checkpoint, entry_nbytes
-from checkpoint.sharding import (OPTIMIZER_STATES, TensorSpec, local_shape, model_specs, optimizer_key,
-                                 optimizer_specs, owner, regions)
+from checkpoint.sharding import (OPTIMIZER_STATES, TensorSpec, local_shape, optimizer_key, optimizer_specs, owner,
+                                 regions)
+from checkpoint.families import model_specs
 from train.model import canonical_name
 from train.optim import DistributedOptimizer
 from train.parallel.groups import Groups

@@ -2,7 +2,7 @@
 DeepSeek-V2/V2-Lite/V3 (multi-latent attention, routed + shared experts, multi-token prediction).
 
 The parameters live in Megatron-Core's canonical layout, so a checkpoint written by the converter loads with no
-reshuffling, and a parameter's name is its canonical name with the layer index in it (checkpoint.sharding.layer_specs
+reshuffling, and a parameter's name is its canonical name with the layer index in it (checkpoint.families.layer_specs
 is the reference for every name and shape):
 
     embedding.word_embeddings.weight                         [padded_vocab, h]
@@ -31,7 +31,7 @@ is the reference for every name and shape):
     full transformer layer mtp.layers.{j}.transformer_layer.… (MoE in an MoE model; not used by forward(), see
     `mtp_forward`: as in megatron-core, MTP reads the final-normed decoder output).
 
-Canonical tensors (``checkpoint.sharding.model_specs``) drop the ``{i}`` and stack the layers on a leading axis;
+Canonical tensors (``checkpoint.families.model_specs``) drop the ``{i}`` and stack the layers on a leading axis;
 a stack that mixes dense and MoE layers (DeepSeek's first_k_dense_replace) keeps the per-layer keys instead.
 `GPTModel.load_canonical` / `GPTModel.canonical_state_dict` convert between the two forms.
 
@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from checkpoint.config import ModelConfig
+from checkpoint.families import family_of
 
 from .dropout import attention_with_dropout, dropout
 
@@ -270,6 +271,9 @@ class SelfAttention(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.linear_qkv = NormLinear(cfg.hidden_size, cfg.qkv_rows, cfg.add_qkv_bias, cfg.norm_epsilon)
         self.linear_proj = linear(cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size, cfg.add_proj_bias)
+        # QK norm (Qwen3, megatron-core's qk_layernorm): each query and key head RMS-normalised before RoPE
+        self.q_layernorm = RMSNorm(self.head_dim, cfg.norm_epsilon) if cfg.qk_layernorm else None
+        self.k_layernorm = RMSNorm(self.head_dim, cfg.norm_epsilon) if cfg.qk_layernorm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         qkv = self.linear_qkv(x)
@@ -280,6 +284,8 @@ class SelfAttention(nn.Module):
         q = q.reshape(b, s, self.num_heads, self.head_dim)
         # [b, s, ng, hd]; v is copied out of qkv so that what SDPA keeps for backward does not hold all of qkv alive
         k, v = k.squeeze(3), v.squeeze(3).contiguous()
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core_attention(q, k, v, self._sliding_window_mask(s, x.device))
@@ -344,8 +350,7 @@ class MLASelfAttention(nn.Module):
                                             LATENT_NORM_EPS)
         self.linear_proj = linear(nh * self.v_dim, h, False)
         # HF V2 always rotates interleaved pairs (as complex numbers); V3 does when rope_interleave (its default)
-        interleaved = cfg.rotary_interleaved or cfg.model_type == "deepseek_v2"
-        self.rope = apply_rope_interleaved if interleaved else apply_rope
+        self.rope = apply_rope_interleaved if family_of(cfg.model_type).rotary_interleaved(cfg) else apply_rope
         self.softmax_scale = mla_softmax_scale(cfg)
 
     @staticmethod
@@ -424,7 +429,7 @@ class Router(nn.Module):
         self.scaling_factor = cfg.moe_router_topk_scaling_factor
         self.num_groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
         # DeepSeek keeps its gate in fp32 and computes the logits there; Mixtral's are in the activations' dtype
-        self.logits_dtype: torch.dtype | None = None if cfg.model_type == "mixtral" else torch.float32
+        self.logits_dtype: torch.dtype | None = torch.float32 if family_of(cfg.model_type).router_fp32 else None
 
     @staticmethod
     def on_route(scores: Tensor, weights: Tensor, indices: Tensor) -> Tensor:

@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from checkpoint.errors import ConfigError, FormatError
 from checkpoint.megatron import canonical_candidates
-from checkpoint.sharding import OPTIMIZER_STATES, local_shape, model_specs, optimizer_key, owner
+from checkpoint.sharding import OPTIMIZER_STATES, local_shape, optimizer_key, owner
+from checkpoint.families import model_specs
 from train import checkpointing as ckpt_io
 from train.loop import Trainer, check_layout_for_model, check_save_format, open_load, run_layout
 from train.engines.cpu_shims import cuda_as_cpu

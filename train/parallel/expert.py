@@ -47,7 +47,8 @@ from torch import Tensor, nn
 
 from checkpoint.config import ModelConfig
 from checkpoint.layout import Layout, RankCoord
-from checkpoint.sharding import model_specs, regions
+from checkpoint.sharding import regions
+from checkpoint.families import model_specs
 from train.model import Experts, GroupedMLP, MoELayer
 
 from . import comm

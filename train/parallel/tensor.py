@@ -42,7 +42,8 @@ from torch import Tensor, nn
 from checkpoint.config import ModelConfig
 from checkpoint.errors import LayoutError
 from checkpoint.layout import Layout, RankCoord
-from checkpoint.sharding import local_shape, model_specs, regions
+from checkpoint.sharding import local_shape, regions
+from checkpoint.families import model_specs
 from train.model import GPTModel, canonical_name, token_cross_entropy
 
 from . import comm

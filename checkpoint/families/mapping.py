@@ -1,4 +1,4 @@
-"""Declarative HF <-> canonical mappings.
+"""Declarative HF <-> canonical row maps (the HF side of a family's tensor table, checkpoint/families/table.py).
 
 A canonical (per-layer) tensor is a stack of row blocks, each a row range of one HF tensor: QKV interleaves q/k/v
 blocks per query group, fc1 is [gate; up], everything else is a single block. Vocab tensors add padding rows. Because
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
-from checkpoint.reader import vocab_fill
+from ..sharding import vocab_fill
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ class TensorMap:
     """One canonical tensor, or one (layer[, expert]) slice of a stacked one (`lead` = its leading indices), as row
     blocks of HF tensors.
 
-    Rows [pad_start, rows) are vocab padding: filled by the one rule (checkpoint.reader.vocab_fill: the last real
+    Rows [pad_start, rows) are vocab padding: filled by the one rule (checkpoint.sharding.vocab_fill: the last real
     row repeated, as Megatron's converter does) and never exported."""
 
     canonical: str
@@ -140,33 +140,7 @@ def dict_reader(state: "dict[str, torch.Tensor]") -> HFReader:
     return read
 
 
-# -- the model skeleton shared by every family ---------------------------------------------------------------------
-
-LayerMaps = Callable[..., list[TensorMap]]  # (cfg, cprefix, hprefix, lead, moe) -> maps of one layer
-
-
-def model_maps(cfg, layout, layer_maps: LayerMaps, mtp_maps: Callable[..., list[TensorMap]] | None = None
-               ) -> list[TensorMap]:
-    """Embedding, decoder layers (stacked or per-layer keys, as the sharding table names them), final norm, output
-    layer and MTP layers, with `layer_maps` supplying each family's layer. Checked against the sharding table."""
-    from checkpoint.sharding import model_specs
-
-    padded = cfg.padded_vocab_size(layout.tp)
-    h = cfg.hidden_size
-    maps = [single("embedding.word_embeddings.weight", (), "model.embed_tokens.weight", cfg.vocab_size, padded)]
-    for i in range(cfg.num_layers):
-        cprefix, lead = ((f"decoder.layers.{i}.", ()) if cfg.heterogeneous else ("decoder.layers.", (i,)))
-        maps += layer_maps(cfg, cprefix, f"model.layers.{i}.", lead, cfg.is_moe_layer(i))
-    maps.append(single("decoder.final_layernorm.weight", (), "model.norm.weight", h))
-    if not cfg.tie_word_embeddings:
-        maps.append(single("output_layer.weight", (), "lm_head.weight", cfg.vocab_size, padded))
-    for i in range(cfg.mtp_num_layers):
-        maps += mtp_maps(cfg, i)
-    names = {m.canonical for m in maps}
-    specs = {s.name for s in model_specs(cfg, layout)}
-    assert names == specs, f"mapping and sharding table disagree on {sorted(names ^ specs)}"
-    return maps
-
+# -- building blocks of layer tables (continued) -----------------------------------------------------------------
 
 def gated_mlp(cname: str, lead: tuple[int, ...], gate: str, up: str, down: str, ffn: int, hidden: int
               ) -> list[TensorMap]:
