@@ -55,7 +55,7 @@ BOUNDS: dict[str, tuple[str, int]] = {
     "mtp_num_layers": ("num_nextn_predict_layers", 64), "make_vocab_size_divisible_by": ("", 1 << 16),
     "sliding_window": ("sliding_window", 1 << 26),
 }
-_LIMITS = {hf: limit for hf, limit in BOUNDS.values() if hf} | {"n_routed_experts": 1 << 14}
+_LIMITS = {hf: limit for hf, limit in BOUNDS.values() if hf} | {"n_routed_experts": 1 << 14, "num_experts": 1 << 14}
 _OPTIONAL = {"num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "kv_lora_rank",
              "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "sliding_window"}
 
@@ -76,6 +76,7 @@ _FIELD_TYPES: dict[str, tuple[str, Any, bool]] = {
     "mlp_bias": ("bool", None, False), "sliding_window": ("int", 1, True), "use_sliding_window": ("bool", None, False),
     "max_window_layers": ("int", 0, False), "use_mrope": ("bool", None, False), "layer_types": ("list", None, True),
     "num_local_experts": ("int", 1, False), "num_experts_per_tok": ("int", 1, False),
+    "num_experts": ("int", 1, False), "decoder_sparse_step": ("int", 1, False), "mlp_only_layers": ("list", None, True),
     "router_aux_loss_coef": ("num", 0, False), "aux_loss_alpha": ("num", 0, False),
     "dtype": ("str", None, True), "torch_dtype": ("str", None, True),
     # DeepSeek
@@ -431,7 +432,7 @@ def applicable_fields(model: dict) -> dict:
 _NO_DEFAULT = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "rope_scaling", "rope_parameters", "head_dim", "qk_head_dim", "layer_types",
                "dtype", "torch_dtype", "max_window_layers", "quantization_config", "n_routed_experts",
-               "moe_intermediate_size", "num_local_experts", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "moe_intermediate_size", "num_local_experts", "num_experts", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                "v_head_dim"}
 _SIZES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
 

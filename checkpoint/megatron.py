@@ -456,7 +456,7 @@ def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "ll
                           f"({', '.join(megatron_model_types())}); for DeepSeek pass the model config from its HF "
                           "config.json")
     fam = family_of(hf_model_type, src)
-    if experts and hf_model_type == "llama":  # the default: the MoE family the args describe
+    if (experts or get("qk_layernorm")) and hf_model_type == "llama":  # the default: the family the args describe
         fam = megatron_family(get)
     mt = fam.model_type
     refuse(bool(get("multi_latent_attention")), "multi_latent_attention",
@@ -464,7 +464,7 @@ def config_from_megatron_args(args: argparse.Namespace, hf_model_type: str = "ll
     refuse(get("normalization", "LayerNorm") != "RMSNorm", "normalization", "only RMSNorm is supported")
     refuse(not get("swiglu", False), "swiglu", "only SwiGLU MLPs are supported")
     refuse(bool(get("apply_layernorm_1p")), "apply_layernorm_1p", "zero-centred norms are not supported")
-    refuse(bool(get("qk_layernorm")), "qk_layernorm", "QK norms are not supported for these families")
+    refuse(bool(get("qk_layernorm")) and not fam.qk_layernorm, "qk_layernorm", f"{mt} has no QK norms")
     refuse(get("position_embedding_type", "rope") != "rope", "position_embedding_type", "only rope is supported")
     refuse(get("rotary_percent", 1.0) != 1.0, "rotary_percent", "partial rotary embeddings are not supported")
     refuse(bool(get("rotary_interleaved")), "rotary_interleaved", "interleaved RoPE is not supported for " + mt)

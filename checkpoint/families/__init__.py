@@ -118,6 +118,7 @@ def tensor_maps(cfg: ModelConfig, layout: Layout, fp8: dict | None = None) -> li
 from .deepseek import DEEPSEEK_V2, DEEPSEEK_V3  # noqa: E402
 from .llama import LLAMA, MISTRAL, QWEN2  # noqa: E402
 from .mixtral import MIXTRAL  # noqa: E402
+from .qwen3 import QWEN3, QWEN3_MOE  # noqa: E402
 
-for _family in (LLAMA, MISTRAL, QWEN2, MIXTRAL, DEEPSEEK_V2, DEEPSEEK_V3):
+for _family in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V2, DEEPSEEK_V3):
     register(_family)

@@ -29,6 +29,8 @@ class Family:
     hf_final_norm = "model.norm.weight"
     hf_output = "lm_head.weight"
     hf_layer = "model.layers.{i}."
+    # RMSNorm of each query and key head (Megatron's --qk-layernorm): Megatron-LM args with it are this family's
+    qk_layernorm: bool = False
     # an MoE router computes its logits in fp32 (DeepSeek keeps its gate there); False: in the activations' dtype,
     # as transformers' Mixtral does
     router_fp32: bool = True
