@@ -25,9 +25,19 @@ def add_parsers(sub) -> None:
     pl.add_argument("--fp8", action="store_true", help="FP8 GEMMs (Transformer Engine)")
     pl.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
                     help="activation recompute; auto tries all three (default)")
-    pl.add_argument("--kernels", default="fused", choices=("fused", "eager"),
-                    help="activations kept by fused kernels (Megatron/TE/flash, default) or by plain PyTorch autograd "
-                         "(shardkit's trainer; dense models)")
+    pl.add_argument("--engine", default=None, choices=("megatron-core", "native"),
+                    help="continue-pretrain's engine to model: its layer's saved activations, its optimizer sharding "
+                         "and DP traffic (default: as continue-pretrain on a GPU cluster: megatron-core where its "
+                         "engine runs the layout, native otherwise, e.g. CP > 1 or a model it does not build); launch "
+                         "gets it as --engine")
+    pl.add_argument("--kernels", default=None, choices=("fused", "eager", "local"),
+                    help="override the activations a layer keeps: fused (TE / flash kernels: Megatron-LM with "
+                         "Transformer Engine), eager (the native engine's plain autograd), local (megatron-core's "
+                         "local spec, what its engine builds); default: the engine's own")
+    pl.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+                    help="megatron-core's --overlap-grad-reduce (default on; written on plan's launch command)")
+    pl.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=True,
+                    help="megatron-core's --overlap-param-gather (default on; written on plan's launch command)")
     pl.add_argument("--optimizer-sharding", "--use-distributed-optimizer", dest="optimizer_sharding",
                     action=argparse.BooleanOptionalAction, default=True,
                     help="distributed optimizer: Adam state split over DP x CP (ZeRO-1), as continue-pretrain always "
@@ -69,6 +79,9 @@ def add_parsers(sub) -> None:
     la.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                     help="the activation recompute plan chose: written as --recompute-granularity (default: as "
                          "given after `--`, none if not)")
+    la.add_argument("--engine", choices=("megatron-core", "native"), default=None,
+                    help="continue-pretrain's engine, the one plan modelled: written as --engine (default: as given "
+                         "after `--`, else the trainer's default: megatron-core on CUDA where installed)")
     la.add_argument("--skip-load-check", action="store_true",
                     help="do not open --load here (it is not reachable from this machine): the layout is then not "
                          "checked against its model before the job is written (the trainer checks it at start-up)")
@@ -171,7 +184,9 @@ def _plan(args: argparse.Namespace) -> int:
     s = TrainSettings(seq_length=args.seq_length, micro_batch_size=sizes[0],
                       global_batch_size=args.global_batch_size, recompute="none" if args.recompute == "auto" else
                       args.recompute, distributed_optimizer=args.optimizer_sharding, fp8=args.fp8,
-                      reserved_bytes=reserved, kernels=args.kernels)
+                      reserved_bytes=reserved, kernels=args.kernels, engine=args.engine or "megatron-core",
+                      overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
+    fallback = args.engine is None  # continue-pretrain's default: native where megatron-core's engine does not run
     modes = ["none", "selective", "full"] if args.recompute == "auto" else [args.recompute]
     if args.max_cp is not None and args.max_cp < 1:
         raise PlanError(f"--max-cp must be positive, got {args.max_cp}")
@@ -181,12 +196,14 @@ def _plan(args: argparse.Namespace) -> int:
                for lay in (parse_layout(x) for x in args.layout or [])]
     within = args.prefer_common_within / 100
     cands = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, max_cp=args.max_cp, headroom=headroom,
-                 micro_batch_sizes=sizes, prefer_within=within)
+                 micro_batch_sizes=sizes, prefer_within=within, engine_fallback=fallback)
     requested = plan(cfg, args.gpus, gpu_memory, s, hw, recompute=modes, layouts=layouts, headroom=headroom,
-                     micro_batch_sizes=sizes, prefer_within=within) if layouts else []
+                     micro_batch_sizes=sizes, prefer_within=within, engine_fallback=fallback) if layouts else []
     title = (f"{name}: {args.gpus} GPUs x {gpu_memory / 2**30:.1f} GiB ({headroom / 2**30:.1f} GiB headroom), seq "
              f"{s.seq_length}, micro batch {','.join(map(str, sizes))}, global batch {s.global_batch_size}"
-             f"{', FP8' if s.fp8 else ''}, optimizer {'sharded' if s.distributed_optimizer else 'not sharded'}")
+             f"{', FP8' if s.fp8 else ''}, optimizer {'sharded' if s.distributed_optimizer else 'not sharded'}, "
+             f"engine {args.engine or 'megatron-core (native where it does not run)'}"
+             f"{', kernels ' + args.kernels if args.kernels else ''}")
     chosen = next((c for c in requested + cands if c.fits), None)  # a layout asked for first, else the fastest
     load = name if Path(name).is_dir() and not (Path(name) / "config.json").exists() else None  # a checkpoint
     launch = None if chosen is None else report.launch_argv(chosen, args.gpus, args.gpus_per_node, load)
@@ -225,7 +242,7 @@ def _launch(args: argparse.Namespace) -> int:
                       time=args.time, sbatch_extra=tuple(x if x.startswith("-") else "--" + x for x in args.sbatch),
                       env=tuple(args.env), partition=args.partition, account=args.account, qos=args.qos,
                       exclusive=args.exclusive, requeue=args.requeue, signal=args.signal, recompute=args.recompute,
-                      check_load=not args.skip_load_check)
+                      check_load=not args.skip_load_check, engine=args.engine)
     check_trainer_args(spec)  # the trainer's start-up checks, against --load: a refusal writes nothing
     if args.dry_run:
         out = Path(args.out).resolve()

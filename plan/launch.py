@@ -67,6 +67,7 @@ class LaunchSpec:
     signal: str | None = "USR1@300"  # SLURM's --signal=SIG@SECONDS before the time limit; the trainer saves and exits
     recompute: str | None = None  # plan's choice: none | selective | full (--recompute-granularity); None: as given
     check_load: bool = True  # open --load here and check the layout against its model (launch --skip-load-check)
+    engine: str | None = None  # plan's engine: megatron-core | native (--engine); None: as given after `--`
 
 
 # SLURM's --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (and no limit)
@@ -170,6 +171,8 @@ def check(spec: LaunchSpec) -> None:
                             "split; give it once, in --layout")
         if spec.recompute is not None and name in ("--recompute-granularity", "--recompute-activations"):
             raise PlanError(f"{name} after `--` contradicts --recompute {spec.recompute}; give it once")
+        if spec.engine is not None and name == "--engine":
+            raise PlanError(f"--engine after `--` contradicts launch's --engine {spec.engine}; give it once")
     for e in spec.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", e):
             raise PlanError(f"--env {e!r}: expected KEY=VALUE")
@@ -265,9 +268,30 @@ def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
     _check_train_outputs(cfg)
     validate(cfg)
     dims = run_layout(cfg, world=spec.layout.world)
+    mcore = cfg.run.engine == "megatron-core"  # asked for by name: what that engine refuses on the cluster's GPUs
+    if mcore:
+        from train.engines.megatron_core import NotCovered, check_flags
+
+        try:
+            check_flags(cfg, on_cpu=False)
+            micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dims.dp)
+            if dims.vpp > 1 and micro % dims.pp:  # as MegatronCoreTrainer: its interleaved groups of PP micro-batches
+                raise NotCovered(f"--vpp {dims.vpp}: megatron-core's interleaved schedule runs the micro-batches in "
+                                 f"groups of --pp {dims.pp}, but each DP rank has {micro} per step; make it a "
+                                 f"multiple of {dims.pp}")
+        except NotCovered as e:
+            raise e.as_config_error() from None
     if spec.check_load:
         c = cfg.checkpoint  # the model config is what is checked here; the trainer verifies the chunks when it starts
         ck, src, _, _ = open_load(replace(c, skip_verify=True), cfg.data.global_batch_size)
+        if mcore:
+            from train.engines import model_not_covered
+
+            why = model_not_covered(ck.config)
+            if why:
+                from checkpoint.errors import ConfigError
+
+                raise ConfigError(f"--engine megatron-core: {why}")
         check_layout_for_model(cfg, dims, ck.config, src)
     check_save_format(cfg.checkpoint.save, cfg.checkpoint.save_format)
     return cfg
@@ -308,6 +332,8 @@ def trainer_args(spec: LaunchSpec) -> list[str]:
         out.append("--sequence-parallel")
     if spec.recompute in ("selective", "full"):
         out += ["--recompute-granularity", spec.recompute]
+    if spec.engine is not None:
+        out += ["--engine", spec.engine]
     sig = parse_signal(spec.signal)
     if sig:  # SLURM sends it --signal's seconds before the time limit: save, then exit cleanly
         if "--exit-signal-handler" not in names:
@@ -362,7 +388,10 @@ def run_line(spec: LaunchSpec) -> str:
     rec = {"selective": "selective recompute", "full": "full recompute", "none": "no recompute"}.get(
         spec.recompute or "", "recompute as given below")
     sp = "sequence parallel" if lay.tp > 1 else "no TP/SP"
-    return f"{rec}; {sp}; optimizer state sharded over DP x CP = {lay.dp * lay.cp} (the distributed optimizer)"
+    if spec.engine == "native":  # whole parameters per DP rank; CP ranks hold their DP rank's share
+        return f"{rec}; {sp}; engine native; optimizer state sharded over DP = {lay.dp} (ZeRO-1, whole parameters)"
+    eng = "engine megatron-core; " if spec.engine else ""
+    return f"{rec}; {sp}; {eng}optimizer state sharded over DP x CP = {lay.dp * lay.cp} (the distributed optimizer)"
 
 
 def render_scripts(spec: LaunchSpec, torchrun_path: str = "torchrun.sh",

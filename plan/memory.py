@@ -16,6 +16,25 @@ tp. The paper's 34*s*b*h for GPT-3's layer is the same list: 4sbh of LayerNorm i
 ``kernels="eager"`` (TrainSettings) counts what plain PyTorch autograd keeps instead, as shardkit's own trainer does on
 CPU: equal to the bytes measured with saved_tensors_hooks (tests/test_plan.py), ~1.3x the fused list.
 
+The engine (issue 40; ``engine``: continue-pretrain's --engine). Each keeps its own list, and `shardkit plan` models the
+one it will launch (``kernels=None``: the engine's):
+- ``megatron-core``: its engine builds megatron-core's local layer spec (TE's spec is not wired in yet), ``kernels=
+  "local"``: torch.nn.RMSNorm keeps its input and the normalised value in fp32 (8h + 4 per norm), the unfused
+  DotProductAttention keeps Q, K and V expanded to every query head and the fp32 softmax with its bf16 copy (6as, the
+  s^2 term), RoPE's cos/sin are made per layer (8d per token, not split over TP), the GLU keeps silu(gate) and a copy
+  of `up` besides [gate; up] and the product (10F); selective recompute keeps the fused QKV output (K and V are views
+  of it), Q and K after RoPE instead of the expanded Q/K/V and the softmax. Measured by scripts/bench_activations.py
+  with saved-tensor hooks (exactly, at a tiny width; tests/test_plan.py). ``kernels="fused"`` is what TE's spec and
+  flash attention keep (Korthikanti et al.'s list: Megatron-LM with TE). Its distributed optimizer splits the Adam
+  state as one flat buffer over DP x CP; --overlap-grad-reduce / --overlap-param-gather overlap the DP traffic with
+  the last micro-batch's backward / the first one's forward, in place in its contiguous param and grad buffers (no
+  extra buffer; each bucket is padded to a multiple of lcm(DP, 128) elements, < 1 MiB).
+- ``native``: ``kernels="eager"``; its optimizer gives whole parameters to DP ranks (greedy by size, over DP only: CP
+  ranks each hold the state of what their DP rank owns), the heaviest rank is counted; its gradients are all-reduced
+  in one piece after the backward and the owners broadcast the new weights, not overlapped.
+MoE and multi-latent attention layers in the eager and local lists are the fused list with the engine's norm and GLU
+kept as in the dense layer: extrapolated, not measured.
+
 Recompute (Megatron's --recompute-granularity): ``selective`` recomputes the core attention, dropping its s^2 or
 log-sum-exp term; ``full`` keeps only each layer's input (2 bytes per token and hidden unit) plus one layer's full
 activations while it is recomputed.
@@ -41,7 +60,9 @@ from .units import GiB, PlanError
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 RECOMPUTE = ("none", "selective", "full")
-KERNELS = ("fused", "eager")
+KERNELS = ("fused", "eager", "local")
+ENGINES = ("megatron-core", "native")
+ENGINE_KERNELS = {"megatron-core": "local", "native": "eager"}  # what each engine's layer keeps as it is built today
 
 
 @dataclass(frozen=True)
@@ -58,12 +79,22 @@ class TrainSettings:
     params_dtype: str = "bfloat16"
     grad_dtype: str = "float32"  # Megatron's main-grad buffer (accumulate and reduce in fp32)
     flash_attention: bool = True
-    kernels: str = "fused"  # fused (Megatron / Transformer Engine / flash) | eager (plain PyTorch autograd, our trainer)
+    # fused (Megatron-LM with TE / flash) | eager (the native engine's plain autograd) | local (megatron-core's local
+    # spec, what its engine builds) | None: the engine's (ENGINE_KERNELS)
+    kernels: str | None = "fused"
     reserved_bytes: int = 2 * GiB  # CUDA context, NCCL communicators, cuBLAS workspaces, allocator slack
+    engine: str = "megatron-core"  # continue-pretrain's --engine: its optimizer, DP traffic (and kernels when None)
+    overlap_grad_reduce: bool = True  # megatron-core's --overlap-grad-reduce (the native engine has none)
+    overlap_param_gather: bool = True  # megatron-core's --overlap-param-gather (with the distributed optimizer)
 
     def __post_init__(self) -> None:
-        if self.kernels not in KERNELS:
+        if self.engine not in ENGINES:
+            raise PlanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.kernels is not None and self.kernels not in KERNELS:
             raise PlanError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.engine == "native":  # no overlap there (it refuses the flags)
+            object.__setattr__(self, "overlap_grad_reduce", False)
+            object.__setattr__(self, "overlap_param_gather", False)
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         for k in ("seq_length", "micro_batch_size", "global_batch_size"):
@@ -73,6 +104,11 @@ class TrainSettings:
         for k in ("params_dtype", "grad_dtype"):
             if getattr(self, k) not in DTYPE_BYTES:
                 raise PlanError(f"{k}: unknown dtype {getattr(self, k)!r}; one of {', '.join(DTYPE_BYTES)}")
+
+    @property
+    def layer_kernels(self) -> str:
+        """What one layer keeps: `kernels`, or the engine's own (None)."""
+        return self.kernels or ENGINE_KERNELS[self.engine]
 
     def microbatches(self, dp: int) -> int:
         """Micro-batches per pipeline per step (at least 1 even when the batch does not divide: that is flagged)."""
@@ -164,6 +200,62 @@ def param_counts_per_stage(cfg: ModelConfig, layout: RunLayout) -> list[dict[str
     return out
 
 
+_TENSORS: dict[tuple, tuple] = {}
+
+
+def _tensor_sizes(cfg: ModelConfig, tp: int, ep: int, etp: int | None) -> tuple:
+    """(per decoder layer: [(elements, expert?)] in the model's order, first-stage tensors, last-stage tensors): one
+    rank's local tensors, each a parameter of its own as the native engine holds them."""
+    key = (repr(cfg), tp, ep, etp)
+    if key not in _TENSORS:
+        lay = Layout(tp=tp, pp=1, vpp=1, ep=ep, etp=etp)
+        L = cfg.num_layers
+        layers: list[list] = [[] for _ in range(L)]
+        first, last = [], []
+        for spec in model_specs(cfg, lay):
+            n = math.prod(local_shape(spec, lay))
+            if spec.per_layer:
+                for i in range(L):
+                    layers[i].append((n // L, spec.expert))
+            elif spec.layer is not None:
+                layers[spec.layer].append((n, spec.expert))
+            else:
+                (first if spec.stage == "first" else last).append((n, spec.expert))
+        _TENSORS[key] = (layers, first, last)
+    return _TENSORS[key]
+
+
+def _greedy_max(sizes: list[int], ranks: int) -> int:
+    """The heaviest rank's elements when `sizes` are dealt whole, in order, each to the least-loaded rank (the native
+    engine's train.optim.owners)."""
+    import heapq
+
+    if not sizes:
+        return 0
+    heap = [(0, r) for r in range(ranks)]
+    for n in sizes:
+        load, r = heapq.heappop(heap)
+        heapq.heappush(heap, (load + n, r))
+    return max(load for load, _ in heap)
+
+
+def native_optimizer_elements(cfg: ModelConfig, layout: RunLayout, pp_rank: int) -> int:
+    """Optimizer elements on the heaviest rank of stage `pp_rank` under the native engine's ZeRO-1: each local
+    parameter owned whole by one DP rank (dense) or expert-DP rank (experts), greedily by size; CP ranks are not
+    part of it (each holds what its DP rank owns)."""
+    layers, first, last = _tensor_sizes(cfg, layout.tp, layout.ep, layout.etp)
+    held = [x for i in stage_layers(cfg.num_layers, layout.pp, layout.vpp, layout.split)[pp_rank] for x in layers[i]]
+    if pp_rank == 0:
+        held = first + held
+    if pp_rank == layout.pp - 1:
+        held = held + last
+        if (cfg.tie_word_embeddings or cfg.mtp_num_layers) and layout.pp > 1:
+            held = held + first
+    dense = [n for n, e in held if not e]
+    expert = [n for n, e in held if e]
+    return _greedy_max(dense, layout.dp) + _greedy_max(expert, layout.edp)
+
+
 def _shard(n: int, parts: int) -> int:
     """Elements of one rank when a flat buffer of n is cut into `parts` equal pieces (the last padded)."""
     return -(-n // parts)
@@ -188,13 +280,16 @@ def param_bytes_per_rank(cfg: ModelConfig, layout: RunLayout, distributed_optimi
 
 
 def _bytes(dense: int, expert: int, layout: RunLayout, distributed_optimizer: bool, dtype: str,
-           grad_dtype: str, main_params: bool | None = None) -> dict:
+           grad_dtype: str, main_params: bool | None = None, owned: int | None = None) -> dict:
+    """`owned`: the optimizer's elements where they are not an even split (the native engine's whole tensors)."""
     if dtype not in DTYPE_BYTES or grad_dtype not in DTYPE_BYTES:
         raise PlanError(f"unknown dtype {dtype!r} / {grad_dtype!r}; one of {', '.join(DTYPE_BYTES)}")
     n = dense + expert
     w, g = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_dtype]
     main = 4 if (main_params if main_params is not None else w != 4) else 0
-    if distributed_optimizer:
+    if owned is not None and distributed_optimizer:
+        opt_elems = owned
+    elif distributed_optimizer:
         opt_elems = _shard(dense, layout.dp * layout.cp) + (_shard(expert, layout.edp) if expert else 0)
     else:
         opt_elems = n
@@ -268,23 +363,62 @@ def layer_activation_terms(cfg: ModelConfig, moe: bool, s: TrainSettings, layout
         terms["fc1_in"] = lin * h
         terms["fc1_out"] = a * 2 * F  # SwiGLU input [gate; up]
         terms["fc2_in"] = lin * F  # SwiGLU output
-    if s.kernels == "eager":
+    kernels = s.layer_kernels
+    if kernels == "eager":
         _eager(terms, cfg, moe, a)
+    elif kernels == "local":
+        _local(terms, cfg, moe, a, s, t)
     return {k: v * T / t for k, v in terms.items()}
 
 
+def _glu_copies(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int, copies: int) -> None:
+    """`copies` more tensors of the GLU's width per token (silu(gate); megatron-core's local GLU also a copy of up)."""
+    if moe:
+        terms["expert_glu_extra"] = copies * a * cfg.moe_ffn_hidden_size * cfg.moe_router_topk
+        if cfg.moe_shared_expert_intermediate_size:
+            terms["shared_glu_extra"] = copies * a * cfg.moe_shared_expert_intermediate_size
+    else:
+        terms["silu_out" if copies == 1 else "glu_extra"] = copies * a * cfg.ffn_hidden_size
+
+
 def _eager(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int) -> None:
-    """What plain PyTorch autograd keeps beyond the fused kernels' list (shardkit's trainer, train/model.py):
+    """What plain PyTorch autograd keeps beyond the fused kernels' list (the native engine, train/model.py):
     RMSNorm keeps its fp32 input (the upcast copy, or the input itself in fp32), the normalised value before the
     weight and the fp32 rsqrt; SwiGLU keeps silu(gate) besides gate, up and the product. Q, K and V are kept at
     their own widths, as the fused list counts them (GQA inside SDPA: K and V are not expanded to every query head).
-    Dense GQA layers only: the eager MoE and MLA code paths are not modelled."""
-    if moe or cfg.multi_latent_attention:
-        raise PlanError("the eager activation model covers dense GQA layers only (not MoE or multi-latent attention)")
-    h, F = cfg.hidden_size, cfg.ffn_hidden_size
+    Measured for dense GQA layers (equal to the byte); MoE and MLA layers: the same norms and SwiGLU on the fused
+    list, extrapolated."""
+    h = cfg.hidden_size
     for norm in ("attn_norm_in", "mlp_norm_in"):
         terms[norm] = 4 * h + a * h + 4
-    terms["silu_out"] = a * F
+    _glu_copies(terms, cfg, moe, a, 1)
+
+
+def _local(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int, s: TrainSettings, t: int) -> None:
+    """What megatron-core's local layer spec keeps (its engine's build; scripts/bench_activations.py, exact at a tiny
+    width): torch.nn.RMSNorm's fp32 input and normalised value and its rsqrt (8h + 4 per norm); the unfused
+    DotProductAttention's Q, K and V expanded to every query head (3 a nh d), its fp32 softmax and the copy in the
+    training dtype the V matmul reads ((4 + a) nh s per query token); RoPE's cos and sin for Q and K made per layer
+    (4 a d per token, the whole sequence on every TP rank); the GLU's silu(gate) and copy of up besides [gate; up]
+    and the product. Selective recompute (the core attention checkpointed) keeps the fused QKV output instead (K and
+    V are views of it) and Q and K after RoPE. MoE and MLA layers: the fused list with these norms and GLU,
+    extrapolated."""
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    for norm in ("attn_norm_in", "mlp_norm_in"):
+        terms[norm] = 8 * h + 4
+    _glu_copies(terms, cfg, moe, a, 2)
+    if cfg.multi_latent_attention:
+        return
+    d, g = cfg.kv_channels, cfg.num_query_groups
+    terms["rope"] = 4 * a * d * t  # not split over TP: x t against the common / t
+    if s.recompute == "selective":
+        terms.pop("core_attn")
+        terms["qkv"] = a * (nh + 2 * g) * d  # the QKV output, kept whole by the K and V views
+        terms["q_rope"] = a * nh * d
+        terms["k_rope"] = a * g * d
+    else:
+        terms["qkv"] = 3 * a * nh * d  # Q, K^T and V expanded to every query head
+        terms["core_attn"] = (4 + (a if a != 4 else 0)) * nh * s.seq_length  # fp32 softmax and its copy
 
 
 def layer_activation_bytes(cfg: ModelConfig, moe: bool, s: TrainSettings, layout: RunLayout) -> float:
@@ -396,8 +530,11 @@ def estimate_memory(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> Me
     counts = param_counts_per_stage(cfg, layout)
     for r in range(layout.pp):
         args = (counts[r]["dense"], counts[r]["expert"], layout)
-        p = _bytes(*args, s.distributed_optimizer, s.params_dtype, s.grad_dtype)
-        alt = _bytes(*args, not s.distributed_optimizer, s.params_dtype, s.grad_dtype)
+        # the native engine's ZeRO-1 deals whole tensors over DP (its heaviest rank); megatron-core's splits a flat
+        # buffer evenly over DP x CP
+        owned = native_optimizer_elements(cfg, layout, r) if s.engine == "native" else None
+        p = _bytes(*args, s.distributed_optimizer, s.params_dtype, s.grad_dtype, owned=owned)
+        alt = _bytes(*args, not s.distributed_optimizer, s.params_dtype, s.grad_dtype, owned=owned)
         acts = stage_activation_bytes(cfg, s, layout, r, layers_by_stage[r])
         e = MemoryEstimate(
             weights=p["weights"], grads=p["grads"], optimizer=p["optimizer"],

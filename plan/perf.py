@@ -24,8 +24,11 @@ member sits in one node under Megatron's rank order tp-cp-ep-dp-pp, else the net
   the excess counts; attention under CP runs at 90% (published zigzag ring-attention figure).
 - EP: an all-to-all dispatch and combine per MoE layer, forward and backward, of (ep - 1)/ep x the routed tokens.
 - PP: one activation and one gradient per model chunk and micro-batch; not overlapped.
-- DP (and CP) gradients: reduce-scatter (distributed optimizer) or all-reduce, and the parameter all-gather;
-  overlapped with the last micro-batch's backward and the first one's forward, only the excess counts.
+- DP (and CP) gradients, by engine (issue 40). megatron-core: reduce-scatter (distributed optimizer) or all-reduce,
+  and the parameter all-gather; with --overlap-grad-reduce the reduce-scatter runs during the last micro-batch's
+  backward, with --overlap-param-gather the all-gather during the first one's forward, only the excess counting;
+  without them both wait. native: one all-reduce of the whole fp32 gradient buffer after the backward and the
+  owners' broadcast of the new weights (an all-gather's volume), neither overlapped.
 """
 from __future__ import annotations
 
@@ -169,13 +172,20 @@ def step_time(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardwar
     dp_span = span("dp", sizes, DENSE_ORDER)
     t_dp_grads = (_ring(p["dense_params"] * g, dp * cp, dp_span, hw) + _ring(p["expert_params"] * g, layout.edp,
                                                                              dp_span, hw))
-    if s.distributed_optimizer:
+    native = s.engine == "native"
+    if native:  # all-reduce (both directions), then the owners' broadcast over DP (CP ranks own nothing)
+        t_dp_grads *= 2
+        t_dp_params = (_ring(p["dense_params"] * w, dp, dp_span, hw)
+                       + _ring(p["expert_params"] * w, layout.edp, dp_span, hw))
+    elif s.distributed_optimizer:
         t_dp_params = (_ring(p["dense_params"] * w, dp * cp, dp_span, hw)
                        + _ring(p["expert_params"] * w, layout.edp, dp_span, hw))
     else:
         t_dp_grads, t_dp_params = 2 * t_dp_grads, 0.0
     per_mb = compute / m
-    t_dp = max(0.0, t_dp_grads - per_mb * 2 / 3) + max(0.0, t_dp_params - per_mb / 3)
+    hide_grads = per_mb * 2 / 3 if s.overlap_grad_reduce and not native else 0.0
+    hide_params = per_mb / 3 if s.overlap_param_gather and not native else 0.0
+    t_dp = max(0.0, t_dp_grads - hide_grads) + max(0.0, t_dp_params - hide_params)
     overhead = m * layers_rank * LAYER_OVERHEAD_S  # every micro-batch through every layer of the busiest rank
     total = compute + bubble + t_tp + t_cp + t_ep + t_pp + t_dp + overhead
     mfu = model_flops / (total * world * hw.peak_tflops * 1e12)

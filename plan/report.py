@@ -60,9 +60,12 @@ def launch_argv(c: Candidate, gpus: int, gpus_per_node: int, load: str | None = 
 
     s = c.settings
     argv = ["shardkit", "launch", "--layout", layout_arg(c.layout), "--nodes", str(max(1, gpus // gpus_per_node)),
-            "--gpus-per-node", str(min(gpus, gpus_per_node)), "--recompute", s.recompute, "--",
+            "--gpus-per-node", str(min(gpus, gpus_per_node)), "--recompute", s.recompute, "--engine", s.engine, "--",
             "--seq-length", str(s.seq_length), "--micro-batch-size", str(s.micro_batch_size),
             "--global-batch-size", str(s.global_batch_size)]
+    if s.engine == "megatron-core":  # the DP overlap the step time assumed (the native engine has none)
+        argv += ["--overlap-grad-reduce"] if s.overlap_grad_reduce else []
+        argv += ["--overlap-param-gather"] if s.overlap_param_gather and s.distributed_optimizer else []
     if s.params_dtype in ("bfloat16", "bf16"):
         argv.append("--bf16")
     # no dropout, as the estimate counts no dropout masks and as these models were trained (Megatron's default 0.1
@@ -184,8 +187,11 @@ def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 
     else:
         b = fitting[0]
         line(f"plan's choice: {b.layout.label()}, micro batch {b.settings.micro_batch_size}, recompute "
-             f"{b.settings.recompute}: {number(b.memory.total / GiB, 1)} GiB per GPU "
+             f"{b.settings.recompute}, engine {b.settings.engine} ({b.settings.layer_kernels} kernels): "
+             f"{number(b.memory.total / GiB, 1)} GiB per GPU "
              f"({number(b.free / GiB, 1)} free), {number(b.perf['step_s'], 2)} s/step, MFU {100 * b.perf['mfu']:.1f}%")
+        if b.engine_note:
+            line(f"its engine: {b.engine_note}")
     if chosen is not None and chosen is not (fitting[0] if fitting else None):
         line(f"the command below runs the layout asked for that fits: {chosen.layout.label()}, micro batch "
              f"{chosen.settings.micro_batch_size}, recompute {chosen.settings.recompute}")

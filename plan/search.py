@@ -35,6 +35,7 @@ class Candidate:
     headroom: int = 0  # the reserve "fits" keeps free (allocator fragmentation, the estimate's error)
     unusual: list[str] = field(default_factory=list)  # why a Megatron user would not expect this layout
     why: str = ""  # an unusual layout ranked first: what it wins by, against the fastest usual one
+    engine_note: str = ""  # why this layout is the native engine's where megatron-core was the default
 
     @property
     def valid(self) -> bool:
@@ -48,6 +49,7 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "label": self.layout.label(), "recompute": self.settings.recompute,
+                "engine": self.settings.engine, "kernels": self.settings.layer_kernels, "engine_note": self.engine_note,
                 "distributed_optimizer": self.settings.distributed_optimizer, "valid": self.valid,
                 "micro_batch_size": self.settings.micro_batch_size, "violations": self.violations,
                 "fits": self.fits, "reason": self.reason, "free_bytes": self.free, "headroom_bytes": self.headroom,
@@ -169,15 +171,45 @@ def unusual(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> list[str]:
     return out
 
 
+def megatron_core_gap(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> str | None:
+    """Why continue-pretrain's megatron-core engine would not run this layout (None: it would): the model
+    (train.engines.model_not_covered), context parallelism and FP8 (not wired in yet), an interleaved schedule whose
+    micro-batches per DP rank are not a multiple of PP (megatron-core runs them in groups of PP)."""
+    from train.engines import model_not_covered
+
+    why = model_not_covered(cfg)
+    if why:
+        return why.removesuffix("; use --engine native")
+    if layout.cp > 1:
+        return "context parallelism is not in the megatron-core engine yet (issue 40)"
+    if s.fp8:
+        return "FP8 is not in the megatron-core engine yet (issue 40)"
+    m = s.microbatches(layout.dp)
+    if layout.vpp > 1 and m % layout.pp:
+        return (f"its interleaved schedule runs micro-batches in groups of pp {layout.pp}, and each DP rank has {m} "
+                "per step")
+    return None
+
+
 def evaluate(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardware, gpus: int,
-             gpu_memory: int, headroom: int = 0) -> Candidate:
+             gpu_memory: int, headroom: int = 0, engine_fallback: bool = False) -> Candidate:
     """One layout's memory and step time, its broken constraints, and whether it fits: its heaviest stage plus the
-    `headroom` reserve within `gpu_memory`."""
+    `headroom` reserve within `gpu_memory`. With the engine's own kernels (`s.kernels` None), a layout the
+    megatron-core engine would not run is the native engine's with `engine_fallback` (continue-pretrain's default:
+    megatron-core where it covers the run), else invalid."""
+    # the engine as shardkit builds it (kernels None); given kernels model Megatron-LM's (fused: with TE), which runs
+    # what shardkit's megatron-core engine does not yet
+    gap = megatron_core_gap(cfg, layout, s) if s.engine == "megatron-core" and s.kernels is None else None
+    if gap and engine_fallback:
+        s = replace(s, engine="native")
     mem = estimate_memory(cfg, layout, s)
     perf = step_time(cfg, layout, s, hw)
     bad = violations(cfg, layout, s, gpus, hw.gpus_per_node)
+    if gap and not engine_fallback:
+        bad.append(f"--engine megatron-core: {gap}")
     c = Candidate(layout, s, mem, perf, bad, num_layers=cfg.num_layers, free=gpu_memory - mem.total,
                   headroom=headroom, unusual=unusual(cfg, layout, s))
+    c.engine_note = f"the native engine (megatron-core's does not run it: {gap})" if gap and engine_fallback else ""
     c.fits = not bad and mem.total + headroom <= gpu_memory
     if bad:
         c.reason = "; ".join(bad)
@@ -310,7 +342,7 @@ PREFER_WITHIN = 0.05  # a usual layout this close to the fastest estimate ranks 
 def plan(cfg: ModelConfig, gpus: int, gpu_memory: int, s: TrainSettings, hw: Hardware,
          recompute: list[str] | None = None, layouts: list[RunLayout] | None = None,
          max_cp: int | None = None, headroom: int = 0, micro_batch_sizes: list[int] | None = None,
-         prefer_within: float = PREFER_WITHIN) -> list[Candidate]:
+         prefer_within: float = PREFER_WITHIN, engine_fallback: bool = False) -> list[Candidate]:
     """All candidates, ranked (`rank`). `recompute` lists the recompute modes to try (default: the one in `s`),
     `micro_batch_sizes` the micro-batch sizes (default: the one in `s`; when several are tried, those that do not
     divide a layout's batch are left out for it); a layout fits with `headroom` bytes to spare."""
@@ -322,7 +354,8 @@ def plan(cfg: ModelConfig, gpus: int, gpu_memory: int, s: TrainSettings, hw: Har
     sizes = micro_batch_sizes or [s.micro_batch_size]
     if layouts is None:
         layouts = enumerate_layouts(cfg, gpus, hw.gpus_per_node, s.seq_length, max_cp=max_cp)
-    cands = [evaluate(cfg, lay, replace(s, recompute=r, micro_batch_size=mbs), hw, gpus, gpu_memory, headroom)
+    cands = [evaluate(cfg, lay, replace(s, recompute=r, micro_batch_size=mbs), hw, gpus, gpu_memory, headroom,
+                      engine_fallback)
              for lay in layouts for mbs in sizes for r in modes
              if len(sizes) == 1 or s.global_batch_size % (mbs * lay.dp) == 0]
     return rank(cands, prefer_within)

@@ -104,6 +104,9 @@ SLOW = {
     "tests/test_torchrun_errors.py::test_checkpoint_mismatch_is_one_line_under_torchrun",
     "tests/test_torchrun_errors.py::test_bad_flag_under_stock_torchrun",
     "tests/test_torchrun_errors.py::test_argparse_error_is_one_line_under_torchrun",
+    # plan's activations against a live saved-tensor measurement at a tiny width (issue 40; both engines spawned):
+    # test_engine_activations_equal_the_benchmark stays (the measured table at Llama-3 widths, exact native list)
+    "tests/test_plan.py::test_engine_activations_equal_a_live_measurement",
 }
 
 

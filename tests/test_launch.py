@@ -75,6 +75,7 @@ def test_plan_choice_launches_and_the_trainer_accepts_it(name, models, tmp_path,
     else:
         assert "--recompute-granularity" not in args
     assert ("--sequence-parallel" in args) == (lay.tp > 1)
+    assert args[args.index("--engine") + 1] == chosen["engine"]  # the engine plan modelled (issue 40)
     # ... and the trainer's own start-up checks accept it at the job's world size, against a checkpoint of that depth
     cfg, dims = trainer_accepts(args, world=gpus)
     assert dims == lay
@@ -128,6 +129,27 @@ def test_launch_refuses_what_the_trainer_refuses(layout, nodes, extra, needle, m
     io = capsys.readouterr()
     assert io.err.startswith("shardkit: error: ") and io.err.count("\n") == 1 and needle in io.err, io.err
     assert not out.exists()
+
+
+def test_launch_engine(models, tmp_path, capsys):
+    """launch --engine writes continue-pretrain's --engine; a layout the megatron-core engine does not run (CP > 1)
+    is refused in one line for --engine megatron-core, as the trainer would at start-up on the GPUs, and taken for
+    native; --engine twice (before and after `--`) is a contradiction."""
+    train = ["--", "--load", str(models["llama3-8b"]), "--data-path", str(models["data"]), "--global-batch-size",
+             "256", "--attention-dropout", "0"]
+    assert main(["launch", "--layout", "tp=2,pp=4,dp=8", "--nodes", "8", "--engine", "megatron-core", "--dry-run",
+                 *train]) == 0
+    args = continue_pretrain_args(_scripts(capsys.readouterr().out, tmp_path)["torchrun.sh"])
+    assert args[args.index("--engine") + 1] == "megatron-core"
+    cp = ["launch", "--layout", "tp=2,pp=4,cp=2,dp=4", "--nodes", "8", "--dry-run"]
+    assert main([*cp, "--engine", "megatron-core", *train]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--engine megatron-core: --context-parallel-size 2" in err, err
+    assert main([*cp, "--engine", "native", *train]) == 0
+    out = capsys.readouterr().out
+    assert "engine native; optimizer state sharded over DP = 4" in out
+    assert main([*cp, "--engine", "native", *train, "--engine", "native"]) == 1
+    assert "contradicts launch's --engine native" in capsys.readouterr().err
 
 
 def test_launch_skip_load_check(models, tmp_path, capsys):
@@ -288,7 +310,10 @@ def test_launch_from_a_wheel_install(models, tmp_path, capsys):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for pkg in ("checkpoint", "convert", "train", "shardkit", "plan"):
+    import tomllib
+
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    for pkg in sorted({p.split(".")[0] for p in packages}):  # the top-level packages the wheel is built from
         shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     quiet = dict(check=True, capture_output=True, text=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w",

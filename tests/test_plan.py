@@ -420,8 +420,9 @@ def test_cli_plan_table_fits_120_columns(capsys):
     (one per row that needs one), and plan's launch command at the end."""
     import re
 
+    # Megatron-LM's kernels with TE (fused), the folklore's (shardkit's own engines: test_engine_models_its_layouts)
     assert main(["plan", "--model", "llama3.1-405b", "--gpus", "128", "--seq-length", "8192", "--top", "6",
-                 "--layout", "tp=8,pp=8,cp=2,dp=1"]) == 0
+                 "--layout", "tp=8,pp=8,cp=2,dp=1", "--kernels", "fused"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 120
     rows = [line for line in out.splitlines() if re.match(r"\s*(r?\d+)\s+tp\d", line)]
@@ -602,3 +603,138 @@ def test_activations_equal_what_the_trainers_model_saves():
     print(f"per layer: measured {measured:.0f} B, eager estimate {eager:.0f} B, fused estimate {fused:.0f} B")
     assert abs(eager - measured) <= 0.05 * measured
     assert 0.6 * measured < fused < measured
+
+
+# -- the engine plan models (issue 40) ---------------------------------------------------------------------------------
+
+BENCH_WIDTHS = {"llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                  num_key_value_heads=8),
+                "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                                   num_key_value_heads=8)}
+# scripts/bench_activations.py's measured GiB per layer and rank (s = 4096, b = 1, bf16, SP at TP > 1), no recompute /
+# selective, as docs/performance.md's "Saved activations per layer" table has them: native, megatron-core (local spec)
+BENCH_TABLE = {("llama3-8b", 1): ((0.766, 0.766), (3.988, 0.980)), ("llama3-8b", 2): ((0.383, 0.383), (1.996, 0.492)),
+               ("llama3-8b", 8): ((0.096, 0.096), (0.502, 0.126)),
+               ("llama3-70b", 1): ((1.517, 1.516), (7.973, 1.934)),
+               ("llama3-70b", 2): ((0.758, 0.758), (3.988, 0.969)),
+               ("llama3-70b", 8): ((0.190, 0.189), (1.000, 0.245))}
+
+
+def _one_layer(width: dict) -> ModelConfig:
+    """Llama-3's layer at `width` (a layer's activations do not depend on the depth or the vocabulary): the preset,
+    read without transformers, with the widths replaced."""
+    h, a = width["hidden_size"], width["num_attention_heads"]
+    return replace(presets.model_config("llama3-8b"), hidden_size=h, ffn_hidden_size=width["intermediate_size"],
+                   num_attention_heads=a, num_query_groups=width["num_key_value_heads"], kv_channels=h // a)
+
+
+def test_engine_activations_equal_the_benchmark():
+    """plan's per-layer activations for each engine (its own kernels: native eager, megatron-core's local spec)
+    against what bench_activations measured with saved-tensor hooks (the README's table, to its 3 decimals: within
+    10%, in fact within 0.5%), and the native list against the benchmark's exact accounting (native_bytes, equal to
+    the measured bytes: tests/test_bench_activations.py) at a tiny width; the fused list is ~3.8x less than the local
+    spec's at s = 4096 (its s^2 softmax)."""
+    from plan.memory import layer_activation_bytes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import bench_activations as bench
+    finally:
+        sys.path.pop(0)
+    for (width, tp), (native, mcore) in BENCH_TABLE.items():
+        cfg = _one_layer(BENCH_WIDTHS[width])
+        for engine, measured in (("native", native), ("megatron-core", mcore)):
+            for rec, want in zip(("none", "selective"), measured):
+                s = TrainSettings(seq_length=4096, recompute=rec, engine=engine, kernels=None)
+                got = layer_activation_bytes(cfg, False, s, RunLayout(tp=tp)) / GiB
+                assert abs(got / want - 1) < 0.1 and abs(got - want) <= 0.0015, (width, tp, engine, rec, got, want)
+        fused = layer_activation_bytes(cfg, False, TrainSettings(seq_length=4096), RunLayout(tp=tp)) / GiB
+        assert 3.5 < mcore[0] / fused < 8, (width, tp)
+    tiny = dict(hidden_size=64, intermediate_size=160, num_attention_heads=8, num_key_value_heads=4)
+    cfg = _one_layer(tiny)
+    for tp in (1, 2):
+        for seq in (32, 64):
+            for rec in ("none", "selective"):
+                s = TrainSettings(seq_length=seq, recompute=rec, engine="native", kernels=None)
+                assert layer_activation_bytes(cfg, False, s, RunLayout(tp=tp)) == bench.native_bytes(
+                    64, 160, 8, 4, seq, 1, tp, rec == "selective")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None, reason="megatron-core not installed")
+def test_engine_activations_equal_a_live_measurement():
+    """The same against bench_activations' measure function run now (a tiny width, 2 gloo ranks, both engines, TP 1 and
+    TP 2 + SP, with and without selective recompute): plan's bytes are the measured bytes (megatron-core's selective
+    recompute keeps a 4-byte tensor besides)."""
+    from plan.memory import layer_activation_bytes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # also for the spawned ranks
+    try:
+        import bench_activations as bench
+
+        tiny = dict(hidden_size=64, intermediate_size=160, num_attention_heads=8, num_key_value_heads=4)
+        hf, cfg = bench.hf_config(tiny), _one_layer(tiny)
+        jobs = [dict(engine=e, width="tiny", hf=hf, tp=tp, seqs=[32, 64], b=1, recompute=r)
+                for e in ("native", "megatron-core") for r in (None, "selective") for tp in (1, 2)]
+        rows = bench.measure(jobs, world=2)
+    finally:
+        sys.path.pop(0)
+    for row in rows:
+        s = TrainSettings(seq_length=row["s"], recompute=row["recompute"] or "none", engine=row["engine"],
+                          kernels=None)
+        got = layer_activation_bytes(cfg, False, s, RunLayout(tp=row["tp"]))
+        assert 0 <= row["bytes"] - got <= 4, (row["engine"], row["tp"], row["recompute"], row["s"], got, row["bytes"])
+
+
+def test_engine_optimizer_and_dp_traffic():
+    """megatron-core: the Adam state split evenly over DP x CP, the DP traffic hidden by --overlap-grad-reduce /
+    --overlap-param-gather (without them it waits); native: whole parameters dealt greedily over DP only (its heaviest
+    rank: at least the even share, within one tensor of it), an unoverlapped all-reduce and broadcast."""
+    from plan.memory import native_optimizer_elements
+
+    cfg = presets.model_config("llama3-8b")
+    lay = RunLayout(tp=2, pp=2, cp=2, dp=4)
+    mc = TrainSettings(seq_length=8192, global_batch_size=64, kernels=None)
+    nat = replace(mc, engine="native")
+    m_mc, m_nat = estimate_memory(cfg, lay, mc), estimate_memory(cfg, lay, nat)
+    dense = param_bytes_per_rank(cfg, lay, pp_rank=m_mc.pp_rank)["dense_params"]
+    assert m_mc.optimizer == 12 * -(-dense // (4 * 2))  # even over DP x CP = 8
+    owned = native_optimizer_elements(cfg, lay, m_nat.pp_rank)
+    biggest = max(math.prod(s.shape) // (s.shape[0] if s.per_layer else 1) for s in model_specs(cfg, Layout(tp=2)))
+    assert m_nat.optimizer == 12 * owned and dense // 4 <= owned <= dense // 4 + biggest  # over DP = 4 only
+    assert m_nat.activations > m_mc.activations / 10  # each its own kernels (numbers: the test above)
+    t_over = step_time(cfg, lay, mc, Hardware())["dp_comm_s"]
+    t_wait = step_time(cfg, lay, replace(mc, overlap_grad_reduce=False, overlap_param_gather=False),
+                       Hardware())["dp_comm_s"]
+    t_nat = step_time(cfg, lay, nat, Hardware())["dp_comm_s"]
+    assert t_over < t_wait < t_nat
+    assert not nat.overlap_grad_reduce and not nat.overlap_param_gather  # the native engine has no overlap
+
+
+def test_engine_per_layout_and_launch_command(capsys):
+    """By default the megatron-core engine where it runs the layout and native where it does not (CP > 1 here; every
+    layout of a model it does not build), each candidate saying which; `--engine megatron-core` makes such a layout
+    invalid instead; plan's launch command names the engine (and megatron-core's overlap flags)."""
+    from plan.report import launch_argv
+    from plan.search import evaluate
+
+    cfg = presets.model_config("llama3-70b")
+    s = TrainSettings(seq_length=8192, global_batch_size=64, kernels=None)
+    cp = RunLayout(tp=8, pp=4, cp=2, dp=1)
+    c = evaluate(cfg, cp, s, Hardware(), 64, 80 * GiB, engine_fallback=True)
+    assert c.settings.engine == "native" and "context parallelism" in c.engine_note and c.valid
+    c = evaluate(cfg, cp, s, Hardware(), 64, 80 * GiB, engine_fallback=False)
+    assert not c.valid and any(v.startswith("--engine megatron-core: context parallelism") for v in c.violations)
+    c = evaluate(cfg, RunLayout(tp=8, pp=4, dp=2), s, Hardware(), 64, 80 * GiB, engine_fallback=True)
+    assert c.settings.engine == "megatron-core" and c.settings.layer_kernels == "local"
+    argv = launch_argv(c, 64, 8)
+    assert argv[argv.index("--engine") + 1] == "megatron-core" and argv.index("--engine") < argv.index("--")
+    assert "--overlap-grad-reduce" in argv and "--overlap-param-gather" in argv
+    ds = evaluate(presets.model_config("deepseek-v3"), RunLayout(tp=8, pp=16, ep=8, dp=8), s, Hardware(), 1024,
+                  80 * GiB, engine_fallback=True)
+    assert ds.settings.engine == "native" and "deepseek_v3 has shared experts" in ds.engine_note
+    argv = launch_argv(ds, 1024, 8)
+    assert argv[argv.index("--engine") + 1] == "native" and "--overlap-grad-reduce" not in argv
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--engine", "native", "--json", "--top", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layouts"][0]["engine"] == "native" and out["layouts"][0]["kernels"] == "eager"
+    assert out["launch"][out["launch"].index("--engine") + 1] == "native"
