@@ -517,3 +517,50 @@ def publish_save(loc: Location, it: Path, manifest_json: str, generation: bytes)
         raise WriteError(f"{loc.url}/{LATEST}: another writer moved it while {name} was being written; {name} is "
                          "complete on the store but not the latest")
     return f"{loc.url.rstrip('/')}/{name}"
+
+
+# -- plan / launch: continue-pretrain command lines with s3:// / gs:// passed through ---------------------------------
+
+def launch_view(cfg, check_load: bool):
+    """The trainer configuration `shardkit launch` runs its start-up checks on, when --load / --save are on object
+    storage: nothing is looked up on the local filesystem under a URL, and the rendered scripts keep the URLs.
+    --save: its form and format (no torch_dist) checked here, then left out of the local output checks; --load:
+    with `check_load` its small files (manifest, train state, hf/; no arrays) downloaded into a temporary
+    directory, removed at exit, which the layout checks open; without, left out."""
+    import atexit
+    import dataclasses
+
+    c = cfg.checkpoint
+    load, save = c.load, c.save
+    if save and parse(save, "--save") is not None:
+        if c.save_format == "torch_dist":
+            raise ShardkitError(f"--save {save}: " + TORCH_DIST_REFUSED.format(scheme=save.split(":")[0]))
+        save = None
+    if load and parse(load, "--load") is not None:
+        if check_load:
+            stack = contextlib.ExitStack()
+            atexit.register(stack.close)
+            load = stack.enter_context(reading(load, arrays=False, ranks=True))
+        else:
+            load = None
+    if (load, save) == (c.load, c.save):
+        return cfg
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, load=load, save=save))
+
+
+def resume_lines(load: str, save: str) -> str:
+    """launch --requeue with --save on object storage: the shell lines that pick --load when the job (re)starts. A
+    complete checkpoint at --save (`shardkit inspect` reads the store's manifest) resumes from it; a location
+    without one (`not a shardkit checkpoint`) starts from --load; any other answer (credentials, network) stops the
+    job, so a requeued job never restarts from --load over newer saves."""
+    import shlex
+
+    q = shlex.quote
+    return ("# --requeue: a requeued (or resubmitted) job resumes from the newest complete checkpoint in --save\n"
+            f"SHARDKIT_LOAD={q(load)}\n"
+            f"if probe=$(\"${{SHARDKIT_PYTHON:-python3}}\" -m shardkit inspect {q(save)} 2>&1 >/dev/null); then\n"
+            f"    SHARDKIT_LOAD={q(save)}\n"
+            "elif [[ $probe != *'not a shardkit checkpoint'* ]]; then\n"
+            f"    echo \"$0: cannot tell whether {save} holds a checkpoint: $probe\" >&2\n"
+            "    exit 1\n"
+            "fi\n")

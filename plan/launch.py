@@ -264,6 +264,9 @@ def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
 
         regular_file(ns.config, "--config", missing_ok=True)
     cfg = from_namespace(ns)
+    from checkpoint.storage import launch_view
+
+    cfg = launch_view(cfg, spec.check_load)  # s3:// / gs:// --load / --save: passed through, never stat'ed here
     check_train_values(cfg)
     _check_train_outputs(cfg)
     validate(cfg)
@@ -403,7 +406,9 @@ def render_scripts(spec: LaunchSpec, torchrun_path: str = "torchrun.sh",
     raw: set[int] = set()  # argument positions written unquoted (a shell variable)
     if spec.requeue:
         load, save = _resume_paths(spec)
-        resume = ("# --requeue: a requeued (or resubmitted) job resumes from the newest complete checkpoint in --save\n"
+        from checkpoint.storage import parse, resume_lines
+
+        resume = resume_lines(load, save) if parse(save) else ("# --requeue: a requeued (or resubmitted) job resumes from the newest complete checkpoint in --save\n"
                   f"SHARDKIT_LOAD={shlex.quote(load)}\n"
                   f"if [[ -e {shlex.quote(save)}/latest || -e {shlex.quote(save)}/latest_checkpointed_iteration.txt ]]; "
                   f"then SHARDKIT_LOAD={shlex.quote(save)}; fi\n")  # native, or torch_dist (Megatron's tracker)

@@ -414,7 +414,14 @@ def _storage_args(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _storage_values(args: argparse.Namespace) -> set:
-    return {getattr(args, a, None) for a, _ in _storage_args(args)} - {None}
+    values = {getattr(args, a, None) for a, _ in _storage_args(args)}
+    if args.cmd == "launch":  # continue-pretrain's --load / --save after `--`: into the scripts (plan/launch.py)
+        extra = [str(a) for a in getattr(args, "trainer_args", None) or []]
+        for i, a in enumerate(extra):
+            flag, eq, value = a.partition("=")
+            if flag in ("--load", "--save"):
+                values.add(value if eq else extra[i + 1] if i + 1 < len(extra) else None)
+    return values - {None}
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -476,3 +476,43 @@ def test_gs_round_trip_against_a_gcs_emulator(tiny, tmp_path, capsys, monkeypatc
         assert "no-such-bucket-38" in line
     finally:
         server.stop()
+
+
+def test_launch_passes_s3_urls_through(s3, tiny, tmp_path, capsys, monkeypatch):
+    """launch with continue-pretrain's --load and --save on s3://: the layout is checked against the store's model
+    (its manifest read, no arrays), nothing named s3: appears locally, the URLs reach the rendered script as given;
+    with --requeue the script asks the store (`shardkit inspect`) where to resume: --load while --save holds no
+    checkpoint, --save once it holds one."""
+    from tests.corpus import write_pattern_corpus
+    from tests.launch_models import continue_pretrain_args
+
+    monkeypatch.chdir(tmp_path)
+    ck, run = f"s3://{BUCKET}/launch-ck", f"s3://{BUCKET}/launch-run"
+    assert main(["convert", "hf-to-mcore", str(tiny), ck, "--no-verify", "--quiet"]) == 0
+    data = write_pattern_corpus(tmp_path / "data", docs=20)
+    argv = ["launch", "--layout", "tp=2", "--nodes", "1", "--gpus-per-node", "2", "--requeue", "--dry-run", "--out",
+            str(tmp_path / "job"), "--", "--load", ck, "--save", run, "--data-path", str(data),
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--seq-length", "16"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    script = capsys.readouterr().out.split(f"# ---- {tmp_path / 'job' / 'torchrun.sh'} ----\n")[-1]
+    args = continue_pretrain_args(script)
+    assert args[args.index("--save") + 1] == run and '"$SHARDKIT_LOAD"' in script
+    assert not any(p.name.startswith("s3") for p in tmp_path.iterdir())
+    # the layout is checked against the store's model: TP 4 does not divide its 2 KV heads
+    bad = [{"tp=2": "tp=4", "2": "4"}.get(a, a) if i < 7 else a for i, a in enumerate(argv)]
+    line = _one_line_error(capsys, main(bad))
+    assert "--tp 4 does not divide the KV heads" in line, line
+    resume = script[script.index("# --requeue"):script.index("\n# the Python")]
+
+    def load_picked(**env) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", resume + 'echo "$SHARDKIT_LOAD"'], capture_output=True, text=True,
+                              env={**os.environ, "SHARDKIT_PYTHON": sys.executable,
+                                   "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **env}, timeout=120)
+
+    assert load_picked().stdout.strip() == ck
+    assert main(["convert", "hf-to-mcore", str(tiny), run, "--no-verify", "--quiet"]) == 0
+    assert load_picked().stdout.strip() == run
+    # a store that cannot be asked stops the job: never a restart from --load over newer saves
+    r = load_picked(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", SHARDKIT_STORAGE_RETRIES="0")
+    assert r.returncode == 1 and "cannot tell whether" in r.stderr and r.stdout == "", r.stderr
