@@ -297,6 +297,18 @@ def resolve_step(path: str | Path) -> Path:
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torchtitan's AdamW state per parameter (besides `step`)
+OBJECT_MAX = 1 << 20  # bytes of one train_state / lr_scheduler / param_groups entry read (plain values)
+_NOT_PLAIN = object()
+
+
+def _plain(v):
+    """A JSON value of a torch.load'ed entry (tuples as lists), or _NOT_PLAIN."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)):
+        items = [_plain(x) for x in v]
+        return _NOT_PLAIN if any(x is _NOT_PLAIN for x in items) else items
+    return _NOT_PLAIN
 
 
 def moment_name(state: str, hf_name: str) -> str:
@@ -340,16 +352,25 @@ class TorchtitanSource:
                 self.tensors[hf] = _Info(file, dtype, tuple(t.shape[1:]) if rule and rule[0] == "expert"
                                          else tuple(t.shape))
         self.steps: set[float] = set()
+        self.carried: dict = {}  # with `optimizer`: torchtitan's train_state, lr_scheduler and param_groups entries
         if optimizer:
             self._find_moments(names)
+            self.carried = self._training_entries()
+            carried = {f"train_state.{k}" for k in self.carried.get("train_state", {})} | {
+                f"lr_scheduler.{k}" for k in self.carried.get("lr_scheduler", {})} | {
+                f"optimizer.param_groups.{fqn}.{k}" for g in self.carried.get("param_groups", [])
+                for fqn in g["params"] for k in g if k != "params"}
             skipped = [n for n in skipped if not (n.startswith("optimizer.state.")
-                                                  and n.rsplit(".", 1)[-1] in (*MOMENTS, "step"))]
+                                                  and n.rsplit(".", 1)[-1] in (*MOMENTS, "step")) and n not in carried]
         self.skipped = sorted(skipped)
         if skipped and not quiet:
-            print(f"shardkit: note: {self.dir}: {len(skipped)} training-state entries ("
-                  + ("optimizer param_groups, " if optimizer else "optimizer, ")
-                  + "lr_scheduler, dataloader, train_state) are not converted; the model weights are"
-                  + ("" if optimizer else " (--optimizer converts the AdamW moments)"), file=sys.stderr)
+            left = sorted({n.split(".")[0] if not n.startswith("optimizer.") else ".".join(n.split(".")[:2])
+                           for n in skipped})
+            print(f"shardkit: note: {self.dir}: {len(skipped)} training-state entries ({', '.join(left)}) are not "
+                  "converted; the model weights are" + (" (--optimizer converts the AdamW moments, train_state, "
+                                                         "lr_scheduler and param_groups)" if not optimizer else
+                                                         ", with the AdamW moments, train_state, lr_scheduler and "
+                                                         "param_groups"), file=sys.stderr)
 
     def _hf_names(self, n: str, back: dict, deepseek: bool, shape: tuple) -> list[tuple[str, object]]:
         """The HF name(s) of torchtitan tensor `n` with their row rules; an unknown one keeps its own name (plan()
@@ -368,16 +389,22 @@ class TorchtitanSource:
         return [(hf, "rope" if not deepseek and hf.split(".")[-2] in ROPE_PERMUTED else None)]
 
     def _find_moments(self, names: set[str]) -> None:
-        """The AdamW moments of every model tensor (the parameter's own, or its share of the fused wqkv), checked
-        for presence and shape; their common step."""
+        """The AdamW moments of every model tensor (the parameter's own, its share of the fused wqkv, or its expert
+        of a stacked DeepSeek-V3 tensor), checked for presence and shape; their common step. DeepSeek-V3's expert
+        bias is a buffer in torchtitan (no gradient, no moments): its moments are zeros, as our trainer keeps them."""
         from checkpoint.torch_dist import _dtype_str
 
         fused = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
         for hf, (tt, rule) in list(self.tt_name.items()):
+            if tt.endswith(".moe.expert_bias_E"):
+                for state in MOMENTS:
+                    self.tt_name[moment_name(state, hf)] = (tt, ("zero",))
+                    self.moments[moment_name(state, hf)] = _Info("", "float32", self.tensors[hf].shape)
+                continue
             m = fused.match(hf) if self.generation == "0.3" else None
             param = f"layers.{m.group(1)}.attention.qkv_linear.wqkv.weight" if m else tt
             want = ((self.cfg.num_attention_heads + 2 * self.cfg.num_query_groups) * self.cfg.kv_channels,
-                    self.cfg.hidden_size) if m else self.tensors[hf].shape
+                    self.cfg.hidden_size) if m else tuple(self.td.tensors[tt].shape)
             for state in MOMENTS:
                 key = f"optimizer.state.{param}.{state}"
                 t = self.td.tensors.get(key)
@@ -395,6 +422,52 @@ class TorchtitanSource:
                 self.steps.add(float(np.asarray(self.td.read_numpy(step.name)).reshape(-1)[0]))
         if len(self.steps) > 1:
             raise FormatError(f"{self.dir}: the AdamW states hold different steps {sorted(self.steps)}")
+
+    def _object(self, name: str):
+        """A bytes entry of the step (a torch.save of plain data), read by torch.load(weights_only=True) after its
+        zip CRC-32s are checked."""
+        import io
+
+        from checkpoint.safe_load import load_torch
+
+        info = self.td._storage[(name, None)]
+        if int(info.length) > OBJECT_MAX:
+            raise FormatError(f"{self.dir}: entry {name} is {int(info.length):,} bytes, more than a training-state "
+                              f"value's {OBJECT_MAX:,}; refusing to read it")
+        self.td.check_item(name, None)
+        with open(self.dir / info.relative_path, "rb") as f:
+            f.seek(int(info.offset))
+            return load_torch(io.BytesIO(f.read(int(info.length))), what=f"{self.dir}: entry {name}")
+
+    def _training_entries(self) -> dict:
+        """torchtitan's train_state (step, ntokens_seen), lr_scheduler (last_epoch) and AdamW param_groups (per
+        parameter, grouped where equal), as plain JSON values for train_state.json; what is not plain data (a tensor
+        lr, say) stays behind and is counted as not converted."""
+        objects = set(self.td.objects)
+        out: dict = {}
+        for prefix in ("train_state", "lr_scheduler"):
+            entries = {}
+            for n in sorted(o for o in objects if o.startswith(prefix + ".")):
+                v = _plain(self._object(n))
+                if v is not _NOT_PLAIN:
+                    entries[n[len(prefix) + 1:]] = v
+            if entries:
+                out[prefix] = entries
+        per_param: dict[str, dict] = {}
+        for n in sorted(o for o in objects if o.startswith("optimizer.param_groups.")):
+            fqn, _, key = n[len("optimizer.param_groups."):].rpartition(".")
+            v = _plain(self._object(n))
+            if v is not _NOT_PLAIN:
+                per_param.setdefault(fqn, {})[key] = v
+        groups: list[dict] = []
+        for fqn, values in per_param.items():
+            g = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == values), None)
+            if g is None:
+                groups.append(g := {**values, "params": []})
+            g["params"].append(fqn)
+        if groups:
+            out["param_groups"] = groups
+        return out
 
     def _source_rows(self, rule, rows: np.ndarray) -> np.ndarray:
         hd = self.cfg.kv_channels
@@ -419,6 +492,8 @@ class TorchtitanSource:
             tuple((0, c) for c in ncols)
         if rule is None:
             return self.td.read_numpy(tt, ((start, stop), *cbox))
+        if rule[0] == "zero":  # DeepSeek-V3's expert bias: a buffer, no moments
+            return np.zeros((stop - start, *(b - a for a, b in cbox)), np.float32)
         if rule[0] == "expert":
             return self.td.read_numpy(tt, ((rule[1], rule[1] + 1), (start, stop), *cbox))[0]
         src = self._source_rows(rule, np.arange(start, stop))
@@ -518,8 +593,6 @@ def convert_torchtitan_to_mcore(src: str | Path, out: str | Path, layout: Layout
     check_output(out, [("SRC", step)])
     if not (cfg.model_type == "llama" and not cfg.is_moe or cfg.model_type == "deepseek_v3"):
         raise ConfigError(f"model_type {cfg.model_type!r}: torchtitan conversion supports Llama 3 and DeepSeek-V3")
-    if optimizer and cfg.model_type != "llama":
-        raise ConfigError("--optimizer: the AdamW moments convert for Llama 3 so far, not DeepSeek-V3")
     layout.check(cfg)
     dtype = store.dtype_name(dtype) if dtype else None
     if optimizer and not global_batch_size:
@@ -549,9 +622,11 @@ def convert_torchtitan_to_mcore(src: str | Path, out: str | Path, layout: Layout
             from checkpoint.manifest import TRAIN_STATE
 
             steps = int(source.steps.pop()) if source.steps else iteration
-            (w.partial / TRAIN_STATE).write_text(json.dumps(
-                {"iteration": iteration, "consumed_samples": iteration * global_batch_size,
-                 "optimizer_steps": steps}, indent=1) + "\n")
+            state = {"iteration": iteration, "consumed_samples": iteration * global_batch_size,
+                     "optimizer_steps": steps}
+            if source.carried:  # mcore-to-torchtitan --optimizer writes them back
+                state["torchtitan"] = source.carried
+            (w.partial / TRAIN_STATE).write_text(json.dumps(state, indent=1) + "\n")
         manifest = Manifest(
             iteration=iteration, model=cfg, layout=layout, tensors=entries, fp8=None,
             optimizer=list(OPTIMIZER_STATES) if optimizer else None,
@@ -583,19 +658,114 @@ def _tt_item(hf_name: str, table: dict, cfg: ModelConfig) -> tuple[str, int | No
     return name, expert
 
 
+def _adamw_defaults() -> dict:
+    """The keys and defaults of the installed torch's AdamW param group (what a torchtitan optimizer's flat state
+    dict names per parameter), with torchtitan's default implementation (fused) and the `initial_lr` its LambdaLR
+    adds."""
+    import torch
+
+    g = dict(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).param_groups[0])
+    g.pop("params")
+    g.pop("param_names", None)
+    return {**g, "fused": True, "foreach": False, "initial_lr": g["lr"]}
+
+
+# torchtitan's default_adamw (components/optimizer/optimizer.py): for a checkpoint that records no AdamW settings
+TORCHTITAN_ADAMW = {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+class _TrainingState:
+    """What mcore-to-torchtitan --optimizer writes besides the tensors: per parameter the AdamW param group, the
+    lr_scheduler and train_state entries, from the checkpoint's train_state.json (torchtitan's own entries where
+    torchtitan-to-mcore carried them; else continue-pretrain's AdamW settings and Megatron param groups; else
+    torchtitan's default_adamw values, said in a note)."""
+
+    def __init__(self, ckpt, notes: list[str]):
+        from checkpoint.manifest import TRAIN_STATE
+        from checkpoint.safety import read_input, regular_file
+
+        path = ckpt.path / TRAIN_STATE
+        state: dict = {}
+        if regular_file(path, missing_ok=True):
+            try:
+                state = json.loads(read_input(path))
+            except (OSError, ValueError, RecursionError) as e:
+                raise FormatError(f"{path}: unreadable training state ({e})") from None
+        if not isinstance(state, dict):
+            raise FormatError(f"{path}: not a JSON object")
+        it = int(state.get("iteration", ckpt.manifest.iteration))
+        self.steps = float(state.get("optimizer_steps", it))
+        tt = state.get("torchtitan") if isinstance(state.get("torchtitan"), dict) else {}
+        self.carried = {}
+        for g in tt.get("param_groups", []):
+            values = {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k != "params"}
+            self.carried.update({fqn: values for fqn in g["params"]})
+        self.lr_scheduler = tt.get("lr_scheduler") or {"last_epoch": it}
+        self.train_state = tt.get("train_state")
+        if self.train_state is None:
+            seq = (state.get("args") or {}).get("seq_length")
+            self.train_state = {"step": it, "ntokens_seen": int(state.get("consumed_samples", 0)) * int(seq or 0)}
+            if not seq:
+                notes.append(f"{path}: no sequence length recorded: torchtitan's train_state.ntokens_seen (logged "
+                             "only) is 0")
+        self.defaults = _adamw_defaults()
+        opt = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else None
+        self.megatron = [g for g in (opt or {}).get("param_groups", []) if isinstance(g, dict)]
+        self.max_lr = (opt or {}).get("lr")
+        if not self.carried and not self.megatron:
+            notes.append(f"{ckpt.path}: no AdamW settings recorded: param_groups hold torchtitan's default_adamw "
+                         f"values (lr {TORCHTITAN_ADAMW['lr']}, betas {TORCHTITAN_ADAMW['betas']}, eps "
+                         f"{TORCHTITAN_ADAMW['eps']}, weight_decay {TORCHTITAN_ADAMW['weight_decay']}), which "
+                         "torchtitan loads over its job's")
+
+    def param_group(self, fqn: str, ndim: int, expert: bool) -> dict:
+        if self.carried:
+            if fqn not in self.carried:
+                raise FormatError(f"train_state.json's torchtitan param_groups name no {fqn}")
+            return self.carried[fqn]
+        if self.megatron:  # Megatron's groups: weights decayed (wd_mult 1), 1-D parameters not; experts apart
+            cands = [g for g in self.megatron if bool(g.get("is_expert_parallel")) == expert] or self.megatron
+            g = next((g for g in cands if (g.get("wd_mult", 1.0) == 0.0) == (ndim == 1)), cands[0])
+            return {**self.defaults, "lr": float(g["lr"]), "betas": tuple(g["betas"]), "eps": float(g["eps"]),
+                    "weight_decay": float(g["weight_decay"]),
+                    "initial_lr": float(self.max_lr if self.max_lr is not None else g["lr"])}
+        return {**self.defaults, **TORCHTITAN_ADAMW, "initial_lr": TORCHTITAN_ADAMW["lr"]}
+
+
+def _qkv_fused(parts: dict, cfg: ModelConfig) -> "torch.Tensor":
+    """torchtitan 0.3's fused wqkv rows (per KV group: its q heads, its k head, its v head) from q/k/v rows (already
+    in torchtitan's interleaved RoPE layout)."""
+    import torch
+
+    hd, hpk = cfg.kv_channels, cfg.heads_per_group
+    q, k, v = (parts[x] for x in "qkv")
+    groups = []
+    for g in range(cfg.num_query_groups):
+        groups += [q[g * hpk * hd:(g + 1) * hpk * hd], k[g * hd:(g + 1) * hd], v[g * hd:(g + 1) * hd]]
+    return torch.cat(groups)
+
+
 def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: str | None = None,
                                 generation: str = "0.3", step: int | None = None, overwrite: bool = False,
-                                quiet: bool = False) -> Path:
+                                quiet: bool = False, optimizer: bool = False) -> Path:
     """Write `<out>/step-<N>/` (N: the checkpoint's iteration unless `step`): a model-only DCP checkpoint under
     torchtitan's names, which its CheckpointManager (initial_load_model_only) and `dcp.load` read. One tensor in
-    memory at a time; the directory is written under a temporary name and renamed into place when complete."""
+    memory at a time; the directory is written under a temporary name and renamed into place when complete.
+
+    With `optimizer` (a native training checkpoint), torchtitan's full training checkpoint: the fp32 master weights
+    (fp32_param) as the model, the AdamW moments as `optimizer.state.<param>.exp_avg|exp_avg_sq|step` (0.3's fused
+    wqkv assembled per layer; DeepSeek-V3's routed experts stacked, one chunk per expert; its expert bias is a buffer
+    in torchtitan and has none), `optimizer.param_groups.<param>.*`, `lr_scheduler.last_epoch` and
+    `train_state.step|ntokens_seen` (see _TrainingState); torchtitan's data-loader state has no counterpart and is
+    not written (a note says so: its CheckpointManager then loads with exclude_from_loading = ["dataloader"])."""
     import torch
 
     from checkpoint import store
     from checkpoint.progress import progress_bar
     from checkpoint.reader import Checkpoint
     from checkpoint.safety import check_output
-    from checkpoint.torch_dist import DCPWriter
+    from checkpoint.sharding import OPTIMIZER_STATES, optimizer_key
+    from checkpoint.torch_dist import DCPWriter, torch_save_bytes
 
     from .mcore_to_hf import _read_block, plan_export
 
@@ -611,6 +781,17 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
         raise ConfigError(f"--torchtitan-names {generation!r}: one of {', '.join(GENERATIONS)}")
     table = NAMES_DSV3 if deepseek else GENERATIONS[generation]
     dtype = store.dtype_name(dtype) if dtype else None
+    notes: list[str] = []
+    training = None
+    if optimizer:
+        if list(ckpt.manifest.optimizer or []) != list(OPTIMIZER_STATES):
+            raise ShardkitError(f"{ckpt.path}: --optimizer: this checkpoint holds no AdamW state (fp32_param, "
+                                "exp_avg, exp_avg_sq); convert it without --optimizer (model only)")
+        if dtype is not None:
+            raise ConfigError("--optimizer with --dtype: a training checkpoint's weights are its fp32 master weights "
+                              "(fp32_param), written as they are; drop --dtype")
+        training = _TrainingState(ckpt, notes)
+        dtype = "float32"
     out = Path(out)
     check_output(out, [("CKPT", ckpt.path)])
     step = ckpt.manifest.iteration if step is None else step
@@ -622,48 +803,108 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
         copies = {f"model.layers.{cfg.num_layers + i}.{n}" for i in range(cfg.mtp_num_layers)
                   for n in ("embed_tokens.weight", "shared_head.head.weight")}
         plans = [p for p in plans if p.name not in copies]
-    if cfg.tie_word_embeddings:  # torchtitan's tied model keeps both keys (one tensor)
+    tied_head = None
+    if cfg.tie_word_embeddings:  # torchtitan's tied model keeps both keys (one tensor, one parameter)
         emb = next(p for p in plans if p.name == "model.embed_tokens.weight")
-        plans.append(dataclasses.replace(emb, name="lm_head.weight"))
+        tied_head = dataclasses.replace(emb, name="lm_head.weight")
+        plans.append(tied_head)
+    fused = optimizer and not deepseek and generation == "0.3"  # 0.3's optimizer keys the attention by wqkv
+    qkv_re = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
     tmp = out / f".step-{step}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         w = DCPWriter(tmp)
-        total = sum(p.nbytes for p in plans)
+        total = sum(p.nbytes for p in plans) * (3 if optimizer else 1)
         items = [(p, *_tt_item(p.name, table, cfg)) for p in plans]
         stacked: dict[str, list] = {}  # routed experts: one DCP tensor per layer, one chunk per expert
         for p, name, e in items:
             if e is not None:
                 stacked.setdefault(name, []).append((e, p.shape))
+        keys = [""] + ([f"optimizer.state.{{}}.{m}" for m in MOMENTS] if optimizer else [])
         for name, chunks in stacked.items():
             shape = chunks[0][1]
-            w.declare_tensor(name, (len(chunks), *shape), next(p.dtype for p, n, _ in items if n == name),
-                             [((e, *(0,) * len(shape)), (1, *shape)) for e, _ in sorted(chunks)])
+            for key in keys:
+                w.declare_tensor(key.format(name) if key else name, (len(chunks), *shape),
+                                 "float32" if key else next(p.dtype for p, n, _ in items if n == name),
+                                 [((e, *(0,) * len(shape)), (1, *shape)) for e, _ in sorted(chunks)])
+        params: dict[str, tuple[int, bool]] = {}  # torchtitan parameter -> (ndim, expert): its step, param group
+        pending_qkv: dict[str, dict] = {}  # fused wqkv parameter -> {state: {q|k|v: rows}}
+
+        def read(p, state: str):
+            value = torch.cat([_read_block(ckpt, dataclasses.replace(tm, canonical=optimizer_key(state, tm.canonical))
+                                           if state else tm, seg.start, seg.stop) for tm, seg in p.blocks])
+            return store.cast(value, "float32" if state else p.dtype, p.name)
+
+        def put(f, name: str, expert, value) -> None:
+            if expert is not None:
+                f.add_tensor(name, (expert, *(0,) * value.ndim), value[None])
+            else:
+                w.declare_tensor(name, value.shape, str(value.dtype), [((0,) * value.ndim, tuple(value.shape))])
+                f.add_tensor(name, (0,) * value.ndim, value)
+
         with progress_bar("mcore-to-torchtitan", total=total, items=len(plans), disable=quiet) as bar:
             with w.rank_file(0) as f:
                 for p, name, expert in items:
-                    value = torch.cat([_read_block(ckpt, tm, seg.start, seg.stop) for tm, seg in p.blocks])
-                    value = store.cast(value, p.dtype, p.name)
-                    if expert is not None:
-                        f.add_tensor(name, (expert, *(0,) * value.ndim), value[None])
-                        bar.advance(p.nbytes, 1)
-                        continue
                     proj = p.name.split(".")[-2]
+                    rows = None
                     if proj in ROPE_PERMUTED and not deepseek:  # half-split -> torchtitan's interleaved rows
                         hd = cfg.kv_channels
-                        inv = np.argsort(hf_row_source(hd))
-                        rows = np.arange(value.shape[0])
-                        value = value[torch.from_numpy((rows // hd) * hd + inv[rows % hd])]
-                    w.declare_tensor(name, value.shape, p.dtype, [((0,) * value.ndim, tuple(value.shape))])
-                    f.add_tensor(name, (0,) * value.ndim, value)
-                    bar.advance(p.nbytes, 1)
+                        r = np.arange(p.shape[0])
+                        rows = torch.from_numpy((r // hd) * hd + np.argsort(hf_row_source(hd))[r % hd])
+                    states = ("fp32_param" if optimizer else "",) + (MOMENTS if optimizer and p is not tied_head
+                                                                     else ())
+                    for state in states:
+                        value = read(p, state)
+                        if rows is not None:
+                            value = value[rows]
+                        if state in MOMENTS and name.endswith(".moe.expert_bias_E"):
+                            if value.count_nonzero():  # a buffer in torchtitan: nothing holds its moments there
+                                raise FormatError(f"{ckpt.path}: {optimizer_key(state, p.name)} is not zero, and "
+                                                  "torchtitan keeps no AdamW state for the expert bias (a buffer)")
+                            continue
+                        m = qkv_re.match(p.name) if fused and state in MOMENTS else None
+                        if m:  # collected until the layer's q, k and v are in, then written as wqkv
+                            param = f"layers.{m.group(1)}.attention.qkv_linear.wqkv.weight"
+                            parts = pending_qkv.setdefault(param, {}).setdefault(state, {})
+                            parts[m.group(2)] = value
+                            params[param] = (2, False)
+                            if len(parts) == 3:
+                                put(f, f"optimizer.state.{param}.{state}", None, _qkv_fused(parts, cfg))
+                                del pending_qkv[param][state]
+                            continue
+                        put(f, f"optimizer.state.{name}.{state}" if state in MOMENTS else name, expert, value)
+                        if state in MOMENTS:
+                            params[name] = (value.ndim + (expert is not None), expert is not None)
+                    bar.advance(p.nbytes * len(states), 1)
+                if optimizer:
+                    left = [k for k, v in pending_qkv.items() if v]
+                    if left:
+                        raise FormatError(f"{ckpt.path}: {left[0]}: the q, k and v moments of the layer are not all "
+                                          "there")
+                    for param, (ndim, expert) in sorted(params.items()):
+                        key = f"optimizer.state.{param}.step"
+                        w.declare_tensor(key, (), "float32", [((), ())])
+                        f.add_tensor(key, (), torch.tensor(training.steps, dtype=torch.float32))
+                        for k, v in training.param_group(param, ndim, expert).items():
+                            w.declare_object(f"optimizer.param_groups.{param}.{k}")
+                            f.add_bytes(f"optimizer.param_groups.{param}.{k}", torch_save_bytes(v))
+                    for prefix, entries in (("lr_scheduler", training.lr_scheduler),
+                                            ("train_state", training.train_state)):
+                        for k, v in entries.items():
+                            w.declare_object(f"{prefix}.{k}")
+                            f.add_bytes(f"{prefix}.{k}", torch_save_bytes(v))
         # the model config beside (torchtitan reads only the files .metadata names): read back with no flags
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf(dtype), indent=1))
         w.write_metadata(str(final))
     except BaseException:  # nothing half-written is left (the temporary directory is ours)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if optimizer:
+        notes.append(f"{final}: no dataloader entry (torchtitan's data-loader state has no counterpart in a shardkit "
+                     "checkpoint): resume it with checkpoint.exclude_from_loading = [\"dataloader\"]")
+    for n in notes:
+        print(f"shardkit: note: {n}", file=sys.stderr)
     if final.exists():  # --overwrite: our files replace those of the same name (.metadata last); any other file
         # stays, an older save's extra rank files too (shardkit did not write them; DCP reads only what .metadata names)
         ours = sorted(os.listdir(tmp), key=lambda n: n == ".metadata")

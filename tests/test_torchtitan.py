@@ -221,12 +221,14 @@ def test_torchtitan_round_trip_and_forward(saved, capsys):
     # the full training checkpoint: the same weights, and with --optimizer its AdamW moments; what is left is named
     assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "full"), str(tmp_path / "native3"), "--hf-config",
                  str(tmp_path / "hfcfg"), "--tp", "2", "--pp", "2", "--optimizer", "--global-batch-size", "4"]) == 0
-    assert "(optimizer param_groups, lr_scheduler, dataloader, train_state) are not converted" in \
-        capsys.readouterr().err
+    assert "training-state entries (dataloader, lr_scheduler) are not converted" in capsys.readouterr().err
     x, y, z = (Checkpoint(tmp_path / n) for n in ("native", "native2", "native3"))
-    assert z.manifest.iteration == 6 and z.manifest.provenance["source"]["not_converted"]["optimizer"] > 0
-    assert json.loads((z.path / "train_state.json").read_text()) == {"iteration": 6, "consumed_samples": 24,
-                                                                     "optimizer_steps": 7}
+    assert z.manifest.iteration == 6 and z.manifest.provenance["source"]["not_converted"] == {
+        "optimizer": 0, "lr_scheduler": 1, "dataloader": 1, "train_state": 0}  # (this save has neither: None)
+    state = json.loads((z.path / "train_state.json").read_text())
+    assert {k: state[k] for k in ("iteration", "consumed_samples", "optimizer_steps")} == {
+        "iteration": 6, "consumed_samples": 24, "optimizer_steps": 7}
+    assert [len(g["params"]) for g in state["torchtitan"]["param_groups"]] == [2 + 2 * 7 + 1]  # (wqkv: one each)
     assert z.manifest.optimizer == ["fp32_param", "exp_avg", "exp_avg_sq"]
     z.verify()
     from checkpoint.sharding import optimizer_key
@@ -241,6 +243,20 @@ def test_torchtitan_round_trip_and_forward(saved, capsys):
         real = slice(0, v) if name in ("embedding.word_embeddings.weight", "output_layer.weight") else slice(None)
         assert torch.equal(m1[real], 2 * w[real]) and torch.equal(m2[real], w[real] * w[real]), name
         assert torch.equal(z.read(optimizer_key("fp32_param", name)), w), name
+    # back to torchtitan's full training checkpoint: every tensor of its save bitwise (the fused wqkv's moments
+    # assembled from q/k/v, the RoPE rows permuted back), its param groups' values; a weights-only one is refused
+    assert main(["convert", "mcore-to-torchtitan", str(tmp_path / "native3"), str(tmp_path / "back3"), "--optimizer",
+                 "--quiet"]) == 0
+    a, b = (TorchDistCheckpoint(p / "step-6", megatron=False) for p in (tmp_path / "full", tmp_path / "back3"))
+    assert set(a.tensors) == set(b.tensors) and "optimizer.state.layers.1.attention.qkv_linear.wqkv.weight.exp_avg" \
+        in a.tensors
+    assert all(np.array_equal(a.read_numpy(n), b.read_numpy(n)) for n in a.tensors)
+    assert {n for n in a.objects if n.startswith("optimizer.")} == {n for n in b.objects if n.startswith("optimizer.")}
+    capsys.readouterr()
+    assert main(["convert", "mcore-to-torchtitan", str(tmp_path / "native"), str(tmp_path / "back4"), "--optimizer",
+                 "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no AdamW state" in err and not (tmp_path / "back4").exists(), err
 
 
 def test_missing_config_is_one_line(tmp_path, capsys):
@@ -285,11 +301,27 @@ def test_missing_config_is_one_line(tmp_path, capsys):
 DSV3 = textwrap.dedent("""
     import json, sys
     import torch
+    import torch.nn.functional as F
     from safetensors.torch import save_file
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+    FlexAttention._compiled_flex_attn = flex_attention
+    from torchtitan.models.common.moe import GroupedExperts
+
+    def experts_fp32(self, x_RD, num_tokens_per_expert_E):  # the same math as its grouped GEMM, kept in fp32
+        out, start = [], 0
+        for e, n in enumerate(num_tokens_per_expert_E.tolist()):
+            x = x_RD[start:start + n]
+            start += n
+            out.append((F.silu(x @ self.w1_EFD[e].T) * (x @ self.w3_EFD[e].T)) @ self.w2_EDF[e].T)
+        return torch.cat(out)
+    GroupedExperts.forward = experts_fp32
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers, _build_mtp_layers
     from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer.optimizer import default_adamw
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     out = sys.argv[1]
     dim, vocab = 64, 256
     layers = _build_dsv3_layers(
@@ -300,37 +332,93 @@ DSV3 = textwrap.dedent("""
         moe_comm_backend="standard", non_blocking_capacity_factor=None,
         rope=ComplexRoPE.Config(dim=8, max_seq_len=512, theta=10000.0, scaling="yarn", rope_factor=4.0,
                                 beta_fast=32.0, beta_slow=1.0, original_seq_len=128))
+    for layer in layers:  # DeepSeek-V3's (and HF's) eps of the MLA latent norms; torchtitan 0.3 builds 1e-5
+        layer.attention.q_norm.eps = layer.attention.kv_norm.eps = 1e-6
     cfg = DeepSeekV3Model.Config(
         vocab_size=vocab, dim=dim, tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
         norm=RMSNorm.Config(normalized_shape=dim), lm_head=Linear.Config(in_features=dim, out_features=vocab),
         layers=layers, mtp_layers=_build_mtp_layers(layers[-1], dim=dim, num_mtp_layers=1))
+
+    class TrainState:
+        def __init__(self, step=0, ntokens_seen=0):
+            self.step, self.ntokens_seen = step, ntokens_seen
+        def state_dict(self):
+            return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+        def load_state_dict(self, sd):
+            self.step, self.ntokens_seen = sd["step"], sd["ntokens_seen"]
+
+    def trainer(seed):  # model, AdamW, its LR schedule, train state: what torchtitan's trainer checkpoints
+        torch.manual_seed(seed)
+        model = cfg.build()
+        model.init_states()
+        oc = default_adamw(lr=3e-4)
+        oc.implementation = "for-loop"
+        opt = oc.build(model_parts=[model])
+        return model, opt, LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opt, training_steps=10)
+
+    def manager(folder, model, opt=None, sch=None, ts=None, **kw):
+        c = CheckpointManager.Config(enable=True, folder=folder, keep_latest_k=0, **kw)
+        return CheckpointManager(c, dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sch,
+                                 states={} if ts is None else {"train_state": ts}, sd_adapter=None)
+
     if sys.argv[2:] == ["load"]:  # torchtitan's CheckpointManager loads what mcore-to-torchtitan wrote
         torch.manual_seed(1)
         model = cfg.build()
         model.init_states()
-        c = CheckpointManager.Config(enable=True, folder=out + "/unused", initial_load_path=out + "/back/step-3",
-                                     initial_load_model_only=True)
-        assert CheckpointManager(c, dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None,
-                                 states={}, sd_adapter=None).load()
+        assert manager(out + "/unused", model, initial_load_path=out + "/back/step-3",
+                       initial_load_model_only=True).load()
         want = torch.load(out + "/sd.pt", weights_only=True)
         got = model.state_dict()
         assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+        # the full training checkpoint: loaded (no dataloader entry: excluded) and resumed exactly as torchtitan's
+        runs = []
+        for src, seed in (("/full/step-6", 2), ("/back_full/step-6", 3)):
+            model, opt, sch = trainer(seed)
+            ts = TrainState()
+            assert manager(out + "/unused", model, opt, sch, ts, initial_load_path=out + src,
+                           initial_load_model_only=False, exclude_from_loading=["dataloader"]).load(), src
+            assert (ts.step, ts.ntokens_seen, sch.schedulers[0].last_epoch) == (6, 1234, 6), src
+            runs.append((model, opt, sch, opt.state_dict()))
+        a, b = runs[0][3], runs[1][3]
+        assert set(a) == set(b) and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+                                        for k in a), [k for k in a if not torch.is_tensor(a[k]) and a[k] != b[k]]
+        for model, opt, sch, _ in runs:  # one step with the same gradients
+            torch.manual_seed(4)
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            opt.step()
+            sch.step()
+        pa, pb = (dict(r[0].named_parameters()) for r in runs)
+        assert all(torch.equal(pa[k], pb[k]) for k in pa)
+        assert all(torch.equal(x, y) for x, y in zip(runs[0][1].state_dict().values(), runs[1][1].state_dict().values())
+                   if torch.is_tensor(x))
         print("loaded")
         sys.exit(0)
-    torch.manual_seed(0)
-    model = cfg.build()
-    model.init_states()
-    with torch.no_grad():  # every tensor distinct (norms and the expert bias too)
-        for p in list(model.parameters()) + list(model.buffers()):
+    model, opt, sch = trainer(0)
+    with torch.no_grad():  # every tensor distinct (norms and the expert bias too), at sizes that keep logits sane
+        for n, p in list(model.named_parameters()) + list(model.named_buffers()):
             if p.is_floating_point():
-                p.copy_(torch.randn_like(p))
-    c = CheckpointManager.Config(enable=True, folder=out + "/tt", keep_latest_k=0, last_save_model_only=True)
-    CheckpointManager(c, dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None, states={},
-                      sd_adapter=None).save(3, last_step=True)
+                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.08 * torch.randn_like(p))
+    manager(out + "/tt", model, last_save_model_only=True).save(3, last_step=True)
     # torchtitan's own HF mapping of the same weights: the oracle for names, expert split and MTP placement
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(sd, out + "/sd.pt")
     save_file(DeepSeekV3StateDictAdapter(cfg, None).to_hf(sd), out + "/oracle.safetensors")
+    tokens = torch.randint(0, vocab, (2, 12))
+    mask = create_block_mask(lambda b, h, q, k: q >= k, 2, None, 12, 12, device="cpu")
+    with torch.no_grad():
+        torch.save({"tokens": tokens, "logits": model(tokens, torch.arange(12).expand(2, 12), mask)[0]},
+                   out + "/forward.pt")
+    # a full training checkpoint: AdamW moments that show where each element goes, the schedule at step 6
+    opt.state_dict()  # torchtitan's zero step creates the states
+    for o in opt.optimizers:
+        for p, st in o.state.items():
+            st["exp_avg"].copy_(2 * p.detach())
+            st["exp_avg_sq"].copy_(p.detach() * p.detach())
+            st["step"].fill_(7)
+    for _ in range(6):
+        sch.step()
+    manager(out + "/full", model, opt, sch, TrainState(6, 1234), last_save_model_only=False).save(6, last_step=True)
     import os
     os.makedirs(out + "/hfcfg")
     json.dump({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": vocab,
@@ -348,11 +436,16 @@ DSV3 = textwrap.dedent("""
 """)
 
 
-def test_deepseek_v3_against_torchtitans_own_hf_mapping(saved):
+def test_deepseek_v3_against_torchtitan(saved, capsys):
     """DeepSeek-V3 (MLA with q LoRA, routed experts stacked in torchtitan, shared experts, expert bias, an MTP
     layer): torchtitan-to-mcore at tp2/ep2, then mcore-to-hf, equals torchtitan's own DeepSeekV3StateDictAdapter.to_hf
-    of the same weights, tensor for tensor, bitwise; mcore-to-torchtitan gives back torchtitan's save bitwise, and
-    torchtitan's CheckpointManager loads it into a fresh model (the experts as one DCP chunk each) exactly."""
+    of the same weights, tensor for tensor, bitwise; torchtitan's forward equals ours (train/model.py) and
+    transformers' on the converted weights within 1e-5 (fp32; torchtitan's experts' grouped GEMM, bf16 by design, is
+    replaced by the same math in fp32); mcore-to-torchtitan gives back torchtitan's save bitwise, and torchtitan's
+    CheckpointManager loads it into a fresh model (the experts as one DCP chunk each) exactly. The full training
+    checkpoint (AdamW, LR schedule at step 6, train_state): --optimizer both ways puts each moment element where its
+    weight element is (2w, w*w; the expert bias, a buffer, has zeros), gives back every tensor bitwise, and torchtitan
+    loads it (dataloader excluded: named in a note) and takes the same next step as from its own save."""
     tmp_path = saved / "dsv3"
     assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "tt"), str(tmp_path / "native"), "--hf-config",
                  str(tmp_path / "hfcfg"), "--tp", "2", "--ep", "2", "--quiet"]) == 0
@@ -370,6 +463,25 @@ def test_deepseek_v3_against_torchtitans_own_hf_mapping(saved):
     assert set(oracle) == set(ours) - {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"}
     for k, v in oracle.items():
         assert torch.equal(ours[k], v), k
+    # the forward: torchtitan's logits vs ours and transformers' on the converted weights
+    import transformers
+
+    from checkpoint.reader import Checkpoint
+    from train.model import GPTModel
+
+    fw = torch.load(tmp_path / "forward.pt", weights_only=True)
+    tokens, want = fw["tokens"], fw["logits"]
+    assert want.std() > 0.1, "logits too small for the comparison to mean anything"
+    ck = Checkpoint(tmp_path / "native")
+    canonical = {n: ck.read(n) for n in ck.manifest.tensors}
+    model = GPTModel(ck.config, canonical["embedding.word_embeddings.weight"].shape[0])
+    model.load_canonical(canonical)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        mine = model.eval()(tokens)[..., :want.shape[-1]]
+        theirs = hf(tokens, use_cache=False).logits
+    assert (mine - want).abs().max() <= TOL and (theirs - want).abs().max() <= TOL, \
+        ((mine - want).abs().max(), (theirs - want).abs().max())
     # and back: every tensor of torchtitan's own save, bitwise (the experts as one chunk each)
     assert main(["convert", "mcore-to-torchtitan", str(tmp_path / "native"), str(tmp_path / "back"), "--quiet"]) == 0
     a = TorchDistCheckpoint(tmp_path / "tt" / "step-3", megatron=False)
@@ -377,4 +489,40 @@ def test_deepseek_v3_against_torchtitans_own_hf_mapping(saved):
     assert set(a.tensors) == set(b.tensors)
     for name in a.tensors:
         assert np.array_equal(a.read_numpy(name), b.read_numpy(name)), name
+    # the full training checkpoint, both ways
+    assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "full"), str(tmp_path / "nfull"), "--hf-config",
+                 str(tmp_path / "hfcfg"), "--tp", "2", "--ep", "2", "--optimizer", "--global-batch-size", "4",
+                 "--quiet"]) == 0
+    z = Checkpoint(tmp_path / "nfull")
+    z.verify()
+    state = json.loads((z.path / "train_state.json").read_text())
+    assert state["optimizer_steps"] == 7 and state["torchtitan"]["train_state"] == {"step": 6, "ntokens_seen": 1234}
+    assert state["torchtitan"]["lr_scheduler"] == {"last_epoch": 6}
+    assert state["torchtitan"]["param_groups"][0]["initial_lr"] == 3e-4  # (its lr: the schedule's at step 6)
+    from checkpoint.sharding import optimizer_key
+
+    v = z.config.vocab_size
+    for name in z.manifest.tensors:
+        if name.startswith("optimizer."):
+            continue
+        w = z.read(name)
+        assert torch.equal(w, ck.read(name)), name
+        m1, m2 = (z.read(optimizer_key(st, name)) for st in ("exp_avg", "exp_avg_sq"))
+        real = (slice(0, v),) if "word_embeddings" in name or "output_layer" in name else (slice(None),)
+        if name.endswith("router.expert_bias"):
+            assert not m1.any() and not m2.any(), name
+        else:
+            assert torch.equal(m1[real], 2 * w[real]) and torch.equal(m2[real], w[real] * w[real]), name
+        assert torch.equal(z.read(optimizer_key("fp32_param", name)), w), name
+    capsys.readouterr()
+    assert main(["convert", "mcore-to-torchtitan", str(tmp_path / "nfull"), str(tmp_path / "back_full"), "--optimizer",
+                 "--quiet"]) == 0
+    assert 'no dataloader entry' in capsys.readouterr().err
+    a = TorchDistCheckpoint(tmp_path / "full" / "step-6", megatron=False)
+    b = TorchDistCheckpoint(tmp_path / "back_full" / "step-6", megatron=False)
+    assert set(a.tensors) == set(b.tensors) and any(".exp_avg_sq" in n for n in a.tensors)
+    for name in a.tensors:
+        assert a.tensors[name].dtype == b.tensors[name].dtype, name
+        assert np.array_equal(a.read_numpy(name), b.read_numpy(name)), name
+    assert set(a.objects) - set(b.objects) == {"dataloader"}
     _torchtitan(DSV3, tmp_path, "load")
