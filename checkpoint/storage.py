@@ -419,13 +419,42 @@ class Writing:
 _MIRRORS: dict[str, Location] = {}
 
 
+RUN_LOG = "metrics.jsonl"  # the run's log in --save (train/metrics.py), appended to by every resumed run
+_FETCHED: dict[str, bytes | None] = {}  # a mirrored root -> the store's RUN_LOG as it came down
+
+
 def mirror(local_root: str, loc: Location) -> None:
+    """A training run's --save root stands for `loc`: its saves go to the store (train/checkpointing.py), and its
+    run files (metrics.jsonl, TensorBoard events) are written here and put on the store by `release`; the store's
+    metrics.jsonl comes down first, so that this run appends to it as a local --save's run does."""
     _MIRRORS[os.path.realpath(local_root)] = loc
+    text = _FETCHED[os.path.realpath(local_root)] = ObjectStore(loc).read(RUN_LOG)
+    if text is not None:
+        Path(local_root).mkdir(parents=True, exist_ok=True)
+        (Path(local_root) / RUN_LOG).write_bytes(text)
 
 
 def release(local_root: str) -> None:
-    """The end of a run that mirrored `local_root`: every save is on the store, the staging root goes."""
-    if _MIRRORS.pop(os.path.realpath(local_root), None) is not None:
+    """The end of a run that mirrored `local_root` (finished or failed): every save is on the store already; the run
+    files written here (all but a resumed run's download of an iteration) go there too, then the staging root."""
+    loc = _MIRRORS.pop(os.path.realpath(local_root), None)
+    if loc is not None:
+        root = Path(local_root)
+        fetched = _FETCHED.pop(os.path.realpath(local_root), None)
+        files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()
+                       and not _ITER.match(p.relative_to(root).parts[0].removesuffix(".partial"))
+                       and p.relative_to(root).parts[0] != LATEST) if root.is_dir() else []
+        # a rank that does not write the log holds the store's copy as it came down: never put back over the new one
+        files = [p for p in files if not (p == root / RUN_LOG and p.read_bytes() == fetched)]
+        if files:
+            try:
+                ObjectStore(loc).upload([(p, p.relative_to(root).as_posix()) for p in files])
+            except ShardkitError as e:  # the saves are on the store; the log is not worth failing the run for
+                import sys
+
+                sys.stderr.write(f"shardkit: warning: the run's files in {root} were not put on the store ({e}); "
+                                 "they stay there\n")
+                return
         shutil.rmtree(local_root, ignore_errors=True)
         if _world() > 1:  # <hash>/rank<N>: the last rank out removes <hash>
             with contextlib.suppress(OSError):

@@ -482,6 +482,7 @@ def _train_storage(cfg, stack):
         w = storage.Writing(save, overwrite=True, flag="--save", ranks=True)
         new_save = w.path
         storage.mirror(w.path, w.loc)
+        stack.callback(storage.release, w.path)  # the run's files to the store, finished or failed
         if load and load.rstrip("/") == save.rstrip("/"):
             new_load = w.path
             if w.remote_has_checkpoint:

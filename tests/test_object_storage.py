@@ -280,14 +280,19 @@ def test_continue_pretrain_load_save_on_s3(s3, tmp_path, capsys):
                      "--async-save", "--use-checkpoint-opt_param-scheduler"]) == 0
     assert not storage.staging_dir(storage.parse(f"s3://{BUCKET}/run")).exists()  # released after the run
     objects = _objects(f"s3://{BUCKET}/run")
+    import json
+
+    def log(text: str) -> list:  # both runs' iterations, appended (the time and throughput aside)
+        return [(m["iteration"], m["loss"]) for m in map(json.loads, text.splitlines())]
+
+    assert log(objects["metrics.jsonl"].decode()) == log((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert [i for i, _ in log(objects["metrics.jsonl"].decode())] == [1, 2, 3]
     assert objects["latest"] == b"iter_0000003\n"
     assert {k.split("/")[0] for k in objects if k.endswith("manifest.json")} == \
         {"iter_0000001", "iter_0000002", "iter_0000003"}
     local = _files(tmp_path / "run" / "iter_0000003")
     remote = {k[len("iter_0000003/"):]: v for k, v in objects.items() if k.startswith("iter_0000003/")}
     assert set(remote) == set(local)
-    import json
-
     for k in local:
         if k == "train_state.json":
             a, b = json.loads(remote[k]), json.loads(local[k])
@@ -441,6 +446,10 @@ def test_two_ranks_save_to_s3_killed_then_resumed(s3, tmp_path, monkeypatch):
                 assert remote[k] == files[k], (it, k)
     staging = storage.staging_dir(storage.parse(url))
     assert not staging.exists() and not (staging / "rank0").exists()  # released after the runs
+    # the run's log on the store: the rerun's iterations (the killed run never got to put its own there)
+    logged = [json.loads(ln) for ln in objects["metrics.jsonl"].decode().splitlines()]
+    here = {m["iteration"]: m["loss"] for m in map(json.loads, (local / "metrics.jsonl").read_text().splitlines())}
+    assert [(m["iteration"], m["loss"]) for m in logged] == [(2, here[2]), (3, here[3])]
 
 
 def test_gs_round_trip_against_a_gcs_emulator(tiny, tmp_path, capsys, monkeypatch):
