@@ -366,7 +366,7 @@ def proof_seq_len(cfg: ModelConfig) -> int:
     return 32 if cfg.is_moe else PROOF_SEQ_DENSE
 
 
-def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native", memory_budget: str | None = None,
+def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str | None = None,
                       quiet: bool = False, asked: bool = True, allow_nonfinite: bool = False,
                       withdraw: bool = False) -> int:
     """`convert hf-to-mcore`'s proof (on by default, `--no-verify` skips it): the conversion just written, native or
@@ -390,17 +390,9 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, fmt: str = "native",
     from checkpoint import chunkio
 
     chunkio.POOL.clear()  # the writes' idle buffers (up to 384 MiB): the comparison has its own
-    if fmt == "torch_dist":
-        from checkpoint.torch_dist import read_torch_dist
-        from checkpoint.torch_dist_view import TorchDistSource
+    from checkpoint.opened import open_checkpoint
 
-        td = read_torch_dist(path)
-        cfg, origin = td.model_config(None, None)
-        ck = TorchDistSource(td, cfg, td.layout, origin)
-    else:
-        from checkpoint.reader import Checkpoint
-
-        ck = Checkpoint(path)
+    ck = open_checkpoint(path).reader  # torch_dist: read in place (its shardkit.json describes the model)
     if not asked:
         why = None
         if allow_nonfinite:

@@ -688,7 +688,7 @@ def _dispatch_local(args: argparse.Namespace) -> int:
             return 0
         from convert.hf_to_mcore import verify_conversion
 
-        return verify_conversion(path, args.hf_dir, fmt=args.format, memory_budget=args.memory_budget,
+        return verify_conversion(path, args.hf_dir, memory_budget=args.memory_budget,
                                  quiet=args.quiet, asked=bool(args.verify), allow_nonfinite=args.allow_nonfinite,
                                  withdraw=True)  # a failed proof commits nothing (issue 34)
     if args.cmd == "convert" and args.direction == "mcore-to-hf":
@@ -750,7 +750,9 @@ def _dispatch_local(args: argparse.Namespace) -> int:
         group = getattr(args, "group", None)
         if not args.quiet and (group is None or not group.rank):  # before it starts; stdout with the "wrote" line
             print(layout_change(source, layout, cfg, given, unknown), flush=True)
-        if _is_torch_dist(args.src):  # torch_dist -> native (-> torch_dist): the import already re-chunks
+        from checkpoint.opened import is_torch_dist
+
+        if is_torch_dist(args.src):  # torch_dist -> native (-> torch_dist): the import already re-chunks
             path = _write(args, args.dst, lambda out: _import_torch_dist(args, args.src, out, layout, dtype))
         elif args.format == "torch_dist":  # native -> torch_dist: reshard and export in one pass, no staging copy
             from convert.torch_dist_io import write_torch_dist
@@ -832,33 +834,16 @@ def _estimate_above(args: argparse.Namespace) -> int | None:
     return parse_bytes(args.estimate_above, "--estimate-above")
 
 
-def _is_torch_dist(path: str) -> bool:
-    """A Megatron torch_dist checkpoint (root with latest_checkpointed_iteration.txt, or an iteration directory)."""
-    p = Path(path)
-    return os.path.lexists(p / "latest_checkpointed_iteration.txt") or (p / "metadata.json").is_file() or \
-        (p / ".metadata").is_file()
-
-
 def _reshard_source(args: argparse.Namespace):
     """reshard: the source's layout (None where a torch_dist source's common.pt has no Megatron args, with the
-    reason), and the model config the destination layout is checked against."""
-    if not _is_torch_dist(args.src):
-        from checkpoint.reader import Checkpoint
+    reason), and the model config the destination layout is checked against (a torch_dist source's from
+    --hf-config, its own shardkit.json, or its Megatron args with --vocab-size: one line naming what is missing)."""
+    from checkpoint.opened import open_checkpoint
 
-        ck = Checkpoint(args.src)
+    ck = open_checkpoint(args.src, getattr(args, "hf_config", None), getattr(args, "vocab_size", None))
+    if ck.format == "native":
         return ck.layout, ck.config, ""
-    td, cfg, _ = _torch_dist_model(args, args.src)
-    return td.layout, cfg, f"{td.args_source} holds no usable Megatron args"
-
-
-def _torch_dist_model(args: argparse.Namespace, src: str):
-    """A torch_dist checkpoint, its model config and where that came from (--hf-config, the checkpoint's own
-    shardkit.json, or its Megatron args with --vocab-size): one line naming what is missing otherwise."""
-    from checkpoint.torch_dist import read_torch_dist
-
-    td = read_torch_dist(src)
-    cfg, origin = td.model_config(getattr(args, "hf_config", None), getattr(args, "vocab_size", None))
-    return td, cfg, origin
+    return ck.td.layout, ck.config, f"{ck.td.args_source} holds no usable Megatron args"
 
 
 def _import_torch_dist(args: argparse.Namespace, src: str, out, layout, dtype):
@@ -885,12 +870,15 @@ def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):
     """Run a consumer of a native checkpoint on `src`, importing a torch_dist source into a staging copy first.
     Across ranks (mcore-to-hf) the import is shared out too, into a staging directory every rank names alike
     (`.<out>.native-staging`, resumed by a rerun; one an earlier run committed is written afresh)."""
-    if not _is_torch_dist(src):
+    from checkpoint.opened import is_torch_dist, open_checkpoint
+
+    if not is_torch_dist(src):
         return consume(src)
     import shutil
     import tempfile
 
-    _torch_dist_model(args, src)  # the model config first: a missing or contradicting one writes nothing
+    # the model config first: a missing or contradicting one writes nothing
+    open_checkpoint(src, getattr(args, "hf_config", None), getattr(args, "vocab_size", None)).config
     target = Path(out)
     group = getattr(args, "group", None)
     if group is not None:
@@ -908,30 +896,29 @@ def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from checkpoint.opened import open_checkpoint
     from checkpoint.progress import json_text
 
-    if _is_torch_dist(args.ckpt):
+    ck = open_checkpoint(args.ckpt, args.hf_config, args.vocab_size)
+    if ck.format == "torch_dist":
         from checkpoint.errors import ConfigError
         from checkpoint.progress import print_torch_dist_description
-        from checkpoint.torch_dist import read_torch_dist
         from convert.torch_dist_io import describe_torch_dist
 
-        td = read_torch_dist(args.ckpt)
         try:
-            cfg, origin = td.model_config(args.hf_config, args.vocab_size)
-            d = describe_torch_dist(td, cfg, origin)
+            d = describe_torch_dist(ck.td, ck.config, ck.config_origin)
         except ConfigError as e:
             if args.hf_config is not None or args.vocab_size is not None:
                 raise  # what was given contradicts the checkpoint
-            d = describe_torch_dist(td, None, None, str(e))  # nothing describes the model: shown, not fatal
+            d = describe_torch_dist(ck.td, None, None, str(e))  # nothing describes the model: shown, not fatal
         if args.json:
             print(json_text(d))
         else:
             print_torch_dist_description(d)
         return 0
-    from checkpoint.reader import Checkpoint, describe
+    from checkpoint.reader import describe
 
-    d = describe(Checkpoint(args.ckpt))
+    d = describe(ck.ckpt)
     if args.json:
         print(json_text(d))
         return 0
@@ -942,183 +929,17 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from checkpoint.progress import progress_bar
-    from checkpoint.reader import Checkpoint
-
+    """verify, either format (verify/run.py): one report, one verdict."""
+    from plan.units import parse_bytes
     from shardkit.flagcheck import check_tolerance
+    from verify.run import verify_checkpoint
 
     check_tolerance(args.tolerance)  # NaN, inf (which would pass any model) and negatives: one line (issue 34)
-    if _is_torch_dist(args.ckpt):
-        return _verify_torch_dist(args)
-    ckpt = Checkpoint(args.ckpt)
-    with progress_bar("verify", total=ckpt.nbytes(), items=0, disable=args.quiet or args.json) as bar:
-        result = ckpt.verify(progress=lambda n: bar.advance(n))
-    result = {"path": str(ckpt.path), "chunks_ok": True, **result}
-    ok = finite = not result["nonfinite"]
-    if args.against:
-        parity = _parity(args, ckpt)
-        ok = ok and parity["ok"]
-        result["parity"] = parity
-    result["ok"] = ok
-    if args.json:
-        from checkpoint.progress import json_text
-
-        print(json_text(result))
-    else:
-        print(f"{result['path']}: {result['tensors']} tensors, {result['chunks']} chunks, {result['bytes']:,} bytes: "
-              "all checksums OK, manifest matches the arrays")
-        if not result.get("chunk_positions_checked", True):
-            print("note: this manifest records no per-chunk crc32c (written by an older shardkit): each chunk's own "
-                  "checksum was checked, but not that it sits in its place; rewrite it (reshard) to record them")
-        for name, count in result["nonfinite"].items():
-            print(f"  {name}: {count:,} non-finite value(s) (NaN/Inf)")
-        if args.against:
-            p = result["parity"]
-            print(f"logits vs {args.against} (fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| = "
-                  f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if ok else 'FAIL'}")
-            _coverage_lines(p)
-            if p["mode"] == "streaming":
-                moe = [r for r in p["layers"] if "experts" in r]
-                print(f"  streamed layer by layer (each on HF's hidden state): worst layer |diff| "
-                      f"{max(r['max_abs_diff'] for r in p['layers']):.3e}"
-                      + (f"; experts exercised {sum(r['experts_exercised'] for r in moe)}/"
-                         f"{sum(r['experts'] for r in moe)}" if moe else ""))
-                for r in p["layers"]:
-                    if not (r["max_abs_diff"] <= p["tolerance"] and r.get("expert_max_abs_diff", 0) <= p["tolerance"]):
-                        where = f"layer {r['layer']}" + (f", expert {r['expert']} ({r['expert_max_abs_diff']:.3e})"
-                                                          if "expert" in r else "")
-                        print(f"  {where}: |diff| {r['max_abs_diff']:.3e} beyond the tolerance")
-    if not finite:
-        bad = result["nonfinite"]
-        first = next(iter(bad))
-        print(f"shardkit: error: {len(bad)} tensor(s) hold non-finite values (NaN/Inf), e.g. {first} "
-              f"({bad[first]:,}); this checkpoint cannot be trained or exported as it is: resume from an earlier "
-              "iteration", file=sys.stderr)
-        return 1
-    if not ok:
-        p = result["parity"]
-        if p.get("weights_differ") and p["max_abs_diff"] <= args.tolerance and p.get("layers_ok", True):
-            # the logits agree, a weight compared directly does not (issue 34: an embedding row no test token reads)
-            print(f"shardkit: error: {result['parity']['weights_differ']} ({args.against}); the checkpoint does not "
-                  "reproduce that model", file=sys.stderr)
-            return 1
-        first = result["parity"].get("first_layer_beyond_tolerance")
-        if first is not None:
-            expert = result["parity"].get("first_expert_beyond_tolerance")
-            first = f"{first}" + (f" (expert {expert})" if expert is not None else "")
-            print(f"shardkit: error: layer {first} is the first to differ from {args.against} beyond "
-                  f"{args.tolerance:.0e} (on HF's own input of that layer){_also(p)}; the checkpoint does not "
-                  "reproduce that model", file=sys.stderr)
-            return 1
-        print(f"shardkit: error: logits differ from {args.against} by {result['parity']['max_abs_diff']:.3e} > "
-              f"{args.tolerance:.0e}{_also(p)}; the checkpoint does not reproduce that model", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _also(p: dict) -> str:
-    """A weight compared directly that differs too, for the end of a logits error line (issue 34)."""
-    return f" (and {p['weights_differ']})" if p.get("weights_differ") else ""
-
-
-def _coverage_lines(p: dict) -> None:
-    """verify --against: what was compared directly, and every parameter neither exercised nor compared (issue 34)."""
-    e = p.get("embedding")
-    if e:
-        print(f"  {e['tensor']}: all {e['rows']} rows compared with HF's bit for bit (after the cast): "
-              + (f"{e['rows_differ']} differ" if e["rows_differ"] else "equal"))
-    for what in p.get("not_compared") or []:
-        print(f"  not exercised or compared: {what}")
-
-
-def _parity(args: argparse.Namespace, ckpt) -> dict:
-    """verify --against: logits of `ckpt` (a native Checkpoint, or a torch_dist one read in place) vs HF's."""
-    from checkpoint.progress import progress_bar
-    from verify.against import against_hf
-    from plan.units import parse_bytes
-
     budget = None if args.memory_budget is None else parse_bytes(args.memory_budget, "--memory-budget")
-    if Path(args.against).is_dir():  # the conversion's own reading of the weights, in both modes: a FIFO, a link
-        from convert.hf_source import weight_files  # out, model.safetensors beside another index are one line
-
-        weight_files(args.against)
-    # streaming: bytes read from both sides (each about once) and layers done
-    with progress_bar("compare", total=2 * ckpt.nbytes(), items=ckpt.config.num_layers, unit="layers",
-                      disable=args.quiet or args.json) as bar:
-        return against_hf(ckpt, args.against, seq_len=args.seq_length, tolerance=args.tolerance,
-                          streaming=args.streaming, memory_budget=budget,
-                          all_experts=getattr(args, "all_experts", False),
-                          progress=lambda nbytes: bar.advance(nbytes, items=1))
-
-
-def _verify_torch_dist(args: argparse.Namespace) -> int:
-    """verify of a torch_dist checkpoint: keys and shapes against the model config and the sharding table, every
-    item read, non-finite values counted, and with --against the logits compared (read in place, no staging copy)."""
-    from checkpoint.progress import json_text, progress_bar
-    from checkpoint.torch_dist_view import TorchDistSource
-    from convert.torch_dist_io import verify_torch_dist
-
-    td, cfg, origin = _torch_dist_model(args, args.ckpt)
-    total = sum(t.dtype.itemsize * _numel(t.shape) for t in td.tensors.values())
-    with progress_bar("verify", total=total, items=0, disable=args.quiet or args.json) as bar:
-        result = verify_torch_dist(td, cfg, origin, progress=lambda n: bar.advance(n))
-    finite = not result["nonfinite"]
-    ok = finite and result["keys_ok"]
-    if args.against and result["keys_ok"]:
-        result["parity"] = _parity(args, TorchDistSource(td, cfg, td.layout, origin))
-        ok = ok and result["parity"]["ok"]
-    result["ok"] = ok
-    if args.json:
-        print(json_text(result))
-    else:
-        lay = result["layout"]
-        print(f"{result['path']}: torch_dist, iteration {result['iteration']}, tp={lay['tp']} pp={lay['pp']} "
-              f"vpp={lay['vpp']} ep={lay['ep']} (layout from {result['layout_from']}; model from {origin})")
-        print(f"  {result['tensors']} tensors, {result['items']} items in {result['files']} files, "
-              f"{result['bytes']:,} bytes: every item read"
-              + (", keys and global shapes match the model config and every item lies in one rank's shard"
-                 if result["keys_ok"] else ""))
-        for what in ("missing", "unexpected"):
-            if result[what]:
-                print(f"  {what} ({len(result[what])}): {', '.join(result[what])}")
-        for line in result["problems"]:
-            print(f"  {line}")
-        for name, count in result["nonfinite"].items():
-            print(f"  {name}: {count:,} non-finite value(s) (NaN/Inf)")
-        if "parity" in result:
-            p = result["parity"]
-            print(f"logits vs {args.against} (fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| = "
-                  f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if p['ok'] else 'FAIL'}")
-            _coverage_lines(p)
-    if not result["keys_ok"]:
-        first = (result["problems"] or [None])[0]
-        if result["missing"] or result["unexpected"]:
-            first = (f"{td.path}: {len(result['missing'])} tensor(s) the model config ({origin}) needs are missing"
-                     + (f" (e.g. {result['missing'][0]})" if result["missing"] else "")
-                     + f", {len(result['unexpected'])} stored tensor(s) are not part of it"
-                     + (f" (e.g. {result['unexpected'][0]})" if result["unexpected"] else ""))
-        print(f"shardkit: error: {first}", file=sys.stderr)
-        return 1
-    if not finite:
-        bad = result["nonfinite"]
-        name = next(iter(bad))
-        print(f"shardkit: error: {len(bad)} tensor(s) hold non-finite values (NaN/Inf), e.g. {name} "
-              f"({bad[name]:,}); this checkpoint cannot be trained or exported as it is", file=sys.stderr)
-        return 1
-    if not ok:
-        p = result["parity"]
-        why = (f"logits differ from {args.against} by {p['max_abs_diff']:.3e} > {args.tolerance:.0e}{_also(p)}"
-               if not p["max_abs_diff"] <= args.tolerance or not p.get("weights_differ") else p["weights_differ"])
-        print(f"shardkit: error: {why}; the checkpoint does not reproduce that model", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _numel(shape) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
+    return verify_checkpoint(args.ckpt, against=args.against, hf_config=args.hf_config,
+                             vocab_size=getattr(args, "vocab_size", None), seq_length=args.seq_length,
+                             tolerance=args.tolerance, streaming=args.streaming, memory_budget=budget,
+                             all_experts=args.all_experts, quiet=args.quiet, as_json=args.json)
 
 
 if __name__ == "__main__":

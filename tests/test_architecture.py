@@ -1,6 +1,6 @@
 """The import structure of shardkit's packages, read from the source (ast, nothing imported): no import cycle between
 modules, whether the imports are at module level or inside functions (a lazy import hides a cycle, it does not remove
-it); train/parallel/ (the parallelism primitives) imports nothing of the trainer above it; checkpoint/ (the bottom
+it; `if TYPE_CHECKING:` imports, which never run, are not counted); train/parallel/ (the parallelism primitives) imports nothing of the trainer above it; checkpoint/ (the bottom
 layer) imports none of the packages built on it, and train/ only checkpoint/."""
 from __future__ import annotations
 
@@ -48,13 +48,18 @@ def import_edges(mods: dict[str, Path]) -> dict[str, dict[str, str]]:
     for mod, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
         top = {id(n) for n in tree.body}
+        typing_only = set()  # `if TYPE_CHECKING:` imports: annotations only, never run
         # module-level also inside a top-level if/try (e.g. an optional dependency)
         for n in tree.body:
-            if isinstance(n, (ast.If, ast.Try)):
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+                typing_only |= {id(x) for x in ast.walk(n)}
+            elif isinstance(n, (ast.If, ast.Try)):
                 top |= {id(x) for x in ast.walk(n) if isinstance(x, (ast.Import, ast.ImportFrom))}
         package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
         out: dict[str, str] = {}
         for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -127,6 +127,40 @@ def test_planted_qkv_group_error_is_named_via_cli(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+
+def test_one_report_for_both_formats(tmp_path, capsys):
+    """verify prints one report and one verdict for a native and a torch_dist checkpoint of the same model, the
+    streamed per-layer rows and the first layer beyond the tolerance included (the torch_dist one printed neither)."""
+    from shardkit.cli import main
+
+    hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
+    native = _convert(tmp_path, hf_dir, tp=2)
+    td = tmp_path / "td"
+    assert main(["convert", "hf-to-mcore", str(hf_dir), str(td), "--tp", "2", "--format", "torch_dist", "--quiet",
+                 "--no-verify"]) == 0
+    cfg = native.config
+    group = slice(cfg.kv_channels, 2 * cfg.kv_channels)
+    last = cfg.num_layers - 1
+
+    def bump(t):
+        t[group] *= 1.5
+        return t
+
+    _plant(hf_dir, f"model.layers.{last}.self_attn.k_proj.weight", bump)
+    capsys.readouterr()
+    seen = {}
+    for fmt, path in (("native", native.path), ("torch_dist", td)):
+        rc = main(["verify", str(path), "--against", str(hf_dir), "--streaming", "--seq-length", str(seq), "--quiet"])
+        out, err = capsys.readouterr()
+        assert rc == 1, (fmt, err)
+        seen[fmt] = (out[out.index("logits vs"):], err)
+    assert seen["native"] == seen["torch_dist"]
+    out, err = seen["torch_dist"]
+    assert "streamed layer by layer" in out and f"  layer {last}: |diff| " in out and "beyond the tolerance" in out
+    assert err.startswith(f"shardkit: error: layer {last} is the first to differ from {hf_dir}") and \
+        len(err.strip().splitlines()) == 1, err
+
+
 def test_mode_follows_the_memory_budget(tmp_path):
     hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
     ck = _convert(tmp_path, hf_dir)

@@ -214,7 +214,7 @@ def test_convert_verifies_by_default(tmp_path, capsys):
     make_hf(cls, overrides).save_pretrained(other)  # the global generator has moved on: other weights
     capsys.readouterr()
     assert verify_conversion(tmp_path / "ck", other, quiet=True) == 1
-    assert verify_conversion(tmp_path / "td", other, fmt="torch_dist", quiet=True) == 1
+    assert verify_conversion(tmp_path / "td", other, quiet=True) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all("is written but does not reproduce" in e for e in err), err
 

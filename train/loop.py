@@ -84,15 +84,6 @@ def not_all_finite(t: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(t.amax()) & torch.isfinite(t.amin()))
 
 
-def is_torch_dist(path: str | Path) -> bool:
-    """A Megatron torch_dist checkpoint: a root with latest_checkpointed_iteration.txt, or an iteration directory
-    with metadata.json / DCP's .metadata (a shardkit native one has `latest` / manifest.json)."""
-    from checkpoint.megatron import TRACKER
-
-    p = Path(path)
-    return os.path.lexists(p / TRACKER) or (p / "metadata.json").is_file() or (p / ".metadata").is_file()
-
-
 def run_layout(cfg: TrainConfig, world: int | None = None) -> RunLayout:
     """The run's layout from the world size (default: the process group's; `shardkit launch` passes the job's) and
     the parallel flags; the global batch must split over DP."""
@@ -110,6 +101,8 @@ def open_load(c, global_batch_size: int):
     """--load opened for training, by either engine: (checkpoint, its iteration directory, train state, notes).
     A torch_dist one (Megatron-LM's or shardkit's) is read in place, by region; a shardkit native one is verified,
     and --hf-config is refused for it and --vocab-size checked against its manifest."""
+    from checkpoint.opened import is_torch_dist
+
     if is_torch_dist(c.load):
         from train.torch_dist_ckpt import TorchDistLoad
 

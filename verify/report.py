@@ -1,0 +1,97 @@
+"""`verify`'s one printer, for both formats: what the integrity check read (the one part each format says its own
+way), the non-finite values, and with --against the logits, what was compared directly, the streamed per-layer rows
+and the first layer beyond the tolerance; then the one `shardkit: error:` line of a checkpoint that fails."""
+from __future__ import annotations
+
+
+def print_report(result: dict, against: str | None) -> None:
+    """The human-readable report of `verify_checkpoint`'s result on stdout."""
+    if result.get("format") == "torch_dist":
+        _torch_dist_lines(result)
+    else:
+        _native_lines(result)
+    for name, count in result["nonfinite"].items():
+        print(f"  {name}: {count:,} non-finite value(s) (NaN/Inf)")
+    if "parity" in result:
+        _parity_lines(result["parity"], against, result["ok"])
+
+
+def _native_lines(result: dict) -> None:
+    print(f"{result['path']}: {result['tensors']} tensors, {result['chunks']} chunks, {result['bytes']:,} bytes: "
+          "all checksums OK, manifest matches the arrays")
+    if not result.get("chunk_positions_checked", True):
+        print("note: this manifest records no per-chunk crc32c (written by an older shardkit): each chunk's own "
+              "checksum was checked, but not that it sits in its place; rewrite it (reshard) to record them")
+
+
+def _torch_dist_lines(result: dict) -> None:
+    lay = result["layout"]
+    print(f"{result['path']}: torch_dist, iteration {result['iteration']}, tp={lay['tp']} pp={lay['pp']} "
+          f"vpp={lay['vpp']} ep={lay['ep']} (layout from {result['layout_from']}; model from {result['model_from']})")
+    print(f"  {result['tensors']} tensors, {result['items']} items in {result['files']} files, "
+          f"{result['bytes']:,} bytes: every item read"
+          + (", keys and global shapes match the model config and every item lies in one rank's shard"
+             if result["keys_ok"] else ""))
+    for what in ("missing", "unexpected"):
+        if result[what]:
+            print(f"  {what} ({len(result[what])}): {', '.join(result[what])}")
+    for line in result["problems"]:
+        print(f"  {line}")
+
+
+def _parity_lines(p: dict, against: str, ok: bool) -> None:
+    """`ok`: the checkpoint's verdict (FAIL also where the logits agree but a weight holds NaN/Inf)."""
+    print(f"logits vs {against} (fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| = "
+          f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if ok else 'FAIL'}")
+    e = p.get("embedding")  # what was compared directly, and every parameter neither exercised nor compared
+    if e:
+        print(f"  {e['tensor']}: all {e['rows']} rows compared with HF's bit for bit (after the cast): "
+              + (f"{e['rows_differ']} differ" if e["rows_differ"] else "equal"))
+    for what in p.get("not_compared") or []:
+        print(f"  not exercised or compared: {what}")
+    if p["mode"] == "streaming":
+        moe = [r for r in p["layers"] if "experts" in r]
+        print(f"  streamed layer by layer (each on HF's hidden state): worst layer |diff| "
+              f"{max(r['max_abs_diff'] for r in p['layers']):.3e}"
+              + (f"; experts exercised {sum(r['experts_exercised'] for r in moe)}/"
+                 f"{sum(r['experts'] for r in moe)}" if moe else ""))
+        for r in p["layers"]:
+            if not (r["max_abs_diff"] <= p["tolerance"] and r.get("expert_max_abs_diff", 0) <= p["tolerance"]):
+                where = f"layer {r['layer']}" + (f", expert {r['expert']} ({r['expert_max_abs_diff']:.3e})"
+                                                  if "expert" in r else "")
+                print(f"  {where}: |diff| {r['max_abs_diff']:.3e} beyond the tolerance")
+
+
+def error_line(result: dict, against: str | None, tolerance: float) -> str | None:
+    """Why the checkpoint fails verify, in one line (without the `shardkit: error: ` prefix); None when it passes:
+    a torch_dist checkpoint whose keys or shapes do not fit the model, non-finite values, a weight compared directly
+    that differs while the logits agree, the first layer beyond the tolerance (streamed), or the logits."""
+    if not result.get("keys_ok", True):
+        first = (result["problems"] or [None])[0]
+        if result["missing"] or result["unexpected"]:
+            first = (f"{result['path']}: {len(result['missing'])} tensor(s) the model config "
+                     f"({result['model_from']}) needs are missing"
+                     + (f" (e.g. {result['missing'][0]})" if result["missing"] else "")
+                     + f", {len(result['unexpected'])} stored tensor(s) are not part of it"
+                     + (f" (e.g. {result['unexpected'][0]})" if result["unexpected"] else ""))
+        return first
+    bad = result["nonfinite"]
+    if bad:
+        first = next(iter(bad))
+        return (f"{len(bad)} tensor(s) hold non-finite values (NaN/Inf), e.g. {first} ({bad[first]:,}); this "
+                "checkpoint cannot be trained or exported as it is: resume from an earlier iteration")
+    p = result.get("parity")
+    if p is None or p["ok"]:
+        return None
+    if p.get("weights_differ") and p["max_abs_diff"] <= tolerance and p.get("layers_ok", True):
+        # the logits agree, a weight compared directly does not (issue 34: an embedding row no test token reads)
+        return f"{p['weights_differ']} ({against}); the checkpoint does not reproduce that model"
+    also = f" (and {p['weights_differ']})" if p.get("weights_differ") else ""
+    layer = p.get("first_layer_beyond_tolerance")
+    if layer is not None:
+        expert = p.get("first_expert_beyond_tolerance")
+        layer = f"{layer}" + (f" (expert {expert})" if expert is not None else "")
+        return (f"layer {layer} is the first to differ from {against} beyond {tolerance:.0e} (on HF's own input of "
+                f"that layer){also}; the checkpoint does not reproduce that model")
+    return (f"logits differ from {against} by {p['max_abs_diff']:.3e} > {tolerance:.0e}{also}; the checkpoint does "
+            "not reproduce that model")
