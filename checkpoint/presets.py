@@ -2,9 +2,10 @@
 (``--model llama3-70b``) without downloading it.
 
 Each dict is the hub file itself, copied from the vendored copies in ``shared/hf-configs/`` (see SOURCES.md there for
-where each came from; tests/test_plan.py checks they are still equal), except llama2-13b, which has no copy there and
-is transcribed from the source named beside it. They go through ``ModelConfig.from_hf`` like any other config, so the
-planner and the trainer see exactly what a converted checkpoint of that model would record.
+where each came from; tests/test_plan.py and tests/test_qwen3.py check they are still equal), except llama2-13b,
+qwen3-32b and qwen3-235b-a22b, which have no copy there and are transcribed from the source named beside each. They go
+through ``ModelConfig.from_hf`` like any other config, so the planner and the trainer see exactly what a converted
+checkpoint of that model would record.
 """
 from __future__ import annotations
 
@@ -137,6 +138,42 @@ PRESETS: dict[str, dict] = {
       'rope_theta': 10000, 'routed_scaling_factor': 2.5, 'scoring_func': 'sigmoid', 'tie_word_embeddings': False,
       'topk_group': 4, 'topk_method': 'noaux_tc', 'torch_dtype': 'bfloat16', 'transformers_version': '4.33.1',
       'use_cache': True, 'v_head_dim': 128, 'vocab_size': 129280},
+    # shared/hf-configs/Qwen--Qwen3-8B.json (verbatim)
+    'qwen3-8b': {'architectures': ['Qwen3ForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+      'bos_token_id': 151643, 'eos_token_id': 151645, 'head_dim': 128, 'hidden_act': 'silu', 'hidden_size': 4096,
+      'initializer_range': 0.02, 'intermediate_size': 12288, 'max_position_embeddings': 40960,
+      'max_window_layers': 36, 'model_type': 'qwen3', 'num_attention_heads': 32, 'num_hidden_layers': 36,
+      'num_key_value_heads': 8, 'rms_norm_eps': 1e-06, 'rope_scaling': None, 'rope_theta': 1000000,
+      'sliding_window': None, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16',
+      'transformers_version': '4.51.0', 'use_cache': True, 'use_sliding_window': False, 'vocab_size': 151936},
+    # transcribed from huggingface.co/Qwen/Qwen3-32B config.json (no vendored copy)
+    'qwen3-32b': {'architectures': ['Qwen3ForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+      'bos_token_id': 151643, 'eos_token_id': 151645, 'head_dim': 128, 'hidden_act': 'silu', 'hidden_size': 5120,
+      'initializer_range': 0.02, 'intermediate_size': 25600, 'max_position_embeddings': 40960,
+      'max_window_layers': 64, 'model_type': 'qwen3', 'num_attention_heads': 64, 'num_hidden_layers': 64,
+      'num_key_value_heads': 8, 'rms_norm_eps': 1e-06, 'rope_scaling': None, 'rope_theta': 1000000,
+      'sliding_window': None, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16',
+      'transformers_version': '4.51.0', 'use_cache': True, 'use_sliding_window': False, 'vocab_size': 151936},
+    # shared/hf-configs/Qwen--Qwen3-30B-A3B.json (verbatim)
+    'qwen3-30b-a3b': {'architectures': ['Qwen3MoeForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+      'bos_token_id': 151643, 'decoder_sparse_step': 1, 'eos_token_id': 151645, 'head_dim': 128,
+      'hidden_act': 'silu', 'hidden_size': 2048, 'initializer_range': 0.02, 'intermediate_size': 6144,
+      'max_position_embeddings': 40960, 'max_window_layers': 48, 'mlp_only_layers': [], 'model_type': 'qwen3_moe',
+      'moe_intermediate_size': 768, 'norm_topk_prob': True, 'num_attention_heads': 32, 'num_experts': 128,
+      'num_experts_per_tok': 8, 'num_hidden_layers': 48, 'num_key_value_heads': 4, 'output_router_logits': False,
+      'rms_norm_eps': 1e-06, 'rope_scaling': None, 'rope_theta': 1000000.0, 'router_aux_loss_coef': 0.001,
+      'sliding_window': None, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16',
+      'transformers_version': '4.51.0', 'use_cache': True, 'use_sliding_window': False, 'vocab_size': 151936},
+    # transcribed from huggingface.co/Qwen/Qwen3-235B-A22B config.json (no vendored copy)
+    'qwen3-235b-a22b': {'architectures': ['Qwen3MoeForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+      'bos_token_id': 151643, 'decoder_sparse_step': 1, 'eos_token_id': 151645, 'head_dim': 128,
+      'hidden_act': 'silu', 'hidden_size': 4096, 'initializer_range': 0.02, 'intermediate_size': 12288,
+      'max_position_embeddings': 40960, 'max_window_layers': 94, 'mlp_only_layers': [], 'model_type': 'qwen3_moe',
+      'moe_intermediate_size': 1536, 'norm_topk_prob': True, 'num_attention_heads': 64, 'num_experts': 128,
+      'num_experts_per_tok': 8, 'num_hidden_layers': 94, 'num_key_value_heads': 4, 'output_router_logits': False,
+      'rms_norm_eps': 1e-06, 'rope_scaling': None, 'rope_theta': 1000000.0, 'router_aux_loss_coef': 0.001,
+      'sliding_window': None, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16',
+      'transformers_version': '4.51.0', 'use_cache': True, 'use_sliding_window': False, 'vocab_size': 151936},
 }
 # the hub repository each preset comes from (for messages and the README)
 HUB_REPOS = {
@@ -147,6 +184,8 @@ HUB_REPOS = {
     "mistral-7b": "mistralai/Mistral-7B-v0.1", "qwen2.5-7b": "Qwen/Qwen2.5-7B",
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1", "mixtral-8x22b": "mistralai/Mixtral-8x22B-v0.1",
     "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite", "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-32b": "Qwen/Qwen3-32B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
 }
 
 

@@ -144,3 +144,66 @@ def test_qwen3_moe_training_equals_one_process(moe_run, layout):
     for name in ("decoder.layers.0.self_attention.q_layernorm.weight", "decoder.layers.2.mlp.router.weight",
                  "decoder.layers.1.mlp.linear_fc1.weight"):
         assert not torch.equal(src[name], b[name]), name  # trained
+
+
+# -- plan presets and a DeepSeek-V3-architecture model of other sizes ------------------------------------------------
+
+QWEN3_PRESETS = {"qwen3-8b": "Qwen--Qwen3-8B.json", "qwen3-30b-a3b": "Qwen--Qwen3-30B-A3B.json",
+                 "qwen3-32b": None, "qwen3-235b-a22b": None}
+# Kimi-K2's published shape (moonshotai/Kimi-K2-Base config.json) written as a DeepSeek-V3 config: 384 experts in one
+# group, one dense layer, 61 layers, no MTP layer
+KIMI_K2 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 163840, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384, "routed_scaling_factor": 2.827,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "moe_layer_freq": 1,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid", "num_nextn_predict_layers": 0,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-06, "rope_theta": 50000.0, "tie_word_embeddings": False,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "attention_bias": False, "mlp_bias": False, "rope_interleave": True, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_PRESETS))
+def test_qwen3_presets_plan(name, tmp_path):
+    from checkpoint import presets
+
+    hub = QWEN3_PRESETS[name]
+    if hub and (HUB / hub).exists():
+        assert presets.hf_config(name) == json.loads((HUB / hub).read_text())
+    cfg = presets.model_config(name)
+    assert cfg == presets.model_config(name, fill_defaults=False) and cfg.qk_layernorm
+    shapes = {"qwen3-8b": (36, 4096, None), "qwen3-32b": (64, 5120, None), "qwen3-30b-a3b": (48, 2048, 128),
+              "qwen3-235b-a22b": (94, 4096, 128)}
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_moe_experts) == shapes[name]
+    assert cli(["plan", "--model", name, "--gpus", "64", "--top", "1"]) == 0
+
+
+def test_kimi_k2_shape_plans(tmp_path):
+    """`plan` from Kimi-K2's config.json alone (a DeepSeek-V3 model of other sizes)."""
+    (tmp_path / "kimi").mkdir()
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(KIMI_K2))
+    assert cli(["plan", "--model", str(tmp_path / "kimi"), "--gpus", "512", "--top", "1"]) == 0
+
+
+def test_kimi_k2_shape_is_config_only(tmp_path):
+    """A DeepSeek-V3 model with Kimi-K2's sizes reads from its config.json alone (it plans: the slow case above); a
+    tiny one of the same
+    routing structure (one expert group, one dense layer, no MTP) converts at EP 2, is proven against transformers,
+    reshards to EP 4 and exports back bitwise, with no code of its own."""
+    from safetensors.torch import load_file
+
+    from tests import moe_models
+
+    cfg = ModelConfig.from_hf(KIMI_K2)
+    assert (cfg.num_moe_experts, cfg.moe_router_num_groups, cfg.moe_router_group_topk) == (384, 1, 1)
+    assert cfg.moe_layer_freq == [0] + [1] * 60 and cfg.mtp_num_layers == 0
+    hf = moe_models.build("deepseek_v3", tmp_path / "hf", n_routed_experts=12, n_group=1, topk_group=1,
+                          num_nextn_predict_layers=0, num_experts_per_tok=4, routed_scaling_factor=2.827)
+    assert cli(["convert", "hf-to-mcore", str(hf), str(tmp_path / "ck"), "--ep", "2", "--quiet"]) == 0
+    assert cli(["reshard", str(tmp_path / "ck"), str(tmp_path / "ep4"), "--ep", "4", "--quiet"]) == 0
+    assert cli(["convert", "mcore-to-hf", str(tmp_path / "ep4"), str(tmp_path / "back"), "--quiet"]) == 0
+    a = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
+    b = {k: v for f in sorted((tmp_path / "back").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
