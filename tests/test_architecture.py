@@ -17,6 +17,7 @@ KNOWN_LAZY = {
     ("checkpoint.storage", "checkpoint.commit"): "publish resolves the committed iteration (commit.resolve_iteration)",
     ("train.config", "train.engines"): "whether a config runs on megatron-core (engines.default_engine)",
     ("train.loop", "train.engines"): "--engine picks the trainer (engines.make_trainer)",
+    ("train.engines.megatron_core", "train.engines"): "the models the engine covers (engines.model_not_covered)",
     ("plan.launch", "shardkit.cli"): "launch runs continue-pretrain's output checks (cli._check_train_outputs)",
     # checkpoint/families/ is being built (issue 35): the family registry and the config read each other lazily
     ("checkpoint.config", "checkpoint.families"): "ModelConfig's family fields come from the registry",
