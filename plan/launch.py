@@ -288,7 +288,7 @@ def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
         c = cfg.checkpoint  # the model config is what is checked here; the trainer verifies the chunks when it starts
         ck, src, _, _ = open_load(replace(c, skip_verify=True), cfg.data.global_batch_size)
         if mcore:
-            from train.engines import model_not_covered
+            from train.engines.coverage import model_not_covered
 
             why = model_not_covered(ck.config)
             if why:

@@ -173,9 +173,9 @@ def unusual(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> list[str]:
 
 def megatron_core_gap(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> str | None:
     """Why continue-pretrain's megatron-core engine would not run this layout (None: it would): the model
-    (train.engines.model_not_covered), context parallelism and FP8 (not wired in yet), an interleaved schedule whose
-    micro-batches per DP rank are not a multiple of PP (megatron-core runs them in groups of PP)."""
-    from train.engines import model_not_covered
+    (train.engines.coverage.model_not_covered), context parallelism and FP8 (not wired in yet), an interleaved
+    schedule whose micro-batches per DP rank are not a multiple of PP (megatron-core runs them in groups of PP)."""
+    from train.engines.coverage import model_not_covered
 
     why = model_not_covered(cfg)
     if why:

@@ -23,7 +23,7 @@ import sys
 import time
 
 STORE = None  # set by train.loop.init_distributed: the rendezvous store, kept after the process groups are destroyed
-STORE_TIMEOUT_S = 10.0  # connecting to torchrun's agent store (on node 0): a store that does not answer -> every rank says it
+STORE_TIMEOUT_S = 10.0  # connecting to torchrun's agent store (node 0); one that does not answer: every rank says it
 MARK = "shardkit_reported"  # in the error file: the line was written by a rank (shardkit/torchrun.py says no more)
 
 

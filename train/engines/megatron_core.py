@@ -196,8 +196,8 @@ def check_flags(cfg, on_cpu: bool) -> None:
 
 
 def check_model(m) -> None:
-    """A Llama-family model, dense or with Mixtral's MoE (train.engines.model_not_covered, which `plan` asks too)."""
-    from train.engines import model_not_covered
+    """A Llama-family model, dense or with Mixtral's MoE (train.engines.coverage, which `plan` asks too)."""
+    from train.engines.coverage import model_not_covered
 
     why = model_not_covered(m)
     if why:
