@@ -182,7 +182,18 @@ def test_mixtral_equals_native(work, mixtral, layout):
     nproc, flags = MOE_LAYOUTS[layout]
     rows = train(work, f"mixtral-mcore-{layout}", nproc, "megatron-core", *MOE, *flags, load=mixtral / "ck")
     assert_same_rows(rows, ref)
+    assert_same_moe_rows(rows, ref)
     assert_same_tensors(work / f"mixtral-mcore-{layout}", work / "mixtral-native")
+
+
+def assert_same_moe_rows(rows: list[dict], ref: list[dict]) -> None:
+    """The native engine's MoE log rows, on megatron-core from its own tracked load-balancing loss and its routers'
+    routing maps: the loss (over its coefficient) and each layer's max / mean tokens per expert."""
+    for r, n in zip(rows, ref):
+        assert n["load_balancing_loss"] > 0 and set(n["moe_load_imbalance"]) == {"0", "1"}, n
+        np.testing.assert_allclose(r["load_balancing_loss"], n["load_balancing_loss"], rtol=1e-5, atol=0)
+        assert r["moe_load_imbalance"] == n["moe_load_imbalance"], (r["iteration"], r["moe_load_imbalance"])
+        assert r["moe_max_load_imbalance"] == n["moe_max_load_imbalance"]
 
 
 def test_megatron_core_save_reshards_exports_and_verifies(work, native, tmp_path):

@@ -204,6 +204,90 @@ def check_model(m) -> None:
         raise NotCovered(why)
 
 
+class MoELogs:
+    """The native engine's MoE log rows (train/moe.py MoETraining: load_balancing_loss or seq_load_balancing_loss,
+    moe_load_imbalance per layer and moe_max_load_imbalance) from megatron-core's own values: the load-balancing loss
+    its routers save to its layer-wise tracker (moe_utils.save_to_aux_losses_tracker: the loss over its coefficient,
+    per layer, summed over the micro-batches), the tokens per expert from each router's routing map (a forward hook;
+    megatron-core counts them only for an expert bias). Reduced as the native engine does: one all-reduce of the
+    flat statistics over the world, the tokens of each micro-batch seen once (sequence parallel: each TP rank routes
+    its slice), the loss averaged over DP and the micro-batches and then over the MoE layers. A forward that
+    autograd re-runs in the backward (recompute) is counted once: the tracker is put back as it was."""
+
+    NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+
+    def __init__(self, chunks, m, load_balancing_type: str, aux_loss_coeff: float, device,
+                 token_repeat: int = 1) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.token_repeat = token_repeat  # TP ranks without sequence parallelism route the same tokens
+
+        self.L, self.E = m.num_layers, m.num_moe_experts
+        self.moe_layers = [i for i in range(self.L) if m.is_moe_layer(i)]
+        self.name = self.NAMES.get(load_balancing_type) if aux_loss_coeff > 0 else None
+        self.counts = torch.zeros(self.L, self.E, dtype=torch.float64, device=device)
+        self.micro_batches = 1
+        for chunk in chunks:
+            for router in (mod for mod in chunk.modules() if isinstance(mod, TopKRouter)):
+                router.register_forward_pre_hook(self._before)
+                router.register_forward_hook(self._after)
+
+    @staticmethod
+    def _tracker() -> dict:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        return get_moe_layer_wise_logging_tracker()
+
+    def _before(self, router, args) -> None:
+        router._shardkit_saved = None
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:  # a recompute in the backward
+            router._shardkit_saved = {k: v["values"].clone() for k, v in self._tracker().items()}
+
+    def _after(self, router, args, out) -> None:
+        if not torch.is_grad_enabled():  # evaluation
+            return
+        if router._shardkit_saved is not None:  # the real forward counted this micro-batch already
+            for k, v in router._shardkit_saved.items():
+                self._tracker()[k]["values"].copy_(v)
+            return
+        routing_map = out[1]
+        self.counts[router.layer_number - 1] += routing_map.sum(0).double()
+
+    def start_step(self, num_micro: int) -> None:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        self.counts.zero_()
+        clear_aux_losses_tracker()
+        self.micro_batches = num_micro
+
+    @torch.no_grad()
+    def reduce_stats(self, dp: int) -> torch.Tensor:
+        """On the device: per layer the tokens routed, max / mean load, and the load-balancing loss over the MoE
+        layers (one all-reduce; read to the host with the step's other values)."""
+        tracked = self._tracker().get(self.name) if self.name else None
+        aux = (tracked["values"].to(self.counts) if tracked is not None
+               else torch.zeros(self.L, dtype=torch.float64, device=self.counts.device))
+        flat = torch.cat([self.counts.reshape(-1), aux])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flat)
+        counts = flat[:self.counts.numel()].view_as(self.counts) / self.token_repeat
+        aux = flat[self.counts.numel():] / (self.token_repeat * dp * self.micro_batches)
+        idx = torch.tensor(self.moe_layers, dtype=torch.long, device=flat.device)
+        return torch.cat([counts.sum(1), counts.amax(1) / counts.mean(1), aux[idx].mean().reshape(1)])
+
+    def finish_step(self, host: list[float]) -> dict:
+        L = self.L
+        sums, ratio, aux = host[:L], host[L:2 * L], host[2 * L]
+        moe = [i for i in range(L) if sums[i] > 0]
+        out: dict = {}
+        if moe:
+            out["moe_load_imbalance"] = {str(i): round(ratio[i], 4) for i in moe}
+            out["moe_max_load_imbalance"] = max(out["moe_load_imbalance"].values())
+            if self.name:
+                out[self.name] = aux
+        return out
+
+
 def moe_fields(m, dims, moe_args) -> dict:
     """TransformerConfig's MoE fields: the model's (checkpoint.megatron.model_args, Megatron-LM's names) and the run's
     (--moe-router-load-balancing-type, --moe-aux-loss-coeff or the checkpoint's, --moe-router-dtype,
@@ -515,6 +599,10 @@ class MegatronCoreTrainer(Trainer):
                 model.output_layer.register_forward_hook(self._mask_padded_vocab)
             chunks.append(model)
         self.chunks = chunks  # the GPTModels (their parameter names are the canonical ones)
+        self.moe_logs = None
+        if m.is_moe:  # the native engine's MoE rows from megatron-core's values
+            self.moe_logs = MoELogs(chunks, m, tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, self.device,
+                                    token_repeat=1 if self.sp else dims.tp)
         self.wrapped = [Float16Module(tc, c) if self.dtype == torch.bfloat16 else c for c in chunks]
 
     def _shardkit_rope(self, model) -> None:
@@ -727,12 +815,15 @@ class MegatronCoreTrainer(Trainer):
         for c in self.ddp:
             c.zero_grad_buffer()
         self.mopt.zero_grad()
+        if self.moe_logs is not None:
+            self.moe_logs.start_step(self.num_micro)
         reduced = self._forward_backward(mbs, forward_only=False)
         found_inf = self.mopt.prepare_grads()  # gradients into the main params' .grad (fp32)
         norm = float(self.mopt.get_grad_norm())  # megatron-core's: each element once over TP, PP and DP
+        moe_stats = self.moe_logs.reduce_stats(self.dims.dp) if self.moe_logs is not None else None
         # the step's one read: the loss, the NaN stop (before the optimizer step, on every rank), the peak memory
-        loss, norm, _ = self._read_step(self._loss_sum(reduced), bool(found_inf) or not math.isfinite(norm),
-                                        norm=norm)
+        loss, norm, moe_host = self._read_step(self._loss_sum(reduced), bool(found_inf) or not math.isfinite(norm),
+                                               norm=norm, extra=moe_stats)
         o = self.cfg.optimizer
         if o.clip_grad > 0:  # each part of a ChainedOptimizer (dense and expert) by the one total norm, as its step()
             for part in distributed_parts(self.mopt):
@@ -746,7 +837,10 @@ class MegatronCoreTrainer(Trainer):
         self.opt.steps += 1
         self.msched.step(increment=self.cfg.data.global_batch_size)
         self.scheduler.step(self.cfg.data.global_batch_size)
-        return {"loss": loss, "lr": lr, "weight_decay": wd, "grad_norm": norm}
+        out = {"loss": loss, "lr": lr, "weight_decay": wd, "grad_norm": norm}
+        if self.moe_logs is not None:  # the native engine's MoE rows
+            out.update(self.moe_logs.finish_step(moe_host))
+        return out
 
     def _params_synced(self) -> None:
         """With --overlap-param-gather the updated parameters arrive with the next forward: gather them now."""
