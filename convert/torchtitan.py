@@ -658,6 +658,24 @@ def _tt_item(hf_name: str, table: dict, cfg: ModelConfig) -> tuple[str, int | No
     return name, expert
 
 
+def export_plans(ckpt, dtype: str | None) -> list:
+    """mcore_to_hf's export plans (HF names, blocks of canonical rows) of the tensors a torchtitan model holds: no
+    copies of the embedding and head for DeepSeek-V3's MTP layers (torchtitan's share them); a tied model's head as
+    the embedding's alias, last (torchtitan keeps both keys)."""
+    from .mcore_to_hf import plan_export
+
+    cfg = ckpt.config
+    plans = plan_export(ckpt, dtype)
+    if cfg.model_type == "deepseek_v3":
+        copies = {f"model.layers.{cfg.num_layers + i}.{n}" for i in range(cfg.mtp_num_layers)
+                  for n in ("embed_tokens.weight", "shared_head.head.weight")}
+        plans = [p for p in plans if p.name not in copies]
+    if cfg.tie_word_embeddings:
+        emb = next(p for p in plans if p.name == "model.embed_tokens.weight")
+        plans.append(dataclasses.replace(emb, name="lm_head.weight"))
+    return plans
+
+
 def _adamw_defaults() -> dict:
     """The keys and defaults of the installed torch's AdamW param group (what a torchtitan optimizer's flat state
     dict names per parameter), with torchtitan's default implementation (fused) and the `initial_lr` its LambdaLR
@@ -767,7 +785,7 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
     from checkpoint.sharding import OPTIMIZER_STATES, optimizer_key
     from checkpoint.torch_dist import DCPWriter, torch_save_bytes
 
-    from .mcore_to_hf import _read_block, plan_export
+    from .mcore_to_hf import _read_block
 
     ckpt = Checkpoint(ckpt_path)
     cfg = ckpt.config
@@ -798,16 +816,8 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
     final = out / f"step-{step}"
     if final.exists() and not overwrite:
         raise ShardkitError(f"{final}: exists; pass --overwrite to replace it")
-    plans = plan_export(ckpt, dtype)
-    if deepseek:  # torchtitan's MTP layers share the embedding and head: no copies
-        copies = {f"model.layers.{cfg.num_layers + i}.{n}" for i in range(cfg.mtp_num_layers)
-                  for n in ("embed_tokens.weight", "shared_head.head.weight")}
-        plans = [p for p in plans if p.name not in copies]
-    tied_head = None
-    if cfg.tie_word_embeddings:  # torchtitan's tied model keeps both keys (one tensor, one parameter)
-        emb = next(p for p in plans if p.name == "model.embed_tokens.weight")
-        tied_head = dataclasses.replace(emb, name="lm_head.weight")
-        plans.append(tied_head)
+    plans = export_plans(ckpt, dtype)
+    tied_head = plans[-1] if cfg.tie_word_embeddings else None
     fused = optimizer and not deepseek and generation == "0.3"  # 0.3's optimizer keys the attention by wqkv
     qkv_re = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
     tmp = out / f".step-{step}.partial"
@@ -919,3 +929,105 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
     finally:
         os.close(fd)
     return final
+
+
+# -- torchtitan as reshard's source and verify's reference ------------------------------------------------------------
+
+def is_torchtitan(path: str | Path) -> bool:
+    """A torchtitan DCP checkpoint (a step-N directory, or its folder): DCP `.metadata` under torchtitan's model names
+    (`tok_embeddings.weight`), not Megatron's torch_dist (latest_checkpointed_iteration.txt, metadata.json, its own
+    names)."""
+    p = Path(path)
+    if not p.is_dir() or os.path.lexists(p / "latest_checkpointed_iteration.txt") or (p / "metadata.json").exists():
+        return False
+    try:
+        step = resolve_step(p)
+    except FormatError:
+        return False
+    from checkpoint.torch_dist import TorchDistCheckpoint
+
+    return "tok_embeddings.weight" in TorchDistCheckpoint(step, megatron=False).tensors
+
+
+def reshard_torchtitan(args, out: str | Path) -> Path:
+    """`shardkit reshard TT_DIR DST [--tp ..]`: a torchtitan DCP folder straight into the Megatron layout asked for
+    (torchtitan-to-mcore's streaming conversion; flags not given are 1, torchtitan's folder having no Megatron
+    layout). The model: --hf-config, or the config.json mcore-to-torchtitan writes beside its files."""
+    from checkpoint.layout import Layout, PipelineSplit
+
+    if getattr(args, "group", None) is not None:
+        raise ShardkitError("reshard of a torchtitan checkpoint runs in one process; drop --ranks")
+    given = {k: getattr(args, k) for k in ("tp", "pp", "vpp", "ep", "etp") if getattr(args, k, None) is not None}
+    layout = Layout(**given, split=PipelineSplit.from_args(args))
+    hf_config = getattr(args, "hf_config", None)
+    if hf_config is None and not (resolve_step(args.src) / "config.json").is_file():
+        raise ConfigError(f"{args.src}: a torchtitan checkpoint does not describe its model: pass --hf-config HF_DIR "
+                          "(or convert torchtitan-to-mcore, which also reads --model-flavor / --job-config)")
+    cfg = model_config(args.src, hf_config=hf_config)
+    if not args.quiet:
+        print(f"torchtitan {resolve_step(args.src)} -> tp={layout.tp} pp={layout.pp} vpp={layout.vpp} "
+              f"ep={layout.ep} etp={layout.expert_tp}", flush=True)
+    return convert_torchtitan_to_mcore(args.src, out, layout, cfg, dtype=args.dtype, workers=args.workers,
+                                       overwrite=args.overwrite, quiet=args.quiet)
+
+
+def verify_against_torchtitan(ckpt_path: str | Path, tt_dir: str | Path, as_json: bool = False,
+                              quiet: bool = False) -> int:
+    """`shardkit verify CKPT --against-torchtitan DIR`: every model tensor of the native checkpoint against the
+    torchtitan checkpoint's (a step-N directory, or the newest under a folder), through the one name/row mapping
+    (Q/K RoPE rows, stacked experts, MTP layers, the fused wqkv's split), block by block (64 MiB of rows at a time
+    from each side). Equal means the same values (a dtype difference is named); any difference, a tensor missing on
+    either side or a torchtitan model entry with no counterpart is a failure: exit 1, one line each. Weights only."""
+    import torch
+
+    from checkpoint import store
+    from checkpoint.reader import Checkpoint
+
+    from .mcore_to_hf import BLOCK_BYTES, _read_block
+
+    ckpt = Checkpoint(ckpt_path)
+    cfg = ckpt.config
+    src = TorchtitanSource(tt_dir, cfg, quiet=True)
+    plans = export_plans(ckpt, None)
+    problems: list[str] = []
+    dtypes: set[str] = set()
+    checked = 0
+    for p in plans:
+        if p.name not in src.tensors:
+            problems.append(f"{p.name}: not in {src.dir}")
+            continue
+        info = src.tensors[p.name]
+        if tuple(info.shape) != tuple(p.shape):
+            problems.append(f"{p.name}: shape {list(p.shape)} here, {list(info.shape)} in {src.dir}")
+            continue
+        if info.dtype != p.dtype:
+            dtypes.add(f"{p.name} ({p.dtype} here, {info.dtype} in torchtitan)")
+        rows = max(1, BLOCK_BYTES // max(1, p.nbytes // max(1, p.shape[0])))
+        worst, row = 0.0, 0
+        for tm, seg in p.blocks:
+            for a in range(seg.start, seg.stop, rows):
+                b = min(seg.stop, a + rows)
+                mine = _read_block(ckpt, tm, a, b).to(torch.float64)
+                theirs = store.from_numpy(np.array(src.read(p.name, row + a - seg.start, row + b - seg.start))
+                                          ).to(torch.float64)
+                worst = max(worst, float((mine - theirs).abs().max()) if mine.numel() else 0.0)
+            row += seg.stop - seg.start
+        if worst != 0.0:
+            problems.append(f"{p.name}: differs, max |diff| {worst:.3g}")
+        checked += 1
+    mapped = {p.name for p in plans}
+    problems += [f"{src.tt_name[n][0]}: in {src.dir}, not in {ckpt.path}" for n in sorted(src.tensors)
+                 if n not in mapped]
+    src.close()
+    report = {"checkpoint": str(ckpt.path), "torchtitan": str(src.dir), "tensors": checked, "ok": not problems,
+              "problems": problems, "dtype_differs": sorted(dtypes)}
+    if as_json:
+        print(json.dumps(report, indent=1))
+    else:
+        for line in problems:
+            print(f"FAIL {line}")
+        if dtypes and not quiet:
+            print(f"note: {len(dtypes)} tensors differ in dtype only (values equal): {sorted(dtypes)[0]}, ...")
+        print(f"{'OK' if not problems else 'FAILED'}: {checked} tensors of {ckpt.path} against torchtitan {src.dir}"
+              + ("" if not problems else f"; {len(problems)} problems"))
+    return 0 if not problems else 1

@@ -289,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("ckpt")
     _hf_config_flag(ver)
     ver.add_argument("--against", metavar="HF_DIR", help="HF model directory to compare logits with (fp32)")
+    ver.add_argument("--against-torchtitan", metavar="DIR", default=None,
+                     help="a torchtitan DCP checkpoint (step-N/ or its folder): every weight compared, values equal")
     ver.add_argument("--tolerance", type=float, default=1e-4, help="max abs logit difference allowed (1e-4)")
     ver.add_argument("--seq-length", type=int, default=32)
     ver.add_argument("--streaming", action="store_true",
@@ -738,6 +740,11 @@ def _dispatch_local(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         return 0
     if args.cmd == "reshard":
+        from convert.torchtitan import is_torchtitan, reshard_torchtitan
+
+        if is_torchtitan(args.src):  # a torchtitan DCP folder: converted straight into the layout asked for
+            print(f"wrote {_write(args, args.dst, lambda out: reshard_torchtitan(args, out))}")
+            return 0
         from convert.reshard import LAYOUT_FLAGS, keep_layout, layout_change, reshard
 
         dtype = _check_dtype(args.dtype)
@@ -773,6 +780,12 @@ def _dispatch_local(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "inspect":
         return _inspect(args)
+    if args.cmd == "verify" and args.against_torchtitan:
+        from convert.torchtitan import verify_against_torchtitan
+
+        if args.against:
+            raise ShardkitError("verify: --against and --against-torchtitan: give one")
+        return verify_against_torchtitan(args.ckpt, args.against_torchtitan, as_json=args.json, quiet=args.quiet)
     if args.cmd == "verify":
         return _verify(args)
     if args.cmd == "continue-pretrain":

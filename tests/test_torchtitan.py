@@ -258,6 +258,24 @@ def test_torchtitan_round_trip_and_forward(saved, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no AdamW state" in err and not (tmp_path / "back4").exists(), err
 
+    # torchtitan as reshard's source (straight into tp2/pp2) and as verify's reference (every weight, values equal)
+    assert main(["reshard", str(tt), str(tmp_path / "rs"), "--hf-config", str(tmp_path / "hfcfg"), "--tp", "2",
+                 "--pp", "2", "--quiet"]) == 0
+    r = Checkpoint(tmp_path / "rs")
+    assert (r.layout.tp, r.layout.pp) == (2, 2)
+    assert all(torch.equal(x.read(n), r.read(n)) for n in x.manifest.tensors)
+    capsys.readouterr()
+    assert main(["reshard", str(tt), str(tmp_path / "rs2"), "--tp", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not describe its model: pass --hf-config" in err, err
+    assert main(["verify", str(tmp_path / "rs"), "--against-torchtitan", str(tmp_path / "full")]) == 0
+    assert "OK: 21 tensors" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "rs"), "--against-torchtitan", str(tmp_path / "tied")]) == 1  # other values
+    out = capsys.readouterr().out
+    assert "FAIL model.layers.1.self_attn.q_proj.weight: differs" in out and "FAILED: 21 tensors" in out, out
+    assert main(["verify", str(tmp_path / "rs"), "--against-torchtitan", str(tt), "--against", str(tt)]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+
 
 def test_missing_config_is_one_line(tmp_path, capsys):
     (tmp_path / "step-1").mkdir()
@@ -489,6 +507,7 @@ def test_deepseek_v3_against_torchtitan(saved, capsys):
     assert set(a.tensors) == set(b.tensors)
     for name in a.tensors:
         assert np.array_equal(a.read_numpy(name), b.read_numpy(name)), name
+    assert main(["verify", str(tmp_path / "native"), "--against-torchtitan", str(tmp_path / "tt"), "--quiet"]) == 0
     # the full training checkpoint, both ways
     assert main(["convert", "torchtitan-to-mcore", str(tmp_path / "full"), str(tmp_path / "nfull"), "--hf-config",
                  str(tmp_path / "hfcfg"), "--tp", "2", "--ep", "2", "--optimizer", "--global-batch-size", "4",
