@@ -154,6 +154,8 @@ def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 
             details.append(f"{tag}: {c.why}")
         elif c.unusual:
             details.append(f"{tag}: unusual: {'; '.join(c.unusual)}")
+        if c.engine_note and c.valid:  # modelled on the native engine where megatron-core was the default
+            details.append(f"{tag}: {c.engine_note}")
         if tag.startswith("r") and c.layout.pp > 1:  # a layout asked for: every stage, not only the heaviest
             details.append(f"{tag}: {stage_memory_line(c)}")
         t.add_row(tag, c.layout.label(), str(c.settings.micro_batch_size), _RECOMPUTE[c.settings.recompute],

@@ -738,3 +738,8 @@ def test_engine_per_layout_and_launch_command(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["layouts"][0]["engine"] == "native" and out["layouts"][0]["kernels"] == "eager"
     assert out["launch"][out["launch"].index("--engine") + 1] == "native"
+    # the table says which rows the native engine runs (a CP row of Llama-3-70B's top 5, at seq 4096)
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--top", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "the native engine (megatron-core's does not run it: context parallelism" in text.replace("\n    ", " ")
+    assert "engine megatron-core (local kernels)" in text.replace("\n    ", " ")
