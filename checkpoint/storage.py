@@ -259,12 +259,12 @@ def resolve(store: ObjectStore) -> str:
 ARRAY_DIRS = ("model/", "optim/")  # an iteration's arrays; the rest is its small files (manifest, state, hf/)
 
 
-def fetch(loc: Location, dest: Path, arrays: bool = True, quiet: bool = False) -> Path:
-    """Download the iteration a reader takes at `loc` into `dest/<iter>` (with `dest/latest` naming it) and return
-    the local root; the readers then check it as any local checkpoint. `arrays=False`: only its small files (what
-    `inspect` reads)."""
+def fetch(loc: Location, dest: Path, arrays: bool = True, quiet: bool = False, name: str | None = None) -> Path:
+    """Download the iteration a reader takes at `loc` (or `name`, resolved already) into `dest/<iter>` (with
+    `dest/latest` naming it) and return the local root; the readers then check it as any local checkpoint.
+    `arrays=False`: only its small files (what `inspect` reads)."""
     store = ObjectStore(loc)
-    name = resolve(store)
+    name = resolve(store) if name is None else name
     strip = name + "/" if name else ""
     if not name:  # the URL is an iteration itself
         name = loc.prefix.rsplit("/", 1)[-1] if _ITER.match(loc.prefix.rsplit("/", 1)[-1]) else "iter_0000000"
@@ -373,6 +373,14 @@ def reading(value: str, arrays: bool = True, quiet: bool = False, ranks: bool = 
         return
     if not ranks:
         _one_process(value)
+    if ranks and _world() > 1 and arrays:
+        with _node_copy(loc, quiet) as root:
+            try:
+                yield str(root)
+            except ShardkitError as e:
+                e.args = tuple(a.replace(str(root), value.rstrip("/")) if isinstance(a, str) else a for a in e.args)
+                raise
+        return
     tmp = Path(tempfile.mkdtemp(prefix="shardkit-read-"))
     try:
         yield str(fetch(loc, tmp, arrays, quiet))
@@ -381,6 +389,77 @@ def reading(value: str, arrays: bool = True, quiet: bool = False, ranks: bool = 
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _node_copy(loc: Location, quiet: bool) -> Iterator[Path]:
+    """The local copy of the iteration `loc` resolves to that the ranks of one node share (continue-pretrain --load
+    on several ranks): `<staging base>/read/<sha256 of URL, iteration and manifest>[:16]`. Under one lock file per
+    node the first rank downloads it and the others find it complete (`.complete`, written last); each rank records
+    itself in `<copy>.users/<pid>` while it reads, and the last one out removes the copy. Copies whose readers all
+    died (a killed run) are removed by the next rank that takes the lock."""
+    import fcntl
+
+    base = Path(os.environ.get("SHARDKIT_STAGING") or os.path.join(tempfile.gettempdir(), "shardkit-staging")) / "read"
+    store = ObjectStore(loc)
+    name = resolve(store)
+    manifest = store.read(f"{name}/{MANIFEST}" if name else MANIFEST) or b""
+    key = hashlib.sha256(b"\0".join([loc.url.rstrip("/").encode(), name.encode(), manifest])).hexdigest()[:16]
+    root, users = base / key, base / f"{key}.users"
+
+    @contextlib.contextmanager
+    def locked():
+        base.mkdir(parents=True, exist_ok=True)
+        with open(base / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def prune() -> None:  # copies nobody alive reads any more
+        for u in base.glob("*.users"):
+            for p in u.iterdir():
+                if not _alive(p.name):
+                    p.unlink(missing_ok=True)
+            if not any(u.iterdir()):
+                shutil.rmtree(base / u.name.removesuffix(".users"), ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    u.rmdir()
+        for d in base.iterdir():  # a download killed before it recorded a reader
+            if d.is_dir() and not d.name.endswith(".users") and not (base / f"{d.name}.users").exists():
+                shutil.rmtree(d, ignore_errors=True)
+
+    me = users / str(os.getpid())
+    with locked():
+        prune()
+        users.mkdir(exist_ok=True)
+        me.touch()
+        if not (root / ".complete").is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            try:
+                fetch(loc, root, True, quiet, name=name)
+            except BaseException:
+                shutil.rmtree(root, ignore_errors=True)
+                me.unlink(missing_ok=True)
+                raise
+            (root / ".complete").write_text(name + "\n")
+    try:
+        yield root
+    finally:
+        with locked():
+            me.unlink(missing_ok=True)
+            prune()
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Writing:
@@ -434,9 +513,9 @@ def mirror(local_root: str, loc: Location) -> None:
         (Path(local_root) / RUN_LOG).write_bytes(text)
 
 
-def release(local_root: str) -> None:
-    """The end of a run that mirrored `local_root` (finished or failed): every save is on the store already; the run
-    files written here (all but a resumed run's download of an iteration) go there too, then the staging root."""
+def release(local_root: str, failed: bool = False) -> None:
+    """The end of a run that mirrored `local_root` (finished, or `failed`: its error is the run's one line): every
+    save is on the store already; the run files written here go there too, then the staging root."""
     loc = _MIRRORS.pop(os.path.realpath(local_root), None)
     if loc is not None:
         root = Path(local_root)
@@ -450,10 +529,11 @@ def release(local_root: str) -> None:
             try:
                 ObjectStore(loc).upload([(p, p.relative_to(root).as_posix()) for p in files])
             except ShardkitError as e:  # the saves are on the store; the log is not worth failing the run for
-                import sys
+                if not failed:
+                    import sys
 
-                sys.stderr.write(f"shardkit: warning: the run's files in {root} were not put on the store ({e}); "
-                                 "they stay there\n")
+                    sys.stderr.write(f"shardkit: warning: the run's files in {root} were not put on the store ({e});"
+                                     " they stay there\n")
                 return
         shutil.rmtree(local_root, ignore_errors=True)
         if _world() > 1:  # <hash>/rank<N>: the last rank out removes <hash>

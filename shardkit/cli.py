@@ -466,8 +466,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _train_storage(cfg, stack):
-    """continue-pretrain's --load / --save on object storage, on any number of ranks: --load is downloaded (each
-    rank its own copy); --save stands for the store (checkpoint.storage.mirror): every save, sync or async, goes
+    """continue-pretrain's --load / --save on object storage, on any number of ranks: --load is downloaded (one
+    copy per node, shared by its ranks); --save stands for the store (checkpoint.storage.mirror): every save, sync or async, goes
     straight there, each rank its own chunk objects (train/checkpointing.py); --load equal to --save resumes from
     the store's latest."""
     import dataclasses
@@ -484,12 +484,8 @@ def _train_storage(cfg, stack):
         w = storage.Writing(save, overwrite=True, flag="--save", ranks=True)
         new_save = w.path
         storage.mirror(w.path, w.loc)
-        stack.callback(storage.release, w.path)  # the run's files to the store, finished or failed
-        if load and load.rstrip("/") == save.rstrip("/"):
-            new_load = w.path
-            if w.remote_has_checkpoint:
-                storage.fetch(w.loc, Path(w.path))
-    if load and new_load == load and storage.parse(load, "--load") is not None:
+        stack.push(lambda *exc: storage.release(w.path, failed=exc[0] is not None))  # the run's files, to the store
+    if load and storage.parse(load, "--load") is not None:  # (equal to --save: the store's latest, resumed)
         new_load = stack.enter_context(storage.reading(load, ranks=True))
     if (new_load, new_save) == (load, save):
         return cfg

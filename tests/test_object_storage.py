@@ -180,6 +180,12 @@ def test_missing_bucket(s3, tiny, capsys):
     assert "no-such-bucket-38" in line
     line = _one_line_error(capsys, main(["inspect", url]))
     assert "no-such-bucket-38" in line
+    line = _one_line_error(capsys, main(["continue-pretrain", "--load", url, "--data-path", str(tiny),
+                                         "--train-iters", "1"]))
+    assert "no-such-bucket-38" in line
+    line = _one_line_error(capsys, main(["continue-pretrain", "--load", str(tiny), "--save", url, "--data-path",
+                                         str(tiny), "--train-iters", "1"]))
+    assert "no-such-bucket-38" in line
 
 
 def test_wrong_credentials(s3, tiny, capsys, monkeypatch):
@@ -200,7 +206,7 @@ def test_wrong_credentials(s3, tiny, capsys, monkeypatch):
     _nothing_complete(url)
 
 
-def test_bucket_that_refuses_writes(s3, tiny, capsys, monkeypatch):
+def test_bucket_that_refuses_writes(s3, tiny, tmp_path, capsys, monkeypatch):
     """Keys the server knows whose IAM policy denies s3:PutObject on the bucket (listing and reading allowed): the
     publish fails on its first object, one line, nothing on the store."""
     import json
@@ -223,6 +229,17 @@ def test_bucket_that_refuses_writes(s3, tiny, capsys, monkeypatch):
     line = _one_line_error(capsys, main(["convert", "hf-to-mcore", str(tiny), url, "--no-verify", "--quiet"]))
     assert "AccessDenied" in line and key["SecretAccessKey"] not in line, line
     assert storage.ObjectStore(storage.parse(url)).list() == []
+    # a training run saving there: it trains, its save is refused on the first chunk object, one line
+    from tests.corpus import write_pattern_corpus
+
+    assert main(["convert", "hf-to-mcore", str(tiny), str(tmp_path / "ck"), "--no-verify", "--quiet"]) == 0
+    data = write_pattern_corpus(tmp_path / "data", docs=20)
+    capsys.readouterr()
+    line = _one_line_error(capsys, main(["continue-pretrain", "--load", str(tmp_path / "ck"), "--save",
+                                         "s3://read-only-38/run", "--data-path", str(data), "--seq-length", "16",
+                                         "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1"]))
+    assert "AccessDenied" in line and "latest is unchanged" in line and key["SecretAccessKey"] not in line, line
+    assert storage.ObjectStore(storage.parse("s3://read-only-38/run")).list() == []
 
 
 class _Throttling(http.server.BaseHTTPRequestHandler):
@@ -446,6 +463,8 @@ def test_two_ranks_save_to_s3_killed_then_resumed(s3, tmp_path, monkeypatch):
                 assert remote[k] == files[k], (it, k)
     staging = storage.staging_dir(storage.parse(url))
     assert not staging.exists() and not (staging / "rank0").exists()  # released after the runs
+    # --load's copy, shared by the node's ranks, is gone too (the killed run's, its readers dead, by the rerun)
+    assert [p.name for p in (staging.parent / "read").iterdir()] == [".lock"]
     # the run's log on the store: the rerun's iterations (the killed run never got to put its own there)
     logged = [json.loads(ln) for ln in objects["metrics.jsonl"].decode().splitlines()]
     here = {m["iteration"]: m["loss"] for m in map(json.loads, (local / "metrics.jsonl").read_text().splitlines())}
