@@ -342,6 +342,11 @@ def preload_oracle(hf_dir: str | Path) -> None:
                 mt = json.loads(cfg.read_text()).get("model_type")
                 if isinstance(mt, str) and mt.isidentifier():
                     importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+                    # transformers builds (and caches) every model type's checkpoint key mapping on first use: ~1
+                    # CPU-s of regular expressions the streamed proof's loader would otherwise pay after the conversion
+                    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+                    get_checkpoint_conversion_mapping(mt)
         except Exception:  # noqa: BLE001 - the proof imports again and says what is wrong
             pass
     t = threading.Thread(target=run, name="shardkit-preload-oracle", daemon=True)

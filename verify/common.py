@@ -95,9 +95,28 @@ class unchanged_files:
                                     "one checkpoint: rerun when nothing writes there")
 
 
+def _libc_memcmp():
+    import ctypes
+    import ctypes.util
+
+    f = ctypes.CDLL(ctypes.util.find_library("c")).memcmp
+    f.restype, f.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return f
+
+
+_memcmp = _libc_memcmp()  # bytes compared in place (a mapped chunk's view too), the GIL released (ctypes)
+
+
 def rows_differ(hf_rows: Tensor, ours: Tensor) -> Tensor:
-    """Per row: does our stored row differ bit for bit from HF's row cast to our dtype (the conversion's cast)?"""
+    """Per row: does our stored row differ bit for bit from HF's row cast to our dtype (the conversion's cast)?
+    Equal blocks (the usual case) are found by one memcmp, with no per-element temporaries (at a 1.5 GB model's
+    embedding the element-wise comparison was a tenth of the proof); only a block that differs is compared row by
+    row."""
     h = hf_rows.to(ours.dtype).contiguous()
+    o = ours.contiguous()
+    n = o.numel() * o.element_size()
+    if h.shape == o.shape and (n == 0 or _memcmp(h.data_ptr(), o.data_ptr(), n) == 0):
+        return torch.zeros(len(ours), dtype=torch.bool)
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[ours.element_size()]
     return (h.view(ints) != ours.contiguous().view(ints)).reshape(len(ours), -1).any(dim=1)
 
