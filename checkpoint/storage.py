@@ -649,7 +649,10 @@ def launch_view(cfg, check_load: bool):
         if check_load:
             stack = contextlib.ExitStack()
             atexit.register(stack.close)
-            load = stack.enter_context(reading(load, arrays=False, ranks=True))
+            try:
+                load = stack.enter_context(reading(load, arrays=False, ranks=True))
+            except ShardkitError as e:  # the line names the flag, as the trainer's own refusals do
+                raise type(e)(f"--load {e}") from None
         else:
             load = None
     if (load, save) == (c.load, c.save):
