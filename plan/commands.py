@@ -121,6 +121,13 @@ def resolve_model(model: str) -> tuple[str, ModelConfig]:
 
     from checkpoint.safety import regular_file
 
+    from checkpoint import storage
+
+    if storage.parse(model, "--model") is not None:  # a checkpoint on s3:// / gs://: its manifest, no arrays
+        from checkpoint.reader import Checkpoint
+
+        with storage.reading(model, arrays=False, quiet=True) as local:
+            return model, Checkpoint(local).config
     path = Path(model)
     if path.exists():
         if regular_file(path / "config.json", "--model", missing_ok=True):  # a FIFO there: one line naming it
@@ -152,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from checkpoint import storage
+
     from . import report
 
     from dataclasses import replace
@@ -205,7 +214,8 @@ def _plan(args: argparse.Namespace) -> int:
              f"engine {args.engine or 'megatron-core (native where it does not run)'}"
              f"{', kernels ' + args.kernels if args.kernels else ''}")
     chosen = next((c for c in requested + cands if c.fits), None)  # a layout asked for first, else the fastest
-    load = name if Path(name).is_dir() and not (Path(name) / "config.json").exists() else None  # a checkpoint
+    load = name if storage.parse(name) or Path(name).is_dir() and not (Path(name) / "config.json").exists() \
+        else None  # a checkpoint (on object storage: its URL, passed through)
     launch = None if chosen is None else report.launch_argv(chosen, args.gpus, args.gpus_per_node, load)
     if args.json:
         out = report.to_json(cands, name, args.gpus, gpu_memory, s, hw, limit=args.top)

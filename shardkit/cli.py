@@ -420,6 +420,8 @@ def _storage_args(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _storage_values(args: argparse.Namespace) -> set:
     values = {getattr(args, a, None) for a, _ in _storage_args(args)}
+    if args.cmd == "plan":  # a checkpoint on object storage: its config, and its URL as --load (plan/commands.py)
+        values.add(getattr(args, "model", None))
     if args.cmd == "launch":  # continue-pretrain's --load / --save after `--`: into the scripts (plan/launch.py)
         extra = [str(a) for a in getattr(args, "trainer_args", None) or []]
         for i, a in enumerate(extra):
@@ -644,7 +646,7 @@ def _dispatch_local(args: argparse.Namespace) -> int:
         args.against = _hf_dir_arg(args.against)
     if args.cmd == "preprocess-data":
         args.tokenizer = _hf_dir_arg(args.tokenizer)
-    if args.cmd == "plan" and "/" in args.model:
+    if args.cmd == "plan" and "/" in args.model and "://" not in args.model:  # (s3://...: plan/commands.py)
         args.model = _hf_dir_arg(args.model)
     _check_outputs(args)
     if args.cmd == "convert" and args.direction == "hf-to-mcore":

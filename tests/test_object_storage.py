@@ -510,7 +510,10 @@ def test_launch_passes_s3_urls_through(s3, tiny, tmp_path, capsys, monkeypatch):
     """launch with continue-pretrain's --load and --save on s3://: the layout is checked against the store's model
     (its manifest read, no arrays), nothing named s3: appears locally, the URLs reach the rendered script as given;
     with --requeue the script asks the store (`shardkit inspect`) where to resume: --load while --save holds no
-    checkpoint, --save once it holds one."""
+    checkpoint, --save once it holds one. plan --model s3://... plans for the store's model and prints its URL as
+    --load."""
+    import json
+
     from tests.corpus import write_pattern_corpus
     from tests.launch_models import continue_pretrain_args
 
@@ -539,6 +542,11 @@ def test_launch_passes_s3_urls_through(s3, tiny, tmp_path, capsys, monkeypatch):
                                    "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **env}, timeout=120)
 
     assert load_picked().stdout.strip() == ck
+    # plan on the store's checkpoint: its model from the manifest, its URL as --load on the launch command it prints
+    capsys.readouterr()
+    assert main(["plan", "--model", ck, "--gpus", "2", "--seq-length", "16", "--json", "--top", "1"]) == 0
+    planned = json.loads(capsys.readouterr().out)["launch"]
+    assert planned[planned.index("--load") + 1] == ck, planned
     assert main(["convert", "hf-to-mcore", str(tiny), run, "--no-verify", "--quiet"]) == 0
     assert load_picked().stdout.strip() == run
     # a store that cannot be asked stops the job: never a restart from --load over newer saves
