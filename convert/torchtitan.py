@@ -268,6 +268,11 @@ def model_config(src: str | Path | None = None, *, flavor: str | None = None, na
             keys = TorchDistCheckpoint(resolve_step(src), megatron=False).tensors
             mtp = len({k.split(".")[1] for k in keys if k.startswith("mtp_layers.")})
         hf = hf_config_of_deepseek(tt_cfg, mtp, dtype)
+        eps = tt_cfg.layers[0].attention.kv_norm.eps
+        if eps != 1e-6:  # torchtitan 0.3 builds every RMSNorm with its default 1e-5, the MLA latent norms too
+            print(f"shardkit: note: torchtitan's deepseek_v3 {flavor} normalises the MLA latents (q_norm, kv_norm) "
+                  f"with eps {eps:g}; DeepSeek-V3, HF and shardkit use 1e-6 there: the weights convert exactly, a "
+                  "forward differs slightly (5.6e-5 in a tiny test model's logits)", file=sys.stderr)
     else:
         hf = hf_config_of(tt_cfg, dtype)
     return ModelConfig.from_hf(hf, source=f"torchtitan {name} flavour {flavor}")
@@ -326,7 +331,8 @@ class TorchtitanSource:
 
     def __init__(self, path: str | Path, cfg: ModelConfig, quiet: bool = True, optimizer: bool = False):
         from checkpoint import store
-        from checkpoint.torch_dist import TorchDistCheckpoint, _dtype_str
+        from checkpoint.torch_dist import TorchDistCheckpoint
+        from checkpoint.torch_dist_pickle import _dtype_str
 
         self.dir = resolve_step(path)
         self.td = TorchDistCheckpoint(self.dir, megatron=False)
@@ -392,7 +398,7 @@ class TorchtitanSource:
         """The AdamW moments of every model tensor (the parameter's own, its share of the fused wqkv, or its expert
         of a stacked DeepSeek-V3 tensor), checked for presence and shape; their common step. DeepSeek-V3's expert
         bias is a buffer in torchtitan (no gradient, no moments): its moments are zeros, as our trainer keeps them."""
-        from checkpoint.torch_dist import _dtype_str
+        from checkpoint.torch_dist_pickle import _dtype_str
 
         fused = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
         for hf, (tt, rule) in list(self.tt_name.items()):
@@ -658,6 +664,15 @@ def _tt_item(hf_name: str, table: dict, cfg: ModelConfig) -> tuple[str, int | No
     return name, expert
 
 
+def _dcp_writer():
+    """DCPWriter and torch_save_bytes, wherever checkpoint/ keeps them (torch_dist.py, or its torch_dist_write.py)."""
+    try:
+        from checkpoint.torch_dist import DCPWriter, torch_save_bytes
+    except ImportError:
+        from checkpoint.torch_dist_write import DCPWriter, torch_save_bytes
+    return DCPWriter, torch_save_bytes
+
+
 def export_plans(ckpt, dtype: str | None) -> list:
     """mcore_to_hf's export plans (HF names, blocks of canonical rows) of the tensors a torchtitan model holds: no
     copies of the embedding and head for DeepSeek-V3's MTP layers (torchtitan's share them); a tied model's head as
@@ -783,7 +798,7 @@ def convert_mcore_to_torchtitan(ckpt_path: str | Path, out: str | Path, dtype: s
     from checkpoint.reader import Checkpoint
     from checkpoint.safety import check_output
     from checkpoint.sharding import OPTIMIZER_STATES, optimizer_key
-    from checkpoint.torch_dist import DCPWriter, torch_save_bytes
+    DCPWriter, torch_save_bytes = _dcp_writer()
 
     from .mcore_to_hf import _read_block
 
