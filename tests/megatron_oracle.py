@@ -127,6 +127,7 @@ def build(m: dict, grouped: bool = False):
                            moe_token_dispatcher_type="allgather", **tc_fields)
     # (megatron-core 0.19 has no legacy grouped GEMM and no such keyword: only named where it is used)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped, normalization="RMSNorm",
+                                    qk_layernorm=bool(tc_fields.get("qk_layernorm")),
                                     **({"moe_use_legacy_grouped_gemm": True} if grouped else {}))
     model = GPTModel(tc, spec, vocab_size=m["padded_vocab_size"], max_sequence_length=m["max_sequence_length"],
                      position_embedding_type="rope", rotary_base=m["rotary_base"],
