@@ -6,9 +6,17 @@ from __future__ import annotations
 import pytest
 
 SLOW = {
+    # torchtitan -> ours -> continue-pretrain -> torchtitan (issue 39): each hop is in the default run's
+    # test_deepseek_v3_against_torchtitan (both --optimizer directions, torchtitan resuming) but for the trainer's run
+    "tests/test_torchtitan.py::test_deepseek_v3_training_through_continue_pretrain",
     # Kimi-K2's shape planned at 512 GPUs (~13 CPU-s of search): test_kimi_k2_shape_is_config_only reads the same
     # config, test_qwen3_presets_plan plans the Qwen3 presets
     "tests/test_qwen3.py::test_kimi_k2_shape_plans",
+    # Qwen3-MoE training: ep2 (alltoall) and tp2-sp stay; the allgather dispatcher, PP and CP are the same code paths as
+    # Mixtral's and DeepSeek's cases (tests/test_train_moe.py, test_context_parallel.py) with q/k norms in the layer
+    "tests/test_qwen3.py::test_qwen3_moe_training_equals_one_process[ep2-allgather]",
+    "tests/test_qwen3.py::test_qwen3_moe_training_equals_one_process[pp2-first1]",
+    "tests/test_qwen3.py::test_qwen3_moe_training_equals_one_process[cp2]",
     # object storage (issue 38): test_two_ranks_save_to_s3_killed_then_resumed stays (continue-pretrain --load and
     # --save s3://, sync and async saves, bitwise vs local, a kill after every rank's objects, before the manifest);
     # the kill after the manifest, before `latest`, stays as test_kill_during_save_to_s3[storage.manifest]

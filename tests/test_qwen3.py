@@ -119,7 +119,10 @@ def moe_run(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("layout", [["--ep", "2"], ["--tp", "2", "--sequence-parallel"]], ids=["ep2", "tp2-sp"])
+@pytest.mark.parametrize("layout", [["--ep", "2"], ["--tp", "2", "--sequence-parallel"],
+                                    ["--ep", "2", "--moe-token-dispatcher-type", "allgather"],
+                                    ["--pp", "2", "--decoder-first-pipeline-num-layers", "1"],
+                                    ["--cp", "2"]], ids=["ep2", "tp2-sp", "ep2-allgather", "pp2-first1", "cp2"])
 def test_qwen3_moe_training_equals_one_process(moe_run, layout):
     """Routed experts split over EP (or over TP with SP, q/k norms and router summed over TP), a dense layer between
     MoE layers: the losses and every trained tensor of one process within 1e-5."""
