@@ -736,7 +736,8 @@ class _TrainingState:
         self.lr_scheduler = tt.get("lr_scheduler") or {"last_epoch": it}
         self.train_state = tt.get("train_state")
         if self.train_state is None:
-            seq = (state.get("args") or {}).get("seq_length")
+            args = state.get("args") if isinstance(state.get("args"), dict) else {}
+            seq = args.get("data.seq_length", args.get("seq_length"))  # continue-pretrain's flattened run config
             self.train_state = {"step": it, "ntokens_seen": int(state.get("consumed_samples", 0)) * int(seq or 0)}
             if not seq:
                 notes.append(f"{path}: no sequence length recorded: torchtitan's train_state.ntokens_seen (logged "

@@ -9,6 +9,9 @@ SLOW = {
     # torchtitan -> ours -> continue-pretrain -> torchtitan (issue 39): each hop is in the default run's
     # test_deepseek_v3_against_torchtitan (both --optimizer directions, torchtitan resuming) but for the trainer's run
     "tests/test_torchtitan.py::test_deepseek_v3_training_through_continue_pretrain",
+    # torchtitan -> ours -> continue-pretrain -> torchtitan (issue 39): each hop is in the default run's
+    # test_deepseek_v3_against_torchtitan (both --optimizer directions, torchtitan resuming) but for the trainer's run
+    "tests/test_torchtitan.py::test_deepseek_v3_training_through_continue_pretrain",
     # Kimi-K2's shape planned at 512 GPUs (~13 CPU-s of search): test_kimi_k2_shape_is_config_only reads the same
     # config, test_qwen3_presets_plan plans the Qwen3 presets
     "tests/test_qwen3.py::test_kimi_k2_shape_plans",

@@ -379,6 +379,23 @@ DSV3 = textwrap.dedent("""
         return CheckpointManager(c, dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sch,
                                  states={} if ts is None else {"train_state": ts}, sd_adapter=None)
 
+    if sys.argv[2:3] == ["resume"]:  # continue-pretrain's own save, converted: torchtitan loads it and steps on
+        model, opt, sch = trainer(5)
+        ts = TrainState()
+        assert manager(out + "/unused", model, opt, sch, ts, initial_load_path=sys.argv[3],
+                       initial_load_model_only=False, exclude_from_loading=["dataloader"]).load()
+        assert (ts.step, ts.ntokens_seen, sch.schedulers[0].last_epoch) == (8, 8 * 4 * 16, 8), ts.state_dict()
+        groups = opt.optimizers[0].param_groups
+        assert groups[0]["initial_lr"] == 3e-4 and groups[0]["weight_decay"] == 0.01, groups[0]
+        states = list(opt.optimizers[0].state.values())
+        assert all(float(st["step"]) == 9 and st["exp_avg_sq"].min() >= 0 and st["exp_avg_sq"].any() for st in states)
+        before = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        print("resumed")
+        sys.exit(0)
     if sys.argv[2:] == ["load"]:  # torchtitan's CheckpointManager loads what mcore-to-torchtitan wrote
         torch.manual_seed(1)
         model = cfg.build()
@@ -545,3 +562,22 @@ def test_deepseek_v3_against_torchtitan(saved, capsys):
         assert np.array_equal(a.read_numpy(name), b.read_numpy(name)), name
     assert set(a.objects) - set(b.objects) == {"dataloader"}
     _torchtitan(DSV3, tmp_path, "load")
+
+
+def test_deepseek_v3_training_through_continue_pretrain(saved, tmp_path):
+    """torchtitan's DeepSeek-V3 training checkpoint -> ours (--optimizer) -> continue-pretrain 2 more iterations ->
+    mcore-to-torchtitan --optimizer: torchtitan's CheckpointManager loads the trainer's own save (the Megatron param
+    groups' AdamW settings, the trainer's step, the tokens seen from its sequence length) and takes a step."""
+    from train.data import write_indexed
+
+    src = saved / "dsv3"
+    assert main(["convert", "torchtitan-to-mcore", str(src / "full"), str(tmp_path / "native"), "--hf-config",
+                 str(src / "hfcfg"), "--optimizer", "--global-batch-size", "4", "--quiet"]) == 0
+    rng = np.random.default_rng(0)
+    write_indexed(tmp_path / "data", [rng.integers(3, 200, size=40) for _ in range(64)], np.uint16)
+    assert main(["continue-pretrain", "--load", str(tmp_path / "native"), "--data-path", str(tmp_path / "data"),
+                 "--save", str(tmp_path / "cp"), "--seq-length", "16", "--micro-batch-size", "1",
+                 "--global-batch-size", "4", "--train-iters", "8", "--lr", "3e-4", "--weight-decay", "0.01"]) == 0
+    assert main(["convert", "mcore-to-torchtitan", str(tmp_path / "cp"), str(tmp_path / "tt"), "--optimizer",
+                 "--quiet"]) == 0
+    _torchtitan(DSV3, tmp_path, "resume", str(tmp_path / "tt" / "step-8"))
