@@ -71,6 +71,11 @@ def test_convert_prove_and_export_bitwise(kind, layout, tmp_path):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     src, back = (json.loads((d / "config.json").read_text()) for d in (hf, tmp_path / "back"))
     assert back == src
+    # resharded to one rank, then exported: the same bytes again
+    assert cli(["reshard", str(ck), str(tmp_path / "one"), "--tp", "1", "--pp", "1", "--ep", "1", "--quiet"]) == 0
+    assert cli(["convert", "mcore-to-hf", str(tmp_path / "one"), str(tmp_path / "back1"), "--quiet"]) == 0
+    c = {k: v for f in sorted((tmp_path / "back1").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(c) == set(a) and all(torch.equal(a[k], c[k]) for k in a)
 
 
 def test_a_wrong_qk_norm_is_caught(tmp_path):
