@@ -9,8 +9,14 @@ own state-dict names (flattened to the top level of the DCP state dict, as its C
 
 A full training checkpoint adds optimizer, lr_scheduler, dataloader and train_state entries. With `optimizer`, the
 AdamW moments (`optimizer.state.<param>.exp_avg|exp_avg_sq|step`; 0.3 keys the attention's by the fused
-`qkv_linear.wqkv` parameter) become the native optimizer state; the rest (param_groups, and the pickled lr_scheduler,
-dataloader and train_state objects, never unpickled) is left, and a note says how much.
+`qkv_linear.wqkv` parameter; DeepSeek-V3's routed experts by the stacked parameter) become the native optimizer state,
+and train_state (step, ntokens_seen), lr_scheduler (last_epoch) and the AdamW param_groups (plain values, read by
+torch.load(weights_only=True)) are carried in train_state.json; the dataloader's state is left, and a note says so.
+mcore-to-torchtitan --optimizer writes that full checkpoint back (torchtitan's CheckpointManager loads it with
+exclude_from_loading = ["dataloader"]).
+
+torchtitan is also `reshard`'s source (a DCP folder under torchtitan's names: is_torchtitan / reshard_torchtitan) and
+`verify --against-torchtitan`'s reference (verify_against_torchtitan: every weight through the same mapping).
 
 Q/K rows. torchtitan applies RoPE to adjacent pairs (its ComplexRoPE: `view_as_complex` of (x[2i], x[2i+1])), so
 its wq/wk rows are in Meta's interleaved layout; HF (and Megatron-Core's default, non-interleaved RoPE, which our
@@ -239,8 +245,8 @@ def read_job_config(path: str | Path) -> tuple[str, str]:
     return name, flavor
 
 
-def model_config(src: str | Path | None = None, *, flavor: str | None = None, name: str = "llama3", job_config: str | None = None,
-                 hf_config: str | None = None, dtype: str = "float32") -> ModelConfig:
+def model_config(src: str | Path | None = None, *, flavor: str | None = None, name: str = "llama3",
+                 job_config: str | None = None, hf_config: str | None = None, dtype: str = "float32") -> ModelConfig:
     """The model config of a torchtitan checkpoint, from exactly one of --model-flavor, --job-config, --hf-config
     (or the config.json mcore-to-torchtitan writes beside the step's files)."""
     given = [f for f, v in (("--model-flavor", flavor), ("--job-config", job_config), ("--hf-config", hf_config))
@@ -766,7 +772,7 @@ class _TrainingState:
         return {**self.defaults, **TORCHTITAN_ADAMW, "initial_lr": TORCHTITAN_ADAMW["lr"]}
 
 
-def _qkv_fused(parts: dict, cfg: ModelConfig) -> "torch.Tensor":
+def _qkv_fused(parts: dict, cfg: ModelConfig):
     """torchtitan 0.3's fused wqkv rows (per KV group: its q heads, its k head, its v head) from q/k/v rows (already
     in torchtitan's interleaved RoPE layout)."""
     import torch

@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--poll", type=float, default=0.05)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--model", choices=["llama3", "deepseek_v3"], default="llama3",
-                    help="deepseek_v3: torchtitan's own builder (MLA, 16 routed + 1 shared expert, stacked) at --hidden")
+                    help="deepseek_v3: torchtitan's own builder (MLA, 16 routed + 1 shared expert) at --hidden")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-torchtitan-", dir=args.workdir))
     dsv3 = args.model == "deepseek_v3"

@@ -10,6 +10,11 @@ and saved by torchtitan's CheckpointManager (model-only, as its last step saves)
 - a full training checkpoint (AdamW, lr_scheduler, dataloader) converts at tp=2 pp=2 to the same weights and, with
   --optimizer, a native training checkpoint: each Adam moment element where its weight element is (moments set to
   2w and w*w in torchtitan, the fused wqkv's included), train_state.json with torchtitan's step;
+- mcore-to-torchtitan --optimizer gives back that full checkpoint's every tensor bitwise (the fused wqkv's moments
+  assembled); reshard takes the torchtitan folder straight to tp2/pp2; verify --against-torchtitan passes on the same
+  weights and fails, naming tensors, on another model's;
+- DeepSeek-V3 (test_deepseek_v3_against_torchtitan): names against torchtitan's own HF adapter, forward against
+  torchtitan's and transformers', weights and the full training checkpoint both ways, torchtitan resuming it;
 - a tied model (torchtitan's 1B/3B: both keys saved) round-trips bitwise;
 - the flavour registry: `8B` gives Meta's published Llama-3-8B shape; a wrong flavour is one line.
 
