@@ -772,8 +772,7 @@ class _OurSide:
         for k, e in enumerate(order):
             at(k)
             box = lead + (slice(e, e + 1),)
-            w1 = self.pool.cast(self.read(w1_name, box)).reshape(self.read_shape(w1_name)[-2:])
-            w2 = self.pool.cast(self.read(w2_name, box)).reshape(self.read_shape(w2_name)[-2:])
+            w1, w2 = self.expert_weight(w1_name, box), self.expert_weight(w2_name, box)
             hits = []  # (route, token, slot) of the streams that routed rows here
             for route in routes:
                 token, slot = torch.where(route[2] == e)
@@ -804,6 +803,23 @@ class _OurSide:
             ys = [y + moe.shared_experts(u) for u, y in zip(us, ys)]
             _free(moe.shared_experts, self.pool)
         return ys
+
+    def expert_weight(self, name: str, box: tuple[slice, ...]) -> Tensor:
+        """One routed expert's 2-D weight (`box` selects it) in fp32, in a pooled buffer: cast straight from the views
+        of its storage chunks where the checkpoint has chunk files (a weight split over several chunks, by TP or
+        ETP, was first copied whole in its own dtype, then cast), else read whole and cast."""
+        shape = tuple(self.read_shape(name)[-2:])
+        if not hasattr(self.ck, "read_numpy"):  # a torch_dist checkpoint read in place
+            return self.pool.cast(self.read(name, box)).reshape(shape)
+        chunk = self.ck.entry(name).chunk[-2:]
+        w = self.pool.take(shape)
+        for r0 in range(0, shape[0], chunk[0]):
+            r1 = min(r0 + chunk[0], shape[0])
+            for c0 in range(0, shape[1], chunk[1]):
+                c1 = min(c0 + chunk[1], shape[1])
+                t = self.read(name, box + (slice(r0, r1), slice(c0, c1)))  # within one chunk: a view of it
+                w[r0:r1, c0:c1].copy_(t.reshape(r1 - r0, c1 - c0))
+        return w
 
     def files(self, layer: int | str, expert: int | None = None) -> list[Range]:
         """The chunk files of decoder layer `layer` (or MTP layer 'mtp.j') without its routed experts, or of one
