@@ -374,21 +374,43 @@ def reading(value: str, arrays: bool = True, quiet: bool = False, ranks: bool = 
     if not ranks:
         _one_process(value)
     if ranks and _world() > 1 and arrays:
-        with _node_copy(loc, quiet) as root:
-            try:
-                yield str(root)
-            except ShardkitError as e:
-                e.args = tuple(a.replace(str(root), value.rstrip("/")) if isinstance(a, str) else a for a in e.args)
-                raise
+        with _node_copy(loc, quiet) as root, _named_as(root, value):
+            yield str(root)
         return
     tmp = Path(tempfile.mkdtemp(prefix="shardkit-read-"))
     try:
-        yield str(fetch(loc, tmp, arrays, quiet))
-    except ShardkitError as e:  # a reader's error names the object, not the temporary copy
-        e.args = tuple(a.replace(str(tmp), value.rstrip("/")) if isinstance(a, str) else a for a in e.args)
-        raise
+        with _named_as(tmp, value):
+            yield str(fetch(loc, tmp, arrays, quiet))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _named_as(copy: Path, url: str) -> Iterator[None]:
+    """While a command reads the local copy `copy` of `url`, what it says names the URL, not the copy: its errors
+    (a damaged object, by its URL) and its output (`verify`'s and `inspect`'s report, the trainer's `loaded
+    checkpoint` line)."""
+    import sys
+
+    old, new = str(copy), url.rstrip("/")
+
+    class Renamed:
+        def __init__(self, out):
+            self._out = out
+
+        def write(self, text: str) -> int:
+            self._out.write(text.replace(old, new))
+            return len(text)
+
+        def __getattr__(self, name):
+            return getattr(self._out, name)
+
+    try:
+        with contextlib.redirect_stdout(Renamed(sys.stdout)):
+            yield
+    except ShardkitError as e:
+        e.args = tuple(a.replace(old, new) if isinstance(a, str) else a for a in e.args)
+        raise
 
 
 @contextlib.contextmanager

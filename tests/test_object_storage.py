@@ -99,6 +99,8 @@ def test_convert_reshard_export_on_s3_bitwise(s3, tiny, tmp_path, capsys, monkey
     assert main(["inspect", f"s3://{BUCKET}/a"]) == 0
     assert "linear_qkv" in capsys.readouterr().out
     assert main(["verify", f"s3://{BUCKET}/a"]) == 0
+    out = capsys.readouterr().out  # the report names the checkpoint by its URL, not the temporary copy
+    assert f"s3://{BUCKET}/a/iter_0000000: " in out and "shardkit-read-" not in out, out
 
     rs = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--quiet"]
     assert main(["reshard", f"s3://{BUCKET}/a", f"s3://{BUCKET}/b", *rs]) == 0
