@@ -364,3 +364,31 @@ def test_refused_in_one_line(work, flags, switch, says):
     # one line (the same on every rank)
     assert r.returncode != 0 and len(set(errors)) == 1 and says in errors[0], (r.stdout[-2000:], r.stderr[-2000:])
     assert "--engine megatron-core" in errors[0] and "iteration 1" not in r.stdout
+
+
+QWEN3 = {  # (kind, build overrides, layout flags): dense at TP 2 without SP (megatron-core sums the q/k norms'
+    # gradients over TP then too), the MoE one at TP 2 with SP (megatron-core's MoE layers need SP under TP)
+    "qwen3-tp2": ("qwen3", {"num_hidden_layers": 2}, ("--tp", "2")),
+    "qwen3_moe-tp2-sp": ("qwen3_moe", {"num_hidden_layers": 2, "mlp_only_layers": []}, ("--tp", "2", "--sequence-parallel")),
+}
+
+
+@pytest.mark.parametrize("case", list(QWEN3))
+def test_qwen3_equals_native(work, case):
+    """Qwen3 / Qwen3-MoE on megatron-core (TransformerConfig.qk_layernorm: its local spec's per-head q/k layernorms)
+    equal the native engine from the same converted checkpoint: losses, grad norms, every weight and moment."""
+    from shardkit.cli import main as cli
+    from tests.test_qwen3 import build
+
+    kind, over, flags = QWEN3[case]
+    root = work / kind
+    if not (root / "ck").exists():
+        build(kind, root / "hf", vocab_size=1000, **over)
+        assert cli(["convert", "hf-to-mcore", str(root / "hf"), str(root / "ck"), "--quiet", "--no-verify"]) == 0
+    moe = MOE if kind == "qwen3_moe" else []
+    ref = train(work, f"{kind}-native", 1, "native", *moe, load=root / "ck")
+    rows = train(work, f"{case}-mcore", 2, "megatron-core", *moe, *flags, load=root / "ck")
+    assert_same_rows(rows, ref)
+    if moe:
+        assert_same_moe_rows(rows, ref)
+    assert_same_tensors(work / f"{case}-mcore", work / f"{kind}-native")

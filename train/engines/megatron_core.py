@@ -174,6 +174,15 @@ class RMSNorm:
         return norm
 
 
+class HeadNorm:
+    """The q/k layernorm (TransformerConfig.qk_layernorm: RMSNorm over each head), also under sequence parallelism
+    (WrappedTorchNorm refuses SP there too): never marked sequence-parallel, as attention normalises this rank's heads
+    over the whole sequence; finalize_model_grads sums its gradient over TP by its name whatever the flags."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+
+
 # -- what the engine covers ----------------------------------------------------------------------------------------------
 
 def check_flags(cfg, on_cpu: bool) -> None:
@@ -324,6 +333,7 @@ def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bo
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups, kv_channels=m.kv_channels,
         layernorm_epsilon=m.norm_epsilon, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=m.add_qkv_bias, rotary_interleaved=m.rotary_interleaved,
+        qk_layernorm=m.qk_layernorm,
         hidden_dropout=run.hidden_dropout, attention_dropout=run.attention_dropout,
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None, sequence_parallel=sp,
@@ -585,6 +595,9 @@ class MegatronCoreTrainer(Trainer):
             spec.layer_norm = RMSNorm  # the final norm; and each layer's two (sequence parallel: see RMSNorm)
             for layer in spec.layer_specs:
                 layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+                if m.qk_layernorm:
+                    attn = layer.submodules.self_attention.submodules
+                    attn.q_layernorm = attn.k_layernorm = HeadNorm
             with keep_pickle_allowlist():
                 model = GPTModel(tc, spec, vocab_size=self.padded_vocab, max_sequence_length=m.max_position_embeddings,
                                  pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vs),
