@@ -60,8 +60,9 @@ from checkpoint.reader import Checkpoint, ReadPlan, count_nonfinite, entry_nbyte
 from checkpoint.safety import check_output, check_target, is_side_file_name, side_files
 from checkpoint.sharding import TensorSpec, split_optimizer_key
 from checkpoint.megatron_bridge import flat_buffers, flat_layout_proved, write_run_config
-from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, RankFile, TorchDistCheckpoint, close_all,
-                                   none_object_bytes, read_torch_dist, write_common, write_integrity, write_sidecar)
+from checkpoint.torch_dist import HF_SUBDIR, TorchDistCheckpoint, read_torch_dist
+from checkpoint.torch_dist_sidecar import write_sidecar
+from checkpoint.torch_dist_write import DCPWriter, RankFile, close_all, none_object_bytes, write_common, write_integrity
 from checkpoint.torch_dist_view import (TorchDistSource, import_optimizer_states, match_keys, plan_import,
                                         shape_problems)
 
@@ -138,7 +139,7 @@ def _prefetched(ck: Checkpoint, items: list, pads: dict, room: Callable[[int], N
         plan.close()
 
 
-# Rank files are written together, each by its own thread (checkpoint.torch_dist.RankFile): a layout with fewer ranks
+# Rank files are written together, each by its own thread (checkpoint.torch_dist_write.RankFile): a layout with fewer ranks
 # than this splits each rank's items over several files (`__<rank>_<k>.distcp`, as megatron-core's own writer does
 # with its thread count), so the crc32s and writes of a small layout run in parallel too.
 MIN_FILES = 4

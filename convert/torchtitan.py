@@ -673,7 +673,7 @@ def _tt_item(hf_name: str, table: dict, cfg: ModelConfig) -> tuple[str, int | No
 def _dcp_writer():
     """DCPWriter and torch_save_bytes, wherever checkpoint/ keeps them (torch_dist.py, or its torch_dist_write.py)."""
     try:
-        from checkpoint.torch_dist import DCPWriter, torch_save_bytes
+        from checkpoint.torch_dist_write import DCPWriter, torch_save_bytes
     except ImportError:
         from checkpoint.torch_dist_write import DCPWriter, torch_save_bytes
     return DCPWriter, torch_save_bytes

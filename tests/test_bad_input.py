@@ -465,7 +465,8 @@ def td(tiny_td, tmp_path) -> Path:
 
 def _td_args(root: Path, strip_description: bool = False, **changes) -> None:
     """Edit the Megatron-LM args in common.pt (and drop shardkit's own description, as Megatron-LM writes none)."""
-    from checkpoint.torch_dist import load_common, write_common
+    from checkpoint.torch_dist_pickle import load_common
+    from checkpoint.torch_dist_write import write_common
 
     it = root / "iter_0000000"
     common, _ = load_common(it / "common.pt")
@@ -542,7 +543,8 @@ def test_torch_dist_without_any_model_description(td, out, capsys):
     assert_one_line_error(rc, err, "common.pt", "lack vocab_size", "padded_vocab_size=384", "--vocab-size N",
                           "--hf-config HF_DIR")
     assert main(["reshard", str(td), str(out), "--vocab-size", "300", "--quiet"]) == 0
-    from checkpoint.torch_dist import load_common, write_common
+    from checkpoint.torch_dist_pickle import load_common
+    from checkpoint.torch_dist_write import write_common
 
     it = td / "iter_0000000"
     common, _ = load_common(it / "common.pt")

@@ -236,7 +236,7 @@ def _td_flip(where: str) -> Callable[[Path], None]:
 
 def _td_entries(edit: Callable[[dict], None]) -> Callable[[Path], None]:
     def damage(td: Path) -> None:
-        from checkpoint.torch_dist import load_dcp_metadata
+        from checkpoint.torch_dist_pickle import load_dcp_metadata
         import pickle
 
         p = td / ITER / ".metadata"
@@ -560,7 +560,8 @@ def test_checkpoint_holding_inf_is_not_resharded_or_exported(odd, tmp_path, caps
 def test_item_crcs_recorded_in_the_sidecar(td, tmp_path, capsys):
     """shardkit.json records every tensor item's data CRC-32 (its own zip record's), under the digest; a sidecar
     without them (an older export) still reads, without the swap check."""
-    from checkpoint.torch_dist import SIDECAR, TorchDistCheckpoint, _digest, item_key
+    from checkpoint.torch_dist import TorchDistCheckpoint
+    from checkpoint.torch_dist_sidecar import SIDECAR, _digest, item_key
 
     ck = TorchDistCheckpoint(td)
     items = ck.sidecar["items"]

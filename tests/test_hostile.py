@@ -87,7 +87,7 @@ class Case:
         p.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
 
     def dcp_metadata(self, td: Path, edit: Callable) -> None:
-        from checkpoint.torch_dist import load_dcp_metadata
+        from checkpoint.torch_dist_pickle import load_dcp_metadata
 
         p = td / ITER / ".metadata"
         md = load_dcp_metadata(p)
@@ -1033,9 +1033,9 @@ def _bomb(path: Path, inflated: int) -> None:
 
 @pytest.mark.parametrize("cmd", ["inspect", "reshard", "verify"])
 def test_compressed_common_pt_is_bounded_before_reading(good, tmp_path, capsys, monkeypatch, cmd):
-    from checkpoint import torch_dist
+    from checkpoint import torch_dist_pickle
 
-    monkeypatch.setattr(torch_dist, "COMMON_MAX", 4 << 20)  # (the real bound is 256 MiB: the same code path)
+    monkeypatch.setattr(torch_dist_pickle, "COMMON_MAX", 4 << 20)  # (the real bound is 256 MiB: the same code path)
     c = Case(tmp_path, good)
     td = c.copy("td")
     _bomb(td / ITER / "common.pt", 8 << 20)
@@ -1050,7 +1050,7 @@ def test_compressed_common_pt_is_bounded_before_reading(good, tmp_path, capsys, 
 def test_common_pt_bound_holds_without_a_patch(good, tmp_path):
     """The real bound, on a real 300 MiB bomb (300 KB on disk): refused from its directory alone."""
     from checkpoint.errors import FormatError
-    from checkpoint.torch_dist import COMMON_MAX, _check_common_size
+    from checkpoint.torch_dist_pickle import COMMON_MAX, _check_common_size
 
     p = tmp_path / "common.pt"
     p.write_bytes(b"")

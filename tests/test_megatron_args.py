@@ -97,7 +97,8 @@ def test_model_values_agree_with_config_and_sharding_table(hf, layout):
 
 
 def test_enums_pickle_as_megatron_does_and_read_back_inert(tmp_path):
-    from checkpoint.torch_dist import _pickle_globals, _torch_save_pickle, load_common, write_common
+    from checkpoint.torch_dist_pickle import _pickle_globals, _torch_save_pickle, load_common
+    from checkpoint.torch_dist_write import write_common
 
     cfg = ModelConfig.from_hf(LLAMA)
     write_common(tmp_path, {"iteration": 0, "args": megatron_args(cfg, Layout())})

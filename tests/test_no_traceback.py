@@ -249,7 +249,7 @@ def test_bad_invocation_through_the_real_entry_point(case, w):
 # -- the defects that printed a traceback or a misleading line ----------------------------------------------------
 
 def test_duplicate_dcp_chunks_are_named_not_called_incomplete(w, tmp_path, capsys):
-    from checkpoint.torch_dist import load_dcp_metadata
+    from checkpoint.torch_dist_pickle import load_dcp_metadata
 
     td = tmp_path / "td"
     assert main(["convert", "hf-to-mcore", str(w["hf"]), str(td), "--format", "torch_dist", "--quiet"]) == 0
@@ -657,7 +657,8 @@ def test_uneven_split_lines_name_the_stages_there_are(w, tmp_path, capsys, flags
 @pytest.mark.parametrize("where", ["common.pt", "tracker"])
 @pytest.mark.parametrize("cmd", ["inspect", "reshard", "mcore-to-hf"])
 def test_huge_iteration_is_refused_not_used_as_a_name(w, tmp_path, capsys, where, cmd):
-    from checkpoint.torch_dist import load_common, write_common
+    from checkpoint.torch_dist_pickle import load_common
+    from checkpoint.torch_dist_write import write_common
 
     td = tmp_path / "td"
     assert main(["reshard", str(w["ck"]), str(td), "--format", "torch_dist", "--quiet"]) == 0

@@ -117,7 +117,9 @@ def test_every_pair_of_formats(tmp_path):
     assert main(["reshard", td2, str(tmp_path / "x"), "--tp", "1", "--pp", "1", "--quiet"]) == 0
     assert Checkpoint(tmp_path / "x").config.to_dict() == Checkpoint(nat).config.to_dict()
     # one without (as Megatron-LM writes them, its args lacking the true vocab) is a one-line error naming the flags
-    from checkpoint.torch_dist import load_common, read_torch_dist, write_common
+    from checkpoint.torch_dist import read_torch_dist
+    from checkpoint.torch_dist_pickle import load_common
+    from checkpoint.torch_dist_write import write_common
 
     it = read_torch_dist(td1).path
     (it / "shardkit.json").unlink()
@@ -229,7 +231,9 @@ def test_torch_dist_source_keeps_its_layout(dense, tmp_path, capsys):
 def test_torch_dist_source_without_args(dense, tmp_path, capsys):
     """A torch_dist checkpoint whose common.pt has no Megatron args (as megatron-core's own dist_checkpointing.save
     writes) has no known layout: flags not given are 1, and the line says so."""
-    from checkpoint.torch_dist import load_common, read_torch_dist, write_common
+    from checkpoint.torch_dist import read_torch_dist
+    from checkpoint.torch_dist_pickle import load_common
+    from checkpoint.torch_dist_write import write_common
 
     td = tmp_path / "td"
     assert main(["reshard", str(dense / "tp2pp2"), str(td), "--format", "torch_dist", "--quiet"]) == 0

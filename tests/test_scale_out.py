@@ -264,7 +264,7 @@ def td_files(it: Path) -> dict:
     digest, integrity.json without those two files' SHA-256s. Everything else byte for byte."""
     import json
 
-    from checkpoint.torch_dist import load_dcp_metadata
+    from checkpoint.torch_dist_pickle import load_dcp_metadata
 
     if (it / "manifest.json").is_file():
         return files_of(it)
@@ -320,7 +320,7 @@ def test_torch_dist_rank_killed_then_resumed(models):
     """A rank killed before its log says that its rank files are durable: the others stop naming it, nothing is
     committed (no tracker file, no iteration directory); one process resumes (the files the others recorded are
     kept) and ends equal to an uninterrupted run."""
-    from checkpoint.torch_dist import TRACKER
+    from checkpoint.megatron import TRACKER
 
     _, want = _td_reference(models, "llama-tp2pp2-td")
     out = models / "fault-td"

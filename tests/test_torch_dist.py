@@ -24,6 +24,8 @@ import pytest
 import torch
 
 from checkpoint import torch_dist as tdmod
+from checkpoint import torch_dist_pickle as tdpickle
+from checkpoint import torch_dist_write as tdwrite
 from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError
 from checkpoint.layout import Layout
@@ -31,7 +33,8 @@ from checkpoint.megatron import chunk_rank, extra_state_objects, stored_key
 from checkpoint.reader import Checkpoint
 from checkpoint.sharding import regions
 from checkpoint.families import model_specs
-from checkpoint.torch_dist import load_dcp_metadata, read_torch_dist
+from checkpoint.torch_dist import read_torch_dist
+from checkpoint.torch_dist_pickle import load_dcp_metadata
 from convert.hf_to_mcore import convert_hf_to_mcore
 from convert.mcore_to_hf import convert_mcore_to_hf
 from convert.torch_dist_io import torch_dist_to_native, via_native, write_torch_dist
@@ -337,7 +340,7 @@ def test_common_pt_with_code_refused(td_copy, tmp_path):
     assert "common.pt" in msg and "system" in msg
     # the torch-free reader refuses it itself (the same line), before torch's reader is asked
     with pytest.raises(FormatError) as e2:
-        tdmod._load_common_light(td_copy / "common.pt")
+        tdpickle._load_common_light(td_copy / "common.pt")
     assert _one_line(e2) == msg and "refusing to unpickle" in msg
     assert not marker.exists()
 
@@ -395,16 +398,16 @@ def test_torch_free_readers_equal_torchs(work, monkeypatch):
 
     roots = [work["llama"]["td"], work["mixtral"]["td"], work["saved"]["root"]]
     light = [read_torch_dist(r) for r in roots]
-    direct = [tdmod._load_common_light(td.path / "common.pt") for td in light]  # (raises where torch must decide)
+    direct = [tdpickle._load_common_light(td.path / "common.pt") for td in light]  # (raises where torch must decide)
 
     def torch_decides(path):
-        raise tdmod._TorchDecides("test")
+        raise tdpickle._TorchDecides("test")
 
     monkeypatch.setattr(tdmod, "_load_metadata_light", lambda path: None)
-    monkeypatch.setattr(tdmod, "_load_common_light", torch_decides)
+    monkeypatch.setattr(tdpickle, "_load_common_light", torch_decides)
     for root, a, common in zip(roots, light, direct):
         b = read_torch_dist(root)
-        assert all(isinstance(t.dtype, tdmod._Dtype) for t in a.tensors.values()), root  # read without torch
+        assert all(isinstance(t.dtype, tdpickle._Dtype) for t in a.tensors.values()), root  # read without torch
         assert all(isinstance(t.dtype, torch.dtype) for t in b.tensors.values()), root
         assert {n: (t.shape, str(t.dtype), t.dtype.itemsize, t.chunks) for n, t in a.tensors.items()} == \
             {n: (t.shape, str(t.dtype), t.dtype.itemsize, t.chunks) for n, t in b.tensors.items()}
@@ -522,9 +525,9 @@ def _with_args(root: Path, dst: Path, **args) -> Path:
     """A copy of a torch_dist checkpoint whose common.pt carries `args` as its Megatron-LM namespace."""
     shutil.copytree(root, dst)
     it = tdmod.resolve_torch_dist(dst)
-    common, _ = tdmod.load_common(it / "common.pt")
+    common, _ = tdpickle.load_common(it / "common.pt")
     common["args"] = argparse.Namespace(**args)
-    tdmod.write_common(it, common)
+    tdwrite.write_common(it, common)
     return dst
 
 
@@ -638,7 +641,8 @@ def test_verify_reports_missing_extra_and_nonfinite(work, tmp_path, capsys):
     (it / info.relative_path).write_bytes(bytes(raw))
     # (shardkit.json records each item's data CRC, so the rewritten item reads as another's bytes (issue 34): its
     # record rewritten too, as a writer of that item would)
-    from checkpoint.torch_dist import SIDECAR, _digest, _item_crc_problem, item_key
+    from checkpoint.torch_dist import _item_crc_problem
+    from checkpoint.torch_dist_sidecar import SIDECAR, _digest, item_key
 
     found: dict = {}
     assert _item_crc_problem(buf.getvalue(), 0, info.length, found) is None
@@ -667,11 +671,11 @@ def test_item_bytes_equal_torch_save(dtype):
         t = torch.randn(shape, generator=g).to(dtype)
         buf = io.BytesIO()
         torch.save(t, buf)
-        ours = b"".join(bytes(p) for p in tdmod.tensor_item(store.to_numpy(t)))
+        ours = b"".join(bytes(p) for p in tdwrite.tensor_item(store.to_numpy(t)))
         assert ours == buf.getvalue(), shape
     buf = io.BytesIO()
     torch.save([None], buf)
-    assert tdmod.none_object_bytes() == buf.getvalue()
+    assert tdwrite.none_object_bytes() == buf.getvalue()
     cfg = ModelConfig(model_type="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                       num_query_groups=2, kv_channels=16, vocab_size=300, max_position_embeddings=64,
                       norm_epsilon=1e-5, rotary_base=10000.0)
@@ -679,12 +683,12 @@ def test_item_bytes_equal_torch_save(dtype):
     common = {"iteration": 7, "checkpoint_version": 3.0, "args": args}
     real = argparse.Namespace(**{**vars(args), "params_dtype": dtype})  # what Megatron-LM's own args hold
     buf = io.BytesIO()
-    torch.save({**common, "args": real}, buf, pickle_module=tdmod._ARGS_PICKLE)
-    assert tdmod.torch_save_bytes(common) == buf.getvalue()
+    torch.save({**common, "args": real}, buf, pickle_module=tdwrite._ARGS_PICKLE)
+    assert tdwrite.torch_save_bytes(common) == buf.getvalue()
     # a tensor inside plain data goes through torch.save itself
     buf = io.BytesIO()
-    torch.save({"t": torch.ones(2)}, buf, pickle_module=tdmod._ARGS_PICKLE)
-    assert tdmod.torch_save_bytes({"t": torch.ones(2)}) == buf.getvalue()
+    torch.save({"t": torch.ones(2)}, buf, pickle_module=tdwrite._ARGS_PICKLE)
+    assert tdwrite.torch_save_bytes({"t": torch.ones(2)}) == buf.getvalue()
 
 
 def test_hand_written_checkpoint_reads_with_torch_dcp(tmp_path):
@@ -700,7 +704,7 @@ def test_hand_written_checkpoint_reads_with_torch_dcp(tmp_path):
     a = rng.standard_normal((6, 4)).astype(ml_dtypes.bfloat16)
     b = rng.standard_normal((3,)).astype(np.float32)
     c = torch.randn(2, 2, 5).to(torch.float16)
-    w = tdmod.DCPWriter(tmp_path)
+    w = tdwrite.DCPWriter(tmp_path)
     w.declare_tensor("a", a.shape, "bfloat16", [((0, 0), (6, 2)), ((0, 2), (6, 2))])
     w.declare_tensor("b", b.shape, torch.float32, [((0,), (3,))])
     w.declare_tensor("c", c.shape, torch.float16, [((0, 0, 0), (1, 2, 5)), ((1, 0, 0), (1, 2, 5))])
@@ -711,7 +715,7 @@ def test_hand_written_checkpoint_reads_with_torch_dcp(tmp_path):
         f0.add_tensor("b", (0,), b)
         f0.add_tensor("c", (0, 0, 0), c[:1])
         f1.add_tensor("c", (1, 0, 0), c[1:])
-        f1.add_bytes("obj", tdmod.none_object_bytes())
+        f1.add_bytes("obj", tdwrite.none_object_bytes())
     w.write_metadata("ckpt-id")
     md = dcp.FileSystemReader(str(tmp_path)).read_metadata()
     md.storage_meta.load_id = None  # the reader's own

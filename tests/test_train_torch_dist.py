@@ -219,7 +219,7 @@ def test_bad_torch_dist_load_is_one_line(work, ours, tmp_path):
     from torch.distributed.checkpoint import metadata as dcp_md
 
     from checkpoint.errors import FormatError
-    from checkpoint.torch_dist import load_dcp_metadata
+    from checkpoint.torch_dist_pickle import load_dcp_metadata
     from train.torch_dist_ckpt import TorchDistLoad
 
     _, td_root = ours

@@ -43,8 +43,9 @@ from checkpoint.megatron import (TRACKER, TRAIN_STATE_KEY, arg, extra_state_obje
 from checkpoint.reader import Checkpoint, entry_nbytes, vocab_padding
 from checkpoint.sharding import OPTIMIZER_STATES, split_optimizer_key
 from checkpoint.megatron_bridge import FLAT_PREFIX, flat_buffers, write_run_config
-from checkpoint.torch_dist import (HF_SUBDIR, DCPWriter, none_object_bytes, read_torch_dist, write_common,
-                                   write_integrity, write_sidecar)
+from checkpoint.torch_dist import HF_SUBDIR, read_torch_dist
+from checkpoint.torch_dist_sidecar import write_sidecar
+from checkpoint.torch_dist_write import DCPWriter, none_object_bytes, write_common, write_integrity
 from checkpoint.torch_dist_view import TorchDistSource, import_optimizer_states, match_keys, plan_import
 from train import checkpointing as ckpt_io
 from train.optim import DistributedOptimizer, is_scheduler_state
@@ -162,7 +163,8 @@ def _attach_flat_optimizer(td, cfg: ModelConfig) -> bool:
     its param groups (the Adam step) where train_state looks for them. False (nothing attached) where the layout
     cannot be rebuilt and proved: the caller refuses the optimizer in one line."""
     from checkpoint.megatron_bridge import flat_layout_proved
-    from checkpoint.torch_dist import TDTensor, load_common
+    from checkpoint.torch_dist import TDTensor
+    from checkpoint.torch_dist_pickle import load_common
 
     bufs = flat_buffers(td)
     if (set(bufs) != {"param", "exp_avg", "exp_avg_sq"} or arg(td.args, "transformer_impl") != "local"
