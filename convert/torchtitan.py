@@ -27,7 +27,7 @@ The model's tensors are presented under their HF names (TorchtitanSource, read t
 reader: `.metadata` by its restricted unpickler - DCP's own FileSystemReader.read_metadata is a bare pickle.load -,
 items as numpy views of the mapped `.distcp` files), so the llama family's one mapping table, hf_to_mcore's plan and
 chunk worker and the one write/commit path do the rest; mcore-to-torchtitan runs mcore_to_hf's export plan and
-writes DCP items with checkpoint.torch_dist.DCPWriter, one tensor at a time.
+writes DCP items with checkpoint.torch_dist_write.DCPWriter, one tensor at a time.
 
 The model config: a torchtitan flavour read from torchtitan's own registry (`--model-flavor 8B`, model
 `--model-name llama3`; or torchtitan's job config TOML, its [model] name and flavor), or an HF config.json
@@ -671,11 +671,9 @@ def _tt_item(hf_name: str, table: dict, cfg: ModelConfig) -> tuple[str, int | No
 
 
 def _dcp_writer():
-    """DCPWriter and torch_save_bytes, wherever checkpoint/ keeps them (torch_dist.py, or its torch_dist_write.py)."""
-    try:
-        from checkpoint.torch_dist_write import DCPWriter, torch_save_bytes
-    except ImportError:
-        from checkpoint.torch_dist_write import DCPWriter, torch_save_bytes
+    """DCPWriter and torch_save_bytes (checkpoint/torch_dist_write.py)."""
+    from checkpoint.torch_dist_write import DCPWriter, torch_save_bytes
+
     return DCPWriter, torch_save_bytes
 
 
