@@ -36,6 +36,17 @@ def modules() -> dict[str, Path]:
     return out
 
 
+def statements(body: list):
+    """Every statement in `body` and the statement lists nested in it (imports are statements: expressions, where
+    most of a module's nodes are, need no visit)."""
+    for node in body:
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            inner = getattr(node, field, None)
+            if isinstance(inner, list):
+                yield from statements(inner)
+
+
 def import_edges(mods: dict[str, Path]) -> dict[str, dict[str, str]]:
     """importer -> {imported module: "top" (at module level) or "fn" (inside a function or class body)}, our modules
     only; `from pkg import name` counts as importing pkg.name where that is a module."""
@@ -53,12 +64,12 @@ def import_edges(mods: dict[str, Path]) -> dict[str, dict[str, str]]:
         # module-level also inside a top-level if/try (e.g. an optional dependency)
         for n in tree.body:
             if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
-                typing_only |= {id(x) for x in ast.walk(n)}
+                typing_only |= {id(x) for x in statements([n])}
             elif isinstance(n, (ast.If, ast.Try)):
-                top |= {id(x) for x in ast.walk(n) if isinstance(x, (ast.Import, ast.ImportFrom))}
+                top |= {id(x) for x in statements([n]) if isinstance(x, (ast.Import, ast.ImportFrom))}
         package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
         out: dict[str, str] = {}
-        for node in ast.walk(tree):
+        for node in statements(tree.body):
             if id(node) in typing_only:
                 continue
             if isinstance(node, ast.Import):
