@@ -30,9 +30,10 @@ cache; the mode used is printed and written to the results.
     # A/B a patch without installing it, interleaved in one run (same cache state, same load):
     .venv/bin/python scripts/bench_convert.py --src installed --src patched=/path/to/patched/tree ...
 
-Disk use per size: the source, at most one copy (deleted right after it is timed), at most two converted checkpoints
-and (--export) one exported copy: about 3-4x the model size at peak (more with --keep). Everything lives in a fresh directory made inside --workdir and
-removed at the end unless --keep; nothing else in --workdir is touched.
+Disk use per size: the source and one more copy at a time (cp's copy and each checkpoint are deleted once timed),
+about 2x the model size at peak; with --export the checkpoint it reads, the next one and the export, about 4x (more
+with --keep). Everything lives in a fresh directory made inside --workdir and removed at the end unless --keep;
+nothing else in --workdir is touched.
 """
 from __future__ import annotations
 
@@ -847,7 +848,9 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.workdir)
     largest = max(shape_for(g, args.hidden, args.layers, args.pp * args.vpp, args.vocab, args.experts,
                             args.expert_ffn).nbytes for g in args.size_list)
-    need = largest * (4 if args.export else 3) * 1.05  # source + 2 checkpoints + export (the cp copy goes first)
+    # the source and one checkpoint at a time (cp's copy and each checkpoint are removed once timed); --export keeps
+    # the checkpoint it reads beside the next one and the export
+    need = largest * (4 if args.export or args.keep else 2) * 1.05
     probe = root
     while not probe.exists():
         probe = probe.parent

@@ -66,11 +66,14 @@ def llama_model(layers: int, tiny: bool) -> tuple[dict, list[tuple[str, tuple[in
     return cfg, out
 
 
-def deepseek_model(experts: int, tiny: bool) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
+def deepseek_model(experts: int, tiny: bool, dense: int = 1) -> tuple[dict, list[tuple[str, tuple[int, ...]]]]:
+    """`dense` dense layers (ffn 18432) then one MoE layer (--deepseek-dense 0: the MoE layer alone, to fit a small
+    disk: at this width the embedding and head alone are 3.7 GB, one routed expert 88 MB)."""
     cfg = _config("deepseek-ai--DeepSeek-V3.json")
     for k in ("quantization_config", "auto_map"):
         cfg.pop(k, None)
-    cfg.update(num_hidden_layers=2, first_k_dense_replace=1, num_nextn_predict_layers=0, n_routed_experts=experts)
+    cfg.update(num_hidden_layers=dense + 1, first_k_dense_replace=dense, num_nextn_predict_layers=0,
+               n_routed_experts=experts)
     if tiny:
         cfg.update(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
                    num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -80,7 +83,7 @@ def deepseek_model(experts: int, tiny: bool) -> tuple[dict, list[tuple[str, tupl
     qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     E, Fe, S = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
     out = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
-    for i in range(2):
+    for i in range(dense + 1):
         p = f"model.layers.{i}."
         out += [(p + "input_layernorm.weight", (h,)),
                 (p + "self_attn.q_a_proj.weight", (cfg["q_lora_rank"], h)),
@@ -92,7 +95,7 @@ def deepseek_model(experts: int, tiny: bool) -> tuple[dict, list[tuple[str, tupl
                                                     cfg["kv_lora_rank"])),
                 (p + "self_attn.o_proj.weight", (h, nh * cfg["v_head_dim"])),
                 (p + "post_attention_layernorm.weight", (h,))]
-        if i == 0:
+        if i < dense:
             F_ = cfg["intermediate_size"]
             out += [(p + "mlp.gate_proj.weight", (F_, h)), (p + "mlp.up_proj.weight", (F_, h)),
                     (p + "mlp.down_proj.weight", (h, F_))]
@@ -143,6 +146,20 @@ PARITY = ("import json, sys; from checkpoint.reader import Checkpoint; from veri
           "seq_len=int(sys.argv[4]), all_experts=sys.argv[6] == '1'); open(sys.argv[5], 'w').write(json.dumps(r))")
 
 
+def cp_sync(src: Path, dst: Path, drop: bool) -> tuple[float, float]:
+    """The baseline of the default command's rows: `cp -r` of the HF directory, then `sync` (cp leaves its bytes
+    dirty in the page cache; the converter makes everything durable), page cache dropped first; the copy removed."""
+    if drop:
+        try_drop_caches()
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    cp_s = time.perf_counter() - t0
+    subprocess.run(["sync"], check=True)
+    sync_s = time.perf_counter() - t0 - cp_s
+    shutil.rmtree(dst)
+    return cp_s, sync_s
+
+
 def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
     hf, ck = work / f"{name}-hf", work / f"{name}-ck"
     for d in (hf, ck):
@@ -153,11 +170,58 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
     print(f"[{name}] synthesised {dir_bytes(hf) / GB:.2f} GB in {synth_s:.0f} s", flush=True)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     py = sys.executable
+    cp_s, sync_s = cp_sync(hf, work / f"{name}-cp", drop)
+    print(f"[{name}] cp -r {cp_s:.1f} s + sync {sync_s:.1f} s", flush=True)
     if drop:
         try_drop_caches()
     conv = run_measured(f"{name} convert", [py, "-m", "shardkit", "convert", "hf-to-mcore", str(hf), str(ck),
                                             "--quiet", "--no-verify"], args.poll, work / f"{name}-convert.log", env=env)
     print(f"[{name}] convert {conv.wall_s:.1f} s, peak RSS {conv.peak_tree_rss / 2**20:.0f} MiB", flush=True)
+    row = {"model": name, "hf_gb": round(dir_bytes(hf) / GB, 2), "ck_gb": round(dir_bytes(ck) / GB, 2),
+           "layers": cfg["num_hidden_layers"], "experts": cfg.get("n_routed_experts", 0),
+           "cp_s": round(cp_s, 2), "cp_sync_s": round(cp_s + sync_s, 2),
+           "convert_s": round(conv.wall_s, 2), "convert_cpu_s": round(conv.cpu_s, 1),
+           "convert_peak_rss_mb": round(conv.peak_tree_rss / 2**20),
+           "convert_peak_anon_mb": round(conv.peak_tree_anon / 2**20),
+           "convert_vs_cp_sync": round(conv.wall_s / max(cp_s + sync_s, 1e-9), 2), "synth_s": round(synth_s, 1)}
+    if not args.skip_parity:
+        row.update(parity_alone(name, hf, ck, work, args, drop, env, conv))
+    if args.convert_verify:  # what `convert --verify` adds, as a user runs it (page cache as the conversion left it)
+        if drop:
+            try_drop_caches()
+        shutil.rmtree(ck, ignore_errors=True)  # room for the second conversion (compared already)
+        ck2 = work / f"{name}-ck-verified"
+        flags = [] if args.default_command else ["--verify", "--memory-budget", str(row["budget"])]
+        cv = run_measured(f"{name} convert --verify", [py, "-m", "shardkit", "convert", "hf-to-mcore", str(hf),
+                                                        str(ck2), "--quiet", *flags],
+                          args.poll, work / f"{name}-convert-verify.log", env=env)
+        line = next((ln for ln in (work / f"{name}-convert-verify.log").read_text().splitlines()
+                     if ln.startswith("verify:")), "")
+        added = float(line.rsplit(" in ", 1)[1].split()[0]) if " in " in line else float("nan")
+        row.update(convert_verify_s=round(cv.wall_s, 2), verify_added_s=added,
+                   added_ratio_vs_convert=round(added / max(conv.wall_s, 1e-9), 2),
+                   convert_verify_cpu_s=round(cv.cpu_s, 1),
+                   convert_verify_peak_rss_mb=round(cv.peak_tree_rss / 2**20),
+                   convert_verify_peak_anon_mb=round(cv.peak_tree_anon / 2**20),
+                   convert_verify_peak_file_mb=round((cv.peak_tree_rss - cv.peak_tree_anon) / 2**20),
+                   convert_verify_vs_cp_sync=round(cv.wall_s / max(cp_s + sync_s, 1e-9), 2),
+                   convert_verify_vs_convert=round(cv.wall_s / max(conv.wall_s, 1e-9), 2),
+                   convert_verify_ok=cv.rc == 0, verify_line=line)
+        row.setdefault("ok", cv.rc == 0)
+        print(f"[{name}] convert --verify {cv.wall_s:.1f} s, of which the verify {added:.1f} s "
+              f"({added / max(conv.wall_s, 1e-9):.2f}x the conversion), peak RSS {cv.peak_tree_rss / 2**20:.0f} MiB "
+              f"(anon {cv.peak_tree_anon / 2**20:.0f}), CPU {cv.cpu_s:.1f} s", flush=True)
+        shutil.rmtree(ck2, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(hf, ignore_errors=True)
+        shutil.rmtree(ck, ignore_errors=True)
+    return row
+
+
+def parity_alone(name: str, hf: Path, ck: Path, work: Path, args, drop: bool, env: dict, conv) -> dict:
+    """`cat` of both checkpoints (reading both once) and the streamed parity alone in its own process (and with
+    --all-experts, every expert driven): their rows."""
+    py = sys.executable
     if drop:
         try_drop_caches()
     fl = files(hf, ck)
@@ -176,11 +240,7 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
     p = json.loads(out_json.read_text())
     print(f"[{name}] streaming parity {ver.wall_s:.1f} s, peak RSS {ver.peak_tree_rss / 2**20:.0f} MiB, "
           f"max |diff| {p['max_abs_diff']:.3e}, ok {p['ok']}", flush=True)
-    row = {"model": name, "hf_gb": round(dir_bytes(hf) / GB, 2), "ck_gb": round(dir_bytes(ck) / GB, 2),
-           "layers": cfg["num_hidden_layers"], "experts": cfg.get("n_routed_experts", 0),
-           "convert_s": round(conv.wall_s, 2), "convert_cpu_s": round(conv.cpu_s, 1),
-           "convert_peak_rss_mb": round(conv.peak_tree_rss / 2**20),
-           "cat_s": round(cat_s, 2), "verify_s": round(ver.wall_s, 2),
+    row = {"cat_s": round(cat_s, 2), "verify_s": round(ver.wall_s, 2),
            "verify_peak_rss_mb": round(ver.peak_tree_rss / 2**20),
            "verify_peak_anon_mb": round(ver.peak_tree_anon / 2**20),
            "verify_cpu_s": round(ver.cpu_s, 1), "verify_minor_faults": faults,
@@ -191,8 +251,8 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
            "experts_exercised": p.get("experts_exercised"), "experts_total": p.get("experts_total"),
            "bytes_read_gb": round((p["bytes_read"]["ours"] + p["bytes_read"]["hf"]) / GB, 2),
            "max_reads_of_one_tensor": p["max_reads_of_one_tensor"], "pieces": p["pieces"],
-           "budget": p["memory"]["budget"], "synth_s": round(synth_s, 1)}
-    if args.all_experts and row["experts"]:  # every routed expert driven (and so read) once
+           "budget": p["memory"]["budget"]}
+    if args.all_experts and p.get("experts_total"):  # every routed expert driven (and so read) once
         if drop:
             try_drop_caches()
         all_json = work / f"{name}-parity-all.json"
@@ -205,39 +265,19 @@ def bench(name: str, cfg: dict, tensors, work: Path, args, drop: bool) -> dict:
                    all_experts_bytes_read_gb=round((a["bytes_read"]["ours"] + a["bytes_read"]["hf"]) / GB, 2))
         print(f"[{name}] --all-experts parity {allx.wall_s:.1f} s, {a['experts_exercised']}/{a['experts_total']} "
               f"experts, peak RSS {allx.peak_tree_rss / 2**20:.0f} MiB, ok {a['ok']}", flush=True)
-    if args.convert_verify:  # what `convert --verify` adds, as a user runs it (page cache as the conversion left it)
-        if drop:
-            try_drop_caches()
-        shutil.rmtree(ck, ignore_errors=True)  # room for the second conversion (compared already)
-        ck2 = work / f"{name}-ck-verified"
-        flags = [] if args.default_command else ["--verify", "--memory-budget", str(p["memory"]["budget"])]
-        cv = run_measured(f"{name} convert --verify", [py, "-m", "shardkit", "convert", "hf-to-mcore", str(hf),
-                                                        str(ck2), "--quiet", *flags],
-                          args.poll, work / f"{name}-convert-verify.log", env=env)
-        line = next((ln for ln in (work / f"{name}-convert-verify.log").read_text().splitlines()
-                     if ln.startswith("verify:")), "")
-        added = float(line.rsplit(" in ", 1)[1].split()[0]) if " in " in line else float("nan")
-        row.update(convert_verify_s=round(cv.wall_s, 2), verify_added_s=added,
-                   added_ratio_vs_convert=round(added / max(conv.wall_s, 1e-9), 2),
-                   convert_verify_peak_rss_mb=round(cv.peak_tree_rss / 2**20), convert_verify_ok=cv.rc == 0)
-        print(f"[{name}] convert --verify {cv.wall_s:.1f} s, of which the verify {added:.1f} s "
-              f"({added / max(conv.wall_s, 1e-9):.2f}x the conversion), peak RSS {cv.peak_tree_rss / 2**20:.0f} MiB",
-              flush=True)
-        shutil.rmtree(ck2, ignore_errors=True)
-    if not args.keep:
-        shutil.rmtree(hf, ignore_errors=True)
-        shutil.rmtree(ck, ignore_errors=True)
     return row
 
 
 def table(rows: list[dict]) -> str:
-    cols = ["model", "layers", "experts", "hf_gb", "ck_gb", "convert_s", "cat_s", "verify_s", "ratio_vs_cat",
-            "ratio_vs_convert", "convert_cpu_s", "verify_cpu_s", "verify_minor_faults", "cpu_ratio_vs_convert",
-            "verify_peak_rss_mb",
-            "verify_peak_anon_mb", "convert_peak_rss_mb", "bytes_read_gb",
-            "experts_exercised", "max_abs_diff", "worst_layer_diff", "ok"]
-    cols += [c for c in ("verify_added_s", "added_ratio_vs_convert", "all_experts_s", "all_experts_exercised",
-                         "all_experts_peak_rss_mb") if any(c in r for r in rows)]
+    cols = ["model", "layers", "experts", "hf_gb", "ck_gb", "cp_sync_s", "convert_s", "convert_vs_cp_sync",
+            "convert_cpu_s", "convert_peak_rss_mb", "convert_peak_anon_mb"]
+    cols += [c for c in ("cat_s", "verify_s", "ratio_vs_cat", "ratio_vs_convert", "verify_cpu_s",
+                         "verify_minor_faults", "cpu_ratio_vs_convert", "verify_peak_rss_mb", "verify_peak_anon_mb",
+                         "bytes_read_gb", "experts_exercised", "max_abs_diff", "worst_layer_diff",
+                         "convert_verify_s", "convert_verify_vs_cp_sync", "convert_verify_vs_convert",
+                         "convert_verify_cpu_s", "convert_verify_peak_rss_mb", "convert_verify_peak_anon_mb",
+                         "convert_verify_peak_file_mb", "verify_added_s", "added_ratio_vs_convert", "all_experts_s",
+                         "all_experts_exercised", "all_experts_peak_rss_mb", "ok") if any(c in r for r in rows)]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         out.append("| " + " | ".join(f"{r[c]:.2e}" if isinstance(r.get(c), float) and "diff" in c else
@@ -250,6 +290,11 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="llama,deepseek_v3")
     ap.add_argument("--llama-layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--deepseek-dense", type=int, default=1,
+                    help="dense layers before DeepSeek-V3's one MoE layer (default 1; 0: the MoE layer alone)")
+    ap.add_argument("--skip-parity", action="store_true",
+                    help="skip `cat` and the parity alone (with --convert-verify --default-command: the default "
+                         "command's rows against cp -r + sync and the conversion alone, in less time and disk)")
     ap.add_argument("--memory-budget", default="1.5GB",
                     help="--memory-budget of the parity, raised to a model's least streaming needs (default 1.5GB)")
     ap.add_argument("--seq-length", type=int, default=32)
@@ -266,6 +311,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args(argv)
+    if args.skip_parity and args.convert_verify and not args.default_command:
+        ap.error("--skip-parity with --convert-verify needs --default-command (--verify's budget comes from the parity)")
     from plan.units import parse_bytes
 
     args.budget = parse_bytes("64MB" if args.tiny and args.memory_budget == "1.5GB" else args.memory_budget,
@@ -279,16 +326,16 @@ def main(argv=None) -> int:
             cfg, tensors = llama_model(2 if args.tiny else args.llama_layers, args.tiny)
         else:
             experts = 8 if args.tiny else args.experts
-            cfg, tensors = deepseek_model(experts, args.tiny)
+            cfg, tensors = deepseek_model(experts, args.tiny, args.deepseek_dense)
             free = shutil.disk_usage(work).free
-            while experts > 8 and 2.1 * nbytes(tensors) > free - 5 * GB:  # HF + checkpoint + a margin
+            while experts > 8 and 2.1 * nbytes(tensors) > free - 1 * GB:  # HF + checkpoint (or cp's copy) + a margin
                 experts //= 2
-                cfg, tensors = deepseek_model(experts, args.tiny)
+                cfg, tensors = deepseek_model(experts, args.tiny, args.deepseek_dense)
             if experts != (8 if args.tiny else args.experts):
                 notes.append(f"deepseek_v3: {experts} routed experts instead of {args.experts}: "
                              f"{free / GB:.0f} GB free under {work}")
         free = shutil.disk_usage(work).free
-        if not args.tiny and 2.1 * nbytes(tensors) > free - 5 * GB:
+        if not args.tiny and 2.1 * nbytes(tensors) > free - 1 * GB:
             raise SystemExit(f"{name}: needs ~{2.1 * nbytes(tensors) / GB:.0f} GB under {work}, {free / GB:.0f} free")
         rows.append(bench(name, cfg, tensors, work, args, drop))
     text = table(rows)
