@@ -436,8 +436,7 @@ def test_two_ranks_save_to_s3_killed_then_resumed(s3, tmp_path, monkeypatch):
     assert r.returncode != 0, r.stderr[-3000:]
     store = storage.ObjectStore(storage.parse(url))
     assert store.read("latest") == b"iter_0000001\n"
-    started = store.list("iter_0000002/")
-    assert started and "iter_0000002/manifest.json" not in started  # every rank's chunks, no manifest
+    assert "iter_0000002/manifest.json" not in store.list("iter_0000002/")  # (its first objects may be there)  # every rank's chunks, no manifest
     assert main(["verify", url, "--quiet"]) == 0  # the first save, whole
     resume = ["--train-iters", "3", "--async-save", "--use-checkpoint-opt_param-scheduler"]
     launch(2, "--load", url, "--save", url, *train, *resume)
@@ -554,3 +553,35 @@ def test_launch_passes_s3_urls_through(s3, tiny, tmp_path, capsys, monkeypatch):
     # a store that cannot be asked stops the job: never a restart from --load over newer saves
     r = load_picked(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", SHARDKIT_STORAGE_RETRIES="0")
     assert r.returncode == 1 and "cannot tell whether" in r.stderr and r.stdout == "", r.stderr
+
+
+def test_rank_killed_while_putting_its_chunks(s3, tmp_path, monkeypatch):
+    """Rank 1 of 2 killed (-9) in the middle of putting its chunk objects (a resumed run's first save, iter 2):
+    rank 0 hears of it (no hang), nothing of that save is complete (no manifest.json), `latest` still names
+    iter 1, which verifies; the rerun resumes from it and completes."""
+    import torch
+
+    from tests.corpus import write_pattern_corpus
+    from tests.launcher import launch
+
+    hf = build_tiny_llama(tmp_path / "hf", dtype=torch.float32, num_hidden_layers=1, hidden_size=32,
+                          intermediate_size=48, vocab_size=200, num_attention_heads=2, num_key_value_heads=2)
+    data = write_pattern_corpus(tmp_path / "data", docs=40)
+    assert main(["convert", "hf-to-mcore", str(hf), str(tmp_path / "ck"), "--quiet", "--no-verify"]) == 0
+    url = f"s3://{BUCKET}/rank-killed"
+    train = ["--data-path", str(data), "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+             "--save-interval", "1", "--tp", "2"]
+    store = storage.ObjectStore(storage.parse(url))
+    launch(2, "--load", str(tmp_path / "ck"), "--save", url, *train, "--train-iters", "1")
+    monkeypatch.setenv("SHARDKIT_FAULT_AT", "store.write:2@1")  # rank 1, its first chunk object of iter 2 put
+    resume = ["--train-iters", "3", "--use-checkpoint-opt_param-scheduler"]
+    r = launch(2, "--load", url, "--save", url, *train, *resume, check=False)
+    monkeypatch.delenv("SHARDKIT_FAULT_AT")
+    assert r.returncode != 0 and "lost contact with another rank" in r.stderr, r.stderr[-3000:]
+    assert f"rerun to resume from {url}/iter_0000001" in r.stderr, r.stderr[-3000:]
+    assert store.read("latest") == b"iter_0000001\n"
+    assert "iter_0000002/manifest.json" not in store.list("iter_0000002/")  # (its first objects may be there)
+    assert main(["verify", url, "--quiet"]) == 0
+    launch(2, "--load", url, "--save", url, *train, *resume)
+    assert store.read("latest") == b"iter_0000003\n"
+    assert main(["verify", url, "--quiet"]) == 0

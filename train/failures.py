@@ -36,13 +36,12 @@ def peer_failure(e: BaseException, save: str | Path | None) -> ShardkitError | N
     detail = detail.split("] ", 1)[-1][:160]  # drop the C++ source location
     resume = ""
     if save:
-        from checkpoint.commit import resolve_iteration
-        from checkpoint.errors import FormatError
+        from checkpoint.storage import last_complete, shown  # (--save on object storage: the store's, by URL)
 
         try:
-            resume = f"; rerun to resume from {resolve_iteration(save)}"
-        except FormatError:
-            resume = f"; no complete checkpoint in {save} yet"
+            resume = f"; rerun to resume from {last_complete(save)}"
+        except ShardkitError:
+            resume = f"; no complete checkpoint in {shown(save)} yet"
     return ShardkitError(f"rank {rank}: lost contact with another rank ({detail}): a rank died or stopped answering "
                          f"within --distributed-timeout-minutes; stopping this one{resume}")
 
