@@ -29,7 +29,8 @@ SLOW = {
     # resumed (an iteration without manifest.json, latest unmoved, the rerun completes), another rank and site
     "tests/test_object_storage.py::test_rank_killed_while_putting_its_chunks",
     # a conversion to s3:// killed and resumed from its staging root (two subprocesses): the staging root is the
-    # local writer's own resume (test_checkpointing / test_faults), the kill-then-publish path stays via [storage.objects]
+    # local writer's own resume (test_checkpointing / test_faults), a kill before a manifest stays via
+    # test_two_ranks_save_to_s3_killed_then_resumed
     "tests/test_object_storage.py::test_interrupted_conversion_to_s3_resumes",
     # megatron-core 0.19.2 / Megatron-Bridge 0.6.2 (issue 41): their Python 3.12 environment takes minutes to build
     # on a fresh machine (scripts/oracle_env.sh); the default run keeps test_megatron_write_newest.py's checks of the
