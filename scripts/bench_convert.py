@@ -299,9 +299,14 @@ def try_drop_caches() -> bool:
         return False
 
 
-# What the converter imports: re-read untimed after each drop so a timed step pays for reading the model, not for
-# reading torch/tensorstore from disk (cp's own code is a few hundred KB and always cached).
-WARM_CODE = "import convert.hf_to_mcore, convert.mcore_to_hf, checkpoint.reader, shardkit.cli"
+# What the converter imports, and what its default proof imports (torch, transformers and the model types' modeling
+# modules): re-read untimed after each drop so a timed step pays for reading the model, not for reading torch,
+# tensorstore or transformers from disk (cp's own code is a few hundred KB and always cached).
+# (its last line is an import statement: bench_scale_out appends modules to it)
+WARM_CODE = ("try:\n    import torch, transformers.conversion_mapping, transformers.models.llama.modeling_llama, "
+             "transformers.models.mixtral.modeling_mixtral, transformers.models.deepseek_v3.modeling_deepseek_v3\n"
+             "except ImportError:\n    pass\n"
+             "import convert.hf_to_mcore, convert.mcore_to_hf, checkpoint.reader, shardkit.cli")
 
 
 def evict(paths: list[Path]) -> None:
@@ -351,8 +356,9 @@ class Cache:
     def describe(self) -> str:
         if self.mode == "cold":
             return ("cold: `sync; echo 3 > /proc/sys/vm/drop_caches` before every timed step" +
-                    (", then an untimed `python -c 'import convert.hf_to_mcore, ...'` so the Python libraries "
-                     "(torch, tensorstore) are cached again: the model files are read cold, the code warm"
+                    (", then an untimed `python -c 'import torch, transformers..., convert.hf_to_mcore, ...'` so the "
+                     "Python libraries (torch, tensorstore, and transformers with the modeling modules the default "
+                     "proof imports) are cached again: the model files are read cold, the code warm"
                      if self.warm_code else " (code cold too: --cold-code)"))
         if self.mode == "evict":
             return ("source evicted: the page cache could not be dropped (no privilege), so before every timed step "
