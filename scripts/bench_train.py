@@ -670,7 +670,7 @@ def prepare_trainer_inputs(spec: Spec, workdir: Path, iters: int, global_batch: 
     """A converted checkpoint of the seeded weights and a synthetic corpus big enough for the run."""
     import numpy as np
 
-    from train.data import token_dtype, write_indexed
+    from train.data.indexed import token_dtype, write_indexed
 
     weights, ckpt, prefix = ensure_weights(spec, workdir, log), workdir / "ckpt", workdir / "data" / "corpus"
     latest = ckpt / "latest"

@@ -66,7 +66,7 @@ def build_checkpoint(work: Path, name: str, shape: dict, device: str) -> Path:
 def build_corpus(work: Path, vocab: int, tokens: int) -> Path:
     import numpy as np
 
-    from train.data import write_indexed
+    from train.data.indexed import write_indexed
 
     work.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)

@@ -542,7 +542,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     elif cmd == "reshard":
         check_output(args.dst, [("SRC", args.src), ("--hf-config", args.hf_config)], "DST")
     elif cmd == "preprocess-data":
-        from train.data import output_prefixes
+        from train.data.preprocess import output_prefixes
 
         for prefix in output_prefixes(args.output_prefix, args.json_keys).values():
             for ext in (".bin", ".idx"):
@@ -820,7 +820,7 @@ def _dispatch_local(args: argparse.Namespace) -> int:
 
         return run_plan(args)
     if args.cmd == "preprocess-data":
-        from train.data import preprocess_main
+        from train.data.preprocess import preprocess_main
 
         return preprocess_main(args)
     if args.cmd == "plot":

@@ -61,7 +61,7 @@ def run_demo(cli: Callable[[list[str]], int], out: str | None = None, keep: bool
     from rich.table import Table
     from safetensors import safe_open
 
-    from train.data import bundled_corpus, save_corpus_tokenizer
+    from train.data.preprocess import bundled_corpus, save_corpus_tokenizer
     from train.metrics import read_metrics
 
     con = Console()

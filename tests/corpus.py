@@ -9,7 +9,7 @@ import numpy as np
 
 def write_pattern_corpus(prefix: Path, *, docs: int = 400, seed: int = 0) -> Path:
     """Write `prefix`.bin/.idx (Megatron's indexed format, uint16) and return `prefix`."""
-    from train.data import write_indexed
+    from train.data.indexed import write_indexed
 
     rng = np.random.default_rng(seed)
     write_indexed(prefix, [np.tile(rng.integers(3, 60, size=int(rng.integers(3, 9))), 12)[: int(rng.integers(30, 120))]
@@ -20,7 +20,7 @@ def write_pattern_corpus(prefix: Path, *, docs: int = 400, seed: int = 0) -> Pat
 def write_packed_corpus(prefix: Path, eod: int, lengths: tuple[int, int], *, docs: int = 600, seed: int = 1) -> Path:
     """Short documents (repeated random patterns, `lengths` = [low, high) tokens before the EOD), each ended by `eod`:
     a short sample packs several, and documents cross sample (and CP chunk) boundaries."""
-    from train.data import write_indexed
+    from train.data.indexed import write_indexed
 
     rng = np.random.default_rng(seed)
     out = [np.append(np.tile(rng.integers(3, 60, size=int(rng.integers(2, 5))), 6)[: int(rng.integers(*lengths))], eod)

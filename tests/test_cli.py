@@ -82,7 +82,7 @@ def test_demo_runs_and_continues_pretraining(tmp_path):
     better than the untrained model on the corpus."""
     from transformers import AutoModelForCausalLM
 
-    from train.data import IndexedDataset
+    from train.data.indexed import IndexedDataset
     from train.metrics import read_metrics
 
     work = tmp_path / "demo"

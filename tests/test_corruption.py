@@ -27,7 +27,7 @@ SWAP = ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", "decoder.l
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> dict[str, Path]:
     from shardkit.demo import build_tiny_llama
-    from train.data import write_indexed
+    from train.data.indexed import write_indexed
 
     root = tmp_path_factory.mktemp("corrupt")
     hf = build_tiny_llama(root / "hf", **TINY)

@@ -1,4 +1,4 @@
-"""train/data.py: Megatron .bin/.idx files, preprocess-data, the GPT sample order (against megatron-core itself, in a
+"""train/data/: Megatron .bin/.idx files, preprocess-data, the GPT sample order (against megatron-core itself, in a
 subprocess), blends, splits, resuming micro-batches, and the errors bad data gives."""
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ import pytest
 
 from shardkit.cli import main as cli
 from shardkit.demo import save_tiny_tokenizer
-from train.data import (DataConfig, DataError, GPTDataset, IndexedDataset, build_blending_indices, build_datasets,
-                        bundled_corpus, micro_batches, preprocess_jsonl, save_corpus_tokenizer, split_matrix, token_dtype, write_indexed)
+from train.data.errors import DataError
+from train.data.indexed import IndexedDataset, token_dtype, write_indexed
+from train.data.order import DataConfig, GPTDataset, build_blending_indices, build_datasets, split_matrix
+from train.data.preprocess import bundled_corpus, preprocess_jsonl, save_corpus_tokenizer
+from train.data.sampler import micro_batches
 
 ORACLE = Path(__file__).with_name("megatron_oracle.py")
 
@@ -34,7 +37,7 @@ def random_docs(seed: int, n: int, vocab: int, max_len: int, min_len: int = 0) -
 # -- files -------------------------------------------------------------------------------------------------------------
 
 def hand_built_idx(lengths: list[int], doc_starts: list[int], code: int, itemsize: int) -> bytes:
-    """An .idx laid out byte by byte as Megatron's _IndexWriter writes it (independent of train/data.py)."""
+    """An .idx laid out byte by byte as Megatron's _IndexWriter writes it (independent of train/data/indexed.py)."""
     out = b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code)
     out += struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(doc_starts))
     out += b"".join(struct.pack("<i", n) for n in lengths)

@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from tests.test_train import launch, setup  # noqa: F401  (the module fixture: tiny LLaMA, vocab 1000, + corpus)
-from train.data import (DataError, IndexedDataset, bundled_corpus, check_vocab, preprocess_jsonl,
-                        save_corpus_tokenizer, sidecar_path, token_stats, write_indexed)
+from train.data.errors import DataError
+from train.data.indexed import IndexedDataset, write_indexed
+from train.data.order import check_vocab
+from train.data.preprocess import bundled_corpus, preprocess_jsonl, save_corpus_tokenizer
+from train.data.stats import sidecar_path, token_stats
 
 RUN = ["--train-iters", "2", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
        "--attention-dropout", "0", "--hidden-dropout", "0"]
@@ -56,7 +59,7 @@ def test_token_range_cache_follows_the_bin(tmp_path):
     rec["max_token_id"] = 12345  # an edited cache is not believed (issue 34: its digest no longer matches) ...
     side.write_text(json.dumps(rec))
     assert token_stats(ds)["max_token_id"] == 900
-    from train.data import _sidecar_digest
+    from train.data.stats import _sidecar_digest
 
     rec = json.loads(side.read_text())
     rec["max_token_id"] = 12345

@@ -199,7 +199,7 @@ def trainable(work) -> tuple[Path, Path]:
     import torch
 
     from shardkit.demo import build_tiny_llama
-    from train.data import write_indexed
+    from train.data.indexed import write_indexed
 
     root, z = work
     build_tiny_llama(root / "thf", dtype=torch.float32, **TINY)

@@ -40,7 +40,7 @@ class Payload:
 def good(tmp_path_factory) -> dict[str, Path]:
     """One of each good input: an HF model, a native checkpoint, a torch_dist checkpoint, a token corpus."""
     from shardkit.demo import build_tiny_llama
-    from train.data import write_indexed
+    from train.data.indexed import write_indexed
 
     root = tmp_path_factory.mktemp("hostile")
     hf = build_tiny_llama(root / "hf", **TINY)
@@ -1081,7 +1081,8 @@ def test_pickle_only_hf_dir_in_verify_is_one_line(good, tmp_path, capsys, stream
 
 def _data_beyond_vocab(c: Case) -> Path:
     """A corpus whose largest token id (450) is beyond the tiny model's vocabulary (300), with its sidecar."""
-    from train.data import IndexedDataset, token_stats, write_indexed
+    from train.data.indexed import IndexedDataset, write_indexed
+    from train.data.stats import token_stats
 
     rng = np.random.default_rng(1)
     docs = [rng.integers(3, 200, size=40) for _ in range(64)]
@@ -1093,7 +1094,7 @@ def _data_beyond_vocab(c: Case) -> Path:
 
 
 def _edit_sidecar(prefix: Path, redigest: bool, **changes) -> None:
-    from train.data import _sidecar_digest, sidecar_path
+    from train.data.stats import _sidecar_digest, sidecar_path
 
     p = sidecar_path(str(prefix) + ".bin")
     rec = json.loads(p.read_text())
@@ -1133,21 +1134,21 @@ def test_edited_data_sidecar_is_not_trusted(good, tmp_path, capsys, edit):
 def test_sidecar_of_an_unchanged_bin_is_still_used(good, tmp_path, monkeypatch):
     """The cache still works (no pass over the tokens) where the sidecar matches its .bin; a copy of the .bin (new
     inode) is recomputed once and cached again."""
-    from train import data
+    from train.data import indexed, stats
 
     c = Case(tmp_path, good)
     prefix = _data_beyond_vocab(c)
     passes = {"n": 0}
-    real = data.write_token_stats
-    monkeypatch.setattr(data, "write_token_stats", lambda *a, **k: (passes.__setitem__("n", passes["n"] + 1),
-                                                                    real(*a, **k))[1])
-    assert data.token_stats(data.IndexedDataset(prefix))["max_token_id"] == 450 and passes["n"] == 0
+    real = stats.write_token_stats
+    monkeypatch.setattr(stats, "write_token_stats", lambda *a, **k: (passes.__setitem__("n", passes["n"] + 1),
+                                                                     real(*a, **k))[1])
+    assert stats.token_stats(indexed.IndexedDataset(prefix))["max_token_id"] == 450 and passes["n"] == 0
     copy = tmp_path / "copy"
     shutil.copy2(str(prefix) + ".bin", str(copy) + ".bin")
     shutil.copy2(str(prefix) + ".idx", str(copy) + ".idx")
-    shutil.copy2(data.sidecar_path(str(prefix) + ".bin"), data.sidecar_path(str(copy) + ".bin"))
-    assert data.token_stats(data.IndexedDataset(copy))["max_token_id"] == 450 and passes["n"] == 1
-    assert data.token_stats(data.IndexedDataset(copy))["max_token_id"] == 450 and passes["n"] == 1
+    shutil.copy2(stats.sidecar_path(str(prefix) + ".bin"), stats.sidecar_path(str(copy) + ".bin"))
+    assert stats.token_stats(indexed.IndexedDataset(copy))["max_token_id"] == 450 and passes["n"] == 1
+    assert stats.token_stats(indexed.IndexedDataset(copy))["max_token_id"] == 450 and passes["n"] == 1
 
 
 def _hub_snapshot(root: Path, repo: str, hf: Path) -> Path:

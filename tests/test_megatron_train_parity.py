@@ -34,7 +34,7 @@ def work(tmp_path_factory):
     """A tiny Llama as HF, converted to our format and exported to torch_dist (local-spec keys), and a corpus."""
     from shardkit.cli import main as cli
     from shardkit.demo import build_tiny_llama
-    from train.data import write_indexed
+    from train.data.indexed import write_indexed
 
     w = tmp_path_factory.mktemp("megatron_train")
     hf = build_tiny_llama(w / "hf", dtype=torch.float32, vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -51,9 +51,10 @@ def work(tmp_path_factory):
 
 
 def ours(work: Path, name: str, sched: dict) -> tuple[list[dict], list[list]]:
-    """Our run's metrics.jsonl rows, and the micro-batches our data pipeline gives it (train/data.py, the trainer's
+    """Our run's metrics.jsonl rows, and the micro-batches our data pipeline gives it (train/data/, the trainer's
     own dataset and sampler code with the same flags)."""
-    from train.data import DataConfig, build_datasets, micro_batches
+    from train.data.order import DataConfig, build_datasets
+    from train.data.sampler import micro_batches
 
     out = work / f"ours-{name}"
     flags = ["--load", str(work / "ck"), "--data-path", str(work / "corpus"), "--log-dir", str(out),

@@ -34,7 +34,7 @@ def w(tmp_path_factory) -> dict[str, Path]:
     from safetensors.torch import load_file
 
     from shardkit.demo import build_tiny_llama
-    from train.data import write_indexed
+    from train.data.indexed import write_indexed
 
     root = tmp_path_factory.mktemp("notb")
     hf = build_tiny_llama(root / "hf", **TINY)

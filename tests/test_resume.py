@@ -41,7 +41,7 @@ def runs(setup):  # noqa: F811
 
 def test_one_epoch_either_way(setup):  # noqa: F811
     """The premise of "the same run": the dataset for 8 and for 16 samples starts with the same samples."""
-    from train.data import DataConfig, build_datasets
+    from train.data.order import DataConfig, build_datasets
 
     dc = DataConfig(paths=(str(setup / "data"),), seq_length=32, seed=7)
     small, _ = build_datasets(dc, 8, 0)

@@ -573,7 +573,7 @@ def test_deepseek_v3_training_through_continue_pretrain(saved, tmp_path):
     """torchtitan's DeepSeek-V3 training checkpoint -> ours (--optimizer) -> continue-pretrain 2 more iterations ->
     mcore-to-torchtitan --optimizer: torchtitan's CheckpointManager loads the trainer's own save (the Megatron param
     groups' AdamW settings, the trainer's step, the tokens seen from its sequence length) and takes a step."""
-    from train.data import write_indexed
+    from train.data.indexed import write_indexed
 
     src = saved / "dsv3"
     assert main(["convert", "torchtitan-to-mcore", str(src / "full"), str(tmp_path / "native"), "--hf-config",

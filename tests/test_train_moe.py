@@ -137,7 +137,7 @@ def test_trained_checkpoint_exports_to_hf(root, kind, tmp_path):
 
     from verify.whole import logit_parity
     from shardkit.cli import main as cli
-    from train.data import DataConfig, build_datasets
+    from train.data.order import DataConfig, build_datasets
 
     run = _final_run(root, kind)
     assert cli(["convert", "mcore-to-hf", str(run), str(tmp_path / "hf"), "--quiet"]) == 0

@@ -58,7 +58,7 @@ def run(argv, capsys) -> tuple[int, list[str]]:
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> dict[str, Path]:
     from shardkit.demo import build_tiny_llama
-    from train.data import write_indexed
+    from train.data.indexed import write_indexed
 
     root = tmp_path_factory.mktemp("user-files")
     hf = build_tiny_llama(root / "hf", **TINY)

@@ -700,7 +700,7 @@ def check_flags_used(cfg: TrainConfig) -> None:
     if r.eval_iters and not r.eval_interval:
         raise ConfigError(f"--eval-iters {r.eval_iters}: no evaluation without --eval-interval N")
     if r.eval_interval and r.eval_iters:
-        from .data import split_matrix
+        from .data.order import split_matrix
 
         if split_matrix(d.split)[1] is None:
             raise ConfigError(f"--eval-interval {r.eval_interval}: --split {d.split} leaves no validation data; give "

@@ -31,7 +31,9 @@ from checkpoint.sharding import Rule
 from train import checkpointing as ckpt_io
 from train import moe
 from train.config import TrainConfig, check_for_model, default_changes, megatron_flags, run_length, validate
-from train.data import DataConfig, DataError, build_datasets, check_vocab, micro_batches
+from train.data.errors import DataError
+from train.data.order import DataConfig, build_datasets, check_vocab
+from train.data.sampler import micro_batches
 from train.failures import bound_every_group
 from train.signals import ExitSignals
 from train.metrics import (MetricsLogger, check_wandb, flops_per_step, format_line, memory_stats, peak_flops,

@@ -865,7 +865,7 @@ class MegatronCoreTrainer(Trainer):
     def evaluate(self) -> float | None:
         if self.valid_ds is None or not self.cfg.run.eval_iters:
             return None
-        from train.data import micro_batches
+        from train.data.sampler import micro_batches
 
         self._params_synced()
         d = self.cfg.data

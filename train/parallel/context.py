@@ -119,7 +119,7 @@ def packing_from(data, model_cfg, hf_dir=None) -> Packing:
     eod = data.eod_token_id
     if eod is None and hf_dir is not None and any(Path(hf_dir).glob("tokenizer*")):
         try:
-            from train.data import load_tokenizer
+            from train.data.preprocess import load_tokenizer
 
             eod = load_tokenizer(hf_dir).eos_token_id
         except (ShardkitError, OSError, ValueError, ImportError):  # unreadable tokenizer: fall back to the config
