@@ -12,6 +12,8 @@ SLOW = {
     # Kimi-K2's shape planned at 512 GPUs (~13 CPU-s of search): test_kimi_k2_shape_is_config_only reads the same
     # config, test_qwen3_presets_plan plans the Qwen3 presets
     "tests/test_qwen3.py::test_kimi_k2_shape_plans",
+    # FP8 emulation on Qwen3's layer (40 emulated steps): test_fp8.py's recipes run it on Llama's
+    "tests/test_qwen3.py::test_qwen3_fp8_emulated_tracks_bf16",
     # Qwen3-MoE on the megatron-core engine at TP 2 + SP: qwen3-tp2 (q/k norms summed over TP without SP) and
     # test_mixtral_equals_native[tp2-sp] (megatron-core's MoE under SP) stay
     "tests/test_engine_megatron_core.py::test_qwen3_equals_native[qwen3_moe-tp2-sp]",

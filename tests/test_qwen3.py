@@ -215,3 +215,27 @@ def test_kimi_k2_shape_is_config_only(tmp_path):
     a = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
     b = {k: v for f in sorted((tmp_path / "back").glob("*.safetensors")) for k, v in load_file(f).items()}
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_qwen3_fp8_emulated_tracks_bf16(tmp_path):
+    """FP8 (hybrid, tensorwise scaling; emulated on the CPU) on Qwen3's layer: 20 steps within test_fp8's tolerance
+    of the bf16 run at every step, different from it (FP8 ran), and learning (a slow case: test_fp8.py's recipes run
+    the same emulation on Llama's layer; Qwen3 adds only the q/k norms, which stay out of FP8 as norms do)."""
+    import numpy as np
+
+    from tests.corpus import write_pattern_corpus
+    from tests.test_fp8 import COMMON as FP8_COMMON, LOSS_TOL
+    from tests.test_train import losses
+
+    hf = build("qwen3", tmp_path / "hf", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               head_dim=16)
+    assert cli(["convert", "hf-to-mcore", str(hf), str(tmp_path / "ck"), "--quiet", "--no-verify"]) == 0
+    write_pattern_corpus(tmp_path / "data")
+    args = ["continue-pretrain", "--load", str(tmp_path / "ck"), "--data-path", str(tmp_path / "data"),
+            "--train-iters", "20", *FP8_COMMON]
+    assert cli([*args, "--save", str(tmp_path / "bf16")]) == 0
+    assert cli([*args, "--save", str(tmp_path / "fp8"), "--fp8", "hybrid", "--fp8-recipe", "tensorwise"]) == 0
+    base, got = np.array(losses(tmp_path / "bf16")), np.array(losses(tmp_path / "fp8"))
+    assert len(got) == 20 and base[0] - base[-1] > 0.3  # it learns (from ln 1000 = 6.9)
+    diff = np.abs(got - base)
+    assert 0 < diff.max() <= LOSS_TOL, diff
