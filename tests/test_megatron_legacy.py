@@ -260,9 +260,11 @@ def test_config_from_megatron_args(oracle, kind):
     assert {k: v for k, v in got.to_dict().items() if k not in skip} == \
         {k: v for k, v in want.to_dict().items() if k not in skip}
     assert got.model_type == ("llama" if kind == "dense" else "mixtral")
-    bad = argparse.Namespace(**{**vars(args), "qk_layernorm": True})
-    with pytest.raises(ConfigError, match="qk_layernorm"):
-        config_from_megatron_args(bad, vocab_size=VOCAB)
+    qk = argparse.Namespace(**{**vars(args), "qk_layernorm": True})  # QK norms: Qwen3's args (issue 36)
+    got_qk = config_from_megatron_args(qk, vocab_size=VOCAB)
+    assert got_qk.model_type == ("qwen3" if kind == "dense" else "qwen3_moe") and got_qk.qk_layernorm
+    with pytest.raises(ConfigError, match="qk_layernorm"):  # a family without them, named, refuses them
+        config_from_megatron_args(qk, "mistral", vocab_size=VOCAB)
     with pytest.raises(ConfigError, match="padded_vocab_size"):
         config_from_megatron_args(args, vocab_size=2000)
 
