@@ -14,6 +14,18 @@ if TYPE_CHECKING:
     from ..config import ModelConfig
 
 
+def refuse_beyond_softmax_topk(get, refuse, name: str) -> None:
+    """Megatron-LM MoE args a plain softmax top-k router over routed experts cannot express (Mixtral, Qwen3-MoE)."""
+    refuse(bool(get("moe_shared_expert_intermediate_size")), "moe_shared_expert_intermediate_size",
+           f"{name} has no shared experts")
+    refuse(get("moe_router_score_function", "softmax") != "softmax", "moe_router_score_function",
+           f"{name} routes with softmax")
+    refuse(get("moe_router_topk_scaling_factor") not in (None, 1, 1.0), "moe_router_topk_scaling_factor",
+           f"{name} does not scale routing weights")
+    refuse(bool(get("moe_router_num_groups")), "moe_router_num_groups", f"{name} routes without groups")
+    refuse(bool(get("moe_router_enable_expert_bias")), "moe_router_enable_expert_bias", f"{name} has no expert bias")
+
+
 class Mixtral(Mistral):
     model_type, architecture = "mixtral", "MixtralForCausalLM"
     fields = frozenset({"sliding_window", "num_local_experts", "num_experts_per_tok"})
@@ -55,17 +67,9 @@ class Mixtral(Mistral):
         freq = get("moe_layer_freq", 1)
         refuse(not (freq == 1 or (isinstance(freq, (list, tuple)) and set(freq) == {1})), "moe_layer_freq",
                "Mixtral has an MoE MLP in every layer")
-        refuse(bool(get("moe_shared_expert_intermediate_size")), "moe_shared_expert_intermediate_size",
-               "Mixtral has no shared experts")
-        refuse(get("moe_router_score_function", "softmax") != "softmax", "moe_router_score_function",
-               "Mixtral routes with softmax")
+        refuse_beyond_softmax_topk(get, refuse, "Mixtral")
         refuse(bool(get("moe_router_pre_softmax")), "moe_router_pre_softmax",
                "Mixtral renormalises the top-k probabilities")
-        refuse(get("moe_router_topk_scaling_factor") not in (None, 1, 1.0), "moe_router_topk_scaling_factor",
-               "Mixtral does not scale routing weights")
-        refuse(bool(get("moe_router_num_groups")), "moe_router_num_groups", "Mixtral routes without groups")
-        refuse(bool(get("moe_router_enable_expert_bias")), "moe_router_enable_expert_bias",
-               "Mixtral has no expert bias")
         hf.update(num_local_experts=experts, num_experts_per_tok=integer("moe_router_topk"),
                   router_aux_loss_coef=float(get("moe_aux_loss_coeff", 0.0)))
 

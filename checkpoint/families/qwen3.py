@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import ConfigError
 from ..sharding import Rule
 from .llama import Llama, attention, dense_mlp, read_attention
+from .mixtral import refuse_beyond_softmax_topk
 from .table import Table
 
 if TYPE_CHECKING:
@@ -45,12 +46,15 @@ class Qwen3(Llama):
         return bool(get("qk_layernorm")) and not (get("num_experts") or get("num_moe_experts"))
 
     def megatron_to_hf(self, get, refuse, integer, hf: dict) -> None:
+        self.refuse_attention_args(get, refuse)
+        hf.update(intermediate_size=integer("ffn_hidden_size"), attention_bias=False)
+
+    def refuse_attention_args(self, get, refuse) -> None:
         refuse(not get("qk_layernorm"), "qk_layernorm", f"{self.model_type} normalises queries and keys")
         # Megatron's add_bias_linear puts biases on every linear layer, Qwen3's attention_bias on attention only
         refuse(bool(get("add_bias_linear")), "add_bias_linear", f"{self.model_type} has no MLP biases")
         refuse(bool(get("add_qkv_bias")), "add_qkv_bias",
                f"{self.model_type}'s attention biases come with its HF config.json (attention_bias)")
-        hf.update(intermediate_size=integer("ffn_hidden_size"), attention_bias=False)
 
 
 class Qwen3Moe(Qwen3):
@@ -108,19 +112,8 @@ class Qwen3Moe(Qwen3):
         return bool(get("qk_layernorm")) and bool(get("num_experts") or get("num_moe_experts"))
 
     def megatron_to_hf(self, get, refuse, integer, hf: dict) -> None:
-        refuse(not get("qk_layernorm"), "qk_layernorm", f"{self.model_type} normalises queries and keys")
-        refuse(bool(get("add_bias_linear")), "add_bias_linear", f"{self.model_type} has no MLP biases")
-        refuse(bool(get("add_qkv_bias")), "add_qkv_bias",
-               f"{self.model_type}'s attention biases come with its HF config.json (attention_bias)")
-        refuse(bool(get("moe_shared_expert_intermediate_size")), "moe_shared_expert_intermediate_size",
-               "Qwen3-MoE has no shared expert")
-        refuse(get("moe_router_score_function", "softmax") != "softmax", "moe_router_score_function",
-               "Qwen3-MoE routes with softmax")
-        refuse(get("moe_router_topk_scaling_factor") not in (None, 1, 1.0), "moe_router_topk_scaling_factor",
-               "Qwen3-MoE does not scale routing weights")
-        refuse(bool(get("moe_router_num_groups")), "moe_router_num_groups", "Qwen3-MoE routes without groups")
-        refuse(bool(get("moe_router_enable_expert_bias")), "moe_router_enable_expert_bias",
-               "Qwen3-MoE has no expert bias")
+        self.refuse_attention_args(get, refuse)
+        refuse_beyond_softmax_topk(get, refuse, "Qwen3-MoE")
         layers = integer("num_layers")
         freq = get("moe_layer_freq", 1)
         if isinstance(freq, int):
