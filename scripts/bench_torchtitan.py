@@ -42,6 +42,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_convert import GB, Cache, hf_config, run_measured, shape_for, shardkit_bin  # noqa: E402
 
+# the second half of both two-hop scripts: the model's HF state dict (`hf`, all in memory) saved as 2 GB shards with
+# their index and the config.json (`c`) beside them, as torchtitan's convert_to_hf.py writes them
+SAVE_HF = """
+shard, size, index, n = {}, 0, {}, 0
+def flush():
+    global shard, size, n
+    if shard:
+        name = f"model-{n:05d}.safetensors"
+        save_file(shard, f"{out}/{name}", metadata={"format": "pt"})
+        index.update({k: name for k in shard})
+        shard, size, n = {}, 0, n + 1
+for k, v in hf.items():
+    shard[k] = v.contiguous()
+    size += v.numel() * v.element_size()
+    if size >= 2 << 30:
+        flush()
+flush()
+json.dump({"metadata": {}, "weight_map": index}, open(out + "/model.safetensors.index.json", "w"))
+json.dump(c, open(out + "/config.json", "w"))
+"""
+
 TO_HF = """
 import json, sys, torch
 import torch.distributed.checkpoint as dcp
@@ -62,23 +83,7 @@ sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.sta
 dcp.load(sd, checkpoint_id=src)  # the whole model in memory, as convert_to_hf.py does
 hf = Llama3StateDictAdapter(cfg, None).to_hf(sd)
 del sd
-shard, size, index, n = {}, 0, {}, 0
-def flush():
-    global shard, size, n
-    if shard:
-        name = f"model-{n:05d}.safetensors"
-        save_file(shard, f"{out}/{name}", metadata={"format": "pt"})
-        index.update({k: name for k in shard})
-        shard, size, n = {}, 0, n + 1
-for k, v in hf.items():
-    shard[k] = v.contiguous()
-    size += v.numel() * v.element_size()
-    if size >= 2 << 30:
-        flush()
-flush()
-json.dump({"metadata": {}, "weight_map": index}, open(out + "/model.safetensors.index.json", "w"))
-json.dump(c, open(out + "/config.json", "w"))
-"""
+""" + SAVE_HF
 
 
 
@@ -146,23 +151,7 @@ sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.sta
 dcp.load(sd, checkpoint_id=src)  # the whole model in memory, as convert_to_hf.py does
 hf = DeepSeekV3StateDictAdapter(cfg, None).to_hf(sd)
 del sd
-shard, size, index, n = {}, 0, {}, 0
-def flush():
-    global shard, size, n
-    if shard:
-        name = f"model-{n:05d}.safetensors"
-        save_file(shard, f"{out}/{name}", metadata={"format": "pt"})
-        index.update({k: name for k in shard})
-        shard, size, n = {}, 0, n + 1
-for k, v in hf.items():
-    shard[k] = v.contiguous()
-    size += v.numel() * v.element_size()
-    if size >= 2 << 30:
-        flush()
-flush()
-json.dump({"metadata": {}, "weight_map": index}, open(out + "/model.safetensors.index.json", "w"))
-json.dump(c, open(out + "/config.json", "w"))
-"""
+""" + SAVE_HF
 
 
 def tt_name(hf: str) -> str:
