@@ -6,6 +6,34 @@ from __future__ import annotations
 import pytest
 
 SLOW = {
+    # stop 45's trim (the default run had grown to 14 min on 2 cores), each beside the default case that keeps its path:
+    # FP8 block scales requantized on export: test_keep_fp8_round_trip_bitwise and test_fp8_dequantized_equals_reference
+    "tests/test_convert_moe.py::test_fp8_requantized_export",
+    # ranks byte-identical to one process: llama-tp2pp2 stays (the same distributed writer for DeepSeek's FP8 experts)
+    "tests/test_scale_out.py::test_ranks_byte_identical[deepseek-v3-fp8-ep2]",
+    # a killed rank, rerun: test_rank_killed_then_resumed[rank.done:1@2] stays (the same commit path for the export,
+    # torch_dist and the rename kill site); two ranks writing one output: test_output_not_shared stays
+    "tests/test_scale_out.py::test_hf_export_rank_killed_then_rerun",
+    "tests/test_scale_out.py::test_torch_dist_rank_killed_then_resumed",
+    "tests/test_scale_out.py::test_rank_killed_then_resumed[commit.rename:1@0]",
+    "tests/test_scale_out.py::test_hf_export_output_not_shared",
+    # SLURM's task variables: tests/test_slurm.py runs real sbatch jobs
+    "tests/test_scale_out.py::test_slurm_tasks",
+    # dropout's replicas under TP: [tp2-sp] stays (the same RNG streams, with SP's sequence slices)
+    "tests/test_megatron_flags.py::test_tp2_dropout_keeps_replicas_identical[tp2]",
+    # CP under NCCL's rules: [cp2] stays
+    "tests/test_nccl_model.py::test_training_under_the_model_equals_the_unconstrained_run[cp3]",
+    # a killed reshard: test_kill_conversion stays (the same writer and resume log)
+    "tests/test_faults.py::test_kill_reshard",
+    # parallel writer processes: test_convert.py::test_parallel_workers_equal_single_process stays
+    "tests/test_megatron_legacy.py::test_parallel_workers",
+    # cross-engine resumes: native -> megatron-core and megatron-core -> native stay
+    "tests/test_engine_megatron_core.py::test_megatron_core_save_resumes_on_megatron_core_at_another_layout",
+    # Qwen3-MoE at EP 2: tp2-sp stays (q/k norms, router, experts over ETP), Mixtral's and DeepSeek's EP cases stay
+    "tests/test_qwen3.py::test_qwen3_moe_training_equals_one_process[ep2]",
+    # MoE presets planned: qwen3-8b and qwen3-32b stay (plan's MoE search: test_plan.py's Mixtral / DeepSeek cases)
+    "tests/test_qwen3.py::test_qwen3_presets_plan[qwen3-30b-a3b]",
+    "tests/test_qwen3.py::test_qwen3_presets_plan[qwen3-235b-a22b]",
     # torchtitan -> ours -> continue-pretrain -> torchtitan (issue 39): each hop is in the default run's
     # test_deepseek_v3_against_torchtitan (both --optimizer directions, torchtitan resuming) but for the trainer's run
     "tests/test_torchtitan.py::test_deepseek_v3_training_through_continue_pretrain",
@@ -42,8 +70,9 @@ SLOW = {
     "tests/test_megatron_write_newest.py::test_exported_by_megatron_bridge_bitwise[vocab1024]",
     "tests/test_megatron_write_newest.py::test_exported_by_megatron_bridge_bitwise[vocab1000-divisible-by-4]",
     "tests/test_megatron_write_newest.py::test_training_save_loaded_by_megatron_core_019",
-    # the megatron-core engine (issue 40): pp2-vpp2 stays (megatron-core's 1F1B machinery, interleaved, under the NCCL
-    # model), with 1rank, tp2-sp and dp2-overlap; pp2-vpp2-layout covers uneven splits (a layout string) for pp2-first1
+    # the megatron-core engine (issue 40): pp2-vpp2-layout stays (megatron-core's 1F1B machinery, interleaved, under
+    # the NCCL model, with an uneven layout string: it covers pp2-first1 and pp2-vpp2), with 1rank, tp2-sp, dp2-overlap
+    "tests/test_engine_megatron_core.py::test_megatron_core_equals_native[pp2-vpp2]",
     "tests/test_engine_megatron_core.py::test_megatron_core_equals_native[pp2]",
     "tests/test_engine_megatron_core.py::test_megatron_core_equals_native[pp2-first1]",
     # packed documents on megatron-core: the 1rank case stays (mask, positions and loss mask are per micro-batch)
