@@ -38,6 +38,7 @@ nothing else in --workdir is touched.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -102,10 +103,12 @@ class Shape:
     experts: int = 0  # > 0: Mixtral-style MoE, every layer `experts` routed experts of `expert_ffn`
     expert_ffn: int = 0
     topk: int = 2
+    qwen3: bool = False  # Qwen3's names and q/k norms (with experts: Qwen3-MoE's `mlp.experts.{e}.*_proj`)
+    n_heads: int = 0  # 0: hidden / head_dim
 
     @property
     def heads(self) -> int:
-        return self.hidden // self.head_dim
+        return self.n_heads or self.hidden // self.head_dim
 
     @property
     def groups(self) -> int:
@@ -126,6 +129,14 @@ class Shape:
             (p + "self_attn.o_proj.weight", (h, self.heads * hd)),
             (p + "post_attention_layernorm.weight", (h,)),
         ]
+        if self.qwen3:
+            attn += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        if self.experts and self.qwen3:
+            m, E = p + "mlp.", self.expert_ffn
+            return attn + [(m + "gate.weight", (self.experts, h))] + [
+                t for e in range(self.experts)
+                for t in ((f"{m}experts.{e}.gate_proj.weight", (E, h)), (f"{m}experts.{e}.up_proj.weight", (E, h)),
+                          (f"{m}experts.{e}.down_proj.weight", (h, E)))]
         if self.experts:
             m, E = p + "block_sparse_moe.", self.expert_ffn
             return attn + [(m + "gate.weight", (self.experts, h))] + [
@@ -163,9 +174,10 @@ def ffn_for(hidden: int) -> int:
 
 
 def shape_for(size_gb: float, hidden: int, layers: int | None, layer_multiple: int, vocab: int = VOCAB,
-              experts: int = 0, expert_ffn: int = 0) -> Shape:
-    """The shape closest to `size_gb` at this hidden size (layers a multiple of pp*vpp), unless layers is given."""
-    moe = dict(experts=experts, expert_ffn=expert_ffn)
+              experts: int = 0, expert_ffn: int = 0, **extra) -> Shape:
+    """The shape closest to `size_gb` at this hidden size (layers a multiple of pp*vpp), unless layers is given;
+    `extra`: Shape's other fields (topk, qwen3, n_heads, kv_heads)."""
+    moe = dict(experts=experts, expert_ffn=expert_ffn, **extra)
     if layers is None:
         fixed = Shape(hidden, 0, vocab, **moe).nbytes
         per_layer = Shape(hidden, 1, vocab, **moe).nbytes - fixed
@@ -175,6 +187,22 @@ def shape_for(size_gb: float, hidden: int, layers: int | None, layer_multiple: i
 
 
 def hf_config(s: Shape) -> dict:
+    if s.qwen3:  # Qwen/Qwen3-30B-A3B's config.json keys (Qwen3-8B's without experts), sizes from the shape
+        out = {
+            "architectures": ["Qwen3MoeForCausalLM" if s.experts else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if s.experts else "qwen3", "attention_bias": False, "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": s.head_dim, "hidden_act": "silu",
+            "hidden_size": s.hidden, "initializer_range": 0.02, "intermediate_size": s.ffn,
+            "max_position_embeddings": 40960, "max_window_layers": s.layers, "num_attention_heads": s.heads,
+            "num_hidden_layers": s.layers, "num_key_value_heads": s.groups, "rms_norm_eps": 1e-06,
+            "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+            "use_sliding_window": False, "vocab_size": s.vocab}
+        if s.experts:
+            out.update(decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=s.expert_ffn,
+                       norm_topk_prob=True, num_experts=s.experts, num_experts_per_tok=s.topk,
+                       output_router_logits=False, router_aux_loss_coef=0.001)
+        return out
     if s.experts:  # Mixtral's config.json keys (mistralai/Mixtral-8x7B-v0.1), sizes from the shape
         return {
             "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0,
@@ -487,6 +515,11 @@ def timed(cmd: list[str]) -> float:
 
 # -- one size ---------------------------------------------------------------------------------------------------------
 
+def shape_extra(args) -> dict:
+    """Shape's fields beyond size and MoE from the command line: Qwen3's names and q/k norms, head counts."""
+    return dict(topk=args.topk, qwen3=args.qwen3, n_heads=args.heads or 0, kv_heads=args.kv_heads)
+
+
 def shardkit_bin() -> str:
     cand = Path(sys.executable).with_name("shardkit")
     if cand.exists():
@@ -498,7 +531,8 @@ def shardkit_bin() -> str:
 
 
 def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
-    s = shape_for(size_gb, args.hidden, args.layers, args.pp * args.vpp, args.vocab, args.experts, args.expert_ffn)
+    s = shape_for(size_gb, args.hidden, args.layers, args.pp * args.vpp, args.vocab, args.experts, args.expert_ffn,
+                  **shape_extra(args))
     base = work / f"size{size_gb:g}"
     if base.exists():
         shutil.rmtree(base)
@@ -507,8 +541,8 @@ def bench_size(args, size_gb: float, cache: Cache, work: Path) -> list[dict]:
     print(f"\n== size {size_gb:g} GB requested: {s.describe()}" if args.layers is None else
           f"\n== --layers {args.layers}: {s.describe()}", flush=True)
     if args.layers is None and abs(s.nbytes / GB - size_gb) > 0.15 * size_gb:
-        one = Shape(s.hidden, 1, s.vocab, experts=s.experts, expert_ffn=s.expert_ffn).nbytes
-        fixed = Shape(s.hidden, 0, s.vocab, experts=s.experts, expert_ffn=s.expert_ffn).nbytes
+        one = dataclasses.replace(s, layers=1).nbytes
+        fixed = dataclasses.replace(s, layers=0).nbytes
         print(f"   note: {s.nbytes / GB:.2f} GB is the nearest this hidden size allows (layers are a multiple of "
               f"pp*vpp, at least one stage each; one layer is {(one - fixed) / GB:.2f} GB, the untied "
               f"{s.vocab}-row embeddings alone {fixed / GB:.2f} GB)", flush=True)
@@ -788,6 +822,11 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--expert-ffn", type=int, default=None,
                     help="expert ffn size with --experts (default: 11/16 x hidden, DeepSeek-V2-Lite's 1408/2048)")
     ap.add_argument("--topk", type=int, default=2, help="experts per token with --experts (config only)")
+    ap.add_argument("--qwen3", action="store_true", help="Qwen3's tensor names, q/k norms and config.json "
+                    "(with --experts: Qwen3-MoE; Qwen3-30B-A3B width: --hidden 2048 --heads 32 --kv-heads 4 "
+                    "--experts 128 --expert-ffn 768 --topk 8 --vocab 151936)")
+    ap.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden / 128)")
+    ap.add_argument("--kv-heads", type=int, default=KV_HEADS, help=f"KV heads (default {KV_HEADS})")
     ap.add_argument("--workers", default="default",
                     help="comma-separated --workers values to run, 'default' = shardkit's own choice "
                          "(e.g. default,1,2)")
@@ -853,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("psutil is required (pip install psutil, or the project's [test] extra)")
     root = Path(args.workdir)
     largest = max(shape_for(g, args.hidden, args.layers, args.pp * args.vpp, args.vocab, args.experts,
-                            args.expert_ffn).nbytes for g in args.size_list)
+                            args.expert_ffn, **shape_extra(args)).nbytes for g in args.size_list)
     # the source and one checkpoint at a time (cp's copy and each checkpoint are removed once timed); --export keeps
     # the checkpoint it reads beside the next one and the export
     need = largest * (4 if args.export or args.keep else 2) * 1.05
@@ -891,16 +930,17 @@ def main(argv: list[str] | None = None) -> int:
                      else f"{c.label} = {c.root}: WARNING, sources changed during this run ({code_digest(b)} -> "
                           f"{code_digest(a)}): {', '.join(changed)}; rerun for clean numbers if any of them is on the "
                           "measured path")
+    heads = args.heads or args.hidden // HEAD_DIM
     report = "\n".join([
         f"Command: `{cmdline}`",
         f"Code: {'; '.join(notes)}",
         f"Date: {started.strftime('%Y-%m-%d %H:%M UTC')}",
         f"Cache mode: {cache.describe()}",
         f"Layout: tp={args.tp} pp={args.pp} vpp={args.vpp}"
-        + (f" ep={args.ep} etp={args.etp or args.tp}; Mixtral-style MoE: {args.experts} experts (top-{args.topk}) x "
-           f"ffn {args.expert_ffn}, hidden {args.hidden}, " if args.experts else
-           f"; hidden {args.hidden}, ffn {ffn_for(args.hidden)}, ") +
-        f"{args.hidden // HEAD_DIM} heads / {min(KV_HEADS, args.hidden // HEAD_DIM)} KV heads x {HEAD_DIM}, "
+        + (f" ep={args.ep} etp={args.etp or args.tp}; {'Qwen3-MoE' if args.qwen3 else 'Mixtral'}-style MoE: "
+           f"{args.experts} experts (top-{args.topk}) x ffn {args.expert_ffn}, hidden {args.hidden}, " if args.experts
+           else f"; {'Qwen3' if args.qwen3 else 'Llama'}-style, hidden {args.hidden}, ffn {ffn_for(args.hidden)}, ") +
+        f"{heads} heads / {min(args.kv_heads, heads)} KV heads x {HEAD_DIM}, "
         f"vocab {args.vocab}, untied, bf16, {args.shard_gb:g} GB HF shards",
         "",
         table(rows),
