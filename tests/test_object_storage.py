@@ -279,9 +279,8 @@ def test_throttling_server(s3, tiny, capsys, monkeypatch):
     _nothing_complete(f"s3://{BUCKET}/slow")
 
 
-def test_continue_pretrain_load_save_on_s3(s3, tmp_path, capsys):
-    """continue-pretrain from s3:// to s3:// (every save published: sync, then async), resumed from the store's
-    latest: the store holds what the same local-path runs write, byte for byte (chunks and train_state.json)."""
+def _training_inputs(tmp_path, url: str) -> list[str]:
+    """A tiny Llama converted to `url` and to tmp_path/ck, a pattern corpus; continue-pretrain's data flags."""
     import torch
 
     from tests.corpus import write_pattern_corpus
@@ -289,10 +288,16 @@ def test_continue_pretrain_load_save_on_s3(s3, tmp_path, capsys):
     hf = build_tiny_llama(tmp_path / "hf", dtype=torch.float32, num_hidden_layers=2, hidden_size=64,
                           intermediate_size=96, vocab_size=300, num_attention_heads=4, num_key_value_heads=2)
     data = write_pattern_corpus(tmp_path / "data", docs=60)
-    assert main(["convert", "hf-to-mcore", str(hf), f"s3://{BUCKET}/ck", "--quiet", "--no-verify"]) == 0
+    assert main(["convert", "hf-to-mcore", str(hf), url, "--quiet", "--no-verify"]) == 0
     assert main(["convert", "hf-to-mcore", str(hf), str(tmp_path / "ck"), "--quiet", "--no-verify"]) == 0
-    train = ["--data-path", str(data), "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
-             "--save-interval", "1"]
+    return ["--data-path", str(data), "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--save-interval", "1"]
+
+
+def test_continue_pretrain_load_save_on_s3(s3, tmp_path, capsys):
+    """continue-pretrain from s3:// to s3:// (every save published: sync, then async), resumed from the store's
+    latest: the store holds what the same local-path runs write, byte for byte (chunks and train_state.json)."""
+    train = _training_inputs(tmp_path, f"s3://{BUCKET}/ck")
     for load, save in ((f"s3://{BUCKET}/ck", f"s3://{BUCKET}/run"), (str(tmp_path / "ck"), str(tmp_path / "run"))):
         assert main(["continue-pretrain", "--load", load, "--save", save, *train, "--train-iters", "2"]) == 0
         assert main(["continue-pretrain", "--load", save, "--save", save, *train, "--train-iters", "3",
@@ -417,18 +422,9 @@ def test_two_ranks_save_to_s3_killed_then_resumed(s3, tmp_path, monkeypatch):
     store ends with exactly the bytes of the same two runs on a local --save."""
     import json
 
-    import torch
-
-    from tests.corpus import write_pattern_corpus
     from tests.launcher import launch
 
-    hf = build_tiny_llama(tmp_path / "hf", dtype=torch.float32, num_hidden_layers=2, hidden_size=64,
-                          intermediate_size=96, vocab_size=300, num_attention_heads=4, num_key_value_heads=2)
-    data = write_pattern_corpus(tmp_path / "data", docs=60)
-    assert main(["convert", "hf-to-mcore", str(hf), f"s3://{BUCKET}/ck2", "--quiet", "--no-verify"]) == 0
-    assert main(["convert", "hf-to-mcore", str(hf), str(tmp_path / "ck"), "--quiet", "--no-verify"]) == 0
-    train = ["--data-path", str(data), "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
-             "--save-interval", "1", "--tp", "2"]
+    train = [*_training_inputs(tmp_path, f"s3://{BUCKET}/ck2"), "--tp", "2"]
     url = f"s3://{BUCKET}/run2"
     monkeypatch.setenv("SHARDKIT_FAULT_AT", "storage.objects:2@0")
     r = launch(2, "--load", f"s3://{BUCKET}/ck2", "--save", url, *train, "--train-iters", "2", check=False)

@@ -386,10 +386,7 @@ def _save_to_store(loc, iteration: int, cfg: ModelConfig, layout: Layout, table:
             except Exception as e:
                 err[0] = f"rank {groups.rank}: {type(e).__name__}: {e}"
         jobs.clear()  # the copies of an async save
-        got = [(err[0], mine)]
-        if dist.get_world_size() > 1:
-            got = [None] * dist.get_world_size()
-            dist.all_gather_object(got, (err[0], mine), group=async_group)
+        got = from_every_rank((err[0], mine), async_group)
         bad = [e for e, _ in got if e]
         if bad:
             raise WriteError(f"checkpoint save failed: {bad[0]}; {loc.url}/{name} has no {MANIFEST} (never taken as a "
@@ -476,12 +473,17 @@ def _broadcast_error(err: list) -> None:
         raise WriteError(f"checkpoint save failed on rank 0: {err[0]}")
 
 
+def from_every_rank(item: Any, group: Any = None) -> list:
+    """Every rank's `item` in rank order (this rank's alone in one process): a save's errors and what each rank wrote."""
+    if dist.get_world_size() <= 1:
+        return [item]
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, item, group=group)
+    return got
+
+
 def _gather_errors(err: list, group: Any = None) -> None:
-    errs = [err[0]]
-    if dist.get_world_size() > 1:
-        errs = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, err[0], group=group)
-    bad = [e for e in errs if e]
+    bad = [e for e in from_every_rank(err[0], group) if e]
     if bad:
         raise WriteError(f"checkpoint save failed: {bad[0]}")
 

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from checkpoint import store
 from checkpoint.commit import PARTIAL_SUFFIX
@@ -289,10 +288,7 @@ def save(root: Path, iteration: int, cfg: ModelConfig, layout: Layout, table: li
             except Exception as e:
                 err[0] = f"rank {groups.rank}: {type(e).__name__}: {e}"
         items.clear()  # the copies of an async save
-        gathered = [(err[0], storage)]
-        if dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (err[0], storage), group=async_group)
+        gathered = ckpt_io.from_every_rank((err[0], storage), async_group)
         bad = [e for e, _ in gathered if e]
         if bad:
             failure = WriteError(f"checkpoint save failed: {bad[0]}")
