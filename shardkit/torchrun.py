@@ -45,7 +45,8 @@ def _signal_name(code: int) -> str:
 
 def summary(failures: dict) -> tuple[str | None, int]:
     """(the line to write, or None where a rank said it; the exit status) for torchrun's failures {rank: failure}."""
-    first_rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    # timestamps are whole seconds: within one, a rank that exited on its own comes before one the agent stopped
+    first_rank = min(failures, key=lambda r: (failures[r].timestamp, failures[r].exitcode < 0, r))
     first = failures[first_rank]
     code = first.exitcode
     status = 128 + (-code) if code < 0 else (code if 0 < code < 256 else 1)

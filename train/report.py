@@ -24,6 +24,7 @@ import time
 
 STORE = None  # set by train.loop.init_distributed: the rendezvous store, kept after the process groups are destroyed
 STORE_TIMEOUT_S = 10.0  # connecting to torchrun's agent store (node 0); one that does not answer: every rank says it
+HOLD_S = 3.0  # rank 0 hosting the rendezvous store waits at most this long for the other ranks to have reported
 MARK = "shardkit_reported"  # in the error file: the line was written by a rank (shardkit/torchrun.py says no more)
 
 
@@ -47,18 +48,42 @@ def _store():
                          timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
 
 
+def _job() -> str:
+    env = os.environ
+    return f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def first_to_say(line: str) -> bool:
     """True on the one rank of the job that is first to say `line` (every process that is not a rank of several)."""
     if not several_ranks():
         return True
-    env = os.environ
-    job = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    key = "shardkit/said/" + hashlib.sha1(f"{job}\0{line}".encode()).hexdigest()
+    key = "shardkit/said/" + hashlib.sha1(f"{_job()}\0{line}".encode()).hexdigest()
     try:
         store = _store()
-        return store is None or store.add(key, 1) == 1
+        if store is None:
+            return True
+        first = store.add(key, 1) == 1
+        store.add("shardkit/reported/" + _job(), 1)  # what rank 0 waits for before its store goes (hold_store)
+        return first
     except Exception:  # noqa: BLE001 - no store to agree through: say it (N copies rather than none)
         return True
+
+
+def hold_store() -> None:
+    """Without torchrun's agent store the rendezvous store lives in rank 0's process: rank 0 stays until every rank
+    has reported (or HOLD_S), so that no other rank's `add` meets a store already gone (it would then say the line
+    too, after a c10 warning and stack)."""
+    env = os.environ
+    if STORE is None or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or env.get("RANK") != "0" \
+            or not several_ranks():
+        return
+    world = int(env.get("WORLD_SIZE", "1"))
+    deadline = time.monotonic() + HOLD_S
+    try:
+        while STORE.add("shardkit/reported/" + _job(), 0) < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - the store is gone already: nothing to hold
+        pass
 
 
 def write_error_file(line: str) -> None:
@@ -84,3 +109,4 @@ def report_error(line: str) -> None:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
     write_error_file(line)
+    hold_store()
