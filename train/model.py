@@ -2,7 +2,7 @@
 DeepSeek-V2/V2-Lite/V3 (multi-latent attention, routed + shared experts, multi-token prediction).
 
 The parameters live in Megatron-Core's canonical layout, so a checkpoint written by the converter loads with no
-reshuffling, and a parameter's name is its canonical name with the layer index in it (checkpoint.families.layer_specs
+reshuffling, and a parameter's name is its canonical name with the layer index in it (checkpoint.families.model_specs
 is the reference for every name and shape):
 
     embedding.word_embeddings.weight                         [padded_vocab, h]

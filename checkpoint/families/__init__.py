@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from .base import Family
-from .table import Table, model_table
+from .table import model_table
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -84,13 +84,6 @@ def model_specs(cfg: ModelConfig, layout: Layout) -> list[TensorSpec]:
     """Every canonical tensor of `cfg` as stored for `layout` (vocab padding depends on layout.tp): the sharding
     table's entries, one per stacked tensor."""
     return model_table(family_of(cfg.model_type), cfg, layout, "specs").specs
-
-
-def layer_specs(cfg: ModelConfig, prefix: str, lead: tuple[int, ...], moe: bool, **kw) -> list[TensorSpec]:
-    """The sharding-table entries of one transformer layer (or of all layers stacked when `lead` = (L,))."""
-    t = Table("specs", prefix, "", (), lead, **kw)
-    family_of(cfg.model_type).layer(t, cfg, moe)
-    return t.specs
 
 
 def tensor_maps(cfg: ModelConfig, layout: Layout, fp8: dict | None = None) -> list[TensorMap]:

@@ -138,22 +138,3 @@ def dict_reader(state: "dict[str, torch.Tensor]") -> HFReader:
         t = state[name][start:stop]
         return t if cols is None else t[:, cols]
     return read
-
-
-# -- building blocks of layer tables (continued) -----------------------------------------------------------------
-
-def gated_mlp(cname: str, lead: tuple[int, ...], gate: str, up: str, down: str, ffn: int, hidden: int
-              ) -> list[TensorMap]:
-    """`<cname>.linear_fc1.weight` = [gate; up] and `<cname>.linear_fc2.weight` = down."""
-    return [concat(f"{cname}.linear_fc1.weight", lead, [(gate, ffn), (up, ffn)]),
-            single(f"{cname}.linear_fc2.weight", lead, down, hidden)]
-
-
-def routed_experts(cfg, cprefix: str, lead: tuple[int, ...], names: Callable[[int], tuple[str, str, str]]
-                   ) -> list[TensorMap]:
-    """Experts stacked on the expert axis: `names(e)` gives HF (gate, up, down) of expert e."""
-    out: list[TensorMap] = []
-    for e in range(cfg.num_moe_experts):
-        out += gated_mlp(cprefix + "mlp.experts.experts", (*lead, e), *names(e), cfg.moe_ffn_hidden_size,
-                         cfg.hidden_size)
-    return out

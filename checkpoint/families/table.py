@@ -83,11 +83,8 @@ class Table:
                 self.specs.append(TensorSpec(self.cprefix + name, (*self.stack, *shape), rule, bool(self.stack),
                                              expert=True, **self.spec_kw))
             return
-        for e in range(E):
-            gate, up, down = names(e)
-            lead = (*self.lead, e)
-            self.maps.append(concat(self.cprefix + fc1, lead, [(self.hprefix + gate, F), (self.hprefix + up, F)]))
-            self.maps.append(single(self.cprefix + fc2, lead, self.hprefix + down, h))
+        for e in range(E):  # each expert's maps: a gated MLP at lead (..., e)
+            self.sub(self.cprefix, self.hprefix, (*self.lead, e)).gated_mlp("mlp.experts.experts", F, h, *names(e))
 
     def sub(self, cprefix: str, hprefix: str, lead: tuple[int, ...], stack: tuple[int, ...] = (), **spec_kw
             ) -> "Table":
