@@ -439,8 +439,11 @@ def _node_copy(loc: Location, quiet: bool) -> Iterator[Path]:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
+    def ours(name: str) -> bool:  # a node copy or its readers' directory (a 16-hex key): nothing else is removed
+        return re.fullmatch(r"[0-9a-f]{16}(\.users)?", name) is not None
+
     def prune() -> None:  # copies nobody alive reads any more
-        for u in base.glob("*.users"):
+        for u in (u for u in base.glob("*.users") if ours(u.name)):
             for p in u.iterdir():
                 if not _alive(p.name):
                     p.unlink(missing_ok=True)
@@ -449,7 +452,8 @@ def _node_copy(loc: Location, quiet: bool) -> Iterator[Path]:
                 with contextlib.suppress(OSError):
                     u.rmdir()
         for d in base.iterdir():  # a download killed before it recorded a reader
-            if d.is_dir() and not d.name.endswith(".users") and not (base / f"{d.name}.users").exists():
+            if ours(d.name) and d.is_dir() and not d.name.endswith(".users") and \
+                    not (base / f"{d.name}.users").exists():
                 shutil.rmtree(d, ignore_errors=True)
 
     me = users / str(os.getpid())
