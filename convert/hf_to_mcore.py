@@ -25,7 +25,7 @@ from checkpoint.families import model_specs
 from checkpoint.families.mapping import TensorMap, assemble
 from checkpoint.layout import Layout
 from checkpoint.manifest import Manifest, TensorEntry
-from checkpoint.reader import count_nonfinite
+from checkpoint.store import count_nonfinite
 from checkpoint.safety import check_output
 from checkpoint.sharding import SCALE_SUFFIX, TensorSpec, check_fp8_layout, fp8_scale_specs
 

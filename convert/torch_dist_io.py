@@ -56,7 +56,7 @@ from checkpoint.megatron import (DEFAULT_MEGATRON_VERSION, KEY_NAMINGS, TRACKER,
                                  check_megatron_version, extra_state_objects, layout_from_args, megatron_common,
                                  shard_owners, stored_key)
 from checkpoint.progress import progress_bar
-from checkpoint.reader import Checkpoint, ReadPlan, count_nonfinite, entry_nbytes, read_padded, vocab_padding
+from checkpoint.reader import Checkpoint, ReadPlan, entry_nbytes, read_padded, vocab_padding
 from checkpoint.safety import check_output, check_target, is_side_file_name, side_files
 from checkpoint.sharding import TensorSpec, split_optimizer_key
 from checkpoint.megatron_bridge import flat_buffers, flat_layout_proved, write_run_config
@@ -819,7 +819,7 @@ def shard_problems(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, sp
 def _nonfinite(value: torch.Tensor) -> int:
     """NaN/Inf count of an item: the block-wise bit test for the dtypes the format stores, torch's own otherwise."""
     try:
-        return count_nonfinite(store.to_numpy(value))
+        return store.count_nonfinite(store.to_numpy(value))
     except (FormatError, KeyError):
         import torch
 

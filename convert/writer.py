@@ -76,9 +76,7 @@ def chunk_tasks(entries: dict[str, TensorEntry]) -> list[Task]:
 def refuse_nonfinite(name: str, box, value) -> None:
     """A chunk about to be written holds NaN/Inf (a checkpoint that holds them, resharded or exported): one line
     naming the tensor and the chunk, nothing committed (issue 34). A bit test on the exponents: a few ms per 100 MB."""
-    from checkpoint.reader import count_nonfinite
-
-    bad = count_nonfinite(value if isinstance(value, np.ndarray) else store.to_numpy(value.detach().cpu()))
+    bad = store.count_nonfinite(value if isinstance(value, np.ndarray) else store.to_numpy(value.detach().cpu()))
     if bad:
         at = ", ".join(f"{a}:{b}" for a, b in box)
         raise FormatError(f"tensor {name} [{at}]: {bad:,} non-finite value(s) (NaN/Inf); refusing to write them "

@@ -1191,8 +1191,6 @@ def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
     not computed (each output holds zeros there) since every difference between them is exactly zero, and only
     differences are used. That is the usual case of a correct conversion, whose head was then a large share of the
     proof's time (a 1.5 GB Llama-shaped model: its fp32 head block and product, a third of the arithmetic)."""
-    from checkpoint.reader import count_nonfinite
-
     pool = pool if pool is not None else _CastPool(None)
     keys = list(dict.fromkeys(key for _, key in hf_heads))
     for key in keys:
@@ -1226,7 +1224,7 @@ def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
             weights.release()  # a copy: the file's mapped pages can go
             if matched is None and all(_same_bits(theirs[lo - a:hi - a], t) for lo, hi, t in mine):
                 matched, mine = key, None  # our views (mapped pages of our chunks) are not needed any more
-                if one_input and len(keys) == 1 and not count_nonfinite(store.to_numpy(theirs)):
+                if one_input and len(keys) == 1 and not store.count_nonfinite(store.to_numpy(theirs)):
                     for out in hf_out + our_out:  # one product: every difference in this block is zero
                         out[..., a:b] = 0
                     del theirs
