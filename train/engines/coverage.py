@@ -5,25 +5,46 @@ from __future__ import annotations
 
 def model_not_covered(m) -> str | None:
     """Why the megatron-core engine cannot build model config `m` (None: it can): a Llama-family model, dense or with
-    Mixtral's MoE (softmax top-k routing, no shared expert), what its local spec builds with the same names and
+    MoE (Mixtral, Qwen3-MoE), or DeepSeek-V2/V3 (multi-latent attention, shared experts, dense first layers,
+    group-limited softmax / sigmoid routing with an expert bias): what its local spec builds with the same names and
     numbers. No torch import: `shardkit plan` asks it for the engine it models."""
-    if m.is_moe:
-        moe = ("shared experts" if m.moe_shared_expert_intermediate_size else
-               "an expert bias (aux-loss-free balancing)" if m.moe_router_enable_expert_bias else
-               "group-limited routing" if m.moe_router_num_groups else
-               f"{m.moe_router_score_function} router scores" if m.moe_router_score_function != "softmax" else
-               "a top-k scaling factor" if m.moe_router_topk_scaling_factor else None)
-        if moe:
-            return (f"{m.model_type} has {moe}: the megatron-core engine builds Mixtral's MoE in this slice "
-                    "(issue 40); use --engine native")
-    what = ("multi-latent attention" if m.multi_latent_attention else
-            "multi-token prediction" if m.mtp_num_layers else "a heterogeneous layer stack" if m.heterogeneous else
-            "sliding-window attention" if m.sliding_window else
+    why = router_not_covered(m) if m.is_moe else None
+    if why:
+        return f"{m.model_type} has {why}: megatron-core's router computes other weights (issue 40); use --engine native"
+    if m.mtp_num_layers:
+        return (f"{m.model_type} has multi-token prediction (mtp_num_layers {m.mtp_num_layers}, HF "
+                "num_nextn_predict_layers): not in the megatron-core engine yet (issue 40); use --engine native")
+    what = ("sliding-window attention" if m.sliding_window else
             "biases on the output projection / MLP" if m.add_proj_bias or m.add_mlp_bias else None)
     if what:
-        return (f"{m.model_type} has {what}: the megatron-core engine builds Llama-family models (and "
-                "Mixtral) in this slice (issue 40); use --engine native")
+        return (f"{m.model_type} has {what}: the megatron-core engine builds Llama-family models, their MoE and "
+                "DeepSeek's multi-latent attention in this slice (issue 40); use --engine native")
     rope = (m.rope_scaling or {}).get("rope_type", "default")
-    if rope not in ("default", "llama3", "linear"):
+    if m.multi_latent_attention:  # megatron-core's MLA: plain or YaRN RoPE, over interleaved pairs
+        if rope not in ("default", "yarn"):
+            return (f"RoPE scaling {rope!r} with multi-latent attention: megatron-core's MLA has plain and YaRN RoPE "
+                    "only; use --engine native")
+        if not m.rotary_interleaved:
+            return (f"{m.model_type} with rope_interleave=false: megatron-core's multi-latent attention always rotates "
+                    "interleaved pairs; use --engine native")
+    elif rope not in ("default", "llama3", "linear"):
         return f"RoPE scaling {rope!r}: not in the megatron-core engine yet (issue 40); use --engine native"
+    return None
+
+
+def router_not_covered(m) -> str | None:
+    """What of model `m`'s router megatron-core's TopKRouter (moe_utils.topk_routing_with_score_function) would compute
+    otherwise than transformers / the native engine (None: the same): its sigmoid weights are always renormalised over
+    the top k, and a group scores the sum of its best topk / group_topk experts (DeepSeek-V3 sums its best 2 sigmoid
+    scores, DeepSeek-V2 takes its best softmax score)."""
+    sigmoid = m.moe_router_score_function == "sigmoid"
+    if sigmoid and not m.moe_router_norm_topk and m.moe_router_topk > 1:
+        return "sigmoid router weights that are not renormalised (norm_topk_prob false)"
+    if m.moe_router_num_groups:
+        per_group = m.moe_router_topk // m.moe_router_group_topk
+        want = 2 if sigmoid else 1
+        if per_group != want:
+            return (f"group-limited routing with num_experts_per_tok {m.moe_router_topk} / topk_group "
+                    f"{m.moe_router_group_topk} = {per_group} experts scored per group (HF scores "
+                    f"{'the sum of the best 2' if sigmoid else 'the best'})")
     return None

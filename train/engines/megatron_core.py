@@ -43,7 +43,7 @@ import torch.distributed as dist
 from checkpoint.errors import ConfigError, FormatError
 from checkpoint.megatron import canonical_candidates
 from checkpoint.sharding import OPTIMIZER_STATES, local_shape, optimizer_key, owner
-from checkpoint.families import model_specs
+from checkpoint.families import family_of, model_specs
 from train import checkpointing as ckpt_io
 from train.loop import Trainer, check_layout_for_model, check_save_format, open_load, run_layout
 from train.engines.cpu_shims import cuda_as_cpu
@@ -174,6 +174,97 @@ class RMSNorm:
         return norm
 
 
+class LatentNorm:
+    """Multi-latent attention's q / kv latent norms (q_layernorm, kv_layernorm: DeepSeek's q_a_layernorm and
+    kv_a_layernorm, eps 1e-6 whatever rms_norm_eps says, as transformers and the native model take them). Under
+    sequence parallelism each rank normalises its slice of the sequence: the weight is marked `sequence_parallel` so
+    that finalize_model_grads sums its gradient over TP (TENorm's rule); the config's qk_layernorm stays off, so that
+    megatron-core does not also sum `q_layernorm` by its name when every TP rank saw the whole sequence."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        from train.model import LATENT_NORM_EPS
+
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=LATENT_NORM_EPS)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+class MLACoreAttention(torch.nn.Module):
+    """Multi-latent attention's core attention where Transformer Engine is absent. megatron-core's local
+    DotProductAttention sizes every head by kv_channels and takes no `k_channels` / `v_channels`, which MLASelfAttention
+    passes (query and key heads of qk_head_dim + qk_pos_emb_head_dim, value heads of v_head_dim), so its local MLA spec
+    does not build without TE. This is DotProductAttention's arithmetic on those heads: scores q k^T times
+    MLASelfAttention's softmax_scale (1/sqrt(k_channels) times DeepSeek's YaRN mscale squared), masked where
+    `attention_mask` is True (causal, and per document with --reset-attention-mask), softmax in fp32, dropout under
+    megatron-core's RNG tracker as DotProductAttention draws it, times v; this TP rank's heads, [s, b, np * v]."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None, cp_comm_type=None,
+                 pg_collection=None) -> None:
+        super().__init__()
+        from megatron.core import parallel_state as ps
+
+        if config.context_parallel_size != 1:
+            raise ValueError("MLACoreAttention: context parallelism is TE's (TEDotProductAttention)")
+        tp = pg_collection.tp.size() if pg_collection is not None else ps.get_tensor_model_parallel_world_size()
+        self.config = config
+        self.heads = config.num_attention_heads // tp
+        # megatron-core's Attention base class first builds one without the head sizes (MLA then builds its own)
+        self.k_channels, self.v_channels = k_channels or config.kv_channels, v_channels or config.kv_channels
+        self.softmax_scale = self.k_channels ** -0.5 if softmax_scale is None else softmax_scale
+        self.dropout = torch.nn.Dropout(config.attention_dropout if attention_dropout is None else attention_dropout)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        from megatron.core import tensor_parallel
+
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("MLACoreAttention: packed_seq_params / attention_bias are TE's")
+        s, b = query.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, d]
+        scores = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale
+        if attention_mask is None:
+            attention_mask = torch.triu(torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device), diagonal=1)
+        scores = scores.float().masked_fill(attention_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        if self.dropout.p and self.training:
+            if self.config.sequence_parallel:
+                probs = self.dropout(probs)
+            else:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    probs = self.dropout(probs)
+        out = torch.matmul(probs, v)  # [b, np, s, v]
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_channels)
+
+
+def mla_submodules(attn, te: bool) -> None:
+    """The engine's pieces in a local-spec MLASelfAttention's submodules: the core attention (TE's
+    TEDotProductAttention where Transformer Engine is installed: it takes MLA's head sizes; MLACoreAttention
+    otherwise), the latent norms (LatentNorm) and, for the down projections, megatron-core's own duplicated linear
+    (post_training.modelopt.layers.Linear, what its MLA takes instead of TE's duplicated TELinear): each TP rank holds
+    the whole weight, as shardkit's table and TE's spec have it (the local spec's ColumnParallelLinear would split its
+    output dimension over TP)."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    if mla.Linear is None:  # megatron-core imports it there only with Transformer Engine
+        mla.Linear = Linear
+    if not te:  # 0.16 without TE: its TE classes are MagicMock placeholders, which MLA's isinstance checks refuse
+        for name in ("TELinear", "TEColumnParallelLinear"):
+            if not isinstance(getattr(mla, name), (type, type(None))):
+                setattr(mla, name, type(f"No{name}", (), {}))
+    if te:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        attn.core_attention = TEDotProductAttention
+    else:
+        attn.core_attention = MLACoreAttention
+    attn.q_layernorm = attn.kv_layernorm = LatentNorm
+    attn.linear_q_down_proj = attn.linear_kv_down_proj = mla.Linear
+
+
 class HeadNorm:
     """The q/k layernorm (TransformerConfig.qk_layernorm: RMSNorm over each head), also under sequence parallelism
     (WrappedTorchNorm refuses SP there too): never marked sequence-parallel, as attention normalises this rank's heads
@@ -211,6 +302,21 @@ def check_model(m) -> None:
     why = model_not_covered(m)
     if why:
         raise NotCovered(why)
+
+
+def check_mla_packing(m, packing, te_attention: bool) -> None:
+    """Packed documents with multi-latent attention: megatron-core's MLA takes its RoPE positions as 0..s-1 (reset
+    positions reach it only as THD packed_seq_params, not wired here), and TE's core attention its own causal mask
+    (the per-document mask reaches it the same way); the engine's own core attention takes the mask as given."""
+    if not m.multi_latent_attention:
+        return
+    if packing.reset_position_ids:
+        raise NotCovered("--reset-position-ids: megatron-core's multi-latent attention takes positions 0..s-1 (reset "
+                         "positions need its packed_seq_params, not wired in yet: issue 40); use --engine native")
+    if te_attention and packing.reset_attention_mask:
+        raise NotCovered("--reset-attention-mask: TE's core attention for multi-latent attention takes its own causal "
+                         "mask (per-document masks need packed_seq_params, not wired in yet: issue 40); use --engine "
+                         "native")
 
 
 class MoELogs:
@@ -314,26 +420,56 @@ def moe_fields(m, dims, moe_args) -> dict:
     a = model_args(m, dims.model_parallel)
     out = {k: v for k, v in a.items() if k.startswith("moe_") and k in known}
     s = settings_of(moe_args, m)
+    # the router's logits in fp32 where the model's family computes them there (DeepSeek), as the native engine
+    router_dtype = s.router_dtype or ("fp32" if family_of(m.model_type).router_fp32 else None)
     out.update(num_moe_experts=a["num_experts"], moe_router_load_balancing_type=s.load_balancing_type,
-               moe_aux_loss_coeff=s.aux_loss_coeff, moe_router_dtype=s.router_dtype, moe_grouped_gemm=False,
+               moe_aux_loss_coeff=s.aux_loss_coeff, moe_router_dtype=router_dtype, moe_grouped_gemm=False,
+               moe_router_bias_update_rate=s.bias_update_rate,
                moe_token_dispatcher_type=moe_args.moe_token_dispatcher_type, moe_permute_fusion=False,
                moe_router_fusion=False, expert_model_parallel_size=dims.ep,
                expert_tensor_parallel_size=dims.expert_tp)
     return out
 
 
-def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bool, moe_args=None):
-    """megatron-core's TransformerConfig for shardkit's model config `m` at this run's layout: the one place the
-    engine's shapes come from (never from flags retyped by the user)."""
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def mla_fields(m, dims) -> dict:
+    """MLATransformerConfig's multi-latent attention fields: the model's (checkpoint.megatron.model_args, Megatron-LM's
+    names: q_lora_rank (None: one q projection), kv_lora_rank, the head sizes, rope_type and YaRN's factor / mscale /
+    mscale_all_dim) and the YaRN fields Megatron-LM has no flag for, from the checkpoint's rope_scaling
+    (original_max_position_embeddings, beta_fast, beta_slow: MLATransformerConfig's defaults are DeepSeek-V3's, not
+    necessarily this model's). megatron-core's MLA rotates interleaved pairs itself (rotary_interleaved stays off),
+    and its latent norms are the engine's LatentNorm (qk_layernorm stays off: see LatentNorm)."""
+    if not m.multi_latent_attention:
+        return {}
+    from checkpoint.megatron import model_args
 
-    return TransformerConfig(
+    a = model_args(m, dims.model_parallel)
+    names = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+             "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")
+    out = {k: a[k] for k in names if k in a}
+    out.update(rotary_interleaved=False, qk_layernorm=False, rotary_base=m.rotary_base)
+    if out["rope_type"] == "yarn":
+        rope = m.rope_scaling
+        out.update(original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                   beta_fast=float(rope.get("beta_fast", 32.0)), beta_slow=float(rope.get("beta_slow", 1.0)))
+    else:  # MLATransformerConfig's default factor (40) would still scale its softmax through mscale_all_dim
+        out.update(rotary_scaling_factor=1.0)
+    return out
+
+
+def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bool, moe_args=None):
+    """megatron-core's TransformerConfig (MLATransformerConfig for multi-latent attention) for shardkit's model config
+    `m` at this run's layout: the one place the engine's shapes come from (never from flags retyped by the user)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    cls = MLATransformerConfig if m.multi_latent_attention else TransformerConfig
+    fields = dict(rotary_interleaved=m.rotary_interleaved, qk_layernorm=m.qk_layernorm)
+    fields.update(mla_fields(m, dims))
+    return cls(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups, kv_channels=m.kv_channels,
         layernorm_epsilon=m.norm_epsilon, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=m.add_qkv_bias, rotary_interleaved=m.rotary_interleaved,
-        qk_layernorm=m.qk_layernorm,
+        add_bias_linear=False, add_qkv_bias=m.add_qkv_bias, **fields,
         hidden_dropout=run.hidden_dropout, attention_dropout=run.attention_dropout,
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None, sequence_parallel=sp,
@@ -357,6 +493,18 @@ def pipeline_split_fields(split) -> dict:
     return {"num_layers_in_first_pipeline_stage": split.first, "num_layers_in_last_pipeline_stage": split.last,
             "account_for_embedding_in_pipeline_split": split.embedding,
             "account_for_loss_in_pipeline_split": split.loss, "pipeline_model_parallel_layout": split.layout}
+
+
+def expert_biases(model) -> list:
+    """The routers' expert_bias buffers (DeepSeek-V3's aux-loss-free balancing: megatron-core updates them in
+    finalize_model_grads from the tokens each expert received, outside the optimizer), loaded and saved with the
+    weights; kept in fp32 as megatron-core's router keeps them (Float16Module would have cast them to bf16)."""
+    out = []
+    for name, buf in model.named_buffers():
+        if name.endswith(".router.expert_bias"):
+            buf.data = buf.data.float()
+            out.append((name, buf))
+    return out
 
 
 def distributed_parts(mopt) -> list:
@@ -526,6 +674,9 @@ class MegatronCoreTrainer(Trainer):
         self.moe, self.interleaved = None, None
         # packed documents (--reset-position-ids / --reset-attention-mask / --eod-mask-loss): the native engine's rule
         self.packing = packing_from(d, m, self.ck.hf_dir())
+        # multi-latent attention's core attention: TE's where installed (on CUDA), the engine's own otherwise
+        self.te_attention = m.multi_latent_attention and not self.on_cpu and te_available()
+        check_mla_packing(m, self.packing, self.te_attention)
         self._build_megatron()
         self.table = self._param_table()
         ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
@@ -595,8 +746,10 @@ class MegatronCoreTrainer(Trainer):
             spec.layer_norm = RMSNorm  # the final norm; and each layer's two (sequence parallel: see RMSNorm)
             for layer in spec.layer_specs:
                 layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
-                if m.qk_layernorm:
-                    attn = layer.submodules.self_attention.submodules
+                attn = layer.submodules.self_attention.submodules
+                if m.multi_latent_attention:
+                    mla_submodules(attn, self.te_attention)
+                elif m.qk_layernorm:
                     attn.q_layernorm = attn.k_layernorm = HeadNorm
             with keep_pickle_allowlist():
                 model = GPTModel(tc, spec, vocab_size=self.padded_vocab, max_sequence_length=m.max_position_embeddings,
@@ -608,6 +761,7 @@ class MegatronCoreTrainer(Trainer):
             if not self.on_cpu:
                 model.cuda(torch.cuda.current_device())
             self._shardkit_rope(model)
+            self._check_mla_rope(model)
             if getattr(model, "output_layer", None) is not None and self.padded_vocab > m.vocab_size:
                 model.output_layer.register_forward_hook(self._mask_padded_vocab)
             chunks.append(model)
@@ -632,6 +786,26 @@ class MegatronCoreTrainer(Trainer):
         if scaling != 1.0:
             raise NotCovered(f"RoPE {rope_type!r} scales attention by {scaling}: not in the megatron-core engine yet")
         rope.inv_freq = inv_freq.to(device=rope.inv_freq.device, dtype=rope.inv_freq.dtype)
+
+    def _check_mla_rope(self, model) -> None:
+        """Multi-latent attention's RoPE is megatron-core's own (each layer's RotaryEmbedding or YarnRotaryEmbedding,
+        the YaRN mscale on cos and sin): its inverse frequencies and scaling checked against transformers' function
+        for the model's rope_type (what the native engine computes), refused where they differ."""
+        from train.model import rope_init
+
+        layers = getattr(model.decoder, "layers", None) if self.model_cfg.multi_latent_attention else None
+        if not layers:
+            return
+        rope = layers[0].self_attention.rotary_pos_emb
+        out = rope(2)
+        emb, mscale = out if isinstance(out, tuple) else (out, 1.0)
+        theirs = emb[1].reshape(-1)[: emb.shape[-1] // 2].double().cpu()  # position 1: the inverse frequencies
+        rope_type = (self.model_cfg.rope_scaling or {}).get("rope_type", "default")
+        inv_freq, scaling = rope_init(self.model_cfg.hf_transformers_config(), rope_type, torch.device("cpu"))
+        if not (torch.allclose(theirs, inv_freq.double(), rtol=1e-6, atol=0)
+                and math.isclose(float(mscale), float(scaling), rel_tol=1e-6)):
+            raise NotCovered(f"RoPE {rope_type!r} {self.model_cfg.rope_scaling or {}}: megatron-core's multi-latent "
+                             "attention computes other frequencies or scaling than transformers; use --engine native")
 
     def _mask_padded_vocab(self, module, args, out):
         """The loss over the true vocabulary, as the native engine takes it: the output layer's TP padding columns
@@ -658,7 +832,7 @@ class MegatronCoreTrainer(Trainer):
             if built != stop - start:
                 raise ConfigError(f"megatron-core built {built} decoder layers for pipeline rank {g.pp_rank} chunk {v}; "
                                   f"shardkit's layout gives it layers {start}..{stop - 1}")
-            for name, p in model.named_parameters():
+            for name, p in [*model.named_parameters(), *expert_biases(model)]:
                 tied_copy = False
                 key = name
                 if name == "output_layer.weight" and m.tie_word_embeddings:  # the last stage's copy of the embedding
@@ -685,8 +859,10 @@ class MegatronCoreTrainer(Trainer):
                 if tuple(p.shape) != tuple(want):
                     raise FormatError(f"megatron-core parameter {name}: local shape {list(p.shape)}, the sharding "
                                       f"table gives {spec.name} {list(want)} at tp={layout.tp} pp={layout.pp}")
-                vstage = v if found[1] is not None else owner(spec, layout, m.num_layers)[1]
-                out.append(ckpt_io.LocalParam(f"{v}/{name}", p, spec, local, tied_copy, vstage, expert))
+                stacked = found[1] is not None  # a heterogeneous stack (dense and MoE layers): per-layer tensors
+                vstage = v if stacked else owner(spec, layout, m.num_layers)[1]
+                out.append(ckpt_io.LocalParam(f"{v}/{name}", p, spec, local if stacked else None, tied_copy, vstage,
+                                              expert))
         return out
 
     def _wrap_and_optimizer(self) -> None:
@@ -725,7 +901,12 @@ class MegatronCoreTrainer(Trainer):
             f"{'on' if ddp_cfg.overlap_grad_reduce else 'off'}, param gather "
             f"{'on' if ddp_cfg.overlap_param_gather else 'off'}; distributed optimizer; "
             f"{'interleaved 1F1B' if self.dims.vpp > 1 else '1F1B' if self.dims.pp > 1 else 'no pipelining'})")
-        self.attention_line = "attention: megatron-core's DotProductAttention (local spec)"
+        self.attention_line = (
+            "attention: megatron-core's MLASelfAttention (local spec) with "
+            + ("Transformer Engine's TEDotProductAttention" if self.te_attention else
+               "shardkit's MLACoreAttention (megatron-core's local DotProductAttention takes no MLA head sizes)")
+            if self.model_cfg.multi_latent_attention else
+            "attention: megatron-core's DotProductAttention (local spec)")
 
     def _megatron_scheduler(self):
         """megatron-core's OptimizerParamScheduler on shardkit's schedule (train/config.py run_length), at the
