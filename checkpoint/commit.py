@@ -9,7 +9,8 @@ A crash at any moment leaves the previous `latest` loadable and never a director
 same job resumes from done.log, a different job discards the stale partial directory. Every writer of an output
 root (native, torch_dist, HF export, training saves sync or async) goes through the same three pieces here:
 `output_lock` (one writer per root), `replace_dir` (a durable directory put in place atomically, replacing an old
-one) and `write_file_atomic` (small files, `latest` last); `resolve_iteration` picks the newest complete iteration.
+one) and `write_file_atomic` (small files, `latest` last). Which iteration a reader takes is checkpoint/iterations.py
+(`resolve_iteration`).
 """
 from __future__ import annotations
 
@@ -23,14 +24,13 @@ from pathlib import Path
 from typing import Iterator
 
 from .chunkio import fsync_path, record_chunk_crcs
-from .errors import FormatError, ShardkitError, WriteError
+from .errors import ShardkitError, WriteError
 from .faults import fault_point
+from .iterations import LATEST, PARTIAL_SUFFIX
 from .manifest import MANIFEST, Manifest, iter_dirname, valid_iter_dirname
 
-LATEST = "latest"
 LOCK = ".shardkit.lock"
 _TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's pointer (checkpoint.megatron.TRACKER)
-PARTIAL_SUFFIX = ".partial"
 DONE_LOG = "done.log"  # finished tasks of a partial iteration (one process, or rank 0); others: RANK_LOG
 RANK_LOG = "done.rank{}.log"
 
@@ -454,47 +454,3 @@ class RankWriter:
     is_done = IterationWriter.is_done
     mark_done = IterationWriter.mark_done
     mark_done_many = IterationWriter.mark_done_many
-
-
-def complete_iterations(root: Path) -> list[Path]:
-    """The committed iteration directories of a root, oldest first (only `replace_dir` creates `iter_NNNNNNN`, after
-    everything in it was durable; `.partial` and `.old` names never count)."""
-    if not root.is_dir():
-        return []
-    out = [p for p in root.iterdir() if valid_iter_dirname(p.name) and (p / MANIFEST).is_file()]
-    return sorted(out, key=lambda p: p.name)
-
-
-def resolve_iteration(path: str | Path) -> Path:
-    """An iteration directory from a checkpoint root or an iteration directory itself.
-
-    `latest` is the commit point and wins (a user may roll it back on purpose). Where a crash left no `latest` yet
-    (the first save died between its rename and `latest`), the newest complete iteration is taken; where it left
-    `latest` naming an iteration that is still under its `.old` name (a crash inside `replace_dir`'s fallback), that
-    one. A `latest` that names something else, or nothing, is an error: it is never guessed around."""
-    from .safety import read_pointer, regular_file, safe_path
-
-    p = Path(path)
-    if not p.exists():
-        raise FormatError(f"{p}: no such checkpoint")
-    if regular_file(p / MANIFEST, missing_ok=True):  # a FIFO or device there: one line naming it
-        return p
-    latest = p / LATEST
-    text = read_pointer(p, LATEST) if p.is_dir() else None  # a regular file of <= 4 KiB, or an error
-    if text is not None:
-        name = text.strip()
-        if not valid_iter_dirname(name):
-            raise FormatError(f"{latest}: names {name[:80]!r}, not an iteration directory (iter_NNNNNNN)")
-        it = safe_path(p, name, str(latest))
-        if not regular_file(it / MANIFEST, missing_ok=True):
-            old = p / f".{name}.old"
-            if (old / MANIFEST).is_file() and not old.is_symlink():
-                return old
-            raise FormatError(f"{latest}: points to {name}, which is missing or incomplete")
-        return it
-    done = complete_iterations(p)
-    if done:
-        return safe_path(p, done[-1].name, str(p))
-    partial = sorted(x.name for x in p.glob(f"iter_*{PARTIAL_SUFFIX}")) if p.is_dir() else []
-    hint = f" (only an interrupted write, {partial[-1]}: rerun the same command to resume it)" if partial else ""
-    raise FormatError(f"{p}: not a shardkit checkpoint: no {LATEST} and no {MANIFEST}{hint}")

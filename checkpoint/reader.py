@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeVar
 import numpy as np
 
 from . import chunkio, store
-from .commit import resolve_iteration
+from .iterations import resolve_iteration
 from .config import ModelConfig
 from .errors import CorruptionError, FormatError, ShardkitError
 from .layout import Layout, RankCoord

@@ -14,7 +14,7 @@ conversion resumes from the staging root's `iter_N.partial`, redoing only missin
 committed iteration on the store: every object of the iteration but `manifest.json`, then `manifest.json`, then the
 pointer `latest` (a conditional write against the generation read before, so two writers cannot both move it). A
 store has no rename: an iteration prefix without `manifest.json` is never a checkpoint, and `latest` is written
-last. Reading (`fetch`) resolves the iteration as `commit.resolve_iteration` does locally and downloads it into a
+last. Reading (`fetch`) resolves the iteration as `iterations.resolve_iteration` does locally and downloads it into a
 temporary root the readers check as usual (digest, every chunk's crc32c). docs/FORMAT.md "Object storage".
 """
 from __future__ import annotations
@@ -230,7 +230,7 @@ def _successor(prefix: str) -> str:
 
 def resolve(store: ObjectStore) -> str:
     """The iteration (`iter_NNNNNNN`, or '' when the location is an iteration itself) a reader takes, by the rules
-    of commit.resolve_iteration: `latest` wins and must name an iteration whose manifest.json exists; without it,
+    of iterations.resolve_iteration: `latest` wins and must name an iteration whose manifest.json exists; without it,
     the newest iteration with a manifest; an iteration prefix without manifest.json (a write that never finished) is
     never taken."""
     loc = store.loc
@@ -283,7 +283,7 @@ def publish(local_root: Path, loc: Location, quiet: bool = True) -> str:
     """Put the committed iteration `latest` names in `local_root` on the store: its objects, then manifest.json,
     then `latest` (conditional on the generation read first). An existing iteration of that name there first loses
     its manifest.json (it stops being complete), then its objects."""
-    from .commit import resolve_iteration
+    from .iterations import resolve_iteration
 
     it = resolve_iteration(local_root)
     name = it.name
@@ -594,7 +594,7 @@ def last_complete(local_root) -> str:
     """The checkpoint a reader of the --save root takes now (its URL on object storage); ShardkitError when none."""
     loc = mirrored(local_root)
     if loc is None:
-        from .commit import resolve_iteration
+        from .iterations import resolve_iteration
 
         return str(resolve_iteration(local_root))
     return f"{loc.url.rstrip('/')}/{resolve(ObjectStore(loc))}"

@@ -60,7 +60,7 @@ def train(work: Path, name: str, nproc: int, engine: str, *flags: str, load: Pat
 
 
 def tensors(save: Path) -> dict:
-    from checkpoint.commit import resolve_iteration
+    from checkpoint.iterations import resolve_iteration
     from checkpoint.reader import Checkpoint
 
     return Checkpoint(resolve_iteration(save)).state_dict(optimizer=True)

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkpoint.commit import LATEST, LOCK, PARTIAL_SUFFIX, complete_iterations, resolve_iteration
+from checkpoint.commit import LOCK
+from checkpoint.iterations import LATEST, PARTIAL_SUFFIX, complete_iterations, resolve_iteration
 from checkpoint.manifest import MANIFEST
 from checkpoint.reader import Checkpoint
 from tests.launcher import ForkServer, server
