@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint.commit import resolve_iteration
+from checkpoint.iterations import resolve_iteration
 from checkpoint.storage import last_complete, shown
 from checkpoint.manifest import iter_dirname
 from checkpoint.config import ModelConfig
