@@ -7,11 +7,8 @@ the main process records finished chunks so an interrupted run resumes, and comm
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import stat
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -319,46 +316,6 @@ def _commit(w: IterationWriter, hf_dir: Path, src: HFSource, cfg: ModelConfig, l
     return w.commit(manifest)
 
 
-_PRELOAD: list[threading.Thread] = []  # the oracle's imports under way (preload_oracle), joined before the proof
-
-
-def preload_oracle(hf_dir: str | Path) -> None:
-    """Import torch, transformers and the modeling module of HF_DIR's model type in a background thread while the
-    conversion that the proof follows runs (issue 42: these imports are ~3 CPU-s, on a 1.5 GB model as much as the
-    comparison itself; the conversion waits on the disk most of the time). Plain imports only (the module locks make
-    them safe beside another thread's imports; transformers' lazy attributes are not, so none is touched), and the
-    proof joins the thread before it uses transformers. Nothing is read but a small regular config.json; any error
-    is left for the proof itself to report."""
-    def run() -> None:
-        try:
-            import importlib
-
-            import torch  # noqa: F401
-            import transformers  # noqa: F401
-
-            cfg = Path(hf_dir) / "config.json"
-            st = os.stat(cfg)
-            if stat.S_ISREG(st.st_mode) and st.st_size < (1 << 20):
-                mt = json.loads(cfg.read_text()).get("model_type")
-                if isinstance(mt, str) and mt.isidentifier():
-                    importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
-                    # transformers builds (and caches) every model type's checkpoint key mapping on first use: ~1
-                    # CPU-s of regular expressions the streamed proof's loader would otherwise pay after the conversion
-                    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-                    get_checkpoint_conversion_mapping(mt)
-        except Exception:  # noqa: BLE001 - the proof imports again and says what is wrong
-            pass
-    t = threading.Thread(target=run, name="shardkit-preload-oracle", daemon=True)
-    t.start()
-    _PRELOAD.append(t)
-
-
-def _join_preload() -> None:
-    while _PRELOAD:
-        _PRELOAD.pop().join()
-
-
 PROOF_SEQ_DENSE = 8  # the default proof's sequence length for a dense model (2 sequences); MoE keeps verify's 32
 
 
@@ -371,30 +328,17 @@ def proof_seq_len(cfg: ModelConfig) -> int:
     return 32 if cfg.is_moe else PROOF_SEQ_DENSE
 
 
-def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str | None = None,
-                      quiet: bool = False, asked: bool = True, allow_nonfinite: bool = False,
-                      withdraw: bool = False) -> int:
-    """`convert hf-to-mcore`'s proof (on by default, `--no-verify` skips it): the conversion just written, native or
-    torch_dist (read in place), compared with the HF model it came from through transformers' own forward
-    (verify.against.against_hf: whole, or streamed within the memory budget). One line on stdout with the verdict; a
-    difference is one `shardkit: error:` line and exit status 1. Not asked for (`asked` False: the default), it says
-    so in one line and passes where no logit comparison can be made: --allow-nonfinite (NaN/Inf weights give no
-    logits to compare) and kept block-FP8 weights where only the streamed comparison could run (too big for the
-    whole-model one, or an FP8 hub source transformers cannot load on the CPU): the streamed one has no reader for
-    them yet."""
-    _join_preload()
-    import sys
-
+def prove(path: str | Path, hf_dir: str | Path, memory_budget: str | None = None, quiet: bool = False,
+          asked: bool = True, allow_nonfinite: bool = False) -> dict:
+    """The default proof's computation (verify_conversion says the verdict): verify.against.against_hf's result, or
+    {"skipped": why} where the proof was not asked for and no logit comparison can be made. Raises ShardkitError.
+    Run in this process or in the proof process started at launch (convert/proof_process.py): the same result."""
     from plan.units import parse_bytes
 
     from verify.against import against_hf
     from verify.streamed import choose_mode, quantized_source
 
     budget = None if memory_budget is None else parse_bytes(memory_budget, "--memory-budget")
-    started = time.time()
-    from checkpoint import chunkio
-
-    chunkio.POOL.clear()  # the writes' idle buffers (up to 384 MiB): the comparison has its own
     from checkpoint.opened import open_checkpoint
 
     ck = open_checkpoint(path).reader  # torch_dist: read in place (its shardkit.json describes the model)
@@ -405,20 +349,42 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str |
         elif ck.manifest.fp8 and choose_mode(ck, quantized_source(Path(hf_dir)), budget)[0] == "streaming":
             why = "kept block-FP8 weights: only the streamed comparison could run here, and it reads no kept FP8 yet"
         if why:
-            print(f"verify: skipped ({why}); `shardkit verify {path} --against {hf_dir}` compares what it can")
-            return 0
+            return {"skipped": why}
     from checkpoint.progress import progress_bar
 
     # streamed: bytes read from both sides (each about once) and layers done
+    with progress_bar("verify", total=2 * ck.nbytes(), items=ck.config.num_layers, unit="layers",
+                      disable=quiet) as bar:
+        return against_hf(ck, hf_dir, memory_budget=budget, seq_len=proof_seq_len(ck.config),
+                          progress=lambda nbytes: bar.advance(nbytes, items=1))
+
+
+def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str | None = None,
+                      quiet: bool = False, asked: bool = True, allow_nonfinite: bool = False,
+                      withdraw: bool = False, process=None) -> int:
+    """`convert hf-to-mcore`'s proof (on by default, `--no-verify` skips it): the conversion just written, native or
+    torch_dist (read in place), compared with the HF model it came from through transformers' own forward
+    (verify.against.against_hf: whole, or streamed within the memory budget). One line on stdout with the verdict; a
+    difference is one `shardkit: error:` line and exit status 1. Not asked for (`asked` False: the default), it says
+    so in one line and passes where no logit comparison can be made: --allow-nonfinite (NaN/Inf weights give no
+    logits to compare) and kept block-FP8 weights where only the streamed comparison could run (too big for the
+    whole-model one, or an FP8 hub source transformers cannot load on the CPU): the streamed one has no reader for
+    them yet. `process`: a convert.proof_process.ProofProcess started at launch computes it (its failure or death
+    is a ShardkitError like any other); else this process does."""
+    started = time.time()
+    from checkpoint import chunkio
+
+    chunkio.POOL.clear()  # the writes' idle buffers (up to 384 MiB): the comparison has its own
+    args = dict(memory_budget=memory_budget, quiet=quiet, asked=asked, allow_nonfinite=allow_nonfinite)
     try:
-        with progress_bar("verify", total=2 * ck.nbytes(), items=ck.config.num_layers, unit="layers",
-                          disable=quiet) as bar:
-            p = against_hf(ck, hf_dir, memory_budget=budget, seq_len=proof_seq_len(ck.config),
-                           progress=lambda nbytes: bar.advance(nbytes, items=1))
+        p = process.prove(path, **args) if process is not None else prove(path, hf_dir, **args)
     except ShardkitError as e:
         if withdraw:  # a proof that cannot be made commits nothing either
             raise ShardkitError(f"{e}; {_withdraw(Path(path))}") from None
         raise
+    if "skipped" in p:
+        print(f"verify: skipped ({p['skipped']}); `shardkit verify {path} --against {hf_dir}` compares what it can")
+        return 0
     where = ""
     if p.get("first_layer_beyond_tolerance") is not None:
         e = p.get("first_expert_beyond_tolerance")

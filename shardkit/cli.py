@@ -393,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardkit: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    finally:  # convert hf-to-mcore's proof process never outlives the command, whichever way it ends
+        from convert.proof_process import close_all
+
+        close_all()
 
 
 def _refuse_urls(argv: list, allowed: set = frozenset()) -> None:
@@ -663,10 +667,11 @@ def _dispatch_local(args: argparse.Namespace) -> int:
             raise ShardkitError("--keep-fp8 with --format torch_dist: Megatron's torch_dist has no block-FP8 "
                                 "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
         group = getattr(args, "group", None)
-        if args.verify is not False and (group is None or not group.rank):  # the proof's imports meanwhile
-            from convert.hf_to_mcore import preload_oracle
+        proof = None
+        if args.verify is not False and (group is None or not group.rank):  # its imports while this converts
+            from convert import proof_process
 
-            preload_oracle(args.hf_dir)
+            proof = proof_process.start(args.hf_dir)
         if args.format == "torch_dist":  # straight into the rank files, no native copy between
             from convert.torch_dist_io import convert_hf_to_torch_dist
 
@@ -690,7 +695,7 @@ def _dispatch_local(args: argparse.Namespace) -> int:
 
         return verify_conversion(path, args.hf_dir, memory_budget=args.memory_budget,
                                  quiet=args.quiet, asked=bool(args.verify), allow_nonfinite=args.allow_nonfinite,
-                                 withdraw=True)  # a failed proof commits nothing (issue 34)
+                                 withdraw=True, process=proof)  # a failed proof commits nothing (issue 34)
     if args.cmd == "convert" and args.direction == "mcore-to-hf":
         from convert.mcore_to_hf import convert_mcore_to_hf
 

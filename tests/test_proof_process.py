@@ -1,0 +1,124 @@
+"""`convert hf-to-mcore`'s default proof in a process started at launch (convert/proof_process.py, issue 42): the
+same result as the proof run in process (every row, MTP depths included), a child that dies or fails is one
+`shardkit: error:` line and nothing committed, and the child never outlives the command (SIGTERM, SIGKILL, Ctrl-C)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from convert.hf_to_mcore import convert_hf_to_mcore, prove, verify_conversion
+from convert.proof_process import ProofProcess
+from checkpoint.layout import Layout
+from tests.test_streaming_parity import _hf_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _timeless(x):
+    """A result without its timings (seconds), which no two runs share."""
+    if isinstance(x, dict):
+        return {k: _timeless(v) for k, v in x.items() if k != "seconds"}
+    if isinstance(x, (list, tuple)):
+        return [_timeless(v) for v in x]
+    return x
+
+
+def test_result_and_report_equal_to_the_in_process_proof(tmp_path, capsys):
+    """DeepSeek-V3 with an MTP layer, streamed: every row (each layer, expert counts, the MTP depth, the head) the
+    same whether the proof runs here or in its process; then the verdict line the same."""
+    hf_dir, _ = _hf_dir(tmp_path, "deepseek_v3")
+    path = convert_hf_to_mcore(hf_dir, tmp_path / "ck", Layout(), quiet=True)
+    here = prove(path, hf_dir, quiet=True)
+    there = ProofProcess(hf_dir).prove(path, quiet=True, memory_budget=None, asked=True, allow_nonfinite=False)
+    assert here["mode"] == "streaming" and here["ok"] and len(here["mtp_max_abs_diff"]) == 1, here
+    assert _timeless(there) == _timeless(here)
+    lines = []
+    for process in (None, ProofProcess(hf_dir)):
+        capsys.readouterr()
+        assert verify_conversion(path, hf_dir, quiet=True, process=process) == 0
+        out = capsys.readouterr().out.strip()
+        lines.append(out.rsplit(" in ", 1)[0])  # (its time differs)
+    assert lines[0] == lines[1] and lines[0].startswith("verify: logits vs") and "OK" in lines[0], lines
+
+
+def _committed(out: Path) -> list:
+    return [p.name for p in out.glob("*")] if out.exists() else []
+
+
+def _cli(hf_dir, out, *extra) -> subprocess.Popen:
+    """The command as users run it (a process that has not imported transformers: the proof gets its own)."""
+    return subprocess.Popen([sys.executable, "-m", "shardkit", "convert", "hf-to-mcore", str(hf_dir), str(out),
+                             "--quiet", *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.parametrize("how", ["killed", "fails"])
+def test_a_proof_process_that_dies_or_fails_is_one_line_and_commits_nothing(tmp_path, how):
+    """killed: the child is SIGKILLed as soon as it is seen (an out-of-memory kill, a crash); fails: its proof
+    raises (a memory budget below the streamed comparison's smallest piece). Either way one error line, exit 1, and
+    no iteration or pointer left that looks proven."""
+    hf_dir, _ = _hf_dir(tmp_path, "llama_gqa")
+    out = tmp_path / "ck"
+    p = _cli(hf_dir, out, *(["--memory-budget", "1KB"] if how == "fails" else []))
+    try:
+        child = _proof_child(psutil.Process(p.pid))
+        if how == "killed":
+            child.kill()
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        _stop(p)
+    err = stderr.strip().splitlines()
+    assert p.returncode == 1 and len(err) == 1 and err[0].startswith("shardkit: error:"), err
+    assert "nothing was committed" in err[0] and "verify:" not in stdout, (err, stdout)
+    assert ("killed by SIGKILL" in err[0]) if how == "killed" else ("memory" in err[0]), err
+    assert not (out / "latest").exists() and not list(out.glob("iter_*")), _committed(out)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
+def _proof_child(parent: psutil.Process, timeout: float = 60) -> psutil.Process:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in parent.children():
+            try:
+                if "convert.proof_process" in " ".join(c.cmdline()):
+                    return c
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.02)
+    raise AssertionError("no proof process started")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL", "SIGINT"])
+def test_the_proof_process_never_outlives_the_command(tmp_path, sig):
+    """The command stopped while its proof process runs (SIGINT: Ctrl-C, sent to the process group as a terminal
+    does): the child is gone right after, and Ctrl-C says one line, no traceback from either process."""
+    hf_dir, _ = _hf_dir(tmp_path, "llama_gqa")
+    p = _cli(hf_dir, tmp_path / "ck")
+    try:
+        child = _proof_child(psutil.Process(p.pid))
+        if sig == "SIGINT":
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            p.send_signal(getattr(signal, sig))
+        out, err = p.communicate(timeout=60)
+        gone, alive = psutil.wait_procs([child], timeout=10)
+        assert not alive, f"the proof process {child.pid} outlived its command ({sig})"
+        if sig == "SIGINT":
+            assert p.returncode == 130 and "Traceback" not in err, err
+            assert err.strip().splitlines() == ["shardkit: interrupted; rerun the same command to resume"], err
+        else:
+            assert p.returncode == -getattr(signal, sig)
+    finally:
+        _stop(p)
