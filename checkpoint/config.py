@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .families import family_of
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -278,8 +279,6 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
         """Translate an HF config dict. Raises ConfigError naming the field on anything unsupported."""
-        from .families import family_of
-
         mt = hf.get("model_type")
         fam = family_of(mt, source)
         allowed = COMMON_FIELDS | fam.fields | _PASSTHROUGH
@@ -351,8 +350,6 @@ class ModelConfig:
     def to_hf(self, dtype: str | None = None, quantized: bool = False) -> dict:
         """The HF config.json: the source's own dict with every interpreted field rewritten from this config, in the
         style the source used (``rope_scaling`` vs ``rope_parameters``, ``torch_dtype`` vs ``dtype``)."""
-        from .families import family_of
-
         fam = family_of(self.model_type)
         src = dict(self.hf_config)
         out = dict(src) if src else {"architectures": [fam.architecture]}

@@ -6,10 +6,12 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from .config import ModelConfig
 from .errors import LayoutError
+
+if TYPE_CHECKING:  # a layout is checked against a model config; the config reader (through the families) sits above
+    from .config import ModelConfig
 
 MAX_PARALLEL = 1 << 16  # no parallel dimension is larger (a manifest or a flag saying so is refused)
 
