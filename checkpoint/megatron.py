@@ -305,7 +305,7 @@ def megatron_common(cfg: ModelConfig, layout: Layout, key_naming: str, dtype: st
         args.no_save_optim = None  # Megatron-LM restores the optimizer state from this checkpoint
         common["optimizer"] = (megatron_optimizer_common(param_groups) if param_groups is not None
                                else {"param_state_sharding_type": MEGATRON_OPTIM_SHARDING})  # no groups known
-    if isinstance(scheduler, dict) and MEGATRON_SCHEDULER_KEYS <= set(scheduler):  # an older shardkit's own form
+    if is_scheduler_state(scheduler):  # an older shardkit's own form
         common["opt_param_scheduler"] = scheduler  # is not Megatron's and would break its load: left out
     if isinstance(consumed_samples, int) and not isinstance(consumed_samples, bool):
         args.consumed_train_samples = consumed_samples
@@ -707,6 +707,11 @@ MEGATRON_SCHEDULER_KEYS = frozenset({"max_lr", "lr_warmup_steps", "num_steps", "
                                      "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"})
 
 
+def is_scheduler_state(sd: object) -> bool:
+    """Whether `sd` is an OptimizerParamScheduler.state_dict() (shardkit before this format saved another dict)."""
+    return isinstance(sd, dict) and MEGATRON_SCHEDULER_KEYS <= set(sd)
+
+
 __all__ = ["TRACKER", "CHECKPOINT_VERSION", "RELEASE", "iter_dirname", "iteration_of", "LOCAL_NAMES", "KEY_NAMINGS",
            "canonical_candidates", "sharded_key", "megatron_args", "arg", "int_arg", "layout_from_args",
            "with_args_vocab", "check_args", "config_from_megatron_args", "hf_model_type_of", "missing_model_args",
@@ -714,4 +719,4 @@ __all__ = ["TRACKER", "CHECKPOINT_VERSION", "RELEASE", "iter_dirname", "iteratio
            "MEGATRON_LLAMA3_ROPE", "RANK_ORDER",
            "DENSE_ORDER", "EXPERT_ORDER", "rank_of", "coords_of", "span", "stage_size", "rank_sizes", "world_size",
            "SKIPPED_PREFIXES", "MEGATRON_OPTIM_STATE", "MEGATRON_OPTIM_SHARDING", "TRAIN_STATE_KEY",
-           "MEGATRON_SCHEDULER_KEYS", "megatron_content_metadata", "megatron_optimizer_common", "megatron_optimizer_groups", "stored_key", "source_keys", "chunk_rank", "shard_owners", "extra_state_objects"]
+           "MEGATRON_SCHEDULER_KEYS", "is_scheduler_state", "megatron_content_metadata", "megatron_optimizer_common", "megatron_optimizer_groups", "stored_key", "source_keys", "chunk_rank", "shard_owners", "extra_state_objects"]

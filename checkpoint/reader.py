@@ -89,6 +89,21 @@ class Checkpoint(ManifestView):
         p = self.path / TRAIN_STATE
         return p if regular_file(p, missing_ok=True) else None
 
+    @property
+    def train_state_source(self) -> str:
+        return str(self.path / TRAIN_STATE)
+
+    def train_state(self, global_batch_size: int | None = None) -> tuple[dict | None, list[str]]:
+        """The trainer's state at this checkpoint (its train_state.json; None without one) and no notes to log: what
+        the trainer resumes from (a torch_dist one's: checkpoint.torch_dist_load.TorchDistLoad.train_state)."""
+        p = self.train_state_path()  # a FIFO or a device: one line naming it, never a hang or "none"
+        if p is None:
+            return None, []
+        try:
+            return json.loads(read_input(p)), []
+        except (OSError, ValueError, RecursionError) as e:
+            raise FormatError(f"{p}: unreadable training state ({e})") from None
+
     def spec(self, name: str) -> TensorSpec:
         e = self.entry(name)
         return TensorSpec(name, tuple(e.shape), Rule(e.rule), e.per_layer)

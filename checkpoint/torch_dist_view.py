@@ -1,9 +1,10 @@
 """A torch_dist checkpoint seen through a model config and the sharding table: every canonical tensor (and optimizer
 state) matched to its stored key, shapes checked against the config, and `TorchDistSource`, which reads it in place
 by region as a native Checkpoint is read. `verify`, `inspect`, the torch_dist import (convert/torch_dist_io.py) and the
-trainer's `--load` of a torch_dist checkpoint (train/torch_dist_ckpt.py) all read through it."""
+trainer's `--load` of a torch_dist checkpoint (checkpoint/torch_dist_load.py) all read through it."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import store
@@ -115,8 +116,8 @@ class TorchDistSource(ManifestView):
     staging copy."""
 
     def __init__(self, td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout | None = None,
-                 origin: str = "the model config"):
-        self.td, self.path = td, td.path
+                 origin: str = "the model config", hf_config: str | Path | None = None):
+        self.td, self.path, self.hf_config = td, td.path, hf_config
         layout = layout or td.layout or Layout()
         entries, self.keys = plan_import(td, cfg, layout, None, None, origin)
         self.manifest = Manifest(td.iteration, cfg, layout, entries)
@@ -132,3 +133,7 @@ class TorchDistSource(ManifestView):
 
     def state_dict(self, dequantize: bool = False, optimizer: bool = False) -> dict[str, torch.Tensor]:
         return {name: self.read(name) for name in self.tensors}
+
+    def hf_dir(self) -> Path | None:
+        """Tokenizer / config files: --hf-config, else the hf/ of a shardkit save (None for Megatron-LM's own)."""
+        return Path(self.hf_config) if self.hf_config else self.td.hf_dir()

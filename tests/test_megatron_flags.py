@@ -182,7 +182,6 @@ def config_errors(argv: list[str], model_ck: Path | None = None):
     against the checkpoint's model) or None."""
     from checkpoint.reader import Checkpoint
     from train.config import check_for_model, from_namespace, validate
-    from train.loop import resolve_iteration
     from train.metrics import MetricsError
 
     cfg = from_namespace(parser().parse_args(["continue-pretrain", *argv]))
@@ -193,7 +192,7 @@ def config_errors(argv: list[str], model_ck: Path | None = None):
 
             check_wandb(cfg.run.wandb_project)
         if model_ck is not None:
-            check_for_model(cfg, Checkpoint(resolve_iteration(model_ck)).config)
+            check_for_model(cfg, Checkpoint(model_ck).config)  # resolved through `latest`
     except (ConfigError, MetricsError) as e:
         return str(e)
     return None

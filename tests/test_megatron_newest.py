@@ -146,7 +146,7 @@ def test_dp_reshardable_state_as_model_space():
 
     from checkpoint.megatron_bridge import flat_buffers
     from checkpoint.torch_dist import read_torch_dist
-    from train.torch_dist_ckpt import TorchDistLoad
+    from checkpoint.torch_dist_load import TorchDistLoad
 
     load = TorchDistLoad(FIX / TRAIN)
     assert load.optimizer_states == ["fp32_param", "exp_avg", "exp_avg_sq"]
@@ -167,7 +167,7 @@ def test_dp_reshardable_refused_where_not_rebuilt(tmp_path, monkeypatch):
     """Where the layout cannot be rebuilt and proved, one line naming --no-load-optim."""
     import checkpoint.megatron_bridge as mb
     from checkpoint.errors import FormatError
-    from train.torch_dist_ckpt import TorchDistLoad
+    from checkpoint.torch_dist_load import TorchDistLoad
 
     monkeypatch.setattr(mb, "flat_layout_proved", lambda td, layers: None)
     with pytest.raises(FormatError) as e:

@@ -53,3 +53,36 @@ def test_a_torch_dist_model_config_is_read_when_asked(both):
         ck.config
     with pytest.raises(ConfigError, match="--vocab-size 7 contradicts"):
         ck.read("decoder.final_layernorm.weight")
+
+
+def test_the_trainers_load_opens_either_format(both, tmp_path):
+    """open_for_training, the trainer's --load (both engines): a native checkpoint as its verified Checkpoint, a
+    torch_dist one read in place (TorchDistLoad), the same model, the same local regions at another layout, and each
+    its train state and where it comes from."""
+    from checkpoint.layout import Layout, RankCoord
+    from checkpoint.opened import open_for_training
+    from checkpoint.reader import Checkpoint
+    from checkpoint.torch_dist_load import TorchDistLoad
+
+    native = open_for_training(both / "native", None, None)
+    td = open_for_training(both / "torch_dist", None, 1000, load_optim=False)  # --vocab-size: the model's own
+    assert isinstance(native, Checkpoint) and isinstance(td, TorchDistLoad)
+    assert native.config == td.config and native.optimizer_states == td.optimizer_states == []
+    assert native.train_state(8) == (None, []) and td.train_state(8) == (None, [])  # iteration 0: a converted model
+    assert native.train_state_source == str(native.path / "train_state.json")
+    assert td.train_state_source == str(td.path / "common.pt")
+    layout, coord = Layout(tp=1, pp=2), RankCoord(tp=0, pp=1)
+    for name in native.tensors:
+        a, b = native.read_local(name, layout, coord), td.read_local(name, layout, coord)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_the_trainers_load_refuses_flags_a_native_checkpoint_answers(both, tmp_path):
+    """A native --load: --hf-config refused before anything is read (a manifest describes the model), --vocab-size
+    Megatron's check against it."""
+    from checkpoint.opened import open_for_training
+
+    with pytest.raises(ConfigError, match="--hf-config: only for a torch_dist --load without shardkit.json; "):
+        open_for_training(tmp_path / "nothing-here", str(both / "hf"), None)
+    with pytest.raises(ConfigError, match=r"--vocab-size 7 disagrees with the checkpoint .*iter_0000000 \(vocab size "):
+        open_for_training(both / "native", None, 7)

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from checkpoint.errors import ConfigError
+from checkpoint.megatron import is_scheduler_state
 from train.config import add_arguments, from_namespace, run_length
-from train.optim import ParamScheduler, applied_at, is_scheduler_state
+from train.optim import ParamScheduler, applied_at
 
 BASE = {"global_batch_size": 4, "lr": 1e-3, "min_lr": 1e-4, "weight_decay": 0.05}
 

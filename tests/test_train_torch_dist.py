@@ -115,7 +115,7 @@ def test_continue_megatron_core_training(work, continued, tp):
     """megatron-core's own torch_dist save at iteration K (TP 1, its distributed optimizer): our next step equals
     its next step (LR, loss, grad norm, weights, Adam moments), at TP 1 and resharded on load to TP 2 (whose
     torch_dist save shardkit reads back without flags)."""
-    from train.torch_dist_ckpt import TorchDistLoad
+    from checkpoint.torch_dist_load import TorchDistLoad
 
     meg = torch.load(work / "meg.pt", weights_only=True)
     out = continued[tp]
@@ -155,7 +155,7 @@ def test_our_torch_dist_save_loads_into_megatron_core(work, ours, continued):
     reads of a 2-rank save (TP 2, each rank wrote its own items); the param groups' step is ours."""
     from checkpoint.torch_dist import TorchDistCheckpoint
     from shardkit.cli import main as cli
-    from train.torch_dist_ckpt import TorchDistLoad
+    from checkpoint.torch_dist_load import TorchDistLoad
 
     native, td_root = ours
     td = TorchDistCheckpoint(td_root)
@@ -201,7 +201,7 @@ def test_resume_from_our_torch_dist_equals_native(work, ours):
         assert torch.equal(x.read(name), y.read(name)), name
     # what each rank of another layout reads of the torch_dist save is what it reads of the native one
     from checkpoint.layout import Layout, RankCoord
-    from train.torch_dist_ckpt import TorchDistLoad
+    from checkpoint.torch_dist_load import TorchDistLoad
 
     a, b = TorchDistLoad(td_root), Checkpoint(native / "iter_0000002")
     for layout, coord in ((Layout(tp=2), RankCoord(tp=1)), (Layout(pp=2), RankCoord(pp=1))):
@@ -220,7 +220,7 @@ def test_bad_torch_dist_load_is_one_line(work, ours, tmp_path):
 
     from checkpoint.errors import FormatError
     from checkpoint.torch_dist_pickle import load_dcp_metadata
-    from train.torch_dist_ckpt import TorchDistLoad
+    from checkpoint.torch_dist_load import TorchDistLoad
 
     _, td_root = ours
 
@@ -352,7 +352,7 @@ def test_continue_megatron_core_moe_training(moe, name, nproc, ep):
     to EP 1 (1 rank, saved native), and at TP 2 x EP 2 with expert TP 1 on 4 ranks (DP 2; each expert shard in an
     expert-data-parallel group of 2, its optimizer state split over them; saved in torch_dist). The micro-batch stays
     2: Megatron's load-balancing loss is taken per micro-batch."""
-    from train.torch_dist_ckpt import TorchDistLoad
+    from checkpoint.torch_dist_load import TorchDistLoad
 
     out = moe / f"ours-{name}"
     more = ["--save-format", "torch_dist", "--key-naming", "local"] if ep > 1 else []
@@ -392,7 +392,7 @@ def test_our_moe_torch_dist_save_loads_into_megatron_core(moe, saved, out):
     EP 2 (dist_checkpointing.load, then load_state_dict of its ChainedOptimizer, which trains on): every weight, main
     parameter and moment bitwise what shardkit reads of it; the param groups are megatron-core's (dense decayed / not
     decayed, expert decayed) with our step."""
-    from train.torch_dist_ckpt import TorchDistLoad
+    from checkpoint.torch_dist_load import TorchDistLoad
 
     want = TorchDistLoad(moe / saved)
     assert want.layout.ep == EP

@@ -486,16 +486,3 @@ def _gather_errors(err: list, group: Any = None) -> None:
     bad = [e for e in from_every_rank(err[0], group) if e]
     if bad:
         raise WriteError(f"checkpoint save failed: {bad[0]}")
-
-
-def read_train_state(iter_dir: Path) -> dict | None:
-    from checkpoint.safety import read_input, regular_file
-
-    p = Path(iter_dir) / TRAIN_STATE
-    if not regular_file(p, missing_ok=True):  # a FIFO or a device: one line naming it, never a hang or "none"
-        return None
-    try:
-        return json.loads(read_input(p))
-    except (OSError, ValueError, RecursionError) as e:
-        raise FormatError(f"{p}: unreadable training state ({e})") from None
-

@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint.iterations import resolve_iteration
 from checkpoint.storage import last_complete, shown
 from checkpoint.manifest import iter_dirname
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ConfigError, ShardkitError
-from checkpoint.reader import Checkpoint
+from checkpoint.megatron import is_scheduler_state
 from checkpoint.rendezvous import rendezvous_env
 from checkpoint.layout import PipelineSplit
 from checkpoint.run_layout import RunLayout
@@ -38,7 +37,7 @@ from train.failures import bound_every_group
 from train.signals import ExitSignals
 from train.metrics import (MetricsLogger, check_wandb, flops_per_step, format_line, memory_stats, peak_flops,
                            throughput)
-from train.optim import DistributedOptimizer, ParamScheduler, is_scheduler_state
+from train.optim import DistributedOptimizer, ParamScheduler
 from train.parallel.context import packing_from, prepare_micro_batch
 from train.parallel.groups import Groups, build_groups, new_group
 from train.parallel.interleaved import InterleavedPipeline
@@ -102,24 +101,13 @@ def run_layout(cfg: TrainConfig, world: int | None = None) -> RunLayout:
 def open_load(c, global_batch_size: int):
     """--load opened for training, by either engine: (checkpoint, its iteration directory, train state, notes).
     A torch_dist one (Megatron-LM's or shardkit's) is read in place, by region; a shardkit native one is verified,
-    and --hf-config is refused for it and --vocab-size checked against its manifest."""
-    from checkpoint.opened import is_torch_dist
+    and --hf-config is refused for it and --vocab-size checked against its manifest (checkpoint.opened)."""
+    from checkpoint.opened import open_for_training
 
-    if is_torch_dist(c.load):
-        from train.torch_dist_ckpt import TorchDistLoad
-
-        ck = TorchDistLoad(c.load, c.hf_config or None, c.vocab_size, load_optim=not c.no_load_optim)
-        state, notes = ck.train_state(global_batch_size)
-        return ck, ck.path, state, notes
-    if c.hf_config:
-        raise ConfigError(f"--hf-config: only for a torch_dist --load without shardkit.json; {c.load} is a "
-                          "shardkit checkpoint, whose manifest describes the model (drop the flag)")
-    src = resolve_iteration(c.load)
-    ck = Checkpoint(src, check=not c.skip_verify)
-    if c.vocab_size is not None and c.vocab_size != ck.config.vocab_size:  # Megatron's flag: a check
-        raise ConfigError(f"--vocab-size {c.vocab_size} disagrees with the checkpoint {src} (vocab size "
-                          f"{ck.config.vocab_size}); drop the flag or load the right checkpoint")
-    return ck, src, ckpt_io.read_train_state(src), []
+    ck = open_for_training(c.load, c.hf_config, c.vocab_size, load_optim=not c.no_load_optim,
+                           check=not c.skip_verify)
+    state, notes = ck.train_state(global_batch_size)
+    return ck, ck.path, state, notes
 
 
 def check_save_format(save: str, save_format: str) -> None:
@@ -265,7 +253,7 @@ class Trainer:
         (default: refuse a difference; --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler). A
         checkpoint of an older shardkit has none: the command line's schedule, at the consumed samples."""
         s = self.cfg.schedule
-        where = str(self.src / ckpt_io.TRAIN_STATE if isinstance(self.ck, Checkpoint) else self.ck.td.common_source)
+        where = self.ck.train_state_source
         sd = self.state.get("scheduler")
         if not is_scheduler_state(sd):
             self.scheduler.step(self.consumed)
@@ -732,17 +720,3 @@ def _flat(cfg: TrainConfig) -> dict:
         for k, x in v.items():
             out[f"{sec}.{k}"] = x
     return out
-
-
-def main(cfg: TrainConfig, log=print) -> list[dict]:
-    """Run on this process (one rank of the job); returns the metrics history on every rank."""
-    init_distributed(cfg.run.distributed_timeout_minutes)
-    trainer = None
-    try:
-        from train.engines import make_trainer  # --engine native | megatron-core (issue 40)
-
-        trainer = make_trainer(cfg)
-        return trainer.run(log)
-    finally:
-        trainer = None  # its process groups go with it (shutdown_distributed)
-        shutdown_distributed()

@@ -132,7 +132,7 @@ def applied_at(iteration: int, global_batch: int, s: SchedulerConfig) -> tuple[f
 
 
 # Megatron's OptimizerParamScheduler.state_dict keys (= SchedulerConfig fields) checked on load, in its order, and the
-# flags that set them
+# flags that set them (with num_steps: checkpoint.megatron.MEGATRON_SCHEDULER_KEYS, is_scheduler_state)
 SCHEDULER_STATE = (
     ("max_lr", "--lr"),
     ("min_lr", "--min-lr"),
@@ -146,11 +146,6 @@ SCHEDULER_STATE = (
 )
 OVERRIDE_FLAG = "--override-opt_param-scheduler"
 USE_CHECKPOINT_FLAG = "--use-checkpoint-opt_param-scheduler"
-
-
-def is_scheduler_state(sd: object) -> bool:
-    """Whether `sd` is an OptimizerParamScheduler.state_dict() (shardkit before this format saved another dict)."""
-    return isinstance(sd, dict) and all(k in sd for k, _ in SCHEDULER_STATE) and "num_steps" in sd
 
 
 class ParamScheduler:
