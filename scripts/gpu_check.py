@@ -237,7 +237,7 @@ class Check:
         """(d) the megatron-core engine vs the native engine on (b)'s model, data and sequence length (the native
         numbers are (b)'s where it ran): tokens/s, MFU, and the per-step losses. megatron-core runs in its own
         process (on the CPU under its test switch, whose stand-ins are process-wide)."""
-        from train.engines import megatron_core_installed
+        from train.engines.choice import megatron_core_installed
 
         if not megatron_core_installed():
             return {"skipped": "megatron-core is not importable (scripts/gpu_wheels.sh downloads its cp312 wheel "

@@ -794,7 +794,7 @@ def _dispatch_local(args: argparse.Namespace) -> int:
     if args.cmd == "continue-pretrain":
         from train.config import from_namespace
         from train.failures import peer_failure
-        from train.loop import main as train_main
+        from train.engines import main as train_main
 
         if getattr(args, "config", None):  # the TOML is read next: a FIFO there would block it forever
             from checkpoint.safety import regular_file

@@ -973,7 +973,7 @@ def megatron_flags(cfg: TrainConfig) -> list[str]:
 
 
 def _on_megatron_core(cfg: TrainConfig) -> bool:
-    from train.engines import default_engine
+    from train.engines.choice import default_engine
 
     return (cfg.run.engine or default_engine()) == "megatron-core"
 

@@ -1,26 +1,17 @@
 """continue-pretrain's engines (issue 40): `native` (train/loop.py's Trainer: shardkit's own parallel engine in plain
 torch) and `megatron-core` (train/engines/megatron_core.py: megatron-core's GPTModel, DDP, distributed optimizer and
 pipeline schedules, fed from and saving to shardkit's checkpoints). `--engine` picks one; by default megatron-core on
-CUDA where it is installed and the run is one it covers, native otherwise (always on the CPU)."""
+CUDA where it is installed and the run is one it covers, native otherwise (always on the CPU): `default_engine`
+(train/engines/choice.py, which train/config.py asks too). `main` is the trainer's entry on each rank, above both
+engines."""
 from __future__ import annotations
 
-import importlib.util
+from typing import TYPE_CHECKING
 
-ENGINES = ("megatron-core", "native")
+from .choice import default_engine
 
-
-def megatron_core_installed() -> bool:
-    """megatron-core importable, without importing it (an import registers its pickle safe globals)."""
-    try:
-        return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def default_engine() -> str:
-    import torch
-
-    return "megatron-core" if torch.cuda.is_available() and megatron_core_installed() else "native"
+if TYPE_CHECKING:
+    from train.config import TrainConfig
 
 
 def make_trainer(cfg, log=print):
@@ -46,3 +37,17 @@ def make_trainer(cfg, log=print):
         trainer.notes.append(f"note: engine native (the megatron-core engine, the default on CUDA, does not cover "
                              f"this run: {e})")
         return trainer
+
+
+def main(cfg: TrainConfig, log=print) -> list[dict]:
+    """Run on this process (one rank of the job); returns the metrics history on every rank."""
+    from train.loop import init_distributed, shutdown_distributed
+
+    init_distributed(cfg.run.distributed_timeout_minutes)
+    trainer = None
+    try:
+        trainer = make_trainer(cfg)  # --engine native | megatron-core (issue 40)
+        return trainer.run(log)
+    finally:
+        trainer = None  # its process groups go with it (shutdown_distributed)
+        shutdown_distributed()
