@@ -254,8 +254,7 @@ def check_trainer_args(spec: LaunchSpec):
 def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
     """The start-up of `shardkit continue-pretrain` (shardkit/cli.py) and of the trainer (train/loop.py Trainer)
     up to building the model, without a process group: the same functions, in the same order."""
-    from shardkit.cli import _check_train_outputs
-    from shardkit.flagcheck import check_train_values
+    from shardkit.flagcheck import check_train_outputs, check_train_values
     from train.config import from_namespace, validate
     from train.loop import check_layout_for_model, check_save_format, open_load, run_layout
 
@@ -268,7 +267,7 @@ def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
 
     cfg = launch_view(cfg, spec.check_load)  # s3:// / gs:// --load / --save: passed through, never stat'ed here
     check_train_values(cfg)
-    _check_train_outputs(cfg)
+    check_train_outputs(cfg)
     validate(cfg)
     dims = run_layout(cfg, world=spec.layout.world)
     mcore = cfg.run.engine == "megatron-core"  # asked for by name: what that engine refuses on the cluster's GPUs

@@ -519,24 +519,12 @@ def _hf_dir_arg(value: str | None, download: bool = False) -> str | None:
     return str(resolve_hf_dir(value, download=download))
 
 
-def _data_files(prefixes) -> list[tuple[str, str]]:
-    """The files of --data-path prefixes (weights skipped): what the trainer reads of them."""
-    out = []
-    for p in prefixes or ():
-        try:
-            float(p)
-            continue
-        except ValueError:
-            pass
-        out += [("--data-path", f"{p}{ext}") for ext in (".bin", ".idx")]
-    return out
-
-
 def _check_outputs(args: argparse.Namespace) -> None:
     """The one rule for every command that writes: its output is not, does not contain and does not lie inside any
     of its inputs (checkpoint.safety.check_output), checked before anything is written. continue-pretrain is checked
-    in _dispatch once its --config file is merged."""
+    in _dispatch once its --config file is merged (shardkit/flagcheck.py check_train_outputs)."""
     from checkpoint.safety import check_output
+    from shardkit.flagcheck import data_files
 
     cmd, direction = args.cmd, getattr(args, "direction", None)
     if cmd == "convert" and direction in ("hf-to-mcore", "mcore-to-hf", "megatron-to-mcore"):
@@ -570,32 +558,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
                     if v.startswith("--"):
                         break
                     vals.append(v)
-                inputs += _data_files(vals)
+                inputs += data_files(vals)
         check_output(args.out, inputs, "--out")
-
-
-def _check_train_outputs(cfg) -> None:
-    """continue-pretrain: --save (and --tensorboard-dir) against --load and the data files. --save equal to --load
-    (or --load ROOT/iter_N --save ROOT) is resuming into the same root, which is allowed: a save writes new iteration
-    directories beside the loaded one. A --save inside a data directory is fine; one that is or contains a data
-    file is not."""
-    from checkpoint.errors import ShardkitError
-    from checkpoint.safety import check_output, inside_iteration, refuse_url
-
-    load = cfg.checkpoint.load
-    for flag, value in (("--load", load), ("--save", cfg.checkpoint.save), ("--tensorboard-dir", cfg.run.log_dir),
-                        *(("--data-path", p) for p in cfg.data.data_path or ())):
-        refuse_url(value, flag)  # a --config file's values too, not only the command line's
-    inputs = [("--load", load)] + _data_files(cfg.data.data_path)
-    for flag, out in (("--save", cfg.checkpoint.save), ("--tensorboard-dir", cfg.run.log_dir)):
-        if out:
-            check_output(out, inputs, flag, same_ok=[load] if load else [])
-    save = cfg.checkpoint.save
-    it = inside_iteration(save) if save else None
-    if it is not None:  # a save writes iterations beside each other in a root, never inside a committed one
-        raise ShardkitError(f"--save {save}: {'is' if it == os.path.realpath(save) else 'lies inside'} the "
-                            f"checkpoint iteration {it}; --save takes a checkpoint root (where iter_* and latest "
-                            "go), e.g. its parent")
 
 
 def _across_ranks(args: argparse.Namespace) -> int:
@@ -801,14 +765,14 @@ def _dispatch_local(args: argparse.Namespace) -> int:
 
             regular_file(args.config, "--config", missing_ok=True)
         cfg = from_namespace(args)
-        from shardkit.flagcheck import check_train_values
+        from shardkit.flagcheck import check_train_outputs, check_train_values
 
         check_train_values(cfg)  # NaN/inf/out-of-range --lr, --adam-eps, --clip-grad, timeouts... (issue 34)
         import contextlib
 
         with contextlib.ExitStack() as stack:
             cfg = _train_storage(cfg, stack)  # s3:// / gs:// --load and --save (checkpoint/storage.py)
-            _check_train_outputs(cfg)
+            check_train_outputs(cfg)
             try:
                 train_main(cfg)
             except RuntimeError as e:  # a collective failed: another rank died or hangs

@@ -6,13 +6,18 @@ check_train_values: every float of the trainer's configuration (flags and --conf
 ones with a range are inside it (--lr, --min-lr >= 0; --adam-beta1/2 in [0, 1); --adam-eps > 0; --clip-grad >= 0,
 0 disabling clipping as in Megatron; --weight-decay >= 0; --distributed-timeout-minutes in (0, a year]; ...).
 check_timeout_minutes and check_tolerance: the same for the CLI's own flags.
+check_train_outputs: continue-pretrain's --save and --tensorboard-dir against --load and the data files (data_files:
+what the trainer reads of --data-path). `shardkit continue-pretrain` and `shardkit launch` (plan/launch.py, on the
+command line it writes) run both checks; this module imports nothing of the CLI, so the launcher needs no import of
+shardkit/cli.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
-from checkpoint.errors import ConfigError
+from checkpoint.errors import ConfigError, ShardkitError
 
 MAX_TIMEOUT_MINUTES = 365 * 24 * 60  # a collective that may wait longer than a year waits forever: refused
 
@@ -71,3 +76,39 @@ def check_train_values(cfg) -> None:
                 what = (f"{'[' if lo_ok else '('}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}"
                         f"{']' if hi_ok else ')'}")
                 raise ConfigError(f"{_flag(f.name)} {v:g}: expected a value in {what}")
+
+
+def data_files(prefixes) -> list[tuple[str, str]]:
+    """The files of --data-path prefixes (weights skipped): what the trainer reads of them."""
+    out = []
+    for p in prefixes or ():
+        try:
+            float(p)
+            continue
+        except ValueError:
+            pass
+        out += [("--data-path", f"{p}{ext}") for ext in (".bin", ".idx")]
+    return out
+
+
+def check_train_outputs(cfg) -> None:
+    """continue-pretrain: --save (and --tensorboard-dir) against --load and the data files. --save equal to --load
+    (or --load ROOT/iter_N --save ROOT) is resuming into the same root, which is allowed: a save writes new iteration
+    directories beside the loaded one. A --save inside a data directory is fine; one that is or contains a data
+    file is not."""
+    from checkpoint.safety import check_output, inside_iteration, refuse_url
+
+    load = cfg.checkpoint.load
+    for flag, value in (("--load", load), ("--save", cfg.checkpoint.save), ("--tensorboard-dir", cfg.run.log_dir),
+                        *(("--data-path", p) for p in cfg.data.data_path or ())):
+        refuse_url(value, flag)  # a --config file's values too, not only the command line's
+    inputs = [("--load", load)] + data_files(cfg.data.data_path)
+    for flag, out in (("--save", cfg.checkpoint.save), ("--tensorboard-dir", cfg.run.log_dir)):
+        if out:
+            check_output(out, inputs, flag, same_ok=[load] if load else [])
+    save = cfg.checkpoint.save
+    it = inside_iteration(save) if save else None
+    if it is not None:  # a save writes iterations beside each other in a root, never inside a committed one
+        raise ShardkitError(f"--save {save}: {'is' if it == os.path.realpath(save) else 'lies inside'} the "
+                            f"checkpoint iteration {it}; --save takes a checkpoint root (where iter_* and latest "
+                            "go), e.g. its parent")

@@ -61,15 +61,15 @@ def trainer_accepts(args: list[str], world: int) -> tuple:
     layout. Returns (the trainer config, its RunLayout); raises the trainer's error otherwise."""
     from dataclasses import replace
 
-    from shardkit.cli import _check_train_outputs, build_parser
-    from shardkit.flagcheck import check_train_values
+    from shardkit.cli import build_parser
+    from shardkit.flagcheck import check_train_outputs, check_train_values
     from train.config import from_namespace, validate
     from train.loop import check_layout_for_model, open_load, run_layout
 
     ns = build_parser().parse_args(["continue-pretrain", *args])
     cfg = from_namespace(ns)
     check_train_values(cfg)
-    _check_train_outputs(cfg)
+    check_train_outputs(cfg)
     validate(cfg)
     dims = run_layout(cfg, world=world)
     ck, src, _, _ = open_load(replace(cfg.checkpoint, skip_verify=False), cfg.data.global_batch_size)
