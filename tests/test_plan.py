@@ -731,7 +731,7 @@ def test_engine_per_layout_and_launch_command(capsys):
     assert "--overlap-grad-reduce" in argv and "--overlap-param-gather" in argv
     ds = evaluate(presets.model_config("deepseek-v3"), RunLayout(tp=8, pp=16, ep=8, dp=8), s, Hardware(), 1024,
                   80 * GiB, engine_fallback=True)
-    assert ds.settings.engine == "native" and "deepseek_v3 has shared experts" in ds.engine_note
+    assert ds.settings.engine == "native" and "deepseek_v3 has multi-token prediction" in ds.engine_note
     argv = launch_argv(ds, 1024, 8)
     assert argv[argv.index("--engine") + 1] == "native" and "--overlap-grad-reduce" not in argv
     assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--engine", "native", "--json", "--top", "1"]) == 0
