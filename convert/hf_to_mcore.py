@@ -20,6 +20,7 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError
 from checkpoint.families import model_specs
 from checkpoint.families.mapping import TensorMap, assemble
+from checkpoint.hf_source import HFSource, copy_assets
 from checkpoint.layout import Layout
 from checkpoint.manifest import Manifest, TensorEntry
 from checkpoint.store import count_nonfinite
@@ -27,7 +28,6 @@ from checkpoint.safety import check_output
 from checkpoint.sharding import SCALE_SUFFIX, TensorSpec, check_fp8_layout, fp8_scale_specs
 
 from . import distributed
-from .hf_source import HFSource, copy_assets
 from .writer import ChunkSink, Task, chunk_tasks, write_chunks
 
 VERSION = "0.1.0"
@@ -293,7 +293,7 @@ def source_unchanged(src: HFSource, files: list[dict]) -> None:
     """Before the commit: every source file is still the one the conversion started from (its identity and sampled
     content, HFSource.resume_fingerprint); a file replaced or rewritten while it was read is one line, nothing is
     committed (the partial output is not resumed either: its job no longer matches the source)."""
-    from .hf_source import content_fingerprint
+    from checkpoint.hf_source import content_fingerprint
 
     for info in files:
         now = content_fingerprint(src.dir / info["name"])

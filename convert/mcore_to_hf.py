@@ -21,6 +21,7 @@ from checkpoint import store
 from checkpoint.commit import fsync_path, fsync_tree, output_lock, replace_dir, space_note, space_related
 from checkpoint.errors import ShardkitError, WriteError
 from checkpoint.faults import fault_point
+from checkpoint.hf_source import INDEX, SINGLE
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint
 from checkpoint.safety import check_target, copy_side_files
@@ -28,7 +29,6 @@ from checkpoint.safety import check_target, copy_side_files
 from checkpoint import families
 from checkpoint.sharding import SCALE_SUFFIX
 
-from .hf_source import INDEX, SINGLE
 from .writer import refuse_nonfinite
 from checkpoint.families.mapping import Segment, TensorMap, hf_sources
 

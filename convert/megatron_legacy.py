@@ -648,7 +648,7 @@ def legacy_to_native(src_root: str | Path, out: str | Path, cfg: ModelConfig, *,
         raise ShardkitError(f"internal: chunks without a source rank, e.g. {example}")
     entries = {n: entries[n] for n in specs}
     nbytes = {t.id: t.nbytes(entries[t.name]) for t in tasks}
-    from .hf_source import content_fingerprint
+    from checkpoint.hf_source import content_fingerprint
 
     # the resume record: each rank file's identity and sampled content too (issue 34: size and mtime alone let a
     # rewritten rank file resume the chunks of the old one)
@@ -691,7 +691,7 @@ def legacy_to_native(src_root: str | Path, out: str | Path, cfg: ModelConfig, *,
 
             _run_rounds([write_jobs, check_jobs], init_args, nworkers, on_result)
         if hf_dir is not None:
-            from .hf_source import copy_assets
+            from checkpoint.hf_source import copy_assets
 
             copy_assets(hf_dir, w.path("hf"))
         manifest = Manifest(

@@ -499,7 +499,7 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out: str | Path, layout: Layout
     (hf_to_mcore's plan and chunk worker, stream_torch_dist's rank files; no native checkpoint in between). The items
     are the chunks the native conversion writes, so the result equals the export of that conversion. With `group`
     (one rank of several, convert.distributed) this rank writes its share of the rank files and rank 0 commits."""
-    from .hf_source import HFSource, find_assets
+    from checkpoint.hf_source import HFSource, find_assets
     from .hf_to_mcore import _jsonable, _without_absent_mtp, _Worker, plan, source_unchanged
 
     hf_dir = Path(hf_dir)
@@ -703,7 +703,7 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | N
     optimizer = import_optimizer_states(td) or None
     entries, keys = plan_import(td, cfg, layout, dtype, optimizer, origin)
     vocab = vocab_padding(cfg, layout, optimizer)
-    from .hf_source import content_fingerprint
+    from checkpoint.hf_source import content_fingerprint
 
     md = td.path / ".metadata"
     st = md.stat()
@@ -723,7 +723,7 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | N
         if not distributed.leads(group):
             return distributed.finish(group, None, out)
         if assets is not None:
-            from .hf_source import copy_assets
+            from checkpoint.hf_source import copy_assets
 
             copy_assets(assets, w.path("hf"))  # tokenizer / generation files (config.json is the manifest's)
         carried = (td.common or {}).get(TRAIN_STATE_KEY)

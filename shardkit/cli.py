@@ -514,7 +514,7 @@ def _hf_dir_arg(value: str | None, download: bool = False) -> str | None:
     """An HF directory argument: a local directory, or a hub repo id resolved through the local hub cache."""
     if value is None:
         return None
-    from convert.hf_source import resolve_hf_dir
+    from checkpoint.hf_source import resolve_hf_dir
 
     return str(resolve_hf_dir(value, download=download))
 

@@ -668,7 +668,7 @@ def test_content_fingerprint_sees_any_sampled_block_and_costs_little(tmp_path):
     """Every sampled block changes the hash; identity fields follow a rename; the cost per file is a few reads."""
     import time
 
-    from convert.hf_source import SAMPLE_BYTES, SAMPLES, content_fingerprint
+    from checkpoint.hf_source import SAMPLE_BYTES, SAMPLES, content_fingerprint
 
     p = tmp_path / "x.safetensors"
     p.write_bytes(os.urandom(SAMPLES * SAMPLE_BYTES * 3 + 123))

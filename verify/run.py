@@ -35,7 +35,7 @@ def compare(ck: OpenedCheckpoint, against: str | Path, *, seq_length: int, toler
     from .against import against_hf
 
     if Path(against).is_dir():  # the conversion's own reading of the weights, in both modes: a FIFO, a link
-        from convert.hf_source import weight_files  # out, model.safetensors beside another index are one line
+        from checkpoint.hf_source import weight_files  # out, model.safetensors beside another index are one line
 
         weight_files(against)
     source = ck.reader

@@ -46,13 +46,12 @@ from torch import Tensor, nn
 from checkpoint import chunkio, store
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
+from checkpoint.hf_source import weight_files
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.reader import Checkpoint
 from checkpoint.safety import read_input
 from checkpoint.sharding import SCALE_SUFFIX, Rule, TensorSpec, regions, split_optimizer_key
 from train.model import MLP, GPTModel, RotaryEmbedding, canonical_name
-
-from convert.hf_source import weight_files
 
 from .common import HF_ATTN_IMPLEMENTATION, _memcmp, compare_rows, load_quietly
 

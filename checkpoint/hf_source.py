@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint import store
-from checkpoint.errors import FormatError
-from checkpoint.safety import (SIDE_FILE_PATTERNS, copy_side_files, open_input, read_input, regular_file, safe_path,
+from . import store
+from .errors import FormatError
+from .safety import (SIDE_FILE_PATTERNS, copy_side_files, open_input, read_input, regular_file, safe_path,
                                side_files)
-from checkpoint.sharding import SCALE_SUFFIX  # DeepSeek-V3: `<weight>_scale_inv`, one fp32 scale per block
+from .sharding import SCALE_SUFFIX  # DeepSeek-V3: `<weight>_scale_inv`, one fp32 scale per block
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
