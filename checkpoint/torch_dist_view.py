@@ -1,18 +1,23 @@
 """A torch_dist checkpoint seen through a model config and the sharding table: every canonical tensor (and optimizer
 state) matched to its stored key, shapes checked against the config, and `TorchDistSource`, which reads it in place
 by region as a native Checkpoint is read. `verify`, `inspect`, the torch_dist import (convert/torch_dist_io.py) and the
-trainer's `--load` of a torch_dist checkpoint (checkpoint/torch_dist_load.py) all read through it."""
+trainer's `--load` of a torch_dist checkpoint (checkpoint/torch_dist_load.py) all read through it. Here too what
+`inspect` shows of one (describe_torch_dist) and `verify`'s integrity check (verify_torch_dist: keys, shapes and rank
+shards against the model config and the sharding table, every item read), the torch_dist twins of checkpoint/reader.py's
+describe and Checkpoint.verify."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Callable
 
 from . import store
 from .config import ModelConfig
-from .errors import FormatError
+from .errors import FormatError, ShardkitError
 from .layout import Layout
 from .manifest import Manifest, TensorEntry
-from .megatron import SKIPPED_PREFIXES, arg, source_keys
+from .megatron import SKIPPED_PREFIXES, arg, shard_owners, source_keys
+from .megatron_bridge import flat_buffers, flat_layout_proved
 from .reader import ManifestView, read_padded, vocab_padding
 from .sharding import OPTIMIZER_STATES, Rule, TensorSpec, split_optimizer_key
 from .torch_dist import TorchDistCheckpoint
@@ -137,3 +142,137 @@ class TorchDistSource(ManifestView):
     def hf_dir(self) -> Path | None:
         """Tokenizer / config files: --hf-config, else the hf/ of a shardkit save (None for Megatron-LM's own)."""
         return Path(self.hf_config) if self.hf_config else self.td.hf_dir()
+
+
+# -- inspect and verify of a torch_dist checkpoint, read in place ------------------------------------------------
+
+def _rows(td: TorchDistCheckpoint, names: list[str]) -> list[dict]:
+    rows = []
+    for name in names:
+        t = td.tensors[name]
+        files = sorted({td.item_file(name, off) for off, _ in t.chunks})
+        rows.append({"name": name, "shape": list(t.shape), "dtype": store.dtype_name(t.dtype), "shards": len(t.chunks),
+                     "files": files, "bytes": math.prod(t.shape) * t.dtype.itemsize})
+    return rows
+
+
+def describe_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig | None = None, origin: str | None = None,
+                        why_unknown: str | None = None) -> dict:
+    """What `inspect` shows of a torch_dist checkpoint (`--json` prints it): the layout from the Megatron args, the
+    model config where something describes it (`origin`; else `why_unknown`), every tensor of DCP's metadata (key,
+    global shape, dtype, how many shards, which rank files), the optimizer state (present or not), the objects,
+    common.pt's entries and shardkit's own files."""
+    optim = sorted(k for k in td.tensors if k.startswith("optimizer."))
+    model = [k for k in td.tensors if not k.startswith("optimizer.")]
+    rows, optim_rows = _rows(td, model), _rows(td, optim)
+    layout = td.layout
+    content = (td.common or {}).get("content_metadata")
+    d = {
+        "path": str(td.path),
+        "format": "torch_dist (Megatron-LM)",
+        "iteration": td.iteration,
+        "layout": layout.to_dict() if layout else None,
+        "layout_from": f"{td.args_source} args" if layout else None,
+        "model_from": origin,
+        "model": {k: v for k, v in cfg.to_dict().items() if k != "hf_config"} if cfg else None,
+        "model_unknown": why_unknown if cfg is None else None,
+        "vocab": ({"size": cfg.vocab_size, "padded_size": arg(td.args, "padded_vocab_size",
+                                                               cfg.padded_vocab_size((layout or Layout()).tp)),
+                   "divisible_by": cfg.make_vocab_size_divisible_by} if cfg else None),
+        "tensors": rows,
+        "total_bytes": sum(r["bytes"] for r in rows),
+        "total_params": sum(math.prod(r["shape"]) for r in rows),
+        "optimizer": {"present": bool(optim), "states": import_optimizer_states(td), "tensors": len(optim_rows),
+                      "bytes": sum(r["bytes"] for r in optim_rows),
+                      "sharding_type": (content or {}).get("distrib_optim_sharding_type")
+                      if isinstance(content, dict) else None},
+        "objects": len(td.objects),
+        "files": td.files(),
+        "common": sorted(map(str, td.common)) if td.common else None,
+        "shardkit": bool(td.sidecar),
+        "hf_files": sorted(p.name for p in td.hf_dir().iterdir() if p.is_file()) if td.hf_dir() else [],
+        "provenance": td.sidecar["provenance"] if td.sidecar else None,
+        "notes": td.notes,
+    }
+    return d
+
+
+def shard_problems(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, specs: list[TensorSpec],
+                   keys: dict[str, str]) -> list[str]:
+    """One line per stored item that does not lie inside one rank's shard of `layout` (the args' layout) in the
+    sharding table: then the args do not describe how the items were saved."""
+    out = []
+    for s in specs:
+        k = keys.get(s.name)
+        if k is None or tuple(td.tensors[k].shape) != tuple(s.shape):
+            continue  # reported by shape_problems
+        owners = shard_owners(s, layout, cfg.num_layers)
+        for off, size in td.tensors[k].chunks:
+            if not any(all(o <= a and a + n <= o + r for a, n, o, r in zip(off, size, reg.global_offset, reg.shape))
+                       for reg, _ in owners):
+                out.append(f"{td.path / td.item_file(k, off)}: item {k} at {list(off)} of size {list(size)} lies "
+                           f"across the rank shards of tp={layout.tp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep} "
+                           f"etp={layout.expert_tp} (the layout in common.pt's args); the args do not describe how "
+                           "it was saved")
+                break
+    return out
+
+
+def _nonfinite(value: torch.Tensor) -> int:
+    """NaN/Inf count of an item: the block-wise bit test for the dtypes the format stores, torch's own otherwise."""
+    try:
+        return store.count_nonfinite(store.to_numpy(value))
+    except (FormatError, KeyError):
+        import torch
+
+        return int((~torch.isfinite(value)).sum()) if value.is_floating_point() else 0
+
+
+def verify_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig, origin: str,
+                      progress: Callable[[int], None] | None = None) -> dict:
+    """`verify` of a torch_dist checkpoint: every key and global shape against the model config and the sharding
+    table at the args' layout (missing and unexpected keys, shapes, layer counts, vocab rows, items that straddle
+    rank shards), then every item read (torch.load(weights_only=True) of its bytes, its shape and dtype checked
+    against the metadata) with its non-finite values counted. Problems are collected, not raised; only unreadable
+    items raise (FormatError naming the file and the item)."""
+    layout = td.layout or Layout()
+    problems: list[str] = []
+    try:
+        layout.check(cfg)
+    except ShardkitError as e:
+        problems.append(f"{td.args_source}: the args' layout does not fit {origin}: {e}")
+    optimizer = import_optimizer_states(td) or None
+    specs = Manifest(0, cfg, layout, {}, optimizer=optimizer).specs()
+    keys, missing, unexpected = match_keys(td, specs)
+    problems += shape_problems(td, cfg, specs, keys, origin)
+    if not problems:
+        problems += shard_problems(td, cfg, layout, specs, keys)
+    nonfinite: dict[str, int] = {}
+    items = nbytes = 0
+    # Megatron-LM's dp_reshardable flat buffers: their padding between parameters is uninitialised memory, so
+    # non-finite values are counted over the parameters' ranges only, where the layout is rebuilt and proved
+    flat = {k for ks in flat_buffers(td).values() for k in ks}
+    spans = flat_layout_proved(td, cfg.num_layers) if flat else None
+    for name, t in td.tensors.items():
+        for off, _ in t.chunks:
+            value = td.read_item(name, off)
+            if name in flat and spans is not None:  # the parts of this chunk that hold parameters
+                lo, hi = off[0], off[0] + value.shape[0]
+                bad = sum(_nonfinite(value[max(s, lo) - lo:min(s + n, hi) - lo]) for _, _, s, n in spans
+                          if max(s, lo) < min(s + n, hi))
+            else:
+                bad = _nonfinite(value)
+            if bad:
+                nonfinite[name] = nonfinite.get(name, 0) + bad
+            n = value.numel() * value.element_size()
+            del value
+            items += 1
+            nbytes += n
+            if progress:
+                progress(n)
+    return {"path": str(td.path), "format": "torch_dist", "iteration": td.iteration, "layout": layout.to_dict(),
+            "layout_from": f"{td.args_source} args" if td.layout else "none (tp=pp=1 assumed)",
+            "model_from": origin, "tensors": len(td.tensors), "items": items, "objects": len(td.objects),
+            "files": len(td.files()), "bytes": nbytes, "missing": missing, "unexpected": unexpected,
+            "problems": problems, "nonfinite": nonfinite, "optimizer": optimizer,
+            "keys_ok": not (missing or unexpected or problems)}

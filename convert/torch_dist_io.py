@@ -24,9 +24,8 @@ torch.load, no copy where a chunk is one item). Model-space optimizer state
 `fully_reshardable` or `fully_sharded_model_space`) becomes the native optimizer entries; other optimizer objects, RNG
 state and `_extra_state` objects are skipped.
 
-In place (no staging copy): TorchDistSource reads a torch_dist checkpoint as a native Checkpoint is read (verify
---against), describe_torch_dist is `inspect`, verify_torch_dist is `verify` (keys, shapes and rank shards against the
-model config and the sharding table, every item read).
+Reading one in place (TorchDistSource, `inspect`'s describe_torch_dist, `verify`'s verify_torch_dist) is
+checkpoint/torch_dist_view.py.
 """
 from __future__ import annotations
 
@@ -41,7 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -52,14 +51,14 @@ from checkpoint.errors import FormatError, ShardkitError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.layout import Layout
 from checkpoint.manifest import MANIFEST, TRAIN_STATE, Manifest, TensorEntry, valid_iter_dirname
-from checkpoint.megatron import (DEFAULT_MEGATRON_VERSION, KEY_NAMINGS, TRACKER, TRAIN_STATE_KEY, arg, chunk_rank,
+from checkpoint.megatron import (DEFAULT_MEGATRON_VERSION, KEY_NAMINGS, TRACKER, TRAIN_STATE_KEY, chunk_rank,
                                  check_megatron_version, extra_state_objects, layout_from_args, megatron_common,
-                                 shard_owners, stored_key)
+                                 stored_key)
 from checkpoint.progress import progress_bar
 from checkpoint.reader import Checkpoint, ReadPlan, entry_nbytes, read_padded, vocab_padding
 from checkpoint.safety import check_output, check_target, is_side_file_name, side_files
 from checkpoint.sharding import TensorSpec, split_optimizer_key
-from checkpoint.megatron_bridge import flat_buffers, flat_layout_proved, write_run_config
+from checkpoint.megatron_bridge import write_run_config
 from checkpoint.torch_dist import HF_SUBDIR, TorchDistCheckpoint, read_torch_dist
 from checkpoint.torch_dist_sidecar import write_sidecar
 from checkpoint.torch_dist_write import DCPWriter, RankFile, close_all, none_object_bytes, write_common, write_integrity
@@ -70,9 +69,6 @@ from . import distributed
 from .hf_to_mcore import VERSION
 from .reshard import plan_reshard
 from .writer import ChunkSink, Task, Workers, chunk_tasks, refuse_nonfinite, run_in_process, write_chunks
-
-if TYPE_CHECKING:
-    import torch
 
 # -- native -> torch_dist ---------------------------------------------------------------------------------------------
 
@@ -742,141 +738,5 @@ def torch_dist_to_native(path: str | Path, out: str | Path, cfg: ModelConfig | N
     return distributed.finish(group, path, out)
 
 
-# -- reading a torch_dist checkpoint in place: verify --against, inspect, verify ------------------------------------
-
-def _rows(td: TorchDistCheckpoint, names: list[str]) -> list[dict]:
-    rows = []
-    for name in names:
-        t = td.tensors[name]
-        files = sorted({td.item_file(name, off) for off, _ in t.chunks})
-        rows.append({"name": name, "shape": list(t.shape), "dtype": store.dtype_name(t.dtype), "shards": len(t.chunks),
-                     "files": files, "bytes": math.prod(t.shape) * t.dtype.itemsize})
-    return rows
-
-
-def describe_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig | None = None, origin: str | None = None,
-                        why_unknown: str | None = None) -> dict:
-    """What `inspect` shows of a torch_dist checkpoint (`--json` prints it): the layout from the Megatron args, the
-    model config where something describes it (`origin`; else `why_unknown`), every tensor of DCP's metadata (key,
-    global shape, dtype, how many shards, which rank files), the optimizer state (present or not), the objects,
-    common.pt's entries and shardkit's own files."""
-    optim = sorted(k for k in td.tensors if k.startswith("optimizer."))
-    model = [k for k in td.tensors if not k.startswith("optimizer.")]
-    rows, optim_rows = _rows(td, model), _rows(td, optim)
-    layout = td.layout
-    content = (td.common or {}).get("content_metadata")
-    d = {
-        "path": str(td.path),
-        "format": "torch_dist (Megatron-LM)",
-        "iteration": td.iteration,
-        "layout": layout.to_dict() if layout else None,
-        "layout_from": f"{td.args_source} args" if layout else None,
-        "model_from": origin,
-        "model": {k: v for k, v in cfg.to_dict().items() if k != "hf_config"} if cfg else None,
-        "model_unknown": why_unknown if cfg is None else None,
-        "vocab": ({"size": cfg.vocab_size, "padded_size": arg(td.args, "padded_vocab_size",
-                                                               cfg.padded_vocab_size((layout or Layout()).tp)),
-                   "divisible_by": cfg.make_vocab_size_divisible_by} if cfg else None),
-        "tensors": rows,
-        "total_bytes": sum(r["bytes"] for r in rows),
-        "total_params": sum(math.prod(r["shape"]) for r in rows),
-        "optimizer": {"present": bool(optim), "states": import_optimizer_states(td), "tensors": len(optim_rows),
-                      "bytes": sum(r["bytes"] for r in optim_rows),
-                      "sharding_type": (content or {}).get("distrib_optim_sharding_type")
-                      if isinstance(content, dict) else None},
-        "objects": len(td.objects),
-        "files": td.files(),
-        "common": sorted(map(str, td.common)) if td.common else None,
-        "shardkit": bool(td.sidecar),
-        "hf_files": sorted(p.name for p in td.hf_dir().iterdir() if p.is_file()) if td.hf_dir() else [],
-        "provenance": td.sidecar["provenance"] if td.sidecar else None,
-        "notes": td.notes,
-    }
-    return d
-
-
-def shard_problems(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, specs: list[TensorSpec],
-                   keys: dict[str, str]) -> list[str]:
-    """One line per stored item that does not lie inside one rank's shard of `layout` (the args' layout) in the
-    sharding table: then the args do not describe how the items were saved."""
-    out = []
-    for s in specs:
-        k = keys.get(s.name)
-        if k is None or tuple(td.tensors[k].shape) != tuple(s.shape):
-            continue  # reported by shape_problems
-        owners = shard_owners(s, layout, cfg.num_layers)
-        for off, size in td.tensors[k].chunks:
-            if not any(all(o <= a and a + n <= o + r for a, n, o, r in zip(off, size, reg.global_offset, reg.shape))
-                       for reg, _ in owners):
-                out.append(f"{td.path / td.item_file(k, off)}: item {k} at {list(off)} of size {list(size)} lies "
-                           f"across the rank shards of tp={layout.tp} pp={layout.pp} vpp={layout.vpp} ep={layout.ep} "
-                           f"etp={layout.expert_tp} (the layout in common.pt's args); the args do not describe how "
-                           "it was saved")
-                break
-    return out
-
-
-def _nonfinite(value: torch.Tensor) -> int:
-    """NaN/Inf count of an item: the block-wise bit test for the dtypes the format stores, torch's own otherwise."""
-    try:
-        return store.count_nonfinite(store.to_numpy(value))
-    except (FormatError, KeyError):
-        import torch
-
-        return int((~torch.isfinite(value)).sum()) if value.is_floating_point() else 0
-
-
-def verify_torch_dist(td: TorchDistCheckpoint, cfg: ModelConfig, origin: str,
-                      progress: Callable[[int], None] | None = None) -> dict:
-    """`verify` of a torch_dist checkpoint: every key and global shape against the model config and the sharding
-    table at the args' layout (missing and unexpected keys, shapes, layer counts, vocab rows, items that straddle
-    rank shards), then every item read (torch.load(weights_only=True) of its bytes, its shape and dtype checked
-    against the metadata) with its non-finite values counted. Problems are collected, not raised; only unreadable
-    items raise (FormatError naming the file and the item)."""
-    layout = td.layout or Layout()
-    problems: list[str] = []
-    try:
-        layout.check(cfg)
-    except ShardkitError as e:
-        problems.append(f"{td.args_source}: the args' layout does not fit {origin}: {e}")
-    optimizer = import_optimizer_states(td) or None
-    specs = Manifest(0, cfg, layout, {}, optimizer=optimizer).specs()
-    keys, missing, unexpected = match_keys(td, specs)
-    problems += shape_problems(td, cfg, specs, keys, origin)
-    if not problems:
-        problems += shard_problems(td, cfg, layout, specs, keys)
-    nonfinite: dict[str, int] = {}
-    items = nbytes = 0
-    # Megatron-LM's dp_reshardable flat buffers: their padding between parameters is uninitialised memory, so
-    # non-finite values are counted over the parameters' ranges only, where the layout is rebuilt and proved
-    flat = {k for ks in flat_buffers(td).values() for k in ks}
-    spans = flat_layout_proved(td, cfg.num_layers) if flat else None
-    for name, t in td.tensors.items():
-        for off, _ in t.chunks:
-            value = td.read_item(name, off)
-            if name in flat and spans is not None:  # the parts of this chunk that hold parameters
-                lo, hi = off[0], off[0] + value.shape[0]
-                bad = sum(_nonfinite(value[max(s, lo) - lo:min(s + n, hi) - lo]) for _, _, s, n in spans
-                          if max(s, lo) < min(s + n, hi))
-            else:
-                bad = _nonfinite(value)
-            if bad:
-                nonfinite[name] = nonfinite.get(name, 0) + bad
-            n = value.numel() * value.element_size()
-            del value
-            items += 1
-            nbytes += n
-            if progress:
-                progress(n)
-    return {"path": str(td.path), "format": "torch_dist", "iteration": td.iteration, "layout": layout.to_dict(),
-            "layout_from": f"{td.args_source} args" if td.layout else "none (tp=pp=1 assumed)",
-            "model_from": origin, "tensors": len(td.tensors), "items": items, "objects": len(td.objects),
-            "files": len(td.files()), "bytes": nbytes, "missing": missing, "unexpected": unexpected,
-            "problems": problems, "nonfinite": nonfinite, "optimizer": optimizer,
-            "keys_ok": not (missing or unexpected or problems)}
-
-
 __all__ = ["write_torch_dist", "via_native", "torch_dist_to_native", "read_torch_dist", "stored_key",
-           "match_keys", "shape_problems", "shard_problems", "plan_import", "TorchDistSource", "describe_torch_dist",
-           "verify_torch_dist",
-           "chunk_rank", "extra_state_objects"]
+           "match_keys", "shape_problems", "plan_import", "TorchDistSource", "chunk_rank", "extra_state_objects"]

@@ -883,7 +883,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if ck.format == "torch_dist":
         from checkpoint.errors import ConfigError
         from checkpoint.progress import print_torch_dist_description
-        from convert.torch_dist_io import describe_torch_dist
+        from checkpoint.torch_dist_view import describe_torch_dist
 
         try:
             d = describe_torch_dist(ck.td, ck.config, ck.config_origin)

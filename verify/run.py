@@ -17,7 +17,7 @@ from .report import error_line, print_report
 def integrity(ck: OpenedCheckpoint, show_progress: bool = True) -> dict:
     """Every stored byte re-read: the result dict `verify --json` prints (its fields are each format's own)."""
     if isinstance(ck, TorchDistOpened):
-        from convert.torch_dist_io import verify_torch_dist
+        from checkpoint.torch_dist_view import verify_torch_dist
 
         cfg, origin = ck.config, ck.config_origin  # the model config first: one line where nothing gives it
         total = sum(t.dtype.itemsize * _numel(t.shape) for t in ck.td.tensors.values())
