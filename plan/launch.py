@@ -222,7 +222,7 @@ def _trainer_parser() -> tuple[_TrainerParser, set[str]]:
 def check_trainer_args(spec: LaunchSpec):
     """What `shardkit continue-pretrain` checks at start-up, run now on the command line launch would write, not
     when the job starts after hours in a queue: the trainer's parser (a typo, a layout dimension it does not
-    implement), its value and flag checks (train/config.py validate, shardkit/flagcheck.py), the layout at the job's
+    implement), its value and flag checks (train/config.py validate, train/flagcheck.py), the layout at the job's
     world size (train/loop.py run_layout: the global batch over DP, the expert grid), --save against --load, and,
     with `check_load`, the layout against the model of --load (open_load, check_layout_for_model: heads, KV groups,
     ffn and experts over TP/EP, the pipeline split against its layers, sequence parallelism). Every refusal is the
@@ -254,7 +254,7 @@ def check_trainer_args(spec: LaunchSpec):
 def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
     """The start-up of `shardkit continue-pretrain` (shardkit/cli.py) and of the trainer (train/loop.py Trainer)
     up to building the model, without a process group: the same functions, in the same order."""
-    from shardkit.flagcheck import check_train_outputs, check_train_values
+    from train.flagcheck import check_train_outputs, check_train_values
     from train.config import from_namespace, validate
     from train.loop import check_layout_for_model, check_save_format, open_load, run_layout
 

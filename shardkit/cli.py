@@ -522,9 +522,9 @@ def _hf_dir_arg(value: str | None, download: bool = False) -> str | None:
 def _check_outputs(args: argparse.Namespace) -> None:
     """The one rule for every command that writes: its output is not, does not contain and does not lie inside any
     of its inputs (checkpoint.safety.check_output), checked before anything is written. continue-pretrain is checked
-    in _dispatch once its --config file is merged (shardkit/flagcheck.py check_train_outputs)."""
+    in _dispatch once its --config file is merged (train/flagcheck.py check_train_outputs)."""
     from checkpoint.safety import check_output
-    from shardkit.flagcheck import data_files
+    from train.flagcheck import data_files
 
     cmd, direction = args.cmd, getattr(args, "direction", None)
     if cmd == "convert" and direction in ("hf-to-mcore", "mcore-to-hf", "megatron-to-mcore"):
@@ -573,7 +573,7 @@ def _across_ranks(args: argparse.Namespace) -> int:
     from convert import distributed
 
     command = "reshard" if args.cmd == "reshard" else f"convert {args.direction}"
-    from shardkit.flagcheck import check_timeout_minutes
+    from train.flagcheck import check_timeout_minutes
 
     check_timeout_minutes(getattr(args, "distributed_timeout_minutes", None))  # NaN/inf/<= 0: one line (issue 34)
     found = rank_and_world(os.environ, command)
@@ -765,7 +765,7 @@ def _dispatch_local(args: argparse.Namespace) -> int:
 
             regular_file(args.config, "--config", missing_ok=True)
         cfg = from_namespace(args)
-        from shardkit.flagcheck import check_train_outputs, check_train_values
+        from train.flagcheck import check_train_outputs, check_train_values
 
         check_train_values(cfg)  # NaN/inf/out-of-range --lr, --adam-eps, --clip-grad, timeouts... (issue 34)
         import contextlib
@@ -911,7 +911,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     """verify, either format (verify/run.py): one report, one verdict."""
     from plan.units import parse_bytes
-    from shardkit.flagcheck import check_tolerance
+    from train.flagcheck import check_tolerance
     from verify.run import verify_checkpoint
 
     check_tolerance(args.tolerance)  # NaN, inf (which would pass any model) and negatives: one line (issue 34)

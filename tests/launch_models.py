@@ -62,7 +62,7 @@ def trainer_accepts(args: list[str], world: int) -> tuple:
     from dataclasses import replace
 
     from shardkit.cli import build_parser
-    from shardkit.flagcheck import check_train_outputs, check_train_values
+    from train.flagcheck import check_train_outputs, check_train_values
     from train.config import from_namespace, validate
     from train.loop import check_layout_for_model, open_load, run_layout
 

@@ -5,11 +5,10 @@ the flag, before anything is loaded or launched.
 check_train_values: every float of the trainer's configuration (flags and --config TOML alike) is finite, and the
 ones with a range are inside it (--lr, --min-lr >= 0; --adam-beta1/2 in [0, 1); --adam-eps > 0; --clip-grad >= 0,
 0 disabling clipping as in Megatron; --weight-decay >= 0; --distributed-timeout-minutes in (0, a year]; ...).
-check_timeout_minutes and check_tolerance: the same for the CLI's own flags.
-check_train_outputs: continue-pretrain's --save and --tensorboard-dir against --load and the data files (data_files:
-what the trainer reads of --data-path). `shardkit continue-pretrain` and `shardkit launch` (plan/launch.py, on the
-command line it writes) run both checks; this module imports nothing of the CLI, so the launcher needs no import of
-shardkit/cli.py.
+check_timeout_minutes and check_tolerance: the same for the CLI's own flags (the converters' timeout, verify's
+--tolerance). check_train_outputs: continue-pretrain's --save and --tensorboard-dir against --load and the data files
+(data_files: what the trainer reads of --data-path). `shardkit continue-pretrain` (shardkit/cli.py) and `shardkit
+launch` (plan/launch.py, on the command line it writes) run both checks: they live with the trainer, below both.
 """
 from __future__ import annotations
 
