@@ -1,7 +1,9 @@
 """The import structure of shardkit's packages, read from the source (ast, nothing imported): no import cycle between
 modules, whether the imports are at module level or inside functions (a lazy import hides a cycle, it does not remove
-it; `if TYPE_CHECKING:` imports, which never run, are not counted); train/parallel/ (the parallelism primitives) imports nothing of the trainer above it; checkpoint/ (the bottom
-layer) imports none of the packages built on it, and train/ only checkpoint/."""
+it; `if TYPE_CHECKING:` imports, which never run, are not counted); train/parallel/ (the parallelism primitives)
+imports nothing of the trainer above it; and the packages are layers, each importing only the ones below it:
+checkpoint/ (the format) < train/ < verify/ (the proof engine, which never imports the converters) < plan/ <
+convert/ (whose default proof calls verify) < shardkit/ (the command line)."""
 from __future__ import annotations
 
 import ast
@@ -10,19 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("checkpoint", "convert", "verify", "train", "plan", "shardkit")
 
-# Function-level imports that still close a cycle, each named with why it is there; one of these gone, its line goes.
-# A module-level import is never allowed to close one. (importer, imported)
-KNOWN_LAZY = {
-    ("checkpoint.store", "checkpoint.reader"): "a cast to a narrow dtype counts the non-finite values it made (reader.count_nonfinite)",
-    ("checkpoint.storage", "checkpoint.commit"): "publish resolves the committed iteration (commit.resolve_iteration)",
-    ("train.config", "train.engines"): "whether a config runs on megatron-core (engines.default_engine)",
-    ("train.loop", "train.engines"): "--engine picks the trainer (engines.make_trainer)",
-    ("train.engines.megatron_core", "train.engines"): "the models the engine covers (engines.model_not_covered)",
-    ("plan.launch", "shardkit.cli"): "launch runs continue-pretrain's output checks (cli._check_train_outputs)",
-    # checkpoint/families/ is being built (issue 35): the family registry and the config read each other lazily
-    ("checkpoint.config", "checkpoint.families"): "ModelConfig's family fields come from the registry",
-    ("checkpoint.families.base", "checkpoint.families.table"): "a family's default tensor table",
-}
+# bottom to top: a module imports modules of its own package and of the packages before it, never one after it
+LAYERS = ("checkpoint", "train", "verify", "plan", "convert", "shardkit")
 
 
 def modules() -> dict[str, Path]:
@@ -147,7 +138,7 @@ def test_the_graph_is_read():
     assert EDGES["verify.against"]["verify.streamed"] == "top"
     assert EDGES["train.parallel.interleaved"]["train.parallel.pipeline"] == "top"
     assert EDGES["train.parallel.tensor"]["train.model"] == "top"
-    assert EDGES["convert.hf_to_mcore"]["verify.against"] == "fn"
+    assert EDGES["shardkit.cli"]["verify.run"] == "fn"
     assert len(EDGES) > 80
 
 
@@ -157,7 +148,7 @@ def test_no_module_level_import_cycle():
 
 
 def test_no_import_cycle_even_through_function_level_imports():
-    found = cycles(EDGES, lambda a, b, how: (a, b) not in KNOWN_LAZY)
+    found = cycles(EDGES)
     assert not found, "import cycles: " + " | ".join(describe(EDGES, c) for c in found)
 
 
@@ -187,7 +178,17 @@ def test_parallel_imports_nothing_of_the_trainer():
 
 
 def test_lower_packages_import_nothing_above():
-    allowed = {"checkpoint": {"checkpoint"}, "train": {"train", "checkpoint"}}
+    assert set(LAYERS) == set(PACKAGES)
     bad = [f"{a} -> {b}" for a, targets in EDGES.items() for b in targets
-           if a.split(".")[0] in allowed and b.split(".")[0] not in allowed[a.split(".")[0]]]
+           if LAYERS.index(b.split(".")[0]) > LAYERS.index(a.split(".")[0])]
     assert not bad, bad
+
+
+def test_verify_imports_nothing_of_convert():
+    """verify/ is the proof engine: it reads HF files (checkpoint/hf_source.py) and torch_dist checkpoints
+    (checkpoint/torch_dist_view.py) through checkpoint/, even lazily never through the converters that call it."""
+    bad = sorted(f"{a} -> {b}" for a, targets in EDGES.items() for b in targets
+                 if a.split(".")[0] == "verify" and b.split(".")[0] == "convert")
+    assert not bad, bad
+    assert any(b.split(".")[0] == "verify" for a, targets in EDGES.items() if a.split(".")[0] == "convert"
+               for b in targets), "the converters' default proof calls verify"
