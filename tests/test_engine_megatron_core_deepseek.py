@@ -49,7 +49,8 @@ def work(tmp_path_factory):
         moe_models.build(builder, root / kind / "hf", **over)
         assert cli(["convert", "hf-to-mcore", str(root / kind / "hf"), str(root / kind / "ck"), "--quiet",
                     "--no-verify"]) == 0
-        train(root, f"{kind}-native", 1, "native", *flags, load=root / kind / "ck", data=root / "data")
+        train(root, f"{kind}-native", 1, "native", *flags, "--save-interval", "3", load=root / kind / "ck",
+              data=root / "data")
     return root
 
 
@@ -84,6 +85,16 @@ def test_deepseek_equals_native(work, case):
         start = tensors(work / kind / "ck")["decoder.layers.1.mlp.router.expert_bias"]
         saved = tensors(work / run_case(work, case))["decoder.layers.1.mlp.router.expert_bias"]
         assert (saved - start).abs().max() > 0.02
+
+
+def test_native_save_resumes_on_megatron_core(work):
+    """The native DeepSeek-V3 save after iteration 3 (per-layer tensors of the dense + MoE stack, the expert bias as
+    updated so far, fp32 params and moments) loaded into megatron-core at TP 2 + SP continues as the native run."""
+    kind = "deepseek_v3"
+    rows = train(work, f"{kind}-resume-mcore", 2, "megatron-core", *MODELS[kind][2], *SP,
+                 load=work / f"{kind}-native" / "iter_0000003", data=work / "data")
+    assert_same_rows(rows, rows_of(work, f"{kind}-native")[3:])
+    assert_same_tensors(work / f"{kind}-resume-mcore", work / f"{kind}-native")
 
 
 def test_deepseek_save_exports_to_hf(work, tmp_path):
@@ -127,6 +138,21 @@ def test_mtp_refused_in_one_line(tmp_path):
     assert errors[0] == ("shardkit: error: --engine megatron-core: deepseek_v3 has multi-token prediction "
                          "(mtp_num_layers 1, HF num_nextn_predict_layers): not in the megatron-core engine yet "
                          "(issue 40); use --engine native")
+
+
+def test_reset_position_ids_refused_with_mla(work):
+    """megatron-core's multi-latent attention takes RoPE positions 0..s-1 (reset positions reach it only as THD
+    packed_seq_params): --reset-position-ids with a DeepSeek model is one error line, never silently dropped."""
+    os.environ[SWITCH] = "1"
+    try:
+        r = launch(1, "--load", str(work / "deepseek_v2_lite" / "ck"), "--data-path", str(work / "data"), "--engine",
+                   "megatron-core", *FLAGS, "--reset-position-ids", "--eod-token-id", "2", check=False)
+    finally:
+        os.environ.pop(SWITCH, None)
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("shardkit: error:")]
+    assert r.returncode != 0 and len(errors) == 1, (r.stdout[-2000:], r.stderr[-2000:])
+    assert errors[0].startswith("shardkit: error: --engine megatron-core: --reset-position-ids: megatron-core's "
+                                "multi-latent attention takes positions 0..s-1")
 
 
 def test_router_coverage():

@@ -14,13 +14,20 @@ the scheduler checks on resume, the NaN stop (before the optimizer step), exit s
 are the native engine's own. megatron-core's parameter names are shardkit's canonical names (checkpoint/megatron.py:
 the local spec's separate norms map to their TE names), so the sharding table gives every parameter its regions.
 
-What this engine covers: Llama-family models (no MLA, MTP, sliding window or linear biases other than QKV's) and
-Mixtral's MoE (megatron-core's router, load-balancing loss, alltoall / allgather dispatchers and SequentialMLP, whose
-per-expert weights are read from and saved into shardkit's stacked expert tensors), TP (+ SP), PP (1F1B, interleaved
+What this engine covers: Llama-family models (no sliding window or linear biases other than QKV's), their MoE
+(Mixtral, Qwen3-MoE: megatron-core's router, load-balancing loss, alltoall / allgather dispatchers and SequentialMLP,
+whose per-expert weights are read from and saved into shardkit's stacked expert tensors) and DeepSeek-V2 / V2-Lite / V3
+without MTP layers: megatron-core's MLASelfAttention (MLATransformerConfig from the model config, q_lora or one q
+projection, plain or YaRN RoPE) with a core attention the local spec lacks (`MLACoreAttention`: megatron-core's local
+DotProductAttention takes no k_channels / v_channels; TE's TEDotProductAttention where Transformer Engine is installed),
+shared experts, dense first layers (per-layer tensors), softmax or group-limited sigmoid routing with the expert bias
+megatron-core updates in finalize_model_grads (`train.engines.coverage` names the routers it computes otherwise than
+HF, and MTP, refused: megatron-core's MTP block is not wired in yet), TP (+ SP), PP (1F1B, interleaved
 with --vpp; even and uneven splits by Megatron-LM's split flags), DP with the distributed optimizer, fp32 and bf16,
 native checkpoints (load: weights, and the optimizer state when resuming; save: native format, or torch_dist through
 the same save path; torch_dist loads too, Megatron-LM's own included, read by region as the native engine reads them).
-Packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) as the native engine takes them.
+Packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) as the native engine takes them
+(with MLA not --reset-position-ids: `check_mla_packing`).
 Expert parallelism (--expert-model-parallel-size, --expert-tensor-parallel-size) on megatron-core's expert groups,
 checked against shardkit's coordinates. Refused in one line: TE's layer spec, FP8, context parallelism, recompute on
 the CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
