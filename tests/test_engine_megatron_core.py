@@ -334,7 +334,7 @@ print("ALLOWLIST KEPT", len(before))
 def test_default_engine_on_the_cpu_is_native():
     import torch
 
-    from train.engines import default_engine
+    from train.engines.choice import default_engine
 
     assert not torch.cuda.is_available() and default_engine() == "native"
 
