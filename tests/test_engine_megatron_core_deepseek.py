@@ -140,6 +140,23 @@ def test_mtp_refused_in_one_line(tmp_path):
                          "(issue 40); use --engine native")
 
 
+def test_packed_documents_equal_native(work):
+    """Packed documents with multi-latent attention (--reset-attention-mask, --eod-mask-loss): the engine's MLA core
+    attention takes the per-document causal mask, megatron-core's loss the EOD-masked tokens; V2-Lite at TP 2 + SP
+    equals the native engine's run on the same data, which differs from an unpacked run."""
+    from tests.corpus import write_packed_corpus
+
+    data, kind = work / "packed-data", "deepseek_v2_lite"
+    write_packed_corpus(data, eod=2, lengths=(5, 14))
+    packed = ["--reset-attention-mask", "--eod-mask-loss", "--eod-token-id", "2", *MODELS[kind][2]]
+    ref = train(work, f"{kind}-packed-native", 1, "native", *packed, load=work / kind / "ck", data=data)
+    rows = train(work, f"{kind}-packed-mcore", 2, "megatron-core", *packed, *SP, load=work / kind / "ck", data=data)
+    assert_same_rows(rows, ref)
+    assert_same_tensors(work / f"{kind}-packed-mcore", work / f"{kind}-packed-native")
+    plain = train(work, f"{kind}-unpacked-native", 1, "native", *MODELS[kind][2], load=work / kind / "ck", data=data)
+    assert abs(plain[0]["loss"] - rows[0]["loss"]) > 1e-3  # the flags changed what was computed
+
+
 def test_reset_position_ids_refused_with_mla(work):
     """megatron-core's multi-latent attention takes RoPE positions 0..s-1 (reset positions reach it only as THD
     packed_seq_params): --reset-position-ids with a DeepSeek model is one error line, never silently dropped."""
