@@ -177,7 +177,7 @@ class TorchDistOpened(OpenedCheckpoint):
     def reader(self) -> "ManifestView":
         from .torch_dist_view import TorchDistSource
 
-        return TorchDistSource(self.td, self.config, self.td.layout, self.config_origin, self.hf_config)
+        return TorchDistSource(self.td, self.config, None, self.config_origin, self.hf_config)
 
     @property
     def iteration(self) -> int | str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .config import ModelConfig
-from .errors import FormatError, ShardkitError
+from .errors import FormatError
 from .layout import Layout
 from .manifest import Manifest
 from .megatron import TRAIN_STATE_KEY, arg, is_scheduler_state, megatron_optimizer_groups, source_keys
@@ -26,7 +26,7 @@ from .megatron_bridge import FLAT_PREFIX, flat_buffers
 from .reader import Checkpoint, vocab_padding
 from .sharding import OPTIMIZER_STATES, split_optimizer_key
 from .torch_dist import read_torch_dist
-from .torch_dist_view import TorchDistSource, import_optimizer_states, match_keys, plan_import
+from .torch_dist_view import TorchDistSource, import_optimizer_states, match_keys, plan_import, read_layout
 
 
 class TorchDistLoad(TorchDistSource):
@@ -41,11 +41,7 @@ class TorchDistLoad(TorchDistSource):
                  load_optim: bool = True):
         td = read_torch_dist(path)
         cfg, origin = td.model_config(hf_config or None, vocab_size)
-        layout = td.layout or Layout()
-        try:
-            layout.check(cfg)
-        except ShardkitError:  # args whose layout does not fit the model (e.g. --hf-config's): read at tp=pp=1
-            layout = Layout()
+        layout = read_layout(td, cfg)
         if load_optim and flat_buffers(td) and not _attach_flat_optimizer(td, cfg):
             raise FormatError(f"{td.path}: its optimizer state is Megatron-LM's dp_reshardable flat buffers "
                               f"({FLAT_PREFIX}*) in a form whose bucket layout shardkit cannot rebuild and prove (it "
@@ -63,6 +59,11 @@ class TorchDistLoad(TorchDistSource):
         self.vocab = {n: td.tensors[self.keys[n]].shape[0] for n in vocab_padding(cfg, layout, optimizer)}
         self.hf_config = hf_config
         self.hf_dir()  # a shardkit save's hf/ linked out of the iteration: refused before training
+
+    def _stored(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """torch.load of the items (_attach_flat_optimizer puts views over Megatron-LM 0.19's flat optimizer buffers
+        behind td.read)."""
+        return self.td.read(key, box)
 
     @staticmethod
     def _check_optimizer(td, cfg: ModelConfig, layout: Layout, states: list[str]) -> None:

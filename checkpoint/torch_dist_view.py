@@ -11,6 +11,8 @@ from pathlib import Path
 import math
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 from . import store
 from .config import ModelConfig
 from .errors import FormatError, ShardkitError
@@ -114,6 +116,17 @@ def plan_import(td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout, dtype
     return entries, keys
 
 
+def read_layout(td: TorchDistCheckpoint, cfg: ModelConfig) -> Layout:
+    """The layout a torch_dist checkpoint is read at: the saving one from its Megatron-LM args where that fits the
+    model, else tp=pp=1 (no args, or args whose layout does not fit the model, e.g. --hf-config's)."""
+    layout = td.layout or Layout()
+    try:
+        layout.check(cfg)
+    except ShardkitError:
+        return Layout()
+    return layout
+
+
 class TorchDistSource(ManifestView):
     """A torch_dist checkpoint read through a model config and the sharding table as a native Checkpoint is (config,
     layout, manifest and tensor entries at the saving layout, `read` of whole tensors or boxes, `state_dict`): what
@@ -123,7 +136,7 @@ class TorchDistSource(ManifestView):
     def __init__(self, td: TorchDistCheckpoint, cfg: ModelConfig, layout: Layout | None = None,
                  origin: str = "the model config", hf_config: str | Path | None = None):
         self.td, self.path, self.hf_config = td, td.path, hf_config
-        layout = layout or td.layout or Layout()
+        layout = layout or read_layout(td, cfg)
         entries, self.keys = plan_import(td, cfg, layout, None, None, origin)
         self.manifest = Manifest(td.iteration, cfg, layout, entries)
         self.vocab = vocab_padding(cfg, layout, None)
@@ -133,8 +146,16 @@ class TorchDistSource(ManifestView):
 
         box = tuple(_box(self.entry(name).shape, index, name))
         key = self.keys[name]
-        return read_padded(lambda idx: self.td.read(key, tuple((x.start, x.stop) for x in idx)), name, box,
-                           self.vocab.get(name))
+        t = read_padded(lambda idx: self._stored(key, tuple((x.start, x.stop) for x in idx)), name, box,
+                        self.vocab.get(name))
+        if isinstance(t, np.ndarray):
+            t = store.from_numpy(t if t.flags.writeable else t.copy())  # not a view of the file's mapping
+        return t
+
+    def _stored(self, key: str, box: tuple[tuple[int, int], ...]) -> np.ndarray | torch.Tensor:
+        """A box of stored tensor `key`: its items' data memory-mapped, no torch.load (a box inside one item is a
+        view of it; an export cuts each item into several boxes)."""
+        return self.td.read_numpy(key, box)
 
     def state_dict(self, dequantize: bool = False, optimizer: bool = False) -> dict[str, torch.Tensor]:
         return {name: self.read(name) for name in self.tensors}

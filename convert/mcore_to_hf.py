@@ -1,4 +1,6 @@
-"""mcore-to-hf: stream a shardkit checkpoint back to HF sharded safetensors, config.json and tokenizer files.
+"""mcore-to-hf: stream a checkpoint back to HF sharded safetensors, config.json and tokenizer files. The source is
+opened through checkpoint.opened: a shardkit native checkpoint, or a Megatron torch_dist one read in place by region
+(TorchDistSource; no staging copy, on every rank alike).
 
 The same mapping table as hf-to-mcore, read backwards: each HF tensor is the concatenation, in HF row order, of
 canonical row blocks; vocab padding rows are never part of a block, so they are never exported. Tensors are written
@@ -12,6 +14,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from checkpoint.errors import ShardkitError, WriteError
 from checkpoint.faults import fault_point
 from checkpoint.hf_source import INDEX, SINGLE
 from checkpoint.progress import progress_bar
-from checkpoint.reader import Checkpoint
+from checkpoint.reader import ManifestView
 from checkpoint.safety import check_target, copy_side_files
 
 from checkpoint import families
@@ -70,7 +73,7 @@ class HFTensorPlan:
                                            "data_offsets": [off + wbytes, off + self.nbytes]}}
 
 
-def plan_export(ckpt: Checkpoint, dtype: str | None, quantize_fp8: bool = False) -> list[HFTensorPlan]:
+def plan_export(ckpt: ManifestView, dtype: str | None, quantize_fp8: bool = False) -> list[HFTensorPlan]:
     """Every HF tensor as blocks of canonical rows; MTP's shared copies (DeepSeek) point at the shared tensor.
     A checkpoint that kept FP8 weights exports them as they are (with their scales) unless a --dtype is asked for,
     which dequantizes them."""
@@ -96,7 +99,7 @@ def plan_export(ckpt: Checkpoint, dtype: str | None, quantize_fp8: bool = False)
     return plans
 
 
-def _fp8_selector(ckpt: Checkpoint):
+def _fp8_selector(ckpt: ManifestView):
     """The HF weights that were block-FP8 in the source (provenance templates) -> their block size."""
     fp8 = ckpt.manifest.provenance.get("fp8")
     if not fp8:
@@ -146,13 +149,13 @@ def _shards(plans: list[HFTensorPlan], max_bytes: int) -> list[list[HFTensorPlan
     return shards
 
 
-def _read_block(ckpt: Checkpoint, tm: TensorMap, start: int, stop: int) -> torch.Tensor:
+def _read_block(ckpt: ManifestView, tm: TensorMap, start: int, stop: int) -> torch.Tensor:
     index = tuple(slice(i, i + 1) for i in tm.lead) + (slice(start, stop),)
     t = ckpt.read(tm.canonical, index)
     return t.reshape(t.shape[len(tm.lead):])
 
 
-def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -> None:
+def _write_shard(ckpt: ManifestView, path: Path, plans: list[HFTensorPlan], bar) -> None:
     """One shard file; a write error names it (issue 34: a full disk named neither the file nor the bytes)."""
     try:
         _write_shard_file(ckpt, path, plans, bar)
@@ -162,7 +165,7 @@ def _write_shard(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -
         raise
 
 
-def _write_shard_file(ckpt: Checkpoint, path: Path, plans: list[HFTensorPlan], bar) -> None:
+def _write_shard_file(ckpt: ManifestView, path: Path, plans: list[HFTensorPlan], bar) -> None:
     header, off = {}, 0
     for p in plans:
         header.update(p.header(off))
@@ -229,11 +232,14 @@ def owned_names(out: Path) -> set[str]:
 def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | None = None,
                         max_shard_size: str | int = "5GB", overwrite: bool = False, quiet: bool = False,
                         quantize_fp8: bool = False, skip_verify: bool = False, group=None,
-                        estimate_above: int | None = None) -> Path:
-    """Export to `out`. A new or empty `out` is written beside it and put in place in one rename; into an existing
-    one (`--overwrite`) the export's files are written under `out/.shardkit-export.partial/`, made durable, then moved
-    in one by one (each rename atomic; the index and config.json last), and the shards of the previous export that
-    the new one does not name are removed (`owned_names`): no other file in `out` is touched.
+                        estimate_above: int | None = None, hf_config: str | None = None,
+                        vocab_size: int | None = None) -> Path:
+    """Export the checkpoint at `ckpt_path` (either format: checkpoint.opened; `hf_config` / `vocab_size` describe a
+    torch_dist one's model where it does not itself) to `out`. A new or empty `out` is written beside it and put in
+    place in one rename; into an existing one (`--overwrite`) the export's files are written under
+    `out/.shardkit-export.partial/`, made durable, then moved in one by one (each rename atomic; the index and
+    config.json last), and the shards of the previous export that the new one does not name are removed (`owned_names`):
+    no other file in `out` is touched.
 
     With `group` (one rank of several, convert.distributed) the safetensors shards are shared out among the ranks
     (balanced by bytes, the same plan on every rank): rank 0 takes the output's lock and makes the work directory,
@@ -242,6 +248,7 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
     writes the index, config.json and the tokenizer files and puts the export in place as one process does. A rank
     that fails stops every rank (one line naming it); the work directory is removed and nothing is put in place. A
     job with at least `estimate_above` bytes prints the expected time first (convert.distributed.announce_estimate)."""
+    from checkpoint.opened import open_checkpoint
     from checkpoint.safety import check_output
 
     from . import distributed
@@ -255,7 +262,12 @@ def convert_mcore_to_hf(ckpt_path: str | Path, out: str | Path, dtype: str | Non
         _check_target(out, overwrite)
     # blocks are row slices of chunks (a QKV chunk is sliced once per query group for each of q, k and v; a 125 MB
     # vocab chunk is read in 64 MB blocks): keep decoded chunks so each is read and checksummed once
-    ckpt = Checkpoint(ckpt_path, cache_bytes=EXPORT_CACHE_BYTES, check=not skip_verify and lead)
+    opened = open_checkpoint(ckpt_path, hf_config, vocab_size, check=not skip_verify and lead,
+                             cache_bytes=EXPORT_CACHE_BYTES)
+    if lead and not quiet:
+        for note in opened.notes:
+            print(f"shardkit: note: {note}", file=sys.stderr)
+    ckpt = opened.reader
     dtype = store.dtype_name(dtype) if dtype else None
     plans = plan_export(ckpt, dtype, quantize_fp8)
     shards = _shards(plans, parse_size(max_shard_size))
@@ -368,7 +380,7 @@ class _Probe:
         self.partial = tmp
 
 
-def _write_shards(ckpt: Checkpoint, tmp: Path, shards: list[list[HFTensorPlan]], names: list[str], mine: list[int],
+def _write_shards(ckpt: ManifestView, tmp: Path, shards: list[list[HFTensorPlan]], names: list[str], mine: list[int],
                   bar, group) -> list[str]:
     """Write the shards `mine` into `tmp`, each fsynced; their `name size` lines. Across ranks, stop between shards
     once another rank has failed (naming it)."""
@@ -383,7 +395,7 @@ def _write_shards(ckpt: Checkpoint, tmp: Path, shards: list[list[HFTensorPlan]],
     return lines
 
 
-def _write_share(group, ckpt: Checkpoint, out: Path, shards: list[list[HFTensorPlan]], names: list[str], total: int,
+def _write_share(group, ckpt: ManifestView, out: Path, shards: list[list[HFTensorPlan]], names: list[str], total: int,
                  items: int, estimate_above: int | None) -> Path:
     """A rank other than 0: wait for rank 0's work directory, write this rank's shards into it, report them, and
     wait for rank 0 to put the export in place."""
@@ -409,8 +421,6 @@ def _write_share(group, ckpt: Checkpoint, out: Path, shards: list[list[HFTensorP
 def _check_reported(group, tmp: Path, names: list[str], reports: list[list[str]], quiet: bool) -> None:
     """Rank 0, once every rank reported: every shard was written by some rank and is in `tmp` at the size that rank
     reported (a work directory the nodes do not share is not)."""
-    import sys
-
     found: dict[str, tuple[int, int]] = {}
     for r, lines in enumerate(reports):
         for line in lines:

@@ -564,7 +564,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def _across_ranks(args: argparse.Namespace) -> int:
     """hf-to-mcore and reshard started as several ranks (torchrun, or one SLURM task per rank), into either format
-    and (reshard) from either, and mcore-to-hf from a native checkpoint: rendezvous, compare the ranks' arguments,
+    and (reshard) from either, and mcore-to-hf from either: rendezvous, compare the ranks' arguments,
     run the command with every rank writing its share (convert.distributed: chunks, torch_dist rank files, or
     safetensors shards); a rank that fails tells the others why, so they stop naming it. Other writing commands run
     as one process."""
@@ -665,10 +665,10 @@ def _dispatch_local(args: argparse.Namespace) -> int:
 
         dtype = _check_dtype(args.dtype)
         group = getattr(args, "group", None)
-        path = _from_native_source(args, args.ckpt, args.out, lambda ckpt: convert_mcore_to_hf(
-            ckpt, args.out, dtype=dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-            quiet=args.quiet, quantize_fp8=args.quantize_fp8, skip_verify=args.skip_verify, group=group,
-            estimate_above=_estimate_above(args)))
+        path = convert_mcore_to_hf(args.ckpt, args.out, dtype=dtype, max_shard_size=args.max_shard_size,
+                                   overwrite=args.overwrite, quiet=args.quiet, quantize_fp8=args.quantize_fp8,
+                                   skip_verify=args.skip_verify, group=group, estimate_above=_estimate_above(args),
+                                   hf_config=args.hf_config, vocab_size=args.vocab_size)
         if group is not None and group.rank:  # rank 0 says what was written
             return 0
         print(f"wrote {path}")
@@ -844,35 +844,6 @@ def _write(args: argparse.Namespace, out: str, produce):
     return via_native(produce, out, key_naming=args.key_naming, overwrite=args.overwrite, quiet=args.quiet,
                       workers=args.workers, group=getattr(args, "group", None),
                       megatron_version=args.megatron_version, integrity=args.verify_integrity)
-
-
-def _from_native_source(args: argparse.Namespace, src: str, out: str, consume):
-    """Run a consumer of a native checkpoint on `src`, importing a torch_dist source into a staging copy first.
-    Across ranks (mcore-to-hf) the import is shared out too, into a staging directory every rank names alike
-    (`.<out>.native-staging`, resumed by a rerun; one an earlier run committed is written afresh)."""
-    from checkpoint.opened import is_torch_dist, open_checkpoint
-
-    if not is_torch_dist(src):
-        return consume(src)
-    import shutil
-    import tempfile
-
-    # the model config first: a missing or contradicting one writes nothing
-    open_checkpoint(src, getattr(args, "hf_config", None), getattr(args, "vocab_size", None)).config
-    target = Path(out)
-    group = getattr(args, "group", None)
-    if group is not None:
-        from convert.torch_dist_io import staged_across_ranks
-
-        return staged_across_ranks(target, group, lambda staging: _import_torch_dist(args, src, staging, None, None),
-                                   consume)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.native-", dir=target.parent))
-    try:
-        native = _import_torch_dist(args, src, staging, None, None)
-        return consume(native)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -535,15 +535,18 @@ def test_hf_export_rank_killed_then_rerun(models):
 
 
 def test_hf_export_torch_dist_source_ranks(models):
-    """A torch_dist source across 2 ranks: the staging import and the export are both shared out; the export equals
-    one process's, the staging copy is gone."""
+    """A torch_dist source across 2 ranks: every rank reads it in place (no staging copy) and writes its share of the
+    shards; the export equals one process's, which is the native checkpoint's export bit for bit."""
     src, want = _hf_reference(models, "torch_dist")
+    assert want == _hf_reference(models)[1]  # the same model from its native checkpoint
     out = models / "hf-from-td"
+    before = set(os.listdir(models))
     counts, _ = hf_launch(2, ["convert", "mcore-to-hf", src, out, "--max-shard-size", HF_SHARD], out)
     assert len(counts) == 2 and sum(counts) == 6, counts
     got = hf_files(out)
     assert sorted(got) == sorted(want) and [k for k in want if got[k] != want[k]] == []
     assert_hf_clean(out)
+    assert set(os.listdir(models)) - before == {out.name}
 
 
 def test_hf_export_output_not_shared(models, tmp_path):

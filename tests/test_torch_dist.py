@@ -497,9 +497,11 @@ def _same_native(a: Path, b: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])
-def test_export_reads_back_with_no_flags(work, kind, tmp_path, capsys):
+def test_export_reads_back_with_no_flags(work, kind, tmp_path, capsys, monkeypatch):
     """shardkit.json and hf/ make our export self-describing: reshard and mcore-to-hf take it with no --hf-config,
-    and the round trip native -> torch_dist -> native is the checkpoint it came from, config and bytes."""
+    and the round trip native -> torch_dist -> native is the checkpoint it came from, config and bytes. mcore-to-hf
+    reads the torch_dist checkpoint in place (checkpoint.opened): no staging import, nothing written beside its
+    output, and the HF files are the native checkpoint's export bit for bit."""
     d = work[kind]
     td = read_torch_dist(d["td"])
     ck = Checkpoint(d["nat"])
@@ -512,8 +514,17 @@ def test_export_reads_back_with_no_flags(work, kind, tmp_path, capsys):
     rc, _, err = _run(["reshard", d["td"].parent, tmp_path / "back", "--quiet"], capsys)
     assert rc == 0, err
     _same_native(tmp_path / "back", d["nat"])
-    rc, _, err = _run(["convert", "mcore-to-hf", d["td"].parent, tmp_path / "hf_td", "--quiet"], capsys)
+    import convert.torch_dist_io as tdio
+
+    def staging_import(*args, **kwargs):
+        raise AssertionError("mcore-to-hf imported the torch_dist checkpoint into a staging copy")
+
+    monkeypatch.setattr(tdio, "torch_dist_to_native", staging_import)
+    (tmp_path / "td_out").mkdir()
+    rc, _, err = _run(["convert", "mcore-to-hf", d["td"].parent, tmp_path / "td_out" / "hf", "--quiet"], capsys)
     assert rc == 0, err
+    assert os.listdir(tmp_path / "td_out") == ["hf"]  # no staging directory, no lock or work directory left
+    (tmp_path / "td_out" / "hf").rename(tmp_path / "hf_td")
     assert convert_mcore_to_hf(d["nat"], tmp_path / "hf_nat", quiet=True)
     names = sorted(p.name for p in (tmp_path / "hf_nat").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "hf_td").iterdir())
