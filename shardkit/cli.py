@@ -716,7 +716,7 @@ def _dispatch_local(args: argparse.Namespace) -> int:
 
         dtype = _check_dtype(args.dtype)
         given = {f: getattr(args, f) for f in LAYOUT_FLAGS}
-        source, cfg, unknown = _reshard_source(args)
+        ck, source, cfg, unknown = _reshard_source(args)
         from checkpoint.layout import PipelineSplit
 
         # a flag not given keeps the source's value
@@ -724,9 +724,10 @@ def _dispatch_local(args: argparse.Namespace) -> int:
         group = getattr(args, "group", None)
         if not args.quiet and (group is None or not group.rank):  # before it starts; stdout with the "wrote" line
             print(layout_change(source, layout, cfg, given, unknown), flush=True)
-        from checkpoint.opened import is_torch_dist
-
-        if is_torch_dist(args.src):  # torch_dist -> native (-> torch_dist): the import already re-chunks
+        # the source opened once (checkpoint.opened) tells the formats apart; each writer reads it in place by path,
+        # after its own output checks, in every worker process it starts
+        if ck.format == "torch_dist":  # torch_dist -> native: the import reads the items in place and re-chunks
+            # -> torch_dist: through a native staging copy, as write_torch_dist's rank-file workers read a native one
             path = _write(args, args.dst, lambda out: _import_torch_dist(args, args.src, out, layout, dtype))
         elif args.format == "torch_dist":  # native -> torch_dist: reshard and export in one pass, no staging copy
             from convert.torch_dist_io import write_torch_dist
@@ -815,15 +816,16 @@ def _estimate_above(args: argparse.Namespace) -> int | None:
 
 
 def _reshard_source(args: argparse.Namespace):
-    """reshard: the source's layout (None where a torch_dist source's common.pt has no Megatron args, with the
-    reason), and the model config the destination layout is checked against (a torch_dist source's from
-    --hf-config, its own shardkit.json, or its Megatron args with --vocab-size: one line naming what is missing)."""
+    """reshard: the source opened (checkpoint.opened), its layout (None where a torch_dist source's common.pt has no
+    Megatron args, with the reason), and the model config the destination layout is checked against (a torch_dist
+    source's from --hf-config, its own shardkit.json, or its Megatron args with --vocab-size: one line naming what
+    is missing)."""
     from checkpoint.opened import open_checkpoint
 
     ck = open_checkpoint(args.src, getattr(args, "hf_config", None), getattr(args, "vocab_size", None))
     if ck.format == "native":
-        return ck.layout, ck.config, ""
-    return ck.td.layout, ck.config, f"{ck.td.args_source} holds no usable Megatron args"
+        return ck, ck.layout, ck.config, ""
+    return ck, ck.td.layout, ck.config, f"{ck.td.args_source} holds no usable Megatron args"
 
 
 def _import_torch_dist(args: argparse.Namespace, src: str, out, layout, dtype):
