@@ -2,12 +2,14 @@
 spec; the engine's own MLA core attention, since megatron-core's local DotProductAttention takes no MLA head sizes),
 its MoE layers with shared experts after a dense first layer, group-limited sigmoid routing with an expert bias
 (V3, updated by megatron-core's finalize_model_grads) or softmax routing (V2-Lite, no q_lora), loaded from and saved
-to shardkit's native checkpoints, equal the native engine on the same checkpoint and data over 5 steps.
+to shardkit's native checkpoints, with V3's multi-token-prediction layer (megatron-core's MTP block on the last
+pipeline stage, its loss weighed by --mtp-loss-scaling-factor), equal the native engine on the same checkpoint and
+data over 5 steps.
 
 The tiny models are tests/moe_models.py's, with 2 layers (dense, MoE) and, for V3, 2 expert groups of which 1 is
-chosen (megatron-core scores a group by its best topk / group_topk experts: HF's best 2 for V3) and no MTP layer
-(refused on this engine: test_mtp_refused_in_one_line). Runs as tests/test_engine_megatron_core.py's (the test
-switch SHARDKIT_MEGATRON_CORE_CPU=1, ranks forked by tests/launcher.py under NCCL's point-to-point rules)."""
+chosen (megatron-core scores a group by its best topk / group_topk experts: HF's best 2 for V3) and one MTP layer.
+Runs as tests/test_engine_megatron_core.py's (the test switch SHARDKIT_MEGATRON_CORE_CPU=1, ranks forked by
+tests/launcher.py under NCCL's point-to-point rules)."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,18 +24,20 @@ from tests.test_engine_megatron_core import FLAGS, SWITCH, assert_same_rows, ass
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
-# kind -> (tests/moe_models.py builder, overrides, MoE flags): V3 with the sequence-level aux loss and a fast expert
-# bias update (its effect is in the saved expert_bias and the routing of later steps), V2-Lite with the aux loss
+# kind -> (tests/moe_models.py builder, overrides, MoE flags): V3 with the sequence-level aux loss, a fast expert
+# bias update (its effect is in the saved expert_bias and the routing of later steps) and the MTP loss at 0.3,
+# V2-Lite with the aux loss
 MODELS = {
-    "deepseek_v3": ("deepseek_v3", dict(num_hidden_layers=2, num_nextn_predict_layers=0, n_group=2, topk_group=1),
+    "deepseek_v3": ("deepseek_v3", dict(num_hidden_layers=2, n_group=2, topk_group=1),
                     ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
-                     "--moe-router-bias-update-rate", "0.01"]),
+                     "--moe-router-bias-update-rate", "0.01", "--mtp-loss-scaling-factor", "0.3"]),
     "deepseek_v2_lite": ("deepseek_v2_lite", dict(num_hidden_layers=2), ["--moe-aux-loss-coeff", "0.01"]),
 }
 SP = ("--tp", "2", "--sequence-parallel")  # megatron-core's MoE layers need sequence parallelism under TP
-CASES = {"deepseek_v3-1rank": 1, "deepseek_v3-tp2-sp": 2, "deepseek_v3-ep2": 2, "deepseek_v2_lite-1rank": 1,
-         "deepseek_v2_lite-tp2-sp": 2}
-LAYOUT = {"1rank": (), "tp2-sp": SP, "ep2": ("--expert-model-parallel-size", "2")}
+# PP 2: one layer per stage, the MTP layer on the last stage with megatron-core's copy of the embedding there
+CASES = {"deepseek_v3-1rank": 1, "deepseek_v3-tp2-sp": 2, "deepseek_v3-ep2": 2, "deepseek_v3-pp2": 2,
+         "deepseek_v2_lite-1rank": 1, "deepseek_v2_lite-tp2-sp": 2}
+LAYOUT = {"1rank": (), "tp2-sp": SP, "ep2": ("--expert-model-parallel-size", "2"), "pp2": ("--pp", "2")}
 
 
 @pytest.fixture(scope="module")
@@ -69,17 +73,22 @@ def run_case(work, case: str) -> str:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_deepseek_equals_native(work, case):
-    """Losses, grad norms, LRs, the MoE log rows, and every saved weight (the expert biases included) and optimizer
-    moment after 5 steps equal the native engine's."""
+    """Losses, grad norms, LRs, the MoE and MTP log rows, and every saved weight (the expert biases and the MTP
+    layer included) and optimizer moment after 5 steps equal the native engine's."""
     kind = case.split("-")[0]
     rows, ref = rows_of(work, run_case(work, case)), rows_of(work, f"{kind}-native")
     assert len(rows) == 5 and max(r["grad_norm"] for r in rows) > 1.0  # clipping was exercised
     assert_same_rows(rows, ref)
     key = "seq_load_balancing_loss" if kind == "deepseek_v3" else "load_balancing_loss"
-    for r, n in zip(rows, ref):
-        assert n[key] > 0 and set(n["moe_load_imbalance"]) == {"1"}, n  # layer 0 dense, layer 1 MoE
+    mtp = kind == "deepseek_v3"
+    for r, n in zip(rows, ref):  # layer 0 dense, layer 1 and V3's MTP layer MoE
+        assert n[key] > 0 and set(n["moe_load_imbalance"]) == ({"1", "mtp0"} if mtp else {"1"}), n
         np.testing.assert_allclose(r[key], n[key], rtol=1e-5, atol=0)
         assert r["moe_load_imbalance"] == n["moe_load_imbalance"]
+        assert ("mtp_loss" in r) == mtp and ("mtp_loss" in n) == mtp
+        if mtp:
+            np.testing.assert_allclose([r["mtp_loss"], *r["mtp_depth_losses"]],
+                                       [n["mtp_loss"], *n["mtp_depth_losses"]], rtol=1e-5, atol=0)
     assert_same_tensors(work / run_case(work, case), work / f"{kind}-native")
     if kind == "deepseek_v3":  # the expert bias moved (5 updates of +-0.01 each) and megatron-core's moves equal
         start = tensors(work / kind / "ck")["decoder.layers.1.mlp.router.expert_bias"]
@@ -89,9 +98,10 @@ def test_deepseek_equals_native(work, case):
 
 def test_native_save_resumes_on_megatron_core(work):
     """The native DeepSeek-V3 save after iteration 3 (per-layer tensors of the dense + MoE stack, the expert bias as
-    updated so far, fp32 params and moments) loaded into megatron-core at TP 2 + SP continues as the native run."""
+    updated so far, the MTP layer, fp32 params and moments) loaded into megatron-core at PP 2 continues as the native
+    run: the embedding's copy on the last stage (MTP's) takes the first stage's optimizer state too."""
     kind = "deepseek_v3"
-    rows = train(work, f"{kind}-resume-mcore", 2, "megatron-core", *MODELS[kind][2], *SP,
+    rows = train(work, f"{kind}-resume-mcore", 2, "megatron-core", *MODELS[kind][2], *LAYOUT["pp2"],
                  load=work / f"{kind}-native" / "iter_0000003", data=work / "data")
     assert_same_rows(rows, rows_of(work, f"{kind}-native")[3:])
     assert_same_tensors(work / f"{kind}-resume-mcore", work / f"{kind}-native")
@@ -99,8 +109,9 @@ def test_native_save_resumes_on_megatron_core(work):
 
 def test_deepseek_save_exports_to_hf(work, tmp_path):
     """megatron-core's TP 2 + SP save of DeepSeek-V3 through `convert mcore-to-hf` (the expert bias as
-    e_score_correction_bias): transformers' forward of the export equals the checkpoint's (`verify`), and the export
-    converted back gives the save's weights bit for bit."""
+    e_score_correction_bias, the MTP layer as model.layers.2 with its copies of the embedding and head): transformers'
+    forward of the export equals the checkpoint's (`verify`), and the export converted back gives the save's weights
+    bit for bit."""
     from shardkit.cli import main as cli
 
     src = work / run_case(work, "deepseek_v3-tp2-sp")
@@ -115,29 +126,6 @@ def test_deepseek_save_exports_to_hf(work, tmp_path):
         if "word_embeddings" in k or "output_layer" in k:  # the export holds the true vocabulary (300 rows), the
             a, b = a[:300], b[:300]  # TP 2 save pads it to 512 rows, the re-import to 384
         assert a.dtype == b.dtype and a.equal(b), k
-
-
-def test_mtp_refused_in_one_line(tmp_path):
-    """A DeepSeek-V3 with a multi-token-prediction layer: --engine megatron-core is one error line naming it (and the
-    native engine is what `plan` and the default choose); megatron-core's MTP block is not wired in yet."""
-    from shardkit.cli import main as cli
-    from tests import moe_models
-    from tests.corpus import write_pattern_corpus
-
-    moe_models.build("deepseek_v3", tmp_path / "hf", num_hidden_layers=2, n_group=2, topk_group=1)
-    assert cli(["convert", "hf-to-mcore", str(tmp_path / "hf"), str(tmp_path / "ck"), "--quiet", "--no-verify"]) == 0
-    write_pattern_corpus(tmp_path / "data", docs=50)
-    os.environ[SWITCH] = "1"
-    try:
-        r = launch(1, "--load", str(tmp_path / "ck"), "--data-path", str(tmp_path / "data"), "--engine",
-                   "megatron-core", *FLAGS, check=False)
-    finally:
-        os.environ.pop(SWITCH, None)
-    errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("shardkit: error:")]
-    assert r.returncode != 0 and len(errors) == 1, (r.stdout[-2000:], r.stderr[-2000:])
-    assert errors[0] == ("shardkit: error: --engine megatron-core: deepseek_v3 has multi-token prediction "
-                         "(mtp_num_layers 1, HF num_nextn_predict_layers): not in the megatron-core engine yet "
-                         "(issue 40); use --engine native")
 
 
 def test_packed_documents_equal_native(work):
@@ -196,4 +184,4 @@ def test_router_coverage():
     assert "the best)" in model_not_covered(ModelConfig(**v2))  # DeepSeek-V2's group_limited_greedy: 6 / 3 = 2
     assert model_not_covered(ModelConfig(**{**v2, "moe_router_topk": 3})) is None
     assert "rope_interleave=false" in model_not_covered(ModelConfig(**{**v3, "rotary_interleaved": False}))
-    assert "multi-token prediction" in model_not_covered(ModelConfig(**{**v3, "mtp_num_layers": 1}))
+    assert model_not_covered(ModelConfig(**{**v3, "mtp_num_layers": 1})) is None

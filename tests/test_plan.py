@@ -729,11 +729,15 @@ def test_engine_per_layout_and_launch_command(capsys):
     argv = launch_argv(c, 64, 8)
     assert argv[argv.index("--engine") + 1] == "megatron-core" and argv.index("--engine") < argv.index("--")
     assert "--overlap-grad-reduce" in argv and "--overlap-param-gather" in argv
+    # a model it does not build (Mistral's sliding window) runs on native; DeepSeek-V3 (MLA, MoE, MTP) it builds
+    mi = evaluate(presets.model_config("mistral-7b"), RunLayout(tp=2, dp=4), s, Hardware(), 64, 80 * GiB,
+                  engine_fallback=True)
+    assert mi.settings.engine == "native" and "mistral has sliding-window attention" in mi.engine_note
+    argv = launch_argv(mi, 64, 8)
+    assert argv[argv.index("--engine") + 1] == "native" and "--overlap-grad-reduce" not in argv
     ds = evaluate(presets.model_config("deepseek-v3"), RunLayout(tp=8, pp=16, ep=8, dp=8), s, Hardware(), 1024,
                   80 * GiB, engine_fallback=True)
-    assert ds.settings.engine == "native" and "deepseek_v3 has multi-token prediction" in ds.engine_note
-    argv = launch_argv(ds, 1024, 8)
-    assert argv[argv.index("--engine") + 1] == "native" and "--overlap-grad-reduce" not in argv
+    assert ds.settings.engine == "megatron-core" and not ds.engine_note
     assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--engine", "native", "--json", "--top", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["layouts"][0]["engine"] == "native" and out["layouts"][0]["kernels"] == "eager"

@@ -11,9 +11,6 @@ def model_not_covered(m) -> str | None:
     why = router_not_covered(m) if m.is_moe else None
     if why:
         return f"{m.model_type} has {why}: megatron-core's router computes other weights (issue 40); use --engine native"
-    if m.mtp_num_layers:
-        return (f"{m.model_type} has multi-token prediction (mtp_num_layers {m.mtp_num_layers}, HF "
-                "num_nextn_predict_layers): not in the megatron-core engine yet (issue 40); use --engine native")
     what = ("sliding-window attention" if m.sliding_window else
             "biases on the output projection / MLP" if m.add_proj_bias or m.add_mlp_bias else None)
     if what:

@@ -16,13 +16,14 @@ the local spec's separate norms map to their TE names), so the sharding table gi
 
 What this engine covers: Llama-family models (no sliding window or linear biases other than QKV's), their MoE
 (Mixtral, Qwen3-MoE: megatron-core's router, load-balancing loss, alltoall / allgather dispatchers and SequentialMLP,
-whose per-expert weights are read from and saved into shardkit's stacked expert tensors) and DeepSeek-V2 / V2-Lite / V3
-without MTP layers: megatron-core's MLASelfAttention (MLATransformerConfig from the model config, q_lora or one q
-projection, plain or YaRN RoPE) with a core attention the local spec lacks (`MLACoreAttention`: megatron-core's local
-DotProductAttention takes no k_channels / v_channels; TE's TEDotProductAttention where Transformer Engine is installed),
-shared experts, dense first layers (per-layer tensors), softmax or group-limited sigmoid routing with the expert bias
-megatron-core updates in finalize_model_grads (`train.engines.coverage` names the routers it computes otherwise than
-HF, and MTP, refused: megatron-core's MTP block is not wired in yet), TP (+ SP), PP (1F1B, interleaved
+whose per-expert weights are read from and saved into shardkit's stacked expert tensors) and DeepSeek-V2 / V2-Lite / V3:
+megatron-core's MLASelfAttention (MLATransformerConfig from the model config, q_lora or one q projection, plain or YaRN
+RoPE) with a core attention the local spec lacks (`MLACoreAttention`: megatron-core's local DotProductAttention takes
+no k_channels / v_channels; TE's TEDotProductAttention where Transformer Engine is installed), shared experts, dense
+first layers (per-layer tensors), softmax or group-limited sigmoid routing with the expert bias megatron-core updates
+in finalize_model_grads (`train.engines.coverage` names the routers it computes otherwise than HF, refused), and
+megatron-core's MTP block (its layers the decoder's last layer spec, on the last pipeline stage with its copy of the
+embedding; the loss by --mtp-loss-scaling-factor; its logs as native's), TP (+ SP), PP (1F1B, interleaved
 with --vpp; even and uneven splits by Megatron-LM's split flags), DP with the distributed optimizer, fp32 and bf16,
 native checkpoints (load: weights, and the optimizer state when resuming; save: native format, or torch_dist through
 the same save path; torch_dist loads too, Megatron-LM's own included, read by region as the native engine reads them).
@@ -327,27 +328,33 @@ def check_mla_packing(m, packing, te_attention: bool) -> None:
 
 
 class MoELogs:
-    """The native engine's MoE log rows (train/moe.py MoETraining: load_balancing_loss or seq_load_balancing_loss,
-    moe_load_imbalance per layer and moe_max_load_imbalance) from megatron-core's own values: the load-balancing loss
-    its routers save to its layer-wise tracker (moe_utils.save_to_aux_losses_tracker: the loss over its coefficient,
-    per layer, summed over the micro-batches), the tokens per expert from each router's routing map (a forward hook;
-    megatron-core counts them only for an expert bias). Reduced as the native engine does: one all-reduce of the
-    flat statistics over the world, the tokens of each micro-batch seen once (sequence parallel: each TP rank routes
-    its slice), the loss averaged over DP and the micro-batches and then over the MoE layers. A forward that
-    autograd re-runs in the backward (recompute) is counted once: the tracker is put back as it was."""
+    """The native engine's MoE and MTP log rows (train/moe.py MoETraining: load_balancing_loss or
+    seq_load_balancing_loss, moe_load_imbalance per layer and MTP depth ("mtp0", ...), moe_max_load_imbalance,
+    mtp_loss and mtp_depth_losses) from megatron-core's own values: the load-balancing loss its routers save to its
+    layer-wise tracker (moe_utils.save_to_aux_losses_tracker: the loss over its coefficient, per layer and MTP depth,
+    summed over the micro-batches), the tokens per expert from each router's routing map (a forward hook; megatron-core
+    counts them only for an expert bias), each MTP depth's mean cross-entropy from MTPLossLoggingHelper's tracker.
+    Reduced as the native engine does: one all-reduce of the flat statistics over the world, the tokens of each
+    micro-batch seen once (sequence parallel: each TP rank routes its slice), the losses averaged over DP and the
+    micro-batches (and over TP ranks, which compute the same MTP losses), the load-balancing loss then over the MoE
+    layers. A forward that autograd re-runs in the backward (recompute) is counted once: the tracker is put back as it
+    was."""
 
     NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 
-    def __init__(self, chunks, m, load_balancing_type: str, aux_loss_coeff: float, device,
-                 token_repeat: int = 1) -> None:
+    def __init__(self, chunks, m, load_balancing_type: str, aux_loss_coeff: float, mtp_loss_scaling_factor: float,
+                 device, tp: int = 1, token_repeat: int = 1) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.token_repeat = token_repeat  # TP ranks without sequence parallelism route the same tokens
-
-        self.L, self.E = m.num_layers, m.num_moe_experts
-        self.moe_layers = [i for i in range(self.L) if m.is_moe_layer(i)]
+        self.tp = tp
+        self.L, self.D, self.E = m.num_layers, m.mtp_num_layers, m.num_moe_experts or 1
+        # the slots of the MoE layers: decoder layer i is slot i, MTP depth j slot L + j (megatron-core's router
+        # layer_number - 1), as the native engine's
+        self.moe_layers = [i for i in range(self.L) if m.is_moe_layer(i)] + list(range(self.L, self.L + self.D))
         self.name = self.NAMES.get(load_balancing_type) if aux_loss_coeff > 0 else None
-        self.counts = torch.zeros(self.L, self.E, dtype=torch.float64, device=device)
+        self.mtp_logged = bool(self.D and mtp_loss_scaling_factor)
+        self.counts = torch.zeros(self.L + self.D, self.E, dtype=torch.float64, device=device)
         self.micro_batches = 1
         for chunk in chunks:
             for router in (mod for mod in chunk.modules() if isinstance(mod, TopKRouter)):
@@ -377,36 +384,50 @@ class MoELogs:
 
     def start_step(self, num_micro: int) -> None:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
         self.counts.zero_()
         clear_aux_losses_tracker()
+        if "values" in MTPLossLoggingHelper.tracker:
+            MTPLossLoggingHelper.clean_loss_in_tracker()
         self.micro_batches = num_micro
 
     @torch.no_grad()
     def reduce_stats(self, dp: int) -> torch.Tensor:
-        """On the device: per layer the tokens routed, max / mean load, and the load-balancing loss over the MoE
-        layers (one all-reduce; read to the host with the step's other values)."""
+        """On the device: per slot the tokens routed, max / mean load, the load-balancing loss over the MoE layers,
+        and the MTP losses (mean, then per depth) (one all-reduce; read to the host with the step's other values)."""
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        n = self.L + self.D
+        zeros = torch.zeros(n, dtype=torch.float64, device=self.counts.device)
         tracked = self._tracker().get(self.name) if self.name else None
-        aux = (tracked["values"].to(self.counts) if tracked is not None
-               else torch.zeros(self.L, dtype=torch.float64, device=self.counts.device))
-        flat = torch.cat([self.counts.reshape(-1), aux])
+        aux = tracked["values"].to(self.counts) if tracked is not None else zeros
+        mtp = MTPLossLoggingHelper.tracker.get("values") if self.D else None
+        mtp = mtp.to(self.counts) if mtp is not None else zeros[:self.D]  # this rank's (0 off the last stage)
+        flat = torch.cat([self.counts.reshape(-1), aux, mtp])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flat)
         counts = flat[:self.counts.numel()].view_as(self.counts) / self.token_repeat
-        aux = flat[self.counts.numel():] / (self.token_repeat * dp * self.micro_batches)
+        aux = flat[self.counts.numel():self.counts.numel() + n] / (self.token_repeat * dp * self.micro_batches)
+        mtp = flat[self.counts.numel() + n:] / (self.tp * dp * self.micro_batches)
         idx = torch.tensor(self.moe_layers, dtype=torch.long, device=flat.device)
-        return torch.cat([counts.sum(1), counts.amax(1) / counts.mean(1), aux[idx].mean().reshape(1)])
+        return torch.cat([counts.sum(1), counts.amax(1) / counts.mean(1), aux[idx].mean().reshape(1),
+                          mtp.mean().reshape(1) if self.D else mtp, mtp])
 
     def finish_step(self, host: list[float]) -> dict:
-        L = self.L
-        sums, ratio, aux = host[:L], host[L:2 * L], host[2 * L]
-        moe = [i for i in range(L) if sums[i] > 0]
+        n = self.L + self.D
+        sums, ratio, aux = host[:n], host[n:2 * n], host[2 * n]
+        moe = [i for i in range(n) if sums[i] > 0]
         out: dict = {}
         if moe:
-            out["moe_load_imbalance"] = {str(i): round(ratio[i], 4) for i in moe}
+            out["moe_load_imbalance"] = {(str(i) if i < self.L else f"mtp{i - self.L}"): round(ratio[i], 4)
+                                         for i in moe}
             out["moe_max_load_imbalance"] = max(out["moe_load_imbalance"].values())
             if self.name:
                 out[self.name] = aux
+        if self.mtp_logged:
+            out["mtp_loss"] = host[2 * n + 1]
+            out["mtp_depth_losses"] = host[2 * n + 2:2 * n + 2 + self.D]
         return out
 
 
@@ -472,6 +493,11 @@ def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bo
     cls = MLATransformerConfig if m.multi_latent_attention else TransformerConfig
     fields = dict(rotary_interleaved=m.rotary_interleaved, qk_layernorm=m.qk_layernorm)
     fields.update(mla_fields(m, dims))
+    if m.mtp_num_layers:  # megatron-core's MTP block, its loss weighed as --mtp-loss-scaling-factor says
+        from train.moe import settings_of
+
+        fields.update(mtp_num_layers=m.mtp_num_layers,
+                      mtp_loss_scaling_factor=settings_of(moe_args, m).mtp_loss_scaling_factor)
     return cls(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups, kv_channels=m.kv_channels,
@@ -714,7 +740,7 @@ class MegatronCoreTrainer(Trainer):
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
         from megatron.core.transformer.module import Float16Module
 
         if self.on_cpu:
@@ -758,8 +784,15 @@ class MegatronCoreTrainer(Trainer):
                     mla_submodules(attn, self.te_attention)
                 elif m.qk_layernorm:
                     attn.q_layernorm = attn.k_layernorm = HeadNorm
+            mtp = None
+            if m.mtp_num_layers:  # its layers are the decoder's last layer spec (as changed above) after norms and
+                # eh_proj; on the last pipeline stage only (None elsewhere)
+                mtp = get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False, vp_stage=vs)
+                for layer in (mtp.layer_specs if mtp is not None else ()):
+                    layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = RMSNorm
             with keep_pickle_allowlist():
                 model = GPTModel(tc, spec, vocab_size=self.padded_vocab, max_sequence_length=m.max_position_embeddings,
+                                 mtp_block_spec=mtp,
                                  pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vs),
                                  post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vs),
                                  share_embeddings_and_output_weights=m.tie_word_embeddings,
@@ -774,8 +807,9 @@ class MegatronCoreTrainer(Trainer):
             chunks.append(model)
         self.chunks = chunks  # the GPTModels (their parameter names are the canonical ones)
         self.moe_logs = None
-        if m.is_moe:  # the native engine's MoE rows from megatron-core's values
-            self.moe_logs = MoELogs(chunks, m, tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff, self.device,
+        if m.is_moe or m.mtp_num_layers:  # the native engine's MoE and MTP rows from megatron-core's values
+            self.moe_logs = MoELogs(chunks, m, tc.moe_router_load_balancing_type, tc.moe_aux_loss_coeff,
+                                    tc.mtp_loss_scaling_factor, self.device, tp=dims.tp,
                                     token_repeat=1 if self.sp else dims.tp)
         self.wrapped = [Float16Module(tc, c) if self.dtype == torch.bfloat16 else c for c in chunks]
 
@@ -862,6 +896,9 @@ class MegatronCoreTrainer(Trainer):
                     raise FormatError(f"megatron-core parameter {name}: no canonical tensor for it in the sharding "
                                       "table")
                 spec = specs[found[0]]
+                # the embedding's copy on a later stage (the tied output layer's, or MTP's on the last stage, which
+                # megatron-core keeps in step with the first stage's by its embedding group): read, never written
+                tied_copy = tied_copy or (spec.stage == "first" and g.pp_rank != 0)
                 want = local_shape(spec, layout)[(found[1] is not None) + (expert is not None):]
                 if tuple(p.shape) != tuple(want):
                     raise FormatError(f"megatron-core parameter {name}: local shape {list(p.shape)}, the sharding "
@@ -945,7 +982,7 @@ class MegatronCoreTrainer(Trainer):
             part_of.update({id(p): part for p in part.model_param_group_index_map})
         by_t = {}
         for lp in self.table:
-            if not lp.tied_copy and id(lp.param) in part_of:
+            if id(lp.param) in part_of:  # a tied copy's state too, from the first stage's regions (ckpt_io._coord)
                 by_t.setdefault(lp.spec.name, []).append(lp)
         for cname, lps in by_t.items():
             coord = ckpt_io._coord(lps[0], self.groups)
@@ -993,7 +1030,9 @@ class MegatronCoreTrainer(Trainer):
             if docs is not None:
                 docs = docs.to(self.device)
                 mask = causal | (docs[:, :, None] != docs[:, None, :])[:, None]
-            out = model(sample[:, :-1], positions.to(self.device), mask, labels=sample[:, 1:])
+            # MTP's depths read the loss mask (shifted by megatron-core's roll_tensor); the main loss takes it below
+            extra = {"loss_mask": loss_mask.to(self.device)} if self.model_cfg.mtp_num_layers else {}
+            out = model(sample[:, :-1], positions.to(self.device), mask, labels=sample[:, 1:], **extra)
             return out, functools.partial(loss_func, loss_mask.to(self.device))
 
         iters = [iter(mbs) for _ in self.ddp]
