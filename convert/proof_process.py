@@ -94,8 +94,14 @@ def close_all() -> None:
 
 def start(hf_dir: str | Path) -> ProofProcess | None:
     """The proof process for converting `hf_dir`, started now; None where this process has imported transformers
-    already (a library caller, the tests): there the proof has no imports left to hide and runs in process."""
-    return None if "transformers" in sys.modules else ProofProcess(hf_dir)
+    already (a library caller, the tests): there the proof has no imports left to hide and runs in process; so it
+    does where no process can be started (no interpreter path, out of processes or memory)."""
+    if "transformers" in sys.modules or not sys.executable:
+        return None
+    try:
+        return ProofProcess(hf_dir)
+    except OSError:
+        return None
 
 
 # -- the child -------------------------------------------------------------------------------------------------------
