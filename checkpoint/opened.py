@@ -1,7 +1,7 @@
-"""One way in to a checkpoint of either format: `open_checkpoint(path)` tells a shardkit native checkpoint (a root with
-`latest`, or an iteration with manifest.json) from a Megatron-LM torch_dist one (a root with
-`latest_checkpointed_iteration.txt`, or an iteration directory with metadata.json / DCP's .metadata) and returns one
-interface over both: the model config (and where it came from), the layout, the iteration, the canonical tensors
+"""One way in to a checkpoint of either format: `format_of(path)`, the one place that tells them apart, tells a
+shardkit native checkpoint (a root with `latest`, or an iteration with manifest.json) from a Megatron-LM torch_dist
+one (a root with `latest_checkpointed_iteration.txt`, or an iteration directory with metadata.json / DCP's .metadata),
+and `open_checkpoint(path)` returns one interface over both: the model config (and where it came from), the layout, the iteration, the canonical tensors
 (`tensors`: name -> entry with its global shape and dtype) and a read of any region of one by canonical name, and
 whether optimizer state is there. `reader` is what reads the canonical tensors: a native `Checkpoint`, or
 `TorchDistSource` reading a torch_dist checkpoint in place by region (no staging copy).
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .reader import Checkpoint, ManifestView
     from .torch_dist import TorchDistCheckpoint
     from .torch_dist_load import TorchDistLoad
+
 
 def is_torch_dist(path: str | Path) -> bool:
     """A Megatron torch_dist checkpoint: a root with latest_checkpointed_iteration.txt, or an iteration directory
