@@ -1,10 +1,10 @@
-"""One way in to a checkpoint of either format: `format_of(path)`, the one place that tells them apart, tells a
-shardkit native checkpoint (a root with `latest`, or an iteration with manifest.json) from a Megatron-LM torch_dist
-one (a root with `latest_checkpointed_iteration.txt`, or an iteration directory with metadata.json / DCP's .metadata),
-and `open_checkpoint(path)` returns one interface over both: the model config (and where it came from), the layout, the iteration, the canonical tensors
-(`tensors`: name -> entry with its global shape and dtype) and a read of any region of one by canonical name, and
-whether optimizer state is there. `reader` is what reads the canonical tensors: a native `Checkpoint`, or
-`TorchDistSource` reading a torch_dist checkpoint in place by region (no staging copy).
+"""One way in to a checkpoint of either format: `format_of(path)`, the one place that tells them apart, tells a shardkit
+native checkpoint (a root with `latest`, or an iteration with manifest.json) from a Megatron-LM torch_dist one (a
+root with `latest_checkpointed_iteration.txt`, or an iteration directory with metadata.json / DCP's .metadata), and
+`open_checkpoint(path)` returns one interface over both: the model config (and where it came from), the layout, the
+iteration, the canonical tensors (`tensors`: name -> entry with its global shape and dtype) and a read of any region
+of one by canonical name, and whether optimizer state is there. `reader` is what reads the canonical tensors: a
+native `Checkpoint`, or `TorchDistSource` reading a torch_dist checkpoint in place by region (no staging copy).
 
 A torch_dist checkpoint's model config comes from `hf_config` (an HF config directory), else its own shardkit.json,
 else its Megatron-LM args with `vocab_size`; it is read when first asked for (`config`, `reader`, `tensors`), so a
