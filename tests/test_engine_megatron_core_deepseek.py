@@ -145,19 +145,23 @@ def test_packed_documents_equal_native(work):
     assert abs(plain[0]["loss"] - rows[0]["loss"]) > 1e-3  # the flags changed what was computed
 
 
-def test_reset_position_ids_refused_with_mla(work):
-    """megatron-core's multi-latent attention takes RoPE positions 0..s-1 (reset positions reach it only as THD
-    packed_seq_params): --reset-position-ids with a DeepSeek model is one error line, never silently dropped."""
+@pytest.mark.parametrize("kind,flag,says", [
+    ("deepseek_v2_lite", "--reset-position-ids", "--reset-position-ids: megatron-core's multi-latent attention takes "
+                                                 "positions 0..s-1"),
+    ("deepseek_v3", "--reset-attention-mask", "--reset-attention-mask with MTP layers: megatron-core shifts their "
+                                              "targets within documents only through packed_seq_params")])
+def test_packing_refused_in_one_line(work, kind, flag, says):
+    """What megatron-core computes for packed documents only through packed_seq_params (not wired in): MLA's RoPE
+    positions, the MTP targets' shift within documents. One error line each, never silently dropped."""
     os.environ[SWITCH] = "1"
     try:
-        r = launch(1, "--load", str(work / "deepseek_v2_lite" / "ck"), "--data-path", str(work / "data"), "--engine",
-                   "megatron-core", *FLAGS, "--reset-position-ids", "--eod-token-id", "2", check=False)
+        r = launch(1, "--load", str(work / kind / "ck"), "--data-path", str(work / "data"), "--engine",
+                   "megatron-core", *FLAGS, flag, "--eod-token-id", "2", check=False)
     finally:
         os.environ.pop(SWITCH, None)
     errors = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("shardkit: error:")]
     assert r.returncode != 0 and len(errors) == 1, (r.stdout[-2000:], r.stderr[-2000:])
-    assert errors[0].startswith("shardkit: error: --engine megatron-core: --reset-position-ids: megatron-core's "
-                                "multi-latent attention takes positions 0..s-1")
+    assert errors[0].startswith(f"shardkit: error: --engine megatron-core: {says}"), errors[0]
 
 
 def test_router_coverage():

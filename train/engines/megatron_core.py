@@ -28,7 +28,7 @@ with --vpp; even and uneven splits by Megatron-LM's split flags), DP with the di
 native checkpoints (load: weights, and the optimizer state when resuming; save: native format, or torch_dist through
 the same save path; torch_dist loads too, Megatron-LM's own included, read by region as the native engine reads them).
 Packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) as the native engine takes them
-(with MLA not --reset-position-ids: `check_mla_packing`).
+(with MLA not --reset-position-ids, with MTP not --reset-attention-mask: `check_packing`).
 Expert parallelism (--expert-model-parallel-size, --expert-tensor-parallel-size) on megatron-core's expert groups,
 checked against shardkit's coordinates. Refused in one line: TE's layer spec, FP8, context parallelism, recompute on
 the CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
@@ -259,16 +259,15 @@ def mla_submodules(attn, te: bool) -> None:
 
     if mla.Linear is None:  # megatron-core imports it there only with Transformer Engine
         mla.Linear = Linear
-    if not te:  # 0.16 without TE: its TE classes are MagicMock placeholders, which MLA's isinstance checks refuse
-        for name in ("TELinear", "TEColumnParallelLinear"):
-            if not isinstance(getattr(mla, name), (type, type(None))):
-                setattr(mla, name, type(f"No{name}", (), {}))
     if te:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
         attn.core_attention = TEDotProductAttention
     else:
         attn.core_attention = MLACoreAttention
+        for name in ("TELinear", "TEColumnParallelLinear"):  # 0.16 without TE: MagicMock placeholders, which
+            if not isinstance(getattr(mla, name), (type, type(None))):  # MLA's isinstance checks refuse
+                setattr(mla, name, type(f"No{name}", (), {}))
     attn.q_layernorm = attn.kv_layernorm = LatentNorm
     attn.linear_q_down_proj = attn.linear_kv_down_proj = mla.Linear
 
@@ -312,10 +311,15 @@ def check_model(m) -> None:
         raise NotCovered(why)
 
 
-def check_mla_packing(m, packing, te_attention: bool) -> None:
-    """Packed documents with multi-latent attention: megatron-core's MLA takes its RoPE positions as 0..s-1 (reset
-    positions reach it only as THD packed_seq_params, not wired here), and TE's core attention its own causal mask
-    (the per-document mask reaches it the same way); the engine's own core attention takes the mask as given."""
+def check_packing(m, packing, te_attention: bool) -> None:
+    """Packed documents with multi-latent attention or MTP: megatron-core's MLA takes its RoPE positions as 0..s-1
+    (reset positions reach it only as THD packed_seq_params, not wired here), TE's core attention its own causal mask
+    (the per-document mask reaches it the same way; the engine's own core attention takes the mask as given), and its
+    MTP block shifts the targets within documents only by packed_seq_params too (the native engine does, as
+    megatron-core's packed path)."""
+    if m.mtp_num_layers and packing.reset_attention_mask:
+        raise NotCovered("--reset-attention-mask with MTP layers: megatron-core shifts their targets within documents "
+                         "only through packed_seq_params (not wired in yet: issue 40); use --engine native")
     if not m.multi_latent_attention:
         return
     if packing.reset_position_ids:
@@ -709,7 +713,7 @@ class MegatronCoreTrainer(Trainer):
         self.packing = packing_from(d, m, self.ck.hf_dir())
         # multi-latent attention's core attention: TE's where installed (on CUDA), the engine's own otherwise
         self.te_attention = m.multi_latent_attention and not self.on_cpu and te_available()
-        check_mla_packing(m, self.packing, self.te_attention)
+        check_packing(m, self.packing, self.te_attention)
         self._build_megatron()
         self.table = self._param_table()
         ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
