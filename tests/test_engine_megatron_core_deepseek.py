@@ -149,7 +149,8 @@ def test_packed_documents_equal_native(work):
     ("deepseek_v2_lite", "--reset-position-ids", "--reset-position-ids: megatron-core's multi-latent attention takes "
                                                  "positions 0..s-1"),
     ("deepseek_v3", "--reset-attention-mask", "--reset-attention-mask with MTP layers: megatron-core shifts their "
-                                              "targets within documents only through packed_seq_params")])
+                                              "targets within documents only through packed_seq_params")],
+    ids=["mla-reset-position-ids", "mtp-reset-attention-mask"])
 def test_packing_refused_in_one_line(work, kind, flag, says):
     """What megatron-core computes for packed documents only through packed_seq_params (not wired in): MLA's RoPE
     positions, the MTP targets' shift within documents. One error line each, never silently dropped."""
