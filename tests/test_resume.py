@@ -92,6 +92,8 @@ def test_raised_train_iters_continues_the_straight_run(setup, runs, mode):  # no
     assert lrs(out) == lrs(straight)
     state = json.loads((out / "iter_0000004" / "train_state.json").read_text())
     assert state["iteration"] == 4 and state["consumed_samples"] == 16 and state["scheduler"]["num_steps"] == 16
+    # the process RNGs (seeded as Megatron-LM's _set_random_seed, restored on resume) as the straight run's
+    assert state["rng"] == json.loads((straight / "iter_0000004" / "train_state.json").read_text())["rng"]
     if mode == "use-checkpoint":
         assert "max_lr 0.001 from" in r.stdout and "(the command line's 0.005 ignored)" in r.stdout
         assert state["scheduler"]["wd_incr_steps"] == 8  # the checkpoint's

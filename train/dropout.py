@@ -36,6 +36,20 @@ PP_SEED_STRIDE = 100  # Megatron-LM _set_random_seed
 _MIX = 1_000_003
 
 
+def seed_process_rngs(seed: int, pp_rank: int) -> None:
+    """Megatron-LM's _set_random_seed for the process-wide generators: Python's, numpy's and torch's seeded with
+    seed + 100 * pp_rank at the start of a run (a resume then restores the saved states over them), so what draws
+    from them and the RNG state a save records are the same in every run of the same command."""
+    import random
+
+    import numpy as np
+
+    s = seed + PP_SEED_STRIDE * pp_rank
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+
+
 class DropoutRNG:
     def __init__(self, seed: int, pp_rank: int, tp_rank: int, sp: bool, device: torch.device) -> None:
         self.seeds = (seed + PP_SEED_STRIDE * pp_rank, seed + PP_SEED_STRIDE * pp_rank + TP_SEED_OFFSET + tp_rank)

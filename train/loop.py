@@ -33,6 +33,7 @@ from train.config import TrainConfig, check_for_model, default_changes, megatron
 from train.data.errors import DataError
 from train.data.order import DataConfig, build_datasets, check_vocab
 from train.data.sampler import micro_batches
+from train.dropout import seed_process_rngs
 from train.failures import bound_every_group
 from train.signals import ExitSignals
 from train.metrics import (MetricsLogger, check_wandb, flops_per_step, format_line, memory_stats, peak_flops,
@@ -179,6 +180,7 @@ class Trainer:
         dims = run_layout(cfg)
         self.dims = dims
         self.groups: Groups = build_groups(dims)
+        seed_process_rngs(d.seed, self.groups.pp_rank)  # as Megatron-LM; a resume restores the saved states
         self.layout = dims.model_parallel
         self.notes: list[str] = []  # logged by rank 0 at the start of run()
         self.notes += [line for line in (default_changes(cfg), *megatron_flags(cfg)) if line]  # issue 41
