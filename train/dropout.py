@@ -36,10 +36,11 @@ PP_SEED_STRIDE = 100  # Megatron-LM _set_random_seed
 _MIX = 1_000_003
 
 
-def seed_process_rngs(seed: int, pp_rank: int) -> None:
+def seed_process_rngs(seed: int, pp_rank: int) -> int:
     """Megatron-LM's _set_random_seed for the process-wide generators: Python's, numpy's and torch's seeded with
     seed + 100 * pp_rank at the start of a run (a resume then restores the saved states over them), so what draws
-    from them and the RNG state a save records are the same in every run of the same command."""
+    from them and the RNG state a save records are the same in every run of the same command. Returns that seed
+    (Megatron-LM seeds megatron-core's CUDA RNG tracker with it too)."""
     import random
 
     import numpy as np
@@ -48,6 +49,7 @@ def seed_process_rngs(seed: int, pp_rank: int) -> None:
     random.seed(s)
     np.random.seed(s % 2**32)
     torch.manual_seed(s)
+    return s
 
 
 class DropoutRNG:

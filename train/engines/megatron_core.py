@@ -54,6 +54,7 @@ from checkpoint.sharding import OPTIMIZER_STATES, local_shape, optimizer_key, ow
 from checkpoint.families import family_of, model_specs
 from train import checkpointing as ckpt_io
 from train.loop import Trainer, check_layout_for_model, check_save_format, open_load, run_layout
+from train.dropout import seed_process_rngs
 from train.engines.cpu_shims import cuda_as_cpu
 from train.model import canonical_name
 from train.parallel.context import ltor_masks_and_position_ids, packing_from
@@ -703,6 +704,7 @@ class MegatronCoreTrainer(Trainer):
         check_layout_for_model(cfg, dims, m, self.src)  # the native engine's (and `shardkit launch`'s) checks
         check_save_format(c.save, c.save_format)
         self.groups = build_groups(dims)  # shardkit's coordinates and groups: the save path and the step's one read
+        self.seed = seed_process_rngs(d.seed, self.groups.pp_rank)  # Megatron-LM's _set_random_seed
         self.layout = dims.model_parallel
         self.dtype = torch.bfloat16 if cfg.run.bf16 else torch.float32
         self.sp = p.sequence_parallel and dims.tp > 1
@@ -772,7 +774,7 @@ class MegatronCoreTrainer(Trainer):
         for group in groups:
             dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         if not self.on_cpu:
-            tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.data.seed)
+            tensor_parallel.model_parallel_cuda_manual_seed(self.seed)  # seed + 100 x pp_rank, as Megatron-LM
         self.tconfig = tc = transformer_config(m, dims, self.cfg.run, sp=self.sp, dtype=self.dtype,
                                                on_cpu=self.on_cpu, moe_args=self.cfg.moe)
         self.padded_vocab = m.padded_vocab_size(dims.tp)
