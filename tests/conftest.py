@@ -6,6 +6,12 @@ from __future__ import annotations
 import pytest
 
 SLOW = {
+    # DeepSeek on the megatron-core engine: [deepseek_v3-1rank] and [deepseek_v3-tp2-sp] stay (MLA, MTP, expert bias,
+    # the dense-then-MoE split), the native save resuming there at PP 2 stays (test_native_save_resumes_on_megatron_core),
+    # V2-Lite at TP 2 + SP stays (no q_lora, softmax router)
+    "tests/test_engine_megatron_core_deepseek.py::test_deepseek_equals_native[deepseek_v3-ep2]",
+    "tests/test_engine_megatron_core_deepseek.py::test_deepseek_equals_native[deepseek_v3-pp2]",
+    "tests/test_engine_megatron_core_deepseek.py::test_deepseek_equals_native[deepseek_v2_lite-1rank]",
     # stop 45's trim (the default run had grown to 14 min on 2 cores), each beside the default case that keeps its path:
     # FP8 block scales requantized on export: test_keep_fp8_round_trip_bitwise and test_fp8_dequantized_equals_reference
     "tests/test_convert_moe.py::test_fp8_requantized_export",
