@@ -342,7 +342,6 @@ def test_default_engine_on_the_cpu_is_native():
 @pytest.mark.parametrize("flags,switch,says", [
     ((), False, "megatron-core's engine runs on CUDA"),
     (("--fp8-format", "hybrid"), True, "--fp8-format hybrid: megatron-core cannot run it on the CPU"),
-    (("--context-parallel-size", "2"), True, "--context-parallel-size 2: megatron-core cannot run it on the CPU"),
     (("--transformer-impl", "transformer_engine"), True, "TE's layer spec"),
     # on 2 ranks (PP 2): the interleaved schedule's micro-batch groups
     (("--pp", "2", "--vpp", "2", "--global-batch-size", "2"), True, "in groups of --pp 2, but each DP rank has 1"),

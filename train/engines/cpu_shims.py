@@ -10,12 +10,15 @@ import torch
 def cuda_as_cpu() -> None:
     """The distributed optimizer's CUDA on the CPU: `Tensor.type()` reporting `torch.cuda.*Tensor` (it refuses other
     parameter types, and so does its gradient clipping), `Tensor.cuda()` as identity and `device="cuda"` factory
-    calls placed on the CPU. No arithmetic changes. Process-wide."""
+    calls placed on the CPU, page-locked host memory asked of them (`pin_memory=True`: CUDA's) a plain host tensor.
+    No arithmetic changes. Process-wide."""
     def on_cpu(fn):
         @functools.wraps(fn)
         def wrapped(*a, **k):
             if str(k.get("device", "")).startswith("cuda"):
                 k["device"] = "cpu"
+            if k.get("pin_memory"):
+                k["pin_memory"] = False
             return fn(*a, **k)
         return wrapped
 

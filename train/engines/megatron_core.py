@@ -57,7 +57,7 @@ from train.loop import Trainer, check_layout_for_model, check_save_format, open_
 from train.dropout import seed_process_rngs
 from train.engines.cpu_shims import cuda_as_cpu
 from train.model import canonical_name
-from train.parallel.context import ltor_masks_and_position_ids, packing_from
+from train.parallel.context import ltor_masks_and_position_ids, packing_from, prepare_micro_batch
 from train.te import te_available
 
 CPU_SWITCH = "SHARDKIT_MEGATRON_CORE_CPU"  # "1": run megatron-core on the CPU with CUDA stand-ins (tests only)
@@ -282,6 +282,45 @@ class HeadNorm:
         return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
 
 
+class ContextParallelAttention(torch.nn.Module):
+    """The core attention under context parallelism where Transformer Engine is absent: megatron-core's local
+    DotProductAttention asserts context_parallel_size == 1 (its CP is TE's TEDotProductAttention), so this runs the
+    native engine's CP attention (train/parallel/context.py AttentionState.attend: ring (p2p) or all-gathered K/V over
+    Megatron's zigzag split, documents masked from global positions) on megatron-core's q / k / v of this rank's two
+    chunks: [s, b, np, d] queries, [s, b, ng, d] keys and [s, b, ng, dv] values (one K/V head per query group, as the
+    local spec hands them: GQA; MLA's heads of k_channels / v_channels) -> [s, b, np * dv]. The scale is
+    DotProductAttention's (1/sqrt(k_channels), or the softmax_scale given, MLA's). The micro-batch's AttentionLayout is
+    the one the engine's forward_step holds in `state` around the model's forward (state.use)."""
+
+    state = None  # the run's AttentionState (train.parallel.context.attention_state): `bound` sets it
+
+    @classmethod
+    def bound(cls, state) -> type:
+        return type(cls.__name__, (cls,), {"state": state})
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None, cp_comm_type=None,
+                 pg_collection=None) -> None:
+        super().__init__()
+        if self.state is None or config.context_parallel_size != self.state.cp:
+            raise ValueError("ContextParallelAttention: built without the run's context-parallel state")
+        k_channels = k_channels or config.kv_channels
+        self.softmax_scale = k_channels ** -0.5 if softmax_scale is None else softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("ContextParallelAttention: packed_seq_params / attention_bias are TE's")
+        layout = self.state.current
+        if layout is None:
+            raise RuntimeError("ContextParallelAttention called outside the engine's forward_step (no layout)")
+        s, b = query.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))  # [b, heads, s, d]
+        out = self.state.attend(q, k, v, q.shape[1] // k.shape[1], self.softmax_scale, None, layout)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
 # -- what the engine covers ----------------------------------------------------------------------------------------------
 
 def check_flags(cfg, on_cpu: bool) -> None:
@@ -296,8 +335,6 @@ def check_flags(cfg, on_cpu: bool) -> None:
                          "local or --engine native")
     if cfg.fp8.enabled:
         raise NotCovered(f"--fp8-format {cfg.fp8.fp8_format}: {where}; use --engine native")
-    if p.cp > 1:
-        raise NotCovered(f"--context-parallel-size {p.cp}: {where}; use --engine native")
     if on_cpu and r.recompute_granularity:  # its checkpoint function saves and restores the CUDA RNG state
         raise NotCovered(f"--recompute-granularity {r.recompute_granularity}: {where} (its recompute restores the "
                          "CUDA RNG state); drop it or use --engine native")
@@ -330,6 +367,29 @@ def check_packing(m, packing, te_attention: bool) -> None:
         raise NotCovered("--reset-attention-mask: TE's core attention for multi-latent attention takes its own causal "
                          "mask (per-document masks need packed_seq_params, not wired in yet: issue 40); use --engine "
                          "native")
+
+
+def check_context_parallel(m, packing, cp: int, te_attention: bool, recompute: str | None) -> None:
+    """What context parallelism on this engine does not take (yet): MTP layers (megatron-core's MTP loss under CP is
+    each rank's mean over its own tokens, which depends on the CP size), with Transformer Engine's attention
+    per-document masks (TE takes its own causal mask: they need THD packed_seq_params, not wired in), and with the
+    engine's own CP attention recompute (megatron-core re-runs the forward in the backward, after the micro-batch's
+    attention layout is gone)."""
+    if cp == 1:
+        return
+    flag = f"--context-parallel-size {cp}"
+    if m.mtp_num_layers:
+        raise NotCovered(f"{flag} with MTP layers: megatron-core divides each CP rank's MTP loss by that rank's own "
+                         "token count, the native engine by the whole micro-batch's (train/moe.py); use --engine "
+                         "native")
+    if te_attention and packing.reset_attention_mask:
+        raise NotCovered(f"{flag} with --reset-attention-mask: Transformer Engine's context-parallel attention takes "
+                         "its own causal mask (per-document masks need packed_seq_params, not wired in yet: issue 40); "
+                         "use --engine native")
+    if not te_attention and recompute:
+        raise NotCovered(f"{flag} with --recompute-granularity {recompute}: shardkit's context-parallel attention "
+                         "(Transformer Engine is absent) is not re-entrant under megatron-core's recompute; drop it or "
+                         "use --engine native")
 
 
 class MoELogs:
@@ -489,7 +549,8 @@ def mla_fields(m, dims) -> dict:
     return out
 
 
-def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bool, moe_args=None):
+def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bool, moe_args=None,
+                       cp_comm_type: str | None = None):
     """megatron-core's TransformerConfig (MLATransformerConfig for multi-latent attention) for shardkit's model config
     `m` at this run's layout: the one place the engine's shapes come from (never from flags retyped by the user)."""
     import torch.nn.functional as F
@@ -511,7 +572,8 @@ def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bo
         hidden_dropout=run.hidden_dropout, attention_dropout=run.attention_dropout,
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None, sequence_parallel=sp,
-        context_parallel_size=1, params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        context_parallel_size=dims.cp, cp_comm_type=cp_comm_type if dims.cp > 1 else None,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         attention_softmax_in_fp32=True, use_cpu_initialization=on_cpu,
         # initialised (then overwritten by the checkpoint): megatron-core sets its tensor-parallel attributes there
         perform_initialization=True,
@@ -555,8 +617,10 @@ def distributed_parts(mopt) -> list:
 class SavedState:
     """What shardkit's save path (ckpt_io.saved_values, the finiteness check, the param groups) asks of an optimizer:
     names, params, expert flags, the flags' config, the step count, which parameters this rank writes (round-robin
-    over DP ranks, whole tensors) and their fp32 params and moments. `refresh()` collects them from megatron-core's
-    distributed optimizer (each DP rank's flat ranges) into shardkit's tensors, every DP rank taking part.
+    over DP ranks, whole tensors; under CP the DP rank's CP rank 0, as ckpt_io.saved_values writes) and their fp32
+    params and moments. `refresh()` collects them from megatron-core's distributed optimizer (each rank's flat ranges:
+    its shards are over DP x CP, every CP rank holding the same weights) into shardkit's tensors, every rank taking
+    part.
     megatron-core's per-expert weights are saved stacked by layer (a chunk of an expert tensor holds a layer's local
     experts together): `table` is the table a save writes, its stacks taken afresh by `refresh()`."""
 
@@ -576,7 +640,9 @@ class SavedState:
 
     def is_mine(self, i: int | None) -> bool:
         g = self.groups
-        return i is not None and self.owner[i] == (g.edp_rank if self.expert[i] else g.dp_rank)
+        if i is None:
+            return False
+        return self.owner[i] == g.edp_rank if self.expert[i] else (self.owner[i] == g.dp_rank and g.cp_rank == 0)
 
     def owned(self) -> list[int]:
         return [i for i in range(len(self.names)) if self.is_mine(i)]
@@ -594,7 +660,8 @@ class SavedState:
 
         from megatron.core import parallel_state as ps
 
-        dense = ps.get_data_parallel_group()
+        g = self.groups
+        dense = ps.get_data_parallel_group(with_context_parallel=True)  # the optimizer's shards: over DP x CP
         expert = ps.get_expert_data_parallel_group() if any(self.expert) else None
         ranks = {g: dist.get_process_group_ranks(g) for g in (dense, expert) if g is not None}
         parts = distributed_parts(self.mopt)
@@ -606,7 +673,11 @@ class SavedState:
         self.table = [lp for lp, _ in self.entries]
         self.params = [self.table[k].param for k in self._trained]
         for i, k in enumerate(self._trained):
-            owner, group = self.owner[i], expert if self.expert[i] else dense
+            group = expert if self.expert[i] else dense
+            # the owner's global rank: of the expert-data-parallel group (spanning DP x CP), or DP rank `owner` at
+            # CP rank 0 beside this rank
+            dst = (ranks[group][self.owner[i]] if self.expert[i]
+                   else g.dims.rank(tp=g.tp_rank, cp=0, dp=self.owner[i], pp=g.pp_rank))
             states = []
             for m in self.entries[k][1]:
                 p = m.param
@@ -618,7 +689,7 @@ class SavedState:
                         for j, key in enumerate(("param", "exp_avg", "exp_avg_sq")):
                             buf[j, r.start:r.end] = t[key].detach().reshape(-1)
                 if len(ranks[group]) > 1:
-                    dist.reduce(buf, dst=ranks[group][owner], group=group)
+                    dist.reduce(buf, dst=dst, group=group)
                 states.append(buf.cpu().view(3, *p.shape))
             if self.is_mine(i):
                 both = states[0] if len(states) == 1 else torch.stack(states, dim=1)
@@ -716,6 +787,7 @@ class MegatronCoreTrainer(Trainer):
         # multi-latent attention's core attention: TE's where installed (on CUDA), the engine's own otherwise
         self.te_attention = m.multi_latent_attention and not self.on_cpu and te_available()
         check_packing(m, self.packing, self.te_attention)
+        self._context_parallel()
         self._build_megatron()
         self.table = self._param_table()
         ckpt_io.load_model(self.ck, self.table, self.layout, self.groups)
@@ -741,6 +813,35 @@ class MegatronCoreTrainer(Trainer):
         self.peak_mem_gib = 0.0
 
     # -- megatron-core's pieces ----------------------------------------------------------------------------------
+    def _context_parallel(self) -> None:
+        """Context parallelism's core attention: Transformer Engine's TEDotProductAttention where it is installed (on
+        CUDA; --cp-comm-type as TransformerConfig.cp_comm_type), else shardkit's (ContextParallelAttention on the
+        native engine's AttentionState); `cp_state` holds the micro-batch's layout around each forward."""
+        from train.parallel.context import attention_state
+
+        cp = self.dims.cp
+        self.cp_te = cp > 1 and not self.on_cpu and te_available()
+        self.cp_state, self.cp_line = None, None
+        check_context_parallel(self.model_cfg, self.packing, cp, self.cp_te, self.cfg.run.recompute_granularity)
+        if cp == 1:
+            return
+        if self.cp_te:
+            self.cp_line = (f"Transformer Engine's TEDotProductAttention over cp={cp} (cp_comm_type "
+                            f"{self.cfg.parallel.cp_comm_type})")
+            return
+        self.cp_state, line = attention_state(self.groups, self.cfg.parallel.cp_comm_type, self.packing, False,
+                                              self.device, self.dtype)
+        self.cp_line = "shardkit's ContextParallelAttention, " + line.removeprefix("attention: ")
+
+    def _cp_core_attention(self, attn) -> None:
+        """A layer's core attention under CP (`_context_parallel`)."""
+        if self.cp_te:
+            from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+            attn.core_attention = TEDotProductAttention
+        elif self.cp_state is not None:
+            attn.core_attention = ContextParallelAttention.bound(self.cp_state)
+
     def _build_megatron(self) -> None:
         import_megatron()
         from megatron.core import parallel_state as ps
@@ -754,20 +855,22 @@ class MegatronCoreTrainer(Trainer):
         dims, m = self.dims, self.model_cfg
         ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                                      virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
-                                     context_parallel_size=1, expert_model_parallel_size=dims.ep,
+                                     context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep,
                                      expert_tensor_parallel_size=dims.expert_tp)
         g = self.groups
         theirs = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                  ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank(),
+                  ps.get_data_parallel_rank(), ps.get_context_parallel_rank(), ps.get_expert_model_parallel_rank(),
                   ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank())
-        ours = (g.tp_rank, g.pp_rank, g.dp_rank, g.ep_rank, g.etp_rank, g.edp_rank)
+        ours = (g.tp_rank, g.pp_rank, g.dp_rank, g.cp_rank, g.ep_rank, g.etp_rank, g.edp_rank)
         if theirs != ours:
-            raise ConfigError(f"rank {g.rank}: megatron-core's coordinates (tp, pp, dp, ep, etp, edp) {theirs} differ "
-                              f"from shardkit's {ours}")
+            raise ConfigError(f"rank {g.rank}: megatron-core's coordinates (tp, pp, dp, cp, ep, etp, edp) {theirs} "
+                              f"differ from shardkit's {ours}")
         # NCCL's rule: a communicator's first use is a collective of all its ranks (megatron-core's pipeline
         # exchanges are batched point-to-point on the pipeline group)
         groups = [ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group(),
                   ps.get_data_parallel_group()]
+        if dims.cp > 1:  # TE's CP exchanges, and the gradients' reduction and optimizer shards over DP x CP
+            groups += [ps.get_context_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True)]
         if m.is_moe:  # the MoE layers' token exchanges and the expert gradients' reduction
             groups += [ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
                        ps.get_expert_data_parallel_group()]
@@ -776,7 +879,8 @@ class MegatronCoreTrainer(Trainer):
         if not self.on_cpu:
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)  # seed + 100 x pp_rank, as Megatron-LM
         self.tconfig = tc = transformer_config(m, dims, self.cfg.run, sp=self.sp, dtype=self.dtype,
-                                               on_cpu=self.on_cpu, moe_args=self.cfg.moe)
+                                               on_cpu=self.on_cpu, moe_args=self.cfg.moe,
+                                               cp_comm_type=self.cfg.parallel.cp_comm_type)
         self.padded_vocab = m.padded_vocab_size(dims.tp)
         chunks = []
         for v in range(dims.vpp):
@@ -790,6 +894,7 @@ class MegatronCoreTrainer(Trainer):
                     mla_submodules(attn, self.te_attention)
                 elif m.qk_layernorm:
                     attn.q_layernorm = attn.k_layernorm = HeadNorm
+                self._cp_core_attention(attn)
             mtp = None
             if m.mtp_num_layers:  # its layers are the decoder's last layer spec (as changed above) after norms and
                 # eh_proj; on the last pipeline stage only (None elsewhere)
@@ -844,7 +949,7 @@ class MegatronCoreTrainer(Trainer):
         if not layers:
             return
         rope = layers[0].self_attention.rotary_pos_emb
-        out = rope(2)
+        out = rope.get_emb(2)  # the whole length's (its forward gives this CP rank's chunks)
         emb, mscale = out if isinstance(out, tuple) else (out, 1.0)
         theirs = emb[1].reshape(-1)[: emb.shape[-1] // 2].double().cpu()  # position 1: the inverse frequencies
         rope_type = (self.model_cfg.rope_scaling or {}).get("rope_type", "default")
@@ -957,6 +1062,9 @@ class MegatronCoreTrainer(Trainer):
                "shardkit's MLACoreAttention (megatron-core's local DotProductAttention takes no MLA head sizes)")
             if self.model_cfg.multi_latent_attention else
             "attention: megatron-core's DotProductAttention (local spec)")
+        if self.cp_line:  # context parallelism's core attention (`_context_parallel`)
+            kind = "MLASelfAttention" if self.model_cfg.multi_latent_attention else "SelfAttention"
+            self.attention_line = f"attention: megatron-core's {kind} (local spec) with {self.cp_line}"
 
     def _megatron_scheduler(self):
         """megatron-core's OptimizerParamScheduler on shardkit's schedule (train/config.py run_length), at the
@@ -1041,8 +1149,27 @@ class MegatronCoreTrainer(Trainer):
             out = model(sample[:, :-1], positions.to(self.device), mask, labels=sample[:, 1:], **extra)
             return out, functools.partial(loss_func, loss_mask.to(self.device))
 
+        def cp_loss_func(weight, output_tensor):
+            """This CP rank's share of the micro-batch's mean loss, times cp (the native engine's loss weights: loss
+            mask x cp / the tokens counted in the whole micro-batch), over one token: summed over the CP ranks by the
+            step's read, averaged over DP x CP by megatron-core's DDP, it is the micro-batch's mean loss."""
+            loss = (output_tensor.float() * weight).sum()
+            one = torch.ones((), dtype=torch.int, device=loss.device)
+            return loss, one, {"lm loss": torch.stack([loss.detach(), one.to(loss.dtype)])}
+
+        def cp_forward_step(data_iterator, model):
+            """Under CP: this rank's zigzag share of the micro-batch (the native engine's prepare_micro_batch: tokens,
+            labels, loss weights and the attention layout, which shardkit's core attention reads while the forward
+            runs); megatron-core's RoPE takes this rank's chunks' positions itself (it slices the whole length's)."""
+            tokens, labels, extras = prepare_micro_batch(next(data_iterator), self.dims.cp, self.groups.cp_rank,
+                                                         self.packing, self.device)
+            with self.cp_state.use(extras.layout) if self.cp_state is not None else contextlib.nullcontext():
+                out = model(tokens, extras.position_ids, None, labels=labels)
+            return out, functools.partial(cp_loss_func, extras.loss_weight)
+
         iters = [iter(mbs) for _ in self.ddp]
-        return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iters, model=self.ddp,
+        step = cp_forward_step if self.dims.cp > 1 else forward_step
+        return get_forward_backward_func()(forward_step_func=step, data_iterator=iters, model=self.ddp,
                                            num_microbatches=self.num_micro, seq_length=s, micro_batch_size=b,
                                            decoder_seq_length=None, forward_only=forward_only)
 
@@ -1115,7 +1242,7 @@ class MegatronCoreTrainer(Trainer):
         t = total.reshape(1)
         if self.dims.world > 1:
             dist.all_reduce(t)
-        return float(t) / (self.cfg.run.eval_iters * self.num_micro * self.dims.dp * self.dims.tp)
+        return float(t) / (self.cfg.run.eval_iters * self.num_micro * self.dims.dp * self.dims.tp * self.dims.cp)
 
     def _saved_table(self) -> list:
         return self.opt.table  # megatron-core's per-expert weights stacked by layer (SavedState.refresh)

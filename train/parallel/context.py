@@ -623,10 +623,11 @@ def cp_ring(groups) -> Ring | None:
     return Ring(groups.cp, dims.cp, r, dims.rank(cp=(r + 1) % dims.cp, **at), dims.rank(cp=(r - 1) % dims.cp, **at))
 
 
-def apply_context_parallel(model: nn.Module, groups, comm_type: str, packing: Packing, recompute_selective: bool,
-                           device: torch.device, dtype: torch.dtype) -> tuple[AttentionState | None, str]:
-    """Replace every attention layer's core_attention when CP > 1, packed-document masks are on or flash-attn is
-    chosen; the model is left as built otherwise. Returns (state or None, one line saying what attention runs)."""
+def attention_state(groups, comm_type: str, packing: Packing, recompute_selective: bool, device: torch.device,
+                    dtype: torch.dtype) -> tuple[AttentionState | None, str]:
+    """The attention a run needs besides its model's own: (an AttentionState when CP > 1, packed-document masks are
+    on or flash-attn is chosen, else None; one line saying what attention runs). The native engine hooks it onto its
+    model (apply_context_parallel), the megatron-core engine into megatron-core's attention (its core attention)."""
     if comm_type not in COMM_TYPES:
         raise ConfigError(f"--cp-comm-type {comm_type!r}: expected one of {', '.join(COMM_TYPES)}")
     cp = groups.dims.cp
@@ -639,7 +640,16 @@ def apply_context_parallel(model: nn.Module, groups, comm_type: str, packing: Pa
             line += " (flash_attn_varlen_func for packed documents)"
     if cp == 1 and not packing.reset_attention_mask and backend == "sdpa":
         return None, line
-    state = AttentionState(cp, groups.cp_rank, cp_ring(groups), comm_type, backend, recompute_selective)
+    return AttentionState(cp, groups.cp_rank, cp_ring(groups), comm_type, backend, recompute_selective), line
+
+
+def apply_context_parallel(model: nn.Module, groups, comm_type: str, packing: Packing, recompute_selective: bool,
+                           device: torch.device, dtype: torch.dtype) -> tuple[AttentionState | None, str]:
+    """Replace every attention layer's core_attention when CP > 1, packed-document masks are on or flash-attn is
+    chosen (`attention_state`); the model is left as built otherwise. Returns (state or None, the attention line)."""
+    state, line = attention_state(groups, comm_type, packing, recompute_selective, device, dtype)
+    if state is None:
+        return None, line
     mtp = [] if getattr(model, "mtp", None) is None else [m.transformer_layer for m in model.mtp.layers]
     for layer in [*model.decoder.layers.values(), *mtp]:  # the MTP layers' attention sees the same split and documents
         att = layer.self_attention
