@@ -123,3 +123,16 @@ def test_the_proof_process_never_outlives_the_command(tmp_path, sig):
             assert p.returncode == -getattr(signal, sig)
     finally:
         _stop(p)
+
+
+def test_the_converting_process_imports_neither_torch_nor_transformers(tmp_path):
+    """With its default proof, a same-dtype conversion's own process stays as light as with --no-verify (the proof's
+    imports, ~4 CPU-s, are the proof process's): before, a thread imported them beside the conversion."""
+    hf_dir, _ = _hf_dir(tmp_path, "llama_gqa")
+    code = ("import sys; from shardkit.cli import main; "
+            f"rc = main(['convert', 'hf-to-mcore', {str(hf_dir)!r}, {str(tmp_path / 'ck')!r}, '--quiet']); "
+            "print(rc, [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')][:3])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 0 and lines[-1] == "0 []", (res.stdout, res.stderr)
+    assert any(ln.startswith("verify: logits vs") and "OK" in ln for ln in lines), res.stdout
