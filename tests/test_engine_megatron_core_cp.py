@@ -37,16 +37,22 @@ LAYOUTS = {
 }
 
 
+def run(work: Path, engine: str, layout: str, *extra: str, load: Path | None = None, data: Path | None = None,
+        tag: str = "") -> list[dict]:
+    """One engine's run at `layout` (a save after the 3rd iteration and at the end), or its rows where it ran
+    already (in this module's directory)."""
+    name = f"cp-{'mcore' if engine == 'megatron-core' else engine}-{layout}{tag}"
+    if (work / name / "iter_0000005").is_dir():
+        return [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
+    nproc, flags = LAYOUTS[layout]
+    return train(work, name, nproc, engine, "--save-interval", "3", *flags, *extra, load=load, data=data)
+
+
 def both(work: Path, layout: str, *extra: str, load: Path | None = None, data: Path | None = None,
          tag: str = "") -> tuple[list, list]:
-    """The native engine's and megatron-core's runs at `layout` from the same checkpoint (a save after the 3rd
-    iteration and at the end)."""
-    nproc, flags = LAYOUTS[layout]
-    ref = train(work, f"cp-native-{layout}{tag}", nproc, "native", "--save-interval", "3", *flags, *extra, load=load,
-                data=data)
-    rows = train(work, f"cp-mcore-{layout}{tag}", nproc, "megatron-core", "--save-interval", "3", *flags, *extra,
-                 load=load, data=data)
-    return ref, rows
+    """The native engine's and megatron-core's runs at `layout` from the same checkpoint."""
+    return (run(work, "native", layout, *extra, load=load, data=data, tag=tag),
+            run(work, "megatron-core", layout, *extra, load=load, data=data, tag=tag))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -58,6 +64,117 @@ def test_context_parallel_equals_native(work, layout):
     assert_same_rows(rows, ref)
     worst = assert_same_tensors(work / f"cp-mcore-{layout}", work / f"cp-native-{layout}")
     print(f"{layout}: largest relative difference of a saved tensor {worst:.2e}")
+
+
+def test_save_resumes_on_native(work):
+    """megatron-core's CP 2 x DP 2 save after iteration 3 (its optimizer sharded over DP x CP = 4 ranks, gathered to
+    each DP rank's CP rank 0) resumed by the native engine on one process continues as the native engine's CP 2 x DP 2
+    straight run: iterations 4 and 5 and the final weights and moments."""
+    ref = run(work, "native", "cp2-dp2")
+    run(work, "megatron-core", "cp2-dp2")
+    rows = train(work, "cp-resume-native", 1, "native", load=work / "cp-mcore-cp2-dp2" / "iter_0000003")
+    assert_same_rows(rows, ref[3:])
+    assert_same_tensors(work / "cp-resume-native", work / "cp-native-cp2-dp2")
+
+
+def test_native_save_resumes_on_megatron_core(work):
+    """The other way: the native engine's CP 2 save after iteration 3 loaded into megatron-core's distributed
+    optimizer at CP 2 x DP 2 (each rank its range of DP x CP) continues as the native straight run."""
+    ref = run(work, "native", "cp2")
+    rows = train(work, "cp-resume-mcore", 4, "megatron-core", "--context-parallel-size", "2",
+                 load=work / "cp-native-cp2" / "iter_0000003")
+    assert_same_rows(rows, ref[3:])
+    assert_same_tensors(work / "cp-resume-mcore", work / "cp-native-cp2")
+
+
+PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--eod-token-id", "2"]
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp2-allgather"])
+def test_packed_documents_equal_native(work, layout):
+    """Packed documents under CP (Megatron's three flags; documents crossing the zigzag chunks and the ranks): the
+    ring's blocks and the all-gathered prefixes masked per document from global positions, the loss over the
+    EOD-masked tokens of the whole micro-batch; megatron-core equals the native engine at the same layout."""
+    from tests.corpus import write_packed_corpus
+
+    data = work / "cp-packed-data"
+    if not data.exists():
+        write_packed_corpus(data, eod=2, lengths=(5, 14))
+    ref, rows = both(work, layout, *PACKED, data=data, tag="-packed")
+    assert_same_rows(rows, ref)
+    assert_same_tensors(work / f"cp-mcore-{layout}-packed", work / f"cp-native-{layout}-packed")
+
+
+# megatron-core's split of a micro-batch for each CP rank, in a subprocess of the given interpreter: its
+# get_batch_on_this_cp_rank (0.16: (batch, cp_group); 0.19: (batch, is_hybrid_cp, cp_group)) and its RoPE's
+# get_pos_emb_on_this_cp_rank, on a stand-in CP group (size and rank: what both read of it)
+SPLIT = """
+import inspect, sys, torch
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from train.engines.cpu_shims import cuda_as_cpu
+cuda_as_cpu()  # get_pos_emb_on_this_cp_rank's index goes through pinned memory and .cuda()
+from megatron.core import utils as mu
+from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+class Group:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+    def size(self):
+        return self._size
+    def rank(self):
+        return self._rank
+
+world_size, rank = dist.get_world_size, dist.get_rank
+dist.get_world_size = lambda group=None: group.size() if isinstance(group, Group) else world_size(group)
+dist.get_rank = lambda group=None: group.rank() if isinstance(group, Group) else rank(group)
+dist.is_initialized = lambda: True
+whole = torch.load(sys.argv[1])
+hybrid = "is_hybrid_cp" in inspect.signature(mu.get_batch_on_this_cp_rank).parameters
+out = {}
+for cp in (2, 3):
+    for r in range(cp):
+        g = Group(cp, r)
+        batch = {k: None if v is None else v.clone() for k, v in whole.items()}
+        out[cp, r] = (mu.get_batch_on_this_cp_rank(batch, False, cp_group=g) if hybrid
+                      else mu.get_batch_on_this_cp_rank(batch, cp_group=g))
+        emb = torch.arange(whole["tokens"].shape[1], dtype=torch.float32)[:, None, None, None]
+        out[cp, r]["rope_positions"] = get_pos_emb_on_this_cp_rank(emb, 0, g).reshape(-1)
+torch.save(out, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("oracle", ["engine", "0.19"])
+def test_cp_split_is_megatron_cores(tmp_path, oracle):
+    """What each CP rank reads (prepare_micro_batch: tokens, labels, RoPE positions, loss weights) is megatron-core's
+    get_batch_on_this_cp_rank of the whole micro-batch (the engine's megatron-core, and 0.19's in the oracle
+    environment), at CP 2 and 3, with packed documents (reset positions, EOD-masked loss); and megatron-core's RoPE
+    slices the whole length's positions for a CP rank as the split gives them."""
+    import torch
+
+    from train.parallel.context import Packing, ltor_masks_and_position_ids, prepare_micro_batch, zigzag_index
+
+    python = sys.executable if oracle == "engine" else ORACLE312
+    if not Path(python).exists():
+        pytest.skip(f"{python}: the oracle environment is not built (scripts/oracle_env.sh)")
+    sample = (torch.arange(2 * 25).view(2, 25) * 7) % 11  # token 2 is EOD: documents of varying length
+    packing = Packing(2, True, True, True)
+    positions, loss_mask, _ = ltor_masks_and_position_ids(sample[:, :-1], packing)
+    whole = {"tokens": sample[:, :-1], "labels": sample[:, 1:], "loss_mask": loss_mask, "position_ids": positions,
+             "attention_mask": None}
+    torch.save(whole, tmp_path / "whole.pt")
+    r = subprocess.run([str(python), "-c", SPLIT, str(tmp_path / "whole.pt"), str(tmp_path / "split.pt"), str(REPO)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=""))
+    assert r.returncode == 0, r.stderr[-3000:]
+    theirs = torch.load(tmp_path / "split.pt")
+    assert sorted(theirs) == [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)]
+    for (cp, rank), t in theirs.items():
+        tokens, labels, extras = prepare_micro_batch(sample, cp, rank, packing)
+        assert torch.equal(tokens, t["tokens"]) and torch.equal(labels, t["labels"])
+        assert torch.equal(extras.position_ids, t["position_ids"])
+        assert torch.equal(extras.loss_weight, t["loss_mask"] * (cp / loss_mask.sum()))
+        assert torch.equal(t["rope_positions"].long(), zigzag_index(24, cp, rank))
+        assert t["attention_mask"] is None
 
 
 @pytest.fixture(scope="module")
