@@ -30,9 +30,17 @@ the same save path; torch_dist loads too, Megatron-LM's own included, read by re
 Packed documents (--reset-position-ids, --reset-attention-mask, --eod-mask-loss) as the native engine takes them
 (with MLA not --reset-position-ids, with MTP not --reset-attention-mask: `check_packing`).
 Expert parallelism (--expert-model-parallel-size, --expert-tensor-parallel-size) on megatron-core's expert groups,
-checked against shardkit's coordinates. Refused in one line: TE's layer spec, FP8, context parallelism, recompute on
-the CPU. On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test
-switch SHARDKIT_MEGATRON_CORE_CPU=1 (`cpu_stand_ins`); without it --engine megatron-core on the CPU is refused.
+checked against shardkit's coordinates. Context parallelism (--context-parallel-size, --cp-comm-type): megatron-core's
+CP groups and TransformerConfig fields, its RoPE sliced per CP rank by itself, gradients reduced and the distributed
+optimizer sharded over DP x CP (a save gathers a parameter's state to its DP rank's CP rank 0), each rank's zigzag
+share of the micro-batch and its loss weights by the native engine's prepare_micro_batch (megatron-core's
+get_batch_on_this_cp_rank, tested against it); the core attention Transformer Engine's TEDotProductAttention with
+--cp-comm-type where TE is installed (wired in, not run: no GPU here), else shardkit's ContextParallelAttention (the
+native engine's ring / all-gather attention, train/parallel/context.py) for GQA and MLA; packed documents as the
+native engine takes them (with TE's attention not --reset-attention-mask), not with MTP layers or, without TE,
+recompute (`check_context_parallel`). Refused in one line: TE's layer spec, FP8, recompute on the CPU.
+On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test switch
+SHARDKIT_MEGATRON_CORE_CPU=1 (`cpu_stand_ins`); without it --engine megatron-core on the CPU is refused.
 
 Importing megatron-core registers some 26 classes as torch.load safe globals (its megatron/core/safe_globals.py);
 `import_megatron` puts torch's allowlist back as it was, so shardkit's `weights_only=True` reads keep their checks.
@@ -1064,7 +1072,7 @@ class MegatronCoreTrainer(Trainer):
             "attention: megatron-core's DotProductAttention (local spec)")
         if self.cp_line:  # context parallelism's core attention (`_context_parallel`)
             kind = "MLASelfAttention" if self.model_cfg.multi_latent_attention else "SelfAttention"
-            self.attention_line = f"attention: megatron-core's {kind} (local spec) with {self.cp_line}"
+            self.attention_line = f"attention: megatron-core's {kind} with {self.cp_line}"
 
     def _megatron_scheduler(self):
         """megatron-core's OptimizerParamScheduler on shardkit's schedule (train/config.py run_length), at the
