@@ -516,14 +516,16 @@ class Float8Training:
         self.state.load_state_dict(sd["tensors"], where)
 
 
-def gather_state(fp8: Float8Training, groups) -> dict | None:
+def gather_state(fp8: Float8Training, groups, every_rank: bool = False) -> dict | None:
     """The delayed-scaling state of the whole model on every rank: each pipeline stage holds its own layers' (equal
-    on all of the stage's ranks after the amax reduction), merged by name."""
+    on all of the stage's ranks after the amax reduction), merged by name; `every_rank`: each rank's own modules
+    (expert parallelism: each expert-parallel rank holds other experts)."""
     sd = fp8.state_dict()
-    if not (dist.is_initialized() and groups.dims.pp > 1):
+    if not (dist.is_initialized() and (groups.dims.pp > 1 or every_rank)):
         return sd
     parts: list = [None] * dist.get_world_size()  # every rank takes part (a stage may have no FP8 layers)
-    dist.all_gather_object(parts, sd if (groups.tp_rank, groups.cp_rank, groups.dp_rank) == (0, 0, 0) else None)
+    first = (groups.tp_rank, groups.cp_rank, groups.dp_rank) == (0, 0, 0)
+    dist.all_gather_object(parts, sd if first or every_rank else None)
     parts = [p for p in parts if p is not None]
     if not parts:
         return None

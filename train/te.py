@@ -170,6 +170,47 @@ def state_to_meta(module_name: str, tensors: dict, fwd: tuple[Tensor, Tensor], b
         scale_t[idx] = float(scale[0])
 
 
+def fp8_meta_tensors(module) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]] | None:
+    """A TE module's delayed-scaling tensors ((amax_history, scale) forward, backward), or None before TE set them
+    up (at the module's first FP8 forward, or init_fp8_metadata under autocast)."""
+    meta = getattr(module, "fp8_meta", None) or {}
+    f, b = meta.get("scaling_fwd"), meta.get("scaling_bwd")
+    if f is None or b is None:
+        return None
+    return (f.amax_history, f.scale), (b.amax_history, b.scale)
+
+
+def modules_state(c: FP8Config, modules) -> dict | None:
+    """The delayed-scaling state of TE one-GEMM modules [(global module name, module)] in train/fp8.py's checkpoint
+    form (None without delayed scaling); modules TE has not set up yet are left out."""
+    if not (c.enabled and c.fp8_recipe == "delayed"):
+        return None
+    tensors = {}
+    for name, mod in modules:
+        meta = fp8_meta_tensors(mod)
+        if meta is not None:
+            tensors.update(meta_to_state(name, *meta))
+    return {"version": STATE_VERSION, "recipe": "delayed", "format": c.fp8_format,
+            "amax_history_len": c.fp8_amax_history_len, "tensors": tensors}
+
+
+def load_modules_state(c: FP8Config, modules, sd: dict, where: str, autocast: Callable) -> None:
+    """The inverse, strict: every module's state must be in `sd`; a module TE has not set up yet is set up first
+    (init_fp8_metadata under `autocast()`, the run's FP8 context, so that TE builds fp8_meta for its recipe)."""
+    if not (c.enabled and c.fp8_recipe == "delayed"):
+        return
+    if sd.get("version") != STATE_VERSION:
+        raise ConfigError(f"{where}: FP8 state version {sd.get('version')!r}, this shardkit reads {STATE_VERSION}")
+    for name, mod in modules:
+        if fp8_meta_tensors(mod) is None:
+            with autocast():
+                mod.init_fp8_metadata()
+        meta = fp8_meta_tensors(mod)
+        if meta is None:
+            raise ConfigError(f"{where}: Transformer Engine did not set up FP8 state for {name}")
+        state_to_meta(name, sd["tensors"], *meta, where)
+
+
 # -- the TE layers --------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -374,23 +415,8 @@ class TEBackend:
                 for n in names:
                     yield f"decoder.layers.{key}.{part}.{n}", getattr(getattr(layer, part), n)
 
-    def _meta(self, module) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]] | None:
-        meta = getattr(module, "fp8_meta", None) or {}
-        f, b = meta.get("scaling_fwd"), meta.get("scaling_bwd")
-        if f is None or b is None:
-            return None
-        return (f.amax_history, f.scale), (b.amax_history, b.scale)
-
     def state_dict(self) -> dict | None:
-        if not (self.fp8cfg.enabled and self.fp8cfg.fp8_recipe == "delayed"):
-            return None
-        tensors = {}
-        for name, mod in self._linears():
-            meta = self._meta(mod)
-            if meta is not None:  # set up by TE at the module's first FP8 forward
-                tensors.update(meta_to_state(name, *meta))
-        return {"version": STATE_VERSION, "recipe": "delayed", "format": self.fp8cfg.fp8_format,
-                "amax_history_len": self.fp8cfg.fp8_amax_history_len, "tensors": tensors}
+        return modules_state(self.fp8cfg, self._linears())
 
     def gather_state(self, groups: Groups) -> dict | None:
         from train.fp8 import gather_state
@@ -398,18 +424,7 @@ class TEBackend:
         return gather_state(self, groups)  # same merge by name over pipeline stages
 
     def load_state_dict(self, sd: dict, where: str) -> None:
-        if not (self.fp8cfg.enabled and self.fp8cfg.fp8_recipe == "delayed"):
-            return
-        if sd.get("version") != STATE_VERSION:
-            raise ConfigError(f"{where}: FP8 state version {sd.get('version')!r}, this shardkit reads {STATE_VERSION}")
-        for name, mod in self._linears():
-            if self._meta(mod) is None:
-                with self.autocast():  # TE creates fp8_meta for the active recipe
-                    mod.init_fp8_metadata()
-            meta = self._meta(mod)
-            if meta is None:
-                raise ConfigError(f"{where}: Transformer Engine did not set up FP8 state for {name}")
-            state_to_meta(name, sd["tensors"], *meta, where)
+        load_modules_state(self.fp8cfg, self._linears(), sd, where, self.autocast)
 
     def describe(self) -> str:
         te_version = getattr(self.te, "__version__", "?")

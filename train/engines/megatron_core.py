@@ -281,6 +281,18 @@ def mla_submodules(attn, te: bool) -> None:
     attn.linear_q_down_proj = attn.linear_kv_down_proj = mla.Linear
 
 
+def local_spec_layer(layer, m, te_attention: bool) -> None:
+    """The engine's pieces in one layer of megatron-core's local spec: its two norms (RMSNorm: they take sequence
+    parallelism), multi-latent attention's (`mla_submodules`) or the q/k head norms (HeadNorm). Not on TE's spec,
+    whose TENorm / fused layer-norm linears take SP and name their weights canonically (`te_spec_fields`)."""
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    attn = layer.submodules.self_attention.submodules
+    if m.multi_latent_attention:
+        mla_submodules(attn, te_attention)
+    elif m.qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = HeadNorm
+
+
 class HeadNorm:
     """The q/k layernorm (TransformerConfig.qk_layernorm: RMSNorm over each head), also under sequence parallelism
     (WrappedTorchNorm refuses SP there too): never marked sequence-parallel, as attention normalises this rank's heads
@@ -333,19 +345,77 @@ class ContextParallelAttention(torch.nn.Module):
 
 def check_flags(cfg, on_cpu: bool) -> None:
     """The flags this engine cannot honour (yet): NotCovered naming the flag, before anything is read or created."""
-    p, r = cfg.parallel, cfg.run
+    r = cfg.run
     where = "megatron-core cannot run it on the CPU" if on_cpu else "not in the megatron-core engine yet (issue 40)"
     if on_cpu and os.environ.get(CPU_SWITCH) != "1":
         raise NotCovered("megatron-core's engine runs on CUDA; on the CPU it runs only as a test of itself on gloo "
                          f"({CPU_SWITCH}=1); use --engine native here")
-    if r.transformer_impl == "transformer_engine":
-        raise NotCovered(f"--transformer-impl transformer_engine (TE's layer spec): {where}; use --transformer-impl "
-                         "local or --engine native")
-    if cfg.fp8.enabled:
-        raise NotCovered(f"--fp8-format {cfg.fp8.fp8_format}: {where}; use --engine native")
+    layer_spec(r.transformer_impl, cfg.fp8, on_cpu, te_available())  # TE's layer spec and FP8: where they run
     if on_cpu and r.recompute_granularity:  # its checkpoint function saves and restores the CUDA RNG state
         raise NotCovered(f"--recompute-granularity {r.recompute_granularity}: {where} (its recompute restores the "
                          "CUDA RNG state); drop it or use --engine native")
+
+
+def layer_spec(requested: str | None, fp8, on_cpu: bool, have_te: bool) -> str:
+    """--transformer-impl on this engine: megatron-core's Transformer Engine layer spec ("transformer_engine") by
+    default on CUDA where TE is installed, its local spec otherwise (train/te.py resolve_impl: the native engine's
+    rule and lines). FP8 is TE's in megatron-core (its TE modules under fp8_utils.get_fp8_context, a null context
+    without TE: FP8 would silently be bf16), so FP8 needs the TE spec; what megatron-core refuses or would drop is
+    one line here. NotCovered naming the flag."""
+    from train.te import resolve_impl
+
+    if on_cpu:
+        if requested == "transformer_engine":
+            raise NotCovered("--transformer-impl transformer_engine (TE's layer spec): megatron-core cannot run it on "
+                             "the CPU; use --transformer-impl local or --engine native")
+        if fp8.enabled:
+            raise NotCovered(f"--fp8-format {fp8.fp8_format}: megatron-core cannot run it on the CPU (its FP8 is "
+                             "Transformer Engine's); use --engine native")
+        return "local"
+    try:
+        impl = resolve_impl(requested, torch.device("cuda"), have_te)
+    except ConfigError as e:
+        raise NotCovered(str(e)) from None
+    if not fp8.enabled:
+        return impl
+    if impl != "transformer_engine":
+        why = ("Transformer Engine is not installed" if not have_te else "--transformer-impl local")
+        raise NotCovered(f"--fp8-format {fp8.fp8_format}: megatron-core's FP8 runs in Transformer Engine's modules "
+                         f"only ({why}: every GEMM would stay in high precision); use its TE layer spec or --engine "
+                         "native")
+    if fp8.first_last_layers_bf16 and fp8.fp8_recipe == "delayed":
+        raise NotCovered("--first-last-layers-bf16 with --fp8-recipe delayed: megatron-core refuses it (its delayed "
+                         "scaling reduces amaxes once per FP8 region); use --fp8-recipe tensorwise or blockwise, or "
+                         "--engine native")
+    if not fp8.fp8_wgrad and fp8.fp8_recipe != "delayed":
+        raise NotCovered(f"--no-fp8-wgrad with --fp8-recipe {fp8.fp8_recipe}: megatron-core applies it through its "
+                         "DelayedScaling recipe only (the weight gradients would stay FP8); use --fp8-recipe delayed")
+    return impl
+
+
+def fp8_fields(fp8, num_layers: int, pp: int) -> dict:
+    """TransformerConfig's FP8 fields from shardkit's FP8Config (train/fp8.py: Megatron-LM's flags, whose dests are
+    megatron-core's field names but --fp8-format's, `fp8`); megatron-core builds TE's recipe from them
+    (fp8_utils.get_fp8_recipe) and enters te.fp8_autocast itself, with its TP x CP x DP amax reduction group. The
+    bf16 layers as the native engine counts them (train.fp8.bf16_layers: global layer numbers), within megatron-core's
+    bound of one pipeline stage's layers per end."""
+    if fp8 is None or not fp8.enabled:
+        return {}
+    from train.fp8 import bf16_layers
+
+    bf16_layers(fp8, num_layers)  # none left in FP8: refused as the native engine refuses it
+    if fp8.first_last_layers_bf16:
+        for flag, n in (("--num-layers-at-start-in-bf16", fp8.num_layers_at_start_in_bf16),
+                        ("--num-layers-at-end-in-bf16", fp8.num_layers_at_end_in_bf16)):
+            if n > num_layers // pp:
+                raise NotCovered(f"{flag} {n}: megatron-core keeps at most one pipeline stage's layers "
+                                 f"({num_layers // pp} at --pp {pp}) in bf16 at each end; lower it or use --engine "
+                                 "native")
+    return {"fp8": fp8.fp8_format, "fp8_recipe": fp8.fp8_recipe, "fp8_margin": fp8.fp8_margin,
+            "fp8_amax_history_len": fp8.fp8_amax_history_len, "fp8_amax_compute_algo": fp8.fp8_amax_compute_algo,
+            "fp8_wgrad": fp8.fp8_wgrad, "first_last_layers_bf16": fp8.first_last_layers_bf16,
+            "num_layers_at_start_in_bf16": fp8.num_layers_at_start_in_bf16,
+            "num_layers_at_end_in_bf16": fp8.num_layers_at_end_in_bf16}
 
 
 def check_model(m) -> None:
@@ -366,15 +436,16 @@ def check_packing(m, packing, te_attention: bool) -> None:
     if m.mtp_num_layers and packing.reset_attention_mask:
         raise NotCovered("--reset-attention-mask with MTP layers: megatron-core shifts their targets within documents "
                          "only through packed_seq_params (not wired in yet: issue 40); use --engine native")
+    if te_attention and packing.reset_attention_mask:
+        raise NotCovered("--reset-attention-mask: Transformer Engine's core attention (TEDotProductAttention: its layer "
+                         "spec's, and multi-latent attention's where TE is installed) takes its own causal mask "
+                         "(per-document masks need packed_seq_params, not wired in yet: issue 40); use "
+                         "--transformer-impl local or --engine native")
     if not m.multi_latent_attention:
         return
     if packing.reset_position_ids:
         raise NotCovered("--reset-position-ids: megatron-core's multi-latent attention takes positions 0..s-1 (reset "
                          "positions need its packed_seq_params, not wired in yet: issue 40); use --engine native")
-    if te_attention and packing.reset_attention_mask:
-        raise NotCovered("--reset-attention-mask: TE's core attention for multi-latent attention takes its own causal "
-                         "mask (per-document masks need packed_seq_params, not wired in yet: issue 40); use --engine "
-                         "native")
 
 
 def check_context_parallel(m, packing, cp: int, te_attention: bool, recompute: str | None) -> None:
@@ -557,8 +628,27 @@ def mla_fields(m, dims) -> dict:
     return out
 
 
-def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bool, moe_args=None,
-                       cp_comm_type: str | None = None):
+def te_spec_fields(m, te: bool) -> dict:
+    """TransformerConfig's fields for megatron-core's Transformer Engine layer spec. Its norms are TE's (TENorm, and
+    the norms fused into the following linear as TELayerNormColumnParallelLinear's `layer_norm_weight`: shardkit's
+    canonical names), which run under sequence parallelism, so the local spec's stand-ins (RMSNorm, LatentNorm,
+    HeadNorm) are not applied there. Multi-latent attention's latent norms are fused into linear_q_up_proj /
+    linear_kv_up_proj only with qk_layernorm on (IdentityOp otherwise: the norms would be dropped), at the config's
+    layernorm_epsilon: DeepSeek's latent norms take 1e-6 (LATENT_NORM_EPS) whatever rms_norm_eps says, so another
+    rms_norm_eps is refused there."""
+    if not (te and m.multi_latent_attention):
+        return {}
+    from train.model import LATENT_NORM_EPS
+
+    if m.norm_epsilon != LATENT_NORM_EPS:
+        raise NotCovered(f"rms_norm_eps {m.norm_epsilon} with multi-latent attention on Transformer Engine's layer "
+                         f"spec: its latent norms (fused into linear_q_up_proj / linear_kv_up_proj) take the config's "
+                         f"epsilon, DeepSeek's take {LATENT_NORM_EPS}; use --transformer-impl local")
+    return {"qk_layernorm": True}
+
+
+def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bool, moe_args=None, te=False,
+                       fp8=None, cp_comm_type: str | None = None):
     """megatron-core's TransformerConfig (MLATransformerConfig for multi-latent attention) for shardkit's model config
     `m` at this run's layout: the one place the engine's shapes come from (never from flags retyped by the user)."""
     import torch.nn.functional as F
@@ -567,6 +657,8 @@ def transformer_config(m, dims, run, *, sp: bool, dtype: torch.dtype, on_cpu: bo
     cls = MLATransformerConfig if m.multi_latent_attention else TransformerConfig
     fields = dict(rotary_interleaved=m.rotary_interleaved, qk_layernorm=m.qk_layernorm)
     fields.update(mla_fields(m, dims))
+    fields.update(te_spec_fields(m, te))
+    fields.update(fp8_fields(fp8, m.num_layers, dims.pp))
     if m.mtp_num_layers:  # megatron-core's MTP block, its loss weighed as --mtp-loss-scaling-factor says
         from train.moe import settings_of
 
@@ -601,6 +693,17 @@ def pipeline_split_fields(split) -> dict:
     return {"num_layers_in_first_pipeline_stage": split.first, "num_layers_in_last_pipeline_stage": split.last,
             "account_for_embedding_in_pipeline_split": split.embedding,
             "account_for_loss_in_pipeline_split": split.loss, "pipeline_model_parallel_layout": split.layout}
+
+
+def fp8_line(fp8) -> str:
+    """The startup line's FP8 part on TE's spec: the recipe megatron-core builds (fp8_utils.get_fp8_recipe)."""
+    if not fp8.enabled:
+        return ""
+    recipe = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling",
+              "blockwise": "Float8BlockScaling"}[fp8.fp8_recipe]
+    kept = (f", decoder layers {fp8.num_layers_at_start_in_bf16} first / {fp8.num_layers_at_end_in_bf16} last in "
+            "bf16" if fp8.first_last_layers_bf16 else "")
+    return f"; FP8 {fp8.fp8_format} via TE's {recipe} under megatron-core's fp8 context{kept}"
 
 
 def expert_biases(model) -> list:
@@ -730,19 +833,82 @@ def stacked_entries(table) -> list:
 # -- the trainer -----------------------------------------------------------------------------------------------------------
 
 class _Backend:
-    """What the native loop asks of its backend: a description and (no) FP8 state."""
+    """What the native loop asks of its backend: a description and the FP8 delayed-scaling state (FP8State; None
+    without delayed scaling), saved into and resumed from train_state.json's "fp8" as the native engine's."""
 
-    def __init__(self, line: str) -> None:
-        self.line = line
+    def __init__(self, line: str, fp8: FP8State | None = None) -> None:
+        self.line, self.fp8 = line, fp8
 
     def describe(self) -> str:
         return self.line
 
     def state_dict(self, groups):
-        return None
+        return self.fp8.gather_state(groups) if self.fp8 is not None else None
 
     def load_state_dict(self, state, src) -> None:
-        pass
+        if self.fp8 is not None and state is not None:  # none saved: TE's initial state (scale 1), as native
+            self.fp8.load_state_dict(state, str(src))
+
+
+class FP8State:
+    """megatron-core's TE linears' delayed-scaling state (each one-GEMM TE module's fp8_meta: amax histories and
+    scales) in the native engine's JSON form and names (train/te.py modules_state / load_modules_state; train/fp8.py
+    gather_state), so an FP8 run resumes on either engine: each module by its global canonical name
+    (`fp8_module_name`). Loading sets a module up first under megatron-core's own FP8 context
+    (fp8_utils.get_fp8_context: the recipe its forward uses)."""
+
+    def __init__(self, fp8, modules: list, context, every_rank: bool) -> None:
+        self.cfg, self.modules, self.context, self.every_rank = fp8, modules, context, every_rank
+
+    @classmethod
+    def of(cls, fp8, chunks, starts: list[int], expert_offset: int, config, every_rank: bool) -> FP8State | None:
+        """The state of the model chunks' TE linears (None unless --fp8-recipe delayed), `starts` each chunk's first
+        global layer, `expert_offset` this rank's first global expert."""
+        if fp8 is None or not fp8.enabled or fp8.fp8_recipe != "delayed":
+            return None
+        modules = [(fp8_module_name(name, starts[v], expert_offset), mod)
+                   for v, chunk in enumerate(chunks) for name, mod in chunk.named_modules() if is_te_linear(mod)]
+
+        def context():
+            from megatron.core.fp8_utils import get_fp8_context
+
+            return get_fp8_context(config)
+
+        return cls(fp8, modules, context, every_rank)
+
+    def state_dict(self) -> dict | None:
+        from train.te import modules_state
+
+        return modules_state(self.cfg, self.modules)
+
+    def gather_state(self, groups) -> dict | None:
+        from train.fp8 import gather_state
+
+        return gather_state(self, groups, self.every_rank)
+
+    def load_state_dict(self, sd: dict, where: str) -> None:
+        from train.te import load_modules_state
+
+        load_modules_state(self.cfg, self.modules, sd, where, self.context)
+
+
+def is_te_linear(module) -> bool:
+    """A Transformer Engine one-GEMM module (te.Linear, te.LayerNormLinear: megatron-core's TELinear,
+    TEColumnParallelLinear, TERowParallelLinear, TELayerNormColumnParallelLinear), which keeps delayed-scaling state
+    in fp8_meta; TE's attention (no weight) and megatron-core's own modules are not."""
+    return (hasattr(module, "fp8_meta") and callable(getattr(module, "init_fp8_metadata", None))
+            and isinstance(getattr(module, "weight", None), torch.Tensor))
+
+
+def fp8_module_name(name: str, start: int, expert_offset: int) -> str:
+    """A module's global canonical name from its name in a model chunk: the decoder layer's global number (the
+    chunk's first layer `start` plus the local one) and an expert's global index (SequentialMLP's local expert plus
+    this rank's first, `expert_offset`); MTP's layers keep megatron-core's depth numbers."""
+    hit = re.fullmatch(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if hit is None:
+        return name
+    rest = re.sub(r"(\.experts\.local_experts\.)(\d+)\.", lambda e: f"{e[1]}{int(e[2]) + expert_offset}.", hit[2])
+    return f"decoder.layers.{start + int(hit[1])}.{rest}"
 
 
 class MegatronCoreTrainer(Trainer):
@@ -769,9 +935,8 @@ class MegatronCoreTrainer(Trainer):
         # --overlap-grad-reduce / --overlap-param-gather: honoured here (megatron_flags notes them; native refuses)
         self.overlap = {dest: bool(v) for _, dest, v in cfg.run.megatron if dest in OVERLAP_DESTS}
         self.notes = [line for line in (default_changes(cfg), *megatron_flags(cfg)) if line] + load_notes
-        if cfg.run.transformer_impl is None and not self.on_cpu and te_available():
-            self.notes.append("note: the megatron-core engine builds megatron-core's local layer spec; its Transformer "
-                              "Engine spec is not wired in yet (issue 40), although Transformer Engine is installed")
+        # megatron-core's layer spec: its Transformer Engine spec where TE is installed (on CUDA), its local one else
+        self.impl = layer_spec(cfg.run.transformer_impl, cfg.fp8, self.on_cpu, te_available())
         dims = run_layout(cfg)
         micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
         if dims.vpp > 1 and micro % dims.pp:  # megatron-core's interleaved schedule: groups of PP micro-batches
@@ -793,7 +958,8 @@ class MegatronCoreTrainer(Trainer):
         # packed documents (--reset-position-ids / --reset-attention-mask / --eod-mask-loss): the native engine's rule
         self.packing = packing_from(d, m, self.ck.hf_dir())
         # multi-latent attention's core attention: TE's where installed (on CUDA), the engine's own otherwise
-        self.te_attention = m.multi_latent_attention and not self.on_cpu and te_available()
+        self.te_attention = self.impl == "transformer_engine" or (m.multi_latent_attention and not self.on_cpu
+                                                                   and te_available())
         check_packing(m, self.packing, self.te_attention)
         self._context_parallel()
         self._build_megatron()
@@ -811,6 +977,7 @@ class MegatronCoreTrainer(Trainer):
                 self._load_optimizer(int(self.state.get("optimizer_steps", self.iteration)))
             if not c.no_load_rng and self.state.get("rng"):
                 ckpt_io.set_rng_state(self.state["rng"])
+            self.backend.load_state_dict(self.state.get("fp8"), self.src)  # FP8 scaling state (as native)
         self.num_micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
         self._schedule()  # shardkit's scheduler: the checks on resume and the saved state (as native)
         self.msched = self._megatron_scheduler()
@@ -861,6 +1028,7 @@ class MegatronCoreTrainer(Trainer):
         if self.on_cpu:
             cpu_stand_ins()
         dims, m = self.dims, self.model_cfg
+        te = self.impl == "transformer_engine"  # megatron-core's TE layer spec (`layer_spec`)
         ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
                                      virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None,
                                      context_parallel_size=dims.cp, expert_model_parallel_size=dims.ep,
@@ -887,27 +1055,25 @@ class MegatronCoreTrainer(Trainer):
         if not self.on_cpu:
             tensor_parallel.model_parallel_cuda_manual_seed(self.seed)  # seed + 100 x pp_rank, as Megatron-LM
         self.tconfig = tc = transformer_config(m, dims, self.cfg.run, sp=self.sp, dtype=self.dtype,
-                                               on_cpu=self.on_cpu, moe_args=self.cfg.moe,
+                                               on_cpu=self.on_cpu, moe_args=self.cfg.moe, te=te, fp8=self.cfg.fp8,
                                                cp_comm_type=self.cfg.parallel.cp_comm_type)
         self.padded_vocab = m.padded_vocab_size(dims.tp)
         chunks = []
         for v in range(dims.vpp):
             vs = v if dims.vpp > 1 else None
-            spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vs)
-            spec.layer_norm = RMSNorm  # the final norm; and each layer's two (sequence parallel: see RMSNorm)
+            spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vs)
+            if not te:  # the final norm (TE's spec: TENorm, which takes SP)
+                spec.layer_norm = RMSNorm
             for layer in spec.layer_specs:
-                layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
                 attn = layer.submodules.self_attention.submodules
-                if m.multi_latent_attention:
-                    mla_submodules(attn, self.te_attention)
-                elif m.qk_layernorm:
-                    attn.q_layernorm = attn.k_layernorm = HeadNorm
+                if not te:
+                    local_spec_layer(layer, m, self.te_attention)
                 self._cp_core_attention(attn)
             mtp = None
             if m.mtp_num_layers:  # its layers are the decoder's last layer spec (as changed above) after norms and
                 # eh_proj; on the last pipeline stage only (None elsewhere)
-                mtp = get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False, vp_stage=vs)
-                for layer in (mtp.layer_specs if mtp is not None else ()):
+                mtp = get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=te, vp_stage=vs)
+                for layer in (mtp.layer_specs if mtp is not None and not te else ()):
                     layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = RMSNorm
             with keep_pickle_allowlist():
                 model = GPTModel(tc, spec, vocab_size=self.padded_vocab, max_sequence_length=m.max_position_embeddings,
@@ -1059,17 +1225,25 @@ class MegatronCoreTrainer(Trainer):
             if len(self.ddp) == 1:
                 tc.param_sync_func = tc.param_sync_func[0]
         self.ddp_cfg = ddp_cfg
+        te = self.impl == "transformer_engine"
+        spec = "Transformer Engine layer spec" if te else "local layer spec"
         self.backend = _Backend(
-            f"engine: megatron-core (GPTModel, local layer spec; DistributedDataParallel, overlap grad reduce "
-            f"{'on' if ddp_cfg.overlap_grad_reduce else 'off'}, param gather "
-            f"{'on' if ddp_cfg.overlap_param_gather else 'off'}; distributed optimizer; "
-            f"{'interleaved 1F1B' if self.dims.vpp > 1 else '1F1B' if self.dims.pp > 1 else 'no pipelining'})")
+            f"engine: megatron-core (GPTModel, {spec}{fp8_line(self.cfg.fp8) if te else ''}; "
+            f"DistributedDataParallel, overlap grad reduce {'on' if ddp_cfg.overlap_grad_reduce else 'off'}, param "
+            f"gather {'on' if ddp_cfg.overlap_param_gather else 'off'}; distributed optimizer; "
+            f"{'interleaved 1F1B' if self.dims.vpp > 1 else '1F1B' if self.dims.pp > 1 else 'no pipelining'})",
+            FP8State.of(self.cfg.fp8, self.chunks, [self.layout.layer_range(self.model_cfg.num_layers,
+                                                                            self.groups.pp_rank, v)[0]
+                                                    for v in range(len(self.chunks))],
+                        self.groups.ep_rank * (self.model_cfg.num_moe_experts or 0) // self.dims.ep, self.tconfig,
+                        every_rank=self.dims.ep > 1))
         self.attention_line = (
-            "attention: megatron-core's MLASelfAttention (local spec) with "
+            f"attention: megatron-core's MLASelfAttention ({spec.removesuffix(' layer spec')} spec) with "
             + ("Transformer Engine's TEDotProductAttention" if self.te_attention else
                "shardkit's MLACoreAttention (megatron-core's local DotProductAttention takes no MLA head sizes)")
             if self.model_cfg.multi_latent_attention else
-            "attention: megatron-core's DotProductAttention (local spec)")
+            f"attention: megatron-core's {'TEDotProductAttention' if te else 'DotProductAttention'} "
+            f"({spec.removesuffix(' layer spec')} spec)")
         if self.cp_line:  # context parallelism's core attention (`_context_parallel`)
             kind = "MLASelfAttention" if self.model_cfg.multi_latent_attention else "SelfAttention"
             self.attention_line = f"attention: megatron-core's {kind} with {self.cp_line}"
