@@ -28,7 +28,7 @@ def add_parsers(sub) -> None:
     pl.add_argument("--engine", default=None, choices=("megatron-core", "native"),
                     help="continue-pretrain's engine to model: its layer's saved activations, its optimizer sharding "
                          "and DP traffic (default: as continue-pretrain on a GPU cluster: megatron-core where its "
-                         "engine runs the layout, native otherwise, e.g. CP > 1 or a model it does not build); launch "
+                         "engine runs the layout, native otherwise, e.g. a model it does not build); launch "
                          "gets it as --engine")
     pl.add_argument("--kernels", default=None, choices=("fused", "eager", "local"),
                     help="override the activations a layer keeps: fused (TE / flash kernels: Megatron-LM with "

@@ -24,8 +24,10 @@ one it will launch (``kernels=None``: the engine's):
   s^2 term), RoPE's cos/sin are made per layer (8d per token, not split over TP), the GLU keeps silu(gate) and a copy
   of `up` besides [gate; up] and the product (10F); selective recompute keeps the fused QKV output (K and V are views
   of it), Q and K after RoPE instead of the expanded Q/K/V and the softmax. Measured by scripts/bench_activations.py
-  with saved-tensor hooks (exactly, at a tiny width; tests/test_plan.py). ``kernels="fused"`` is what TE's spec and
-  flash attention keep (Korthikanti et al.'s list: Megatron-LM with TE). Its distributed optimizer splits the Adam
+  with saved-tensor hooks (exactly, at a tiny width; tests/test_plan.py); under context parallelism its core attention
+  on a GPU is TE's TEDotProductAttention, whose Q, K, V and log-sum-exp the fused list counts (extrapolated, not
+  measured). ``kernels="fused"`` is what TE's spec and flash attention keep (Korthikanti et al.'s list: Megatron-LM
+  with TE). Its distributed optimizer splits the Adam
   state as one flat buffer over DP x CP; --overlap-grad-reduce / --overlap-param-gather overlap the DP traffic with
   the last micro-batch's backward / the first one's forward, in place in its contiguous param and grad buffers (no
   extra buffer; each bucket is padded to a multiple of lcm(DP, 128) elements, < 1 MiB).
@@ -367,7 +369,7 @@ def layer_activation_terms(cfg: ModelConfig, moe: bool, s: TrainSettings, layout
     if kernels == "eager":
         _eager(terms, cfg, moe, a)
     elif kernels == "local":
-        _local(terms, cfg, moe, a, s, t)
+        _local(terms, cfg, moe, a, s, t, layout.cp)
     return {k: v * T / t for k, v in terms.items()}
 
 
@@ -394,7 +396,8 @@ def _eager(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int) -> None
     _glu_copies(terms, cfg, moe, a, 1)
 
 
-def _local(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int, s: TrainSettings, t: int) -> None:
+def _local(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int, s: TrainSettings, t: int,
+           cp: int = 1) -> None:
     """What megatron-core's local layer spec keeps (its engine's build; scripts/bench_activations.py, exact at a tiny
     width): torch.nn.RMSNorm's fp32 input and normalised value and its rsqrt (8h + 4 per norm); the unfused
     DotProductAttention's Q, K and V expanded to every query head (3 a nh d), its fp32 softmax and the copy in the
@@ -402,7 +405,9 @@ def _local(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int, s: Trai
     (4 a d per token, the whole sequence on every TP rank); the GLU's silu(gate) and copy of up besides [gate; up]
     and the product. Selective recompute (the core attention checkpointed) keeps the fused QKV output instead (K and
     V are views of it) and Q and K after RoPE. MoE and MLA layers: the fused list with these norms and GLU,
-    extrapolated."""
+    extrapolated. Under context parallelism the engine's core attention on a GPU is Transformer Engine's
+    TEDotProductAttention: Q, K, V at their widths and the log-sum-exp as the fused list keeps them (extrapolated:
+    never measured, no TE here)."""
     h, nh = cfg.hidden_size, cfg.num_attention_heads
     for norm in ("attn_norm_in", "mlp_norm_in"):
         terms[norm] = 8 * h + 4
@@ -411,6 +416,8 @@ def _local(terms: dict[str, float], cfg: ModelConfig, moe: bool, a: int, s: Trai
         return
     d, g = cfg.kv_channels, cfg.num_query_groups
     terms["rope"] = 4 * a * d * t  # not split over TP: x t against the common / t
+    if cp > 1:  # TE's core attention (the fused list's Q, K, V and core_attn)
+        return
     if s.recompute == "selective":
         terms.pop("core_attn")
         terms["qkv"] = a * (nh + 2 * g) * d  # the QKV output, kept whole by the K and V views

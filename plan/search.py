@@ -173,15 +173,16 @@ def unusual(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> list[str]:
 
 def megatron_core_gap(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> str | None:
     """Why continue-pretrain's megatron-core engine would not run this layout (None: it would): the model
-    (train.engines.coverage.model_not_covered), context parallelism and FP8 (not wired in yet), an interleaved
-    schedule whose micro-batches per DP rank are not a multiple of PP (megatron-core runs them in groups of PP)."""
+    (train.engines.coverage.model_not_covered), context parallelism with MTP layers (train.engines.megatron_core
+    check_context_parallel), FP8 (not wired in yet), an interleaved schedule whose micro-batches per DP rank are not a
+    multiple of PP (megatron-core runs them in groups of PP)."""
     from train.engines.coverage import model_not_covered
 
     why = model_not_covered(cfg)
     if why:
         return why.removesuffix("; use --engine native")
-    if layout.cp > 1:
-        return "context parallelism is not in the megatron-core engine yet (issue 40)"
+    if layout.cp > 1 and cfg.mtp_num_layers:
+        return "context parallelism with MTP layers (megatron-core divides each CP rank's MTP loss by its own tokens)"
     if s.fp8:
         return "FP8 is not in the megatron-core engine yet (issue 40)"
     m = s.microbatches(layout.dp)

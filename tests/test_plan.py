@@ -711,9 +711,12 @@ def test_engine_optimizer_and_dp_traffic():
 
 
 def test_engine_per_layout_and_launch_command(capsys):
-    """By default the megatron-core engine where it runs the layout and native where it does not (CP > 1 here; every
-    layout of a model it does not build), each candidate saying which; `--engine megatron-core` makes such a layout
-    invalid instead; plan's launch command names the engine (and megatron-core's overlap flags)."""
+    """By default the megatron-core engine where it runs the layout and native where it does not (CP > 1 with MTP
+    layers here; every layout of a model it does not build), each candidate saying which; `--engine megatron-core`
+    makes such a layout invalid instead; plan's launch command names the engine (and megatron-core's overlap flags).
+    Under CP megatron-core's engine runs TE's core attention on a GPU: the fused list's log-sum-exp, not the local
+    spec's softmax."""
+    from plan.memory import layer_activation_terms
     from plan.report import launch_argv
     from plan.search import evaluate
 
@@ -721,9 +724,17 @@ def test_engine_per_layout_and_launch_command(capsys):
     s = TrainSettings(seq_length=8192, global_batch_size=64, kernels=None)
     cp = RunLayout(tp=8, pp=4, cp=2, dp=1)
     c = evaluate(cfg, cp, s, Hardware(), 64, 80 * GiB, engine_fallback=True)
-    assert c.settings.engine == "native" and "context parallelism" in c.engine_note and c.valid
-    c = evaluate(cfg, cp, s, Hardware(), 64, 80 * GiB, engine_fallback=False)
-    assert not c.valid and any(v.startswith("--engine megatron-core: context parallelism") for v in c.violations)
+    assert c.settings.engine == "megatron-core" and not c.engine_note and c.valid
+    local = layer_activation_terms(cfg, False, c.settings, cp)
+    fused = layer_activation_terms(cfg, False, replace(c.settings, kernels="fused"), cp)
+    assert local["core_attn"] == fused["core_attn"] and local["qkv"] == fused["qkv"] and "rope" in local
+    assert layer_activation_terms(cfg, False, c.settings, RunLayout(tp=8, pp=4, dp=2))["core_attn"] > 100 * \
+        fused["core_attn"]  # without CP: the local spec's softmax
+    v3, mtp_cp = presets.model_config("deepseek-v3"), RunLayout(tp=8, pp=16, cp=2, ep=8, dp=4)
+    c = evaluate(v3, mtp_cp, s, Hardware(), 1024, 80 * GiB, engine_fallback=True)
+    assert c.settings.engine == "native" and "context parallelism with MTP layers" in c.engine_note
+    c = evaluate(v3, mtp_cp, s, Hardware(), 1024, 80 * GiB, engine_fallback=False)
+    assert any(v.startswith("--engine megatron-core: context parallelism with MTP") for v in c.violations)
     c = evaluate(cfg, RunLayout(tp=8, pp=4, dp=2), s, Hardware(), 64, 80 * GiB, engine_fallback=True)
     assert c.settings.engine == "megatron-core" and c.settings.layer_kernels == "local"
     argv = launch_argv(c, 64, 8)
@@ -742,8 +753,11 @@ def test_engine_per_layout_and_launch_command(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["layouts"][0]["engine"] == "native" and out["layouts"][0]["kernels"] == "eager"
     assert out["launch"][out["launch"].index("--engine") + 1] == "native"
-    # the table says which rows the native engine runs (a CP row of Llama-3-70B's top 5, at seq 4096)
+    # the table says which engine runs its rows (megatron-core for Llama-3-70B's, native for Mistral's)
     assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--top", "5"]) == 0
     text = capsys.readouterr().out
-    assert "the native engine (megatron-core's does not run it: context parallelism" in text.replace("\n    ", " ")
     assert "engine megatron-core (local kernels)" in text.replace("\n    ", " ")
+    assert main(["plan", "--model", "mistral-7b", "--gpus", "8", "--top", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "the native engine (megatron-core's does not run it: mistral has sliding-window" in text.replace("\n    ",
+                                                                                                           " ")
