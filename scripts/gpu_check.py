@@ -9,7 +9,9 @@
         goal: FP8 >= 1.3x bf16 tokens/s;
     (d) the megatron-core engine (`--engine megatron-core`, issue 40) vs the native engine on (b)'s model and data:
         bf16 tokens/s, MFU and the losses step by step -- skipped when megatron-core is not importable
-        (scripts/gpu_wheels.sh downloads its cp312 wheel into .gpu-wheels/, which scripts/gpu_check.sh installs).
+        (scripts/gpu_wheels.sh downloads its cp312 wheel into .gpu-wheels/, which scripts/gpu_check.sh installs);
+        where Transformer Engine is importable too, megatron-core's TE layer spec in bf16 and with FP8 (delayed
+        scaling) -- recorded as "skipped: no Transformer Engine" otherwise.
 
 Every number comes from the real trainer: a random HF Llama is built locally from transformers' LlamaConfig (no hub),
 saved, converted with `shardkit convert hf-to-mcore`, and trained for a few steps by `shardkit continue-pretrain` on a
@@ -257,7 +259,31 @@ class Check:
             res["megatron_core_over_native"] = mc["tokens_per_s"] / native["tokens_per_s"]
         pairs = list(zip(native.get("losses") or [], mc.get("losses") or []))
         res["max_rel_loss_diff"] = max((abs(a - b) / abs(a) for a, b in pairs), default=None)
+        res["megatron_core_te"] = self.engine_te(ck, data, seq, keys, native.get("losses") or [])
         res["goal_met"] = None if self.smoke else (mc.get("mfu_megatron") or 0) >= GOAL_MFU
+        return res
+
+    def engine_te(self, ck: Path, data: Path, seq: int, keys: tuple, native_losses: list) -> dict:
+        """(d) on megatron-core's Transformer Engine layer spec: bf16, and FP8 hybrid with delayed scaling (TE's
+        recipe under megatron-core's own fp8 context); only where TE is importable on a GPU."""
+        if self.smoke or not self.te:
+            return {"skipped": "no Transformer Engine" if not self.te else "the CPU (TE needs a GPU)"}
+        res: dict = {}
+        runs = (("bf16", []), ("fp8_delayed", ["--fp8", "hybrid", "--fp8-recipe", "delayed",
+                                               "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]))
+        for label, extra in runs:
+            if self.left() < 45:
+                res[label] = {"skipped": "out of time"}
+                continue
+            try:
+                r = self.run(f"d-megatron-core-te-{label}-{seq}", ck, data, seq, self.args.steps,
+                             ["--engine", "megatron-core", "--transformer-impl", "transformer_engine", *extra])
+            except Exception as e:  # noqa: BLE001
+                res[label] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
+                continue
+            res[label] = {k: r.get(k) for k in keys}
+            pairs = list(zip(native_losses, r.get("losses") or []))
+            res[label]["max_rel_loss_diff_vs_native"] = max((abs(a - b) / abs(a) for a, b in pairs), default=None)
         return res
 
     def big(self) -> tuple[Path, Path]:

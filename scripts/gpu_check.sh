@@ -6,7 +6,8 @@
 #   (b) bf16 tokens/s and MFU of a ~1B Llama at seq 4096        (goal: Megatron MFU >= 45%)
 #   (c) FP8 vs bf16 tokens/s and MFU of the same model at seq 8192 (goal: FP8 >= 1.3x bf16)
 #   (d) the megatron-core engine vs the native engine on (b)'s model: tokens/s, MFU, losses (skipped without
-#       megatron-core; run scripts/gpu_wheels.sh here first and carry .gpu-wheels)
+#       megatron-core; run scripts/gpu_wheels.sh here first and carry .gpu-wheels); with TE importable also
+#       megatron-core's TE layer spec, bf16 and FP8 delayed ("skipped: no Transformer Engine" otherwise)
 # and writes $OUT/gpu_check.json (./gpu_check_out/ when OUT is unset).
 #
 #   bash scripts/gpu_check.sh                 # on the GPU machine

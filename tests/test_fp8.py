@@ -394,6 +394,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert "error" not in d and "skipped" not in d, d
     assert d["megatron_core_over_native"] > 0 and len(d["megatron_core"]["losses"]) == 3
     assert d["max_rel_loss_diff"] < 1e-3  # bf16, the same model and data: the two engines track each other
+    assert d["megatron_core_te"] == {"skipped": "no Transformer Engine"}  # its TE spec and FP8: only with TE
     for label in ("fp8_tensorwise", "fp8_delayed"):
         assert c[label]["speedup_over_bf16"] > 0
         fp8, bf16 = np.array(c[label]["losses"]), np.array(c["bf16"]["losses"])
