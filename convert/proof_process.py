@@ -148,6 +148,9 @@ def main() -> None:
     """The child: argv = parent pid, result fd, HF_DIR; one request on stdin (none: the conversion did not commit)."""
     parent, fd, hf_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     _die_with(parent)
+    from checkpoint.malloc import tune_malloc
+
+    tune_malloc()  # the allocator the command's own process runs with (shardkit.cli.main): the same memory bound
     with os.fdopen(fd, "w") as results:
         _preload(hf_dir)  # (not niced: measured no clear gain, and a niced import still running at the commit
                           # would hold up the proof: scripts/BENCH.md)
