@@ -1,8 +1,8 @@
 """`continue-pretrain --engine megatron-core` (issue 40): megatron-core's own training machinery on shardkit's
 checkpoints, data, flags and logs.
 
-    shardkit's model config -> TransformerConfig (here, once: `transformer_config`) -> GPTModel per model chunk (local
-    layer spec) -> weights read by region through the sharding table (each rank its own) -> megatron-core's
+    shardkit's model config -> TransformerConfig (here, once: `transformer_config`) -> GPTModel per model chunk (TE
+    or local layer spec: `layer_spec`) -> weights read by region through the sharding table (each rank its own) -> megatron-core's
     DistributedDataParallel (--overlap-grad-reduce / --overlap-param-gather) -> its DistributedOptimizer (Adam with
     shardkit's optimizer flags) -> per iteration get_forward_backward_func()'s schedule (no pipelining, 1F1B or
     interleaved 1F1B) over shardkit's micro-batches, its grad norm and clipping, its OptimizerParamScheduler
@@ -38,7 +38,25 @@ get_batch_on_this_cp_rank, tested against it); the core attention Transformer En
 --cp-comm-type where TE is installed (wired in, not run: no GPU here), else shardkit's ContextParallelAttention (the
 native engine's ring / all-gather attention, train/parallel/context.py) for GQA and MLA; packed documents as the
 native engine takes them (with TE's attention not --reset-attention-mask), not with MTP layers or, without TE,
-recompute (`check_context_parallel`). Refused in one line: TE's layer spec, FP8, recompute on the CPU.
+recompute (`check_context_parallel`).
+Transformer Engine (`layer_spec`; wired in, never run: TE is installed neither here nor on the lent GPU machine):
+megatron-core's TE layer spec by default on CUDA where TE is installed (--transformer-impl local keeps the local spec;
+asking for TE without it, or on the CPU, is one line): TE's fused layer-norm linears, TENorm (the final, MoE
+pre-router, Qwen3's q/k and MTP's norms; they take SP, so the local spec's RMSNorm / LatentNorm / HeadNorm stand-ins are
+not applied there), TEDotProductAttention, SequentialMLP of TE linears (no grouped GEMM), MLA's TELinear down
+projections and its latent norms fused into linear_q_up_proj / linear_kv_up_proj (qk_layernorm on: `te_spec_fields`,
+which refuses an rms_norm_eps other than DeepSeek's 1e-6 there). Its parameter names are the canonical ones (tested
+with megatron-core's own spec functions and stand-in TE classes). FP8 (--fp8-format, --fp8-recipe delayed |
+tensorwise | blockwise, --fp8-margin, --fp8-amax-history-len, --fp8-amax-compute-algo, --no-fp8-wgrad,
+--first-last-layers-bf16 with --num-layers-at-start/end-in-bf16) as TransformerConfig's fields (`fp8_fields`, equal
+to what Megatron-LM's parser gives): megatron-core builds TE's recipe and enters its fp8 autocast itself, with its TP x
+CP x DP amax reduction. Refused in one line: FP8 without TE's spec (megatron-core's FP8 is TE's: it would silently
+run in bf16), --first-last-layers-bf16 with delayed scaling (megatron-core refuses it), --no-fp8-wgrad with another
+recipe (megatron-core applies it through DelayedScaling only), more bf16 layers at an end than a pipeline stage holds,
+--reset-attention-mask with TE's attention. The delayed-scaling state of its TE linears (`FP8State`: fp8_meta's amax
+histories and scales, no pickle, no `_extra_state`) is saved and resumed in the native engine's JSON form and global
+names (train/te.py modules_state / load_modules_state), so an FP8 run resumes on either engine.
+Refused in one line: recompute on the CPU.
 On the CPU (gloo) megatron-core needs a few CUDA stand-ins: they are applied only under the explicit test switch
 SHARDKIT_MEGATRON_CORE_CPU=1 (`cpu_stand_ins`); without it --engine megatron-core on the CPU is refused.
 
