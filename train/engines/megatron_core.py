@@ -2,10 +2,11 @@
 checkpoints, data, flags and logs.
 
     shardkit's model config -> TransformerConfig (here, once: `transformer_config`) -> GPTModel per model chunk (TE
-    or local layer spec: `layer_spec`) -> weights read by region through the sharding table (each rank its own) -> megatron-core's
-    DistributedDataParallel (--overlap-grad-reduce / --overlap-param-gather) -> its DistributedOptimizer (Adam with
-    shardkit's optimizer flags) -> per iteration get_forward_backward_func()'s schedule (no pipelining, 1F1B or
-    interleaved 1F1B) over shardkit's micro-batches, its grad norm and clipping, its OptimizerParamScheduler
+    or local layer spec: `layer_spec`) -> weights read by region through the sharding table (each rank its own)
+    -> megatron-core's DistributedDataParallel (--overlap-grad-reduce / --overlap-param-gather) -> its
+    DistributedOptimizer (Adam with shardkit's optimizer flags) -> per iteration get_forward_backward_func()'s
+    schedule (no pipelining, 1F1B or interleaved 1F1B) over shardkit's micro-batches, its grad norm and clipping, its
+    OptimizerParamScheduler
     -> saves through shardkit's native save path (train/checkpointing.py): the weights from the parameters, the
     distributed optimizer's fp32 params and moments gathered back into shardkit's canonical tensors per region.
 
@@ -455,8 +456,8 @@ def check_packing(m, packing, te_attention: bool) -> None:
         raise NotCovered("--reset-attention-mask with MTP layers: megatron-core shifts their targets within documents "
                          "only through packed_seq_params (not wired in yet: issue 40); use --engine native")
     if te_attention and packing.reset_attention_mask:
-        raise NotCovered("--reset-attention-mask: Transformer Engine's core attention (TEDotProductAttention: its layer "
-                         "spec's, and multi-latent attention's where TE is installed) takes its own causal mask "
+        raise NotCovered("--reset-attention-mask: Transformer Engine's core attention (TEDotProductAttention: its "
+                         "layer spec's, and multi-latent attention's where TE is installed) takes its own causal mask "
                          "(per-document masks need packed_seq_params, not wired in yet: issue 40); use "
                          "--transformer-impl local or --engine native")
     if not m.multi_latent_attention:
@@ -955,6 +956,8 @@ class MegatronCoreTrainer(Trainer):
         self.notes = [line for line in (default_changes(cfg), *megatron_flags(cfg)) if line] + load_notes
         # megatron-core's layer spec: its Transformer Engine spec where TE is installed (on CUDA), its local one else
         self.impl = layer_spec(cfg.run.transformer_impl, cfg.fp8, self.on_cpu, te_available())
+        te_spec_fields(m, self.impl == "transformer_engine")  # their refusals before any group exists
+        fp8_fields(cfg.fp8, m.num_layers, p.pp)
         dims = run_layout(cfg)
         micro = d.global_batch_size // (d.micro_batch_size * dims.dp)
         if dims.vpp > 1 and micro % dims.pp:  # megatron-core's interleaved schedule: groups of PP micro-batches
