@@ -94,6 +94,28 @@ def test_refused_at_start_on_cuda_without_te(monkeypatch):
     mc.check_flags(cfg, on_cpu=False)  # with TE: taken
 
 
+@pytest.mark.parametrize("flags,native_says", [
+    (("--attention-dropout", "0.1"), "TE's DotProductAttention is built without dropout here"),
+    (("--attention-dropout", "0", "--fp8-format", "hybrid", "--recompute-granularity", "full"),
+     "--recompute-granularity full with FP8"),
+])
+def test_native_te_refusals_not_on_megatron_core(flags, native_says):
+    """The native TE backend's own limits (no attention dropout; full recompute outside te.autocast) are not the
+    megatron-core engine's (its TEDotProductAttention applies dropout; it recomputes under its FP8 context): with
+    --engine megatron-core the run gets past them (here to the TE install check, TE being absent)."""
+    import argparse
+
+    from train.config import add_arguments, from_namespace, validate
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for engine, says in (("native", native_says), ("megatron-core", "Transformer Engine is not installed")):
+        cfg = from_namespace(p.parse_args(["--load", "ck", "--data-path", "d", "--train-iters", "2", "--engine",
+                                           engine, "--transformer-impl", "transformer_engine", *flags]))
+        with pytest.raises(ConfigError, match=says):
+            validate(cfg)
+
+
 def test_bf16_layer_bounds():
     """The bf16 ends as megatron-core bounds them (one stage's layers each) and as the native engine (some FP8)."""
     from train.engines.megatron_core import NotCovered, fp8_fields

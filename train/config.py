@@ -612,7 +612,8 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(packed_cp_refusal(cfg.parallel.cp))
         if cfg.fp8.enabled:
             recipe_spec(cfg.fp8)  # a recipe TE has no form of: refused here, not after loading
-            if cfg.run.recompute_granularity == "full":  # te.unsupported says the same after loading
+            # te.unsupported says the same after loading; megatron-core's engine recomputes under its FP8 context
+            if cfg.run.recompute_granularity == "full" and not _on_megatron_core(cfg):
                 raise ConfigError("--transformer-impl transformer_engine: --recompute-granularity full with FP8: the "
                                   "recomputed forward would run outside te.autocast; use --recompute-granularity "
                                   "selective")
@@ -631,7 +632,8 @@ def check_dropout_recompute(cfg: TrainConfig) -> None:
         why = (f"--context-parallel-size {cfg.parallel.cp}" if cfg.parallel.cp > 1 else "--reset-attention-mask")
         raise ConfigError(f"--attention-dropout {r.attention_dropout} with {why}: that attention (ring / all-gather "
                           "/ per-document) applies no dropout to its probabilities here; use --attention-dropout 0")
-    if r.attention_dropout and r.transformer_impl == "transformer_engine":
+    if r.attention_dropout and r.transformer_impl == "transformer_engine" and not _on_megatron_core(cfg):
+        # (megatron-core's engine: its TEDotProductAttention applies --attention-dropout itself)
         raise ConfigError(f"--attention-dropout {r.attention_dropout} with --transformer-impl transformer_engine: "
                           "TE's DotProductAttention is built without dropout here; use --attention-dropout 0 or "
                           "--transformer-impl local")
