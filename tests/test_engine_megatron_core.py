@@ -343,6 +343,8 @@ def test_default_engine_on_the_cpu_is_native():
     ((), False, "megatron-core's engine runs on CUDA"),
     (("--fp8-format", "hybrid"), True, "--fp8-format hybrid: megatron-core cannot run it on the CPU"),
     (("--transformer-impl", "transformer_engine"), True, "TE's layer spec"),
+    # GPTModel's RoPE takes 0..s-1 (with --reset-attention-mask the reset positions change nothing: relative RoPE)
+    (("--reset-position-ids", "--eod-token-id", "2"), True, "--reset-position-ids without --reset-attention-mask"),
     # on 2 ranks (PP 2): the interleaved schedule's micro-batch groups
     (("--pp", "2", "--vpp", "2", "--global-batch-size", "2"), True, "in groups of --pp 2, but each DP rank has 1"),
 ])

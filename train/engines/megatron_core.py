@@ -451,7 +451,13 @@ def check_packing(m, packing, te_attention: bool) -> None:
     (reset positions reach it only as THD packed_seq_params, not wired here), TE's core attention its own causal mask
     (the per-document mask reaches it the same way; the engine's own core attention takes the mask as given), and its
     MTP block shifts the targets within documents only by packed_seq_params too (the native engine does, as
-    megatron-core's packed path)."""
+    megatron-core's packed path). Reset positions alone reach no RoPE of megatron-core's (GPTModel's takes 0..s-1):
+    with --reset-attention-mask they change nothing (RoPE is relative, and a token attends within its document)."""
+    if packing.reset_position_ids and not packing.reset_attention_mask and not m.multi_latent_attention:
+        raise NotCovered("--reset-position-ids without --reset-attention-mask: megatron-core's RoPE takes positions "
+                         "0..s-1 (reset positions need its packed_seq_params, not wired in yet: issue 40); add "
+                         "--reset-attention-mask (within a document RoPE's relative positions are the same) or use "
+                         "--engine native")
     if m.mtp_num_layers and packing.reset_attention_mask:
         raise NotCovered("--reset-attention-mask with MTP layers: megatron-core shifts their targets within documents "
                          "only through packed_seq_params (not wired in yet: issue 40); use --engine native")
