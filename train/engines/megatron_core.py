@@ -984,7 +984,7 @@ class MegatronCoreTrainer(Trainer):
         self.moe, self.interleaved = None, None
         # packed documents (--reset-position-ids / --reset-attention-mask / --eod-mask-loss): the native engine's rule
         self.packing = packing_from(d, m, self.ck.hf_dir())
-        # multi-latent attention's core attention: TE's where installed (on CUDA), the engine's own otherwise
+        # TE's core attention: on TE's layer spec, and for multi-latent attention where TE is installed (on CUDA)
         self.te_attention = self.impl == "transformer_engine" or (m.multi_latent_attention and not self.on_cpu
                                                                    and te_available())
         check_packing(m, self.packing, self.te_attention)
