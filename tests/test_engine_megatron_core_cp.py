@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.launcher import REPO
@@ -32,7 +33,9 @@ ORACLE312 = REPO / ".venv-oracle312" / "bin" / "python"
 LAYOUTS = {
     "cp2": (2, ("--context-parallel-size", "2")),
     "cp2-allgather": (2, ("--context-parallel-size", "2", "--cp-comm-type", "all_gather")),
-    "cp2-tp2-sp": (4, ("--context-parallel-size", "2", "--tp", "2", "--sequence-parallel")),
+    # and an evaluation after the last step (its loss summed over TP x CP, as the training loss)
+    "cp2-tp2-sp": (4, ("--context-parallel-size", "2", "--tp", "2", "--sequence-parallel", "--eval-interval", "5",
+                       "--eval-iters", "1")),
     "cp2-dp2": (4, ("--context-parallel-size", "2")),
 }
 
@@ -57,11 +60,15 @@ def both(work: Path, layout: str, *extra: str, load: Path | None = None, data: P
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_equals_native(work, layout):
-    """megatron-core at CP 2 (ring and all-gather attention; with TP 2 + SP; with DP 2, its optimizer sharded over
-    DP x CP = 4) equals the native engine at the same layout: losses, grad norms, LRs, saved weights and moments."""
+    """megatron-core at CP 2 (ring and all-gather attention; with TP 2 + SP, and an evaluation; with DP 2, its
+    optimizer sharded over DP x CP = 4) equals the native engine at the same layout: losses, grad norms, LRs, saved
+    weights and moments."""
     ref, rows = both(work, layout)
     assert len(rows) == 5 and max(r["grad_norm"] for r in rows) > 1.0  # clipping was exercised
     assert_same_rows(rows, ref)
+    if "--eval-iters" in LAYOUTS[layout][1]:
+        assert rows[-1]["valid_loss"] > 0
+        np.testing.assert_allclose(rows[-1]["valid_loss"], ref[-1]["valid_loss"], rtol=1e-5, atol=0)
     worst = assert_same_tensors(work / f"cp-mcore-{layout}", work / f"cp-native-{layout}")
     print(f"{layout}: largest relative difference of a saved tensor {worst:.2e}")
 
