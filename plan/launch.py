@@ -294,6 +294,14 @@ def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
                 from checkpoint.errors import ConfigError
 
                 raise ConfigError(f"--engine megatron-core: {why}")
+            from train.engines.megatron_core import check_context_parallel
+            from train.parallel.context import packing_from
+
+            try:  # what it refuses under CP whatever the nodes have (with or without Transformer Engine)
+                check_context_parallel(ck.config, packing_from(cfg.data, ck.config, ck.hf_dir()), dims.cp,
+                                       te_attention=False, recompute=None)
+            except NotCovered as e:
+                raise e.as_config_error() from None
         check_layout_for_model(cfg, dims, ck.config, src)
     check_save_format(cfg.checkpoint.save, cfg.checkpoint.save_format)
     return cfg

@@ -251,3 +251,18 @@ def test_mtp_refused_in_one_line(work, deepseek_ck):
     assert r.returncode != 0 and len(set(errors)) == 1, (r.stdout[-2000:], r.stderr[-2000:])
     assert errors[0].startswith("shardkit: error: --engine megatron-core: --context-parallel-size 2 with MTP layers")
     assert "iteration 1" not in r.stdout
+
+
+def test_launch_refuses_mtp_under_cp(work, deepseek_ck, capsys):
+    """`shardkit launch --engine megatron-core` at CP 2 with an MTP model: the engine's one line before any script
+    is written (the trainer would refuse it at start-up on the GPUs); at CP 1 the same model launches."""
+    from shardkit.cli import main
+
+    train_args = ["--", "--load", str(deepseek_ck["deepseek_v3"]), "--data-path", str(work / "data"),
+                  "--global-batch-size", "4", "--micro-batch-size", "2", "--seq-length", "32", "--attention-dropout",
+                  "0"]
+    launch = ["launch", "--nodes", "1", "--gpus-per-node", "2", "--engine", "megatron-core", "--dry-run"]
+    assert main([*launch, "--layout", "tp=1,cp=2,dp=1", *train_args]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--engine megatron-core: --context-parallel-size 2 with MTP layers" in err, err
+    assert main([*launch, "--layout", "tp=1,dp=2", *train_args]) == 0
