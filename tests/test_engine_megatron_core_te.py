@@ -153,7 +153,11 @@ for argv in json.loads(sys.argv[2]):
     arguments._add_network_size_args(p)  # TransformerConfig's own flags (its fields' argparse metadata)
     args, rest = p.parse_known_args(argv)
     assert not rest, rest
-    out.append({n: getattr(args, n) for n in names})
+    got = {n: getattr(args, n) for n in names}
+    tc = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=2,
+                           pipeline_dtype=__import__("torch").float32, **got)  # megatron-core 0.19's validation
+    assert all(getattr(tc, k) == v for k, v in got.items()), got
+    out.append(got)
 print(json.dumps(out))
 """
 
@@ -162,8 +166,8 @@ print(json.dumps(out))
 @pytest.mark.skipif(not ORACLE.exists(), reason="the megatron-core 0.19 / Megatron-LM oracle venv is absent")
 def test_fp8_fields_match_megatron_lm():
     """For each set of flags, the engine's TransformerConfig FP8 fields equal what Megatron-LM's parser gives
-    (core_transformer_config_from_args copies TransformerConfig's fields from the args by name), and megatron-core's
-    TransformerConfig (0.16 here, the engine's) accepts them in a 4-layer, PP 2 config."""
+    (core_transformer_config_from_args copies TransformerConfig's fields from the args by name), and megatron-core
+    0.19's TransformerConfig accepts them in a 4-layer, PP 2 config."""
     from train.engines.megatron_core import fp8_fields
 
     ours = [fp8_fields(fp8cfg(*flags), 4, 2) for flags in FP8_FLAGS]
@@ -174,18 +178,15 @@ def test_fp8_fields_match_megatron_lm():
     assert r.returncode == 0, r.stderr[-3000:]
     theirs = json.loads(r.stdout.splitlines()[-1])
     assert ours == theirs
-    check = """
-import json, sys, warnings
-warnings.simplefilter("ignore")
-from megatron.core.transformer.transformer_config import TransformerConfig
-for f in json.loads(sys.argv[1]):
-    tc = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=2,
-                           pipeline_dtype=__import__("torch").float32, **f)
-    assert all(getattr(tc, k) == v for k, v in f.items()), f
-print("ACCEPTED")
-"""
-    r = subprocess.run([sys.executable, "-c", check, json.dumps(ours)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "ACCEPTED" in r.stdout, r.stderr[-3000:]
+
+
+@needs_megatron
+def test_fp8_fields_accepted_by_the_engines_megatron_core(tables):
+    """The same fields through the engine's megatron-core (0.16 here: its TransformerConfig's validation), in the
+    process that builds the spec tables."""
+    from train.engines.megatron_core import fp8_fields
+
+    assert tables["fp8_accepted"] == [fp8_fields(fp8cfg(*flags), 4, 2) for flags in FP8_FLAGS]
 
 
 # -- the TE spec's parameter names through the engine's table --------------------------------------------------------
@@ -388,6 +389,16 @@ def _names_main(kinds: list[str]) -> None:
         te_linears = sorted(n for n, mod in model.named_modules() if __import__(
             "train.engines.megatron_core", fromlist=["x"]).is_te_linear(mod))
         out[k] = {"te": rows, "local": local[k], "te_linears": te_linears}
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from train.engines.megatron_core import fp8_fields
+
+    out["fp8_accepted"] = []
+    for flags in FP8_FLAGS:
+        f = fp8_fields(fp8cfg(*flags), 4, 2)
+        tc = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=2,
+                               pipeline_dtype=torch.float32, **f)
+        out["fp8_accepted"].append({k: getattr(tc, k) for k in f})
     with contextlib.suppress(Exception):
         torch.distributed.destroy_process_group()
     print("TABLES " + json.dumps(out))
@@ -430,6 +441,17 @@ def test_te_spec_names_map_to_canonical(tables, kind):
         assert any(n.startswith("mtp.layers.0.") for n in names)
     # the modules whose FP8 state is kept: every linear of the decoder (and MTP), global names
     assert t["te_linears"] and all(n.startswith(("decoder.layers.", "mtp.layers.")) for n in t["te_linears"])
+
+
+def test_packed_documents_with_te_attention_refused():
+    """TE's core attention takes its own causal mask: per-document masks (--reset-attention-mask) are refused on TE's
+    layer spec for every model (the local spec's attention takes the engine's mask as given)."""
+    from train.engines.megatron_core import NotCovered, check_packing
+
+    docs = SimpleNamespace(reset_position_ids=False, reset_attention_mask=True)
+    check_packing(model_config("llama"), docs, te_attention=False)
+    with pytest.raises(NotCovered, match="--reset-attention-mask: Transformer Engine's core attention"):
+        check_packing(model_config("llama"), docs, te_attention=True)
 
 
 def test_latent_norm_epsilon_refused_on_te_spec():
