@@ -37,6 +37,7 @@ LAYOUTS = {
     "cp2-tp2-sp": (4, ("--context-parallel-size", "2", "--tp", "2", "--sequence-parallel", "--eval-interval", "5",
                        "--eval-iters", "1")),
     "cp2-dp2": (4, ("--context-parallel-size", "2")),
+    "cp2-pp2": (4, ("--context-parallel-size", "2", "--pp", "2")),  # megatron-core's 1F1B exchanges of s / cp tokens
 }
 
 
@@ -61,7 +62,7 @@ def both(work: Path, layout: str, *extra: str, load: Path | None = None, data: P
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_context_parallel_equals_native(work, layout):
     """megatron-core at CP 2 (ring and all-gather attention; with TP 2 + SP, and an evaluation; with DP 2, its
-    optimizer sharded over DP x CP = 4) equals the native engine at the same layout: losses, grad norms, LRs, saved
+    optimizer sharded over DP x CP = 4; with PP 2) equals the native engine at the same layout: losses, grad norms, LRs, saved
     weights and moments."""
     ref, rows = both(work, layout)
     assert len(rows) == 5 and max(r["grad_norm"] for r in rows) > 1.0  # clipping was exercised
