@@ -386,9 +386,10 @@ def _names_main(kinds: list[str]) -> None:
     out = {}
     for k in kinds:
         rows, model = spec_table(k, te=True)
-        te_linears = sorted(n for n, mod in model.named_modules() if __import__(
-            "train.engines.megatron_core", fromlist=["x"]).is_te_linear(mod))
-        out[k] = {"te": rows, "local": local[k], "te_linears": te_linears}
+        from train.engines.megatron_core import FP8State
+
+        state = FP8State.of(fp8cfg("--fp8-format", "hybrid"), [model], [0], 0, model.config, every_rank=False)
+        out[k] = {"te": rows, "local": local[k], "fp8_modules": sorted(n for n, _ in state.modules)}
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from train.engines.megatron_core import fp8_fields
@@ -439,8 +440,14 @@ def test_te_spec_names_map_to_canonical(tables, kind):
     if kind == "deepseek_v3":
         assert any(n.endswith("self_attention.linear_q_up_proj.layer_norm_weight") for n in names)
         assert any(n.startswith("mtp.layers.0.") for n in names)
-    # the modules whose FP8 state is kept: every linear of the decoder (and MTP), global names
-    assert t["te_linears"] and all(n.startswith(("decoder.layers.", "mtp.layers.")) for n in t["te_linears"])
+    # the modules whose FP8 delayed-scaling state is kept: every TE linear of the decoder (and MTP), by the names of
+    # their weights; for a dense Llama exactly the native TE backend's (train/te.py TEBackend._linears)
+    mods = t["fp8_modules"]
+    assert mods == sorted({n.rsplit(".", 1)[0] for n in names if n.startswith(("decoder.", "mtp."))
+                           and n.endswith(".weight") and ("linear_" in n.rsplit(".", 2)[-2] or "eh_proj" in n)})
+    if kind == "llama":
+        assert mods == sorted(f"decoder.layers.{i}.{part}.{n}" for i in range(2) for part, ns in (
+            ("self_attention", ("linear_qkv", "linear_proj")), ("mlp", ("linear_fc1", "linear_fc2"))) for n in ns)
 
 
 def test_packed_documents_with_te_attention_refused():
