@@ -198,16 +198,19 @@ def mixtral_ck(work):
     return root / "ck"
 
 
-def test_mixtral_context_parallel_equals_native(work, mixtral_ck):
+@pytest.mark.parametrize("ep", ["ep1", "ep2"])
+def test_mixtral_context_parallel_equals_native(work, mixtral_ck, ep):
     """Mixtral's MoE layers at CP 2 (each CP rank routes its own chunks' tokens; megatron-core's load-balancing loss
-    counts them over its tp_cp group and scales its gradient by cp, as the native engine's) equal the native engine
-    at CP 2: losses, grad norms, the MoE log rows, every saved weight and moment."""
+    counts them over its tp_cp group and scales its gradient by cp, as the native engine's), and with EP 2 inside
+    DP x CP (the experts' optimizer state over their expert-data-parallel group), equal the native engine at the same
+    layout: losses, grad norms, the MoE log rows, every saved weight and moment."""
     from tests.test_engine_megatron_core import MOE, assert_same_moe_rows
 
-    ref, rows = both(work, "cp2", *MOE, load=mixtral_ck, tag="-mixtral")
+    extra = ("--expert-model-parallel-size", "2") if ep == "ep2" else ()
+    ref, rows = both(work, "cp2", *MOE, *extra, load=mixtral_ck, tag=f"-mixtral-{ep}")
     assert_same_rows(rows, ref)
     assert_same_moe_rows(rows, ref)
-    assert_same_tensors(work / "cp-mcore-cp2-mixtral", work / "cp-native-cp2-mixtral")
+    assert_same_tensors(work / f"cp-mcore-cp2-mixtral-{ep}", work / f"cp-native-cp2-mixtral-{ep}")
 
 
 @pytest.fixture(scope="module")
