@@ -84,7 +84,7 @@ from train.loop import Trainer, check_layout_for_model, check_save_format, open_
 from train.dropout import seed_process_rngs
 from train.engines.cpu_shims import cuda_as_cpu
 from train.model import canonical_name
-from train.parallel.context import ltor_masks_and_position_ids, packing_from, prepare_micro_batch
+from train.parallel.context import attention_state, ltor_masks_and_position_ids, packing_from, prepare_micro_batch
 from train.te import te_available
 
 CPU_SWITCH = "SHARDKIT_MEGATRON_CORE_CPU"  # "1": run megatron-core on the CPU with CUDA stand-ins (tests only)
@@ -1019,8 +1019,6 @@ class MegatronCoreTrainer(Trainer):
         """Context parallelism's core attention: Transformer Engine's TEDotProductAttention where it is installed (on
         CUDA; --cp-comm-type as TransformerConfig.cp_comm_type), else shardkit's (ContextParallelAttention on the
         native engine's AttentionState); `cp_state` holds the micro-batch's layout around each forward."""
-        from train.parallel.context import attention_state
-
         cp = self.dims.cp
         self.cp_te = cp > 1 and not self.on_cpu and te_available()
         self.cp_state, self.cp_line = None, None
@@ -1034,6 +1032,7 @@ class MegatronCoreTrainer(Trainer):
         self.cp_state, line = attention_state(self.groups, self.cfg.parallel.cp_comm_type, self.packing, False,
                                               self.device, self.dtype)
         self.cp_line = "shardkit's ContextParallelAttention, " + line.removeprefix("attention: ")
+        self.cp_attention = ContextParallelAttention.bound(self.cp_state)  # the core attention of every layer
 
     def _cp_core_attention(self, attn) -> None:
         """A layer's core attention under CP (`_context_parallel`)."""
@@ -1042,7 +1041,7 @@ class MegatronCoreTrainer(Trainer):
 
             attn.core_attention = TEDotProductAttention
         elif self.cp_state is not None:
-            attn.core_attention = ContextParallelAttention.bound(self.cp_state)
+            attn.core_attention = self.cp_attention
 
     def _build_megatron(self) -> None:
         import_megatron()
