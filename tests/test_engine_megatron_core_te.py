@@ -574,7 +574,9 @@ def test_fp8_state_names_and_round_trip():
             assert torch.equal(a.fp8_meta[which].scale[slots], b.fp8_meta[which].scale[slots])
     # strict: a module missing, another history length
     missing = dict(sd, tensors={k: v for k, v in sd["tensors"].items() if ".layers.3." not in k})
-    with pytest.raises(ConfigError, match="no FP8 delayed-scaling state for decoder.layers.3"):
+    with pytest.raises(ConfigError, match=r"no FP8 delayed-scaling state for 6 of this run's 12 TE linears "
+                                          r"\(decoder.layers.3.self_attention.linear_qkv, ...\): the checkpoint's FP8 "
+                                          "run kept them in high precision"):
         state2.load_state_dict(missing, "ck")
     other = FP8State.of(fp8, [fake_chunk(1, 2, 8), fake_chunk(1, 2, 8)], [1, 3], 2, config=None, every_rank=True)
     with pytest.raises(ConfigError, match="amax history of 4 steps, this run --fp8-amax-history-len 8"):

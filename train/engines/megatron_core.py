@@ -914,6 +914,13 @@ class FP8State:
     def load_state_dict(self, sd: dict, where: str) -> None:
         from train.te import load_modules_state
 
+        saved = {k.rsplit(".", 1)[0] for k in sd.get("tensors", {})}
+        missing = [name for name, _ in self.modules if name not in saved]
+        if saved and missing:  # e.g. a native save: its FP8 leaves routed experts and MTP layers in high precision
+            raise ConfigError(f"{where}: no FP8 delayed-scaling state for {len(missing)} of this run's "
+                              f"{len(self.modules)} TE linears ({missing[0]}, ...): the checkpoint's FP8 run kept "
+                              "them in high precision (the native engine does so for routed experts and MTP layers); "
+                              "resume with --engine native, or with --fp8-recipe tensorwise (no state to resume)")
         load_modules_state(self.cfg, self.modules, sd, where, self.context)
 
 
