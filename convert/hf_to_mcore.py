@@ -336,7 +336,8 @@ def prove(path: str | Path, hf_dir: str | Path, memory_budget: str | None = None
     from plan.units import parse_bytes
 
     from verify.against import against_hf
-    from verify.streamed import choose_mode, quantized_source
+    from verify.budget import choose_mode
+    from verify.hf_weights import quantized_source
 
     budget = None if memory_budget is None else parse_bytes(memory_budget, "--memory-budget")
     from checkpoint.opened import open_checkpoint

@@ -140,7 +140,7 @@ def files(*dirs: Path) -> list[str]:
 # the parity alone, with the budget given raised to the least streaming needs where that is larger (DeepSeek-V3's MoE
 # layer holds its attention, router and shared expert at once: 1.86 GB by the 2x-fp32 rule)
 PARITY = ("import json, sys; from checkpoint.reader import Checkpoint; from verify.against import against_hf; "
-          "from verify.streamed import memory_needs; ck = Checkpoint(sys.argv[1]); "
+          "from verify.budget import memory_needs; ck = Checkpoint(sys.argv[1]); "
           "b = max(int(sys.argv[3]), memory_needs(ck)['streaming'] // 100_000_000 * 100_000_000 + 100_000_000); "
           "r = against_hf(ck, sys.argv[2], streaming=True, memory_budget=b, "
           "seq_len=int(sys.argv[4]), all_experts=sys.argv[6] == '1'); open(sys.argv[5], 'w').write(json.dumps(r))")

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 from verify import streamed
 from verify.common import rows_differ
-from verify.streamed import HFWeights, _expert_mlp, _expert_mlp_sets, _head_logits
+from verify.hf_weights import HFWeights
+from verify.streamed import _expert_mlp, _expert_mlp_sets, _head_logits
 
 
 def _hf_head(tmp_path, head):

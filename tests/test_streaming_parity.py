@@ -21,7 +21,8 @@ from convert.hf_to_mcore import convert_hf_to_mcore
 from verify.against import against_hf
 from verify.common import HF_ATTN_IMPLEMENTATION
 from verify.whole import logit_parity
-from verify.streamed import choose_mode, stream_parity
+from verify.budget import choose_mode
+from verify.streamed import stream_parity
 from tests import moe_models
 from tests.test_model_parity import CASES, make_hf
 from train.model import GPTModel
@@ -207,17 +208,17 @@ def test_bad_input_is_one_line(tmp_path):
 def test_default_budget_is_a_constant_not_the_host(tmp_path, monkeypatch):
     """Issue 42: the default --memory-budget is DEFAULT_BUDGET (or the one piece streaming cannot cut, where larger),
     whatever the host has: the mode and budget are the same with 1 TB or 1 GB available."""
-    from verify import streamed as streaming
+    from verify import budget
 
     hf_dir, _ = _hf_dir(tmp_path, "llama_gqa")
     ck = _convert(tmp_path, hf_dir)
     seen = []
     for avail in (1 << 40, 1 << 30, 1 << 20):
-        monkeypatch.setattr(streaming, "available_memory", lambda a=avail: a)
+        monkeypatch.setattr(budget, "available_memory", lambda a=avail: a)
         seen.append(choose_mode(ck, False, None))
-    assert all(s == seen[0] for s in seen) and seen[0][1]["budget"] == streaming.DEFAULT_BUDGET
+    assert all(s == seen[0] for s in seen) and seen[0][1]["budget"] == budget.DEFAULT_BUDGET
     # a piece larger than the constant raises the default to that piece, never fails it
-    monkeypatch.setattr(streaming, "DEFAULT_BUDGET", 1024)
+    monkeypatch.setattr(budget, "DEFAULT_BUDGET", 1024)
     mode, memory = choose_mode(ck, False, None)
     assert mode == "streaming" and memory["budget"] == memory["streaming"] > 1024
 

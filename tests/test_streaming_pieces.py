@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from verify.against import against_hf
-from verify.streamed import _groups, memory_needs, stream_parity
+from verify.budget import memory_needs, piece_groups
+from verify.streamed import stream_parity
 from tests import moe_models
 from tests.test_model_parity import CASES, make_hf
 from tests.test_streaming_parity import _cli, _convert, _hf_dir, _plant, whole_layer_diffs
@@ -117,7 +118,7 @@ def test_pieces_within_a_small_budget_give_the_same_numbers(tmp_path, case):
     per-layer numbers as the whole-model reference and the same verdict."""
     hf_dir, seq = _hf_dir(tmp_path, case)
     ck = _convert(tmp_path, hf_dir, tp=2)
-    g = _groups(ck)["layers"][0]
+    g = piece_groups(ck)["layers"][0]
     # the attention or half the MLP fit, not the whole layer
     budget = max(memory_needs(ck)["streaming"], 2 * 4 * max(g["rest"], g["mlp"] // 2))
     assert budget < 2 * 4 * (g["rest"] + g["mlp"])
@@ -169,7 +170,7 @@ def test_bad_input_one_line_each(tmp_path):
     gone = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
     del sd[gone]
     save_file(sd, str(sd_path), metadata={"format": "pt"})
-    expert = 2 * 4 * _groups(ck)["layers"][0]["expert"]
+    expert = 2 * 4 * piece_groups(ck)["layers"][0]["expert"]
     cases = [(["--against", str(other)], "moe_router_topk is 1 there but 2"),
              (["--against", str(other), "--streaming"], "moe_router_topk"),
              (["--against", str(missing), "--all-experts"], gone),
@@ -258,10 +259,10 @@ def test_cast_pool_reuses_buffers_within_its_cap():
     idle plus lent buffers never exceed the cap (beyond it they are dropped)."""
     import torch
 
-    from verify.streamed import _CastPool
+    from verify.hf_weights import CastPool
 
-    n = 4 * _CastPool.MIN
-    pool = _CastPool(cap=4 * n * 4)
+    n = 4 * CastPool.MIN
+    pool = CastPool(cap=4 * n * 4)
     src = torch.randn(2, n // 2).to(torch.bfloat16)
     a = pool.cast(src)
     assert a.dtype == torch.float32 and torch.equal(a, src.float())
@@ -294,18 +295,18 @@ def test_readahead_names_every_byte_before_it_is_read(tmp_path, monkeypatch, cas
     every byte range of HF's safetensors the walk reads, each hinted before it is read: embedding rows, layers, MTP
     layer, routed experts once routed (all of them with --all-experts), MLP pieces and head blocks."""
     import checkpoint.chunkio as chunkio
-    import verify.streamed as st
+    import verify.hf_weights as hw
 
     hf_dir, seq = _hf_dir(tmp_path, case)
     ck = _convert(tmp_path, hf_dir, **layout)
     budget = None
     if pieces:
-        g = _groups(ck)["layers"][0]
+        g = piece_groups(ck)["layers"][0]
         budget = max(memory_needs(ck)["streaming"], 2 * 4 * max(g["rest"], g["mlp"] // 2))
     hinted: list = []
     late: list = []
-    put = st._Readahead.put
-    monkeypatch.setattr(st._Readahead, "put", lambda self, r: (hinted.append(r), put(self, r))[1])
+    put = hw.Readahead.put
+    monkeypatch.setattr(hw.Readahead, "put", lambda self, r: (hinted.append(r), put(self, r))[1])
 
     def covered(path, a, b):
         return any(Path(p) == Path(path) and o <= a and (b <= o + n if n else True) for p, o, n in hinted)
@@ -317,7 +318,7 @@ def test_readahead_names_every_byte_before_it_is_read(tmp_path, monkeypatch, cas
             late.append(str(path))
         return map_chunk(path, *args, **kw)
 
-    get = st.HFWeights.get
+    get = hw.HFWeights.get
 
     def read(self, key, rows=None, cols=None):
         path, a, n = self.byte_range(key, rows if cols is None else None)
@@ -326,7 +327,7 @@ def test_readahead_names_every_byte_before_it_is_read(tmp_path, monkeypatch, cas
         return get(self, key, rows, cols)
 
     monkeypatch.setattr(chunkio, "map_chunk", mapped)
-    monkeypatch.setattr(st.HFWeights, "get", read)
+    monkeypatch.setattr(hw.HFWeights, "get", read)
     s = stream_parity(ck, hf_dir, seq_len=seq, memory_budget=budget, all_experts=case == "deepseek_v3")
     assert s["layers_ok"] and s["max_abs_diff"] <= 1e-4
     if pieces:
@@ -336,9 +337,9 @@ def test_readahead_names_every_byte_before_it_is_read(tmp_path, monkeypatch, cas
 
 def test_walk_hints_ahead_within_its_window():
     """A walk hints the step it is at and the next one always, further ones only while they fit the window."""
-    import verify.streamed as st
+    import verify.hf_weights as hw
 
-    class Rec(st._Readahead):
+    class Rec(hw.Readahead):
         def __init__(self, window):
             self.window, self.got = window, []
 
@@ -390,12 +391,12 @@ def test_comparison_is_exact_fp32_whatever_the_process_set(tmp_path, monkeypatch
 def test_a_file_rewritten_during_the_comparison_is_named(tmp_path, monkeypatch):
     """Another writer rewriting the HF directory (or the checkpoint) while it is compared: one line naming the
     file, never a verdict."""
-    import verify.streamed as st
+    import verify.hf_weights as hw
     from checkpoint.errors import ShardkitError
 
     hf_dir, seq = _hf_dir(tmp_path, "llama_gqa")
     ck = _convert(tmp_path, hf_dir)
-    release = st.HFWeights.release
+    release = hw.HFWeights.release
     done = []
 
     def rewrite(self):
@@ -404,7 +405,7 @@ def test_a_file_rewritten_during_the_comparison_is_named(tmp_path, monkeypatch):
             (hf_dir / "config.json").write_text((hf_dir / "config.json").read_text())  # same bytes, rewritten
         return release(self)
 
-    monkeypatch.setattr(st.HFWeights, "release", rewrite)
+    monkeypatch.setattr(hw.HFWeights, "release", rewrite)
     with pytest.raises(ShardkitError, match=r"config\.json changed while it was being compared"):
         against_hf(ck, hf_dir, seq_len=seq, streaming=True)
 

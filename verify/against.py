@@ -11,7 +11,9 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
 
 from .common import exact_fp32, unchanged_files, weights_verdict
-from .streamed import HFWeights, check_same_math, choose_mode, hf_config, quantized_source, stream_parity
+from .budget import choose_mode
+from .hf_weights import HFWeights, quantized_source
+from .streamed import check_same_math, hf_config, stream_parity
 from .whole import logit_parity
 
 
@@ -34,8 +36,8 @@ def against_hf(ck, hf_dir: str | Path, *, seq_len: int = 32, tolerance: float = 
                memory_budget: int | None = None, all_experts: bool = False,
                progress: Callable[[int], None] | None = None) -> dict:
     """`verify --against`: the whole-model comparison, or the streaming one (verify/streamed.py) when asked, when
-    both fp32 models would not fit in `memory_budget` (default: streaming.DEFAULT_BUDGET, 1 GiB), for a model with MTP
-    layers (the whole mode cannot compare them), with `all_experts`, or
+    both fp32 models would not fit in `memory_budget` (default: verify/budget.py DEFAULT_BUDGET, 1 GiB), for a model
+    with MTP layers (the whole mode cannot compare them), with `all_experts`, or
     for a quantized (block-FP8) HF source, which transformers cannot load on the CPU.
     The HF config is checked first in both modes: a field that changes the math differing is one line.
 

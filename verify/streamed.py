@@ -24,14 +24,11 @@ depth: eh_proj([enorm(embedding of the next token); hnorm(hidden)]), the layer, 
 with `hidden` what megatron-core feeds it: the final-normed decoder output, then the previous depth's shared_head.norm
 output.
 Everything runs in fp32 on the CPU. A thread reads both checkpoints' next pieces into the page cache ahead of the
-walk (`_Readahead`), so the disk works while the current piece computes.
+walk (verify/hf_weights.py `Readahead`), so the disk works while the current piece computes.
 """
 from __future__ import annotations
 
 import copy
-import json
-import math
-import os
 import re
 import time
 from dataclasses import replace
@@ -40,347 +37,31 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from checkpoint import chunkio, store
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
-from checkpoint.hf_source import weight_files
 from checkpoint.layout import Layout, RankCoord
 from checkpoint.reader import Checkpoint
-from checkpoint.safety import read_input
 from checkpoint.sharding import SCALE_SUFFIX, Rule, TensorSpec, regions, split_optimizer_key
 from train.model import MLP, GPTModel, RotaryEmbedding, canonical_name
 
 from .common import HF_ATTN_IMPLEMENTATION, _memcmp, compare_rows, load_quietly
+from .budget import available_memory, piece_plan
+from .hf_weights import (LAYER_KEY, READAHEAD_WINDOW, CastPool, HFWeights, Range, Readahead, Walk,
+                         fp8_settings, free_piece, is_fp8_source)
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")  # an MTP layer's pieces outside its block
 SYNTHETIC_ROWS = 4  # rows driven through an expert no test token selected (--all-experts)
-FP32 = 4
-
-
-class HFWeights:
-    """Lazy access to an HF model directory's safetensors: key -> tensor (or a row/column range of a 2-D tensor),
-    reading only that. Block-FP8 weights (DeepSeek-V3's hub format: e4m3 + `weight_scale_inv` per block) come back
-    dequantized as DeepSeek's reference `weight_dequant` does: fp32(weight) * the scale of its block, cast to the model's
-    dtype. `reads` counts every read per (key, rows, cols), so a test can prove no tensor is read twice."""
-
-    def __init__(self, hf_dir: Path, fp8_block: tuple[int, int] = (128, 128),
-                 dtype: torch.dtype = torch.bfloat16) -> None:
-        self.fp8_block, self.dtype = fp8_block, dtype
-        files, wm = weight_files(hf_dir)  # the conversion's own choice and checks (links, FIFOs, both kinds)
-        if wm is not None:
-            self.file_of = {k: hf_dir / f for k, f in wm.items()}
-        else:
-            single = hf_dir / files[0]
-            with safe_open(str(single), "pt") as f:
-                self.file_of = {k: single for k in f.keys()}
-        self._open: dict[Path, Any] = {}
-        self._headers: dict[Path, tuple[int, dict]] = {}
-        self.hf_dir = hf_dir
-        self.bytes_read = 0
-        self.reads: dict[tuple, int] = {}
-
-    def _file(self, key: str):
-        path = self.file_of.get(key)
-        if path is None:
-            raise ShardkitError(f"--against {self.hf_dir}: the HF weights have no tensor {key}")
-        if path not in self._open:
-            self._open[path] = safe_open(str(path), "pt")
-        return self._open[path]
-
-    def has(self, key: str) -> bool:
-        return key in self.file_of
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._file(key).get_slice(key).get_shape())
-
-    def get(self, key: str, rows: slice | None = None, cols: slice | None = None) -> Tensor:
-        f = self._file(key)
-        if rows is None and cols is None:
-            t = f.get_tensor(key)
-        else:
-            sl = f.get_slice(key)
-            ndim = len(sl.get_shape())
-            t = sl[rows or slice(None)] if ndim == 1 else sl[rows or slice(None), cols or slice(None)]
-        tag = (key, None if rows is None else (rows.start, rows.stop), None if cols is None else (cols.start, cols.stop))
-        self.reads[tag] = self.reads.get(tag, 0) + 1
-        self.bytes_read += t.numel() * t.element_size()
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale = key + SCALE_SUFFIX
-            if scale not in self.file_of:
-                raise ShardkitError(f"--against {self.hf_dir}: {key} is FP8 but there is no {scale}")
-            br, bc = self.fp8_block
-            full = self.shape(key)
-            r0 = 0 if rows is None else rows.start
-            c0 = 0 if cols is None else cols.start
-            if r0 % br or c0 % bc:
-                raise ShardkitError(f"--against {self.hf_dir}: {key}: a read at ({r0}, {c0}) is not aligned to its "
-                                    f"{br}x{bc} FP8 blocks")
-            s = self.get(scale, None if rows is None else slice(r0 // br, -(-(r0 + t.shape[0]) // br)),
-                         None if cols is None else slice(c0 // bc, -(-(c0 + t.shape[1]) // bc)))
-            want = (-(-full[0] // br), -(-full[1] // bc)) if rows is None and cols is None else \
-                (-(-t.shape[0] // br), -(-t.shape[1] // bc))
-            if tuple(s.shape) != want:
-                raise ShardkitError(f"--against {self.hf_dir}: {scale} has shape {tuple(s.shape)}, expected "
-                                    f"{want} for {key} {tuple(t.shape)} in {br}x{bc} blocks")
-            r, c = t.shape
-            t = (t.float() * s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:r, :c]).to(self.dtype)
-        return t
-
-    def byte_range(self, key: str, rows: slice | None = None) -> tuple[Path, int, int] | None:
-        """(file, offset, length) of a tensor's bytes (or of a row range of it) in its safetensors file, from the
-        file's header (8-byte little-endian length, then JSON with each tensor's `data_offsets` after the header):
-        for read-ahead hints only, never to read values."""
-        path = self.file_of.get(key)
-        if path is None:  # not there: nothing to read ahead (reading it is one line where it is needed)
-            return None
-        if path not in self._headers:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                self._headers[path] = (8 + n, json.loads(f.read(n)))
-        base, header = self._headers[path]
-        if not isinstance(header.get(key), dict) or len(header[key].get("data_offsets") or ()) != 2:
-            return None
-        a, b = header[key]["data_offsets"]
-        if rows is not None and header[key]["shape"]:
-            row = (b - a) // max(1, header[key]["shape"][0])
-            a, b = a + rows.start * row, a + rows.stop * row
-        return path, base + a, b - a
-
-    def release(self) -> None:
-        """Close the files (their mapped pages leave this process's RSS); reopened on the next read."""
-        self._open.clear()
-
-    def layer_keys(self) -> dict[int | None, list[str]]:
-        """Keys by decoder layer (None: outside the layers)."""
-        out: dict[int | None, list[str]] = {}
-        for k in self.file_of:
-            if k.endswith(SCALE_SUFFIX):  # read with its weight
-                continue
-            m = _LAYER.match(k)
-            out.setdefault(int(m.group(1)) if m else None, []).append(k)
-        return out
-
-
-def _fp8_settings(hf_dir: Path) -> tuple[tuple[int, int], torch.dtype]:
-    """(block, dtype) of a block-FP8 source's dequantization: its quantization_config's weight_block_size and the
-    dtype config.json names (DeepSeek-V3: 128x128, bfloat16)."""
-    raw = json.loads(read_input(hf_dir / "config.json"))  # a FIFO there: one line naming it, never a hang
-    block = tuple((raw.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
-    name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
-    return block, getattr(torch, name, torch.bfloat16) if isinstance(name, str) else torch.bfloat16
-
-
-def _is_fp8_source(hf_dir: Path) -> bool:
-    raw = json.loads(read_input(hf_dir / "config.json"))  # a FIFO there: one line naming it, never a hang
-    return bool(raw.get("quantization_config"))
-
-
-def quantized_source(hf_dir: Path) -> bool:
-    """The HF directory's weights are quantized (DeepSeek-V3's block FP8): transformers cannot load them on the CPU,
-    so only the streamed comparison (which dequantizes them itself) can run. False where there is no readable
-    config.json (the comparison then says what is wrong, in one line)."""
-    try:
-        return _is_fp8_source(Path(hf_dir))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-Range = tuple[Path, int, int]  # (file, offset, length); length 0: to the end
-READAHEAD_WINDOW = 8 << 30  # bytes read ahead of the walk at most (and at most a quarter of the available memory)
-
-
-class _Readahead:
-    """Read-ahead of the bytes the walk will read next into the page cache, from a thread of its own (`_read_ahead`):
-    the kernel reads them while this process computes (or imports transformers), so the reads of both checkpoints
-    overlap the arithmetic instead of adding to it (the parity reads both checkpoints nearly whole: at 70B width,
-    page cache dropped, waiting for the disk was a third of its time). Nothing is read into this process (no RSS),
-    the values are still read and checksummed where they are used, and a read-ahead that fails is dropped.
-    `walk(steps)` gives a walk over steps (each a list of byte ranges) in the order they will be read."""
-
-    PIECE = 64 << 20
-    FADVISE_PIECE = 512 << 10
-
-    def __init__(self, window: int) -> None:
-        import queue
-        import threading
-
-        self.window = window
-        try:
-            self._null: int | None = os.open(os.devnull, os.O_WRONLY)
-        except OSError:
-            self._null = None
-        self._q: queue.Queue = queue.Queue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="shardkit-readahead", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None or self._closed:
-                if self._null is not None:
-                    os.close(self._null)
-                    self._null = None
-                return
-            path, offset, length = item
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                end = offset + length if length else os.fstat(fd).st_size
-                off = offset
-                while off < end and not self._closed:
-                    off += self._read_ahead(fd, off, min(self.PIECE, end - off))
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-    def _read_ahead(self, fd: int, off: int, n: int) -> int:
-        """Bring [off, off + n) of a file into the page cache: sendfile to /dev/null (the kernel reads it, nothing is
-        copied into this process, the GIL is released for the whole piece), else posix_fadvise WILLNEED (one call
-        reads at most the device's readahead size, so it goes in smaller pieces: a thread that must take the GIL
-        back every half MiB runs at a fraction of the disk's speed while the main thread runs Python)."""
-        if self._null is not None:
-            try:
-                got = os.sendfile(self._null, fd, off, n)
-                if got > 0:
-                    return got
-            except OSError:
-                pass
-            os.close(self._null)
-            self._null = None
-        for o in range(off, off + n, self.FADVISE_PIECE):
-            os.posix_fadvise(fd, o, min(self.FADVISE_PIECE, off + n - o), os.POSIX_FADV_WILLNEED)
-        return n
-
-    def put(self, r: Range) -> None:
-        self._q.put(r)
-
-    def walk(self, steps: list[list[Range]]) -> "_Walk":
-        return _Walk(self, steps)
-
-    def close(self) -> None:
-        self._closed = True
-        self._q.put(None)
-
-
-class _Walk:
-    """Steps read in order; `at(n)` (the reader is at step n) hints step n and those after it within the window
-    (at least the next), so the page cache holds what is read next rather than evicting it for what comes later."""
-
-    def __init__(self, ahead: _Readahead, steps: list[list[Range | None]]) -> None:
-        self.ahead, self.steps = ahead, [[r for r in step if r is not None] for step in steps]
-        self.sizes = [sum(length for _, _, length in step) for step in self.steps]
-        self.next = 0  # the first step not hinted yet
-
-    def at(self, n: int) -> None:
-        while self.next < len(self.steps) and (self.next <= n + 1 or
-                                               sum(self.sizes[n + 1:self.next + 1]) <= self.ahead.window):
-            for r in self.steps[self.next]:
-                self.ahead.put(r)
-            self.next += 1
-
-
-class _CastPool:
-    """fp32 buffers reused across tensors, pieces, layers and both sides for the bf16 -> fp32 casts of the weights.
-
-    A fresh fp32 tensor per weight (GBs per layer at 70B width) costs mostly the kernel's zeroing of its new pages
-    (minor page faults; the allocator maps and unmaps every large block), not the conversion itself. A cast or a
-    module's parameters take a buffer from here, the smallest idle one holding at least their element count (and at
-    most twice it), as `buf[:n].view(shape)` (a layer's shapes recur in every layer and on both sides, and HF's layer
-    and ours never live at once; an attention's buffer serves an MLP piece of about its size) and give it back when
-    freed. The values are the same (`copy_`
-    casts exactly as `.float()` and transformers' loader do); only where they live changes. The pool keeps idle
-    buffers only while they and the ones lent out stay within `cap` bytes, dropping the least recently given first,
-    so it adds no memory beyond `cap` to what the pieces themselves hold."""
-
-    MIN = 1 << 18  # elements: smaller tensors are not worth it
-
-    def __init__(self, cap: int | None) -> None:
-        self.cap = cap
-        self.idle: list[Tensor] = []  # free buffers (flat), least recently given first
-        self.lent: dict[int, Tensor] = {}  # data_ptr -> the buffer lent out
-        self.idle_bytes = self.lent_bytes = 0
-
-    def _fits(self, extra: int) -> bool:
-        return self.cap is None or self.idle_bytes + self.lent_bytes + extra <= self.cap
-
-    def take(self, shape) -> Tensor:
-        """An uninitialised fp32 tensor of `shape` (a pooled buffer when it is large)."""
-        n = math.prod(shape)
-        if n < self.MIN:
-            return torch.empty(shape)
-        fit = [i for i, b in enumerate(self.idle) if n <= b.numel() <= 2 * n]
-        if fit:
-            buf = self.idle.pop(min(fit, key=lambda i: self.idle[i].numel()))
-            self.idle_bytes -= buf.numel() * FP32
-        else:
-            while self.idle and not self._fits(n * FP32):  # make room: drop the least recently given
-                self.idle_bytes -= self.idle.pop(0).numel() * FP32
-            buf = torch.empty(n)
-        self.lent[buf.data_ptr()] = buf
-        self.lent_bytes += buf.numel() * FP32
-        return buf[:n].view(shape)
-
-    def cast(self, t: Tensor) -> Tensor:
-        """`t.float()`, into a pooled buffer."""
-        if t.dtype == torch.float32 or t.numel() < self.MIN or not t.is_floating_point():
-            return t.float()
-        out = self.take(t.shape)
-        out.copy_(t)
-        return out
-
-    def give(self, t: Tensor) -> None:
-        """Give back the buffer `t` was taken as (no-op for any other tensor). `t` must not be used afterwards."""
-        buf = self.lent.pop(t.data_ptr(), None)
-        if buf is None:
-            return
-        self.lent_bytes -= buf.numel() * FP32
-        while self.idle and not self._fits(buf.numel() * FP32):
-            self.idle_bytes -= self.idle.pop(0).numel() * FP32
-        if self._fits(buf.numel() * FP32):
-            self.idle.append(buf)
-            self.idle_bytes += buf.numel() * FP32
-
-    def materialise(self, module: nn.Module) -> None:
-        """`module.to_empty(device="cpu")` with its large parameters in pooled buffers."""
-        module.to_empty(device="cpu")
-        for sub in module.modules():
-            for name, p in list(sub._parameters.items()):
-                if p is not None and p.numel() >= self.MIN and p.dtype == torch.float32:
-                    sub._parameters[name] = nn.Parameter(self.take(p.shape), requires_grad=p.requires_grad)
-
-    def free(self, module: nn.Module) -> None:
-        """Give back `module`'s parameters' buffers and return it to the meta device."""
-        for p in module.parameters():
-            self.give(p)
-        module.to_empty(device="meta")
-
-    def clear(self) -> None:
-        """Drop the idle buffers."""
-        self.idle.clear()
-        self.idle_bytes = 0
-
-
-def _free(module: nn.Module, pool: _CastPool | None = None) -> None:
-    if pool is not None:
-        pool.free(module)
-    else:
-        module.to_empty(device="meta")
 
 
 class _HFSide:
     """transformers' model on the meta device, filled piece by piece from the safetensors."""
 
     def __init__(self, hf_dir: Path, weights: HFWeights, num_layers: int, mtp_layers: int,
-                 pool: _CastPool | None = None) -> None:
+                 pool: CastPool | None = None) -> None:
         import transformers
         from transformers.conversion_mapping import get_model_conversion_mapping
 
@@ -395,7 +76,7 @@ class _HFSide:
         # RoPE's inverse frequencies are computed at construction: rebuild that (small) module for real
         inner.rotary_emb = type(inner.rotary_emb)(config=self.config)
         self.weights = weights
-        self.pool = pool if pool is not None else _CastPool(None)
+        self.pool = pool if pool is not None else CastPool(None)
         self.mapping = get_model_conversion_mapping(self.model)
         self.keys = weights.layer_keys()
         self.num_layers, self.mtp_layers = num_layers, mtp_layers
@@ -493,7 +174,7 @@ class _StreamedHFExperts(nn.Module):
     `all_experts` every expert no token selected runs on a few synthetic rows too."""
 
     def __init__(self, side: _HFSide, layer: int, expert_keys: dict[int, list[str]], num_experts: int,
-                 all_experts: bool, ahead: _Readahead | None = None) -> None:
+                 all_experts: bool, ahead: Readahead | None = None) -> None:
         super().__init__()
         self.side, self.layer, self.expert_keys, self.ahead = side, layer, expert_keys, ahead
         self.num_experts, self.all_experts = num_experts, all_experts
@@ -510,7 +191,7 @@ class _StreamedHFExperts(nn.Module):
                        rename=lambda k: pat.sub(r"model.layers.0.\1.experts.0.", k))
         # unit weights: the module's `y * w` is then y exactly, and the caller applies the routing weight itself
         y = one(rows, torch.zeros(rows.shape[0], 1, dtype=torch.long), torch.ones(rows.shape[0], 1, dtype=rows.dtype))
-        _free(one, self.side.pool)
+        free_piece(one, self.side.pool)
         self.side.weights.release()
         return y
 
@@ -576,7 +257,7 @@ class _ChunkedHFMLP(nn.Module):
             w.release()
             y = piece(x)
             out = y if out is None else out + y
-            _free(piece, self.side.pool)
+            free_piece(piece, self.side.pool)
             del piece
         return out
 
@@ -635,15 +316,15 @@ def _expert_mlp_sets(sets: list[Tensor], w1: Tensor, w2: Tensor) -> list[Tensor]
 class _OurSide:
     """Our model on the meta device; one piece at a time filled from the checkpoint's chunks."""
 
-    def __init__(self, ck: Checkpoint, plan: dict, pool: _CastPool | None = None) -> None:
+    def __init__(self, ck: Checkpoint, plan: dict, pool: CastPool | None = None) -> None:
         self.ck, self.cfg, self.plan = ck, ck.config, plan
-        self.pool = pool if pool is not None else _CastPool(None)
+        self.pool = pool if pool is not None else CastPool(None)
         padded = ck.entry("embedding.word_embeddings.weight").shape[0]
         with torch.device("meta"):
             self.model = GPTModel(self.cfg, padded)
         self.model.rotary_pos_emb = RotaryEmbedding(self.cfg)
         self.stacked = not self.cfg.heterogeneous
-        self.ahead: _Readahead | None = None  # read-ahead of the routed experts, once routed
+        self.ahead: Readahead | None = None  # read-ahead of the routed experts, once routed
         self._tensors_of: dict[tuple, list] = {}
         self.bytes_read = 0
         self.reads: dict[tuple, int] = {}
@@ -714,7 +395,7 @@ class _OurSide:
             mids = [x + mine.self_attention(mine.input_layernorm(x), cos, sin) for x in streams]
             us = [mine.pre_mlp_layernorm(m) for m in mids]
         for m in (mine.input_layernorm, mine.self_attention, mine.pre_mlp_layernorm):
-            _free(m, self.pool)
+            free_piece(m, self.pool)
         mlp = mine.mlp
         with torch.no_grad():
             if hasattr(mlp, "router"):
@@ -722,7 +403,7 @@ class _OurSide:
             elif pieces == 1:
                 self.fill(prefix + "mlp.", mlp)
                 ys = [mlp(u) for u in us]
-                _free(mlp, self.pool)
+                free_piece(mlp, self.pool)
             else:
                 ys = [None] * len(us)
                 cfg = self.cfg
@@ -743,7 +424,7 @@ class _OurSide:
                         else:
                             self._fill_region(p, prefix + "mlp.", name, pieces, r)
                     ys = [piece(u) if y is None else y + piece(u) for u, y in zip(us, ys)]
-                    _free(piece, self.pool)
+                    free_piece(piece, self.pool)
                     del piece
         return [m + y for m, y in zip(mids, ys)]
 
@@ -756,7 +437,7 @@ class _OurSide:
             tokens = u.reshape(-1, u.shape[-1])
             weights, indices = moe.router(tokens)
             routes.append((tokens, weights, indices, torch.zeros_like(tokens)))
-        _free(moe.router, self.pool)
+        free_piece(moe.router, self.pool)
         wanted = set()
         for _, _, indices, _ in routes:
             wanted.update(torch.unique(indices).tolist())
@@ -800,7 +481,7 @@ class _OurSide:
         if moe.shared_experts is not None:
             self.fill(prefix + "shared_experts.", moe.shared_experts)
             ys = [y + moe.shared_experts(u) for u, y in zip(us, ys)]
-            _free(moe.shared_experts, self.pool)
+            free_piece(moe.shared_experts, self.pool)
         return ys
 
     def expert_weight(self, name: str, box: tuple[slice, ...]) -> Tensor:
@@ -891,10 +572,10 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
     if ck.manifest.fp8:
         raise ShardkitError(f"{ck.path}: kept block-FP8 weights; streaming parity of them is not supported yet "
                             "(verify without --streaming)")
-    weights = HFWeights(hf_dir, *_fp8_settings(hf_dir))
-    plan = piece_plan(ck, memory_budget, fp8_block=_fp8_settings(hf_dir)[0] if _is_fp8_source(hf_dir) else None)
+    weights = HFWeights(hf_dir, *fp8_settings(hf_dir))
+    plan = piece_plan(ck, memory_budget, fp8_block=fp8_settings(hf_dir)[0] if is_fp8_source(hf_dir) else None)
     # fp32 buffers reused: idle + lent within half the budget (the 2x-fp32 rule's share of one piece's values)
-    pool = _CastPool(None if memory_budget is None else memory_budget // 2)
+    pool = CastPool(None if memory_budget is None else memory_budget // 2)
     ours = _OurSide(ck, plan, pool)
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator)
@@ -906,7 +587,7 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
     needed = torch.unique(torch.cat([input_ids.flatten()] + [n.flatten() for n in next_ids]))
     # the disk starts on the embedding and the first layers now, while the config is checked and transformers is
     # imported (seconds); a hint for a tensor the HF side turns out not to have is never read
-    ahead = ours.ahead = _Readahead(min(READAHEAD_WINDOW, available_memory() // 4))
+    ahead = ours.ahead = Readahead(min(READAHEAD_WINDOW, available_memory() // 4))
     try:
         walk = ahead.walk(_read_steps(weights, ours, cfg, plan["head_rows"]))
         walk.at(0)
@@ -946,7 +627,7 @@ def _read_steps(hf: HFWeights, ours: _OurSide, cfg: ModelConfig, head_rows: int)
     return steps
 
 
-def _expert_walk(ahead: _Readahead | None, ranges: Callable[[int], list[Range]], order: list[int]):
+def _expert_walk(ahead: Readahead | None, ranges: Callable[[int], list[Range]], order: list[int]):
     """`at(k)` for a walk over routed experts in `order` (None: no read-ahead)."""
     if ahead is None:
         return lambda k: None
@@ -958,8 +639,8 @@ def _hf_ranges(w: HFWeights, keys: list[str]) -> list[Range | None]:
     return [w.byte_range(k) for k in keys + [k + SCALE_SUFFIX for k in keys if w.has(k + SCALE_SUFFIX)]]
 
 
-def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, plan: dict, pool: _CastPool,
-            ahead: _Readahead, walk: _Walk, started: float, input_ids: Tensor, next_ids: list[Tensor],
+def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, plan: dict, pool: CastPool,
+            ahead: Readahead, walk: Walk, started: float, input_ids: Tensor, next_ids: list[Tensor],
             needed: Tensor, *,
             tolerance: float, all_experts: bool, progress: Callable[[int], None] | None) -> dict:
     """stream_parity's walk: the embedding (read-ahead step 0), the decoder layers (1..L) and MTP layers, the head
@@ -1035,7 +716,7 @@ def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, p
             hb = getattr(getattr(getattr(m, "mlp", None), "gate", None), "e_score_correction_bias", None)
             if isinstance(hb, torch.Tensor) and not hb.is_meta:  # (issue 34: compared directly after the walk)
                 hf_biases.append((i, hb.detach().float().clone()))
-            _free(m, pool)
+            free_piece(m, pool)
             weights.release()
             mine = ours.model.decoder.layers[str(i)]
             rep: dict = {}
@@ -1051,13 +732,13 @@ def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, p
         layer.register_forward_hook(post, with_kwargs=True)
         attn = getattr(layer, "self_attn", None)
         if attn is not None and (routed is not None or pieces > 1):  # free attention before the MLP's pieces
-            attn.register_forward_hook(lambda m, a, o: _free(m, pool))
+            attn.register_forward_hook(lambda m, a, o: free_piece(m, pool))
 
     def norm_pre(m, args):
         hf.load(m, ["model.norm.weight"])
 
     inner.norm.register_forward_pre_hook(norm_pre)
-    inner.norm.register_forward_hook(lambda m, a, o: _free(m))
+    inner.norm.register_forward_hook(lambda m, a, o: free_piece(m))
     head = hf.model.lm_head = _DeferredHead(cfg.vocab_size)
 
     with torch.no_grad():
@@ -1066,7 +747,7 @@ def _stream(cfg: ModelConfig, hf: _HFSide, ours: _OurSide, weights: HFWeights, p
         final = ours.model.decoder.final_layernorm
         ours.fill("decoder.final_layernorm.", final)
         our_heads = [final(state["chain"]), final(state["last_hf"])]  # end to end; the head on HF's hidden
-        _free(final)
+        free_piece(final)
         mtp_rows = _mtp(hf, ours, weights, cfg, state, next_ids, hf_embed, our_embed, cos, sin, tolerance,
                         all_experts, hf_heads, our_heads,
                         hint=lambda j: walk.at(1 + cfg.num_layers + j), ahead=ahead)
@@ -1173,7 +854,7 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
 
 def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
                  read_ours: Callable[[int, int], list[tuple[int, int, Tensor]]],
-                 our_inputs: list[Tensor], vocab: int, block: int, pool: _CastPool | None = None,
+                 our_inputs: list[Tensor], vocab: int, block: int, pool: CastPool | None = None,
                  hint: Callable[[int], None] | None = None) -> tuple[list[Tensor], list[Tensor]]:
     """HF's head(s) and ours on their inputs, in row blocks [a, a + block) of each head tensor (one block: exactly
     the whole), F.linear as nn.Linear; every head tensor read once per side, block by block.
@@ -1190,7 +871,7 @@ def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
     not computed (each output holds zeros there) since every difference between them is exactly zero, and only
     differences are used. That is the usual case of a correct conversion, whose head was then a large share of the
     proof's time (a 1.5 GB Llama-shaped model: its fp32 head block and product, a third of the arithmetic)."""
-    pool = pool if pool is not None else _CastPool(None)
+    pool = pool if pool is not None else CastPool(None)
     keys = list(dict.fromkeys(key for _, key in hf_heads))
     for key in keys:
         rows = weights.shape(key)[0]
@@ -1254,7 +935,7 @@ def _head_logits(weights: HFWeights, hf_heads: list[tuple[Tensor, str]],
 def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, state: dict, next_ids: list[Tensor],
          hf_embed: _Gathered, our_embed: _Gathered, cos: Tensor, sin: Tensor, tolerance: float, all_experts: bool,
          hf_heads: list, our_heads: list, hint: Callable[[int], None] | None = None,
-         ahead: _Readahead | None = None) -> list[dict]:
+         ahead: Readahead | None = None) -> list[dict]:
     """DeepSeek-V3's MTP depths, each on HF's hidden state (and ours on our chain); appends each depth's head inputs
     (HF's, ours end to end, ours on HF's hidden) for the blocked head pass. Returns one row per depth. Both sides
     read what megatron-core's MTP block reads (GPTModel.mtp_forward): the decoder's final-normed output for the first
@@ -1294,7 +975,7 @@ def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, stat
         hf.load(layer, block, model=model, mapping=hf._mtp_mapping)
         out = layer(x_hf, **state["layer_kwargs"])
         y_hf = out[0] if isinstance(out, tuple) else out
-        _free(layer, hf.pool)
+        free_piece(layer, hf.pool)
         weights.release()
         head_key = p + "shared_head.head.weight"
         hf_out = snorm(y_hf)
@@ -1317,7 +998,7 @@ def _mtp(hf: _HFSide, ours: _OurSide, weights: HFWeights, cfg: ModelConfig, stat
         our_out = mine.final_layernorm(chain)
         our_heads.extend([our_out, mine.final_layernorm(on_hf)])
         for name in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
-            _free(getattr(mine, name), ours.pool)
+            free_piece(getattr(mine, name), ours.pool)
         hf_prev, our_prev = hf_out, our_out
     return rows
 
@@ -1327,7 +1008,7 @@ def hf_config(hf_dir: Path, weights: HFWeights) -> ModelConfig:
     DeepSeek-V3 claiming one MTP layer without its weights; the conversion drops it the same way)."""
     theirs = ModelConfig.from_hf_dir(hf_dir)
     if theirs.mtp_num_layers:
-        present = {int(m.group(1)) for k in weights.file_of if (m := _LAYER.match(k))}
+        present = {int(m.group(1)) for k in weights.file_of if (m := LAYER_KEY.match(k))}
         have = sum(1 for j in range(theirs.mtp_num_layers) if theirs.num_layers + j in present)
         if have != theirs.mtp_num_layers:
             theirs = replace(theirs, mtp_num_layers=have)
@@ -1351,147 +1032,3 @@ def check_same_math(ours: ModelConfig, theirs: ModelConfig, hf_dir: Path) -> Non
         if a != b:
             raise ShardkitError(f"--against {hf_dir}: {f.name} is {b!r} there but {a!r} in the checkpoint; "
                                 "compare against the model it was converted from")
-
-
-# -- which mode, within what memory ------------------------------------------------------------------------------
-
-
-def _groups(ck: Checkpoint) -> dict:
-    """fp32 element counts per piece, from the manifest's shapes: per layer (decoder index or 'mtp.j') the part held
-    whole (attention, norms, router, shared experts: 'rest'), its dense MLP ('mlp', with the MLP tensors' names) and
-    one routed expert ('expert'); and the largest storage chunk of the embedding/head ('vocab_chunk')."""
-    cfg = ck.config
-    out: dict[Any, dict] = {}
-    vocab_chunk = 0
-    for name, e in ck.tensors.items():
-        if split_optimizer_key(name) is not None or name.endswith(SCALE_SUFFIX):
-            continue
-        n = math.prod(e.shape)
-        m = re.match(r"(decoder|mtp)\.layers\.(\d+)\.(.*)$", name)
-        if name.startswith(("embedding.", "output_layer.")):
-            vocab_chunk = max(vocab_chunk, math.prod(e.chunk))
-            continue
-        if m:
-            key: Any = int(m.group(2)) if m.group(1) == "decoder" else f"mtp.{m.group(2)}"
-            keys, rest = [key], m.group(3)
-        elif name.startswith("decoder.layers."):  # stacked on the layer axis
-            keys, rest, n = list(range(cfg.num_layers)), name[len("decoder.layers."):], n // cfg.num_layers
-        else:  # final norm
-            continue
-        rest = rest.removeprefix("transformer_layer.")
-        for k in keys:
-            g = out.setdefault(k, {"rest": 0, "mlp": 0, "expert": 0})
-            if e.expert:
-                g["expert"] += n // cfg.num_moe_experts
-            elif re.match(r"mlp\.linear_fc[12]\.", rest):
-                g["mlp"] += n
-            else:
-                g["rest"] += n
-    return {"layers": out, "vocab_chunk": vocab_chunk}
-
-
-def _mlp_options(ck: Checkpoint, layer: int, fp8_block: tuple[int, int] | None) -> list[int]:
-    """Piece counts n for layer's dense MLP in the order preferred: n divides the intermediate size; first the counts
-    whose pieces are whole storage chunks of linear_fc1 and linear_fc2 (fewest first), then finer ones; an FP8
-    source is cut at whole blocks only."""
-    cfg = ck.config
-    F_ = cfg.ffn_hidden_size
-    stacked = not cfg.heterogeneous
-    name1, _ = canonical_name(f"decoder.layers.{layer}.mlp.linear_fc1.weight", stacked)
-    name2, _ = canonical_name(f"decoder.layers.{layer}.mlp.linear_fc2.weight", stacked)
-    g = math.lcm(ck.entry(name1).chunk[-2], ck.entry(name2).chunk[-1])
-    if fp8_block:
-        g = math.lcm(g, fp8_block[0], fp8_block[1])
-    ns = [n for n in range(1, F_ + 1) if F_ % n == 0]
-    if fp8_block:  # an FP8 source can only be sliced at whole blocks
-        ns = [n for n in ns if n == 1 or (F_ // n) % math.lcm(*fp8_block) == 0]
-    aligned = [n for n in ns if (F_ // n) % g == 0]
-    # then finer cuts across storage chunks (a chunk straddling two pieces is read by both)
-    return aligned + [n for n in ns if n > aligned[-1]] if aligned else ns
-
-
-def piece_plan(ck: Checkpoint, budget: int | None, fp8_block: tuple[int, int] | None = None) -> dict:
-    """How finely streaming cuts: dense MLP pieces per layer and head rows per block, so that twice a piece in fp32
-    (its values and the read they come from) stays within `budget` (None: whole layers, the whole head)."""
-    cfg = ck.config
-    groups = _groups(ck)
-    mlp_pieces: dict[Any, int] = {}
-    for k, g in groups["layers"].items():
-        if not isinstance(k, int) or not g["mlp"] or budget is None:
-            continue
-        if 2 * FP32 * (g["rest"] + g["mlp"]) <= budget:
-            continue
-        opts = _mlp_options(ck, k, fp8_block)
-        mlp_pieces[k] = next((n for n in opts if 2 * FP32 * g["mlp"] // n <= budget), opts[-1])
-    h = cfg.hidden_size
-    if budget is None:
-        head_rows = cfg.vocab_size
-    else:
-        step = ck.entry("embedding.word_embeddings.weight").chunk[0]
-        if not cfg.tie_word_embeddings:
-            step = math.lcm(step, ck.entry("output_layer.weight").chunk[0])
-        # a head block holds its fp32 values and, while it is compared, both sides' reads of it (HF's a copy, ours
-        # views of the mapped chunks): 3x fp32 per row, not the 2x of a layer's piece (measured at DeepSeek-V3 width:
-        # the head block was the run's peak RSS, 1 GB of it file pages)
-        head_rows = max(step, budget // (3 * FP32 * h) // step * step)
-        head_rows = min(head_rows, cfg.vocab_size)
-    return {"mlp_pieces": mlp_pieces, "head_rows": head_rows}
-
-
-def memory_needs(ck: Checkpoint) -> dict[str, int]:
-    """fp32 bytes: both whole models (whole mode), and the least streaming can hold at once: twice its largest
-    piece that cannot be cut further (a layer's attention and norms, or its router and shared experts; one routed
-    expert; a dense MLP's smallest piece; one storage chunk of the embedding or head), from the manifest's shapes."""
-    whole = 0
-    for name, e in ck.tensors.items():
-        if split_optimizer_key(name) is not None or name.endswith(SCALE_SUFFIX):
-            continue
-        whole += math.prod(e.shape)
-    groups = _groups(ck)
-    piece, what = groups["vocab_chunk"], "one storage chunk of the embedding"
-    for k, g in groups["layers"].items():
-        label = f"layer {k}" if isinstance(k, int) else k.replace("mtp.", "MTP layer ")
-        if g["rest"] > piece:
-            piece, what = g["rest"], f"{label}'s attention and norms" + (" (+ router and shared experts)"
-                                                                          if g["expert"] else "")
-        if g["expert"] > piece:
-            piece, what = g["expert"], f"one routed expert of {label}"
-        if g["mlp"] and isinstance(k, int):
-            least = g["mlp"] // _mlp_options(ck, k, None)[-1]
-            if least > piece:
-                piece, what = least, f"the smallest piece of {label}'s MLP"
-    return {"whole": 2 * FP32 * whole, "streaming": 2 * FP32 * piece, "streaming_piece": what}
-
-
-def available_memory() -> int:
-    """MemAvailable of /proc/meminfo (the kernel's estimate of what can be allocated without swapping)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-# The default --memory-budget: a constant, not a share of the host (issue 42: half the available memory took 9.4 GB
-# to prove a 1.5 GB model, more than loading it whole the peers' way, and bought no speed). Where one piece that
-# streaming cannot cut further is larger (a very wide layer), the budget is that piece: the least the proof can hold.
-DEFAULT_BUDGET = 1 << 30
-
-
-def choose_mode(ck: Checkpoint, streaming: bool, budget: int | None) -> tuple[str, dict]:
-    """'whole' or 'streaming'. Whole (both models in fp32, logits compared) only for a model whose two fp32 copies
-    fit in the budget and that has nothing the logits do not reach (MTP layers: transformers' forward has none);
-    streaming otherwise, or when asked. The default budget is DEFAULT_BUDGET, or streaming's largest piece where that
-    is larger; a given budget too small for that piece is one line with the size needed."""
-    need = memory_needs(ck)
-    given = budget is not None
-    budget = budget if given else max(DEFAULT_BUDGET, need["streaming"])
-    beyond = getattr(ck.config, "mtp_num_layers", 0) or 0  # rows only the streamed comparison has
-    mode = "streaming" if streaming or beyond or need["whole"] > budget else "whole"
-    if mode == "streaming" and need["streaming"] > budget:
-        raise ShardkitError(f"--memory-budget {budget:,} bytes is too small: streaming parity holds "
-                            f"{need['streaming_piece']} of {ck.path} at once, {need['streaming']:,} bytes in fp32 (its "
-                            "values and the read they come from)")
-    return mode, {**need, "budget": budget}
