@@ -272,7 +272,7 @@ def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
     dims = run_layout(cfg, world=spec.layout.world)
     mcore = cfg.run.engine == "megatron-core"  # asked for by name: what that engine refuses on the cluster's GPUs
     if mcore:
-        from train.engines.megatron_core import NotCovered, check_flags
+        from train.engines.megatron_core.checks import NotCovered, check_flags
 
         try:
             check_flags(cfg, on_cpu=False)
@@ -294,7 +294,7 @@ def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
                 from checkpoint.errors import ConfigError
 
                 raise ConfigError(f"--engine megatron-core: {why}")
-            from train.engines.megatron_core import check_context_parallel
+            from train.engines.megatron_core.checks import check_context_parallel
             from train.parallel.context import packing_from
 
             try:  # what it refuses under CP whatever the nodes have (with or without Transformer Engine)

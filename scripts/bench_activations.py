@@ -5,7 +5,7 @@ against Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Tra
 How it is measured. World = TP ranks spawned on gloo (torch.multiprocessing), the engines' real TP/SP collectives. Each
 engine builds a one-layer model its own way: native, train/parallel/parallelize.py `parallelize` (local_config on the
 meta device, materialised, apply_tensor_parallel, apply_recompute); megatron-core, its GPTModel with the local layer
-spec from train/engines/megatron_core.py's `transformer_config` and RMSNorm (megatron-core on the CPU through the
+spec from train/engines/megatron_core/'s `transformer_config` and RMSNorm (megatron-core on the CPU through the
 engine's `cpu_stand_ins`). Weights random (normal, std 0.02). One layer's forward runs on a random bf16 input (this
 rank's 1/TP of the sequence under SP) inside torch.autograd.graph.saved_tensors_hooks: every tensor handed to the pack
 hook is counted by its storage, each storage once (views share it; the bytes are the storage's), leaving out the
@@ -213,10 +213,10 @@ def _megatron_layer(hf: dict, tp: int, world: int, sp: bool, recompute: str | No
     from checkpoint.config import ModelConfig
     from checkpoint.run_layout import RunLayout
     from train.config import RunConfig
-    from train.engines import megatron_core as mc
+    from train.engines.megatron_core import config as mc_config, modules as mc_modules, runtime as mc_runtime
 
-    mc.import_megatron()
-    mc.cpu_stand_ins()
+    mc_runtime.import_megatron()
+    mc_runtime.cpu_stand_ins()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -235,13 +235,13 @@ def _megatron_layer(hf: dict, tp: int, world: int, sp: bool, recompute: str | No
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     run = RunConfig(bf16=True, recompute_granularity=recompute, attention_dropout=0.0, hidden_dropout=0.0)
-    tc = mc.transformer_config(m, dims, run, sp=sp, dtype=torch.bfloat16, on_cpu=True)
+    tc = mc_config.transformer_config(m, dims, run, sp=sp, dtype=torch.bfloat16, on_cpu=True)
     tc.perform_initialization = False  # no fp32 master copy of each full weight per rank (70B's fc1: 1.9 GB)
     spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization="RMSNorm")
-    spec.layer_norm = mc.RMSNorm
+    spec.layer_norm = mc_modules.RMSNorm
     for ls in spec.layer_specs:
-        ls.submodules.input_layernorm = ls.submodules.pre_mlp_layernorm = mc.RMSNorm
-    with mc.keep_pickle_allowlist():
+        ls.submodules.input_layernorm = ls.submodules.pre_mlp_layernorm = mc_modules.RMSNorm
+    with mc_runtime.keep_pickle_allowlist():
         model = GPTModel(tc, spec, vocab_size=m.padded_vocab_size(tp), max_sequence_length=m.max_position_embeddings,
                          pre_process=True, post_process=True, position_embedding_type="rope", rotary_percent=1.0,
                          rotary_base=int(m.rotary_base))

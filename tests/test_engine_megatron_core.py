@@ -3,7 +3,7 @@ distributed optimizer, pipeline schedules and OptimizerParamScheduler, loaded fr
 checkpoints, equal the native engine on the same checkpoint and data.
 
 megatron-core runs on the CPU here through the engine's explicit test switch (SHARDKIT_MEGATRON_CORE_CPU=1: its CUDA
-stand-ins, train/engines/megatron_core.py `cpu_stand_ins`); every multi-rank run is forked by tests/launcher.py and
+stand-ins, train/engines/megatron_core/runtime.py `cpu_stand_ins`); every multi-rank run is forked by tests/launcher.py and
 runs under tests/nccl_model.py (NCCL's point-to-point rules on gloo), megatron-core's own pipeline exchanges included.
 The reference is the native engine on one process (itself equal to its TP/PP/DP layouts, tests/test_train.py)."""
 from __future__ import annotations

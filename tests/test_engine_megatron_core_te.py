@@ -53,7 +53,7 @@ def fp8cfg(*flags: str):
     ("local", True, False, "local"),
 ])
 def test_spec_choice(requested, on_cpu, have_te, want):
-    from train.engines.megatron_core import layer_spec
+    from train.engines.megatron_core.checks import layer_spec
 
     assert layer_spec(requested, fp8cfg(), on_cpu, have_te) == want
     if want == "transformer_engine":  # FP8 then runs in TE's modules
@@ -73,7 +73,7 @@ def test_spec_choice(requested, on_cpu, have_te, want):
      "--no-fp8-wgrad with --fp8-recipe blockwise"),
 ])
 def test_refusals(requested, on_cpu, have_te, flags, says):
-    from train.engines.megatron_core import NotCovered, layer_spec
+    from train.engines.megatron_core.checks import NotCovered, layer_spec
 
     with pytest.raises(NotCovered) as e:
         layer_spec(requested, fp8cfg(*flags), on_cpu, have_te)
@@ -83,7 +83,7 @@ def test_refusals(requested, on_cpu, have_te, flags, says):
 
 def test_refused_at_start_on_cuda_without_te(monkeypatch):
     """check_flags (the engine's first step) with a CUDA device and no TE: FP8 is one line before anything runs."""
-    import train.engines.megatron_core as mc
+    import train.engines.megatron_core.checks as mc
 
     monkeypatch.setattr(mc, "te_available", lambda: False)
     cfg = SimpleNamespace(parallel=SimpleNamespace(cp=1), fp8=fp8cfg("--fp8-format", "hybrid"),
@@ -118,7 +118,8 @@ def test_native_te_refusals_not_on_megatron_core(flags, native_says):
 
 def test_bf16_layer_bounds():
     """The bf16 ends as megatron-core bounds them (one stage's layers each) and as the native engine (some FP8)."""
-    from train.engines.megatron_core import NotCovered, fp8_fields
+    from train.engines.megatron_core.checks import NotCovered
+    from train.engines.megatron_core.config import fp8_fields
 
     c = fp8cfg("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
                "--num-layers-at-start-in-bf16", "3")
@@ -168,7 +169,7 @@ def test_fp8_fields_match_megatron_lm():
     """For each set of flags, the engine's TransformerConfig FP8 fields equal what Megatron-LM's parser gives
     (core_transformer_config_from_args copies TransformerConfig's fields from the args by name), and megatron-core
     0.19's TransformerConfig accepts them in a 4-layer, PP 2 config."""
-    from train.engines.megatron_core import fp8_fields
+    from train.engines.megatron_core.config import fp8_fields
 
     ours = [fp8_fields(fp8cfg(*flags), 4, 2) for flags in FP8_FLAGS]
     names = sorted(ours[0])
@@ -184,7 +185,7 @@ def test_fp8_fields_match_megatron_lm():
 def test_fp8_fields_accepted_by_the_engines_megatron_core(tables):
     """The same fields through the engine's megatron-core (0.16 here: its TransformerConfig's validation), in the
     process that builds the spec tables."""
-    from train.engines.megatron_core import fp8_fields
+    from train.engines.megatron_core.config import fp8_fields
 
     assert tables["fp8_accepted"] == [fp8_fields(fp8cfg(*flags), 4, 2) for flags in FP8_FLAGS]
 
@@ -335,8 +336,10 @@ def spec_table(kind: str, te: bool) -> list[tuple[str, str, tuple]]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
-    import train.engines.megatron_core as mc
     from train.config import add_arguments, from_namespace
+    from train.engines.megatron_core.config import transformer_config
+    from train.engines.megatron_core.modules import RMSNorm, local_spec_layer
+    from train.engines.megatron_core.trainer import MegatronCoreTrainer
     from train.loop import run_layout
     from train.parallel.groups import build_groups
 
@@ -347,22 +350,22 @@ def spec_table(kind: str, te: bool) -> list[tuple[str, str, tuple]]:
     cfg = from_namespace(p.parse_args(["--load", "ck", "--data-path", "d", "--micro-batch-size", "1",
                                        "--global-batch-size", "1"]))
     dims = run_layout(cfg, world=1)
-    tc = mc.transformer_config(m, dims, cfg.run, sp=False, dtype=torch.float32, on_cpu=True, moe_args=cfg.moe, te=te,
+    tc = transformer_config(m, dims, cfg.run, sp=False, dtype=torch.float32, on_cpu=True, moe_args=cfg.moe, te=te,
                                fp8=cfg.fp8)
     spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=te, normalization="RMSNorm")
     if not te:
-        spec.layer_norm = mc.RMSNorm
+        spec.layer_norm = RMSNorm
         for layer in spec.layer_specs:
-            mc.local_spec_layer(layer, m, False)
+            local_spec_layer(layer, m, False)
     mtp = get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=te) if m.mtp_num_layers else None
     for layer in (mtp.layer_specs if mtp is not None and not te else ()):
-        layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = mc.RMSNorm
+        layer.submodules.enorm = layer.submodules.hnorm = layer.submodules.layer_norm = RMSNorm
     model = GPTModel(tc, spec, vocab_size=m.padded_vocab_size(1), max_sequence_length=m.max_position_embeddings,
                      mtp_block_spec=mtp, share_embeddings_and_output_weights=m.tie_word_embeddings,
                      position_embedding_type="rope", rotary_base=int(m.rotary_base))
     assert ps.get_tensor_model_parallel_world_size() == 1
     trainer = SimpleNamespace(model_cfg=m, layout=dims.model_parallel, groups=build_groups(dims), chunks=[model])
-    table = mc.MegatronCoreTrainer._param_table(trainer)
+    table = MegatronCoreTrainer._param_table(trainer)
     return [(lp.name.split("/", 1)[1], lp.spec.name, tuple(lp.param.shape)) for lp in table], model
 
 
@@ -376,7 +379,7 @@ def _names_main(kinds: list[str]) -> None:
     from tests.megatron_oracle import init_megatron_cpu
 
     init_megatron_cpu()
-    from train.engines.megatron_core import cpu_stand_ins, import_megatron
+    from train.engines.megatron_core.runtime import cpu_stand_ins, import_megatron
 
     import_megatron()
     cpu_stand_ins()  # the MoE dispatcher's stream, as the engine on the CPU
@@ -386,13 +389,13 @@ def _names_main(kinds: list[str]) -> None:
     out = {}
     for k in kinds:
         rows, model = spec_table(k, te=True)
-        from train.engines.megatron_core import FP8State
+        from train.engines.megatron_core.state import FP8State
 
         state = FP8State.of(fp8cfg("--fp8-format", "hybrid"), [model], [0], 0, model.config, every_rank=False)
         out[k] = {"te": rows, "local": local[k], "fp8_modules": sorted(n for n, _ in state.modules)}
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from train.engines.megatron_core import fp8_fields
+    from train.engines.megatron_core.config import fp8_fields
 
     out["fp8_accepted"] = []
     for flags in FP8_FLAGS:
@@ -453,7 +456,7 @@ def test_te_spec_names_map_to_canonical(tables, kind):
 def test_packed_documents_with_te_attention_refused():
     """TE's core attention takes its own causal mask: per-document masks (--reset-attention-mask) are refused on TE's
     layer spec for every model (the local spec's attention takes the engine's mask as given)."""
-    from train.engines.megatron_core import NotCovered, check_packing
+    from train.engines.megatron_core.checks import NotCovered, check_packing
 
     docs = SimpleNamespace(reset_position_ids=False, reset_attention_mask=True)
     check_packing(model_config("llama"), docs, te_attention=False)
@@ -463,7 +466,8 @@ def test_packed_documents_with_te_attention_refused():
 
 def test_latent_norm_epsilon_refused_on_te_spec():
     """DeepSeek's latent norms take 1e-6; TE's fused norms the config's epsilon: another rms_norm_eps is refused."""
-    from train.engines.megatron_core import NotCovered, te_spec_fields
+    from train.engines.megatron_core.checks import NotCovered
+    from train.engines.megatron_core.config import te_spec_fields
 
     assert te_spec_fields(model_config("deepseek_v3", rms_norm_eps=1e-6), True) == {"qk_layernorm": True}
     assert te_spec_fields(model_config("deepseek_v3", rms_norm_eps=1e-6), False) == {}
@@ -529,7 +533,7 @@ def test_fp8_state_names_and_round_trip():
     names (decoder.layers.<global layer>..., experts by global index), loads back into modules TE has not set up yet
     (set up first under the run's FP8 context), and refuses a checkpoint missing a module or with another history
     length in one line."""
-    from train.engines.megatron_core import FP8State, _Backend
+    from train.engines.megatron_core.state import Backend, FP8State
     from train.fp8 import ROLES, STATE_VERSION, DelayedScalingState
 
     fp8 = fp8cfg("--fp8-format", "hybrid", "--fp8-amax-history-len", "4")
@@ -543,7 +547,7 @@ def test_fp8_state_names_and_round_trip():
         for which in ("scaling_fwd", "scaling_bwd"):
             mod.fp8_meta[which].amax_history.copy_(torch.rand(mod.fp8_meta[which].amax_history.shape, generator=g))
             mod.fp8_meta[which].scale.copy_(torch.rand(mod.fp8_meta[which].scale.shape, generator=g) * 100)
-    backend = _Backend("line", state)
+    backend = Backend("line", state)
     sd = backend.state_dict(SimpleNamespace(dims=SimpleNamespace(pp=1)))  # one process: this rank's
     assert sd["version"] == STATE_VERSION and sd["recipe"] == "delayed" and sd["format"] == "hybrid"
     modules = sorted({k.rsplit(".", 1)[0] for k in sd["tensors"]})
@@ -565,7 +569,7 @@ def test_fp8_state_names_and_round_trip():
     fresh = [fake_chunk(1, 2, 4, set_up=False), fake_chunk(1, 2, 4, set_up=False)]
     state2 = FP8State.of(fp8, fresh, [1, 3], 2, config=None, every_rank=True)
     state2.context = state.context
-    _Backend("line", state2).load_state_dict(json.loads(json.dumps(sd)), Path("ck"))
+    Backend("line", state2).load_state_dict(json.loads(json.dumps(sd)), Path("ck"))
     assert len(entered) == len(state2.modules)  # each set up under the run's FP8 context
     for (n1, a), (n2, b) in zip(state.modules, state2.modules):
         assert n1 == n2
@@ -584,7 +588,7 @@ def test_fp8_state_names_and_round_trip():
     # no delayed scaling: nothing kept (as native)
     assert FP8State.of(fp8cfg("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"), chunks, [1, 3], 2, None,
                        True) is None
-    assert _Backend("line").state_dict(None) is None
+    assert Backend("line").state_dict(None) is None
 
 
 if __name__ == "__main__":

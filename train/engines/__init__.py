@@ -1,5 +1,5 @@
 """continue-pretrain's engines (issue 40): `native` (train/loop.py's Trainer: shardkit's own parallel engine in plain
-torch) and `megatron-core` (train/engines/megatron_core.py: megatron-core's GPTModel, DDP, distributed optimizer and
+torch) and `megatron-core` (train/engines/megatron_core/: megatron-core's GPTModel, DDP, distributed optimizer and
 pipeline schedules, fed from and saving to shardkit's checkpoints). `--engine` picks one; by default megatron-core on
 CUDA where it is installed and the run is one it covers, native otherwise (always on the CPU): `default_engine`
 (train/engines/choice.py, which train/config.py asks too). `main` is the trainer's entry on each rank, above both
@@ -24,7 +24,8 @@ def make_trainer(cfg, log=print):
     chosen = engine or default_engine()
     if chosen == "native":
         return Trainer(cfg)
-    from train.engines.megatron_core import MegatronCoreTrainer, NotCovered
+    from train.engines.megatron_core.checks import NotCovered
+    from train.engines.megatron_core.trainer import MegatronCoreTrainer
 
     try:
         return MegatronCoreTrainer(cfg)

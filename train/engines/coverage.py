@@ -1,5 +1,5 @@
 """What the megatron-core engine builds (issue 40), without torch: asked by the engine itself
-(train/engines/megatron_core.py check_model) and by `shardkit plan`, which models the engine a layout runs on."""
+(train/engines/megatron_core/checks.py check_model) and by `shardkit plan`, which models the engine a layout runs on."""
 from __future__ import annotations
 
 
