@@ -7,8 +7,8 @@ shards against the model config and the sharding table, every item read), the to
 describe and Checkpoint.verify."""
 from __future__ import annotations
 
-from pathlib import Path
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np

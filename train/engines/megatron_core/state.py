@@ -78,7 +78,7 @@ class SavedState:
         g = self.groups
         dense = ps.get_data_parallel_group(with_context_parallel=True)  # the optimizer's shards: over DP x CP
         expert = ps.get_expert_data_parallel_group() if any(self.expert) else None
-        ranks = {g: dist.get_process_group_ranks(g) for g in (dense, expert) if g is not None}
+        ranks = {pg: dist.get_process_group_ranks(pg) for pg in (dense, expert) if pg is not None}
         parts = distributed_parts(self.mopt)
         self._state = {}
         for k, (lp, members) in enumerate(self.entries):
