@@ -4,8 +4,9 @@ Our arrays use exactly one codec chain, zarr3 `bytes` (little endian) + `crc32c`
 little-endian bytes followed by the 4-byte little-endian CRC32C of those bytes, at `c/<i>/<j>/...` under the array
 (zarr3's default chunk key encoding). Reading it is a memory map of the page cache and a hardware CRC (the `crc32c`
 package, ~15 GB/s, GIL released); tensorstore's generic path costs ~2.4 CPU-s/GB for the same bytes (decode,
-checksum, copies into freshly faulted buffers), which made reshard CPU-bound. Writing is the mirror image: one
-`writev` of the bytes and the trailer (the buffer is free again when it returns), then fsync of the file and of its
+checksum, copies into freshly faulted buffers), which made reshard CPU-bound. Writing is the mirror image: the bytes,
+checksummed and written a block at a time (WRITE_BLOCK), and the trailer (the buffer is free again when it returns),
+then fsync of the file and of its
 directory entry; writers record a chunk as done only after that, so it survives a crash.
 
 Tensorstore still creates and opens the arrays (their metadata), and remains the path for any array whose metadata
@@ -33,6 +34,11 @@ except ImportError:  # pragma: no cover - a dependency; without it every read an
 AVAILABLE = _crc32c is not None
 CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 TRAILER = 4  # bytes of the crc32c codec's checksum after the data
+# A chunk is checksummed and written this many bytes at a time: each block is still in the CPU's cache when the kernel
+# copies it (one pass over memory, not two), and the kernel copies a block of a memory-mapped source (faulted in by
+# the checksum) far faster than one `write` of a whole mapped chunk, which it copies page by page, faulting
+# (measured, 400 MB from the page cache: 0.1 vs 0.36-1.2 system CPU-s; the 1.5 GB conversion: 1.2-4.5 -> 0.6 sys-s).
+WRITE_BLOCK = 1 << 20
 
 
 def fsync_path(path: Path) -> None:
@@ -246,7 +252,7 @@ def map_chunk(path: Path, shape: Sequence[int], dtype: np.dtype, expect: int | N
 
 def write_chunk(path: Path, data: np.ndarray, label: str) -> int:
     """Write one whole chunk file (`data` contiguous, the chunk's full shape): its bytes and the CRC32C trailer, into
-    the page cache, in one `writev`. Returns the still open file descriptor for `sync_chunk`, which makes it durable:
+    the page cache, a block at a time (WRITE_BLOCK). Returns the still open file descriptor for `sync_chunk`, which makes it durable:
     writers record a chunk as done only after that, and a chunk not recorded is rewritten by the next run, so a file
     torn by a crash never reaches a committed checkpoint (hence no temporary name). `data` may be reused as soon as
     this returns. WriteError naming `label` (the tensor) and the file on any failure (disk full, EFBIG, permissions)."""
@@ -257,19 +263,33 @@ def write_chunk(path: Path, data: np.ndarray, label: str) -> int:
     except OSError as e:
         raise _write_error(label, path, e) from None
     try:
-        parts, left = [memoryview(raw), crc(raw).to_bytes(TRAILER, "little")], raw.nbytes + TRAILER
-        while left:
-            n = os.writev(fd, parts)
-            left -= n
-            while n and parts:  # a short write: drop what went out and go on with the rest
-                if n >= len(parts[0]):
-                    n -= len(parts.pop(0))
-                else:
-                    parts[0], n = memoryview(parts[0])[n:], 0
+        value = 0
+        for at in range(0, raw.nbytes, WRITE_BLOCK):  # crc then write each block while it is in the CPU's cache
+            block = raw[at:at + WRITE_BLOCK]
+            value = _crc32c(block, value)
+            _write_all(fd, memoryview(block))
+        _write_all(fd, value.to_bytes(TRAILER, "little"))
     except OSError as e:
         os.close(fd)
         raise _write_error(label, path, e) from None
     return fd
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    """os.write until all of `data` is out (a short write goes on with the rest)."""
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def write_blocks(write: Callable[[memoryview], int], data) -> int:
+    """Pass `data` (bytes or a contiguous array) to `write` (a file's write) WRITE_BLOCK bytes at a time; the bytes
+    written. One large write from a memory-mapped source is several times slower in the kernel than the same bytes
+    in blocks (see WRITE_BLOCK)."""
+    view = memoryview(data).cast("B")
+    n = 0
+    for at in range(0, len(view), WRITE_BLOCK):
+        n += write(view[at:at + WRITE_BLOCK])
+    return n
 
 
 def sync_chunk(path: Path, fd: int, label: str) -> None:

@@ -431,7 +431,7 @@ class RankFile:
         try:
             n = 0
             for p in parts():
-                n += self.f.write(p)
+                n += chunkio.write_blocks(self.f.write, p)
             if n != length:
                 raise WriteError(f"{self.writer.dir / self.name}: wrote {n} bytes of an item of {length}")
         finally:

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -179,7 +180,9 @@ class _Worker:
         cfg = ModelConfig.from_dict(cfg_dict)
         layout = Layout.from_dict(layout_dict)
         self.src = _LazySource(hf_dir, None if fp8 else fp8_block(cfg))
-        self.sink = ChunkSink(out_dir, dtypes, allow_nonfinite)  # (the source was checked: _check_finite)
+        # the sink does not scan again: the source rows are checked here (_check_finite, naming the HF tensor) and a
+        # cast that would make inf/NaN is refused by store.cast
+        self.sink = ChunkSink(out_dir, dtypes, allow_nonfinite=True)
         self.allow_nonfinite, self.hf_dir = allow_nonfinite, hf_dir
         self.maps = {(tm.canonical, tm.lead): tm for tm in families.tensor_maps(cfg, layout, fp8)}
 
@@ -282,11 +285,31 @@ def convert_hf_to_mcore(hf_dir: str | Path, out: str | Path, layout: Layout, dty
         args = (str(hf_dir), cfg.to_dict(), layout.to_dict(), str(w.partial), {n: e.dtype for n, e in entries.items()},
                 fp8, allow_nonfinite)
         write_chunks(w, entries, "hf-to-mcore", _Worker, args, workers, quiet, group=group,
-                     estimate_above=estimate_above)
+                     estimate_above=estimate_above, order=source_order(cfg, layout, src, fp8))
         if distributed.leads(group):
             source_unchanged(src, job["files"])
             path = _commit(w, hf_dir, src, cfg, layout, entries, fp8, started)
     return distributed.finish(group, path, out)
+
+
+def source_order(cfg: ModelConfig, layout: Layout, src: HFSource, fp8: dict | None) -> Callable[[Task], tuple]:
+    """Sort key of a chunk: where in the HF shards the first of the bytes it reads lies (file, byte offset), then its
+    columns. The chunks then run in the shards' own order (HF saves them layer by layer) and a cold source is read
+    front to back, once, instead of one tensor name across all layers at a time (a seek per chunk; issue 42)."""
+    maps = {(tm.canonical, tm.lead): tm for tm in families.tensor_maps(cfg, layout, fp8)}
+    files = {f: i for i, f in enumerate(sorted({i.file for i in src.tensors.values()}))}
+
+    def at(seg, a: int) -> tuple[int, int]:
+        info = src.tensors[seg.hf_name]
+        row = store.itemsize(info.dtype) * int(np.prod(info.shape[1:], dtype=np.int64))
+        return files[info.file], info.offset + (seg.hf_start + a - seg.start) * row
+
+    def key(task: Task) -> tuple:
+        tm = maps[(task.name, task.lead)]
+        (a, b), *rest = task.box[len(task.lead):] or [(0, 1)]
+        first = min((at(s, max(a, s.start)) for s in tm.segments if s.start < b and s.stop > a), default=(-1, 0))
+        return first, tuple(r[0] for r in rest)
+    return key
 
 
 def source_unchanged(src: HFSource, files: list[dict]) -> None:

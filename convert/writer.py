@@ -296,7 +296,8 @@ def create_arrays(w, entries: dict[str, TensorEntry]) -> None:
 
 def write_chunks(w, entries: dict[str, TensorEntry], label: str, make: Callable, args: tuple | Callable,
                  workers: int | None = None, quiet: bool = False, group=None,
-                 region: Callable[[Task], tuple] = source_region, estimate_above: int | None = None) -> None:
+                 region: Callable[[Task], tuple] = source_region, estimate_above: int | None = None,
+                 order: Callable[[Task], tuple] | None = None) -> None:
     """Create every array under `w`, then run each chunk not already done through a worker `make(*args)` (see
     Workers; its `sink` is its ChunkSink). In-process, a worker's `prefetch(next_task)` (a read-ahead hint, run on a
     helper thread), where it has one, is called before each task runs, so the next chunk's source is read while this
@@ -308,8 +309,13 @@ def write_chunks(w, entries: dict[str, TensorEntry], label: str, make: Callable,
     every chunk any rank recorded is there. Rank 0 alone shows progress, for all ranks.
 
     A job with at least `estimate_above` bytes left (default convert.distributed.ESTIMATE_ABOVE) first measures the
-    output's durable write rate on every rank and prints the expected time (convert.distributed.estimate)."""
+    output's durable write rate on every rank and prints the expected time (convert.distributed.estimate).
+
+    `order` (a sort key of a task; the same on every rank) sets the order the chunks run in: e.g. the position of
+    the source bytes a chunk reads, so that a cold source is read front to back."""
     tasks = chunk_tasks(entries)
+    if order is not None:
+        tasks.sort(key=order)
     lead = group is None or group.rank == 0
     todo = [t for t in tasks if not w.is_done(t.id)]
     total = sum(t.nbytes(entries[t.name]) for t in tasks)

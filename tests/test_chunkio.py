@@ -183,3 +183,20 @@ def test_read_plan_reads_ahead_within_budget_and_drops_chunks_after_their_last_b
     ck.read_numpy(*boxes[2])
     quiet.done(*boxes[2])
     assert list(ck._cache) == []
+
+
+def test_a_chunk_is_checksummed_and_written_a_block_at_a_time(tmp_path, monkeypatch):
+    """One large write from a memory-mapped source costs the kernel several times the same bytes in blocks (issue 42:
+    the conversion's system time): every write is at most WRITE_BLOCK, and the file is the bytes + their crc32c."""
+    monkeypatch.setattr(chunkio, "WRITE_BLOCK", 1 << 16)
+    sizes = []
+    real = chunkio.os.write
+    monkeypatch.setattr(chunkio.os, "write", lambda fd, data: sizes.append(len(data)) or real(fd, data))
+    data = _values((300, 257), "bfloat16", seed=3)  # 154,200 bytes: two whole blocks and a part
+    path = tmp_path / "a" / "c" / "0"
+    chunkio.write_durable(path, data, "a")
+    assert max(sizes) <= 1 << 16 and len(sizes) == 4  # three blocks and the trailer
+    raw = path.read_bytes()
+    assert raw[:-4] == data.tobytes() and int.from_bytes(raw[-4:], "little") == chunkio.crc(data.tobytes())
+    got = chunkio.map_chunk(path, data.shape, data.dtype)
+    assert got.tobytes() == data.tobytes()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -250,3 +251,64 @@ def test_cast_rounds_as_torch(tmp_path):
     emb = hf.model.embed_tokens.weight.detach()
     got = ck.read("embedding.word_embeddings.weight")[: emb.shape[0]]
     assert torch.equal(got.view(torch.int16), emb.to(torch.bfloat16).view(torch.int16))
+
+
+def _safetensors_offsets(hf_dir) -> dict[str, tuple[str, int, int]]:
+    """HF tensor -> (file, absolute byte offset of its data, bytes per row), from the safetensors headers."""
+    import struct
+
+    out = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        for name, h in json.loads(raw[8:8 + n]).items():
+            if name != "__metadata__":
+                rows = h["shape"][0] if h["shape"] else 1
+                out[name] = (f.name, 8 + n + h["data_offsets"][0], (h["data_offsets"][1] - h["data_offsets"][0]) // rows)
+    return out
+
+
+def test_source_is_read_front_to_back_and_scanned_once(tmp_path, monkeypatch):
+    """Issue 42 (the conversion's own cost): chunks run in the order of the HF bytes they read (a cold source is read
+    front to back, not one tensor name across all layers at a time), and every source byte is scanned for NaN/Inf
+    once (the sink does not scan the chunk again)."""
+    from checkpoint import store
+
+    hf, _ = make_hf(*CASES["llama_gqa"][:2]), None
+    hf_dir = tmp_path / "hf"
+    hf.to(torch.bfloat16).save_pretrained(hf_dir, max_shard_size="40KB")
+    where = _safetensors_offsets(hf_dir)
+    assert len({f for f, _, _ in where.values()}) > 2
+    chunks: list[list[tuple[str, int]]] = []
+    real_call, real_read = hf_to_mcore._Worker.__call__, hf_to_mcore._LazySource.read
+
+    def call(self, task):
+        chunks.append([])
+        return real_call(self, task)
+
+    def read(self, name, start, stop, cols=None):
+        f, off, row = where[name]
+        chunks[-1].append((f, off + start * row))
+        return real_read(self, name, start, stop, cols)
+
+    scanned, depth = [], [0]
+    real_count = store.count_nonfinite
+
+    def count(a):  # (a column slice is scanned a block at a time by count_nonfinite calling itself: counted once)
+        if not depth[0]:
+            scanned.append(a.nbytes)
+        depth[0] += 1
+        try:
+            return real_count(a)
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(hf_to_mcore._Worker, "__call__", call)
+    monkeypatch.setattr(hf_to_mcore._LazySource, "read", read)
+    monkeypatch.setattr(store, "count_nonfinite", count)
+    monkeypatch.setattr(hf_to_mcore, "count_nonfinite", count)
+    out = convert_hf_to_mcore(hf_dir, tmp_path / "ck", Layout(tp=2, pp=2), workers=1, quiet=True)
+    firsts = [min(c) for c in chunks if c]
+    assert firsts == sorted(firsts)
+    stored = sum(int(np.prod(e.shape)) * store.itemsize(e.dtype) for e in Checkpoint(out).manifest.tensors.values())
+    assert sum(scanned) == stored  # (the vocab padding included: its rows are written too)
