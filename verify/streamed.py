@@ -81,11 +81,14 @@ class _HFSide:
         self.keys = weights.layer_keys()
         self.num_layers, self.mtp_layers = num_layers, mtp_layers
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        # where transformers' loader puts an expert's tensors in its fused parameters: learned on the run's first
+        # expert (_learn_expert_rule); None: not yet, {}: not a plain tiling (every expert goes through the loader)
+        self.expert_rule: dict | None = None
 
     def load(self, module: nn.Module, keys: list[str], model: nn.Module | None = None, mapping=None,
-             rename=None) -> None:
+             rename=None, inspect: Callable[[dict[str, Tensor]], None] | None = None) -> None:
         """Materialise `module` (a part of `model`, default the whole meta model) and fill it with `keys` through
-        transformers' own loader."""
+        transformers' own loader; `inspect(tensors it was given, by their (renamed) keys, fp32)` runs after it."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
@@ -98,6 +101,8 @@ class _HFSide:
         mapping = self.mapping if mapping is None else mapping
         info, _ = convert_and_load_state_dict_in_model(
             target, sd, LoadStateDictConfig(weight_mapping=mapping, dtype=torch.float32))
+        if inspect is not None:
+            inspect(sd)
         kept = {p.untyped_storage().data_ptr() for p in module.parameters()}  # a split's views count too
         for t in sd.values():
             if t.untyped_storage().data_ptr() not in kept:
@@ -187,8 +192,18 @@ class _StreamedHFExperts(nn.Module):
         one = _hf_experts_module(mini.model.layers[0])[0]
         pat = re.compile(rf"^model\.layers\.{self.layer}\.(.*)\.experts\.{e}\.")
         self._check_complete(e)
-        self.side.load(one, self.expert_keys[e], model=mini, mapping=self.side._mini_mapping,
-                       rename=lambda k: pat.sub(r"model.layers.0.\1.experts.0.", k))
+        keys, side = self.expert_keys[e], self.side
+        tails = {_expert_tail(k): k for k in keys}
+        if side.expert_rule and set(tails) == {t for blocks in side.expert_rule.values() for t, _, _ in blocks}:
+            _load_by_rule(one, side.expert_rule, tails, side)
+        else:
+            learned: dict = {}  # the run's first expert: where transformers' loader put each of its tensors
+            side.load(one, keys, model=mini, mapping=side._mini_mapping,
+                      rename=lambda k: pat.sub(r"model.layers.0.\1.experts.0.", k),
+                      inspect=None if side.expert_rule is not None else
+                      lambda sd: learned.update(rule=_learn_expert_rule(one, sd)))
+            if side.expert_rule is None:
+                side.expert_rule = learned.get("rule") or {}
         # unit weights: the module's `y * w` is then y exactly, and the caller applies the routing weight itself
         y = one(rows, torch.zeros(rows.shape[0], 1, dtype=torch.long), torch.ones(rows.shape[0], 1, dtype=rows.dtype))
         free_piece(one, self.side.pool)
@@ -227,6 +242,73 @@ class _StreamedHFExperts(nn.Module):
                     self.inputs[e] = synthetic
                     self.outputs[e] = self._run(e, synthetic)
         return out
+
+
+def _expert_tail(key: str) -> str:
+    """An HF expert tensor's name after `.experts.<e>.` (`w1.weight`, `gate_proj.weight`)."""
+    return re.split(r"\.experts\.\d+\.", key, maxsplit=1)[1]
+
+
+def _learn_expert_rule(one: nn.Module, sources: dict[str, Tensor]) -> dict | None:
+    """Where transformers' own loader put each of one expert's HF tensors (`sources`: what it was given, fp32, by
+    key) in its fused expert parameters (e.g. Mixtral's gate_up_proj[0] = [w1; w3], down_proj[0] = w2), found by
+    bitwise comparison with the parameters it just filled: {parameter: [(HF tensor tail, dim, offset)]}, or None where
+    the parameters are not exactly a tiling of the tensors as they are (transposed, interleaved, a bias the tensors
+    do not give, two tensors equal: ambiguous). The loader does the same for every expert of every layer (its rules
+    are per key pattern), so the other experts are then cast straight into those places (`_load_by_rule`): at
+    Mixtral-8x7B width the loader's stack and concat copied each expert twice more into fresh memory, a third of the
+    proof's time (issue 42)."""
+    params = dict(one.named_parameters(recurse=False))
+    if not params or any(p.shape[0] != 1 for p in params.values()):
+        return None
+    rule: dict[str, list[tuple[str, int, int]]] = {name: [] for name in params}
+    sizes: dict[str, tuple[int, ...]] = {}
+    for key, src in sources.items():
+        tail = _expert_tail(key)
+        sizes[tail] = tuple(src.shape)
+        found: dict = {}
+        for name, p in params.items():
+            p0 = p.detach()[0]
+            if src.dim() != p0.dim():
+                continue
+            for d in range(p0.dim()):
+                n = src.shape[d]
+                if any(src.shape[i] != p0.shape[i] for i in range(p0.dim()) if i != d) or p0.shape[d] % n:
+                    continue
+                for off in range(0, p0.shape[d], n):
+                    if torch.equal(p0.narrow(d, off, n), src):  # (a region found along two dims counts once)
+                        region = tuple((off, off + n) if i == d else (0, p0.shape[i]) for i in range(p0.dim()))
+                        found[(name, region)] = (d, off)
+        if len(found) != 1:
+            return None
+        (name, _), (d, off) = next(iter(found.items()))
+        rule[name].append((tail, d, off))
+    for name, blocks in rule.items():  # each parameter exactly tiled, along one dim, by equal-sized tensors
+        p0 = params[name][0]
+        dims = {d for _, d, _ in blocks}
+        if len(dims) != 1:
+            return None
+        d = dims.pop()
+        size = sizes[blocks[0][0]][d]
+        if any(sizes[t][d] != size for t, _, _ in blocks) or \
+                sorted(off for _, _, off in blocks) != list(range(0, p0.shape[d], size)):
+            return None
+    return rule
+
+
+def _load_by_rule(one: nn.Module, rule: dict, tails: dict[str, str], side: "_HFSide") -> None:
+    """Fill one expert's fused parameters straight from its HF tensors where `_learn_expert_rule` found transformers'
+    loader puts them: each cast once into its place in a pooled buffer (`copy_` casts as the loader does)."""
+    side.pool.materialise(one)
+    params = dict(one.named_parameters(recurse=False))
+    with torch.no_grad():
+        for name, blocks in rule.items():
+            p0 = params[name][0]
+            for tail, d, off in blocks:
+                src = side.weights.get(tails[tail])
+                p0.narrow(d, off, src.shape[d]).copy_(src)
+                del src
+    side.weights.release()
 
 
 class _ChunkedHFMLP(nn.Module):
