@@ -107,37 +107,46 @@ def test_planted_expert_error_is_named(tmp_path):
     assert s["layers"][1]["max_abs_diff"] <= 1e-4  # layer 0 is fine
 
 
-@pytest.mark.parametrize("equal_w1_w3", [False, True], ids=["tiling", "ambiguous"])
-def test_experts_cast_straight_where_transformers_loader_puts_them(tmp_path, monkeypatch, equal_w1_w3):
-    """Issue 42: transformers' loader fills the run's first expert; where its fused parameters are exactly a tiling of
-    the HF tensors (learned from that expert, bitwise), every other expert is cast straight into those places. Where
-    the tiling is ambiguous (w1 == w3 of the first expert selected) every expert goes through the loader. The
-    per-expert and final numbers are the same either way, and equal the whole-model forward's."""
+@pytest.mark.parametrize("how", ["probe", "first_expert", "ambiguous"])
+def test_experts_cast_straight_where_transformers_loader_puts_them(tmp_path, monkeypatch, how):
+    """Issue 42: where transformers' loader puts an expert's tensors in its fused parameters is learned bitwise from
+    the loader itself: on a copy of the experts module PROBE_ROWS rows wide filled with the first rows of the first
+    expert ("probe"; the rule is then scaled to the full width), or, where the probe cannot run (here: the experts no
+    wider than PROBE_ROWS), on the run's first expert at full size. Every other expert is then cast straight into
+    those places. Where the tiling is ambiguous (w1 == w3) every expert goes through the loader. The per-expert and
+    final numbers are the same every way, and equal the whole-model forward's."""
     from verify import streamed
 
-    hf_dir, seq = _hf_dir(tmp_path, "mixtral")
-    ck = _convert(tmp_path, hf_dir)
+    d = tmp_path / "hf-mixtral"
+    moe_models.build("mixtral", d, **({"intermediate_size": 192} if how == "probe" else {}))
+    hf_dir, seq = d, 32
+    monkeypatch.setattr(streamed, "PROBE_ROWS", 32 if how == "probe" else 128)
     loads, direct = [], []
     real_load, real_direct = streamed._HFSide.load, streamed._load_by_rule
     monkeypatch.setattr(streamed._HFSide, "load", lambda self, module, keys, *a, **k: (
-        loads.append(any(".experts." in key for key in keys)), real_load(self, module, keys, *a, **k))[1])
+        loads.append((any(".experts." in key for key in keys), k.get("given") is not None)),
+        real_load(self, module, keys, *a, **k))[1])
     monkeypatch.setattr(streamed, "_load_by_rule", lambda *a: (direct.append(1), real_direct(*a))[1])
-    if equal_w1_w3:
+    if how == "ambiguous":
         f = hf_dir / "model.safetensors"
         sd = load_file(str(f))
         for key in [k for k in sd if k.endswith(".w3.weight")]:
             sd[key] = sd[key.replace(".w3.", ".w1.")].clone()
         save_file(sd, str(f), metadata={"format": "pt"})
-        ck = Checkpoint(convert_hf_to_mcore(hf_dir, tmp_path / "ck2", Layout(ep=2), quiet=True).parent)
+    ck = _convert(tmp_path, hf_dir)
     s = stream_parity(ck, hf_dir, seq_len=seq)
-    expert_loads = sum(loads)
-    if equal_w1_w3:
-        assert not direct and expert_loads > 1
+    full_loads = sum(1 for experts, probe in loads if experts and not probe)
+    probes = sum(1 for experts, probe in loads if experts and probe)
+    if how == "ambiguous":
+        assert not direct and full_loads > 1
+    elif how == "first_expert":
+        assert (probes, full_loads) == (0, 1) and len(direct) >= 2  # the rest cast straight
     else:
-        assert expert_loads == 1 and len(direct) >= 2  # the first expert through the loader, the rest cast straight
+        assert (probes, full_loads) == (1, 0) and len(direct) >= 2  # every expert cast straight
     whole = logit_parity(ck.config, ck.state_dict(), hf_dir, seq_len=seq)
     assert s["max_abs_diff"] == whole["max_abs_diff"] and s["max_abs_diff"] <= 1e-4
     assert all(r.get("expert_max_abs_diff", 0) <= 1e-4 for r in s["layers"])
+    assert s["max_reads_of_one_tensor"] == {"ours": 1, "hf": 1}
 
 
 def test_planted_qkv_group_error_is_named_via_cli(tmp_path):

@@ -55,6 +55,9 @@ from .hf_weights import (LAYER_KEY, READAHEAD_WINDOW, CastPool, HFWeights, Range
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")  # an MTP layer's pieces outside its block
 SYNTHETIC_ROWS = 4  # rows driven through an expert no test token selected (--all-experts)
+# rows of the copy of an experts module whose loading by transformers tells where it puts an expert's tensors (a
+# multiple of DeepSeek's 128 x 128 FP8 blocks, so that the rows read are whole blocks)
+PROBE_ROWS = 128
 
 
 class _HFSide:
@@ -86,16 +89,18 @@ class _HFSide:
         self.expert_rule: dict | None = None
 
     def load(self, module: nn.Module, keys: list[str], model: nn.Module | None = None, mapping=None,
-             rename=None, inspect: Callable[[dict[str, Tensor]], None] | None = None) -> None:
-        """Materialise `module` (a part of `model`, default the whole meta model) and fill it with `keys` through
-        transformers' own loader; `inspect(tensors it was given, by their (renamed) keys, fp32)` runs after it."""
+             rename=None, inspect: Callable[[dict[str, Tensor]], None] | None = None,
+             given: dict[str, Tensor] | None = None) -> None:
+        """Materialise `module` (a part of `model`, default the whole meta model) and fill it with `keys` (their
+        values `given`, else read) through transformers' own loader; `inspect(tensors it was given, by their
+        (renamed) keys, fp32)` runs after it."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
         module.to_empty(device="cpu")
         # cast into pooled fp32 buffers here: the loader's own cast to fp32 is then a no-op and its parameters are
         # these buffers (exact either way); a buffer the loader did not keep (a fused or renamed copy) goes back
-        sd = {(rename(k) if rename else k): self.pool.cast(self.weights.get(k)) for k in keys}
+        sd = {(rename(k) if rename else k): self.pool.cast(given[k] if given else self.weights.get(k)) for k in keys}
         self.weights.release()  # cast copies: the files' mapped pages leave this process's RSS before the piece runs
         target = self.model if model is None else model
         mapping = self.mapping if mapping is None else mapping
@@ -121,10 +126,13 @@ class _HFSide:
         return "model.embed_tokens.weight" if self.tied else "lm_head.weight"
 
     # -- routed experts, one at a time -------------------------------------------------------------------------
-    def mini(self) -> nn.Module:
+    def mini(self, ffn: tuple[int, int] | None = None) -> nn.Module:
         """A one-layer, one-expert meta copy of the model whose layer 0 is an MoE layer: each routed expert of any
-        layer is loaded into its experts module in turn."""
-        if not hasattr(self, "_mini"):
+        layer is loaded into its experts module in turn. With `ffn` = (the experts' intermediate size, r): a copy
+        whose experts are r rows wide (the probe of `_StreamedHFExperts._probe`), None where no config field holds
+        that size; its mapping is `self._mini_mapping` either way (the same module classes)."""
+        name = "_mini" if ffn is None else f"_mini_{ffn[1]}"
+        if not hasattr(self, name):
             from transformers.conversion_mapping import get_model_conversion_mapping
 
             c = copy.deepcopy(self.config)
@@ -136,10 +144,19 @@ class _HFSide:
                             ("topk_group", 1)):
                 if hasattr(c, attr):
                     setattr(c, attr, v)
+            if ffn is not None:
+                sized = [a for a in ("moe_intermediate_size", "intermediate_size") if getattr(c, a, None) == ffn[0]]
+                if not sized:
+                    setattr(self, name, None)
+                    return None
+                for attr in sized:
+                    setattr(c, attr, ffn[1])
             with torch.device("meta"):
-                self._mini = self.transformers.AutoModelForCausalLM.from_config(c, dtype=torch.float32)
-            self._mini_mapping = get_model_conversion_mapping(self._mini)
-        return self._mini
+                model = self.transformers.AutoModelForCausalLM.from_config(c, dtype=torch.float32)
+            setattr(self, name, model)
+            if ffn is None:
+                self._mini_mapping = get_model_conversion_mapping(model)
+        return getattr(self, name)
 
     # -- a dense MLP in pieces ---------------------------------------------------------------------------------
     def mlp_piece(self, mlp: nn.Module, rows: int) -> nn.Module:
@@ -194,6 +211,8 @@ class _StreamedHFExperts(nn.Module):
         self._check_complete(e)
         keys, side = self.expert_keys[e], self.side
         tails = {_expert_tail(k): k for k in keys}
+        if side.expert_rule is None:  # the run's first expert: learn the rule on a few of its rows where it can
+            side.expert_rule = self._probe(e, keys, pat) or None
         if side.expert_rule and set(tails) == {t for blocks in side.expert_rule.values() for t, _, _ in blocks}:
             _load_by_rule(one, side.expert_rule, tails, side)
         else:
@@ -209,6 +228,50 @@ class _StreamedHFExperts(nn.Module):
         free_piece(one, self.side.pool)
         self.side.weights.release()
         return y
+
+    def _probe(self, e: int, keys: list[str], pat: re.Pattern) -> dict | None:
+        """The expert rule (`_learn_expert_rule`) learned from transformers' loader filling a copy of the experts
+        module PROBE_ROWS intermediate rows wide with the first PROBE_ROWS rows (columns of the down projection) of
+        expert e's tensors, then scaled to the full width and checked to tile the full-size parameters; None where the
+        tensors are not plain 2-D matrices of one intermediate size beside the hidden size (then the rule is learned
+        at full size, from the first expert the loader fills)."""
+        side, r = self.side, PROBE_ROWS
+        shapes = {k: tuple(side.weights.shape(k)) for k in keys}
+        hidden = getattr(side.config, "hidden_size", None)
+        if not shapes or any(len(s) != 2 for s in shapes.values()):
+            return None
+        widths = {d for s in shapes.values() for d in s} - {hidden}
+        if len(widths) != 1 or min(widths) <= r or any(s[0] == s[1] for s in shapes.values()):
+            return None
+        ffn = widths.pop()
+        probe = side.mini((ffn, r))
+        if probe is None:
+            return None
+        one = _hf_experts_module(probe.model.layers[0])[0]
+        given = {k: side.weights.get(k, rows=slice(0, r) if s[0] == ffn else None,
+                                     cols=slice(0, r) if s[1] == ffn else None) for k, s in shapes.items()}
+        learned: dict = {}
+        side.load(one, keys, model=probe, mapping=side._mini_mapping, given=given,
+                  rename=lambda k: pat.sub(r"model.layers.0.\1.experts.0.", k),
+                  inspect=lambda sd: learned.update(rule=_learn_expert_rule(one, sd)))
+        small = {_expert_tail(k): tuple(t.shape) for k, t in given.items()}
+        del given
+        free_piece(one, side.pool)
+        side.weights.release()
+        rule = learned.get("rule")
+        if not rule:
+            return None
+        full = {_expert_tail(k): s for k, s in shapes.items()}
+        params = dict(_hf_experts_module(side.mini().model.layers[0])[0].named_parameters(recurse=False))
+        scaled = {}
+        for name, blocks in rule.items():  # (one dim per parameter: _learn_expert_rule checked that)
+            d = blocks[0][1]
+            scaled[name] = [(t, d, off // small[t][d] * full[t][d]) for t, _, off in blocks]
+            shape, size = params[name].shape[1:], full[blocks[0][0]][d]
+            if any(full[t][i] != (size if i == d else shape[i]) for t, _, _ in blocks for i in range(len(shape))) \
+                    or sorted(off for _, _, off in scaled[name]) != list(range(0, shape[d], size)):
+                return None
+        return scaled
 
     def _check_complete(self, e: int) -> None:
         """Expert e has every tensor the layer's other experts have: else one line naming the HF tensor missing."""
