@@ -39,6 +39,14 @@ class HFTensorInfo:
     shape: tuple[int, ...]
     offset: int = 0  # of the tensor's first byte in the file
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (the first axis) of the tensor: row r starts at `offset + r * row_bytes`."""
+        row = store.itemsize(self.dtype)
+        for s in self.shape[1:]:
+            row *= s
+        return row
+
 
 def read_header(path: Path) -> tuple[dict, bytes]:
     """The safetensors JSON header of `path` (validated) and its raw bytes (for provenance hashing)."""
@@ -167,9 +175,7 @@ class HFSource:
                 raise FormatError(f"{path}: cannot map ({e})") from None
             self._handles[info.file] = m
         dt = store.numpy_dtype(info.dtype)
-        row = dt.itemsize
-        for s in info.shape[1:]:
-            row *= s
+        row = info.row_bytes
         start, stop = max(0, start), min(stop, info.shape[0] if info.shape else 1)
         rows = max(0, stop - start)
         off = info.offset + start * row
@@ -193,9 +199,7 @@ class HFSource:
         info = self.tensors.get(name)
         if info is None or not hasattr(os, "posix_fadvise"):
             return
-        row = store.itemsize(info.dtype)
-        for s in info.shape[1:]:
-            row *= s
+        row = info.row_bytes
         try:
             fd = os.open(self.dir / info.file, os.O_RDONLY)
             try:

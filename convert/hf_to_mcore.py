@@ -207,7 +207,7 @@ class _Worker:
         for seg in tm.segments:
             lo, hi = max(a, seg.start), min(b, seg.stop)
             if lo < hi:
-                src.willneed(seg.hf_name, seg.hf_start + lo - seg.start, seg.hf_start + hi - seg.start)
+                src.willneed(seg.hf_name, seg.hf_row(lo), seg.hf_row(hi))
 
 
 # Shards are unmapped (their touched pages leave our RSS) once this many bytes were read through the mappings; not
@@ -254,7 +254,7 @@ def _check_finite(hf_dir: str, tm: TensorMap, start: int, value: np.ndarray) -> 
     flat = np.ascontiguousarray(value).reshape(value.shape[0], -1)
     row = start + next(i for i in range(flat.shape[0]) if count_nonfinite(flat[i]))
     seg = next((s for s in tm.segments if s.start <= row < s.stop), tm.segments[-1])
-    hf_row = seg.hf_start + min(row, seg.stop - 1) - seg.start
+    hf_row = seg.hf_row(min(row, seg.stop - 1))
     raise FormatError(f"{hf_dir}: tensor {seg.hf_name} holds non-finite values (NaN/Inf), first in row "
                       f"{hf_row} ({bad:,} in the rows converted with it); refusing to convert them "
                       "(--allow-nonfinite converts them as they are)")
@@ -301,8 +301,7 @@ def source_order(cfg: ModelConfig, layout: Layout, src: HFSource, fp8: dict | No
 
     def at(seg, a: int) -> tuple[int, int]:
         info = src.tensors[seg.hf_name]
-        row = store.itemsize(info.dtype) * int(np.prod(info.shape[1:], dtype=np.int64))
-        return files[info.file], info.offset + (seg.hf_start + a - seg.start) * row
+        return files[info.file], info.offset + seg.hf_row(a) * info.row_bytes
 
     def key(task: Task) -> tuple:
         tm = maps[(task.name, task.lead)]

@@ -27,6 +27,10 @@ class Segment:
     start: int
     stop: int
 
+    def hf_row(self, row: int) -> int:
+        """The HF tensor's row that canonical row `row` (in [start, stop]: stop gives the end) comes from."""
+        return self.hf_start + row - self.start
+
 
 @dataclass(frozen=True)
 class TensorMap:
@@ -60,10 +64,10 @@ def assemble(tm: TensorMap, start: int, stop: int, read: HFReader, cols: slice |
     for seg in tm.segments:
         a, b = max(start, seg.start), min(real_stop, seg.stop)
         if a < b:
-            parts.append(read(seg.hf_name, seg.hf_start + a - seg.start, seg.hf_start + b - seg.start, cols))
+            parts.append(read(seg.hf_name, seg.hf_row(a), seg.hf_row(b), cols))
     if tm.pad_start is not None and stop > tm.pad_start:
         last = tm.segments[-1]
-        row = read(last.hf_name, last.hf_start + last.stop - last.start - 1, last.hf_start + last.stop - last.start, cols)
+        row = read(last.hf_name, last.hf_row(last.stop - 1), last.hf_row(last.stop), cols)
         parts.append(vocab_fill(tm.canonical, row, stop - max(start, tm.pad_start)))
     if len(parts) == 1:
         return parts[0]
