@@ -211,14 +211,16 @@ class _StreamedHFExperts(nn.Module):
         self._check_complete(e)
         keys, side = self.expert_keys[e], self.side
         tails = {_expert_tail(k): k for k in keys}
+        def rename(k: str) -> str:  # to the one-expert copy's layer 0, expert 0
+            return pat.sub(r"model.layers.0.\1.experts.0.", k)
+
         if side.expert_rule is None:  # the run's first expert: learn the rule on a few of its rows where it can
-            side.expert_rule = self._probe(e, keys, pat) or None
+            side.expert_rule = self._probe(keys, rename) or None
         if side.expert_rule and set(tails) == {t for blocks in side.expert_rule.values() for t, _, _ in blocks}:
             _load_by_rule(one, side.expert_rule, tails, side)
         else:
             learned: dict = {}  # the run's first expert: where transformers' loader put each of its tensors
-            side.load(one, keys, model=mini, mapping=side._mini_mapping,
-                      rename=lambda k: pat.sub(r"model.layers.0.\1.experts.0.", k),
+            side.load(one, keys, model=mini, mapping=side._mini_mapping, rename=rename,
                       inspect=None if side.expert_rule is not None else
                       lambda sd: learned.update(rule=_learn_expert_rule(one, sd)))
             if side.expert_rule is None:
@@ -229,12 +231,12 @@ class _StreamedHFExperts(nn.Module):
         self.side.weights.release()
         return y
 
-    def _probe(self, e: int, keys: list[str], pat: re.Pattern) -> dict | None:
+    def _probe(self, keys: list[str], rename: Callable[[str], str]) -> dict | None:
         """The expert rule (`_learn_expert_rule`) learned from transformers' loader filling a copy of the experts
         module PROBE_ROWS intermediate rows wide with the first PROBE_ROWS rows (columns of the down projection) of
-        expert e's tensors, then scaled to the full width and checked to tile the full-size parameters; None where the
-        tensors are not plain 2-D matrices of one intermediate size beside the hidden size (then the rule is learned
-        at full size, from the first expert the loader fills)."""
+        the tensors `keys` (one expert's), then scaled to the full width and checked to tile the full-size
+        parameters; None where the tensors are not plain 2-D matrices of one intermediate size beside the hidden size
+        (then the rule is learned at full size, from the first expert the loader fills)."""
         side, r = self.side, PROBE_ROWS
         shapes = {k: tuple(side.weights.shape(k)) for k in keys}
         hidden = getattr(side.config, "hidden_size", None)
@@ -251,8 +253,7 @@ class _StreamedHFExperts(nn.Module):
         given = {k: side.weights.get(k, rows=slice(0, r) if s[0] == ffn else None,
                                      cols=slice(0, r) if s[1] == ffn else None) for k, s in shapes.items()}
         learned: dict = {}
-        side.load(one, keys, model=probe, mapping=side._mini_mapping, given=given,
-                  rename=lambda k: pat.sub(r"model.layers.0.\1.experts.0.", k),
+        side.load(one, keys, model=probe, mapping=side._mini_mapping, given=given, rename=rename,
                   inspect=lambda sd: learned.update(rule=_learn_expert_rule(one, sd)))
         small = {_expert_tail(k): tuple(t.shape) for k, t in given.items()}
         del given
@@ -263,14 +264,11 @@ class _StreamedHFExperts(nn.Module):
             return None
         full = {_expert_tail(k): s for k, s in shapes.items()}
         params = dict(_hf_experts_module(side.mini().model.layers[0])[0].named_parameters(recurse=False))
-        scaled = {}
-        for name, blocks in rule.items():  # (one dim per parameter: _learn_expert_rule checked that)
-            d = blocks[0][1]
-            scaled[name] = [(t, d, off // small[t][d] * full[t][d]) for t, _, off in blocks]
-            shape, size = params[name].shape[1:], full[blocks[0][0]][d]
-            if any(full[t][i] != (size if i == d else shape[i]) for t, _, _ in blocks for i in range(len(shape))) \
-                    or sorted(off for _, _, off in scaled[name]) != list(range(0, shape[d], size)):
-                return None
+        # (one dim per parameter: _learn_expert_rule checked that) offsets in units of each tensor's size there
+        scaled = {name: [(t, d, off // small[t][d] * full[t][d]) for t, d, off in blocks]
+                  for name, blocks in rule.items()}
+        if not all(_tiles(blocks, full, tuple(params[name].shape[1:])) for name, blocks in scaled.items()):
+            return None
         return scaled
 
     def _check_complete(self, e: int) -> None:
@@ -346,17 +344,21 @@ def _learn_expert_rule(one: nn.Module, sources: dict[str, Tensor]) -> dict | Non
             return None
         (name, _), (d, off) = next(iter(found.items()))
         rule[name].append((tail, d, off))
-    for name, blocks in rule.items():  # each parameter exactly tiled, along one dim, by equal-sized tensors
-        p0 = params[name][0]
-        dims = {d for _, d, _ in blocks}
-        if len(dims) != 1:
-            return None
-        d = dims.pop()
-        size = sizes[blocks[0][0]][d]
-        if any(sizes[t][d] != size for t, _, _ in blocks) or \
-                sorted(off for _, _, off in blocks) != list(range(0, p0.shape[d], size)):
-            return None
+    if not all(_tiles(blocks, sizes, tuple(params[name].shape[1:])) for name, blocks in rule.items()):
+        return None
     return rule
+
+
+def _tiles(blocks: list[tuple[str, int, int]], sizes: dict[str, tuple[int, ...]], shape: tuple[int, ...]) -> bool:
+    """True when `blocks` ((tensor tail, dim, offset)) exactly tile a parameter of `shape` (one expert's): all along
+    one dim, the tensors (of `sizes`) of one size there and the parameter's size elsewhere, at offsets 0, n, 2n..."""
+    dims = {d for _, d, _ in blocks}
+    if len(dims) != 1:
+        return False
+    d = dims.pop()
+    size = sizes[blocks[0][0]][d]
+    return (all(sizes[t][i] == (size if i == d else shape[i]) for t, _, _ in blocks for i in range(len(shape)))
+            and sorted(off for _, _, off in blocks) == list(range(0, shape[d], size)))
 
 
 def _load_by_rule(one: nn.Module, rule: dict, tails: dict[str, str], side: "_HFSide") -> None:

@@ -93,7 +93,7 @@ class SavedState:
             # CP rank 0 beside this rank
             dst = (ranks[group][self.owner[i]] if self.expert[i]
                    else g.dims.rank(tp=g.tp_rank, cp=0, dp=self.owner[i], pp=g.pp_rank))
-            states = []
+            mine, states = self.is_mine(i), []
             for m in self.entries[k][1]:
                 p = m.param
                 buf = torch.zeros(3, p.numel(), dtype=torch.float32, device=p.device)
@@ -105,8 +105,9 @@ class SavedState:
                             buf[j, r.start:r.end] = t[key].detach().reshape(-1)
                 if len(ranks[group]) > 1:
                     dist.reduce(buf, dst=dst, group=group)
-                states.append(buf.cpu().view(3, *p.shape))
-            if self.is_mine(i):
+                if mine:  # (the other ranks' buffers are partial sums: never copied to the host)
+                    states.append(buf.cpu().view(3, *p.shape))
+            if mine:
                 both = states[0] if len(states) == 1 else torch.stack(states, dim=1)
                 self._state[i] = {s: both[j] for j, s in enumerate(OPTIMIZER_STATES)}
 
