@@ -23,6 +23,12 @@ def add_parsers(sub) -> None:
                     help="sequences per micro-batch: one size, several (1,2,4) or auto (1,2,4,8), each layout with "
                          "the sizes that divide its batch (default 1)")
     pl.add_argument("--fp8", action="store_true", help="FP8 GEMMs (Transformer Engine)")
+    pl.add_argument("--fp8-recipe", default="delayed", choices=("delayed", "tensorwise", "blockwise"),
+                    help="with --fp8: Megatron's --fp8-recipe (default delayed), written on plan's launch command")
+    pl.add_argument("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false",
+                    help="with --fp8: weight gradients in high precision (Megatron's flag)")
+    pl.add_argument("--first-last-layers-bf16", action="store_true",
+                    help="with --fp8: the first and last decoder layers in bf16 (Megatron's flag)")
     pl.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
                     help="activation recompute; auto tries all three (default)")
     pl.add_argument("--engine", default=None, choices=("megatron-core", "native"),
@@ -193,6 +199,8 @@ def _plan(args: argparse.Namespace) -> int:
     s = TrainSettings(seq_length=args.seq_length, micro_batch_size=sizes[0],
                       global_batch_size=args.global_batch_size, recompute="none" if args.recompute == "auto" else
                       args.recompute, distributed_optimizer=args.optimizer_sharding, fp8=args.fp8,
+                      fp8_recipe=args.fp8_recipe, fp8_wgrad=args.fp8_wgrad,
+                      first_last_layers_bf16=args.first_last_layers_bf16,
                       reserved_bytes=reserved, kernels=args.kernels, engine=args.engine or "megatron-core",
                       overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
     fallback = args.engine is None  # continue-pretrain's default: native where megatron-core's engine does not run

@@ -18,7 +18,8 @@ CPU: equal to the bytes measured with saved_tensors_hooks (tests/test_plan.py), 
 
 The engine (issue 40; ``engine``: continue-pretrain's --engine). Each keeps its own list, and `shardkit plan` models the
 one it will launch (``kernels=None``: the engine's):
-- ``megatron-core``: its engine builds megatron-core's local layer spec (TE's spec is not wired in yet), ``kernels=
+- ``megatron-core``: modeled as megatron-core's local layer spec, its engine's build without TE (TE's spec, its
+  default where TE is installed, is modeled only with FP8, which runs on it alone: the fused list below), ``kernels=
   "local"``: torch.nn.RMSNorm keeps its input and the normalised value in fp32 (8h + 4 per norm), the unfused
   DotProductAttention keeps Q, K and V expanded to every query head and the fp32 softmax with its bf16 copy (6as, the
   s^2 term), RoPE's cos/sin are made per layer (8d per token, not split over TP), the GLU keeps silu(gate) and a copy
@@ -64,6 +65,7 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 RECOMPUTE = ("none", "selective", "full")
 KERNELS = ("fused", "eager", "local")
 ENGINES = ("megatron-core", "native")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise")  # train/fp8.py RECIPES (that module imports torch)
 ENGINE_KERNELS = {"megatron-core": "local", "native": "eager"}  # what each engine's layer keeps as it is built today
 
 
@@ -78,6 +80,10 @@ class TrainSettings:
     # Megatron --use-distributed-optimizer (ZeRO-1 over DP x CP): on, as continue-pretrain always shards its optimizer
     distributed_optimizer: bool = True
     fp8: bool = False  # FP8 GEMMs (Transformer Engine): linear inputs saved in 1 byte, an FP8 copy of the weights
+    # Megatron's --fp8-recipe, --no-fp8-wgrad (False), --first-last-layers-bf16: the engine's refusals, not the estimate
+    fp8_recipe: str = "delayed"
+    fp8_wgrad: bool = True
+    first_last_layers_bf16: bool = False
     params_dtype: str = "bfloat16"
     grad_dtype: str = "float32"  # Megatron's main-grad buffer (accumulate and reduce in fp32)
     flash_attention: bool = True
@@ -97,6 +103,10 @@ class TrainSettings:
         if self.engine == "native":  # no overlap there (it refuses the flags)
             object.__setattr__(self, "overlap_grad_reduce", False)
             object.__setattr__(self, "overlap_param_gather", False)
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise PlanError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
+        if not self.fp8 and (self.fp8_recipe != "delayed" or not self.fp8_wgrad or self.first_last_layers_bf16):
+            raise PlanError("--fp8-recipe / --no-fp8-wgrad / --first-last-layers-bf16 need --fp8")
         if self.recompute not in RECOMPUTE:
             raise PlanError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         for k in ("seq_length", "micro_batch_size", "global_batch_size"):
@@ -108,8 +118,17 @@ class TrainSettings:
                 raise PlanError(f"{k}: unknown dtype {getattr(self, k)!r}; one of {', '.join(DTYPE_BYTES)}")
 
     @property
+    def fp8_format(self) -> str | None:
+        """--fp8-format as plan's launch command writes it (None: FP8 off): with the fields above, the FP8 flags as
+        train.fp8.FP8Config names them (train.engines.coverage.fp8_not_covered reads them)."""
+        return "hybrid" if self.fp8 else None
+
+    @property
     def layer_kernels(self) -> str:
-        """What one layer keeps: `kernels`, or the engine's own (None)."""
+        """What one layer keeps: `kernels`, or the engine's own (None); megatron-core's FP8 runs on TE's layer spec
+        only (train.engines.coverage.fp8_not_covered), whose list is the fused one."""
+        if self.kernels is None and self.engine == "megatron-core" and self.fp8:
+            return "fused"
         return self.kernels or ENGINE_KERNELS[self.engine]
 
     def microbatches(self, dp: int) -> int:

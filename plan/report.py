@@ -72,7 +72,10 @@ def launch_argv(c: Candidate, gpus: int, gpus_per_node: int, load: str | None = 
     # would also refuse context parallelism, whose attention applies none)
     argv += ["--attention-dropout", "0", "--hidden-dropout", "0"]
     if s.fp8:
-        argv += ["--fp8-format", "hybrid"]
+        argv += ["--fp8-format", s.fp8_format]
+        argv += ["--fp8-recipe", s.fp8_recipe] if s.fp8_recipe != "delayed" else []
+        argv += ["--no-fp8-wgrad"] if not s.fp8_wgrad else []
+        argv += ["--first-last-layers-bf16"] if s.first_last_layers_bf16 else []
     if load:
         argv += ["--load", load]
     return argv

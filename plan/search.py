@@ -174,17 +174,19 @@ def unusual(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> list[str]:
 def megatron_core_gap(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> str | None:
     """Why continue-pretrain's megatron-core engine would not run this layout (None: it would): the model
     (train.engines.coverage.model_not_covered), context parallelism with MTP layers (train.engines.megatron_core
-    check_context_parallel), FP8 (not wired in yet), an interleaved schedule whose micro-batches per DP rank are not a
-    multiple of PP (megatron-core runs them in groups of PP)."""
-    from train.engines.coverage import model_not_covered
+    check_context_parallel), FP8 flags it refuses on a GPU with Transformer Engine (the engine's own rule:
+    train.engines.coverage.fp8_not_covered on TE's layer spec, its default there and FP8's only one), an interleaved
+    schedule whose micro-batches per DP rank are not a multiple of PP (megatron-core runs them in groups of PP)."""
+    from train.engines.coverage import fp8_not_covered, model_not_covered
 
     why = model_not_covered(cfg)
     if why:
         return why.removesuffix("; use --engine native")
     if layout.cp > 1 and cfg.mtp_num_layers:
         return "context parallelism with MTP layers (megatron-core divides each CP rank's MTP loss by its own tokens)"
-    if s.fp8:
-        return "FP8 is not in the megatron-core engine yet (issue 40)"
+    why = fp8_not_covered(s, te_spec=True, have_te=True)
+    if why:
+        return why.removesuffix(", or --engine native")
     m = s.microbatches(layout.dp)
     if layout.vpp > 1 and m % layout.pp:
         return (f"its interleaved schedule runs micro-batches in groups of pp {layout.pp}, and each DP rank has {m} "

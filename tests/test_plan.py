@@ -761,3 +761,71 @@ def test_engine_per_layout_and_launch_command(capsys):
     text = capsys.readouterr().out
     assert "the native engine (megatron-core's does not run it: mistral has sliding-window" in text.replace("\n    ",
                                                                                                            " ")
+
+
+FP8_RULES = [  # plan's FP8 fields, the engine's refusal (None: covered)
+    (dict(), None), (dict(fp8_recipe="tensorwise"), None), (dict(fp8_wgrad=False), None),
+    (dict(fp8_recipe="blockwise", first_last_layers_bf16=True), None),
+    (dict(first_last_layers_bf16=True), "--first-last-layers-bf16 with --fp8-recipe delayed: megatron-core refuses"),
+    (dict(fp8_recipe="tensorwise", fp8_wgrad=False), "--no-fp8-wgrad with --fp8-recipe tensorwise"),
+    (dict(fp8_recipe="blockwise", fp8_wgrad=False), "--no-fp8-wgrad with --fp8-recipe blockwise"),
+]
+
+
+@pytest.mark.parametrize("fields,says", FP8_RULES)
+def test_engine_fp8_as_the_engine_rules(fields, says):
+    """FP8 on the megatron-core engine as the engine itself decides on a GPU with Transformer Engine (checks.layer_spec,
+    asked here with the same flags as train.fp8.FP8Config): a run it covers is planned there (no fallback note, no
+    violation; TE's layer spec, FP8's only one: the fused list), a refused one is its line, as the fallback's note or,
+    with --engine megatron-core, a violation; plan's launch command writes the FP8 flags it modeled."""
+    from plan.report import launch_argv
+    from plan.search import evaluate, megatron_core_gap
+    from train.engines.megatron_core.checks import NotCovered, layer_spec
+    from train.fp8 import FP8Config
+
+    cfg, lay = presets.model_config("llama3-70b"), RunLayout(tp=8, pp=4, dp=2)
+    s = TrainSettings(seq_length=8192, global_batch_size=64, kernels=None, fp8=True, **fields)
+    try:
+        engine = None if layer_spec(None, FP8Config(fp8_format="hybrid", **fields), False, True) else "no line"
+    except NotCovered as e:
+        engine = str(e)
+    assert (engine is None) == (says is None)
+    gap = megatron_core_gap(cfg, lay, s)
+    c = evaluate(cfg, lay, s, Hardware(), 64, 80 * GiB, engine_fallback=True)
+    if says is None:
+        assert gap is None and c.settings.engine == "megatron-core" and not c.engine_note and c.valid
+        assert c.settings.layer_kernels == "fused" and replace(s, fp8=False, **FP8_DEFAULTS).layer_kernels == "local"
+        argv = launch_argv(c, 64, 8)
+        flags = argv[argv.index("--fp8-format"):]
+        assert flags[:2] == ["--fp8-format", "hybrid"]
+        assert ("--fp8-recipe" in flags) == ("fp8_recipe" in fields) and ("--no-fp8-wgrad" in flags) == (
+            "fp8_wgrad" in fields) and ("--first-last-layers-bf16" in flags) == ("first_last_layers_bf16" in fields)
+        return
+    assert says in gap and engine.startswith(gap) and engine.removeprefix(gap) in ("", ", or --engine native")
+    assert c.settings.engine == "native" and c.engine_note == f"the native engine (megatron-core's does not run it: {gap})"
+    c = evaluate(cfg, lay, s, Hardware(), 64, 80 * GiB, engine_fallback=False)
+    assert f"--engine megatron-core: {gap}" in c.violations and not c.valid
+
+
+FP8_DEFAULTS = dict(fp8_recipe="delayed", fp8_wgrad=True, first_last_layers_bf16=False)
+
+
+def test_plan_fp8_flags(capsys):
+    """`shardkit plan --fp8` plans megatron-core's engine (its launch command with the FP8 flags), native where its
+    FP8 flags are refused there; the FP8 flags need --fp8."""
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--fp8", "--fp8-recipe", "blockwise",
+                 "--first-last-layers-bf16", "--json", "--top", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layouts"][0]["engine"] == "megatron-core" and not out["layouts"][0]["engine_note"]
+    assert out["launch"][out["launch"].index("--fp8-format"):][:5] == ["--fp8-format", "hybrid", "--fp8-recipe",
+                                                                        "blockwise", "--first-last-layers-bf16"]
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--fp8", "--first-last-layers-bf16", "--json",
+                 "--top", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layouts"][0]["engine"] == "native"
+    assert "--first-last-layers-bf16 with --fp8-recipe delayed" in out["layouts"][0]["engine_note"]
+    for fields in (dict(fp8_recipe="blockwise"), dict(fp8_wgrad=False), dict(first_last_layers_bf16=True)):
+        with pytest.raises(PlanError, match="need --fp8"):
+            TrainSettings(**fields)
+    with pytest.raises(PlanError, match="--fp8-recipe must be one of"):
+        TrainSettings(fp8=True, fp8_recipe="mxfp8")

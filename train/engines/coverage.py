@@ -1,5 +1,6 @@
 """What the megatron-core engine builds (issue 40), without torch: asked by the engine itself
-(train/engines/megatron_core/checks.py check_model) and by `shardkit plan`, which models the engine a layout runs on."""
+(train/engines/megatron_core/checks.py check_model and layer_spec) and by `shardkit plan`, which models the engine a
+layout runs on."""
 from __future__ import annotations
 
 
@@ -44,4 +45,25 @@ def router_not_covered(m) -> str | None:
             return (f"group-limited routing with num_experts_per_tok {m.moe_router_topk} / topk_group "
                     f"{m.moe_router_group_topk} = {per_group} experts scored per group (HF scores "
                     f"{'the sum of the best 2' if sigmoid else 'the best'})")
+    return None
+
+
+def fp8_not_covered(fp8, te_spec: bool, have_te: bool) -> str | None:
+    """Why the megatron-core engine on a GPU would not run FP8 flags `fp8` (None: it would, or FP8 is off): any object
+    with train.fp8.FP8Config's fp8_format (None: off), fp8_recipe, fp8_wgrad and first_last_layers_bf16, on TE's layer
+    spec (`te_spec`) or not. megatron-core's FP8 is TE's (its TE modules under fp8_utils.get_fp8_context, a null
+    context without TE: FP8 would silently be bf16), so FP8 needs the TE spec; what megatron-core refuses or would
+    drop is one line. The engine's rule (checks.layer_spec) and `shardkit plan`'s (which models a GPU with TE)."""
+    if fp8.fp8_format is None:
+        return None
+    if not te_spec:
+        why = "Transformer Engine is not installed" if not have_te else "--transformer-impl local"
+        return (f"--fp8-format {fp8.fp8_format}: megatron-core's FP8 runs in Transformer Engine's modules only ({why}: "
+                "every GEMM would stay in high precision); use its TE layer spec or --engine native")
+    if fp8.first_last_layers_bf16 and fp8.fp8_recipe == "delayed":
+        return ("--first-last-layers-bf16 with --fp8-recipe delayed: megatron-core refuses it (its delayed scaling "
+                "reduces amaxes once per FP8 region); use --fp8-recipe tensorwise or blockwise, or --engine native")
+    if not fp8.fp8_wgrad and fp8.fp8_recipe != "delayed":
+        return (f"--no-fp8-wgrad with --fp8-recipe {fp8.fp8_recipe}: megatron-core applies it through its "
+                "DelayedScaling recipe only (the weight gradients would stay FP8); use --fp8-recipe delayed")
     return None

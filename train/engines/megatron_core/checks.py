@@ -35,9 +35,9 @@ def check_flags(cfg, on_cpu: bool) -> None:
 def layer_spec(requested: str | None, fp8, on_cpu: bool, have_te: bool) -> str:
     """--transformer-impl on this engine: megatron-core's Transformer Engine layer spec ("transformer_engine") by
     default on CUDA where TE is installed, its local spec otherwise (train/te.py resolve_impl: the native engine's
-    rule and lines). FP8 is TE's in megatron-core (its TE modules under fp8_utils.get_fp8_context, a null context
-    without TE: FP8 would silently be bf16), so FP8 needs the TE spec; what megatron-core refuses or would drop is
-    one line here. NotCovered naming the flag."""
+    rule and lines). FP8 is TE's in megatron-core, so FP8 needs the TE spec; on a GPU what megatron-core refuses or
+    would drop is train.engines.coverage.fp8_not_covered's line. NotCovered naming the flag."""
+    from train.engines.coverage import fp8_not_covered
     from train.te import resolve_impl
 
     if on_cpu:
@@ -52,20 +52,9 @@ def layer_spec(requested: str | None, fp8, on_cpu: bool, have_te: bool) -> str:
         impl = resolve_impl(requested, torch.device("cuda"), have_te)
     except ConfigError as e:
         raise NotCovered(str(e)) from None
-    if not fp8.enabled:
-        return impl
-    if impl != "transformer_engine":
-        why = ("Transformer Engine is not installed" if not have_te else "--transformer-impl local")
-        raise NotCovered(f"--fp8-format {fp8.fp8_format}: megatron-core's FP8 runs in Transformer Engine's modules "
-                         f"only ({why}: every GEMM would stay in high precision); use its TE layer spec or --engine "
-                         "native")
-    if fp8.first_last_layers_bf16 and fp8.fp8_recipe == "delayed":
-        raise NotCovered("--first-last-layers-bf16 with --fp8-recipe delayed: megatron-core refuses it (its delayed "
-                         "scaling reduces amaxes once per FP8 region); use --fp8-recipe tensorwise or blockwise, or "
-                         "--engine native")
-    if not fp8.fp8_wgrad and fp8.fp8_recipe != "delayed":
-        raise NotCovered(f"--no-fp8-wgrad with --fp8-recipe {fp8.fp8_recipe}: megatron-core applies it through its "
-                         "DelayedScaling recipe only (the weight gradients would stay FP8); use --fp8-recipe delayed")
+    why = fp8_not_covered(fp8, impl == "transformer_engine", have_te)  # the rule `shardkit plan` asks too
+    if why:
+        raise NotCovered(why)
     return impl
 
 
