@@ -220,12 +220,15 @@ def record_chunk_crcs(manifest, iter_dir: Path) -> None:
             raise CorruptionError(f"tensor {name}: {err} (while recording its chunk checksums)") from None
 
 
-def map_chunk(path: Path, shape: Sequence[int], dtype: np.dtype, expect: int | None = None) -> np.ndarray:
+def map_chunk(path: Path, shape: Sequence[int], dtype: np.dtype, expect: int | None = None,
+              checksum: bool = True) -> np.ndarray:
     """The chunk file at `path` as a read-only array memory-mapped from the page cache (no copy into a buffer of
     ours: reshard then copies each byte once, into the destination file), after checking its size and CRC32C.
     CorruptionError (without the tensor's name; the caller adds it) when the file is missing, of the wrong size or
     fails its checksum; ChunkMoved when `expect` (the manifest's crc32c for this position) is given and the file
-    carries another. The mapping lives as long as any view of the array does."""
+    carries another. `checksum` False: the bytes are not checksummed here (a caller that checks every chunk of the
+    checkpoint itself, alongside: convert's proof); size and position still are. The mapping lives as long as any
+    view of the array does."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     fd = _open_chunk(path)
@@ -240,7 +243,7 @@ def map_chunk(path: Path, shape: Sequence[int], dtype: np.dtype, expect: int | N
     mm.madvise(mmap.MADV_WILLNEED)  # read ahead the whole chunk now, not page by page as the checksum touches it
     raw = np.frombuffer(mm, np.uint8, size)
     stored = int.from_bytes(raw[nbytes:].tobytes(), "little")
-    computed = crc(raw[:nbytes])
+    computed = crc(raw[:nbytes]) if checksum else stored
     if stored != computed:
         raise CorruptionError(f"{path}: Digest mismatch (crc32c stored {stored:#010x}, computed {computed:#010x}); "
                               "the checkpoint is damaged")

@@ -72,6 +72,7 @@ class Checkpoint(ManifestView):
         self._cache: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._loading: dict[tuple, Future] = {}  # chunks being read (by a prefetch thread): wait, do not read twice
         self._lock = threading.Lock()
+        self.checksums = True  # False: chunks are read without their CRC32C (checked by someone else: chunkio.map_chunk)
         if check:
             self.check()
 
@@ -210,7 +211,7 @@ class Checkpoint(ManifestView):
             try:
                 expect = e.crc32c[chunkio.grid_index(grid, e.shape, e.chunk)] if e.crc32c else None
                 buf = chunkio.map_chunk(self.path / tensor_path(name) / chunkio.chunk_path(Path(), grid), e.chunk,
-                                        store.numpy_dtype(e.dtype), expect)
+                                        store.numpy_dtype(e.dtype), expect, checksum=self.checksums)
             except chunkio.ChunkMoved as err:
                 raise moved_chunk_error(name, e, tuple(grid), err.stored) from None
             except CorruptionError as err:

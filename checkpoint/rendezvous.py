@@ -37,6 +37,13 @@ def rendezvous_env(env, command: str) -> None:
                               "srun, as `shardkit launch --slurm`'s job.sbatch does, or start the ranks with torchrun")
 
 
+def launcher_rank(env) -> int | None:
+    """This process's rank as its launcher set it (torchrun's RANK, else SLURM's SLURM_PROCID), unchecked, before
+    any rendezvous; None where there is none (or it is not a number): for work only rank 0 starts early."""
+    rank = env.get("RANK", env.get("SLURM_PROCID"))
+    return int(rank) if rank is not None and rank.isdigit() else None
+
+
 def rank_and_world(env, command: str) -> tuple[int, int] | None:
     """(rank, world size) of a process started as one rank of several (after `rendezvous_env`); None for a single
     process. A RANK or WORLD_SIZE that is not a number, or a rank outside the world, is a ConfigError naming it."""

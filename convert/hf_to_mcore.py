@@ -351,10 +351,11 @@ def proof_seq_len(cfg: ModelConfig) -> int:
 
 
 def prove(path: str | Path, hf_dir: str | Path, memory_budget: str | None = None, quiet: bool = False,
-          asked: bool = True, allow_nonfinite: bool = False) -> dict:
+          asked: bool = True, allow_nonfinite: bool = False, checksums: bool = True) -> dict:
     """The default proof's computation (verify_conversion says the verdict): verify.against.against_hf's result, or
     {"skipped": why} where the proof was not asked for and no logit comparison can be made. Raises ShardkitError.
-    Run in this process or in the proof process started at launch (convert/proof_process.py): the same result."""
+    Run in this process or in the proof process started at launch (convert/proof_process.py): the same result.
+    `checksums` False: a native checkpoint's chunks are read without their CRC32C, which the caller checks."""
     from plan.units import parse_bytes
 
     from verify.against import against_hf
@@ -365,6 +366,7 @@ def prove(path: str | Path, hf_dir: str | Path, memory_budget: str | None = None
     from checkpoint.opened import open_checkpoint
 
     ck = open_checkpoint(path).reader  # torch_dist: read in place (its shardkit.json describes the model)
+    ck.checksums = checksums  # (a torch_dist reader has none to skip)
     if not asked:
         why = None
         if allow_nonfinite:
@@ -393,14 +395,21 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str |
     logits to compare) and kept block-FP8 weights where only the streamed comparison could run (too big for the
     whole-model one, or an FP8 hub source transformers cannot load on the CPU): the streamed one has no reader for
     them yet. `process`: a convert.proof_process.ProofProcess started at launch computes it (its failure or death
-    is a ShardkitError like any other); else this process does."""
+    is a ShardkitError like any other) while this process checks every chunk's checksum (a native checkpoint: the
+    child reads without; 0.3 s of a 1.5 GB model's proof otherwise); else this process does all of it."""
     started = time.time()
     from checkpoint import chunkio
+    from checkpoint.opened import NativeCheckpoint, format_of
 
     chunkio.POOL.clear()  # the writes' idle buffers (up to 384 MiB): the comparison has its own
     args = dict(memory_budget=memory_budget, quiet=quiet, asked=asked, allow_nonfinite=allow_nonfinite)
     try:
-        p = process.prove(path, **args) if process is not None else prove(path, hf_dir, **args)
+        if process is None:
+            p = prove(path, hf_dir, **args)
+        else:
+            native = format_of(path) is NativeCheckpoint
+            process.send(path, checksums=not native, **args)
+            p = _check_chunks_beside(process, path) if native else process.result()
     except ShardkitError as e:
         if withdraw:  # a proof that cannot be made commits nothing either
             raise ShardkitError(f"{e}; {_withdraw(Path(path))}") from None
@@ -428,6 +437,33 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str |
               file=sys.stderr)
         return 1
     return 0
+
+
+class _Skipped(Exception):
+    pass
+
+
+def _check_chunks_beside(process, path: str | Path) -> dict:
+    """`process`'s proof result, with every chunk's CRC32C checked here meanwhile (as the proof's own reads would
+    have: it reads without); where the proof is skipped, so is the rest of the check (nothing was read to check)."""
+    from checkpoint.opened import NativeCheckpoint
+
+    got: list[dict] = []
+
+    def poll(_nbytes: int) -> None:
+        if not got and process.ready():
+            got.append(process.result())  # (its ShardkitError ends the check too)
+            if "skipped" in got[0]:
+                raise _Skipped
+
+    try:
+        NativeCheckpoint(path).reader.verify(progress=poll)
+    except _Skipped:
+        pass
+    except ShardkitError:
+        process.close()
+        raise
+    return got[0] if got else process.result()
 
 
 def _withdraw(iter_dir: Path) -> str:

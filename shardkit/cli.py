@@ -378,6 +378,13 @@ def main(argv: list[str] | None = None) -> int:
 
     tune_malloc()
     try:
+        if args.cmd == "convert" and args.direction == "hf-to-mcore" and args.verify is not False:
+            from checkpoint.rendezvous import launcher_rank
+
+            if launcher_rank(os.environ) in (None, 0):  # rank 0 proves: the proof's imports while the rest runs
+                from convert import proof_process
+
+                proof_process.start()  # (taken up by _dispatch_local: proof_process.waiting)
         _refuse_urls(sys.argv[1:] if argv is None else argv, _storage_values(args))
         if args.cmd in ("convert", "reshard"):
             return _across_ranks(args)
@@ -608,6 +615,11 @@ def _dispatch_local(args: argparse.Namespace) -> int:
 
     if args.cmd == "convert" and args.direction == "hf-to-mcore":
         args.hf_dir = _hf_dir_arg(args.hf_dir, download=args.download)
+        from convert import proof_process
+
+        proof = proof_process.waiting()  # started by main, importing
+        if proof is not None:
+            proof.source(args.hf_dir)
     if getattr(args, "hf_config", None):
         args.hf_config = _hf_dir_arg(args.hf_config)
     if args.cmd == "verify" and args.against:  # hub repo ids from the local cache wherever an HF directory is read
@@ -631,11 +643,7 @@ def _dispatch_local(args: argparse.Namespace) -> int:
             raise ShardkitError("--keep-fp8 with --format torch_dist: Megatron's torch_dist has no block-FP8 "
                                 "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
         group = getattr(args, "group", None)
-        proof = None
-        if args.verify is not False and (group is None or not group.rank):  # its imports while this converts
-            from convert import proof_process
-
-            proof = proof_process.start(args.hf_dir)
+        proof = proof_process.sourced(args.hf_dir) if group is None or not group.rank else None  # (rank 0 proves)
         if args.format == "torch_dist":  # straight into the rank files, no native copy between
             from convert.torch_dist_io import convert_hf_to_torch_dist
 

@@ -16,6 +16,7 @@ import pytest
 
 from convert.hf_to_mcore import convert_hf_to_mcore, prove, verify_conversion
 from convert.proof_process import ProofProcess
+from checkpoint.errors import ShardkitError
 from checkpoint.layout import Layout
 from tests.test_streaming_parity import _hf_dir
 
@@ -44,7 +45,8 @@ def test_result_and_report_equal_to_the_in_process_proof(tmp_path, capsys):
     lines = []
     for result in (here, there):  # the verdict line is said from the result alone
         capsys.readouterr()
-        assert verify_conversion(path, hf_dir, quiet=True, process=SimpleNamespace(prove=lambda *_, **__: result)) == 0
+        child = SimpleNamespace(send=lambda *_, **__: None, ready=lambda: True, result=lambda: result)
+        assert verify_conversion(path, hf_dir, quiet=True, process=child) == 0
         lines.append(capsys.readouterr().out.strip().rsplit(" in ", 1)[0])  # (its time differs)
     assert lines[0] == lines[1] and lines[0].startswith("verify: logits vs") and "OK" in lines[0], lines
 
@@ -138,3 +140,53 @@ def test_the_converting_process_imports_neither_torch_nor_transformers(tmp_path)
     lines = res.stdout.strip().splitlines()
     assert res.returncode == 0 and lines[-1] == "0 []", (res.stdout, res.stderr)
     assert any(ln.startswith("verify: logits vs") and "OK" in ln for ln in lines), res.stdout
+
+
+def test_a_chunk_changed_after_the_commit_is_caught_beside_the_proofs_process(tmp_path):
+    """The proof's process reads our chunks without their checksums while the command checks every chunk's; a bit
+    flipped in a weight after the commit (the lowest of one bf16 element: within the logits' tolerance, so the
+    comparison alone passes it) is one error naming the tensor, and the iteration is withdrawn."""
+    hf_dir, _ = _hf_dir(tmp_path, "llama_gqa")
+    process = ProofProcess(hf_dir)
+    try:
+        path = convert_hf_to_mcore(hf_dir, tmp_path / "ck", Layout(), quiet=True)
+        chunk = next((path / "model" / "decoder.layers.mlp.linear_fc2.weight" / "c").rglob("*"))
+        while chunk.is_dir():
+            chunk = next(chunk.iterdir())
+        raw = bytearray(chunk.read_bytes())
+        raw[0] ^= 1  # (the trailer, the last 4 bytes, still holds the original bytes' CRC32C)
+        chunk.write_bytes(bytes(raw))
+        assert prove(path, hf_dir, quiet=True, checksums=False)["ok"]  # what the child alone would find
+        with pytest.raises(ShardkitError, match=r"linear_fc2.*(?i:digest mismatch).*nothing was committed"):
+            verify_conversion(path, hf_dir, quiet=True, process=process, withdraw=True)
+        assert not path.exists()
+    finally:
+        process.close()
+
+
+def test_a_skipped_proof_stops_the_chunk_check(tmp_path, monkeypatch, capsys):
+    """Where the proof's process skips (nothing compared: --allow-nonfinite), the command's check of the chunks
+    stops at once: at 671B it would read every chunk for nothing."""
+    hf_dir, _ = _hf_dir(tmp_path, "llama_gqa")
+    path = convert_hf_to_mcore(hf_dir, tmp_path / "ck", Layout(), quiet=True)
+    from checkpoint import chunkio
+
+    mapped = []
+    real = chunkio.map_chunk
+    monkeypatch.setattr(chunkio, "map_chunk", lambda *a, **k: mapped.append(a[0]) or real(*a, **k))
+    child = SimpleNamespace(send=lambda *_, **__: None, ready=lambda: True, close=lambda: None,
+                            result=lambda: {"skipped": "--allow-nonfinite"})
+    assert verify_conversion(path, hf_dir, quiet=True, process=child, allow_nonfinite=True, asked=False) == 0
+    assert "verify: skipped" in capsys.readouterr().out
+    assert len(mapped) == 1, mapped
+
+
+@pytest.mark.parametrize("env, rank", [({}, None), ({"RANK": "0"}, 0), ({"RANK": "3", "SLURM_PROCID": "0"}, 3),
+                                       ({"SLURM_PROCID": "2"}, 2), ({"RANK": "x"}, None)])
+def test_only_rank_0_starts_the_proof_early(env, rank):
+    """The proof's process is started as soon as the command line is parsed, before any rendezvous: by the process
+    its launcher made rank 0 (torchrun's RANK, else SLURM's SLURM_PROCID), or the only one; a malformed rank starts
+    it too and is refused by the rendezvous (the child is then stopped on the way out)."""
+    from checkpoint.rendezvous import launcher_rank
+
+    assert launcher_rank(env) == rank
