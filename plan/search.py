@@ -175,9 +175,10 @@ def megatron_core_gap(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> 
     """Why continue-pretrain's megatron-core engine would not run this layout (None: it would): the model
     (train.engines.coverage.model_not_covered), context parallelism with MTP layers (train.engines.megatron_core
     check_context_parallel), FP8 flags it refuses on a GPU with Transformer Engine (the engine's own rule:
-    train.engines.coverage.fp8_not_covered on TE's layer spec, its default there and FP8's only one), an interleaved
+    train.engines.coverage.fp8_not_covered on TE's layer spec, its default there and FP8's only one) or a model that
+    spec does not build (te_spec_not_covered: multi-latent attention with rms_norm_eps other than 1e-6), an interleaved
     schedule whose micro-batches per DP rank are not a multiple of PP (megatron-core runs them in groups of PP)."""
-    from train.engines.coverage import fp8_not_covered, model_not_covered
+    from train.engines.coverage import fp8_not_covered, model_not_covered, te_spec_not_covered
 
     why = model_not_covered(cfg)
     if why:
@@ -187,6 +188,9 @@ def megatron_core_gap(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> 
     why = fp8_not_covered(s, te_spec=True, have_te=True)
     if why:
         return why.removesuffix(", or --engine native")
+    why = te_spec_not_covered(cfg.multi_latent_attention, cfg.norm_epsilon) if s.fp8 else None
+    if why:  # FP8 needs TE's layer spec: the local one is no way out here
+        return why.removesuffix("; use --transformer-impl local")
     m = s.microbatches(layout.dp)
     if layout.vpp > 1 and m % layout.pp:
         return (f"its interleaved schedule runs micro-batches in groups of pp {layout.pp}, and each DP rank has {m} "

@@ -810,6 +810,35 @@ def test_engine_fp8_as_the_engine_rules(fields, says):
 FP8_DEFAULTS = dict(fp8_recipe="delayed", fp8_wgrad=True, first_last_layers_bf16=False)
 
 
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_engine_fp8_latent_norm_epsilon_as_the_engine_rules(eps):
+    """FP8 runs on TE's layer spec only, which the engine refuses for multi-latent attention with an rms_norm_eps other
+    than DeepSeek's latent norms' 1e-6 (config.te_spec_fields): such a plan is the native engine's (the engine's line
+    as the fallback's note) or, with --engine megatron-core, a violation; 1e-6 is planned on megatron-core. Without FP8
+    (the local spec) either epsilon is."""
+    from plan.search import evaluate, megatron_core_gap
+    from train.engines.megatron_core.checks import NotCovered
+    from train.engines.megatron_core.config import te_spec_fields
+
+    cfg, lay = replace(presets.model_config("deepseek-v3"), norm_epsilon=eps), RunLayout(tp=8, pp=16, ep=8, dp=8)
+    s = TrainSettings(seq_length=4096, global_batch_size=1024, kernels=None, fp8=True)
+    gap = megatron_core_gap(cfg, lay, s)
+    assert megatron_core_gap(cfg, lay, replace(s, fp8=False)) is None
+    c = evaluate(cfg, lay, s, Hardware(), 1024, 80 * GiB, engine_fallback=True)
+    if eps == 1e-6:
+        assert gap is None and te_spec_fields(cfg, True) == {"qk_layernorm": True}
+        assert c.settings.engine == "megatron-core" and not c.engine_note
+        return
+    with pytest.raises(NotCovered) as e:
+        te_spec_fields(cfg, True)
+    assert gap == "rms_norm_eps 1e-05 with multi-latent attention on Transformer Engine's layer spec: its latent norms " \
+        "(fused into linear_q_up_proj / linear_kv_up_proj) take the config's epsilon, DeepSeek's take 1e-06"
+    assert str(e.value) == f"{gap}; use --transformer-impl local"
+    assert c.settings.engine == "native" and c.engine_note == f"the native engine (megatron-core's does not run it: {gap})"
+    c = evaluate(cfg, lay, s, Hardware(), 1024, 80 * GiB, engine_fallback=False)
+    assert f"--engine megatron-core: {gap}" in c.violations and not c.valid
+
+
 def test_plan_fp8_flags(capsys):
     """`shardkit plan --fp8` plans megatron-core's engine (its launch command with the FP8 flags), native where its
     FP8 flags are refused there; the FP8 flags need --fp8."""

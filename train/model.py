@@ -58,6 +58,7 @@ from torch import Tensor, nn
 
 from checkpoint.config import ModelConfig
 from checkpoint.families import family_of
+from train.engines.coverage import LATENT_NORM_EPS  # MLA latent norms' eps (defined without torch)
 
 from .dropout import attention_with_dropout, dropout
 
@@ -308,9 +309,6 @@ class SelfAttention(nn.Module):
         return (j <= i) & (i - j < self.sliding_window)
 
 
-# Multi-latent attention's two latent norms (q_a_layernorm, kv_a_layernorm) are built with RMSNorm's default eps in
-# both DeepSeek's reference code and HF, whatever rms_norm_eps says.
-LATENT_NORM_EPS = 1e-6
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:

@@ -3,6 +3,10 @@
 layout runs on."""
 from __future__ import annotations
 
+# Multi-latent attention's two latent norms (q_a_layernorm, kv_a_layernorm) are built with RMSNorm's default eps in
+# both DeepSeek's reference code and HF, whatever rms_norm_eps says (train.model builds them so; here without torch).
+LATENT_NORM_EPS = 1e-6
+
 
 def model_not_covered(m) -> str | None:
     """Why the megatron-core engine cannot build model config `m` (None: it can): a Llama-family model, dense or with
@@ -66,4 +70,16 @@ def fp8_not_covered(fp8, te_spec: bool, have_te: bool) -> str | None:
     if not fp8.fp8_wgrad and fp8.fp8_recipe != "delayed":
         return (f"--no-fp8-wgrad with --fp8-recipe {fp8.fp8_recipe}: megatron-core applies it through its "
                 "DelayedScaling recipe only (the weight gradients would stay FP8); use --fp8-recipe delayed")
+    return None
+
+
+def te_spec_not_covered(multi_latent_attention: bool, norm_epsilon: float) -> str | None:
+    """Why megatron-core's Transformer Engine layer spec would not build a model with these fields (None: it would):
+    multi-latent attention's latent norms are fused into linear_q_up_proj / linear_kv_up_proj there at the config's
+    epsilon (rms_norm_eps), while DeepSeek's take LATENT_NORM_EPS. The engine's rule (config.te_spec_fields) and
+    `shardkit plan`'s for FP8 (TE's layer spec only)."""
+    if multi_latent_attention and norm_epsilon != LATENT_NORM_EPS:
+        return (f"rms_norm_eps {norm_epsilon} with multi-latent attention on Transformer Engine's layer spec: its "
+                f"latent norms (fused into linear_q_up_proj / linear_kv_up_proj) take the config's epsilon, DeepSeek's "
+                f"take {LATENT_NORM_EPS}; use --transformer-impl local")
     return None

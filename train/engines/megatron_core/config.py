@@ -97,12 +97,11 @@ def te_spec_fields(m, te: bool) -> dict:
     rms_norm_eps is refused there."""
     if not (te and m.multi_latent_attention):
         return {}
-    from train.model import LATENT_NORM_EPS
+    from train.engines.coverage import te_spec_not_covered  # the rule `shardkit plan` asks too
 
-    if m.norm_epsilon != LATENT_NORM_EPS:
-        raise NotCovered(f"rms_norm_eps {m.norm_epsilon} with multi-latent attention on Transformer Engine's layer "
-                         f"spec: its latent norms (fused into linear_q_up_proj / linear_kv_up_proj) take the config's "
-                         f"epsilon, DeepSeek's take {LATENT_NORM_EPS}; use --transformer-impl local")
+    why = te_spec_not_covered(m.multi_latent_attention, m.norm_epsilon)
+    if why:
+        raise NotCovered(why)
     return {"qk_layernorm": True}
 
 
