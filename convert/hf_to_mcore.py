@@ -366,7 +366,8 @@ def prove(path: str | Path, hf_dir: str | Path, memory_budget: str | None = None
     from checkpoint.opened import open_checkpoint
 
     ck = open_checkpoint(path).reader  # torch_dist: read in place (its shardkit.json describes the model)
-    ck.checksums = checksums  # (a torch_dist reader has none to skip)
+    if not checksums:  # (a native checkpoint's: verify_conversion asks only there)
+        ck.checksums = False
     if not asked:
         why = None
         if allow_nonfinite:
