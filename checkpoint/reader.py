@@ -340,10 +340,10 @@ class Checkpoint(ManifestView):
         return safe_path(self.path, "hf", f"{self.path}: hf")
 
     # -- verify -------------------------------------------------------------------------------------------------
-    def verify(self, progress: Callable[[int], None] | None = None, nonfinite: bool = True) -> dict:
+    def verify(self, progress: Callable[[int], None] | None = None, count_nonfinite: bool = True) -> dict:
         """`check`, then re-read every chunk (crc32c checked by the codec, missing chunks are errors) and count its
-        NaN/Inf values (`nonfinite` False: not counted, {} reported). Raises CorruptionError naming the tensor and
-        the chunk."""
+        NaN/Inf values (`count_nonfinite` False: not counted, {} reported). Raises CorruptionError naming the tensor
+        and the chunk."""
         self.check()
         total_bytes, chunks = 0, 0
         nonfinite: dict[str, int] = {}
@@ -360,7 +360,7 @@ class Checkpoint(ManifestView):
                     except CorruptionError as err:
                         raise _chunk_error(name, idx, e.chunk, err) from None
                 nbytes = value.nbytes
-                bad = store.count_nonfinite(value) if nonfinite else 0
+                bad = store.count_nonfinite(value) if count_nonfinite else 0
                 if bad:
                     nonfinite[name] = nonfinite.get(name, 0) + bad
                 del value

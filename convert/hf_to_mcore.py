@@ -458,7 +458,7 @@ def _check_chunks_beside(process, path: str | Path) -> dict:
                 raise _Skipped
 
     try:
-        NativeCheckpoint(path).reader.verify(progress=poll, nonfinite=False)  # (the source was scanned for them)
+        NativeCheckpoint(path).reader.verify(progress=poll, count_nonfinite=False)  # (the source was scanned for them)
     except _Skipped:
         pass
     except ShardkitError:

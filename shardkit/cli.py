@@ -400,10 +400,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardkit: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except Exception as e:  # Ctrl-C inside an import can surface wrapped, the interrupt chained: a compiled module's
+        if not _interrupted(e):  # ImportError (tensorstore's pybind11 init), a class body's __set_name__ RuntimeError
+            raise
+        print("shardkit: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
     finally:  # convert hf-to-mcore's proof process never outlives the command, whichever way it ends
         from convert.proof_process import close_all
 
         close_all()
+
+
+def _interrupted(e: BaseException) -> bool:
+    """A KeyboardInterrupt is in `e`'s chain of causes (an exception raised while handling it, or from it)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _refuse_urls(argv: list, allowed: set = frozenset()) -> None:

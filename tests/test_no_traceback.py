@@ -721,3 +721,35 @@ def test_a_write_error_not_about_space_does_not_blame_space(w, tmp_path, capsys,
                           "1"], capsys)
     line = assert_one_line_error(rc, err, "Invalid file path")
     assert "bytes free" not in line and "quota" not in line, line
+
+
+@pytest.mark.parametrize("wrapped", ["plain", "import", "set_name"])
+def test_ctrl_c_inside_an_import_is_one_line(monkeypatch, capsys, wrapped):
+    """Ctrl-C while a command imports: a compiled module's init (tensorstore's pybind11) turns the interrupt into its
+    ImportError, a class body's __set_name__ into a RuntimeError, each chaining it; every form is the one
+    `interrupted` line and status 130, not a traceback (issue 42's proof process, started at parse time, made the
+    window easy to hit)."""
+    import shardkit.cli as cli
+
+    def interrupted(*_a, **_k):
+        if wrapped == "plain":
+            raise KeyboardInterrupt
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as ki:
+            if wrapped == "import":
+                raise ImportError("initialization failed") from ki
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance")  # (implicitly chained)
+
+    monkeypatch.setattr(cli, "_refuse_urls", interrupted)
+    assert main(["inspect", "/nonexistent"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["shardkit: interrupted; rerun the same command to resume"]
+
+
+def test_an_error_that_is_no_interrupt_still_raises(monkeypatch):
+    """A fault of ours that is not an interrupt is not dressed up as one."""
+    import shardkit.cli as cli
+
+    monkeypatch.setattr(cli, "_refuse_urls", lambda *a, **k: (_ for _ in ()).throw(ImportError("no module x")))
+    with pytest.raises(ImportError, match="no module x"):
+        main(["inspect", "/nonexistent"])

@@ -120,8 +120,9 @@ def test_the_proof_process_never_outlives_the_command(tmp_path, sig):
         out, err = p.communicate(timeout=60)
         gone, alive = psutil.wait_procs([child], timeout=10)
         assert not alive, f"the proof process {child.pid} outlived its command ({sig})"
-        if sig == "SIGINT":
-            assert p.returncode == 130 and "Traceback" not in err, err
+        if sig == "SIGINT":  # (130, or killed by SIGINT: an interrupt that landed in a compiled module's init can
+            # leave CPython's own "unhandled interrupt" flag set, and it then exits by SIGINT, as a shell expects too)
+            assert p.returncode in (130, -signal.SIGINT) and "Traceback" not in err, err
             assert err.strip().splitlines() == ["shardkit: interrupted; rerun the same command to resume"], err
         else:
             assert p.returncode == -getattr(signal, sig)
