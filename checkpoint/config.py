@@ -16,6 +16,10 @@ from typing import Any
 from .errors import ConfigError
 from .families import family_of
 
+# Multi-latent attention's two latent norms (q_a_layernorm, kv_a_layernorm) are built with RMSNorm's default eps in
+# both DeepSeek's reference code and HF, whatever rms_norm_eps says (train.model builds them so).
+LATENT_NORM_EPS = 1e-6
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 # Fields that are part of PretrainedConfig's generic surface or tokenizer/generation bookkeeping: they never change the

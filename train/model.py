@@ -56,9 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from checkpoint.config import ModelConfig
+from checkpoint.config import LATENT_NORM_EPS, ModelConfig
 from checkpoint.families import family_of
-from train.engines.coverage import LATENT_NORM_EPS  # MLA latent norms' eps (defined without torch)
 
 from .dropout import attention_with_dropout, dropout
 
@@ -307,8 +306,6 @@ class SelfAttention(nn.Module):
         i = torch.arange(s, device=device)[:, None]
         j = torch.arange(s, device=device)[None, :]
         return (j <= i) & (i - j < self.sliding_window)
-
-
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:

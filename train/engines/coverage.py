@@ -3,9 +3,7 @@
 layout runs on."""
 from __future__ import annotations
 
-# Multi-latent attention's two latent norms (q_a_layernorm, kv_a_layernorm) are built with RMSNorm's default eps in
-# both DeepSeek's reference code and HF, whatever rms_norm_eps says (train.model builds them so; here without torch).
-LATENT_NORM_EPS = 1e-6
+from checkpoint.config import LATENT_NORM_EPS
 
 
 def model_not_covered(m) -> str | None:
