@@ -129,11 +129,6 @@ def waiting() -> ProofProcess | None:
     return next((p for p in _OPEN if p.hf_dir is None), None)
 
 
-def sourced(hf_dir: str | Path) -> ProofProcess | None:
-    """The proof process this command started for `hf_dir`, if any."""
-    return next((p for p in _OPEN if p.hf_dir == str(hf_dir)), None)
-
-
 def start(hf_dir: str | Path | None = None) -> ProofProcess | None:
     """The proof process for a conversion, started now (`hf_dir`: or named later, ProofProcess.source); None where
     this process has imported transformers already (a library caller, the tests): there the proof has no imports

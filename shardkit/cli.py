@@ -659,7 +659,7 @@ def _dispatch_local(args: argparse.Namespace) -> int:
             raise ShardkitError("--keep-fp8 with --format torch_dist: Megatron's torch_dist has no block-FP8 "
                                 "weights; drop --keep-fp8 (weights are dequantized) or write the native format")
         group = getattr(args, "group", None)
-        proof = proof_process.sourced(args.hf_dir) if group is None or not group.rank else None  # (rank 0 proves)
+        proof = proof if group is None or not group.rank else None  # (the one taken up above; rank 0 proves)
         if args.format == "torch_dist":  # straight into the rank files, no native copy between
             from convert.torch_dist_io import convert_hf_to_torch_dist
 
