@@ -36,10 +36,15 @@ def add_parsers(sub) -> None:
                          "and DP traffic (default: as continue-pretrain on a GPU cluster: megatron-core where its "
                          "engine runs the layout, native otherwise, e.g. a model it does not build); launch "
                          "gets it as --engine")
+    pl.add_argument("--transformer-impl", default=None, choices=("local", "transformer_engine"),
+                    help="the layer spec to model and pin on the launch command (continue-pretrain's "
+                         "--transformer-impl); default transformer_engine, TE's spec as continue-pretrain builds it by "
+                         "default on a GPU with TE, or local where the engine does not build TE's spec for this model")
     pl.add_argument("--kernels", default=None, choices=("fused", "eager", "local"),
                     help="override the activations a layer keeps: fused (TE / flash kernels: Megatron-LM with "
                          "Transformer Engine), eager (the native engine's plain autograd), local (megatron-core's "
-                         "local spec, what its engine builds); default: the engine's own")
+                         "local spec); default: the layer spec's (--transformer-impl: TE's fused list, or each "
+                         "engine's own on the local spec)")
     pl.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
                     help="megatron-core's --overlap-grad-reduce (default on; written on plan's launch command)")
     pl.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=True,
@@ -202,6 +207,7 @@ def _plan(args: argparse.Namespace) -> int:
                       fp8_recipe=args.fp8_recipe, fp8_wgrad=args.fp8_wgrad,
                       first_last_layers_bf16=args.first_last_layers_bf16,
                       reserved_bytes=reserved, kernels=args.kernels, engine=args.engine or "megatron-core",
+                      transformer_impl=args.transformer_impl,
                       overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather)
     fallback = args.engine is None  # continue-pretrain's default: native where megatron-core's engine does not run
     modes = ["none", "selective", "full"] if args.recompute == "auto" else [args.recompute]
@@ -220,6 +226,7 @@ def _plan(args: argparse.Namespace) -> int:
              f"{s.seq_length}, micro batch {','.join(map(str, sizes))}, global batch {s.global_batch_size}"
              f"{', FP8' if s.fp8 else ''}, optimizer {'sharded' if s.distributed_optimizer else 'not sharded'}, "
              f"engine {args.engine or 'megatron-core (native where it does not run)'}"
+             f"{', transformer-impl ' + args.transformer_impl if args.transformer_impl else ''}"
              f"{', kernels ' + args.kernels if args.kernels else ''}")
     chosen = next((c for c in requested + cands if c.fits), None)  # a layout asked for first, else the fastest
     load = name if storage.parse(name) or Path(name).is_dir() and not (Path(name) / "config.json").exists() \

@@ -6,8 +6,10 @@ recompute `plan` chose become Megatron's flags on the continue-pretrain command 
 of the world size (the trainer derives it), so it is checked here, not passed. Before anything is written the whole
 command line goes through what `shardkit continue-pretrain` runs at start-up (train/config.py validate, train/loop.py
 run_layout at the job's world size, open_load and check_layout_for_model against the --load checkpoint): a job the
-trainer would refuse is refused here, in its words. The rendered scripts hold nothing of this machine: the Python
-that runs the trainer is found when the job runs (SHARDKIT_PYTHON, else python3 on PATH).
+trainer would refuse is refused here, in its words, as on the job's GPU nodes with Transformer Engine (the cluster
+`plan` models, whose command pins the layer spec it modeled: --transformer-impl after `--`, refused when given twice
+with two values); this machine need not have TE. The rendered scripts hold nothing of this machine: the Python that
+runs the trainer is found when the job runs (SHARDKIT_PYTHON, else python3 on PATH).
 """
 from __future__ import annotations
 
@@ -173,6 +175,12 @@ def check(spec: LaunchSpec) -> None:
             raise PlanError(f"{name} after `--` contradicts --recompute {spec.recompute}; give it once")
         if spec.engine is not None and name == "--engine":
             raise PlanError(f"--engine after `--` contradicts launch's --engine {spec.engine}; give it once")
+    impls = dict.fromkeys(v for i, a in enumerate(spec.args) for v in
+                          ([spec.args[i + 1]] if a == "--transformer-impl" and i + 1 < len(spec.args) else
+                           [a.split("=", 1)[1]] if a.startswith("--transformer-impl=") else []))
+    if len(impls) > 1:  # plan's command pins the layer spec it modeled; another one after it would win silently
+        raise PlanError(f"--transformer-impl after `--` given twice, as {' and '.join(impls)}: the second contradicts "
+                        "the first (plan's command pins the layer spec it modeled); give it once")
     for e in spec.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", e):
             raise PlanError(f"--env {e!r}: expected KEY=VALUE")
@@ -268,14 +276,14 @@ def _trainer_checks(spec: LaunchSpec, ns: argparse.Namespace):
     cfg = launch_view(cfg, spec.check_load)  # s3:// / gs:// --load / --save: passed through, never stat'ed here
     check_train_values(cfg)
     check_train_outputs(cfg)
-    validate(cfg)
+    validate(cfg, te_on_nodes=True)  # the GPU nodes plan models have Transformer Engine; this machine need not
     dims = run_layout(cfg, world=spec.layout.world)
     mcore = cfg.run.engine == "megatron-core"  # asked for by name: what that engine refuses on the cluster's GPUs
     if mcore:
         from train.engines.megatron_core.checks import NotCovered, check_flags
 
         try:
-            check_flags(cfg, on_cpu=False)
+            check_flags(cfg, on_cpu=False, have_te=True)
             micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * dims.dp)
             if dims.vpp > 1 and micro % dims.pp:  # as MegatronCoreTrainer: its interleaved groups of PP micro-batches
                 raise NotCovered(f"--vpp {dims.vpp}: megatron-core's interleaved schedule runs the micro-batches in "

@@ -16,25 +16,30 @@ tp. The paper's 34*s*b*h for GPT-3's layer is the same list: 4sbh of LayerNorm i
 ``kernels="eager"`` (TrainSettings) counts what plain PyTorch autograd keeps instead, as shardkit's own trainer does on
 CPU: equal to the bytes measured with saved_tensors_hooks (tests/test_plan.py), ~1.3x the fused list.
 
-The engine (issue 40; ``engine``: continue-pretrain's --engine). Each keeps its own list, and `shardkit plan` models the
-one it will launch (``kernels=None``: the engine's):
-- ``megatron-core``: modeled as megatron-core's local layer spec, its engine's build without TE (TE's spec, its
-  default where TE is installed, is modeled only with FP8, which runs on it alone: the fused list below), ``kernels=
-  "local"``: torch.nn.RMSNorm keeps its input and the normalised value in fp32 (8h + 4 per norm), the unfused
-  DotProductAttention keeps Q, K and V expanded to every query head and the fp32 softmax with its bf16 copy (6as, the
-  s^2 term), RoPE's cos/sin are made per layer (8d per token, not split over TP), the GLU keeps silu(gate) and a copy
-  of `up` besides [gate; up] and the product (10F); selective recompute keeps the fused QKV output (K and V are views
-  of it), Q and K after RoPE instead of the expanded Q/K/V and the softmax. Measured by scripts/bench_activations.py
-  with saved-tensor hooks (exactly, at a tiny width; tests/test_plan.py); under context parallelism its core attention
-  on a GPU is TE's TEDotProductAttention, whose Q, K, V and log-sum-exp the fused list counts (extrapolated, not
-  measured). ``kernels="fused"`` is what TE's spec and flash attention keep (Korthikanti et al.'s list: Megatron-LM
-  with TE). Its distributed optimizer splits the Adam
-  state as one flat buffer over DP x CP; --overlap-grad-reduce / --overlap-param-gather overlap the DP traffic with
-  the last micro-batch's backward / the first one's forward, in place in its contiguous param and grad buffers (no
-  extra buffer; each bucket is padded to a multiple of lcm(DP, 128) elements, < 1 MiB).
-- ``native``: ``kernels="eager"``; its optimizer gives whole parameters to DP ranks (greedy by size, over DP only: CP
-  ranks each hold the state of what their DP rank owns), the heaviest rank is counted; its gradients are all-reduced
-  in one piece after the backward and the owners broadcast the new weights, not overlapped.
+The engine and its layer spec (issue 40; ``engine``: continue-pretrain's --engine, ``transformer_impl``: its
+--transformer-impl). `shardkit plan` models the layer its launch command will run (``kernels=None``: the spec's list)
+and pins that spec on the command. On a GPU with Transformer Engine, the cluster plan models, both engines build TE's
+layer spec by default (train/te.py resolve_impl), and its layer keeps the fused list (``kernels="fused"``, Korthikanti
+et al.'s: what TE's spec and flash attention keep, Megatron-LM with TE), on either engine: extrapolated, not measured
+here (no TE on this machine). Where the engine does not build TE's spec for the model or run (plan.search.layer_spec:
+on megatron-core multi-latent attention with rms_norm_eps other than 1e-6; on native MoE, multi-latent attention,
+sliding windows, QK norm, FP8 with full recompute) the default is the local spec, as with --transformer-impl local,
+and its layer keeps the engine's own list:
+- ``megatron-core``: its local spec, ``kernels="local"``: torch.nn.RMSNorm keeps its input and the normalised value in
+  fp32 (8h + 4 per norm), the unfused DotProductAttention keeps Q, K and V expanded to every query head and the fp32
+  softmax with its bf16 copy (6as, the s^2 term), RoPE's cos/sin are made per layer (8d per token, not split over
+  TP), the GLU keeps silu(gate) and a copy of `up` besides [gate; up] and the product (10F); selective recompute keeps
+  the fused QKV output (K and V are views of it), Q and K after RoPE instead of the expanded Q/K/V and the softmax.
+  Measured by scripts/bench_activations.py with saved-tensor hooks (exactly, at a tiny width; tests/test_plan.py);
+  under context parallelism its core attention on a GPU is TE's TEDotProductAttention, whose Q, K, V and log-sum-exp
+  the fused list counts (extrapolated, not measured). Its FP8 runs on TE's spec only. Its distributed optimizer splits
+  the Adam state as one flat buffer over DP x CP; --overlap-grad-reduce / --overlap-param-gather overlap the DP
+  traffic with the last micro-batch's backward / the first one's forward, in place in its contiguous param and grad
+  buffers (no extra buffer; each bucket is padded to a multiple of lcm(DP, 128) elements, < 1 MiB).
+- ``native``: its local backend, ``kernels="eager"`` (measured: above); its optimizer gives whole parameters to DP
+  ranks (greedy by size, over DP only: CP ranks each hold the state of what their DP rank owns), the heaviest rank is
+  counted; its gradients are all-reduced in one piece after the backward and the owners broadcast the new weights,
+  not overlapped.
 MoE and multi-latent attention layers in the eager and local lists are the fused list with the engine's norm and GLU
 kept as in the dense layer: extrapolated, not measured.
 
@@ -66,7 +71,8 @@ RECOMPUTE = ("none", "selective", "full")
 KERNELS = ("fused", "eager", "local")
 ENGINES = ("megatron-core", "native")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise")  # train/fp8.py RECIPES (that module imports torch)
-ENGINE_KERNELS = {"megatron-core": "local", "native": "eager"}  # what each engine's layer keeps as it is built today
+ENGINE_KERNELS = {"megatron-core": "local", "native": "eager"}  # what each engine's layer keeps on the local spec
+TRANSFORMER_IMPLS = ("transformer_engine", "local")  # continue-pretrain's --transformer-impl
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,11 @@ class TrainSettings:
     grad_dtype: str = "float32"  # Megatron's main-grad buffer (accumulate and reduce in fp32)
     flash_attention: bool = True
     # fused (Megatron-LM with TE / flash) | eager (the native engine's plain autograd) | local (megatron-core's local
-    # spec, what its engine builds) | None: the engine's (ENGINE_KERNELS)
+    # spec) | None: the layer spec's (transformer_impl: `layer_kernels`)
     kernels: str | None = "fused"
+    # continue-pretrain's --transformer-impl: transformer_engine (TE's layer spec) | local | None: the launch's default,
+    # TE's spec where the engine builds it for this model and run, else local (plan.search.layer_spec decides it)
+    transformer_impl: str | None = None
     reserved_bytes: int = 2 * GiB  # CUDA context, NCCL communicators, cuBLAS workspaces, allocator slack
     engine: str = "megatron-core"  # continue-pretrain's --engine: its optimizer, DP traffic (and kernels when None)
     overlap_grad_reduce: bool = True  # megatron-core's --overlap-grad-reduce (the native engine has none)
@@ -100,6 +109,9 @@ class TrainSettings:
             raise PlanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.kernels is not None and self.kernels not in KERNELS:
             raise PlanError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.transformer_impl is not None and self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise PlanError(f"--transformer-impl must be one of {', '.join(TRANSFORMER_IMPLS)}, got "
+                            f"{self.transformer_impl!r}")
         if self.engine == "native":  # no overlap there (it refuses the flags)
             object.__setattr__(self, "overlap_grad_reduce", False)
             object.__setattr__(self, "overlap_param_gather", False)
@@ -125,11 +137,11 @@ class TrainSettings:
 
     @property
     def layer_kernels(self) -> str:
-        """What one layer keeps: `kernels`, or the engine's own (None); megatron-core's FP8 runs on TE's layer spec
-        only (train.engines.coverage.fp8_not_covered), whose list is the fused one."""
-        if self.kernels is None and self.engine == "megatron-core" and self.fp8:
-            return "fused"
-        return self.kernels or ENGINE_KERNELS[self.engine]
+        """What one layer keeps: `kernels`, else the layer spec's: TE's (transformer_engine, or None: the default on a
+        GPU with TE) keeps the fused list on either engine, the local one the engine's own (ENGINE_KERNELS)."""
+        if self.kernels is not None:
+            return self.kernels
+        return ENGINE_KERNELS[self.engine] if self.transformer_impl == "local" else "fused"
 
     def microbatches(self, dp: int) -> int:
         """Micro-batches per pipeline per step (at least 1 even when the batch does not divide: that is flagged)."""

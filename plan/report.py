@@ -54,8 +54,9 @@ def _settings(s: TrainSettings) -> dict:
 
 def launch_argv(c: Candidate, gpus: int, gpus_per_node: int, load: str | None = None) -> list[str]:
     """The `shardkit launch` command that runs candidate `c` as planned: its layout (and pipeline split), recompute,
-    nodes, and after `--` what the estimate assumes: the sequence, batch sizes, bf16, no dropout, and for a plan of a
-    checkpoint --load. --data-path and --save are the user's to add."""
+    engine, nodes, and after `--` what the estimate assumes: the layer spec it modeled (--transformer-impl), the
+    sequence, batch sizes, bf16, no dropout, and for a plan of a checkpoint --load. --data-path and --save are the
+    user's to add."""
     from .search import layout_arg
 
     s = c.settings
@@ -63,6 +64,8 @@ def launch_argv(c: Candidate, gpus: int, gpus_per_node: int, load: str | None = 
             "--gpus-per-node", str(min(gpus, gpus_per_node)), "--recompute", s.recompute, "--engine", s.engine, "--",
             "--seq-length", str(s.seq_length), "--micro-batch-size", str(s.micro_batch_size),
             "--global-batch-size", str(s.global_batch_size)]
+    if s.transformer_impl:  # the layer spec whose activations were modeled (search.layer_spec), not the node's default
+        argv += ["--transformer-impl", s.transformer_impl]
     if s.engine == "megatron-core":  # the DP overlap the step time assumed (the native engine has none)
         argv += ["--overlap-grad-reduce"] if s.overlap_grad_reduce else []
         argv += ["--overlap-param-gather"] if s.overlap_param_gather and s.distributed_optimizer else []
@@ -192,7 +195,8 @@ def print_table(cands: list[Candidate], title: str, gpu_memory: int, top: int = 
     else:
         b = fitting[0]
         line(f"plan's choice: {b.layout.label()}, micro batch {b.settings.micro_batch_size}, recompute "
-             f"{b.settings.recompute}, engine {b.settings.engine} ({b.settings.layer_kernels} kernels): "
+             f"{b.settings.recompute}, engine {b.settings.engine} ({b.settings.transformer_impl} layer spec, "
+             f"{b.settings.layer_kernels} kernels): "
              f"{number(b.memory.total / GiB, 1)} GiB per GPU "
              f"({number(b.free / GiB, 1)} free), {number(b.perf['step_s'], 2)} s/step, MFU {100 * b.perf['mfu']:.1f}%")
         if b.engine_note:

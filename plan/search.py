@@ -49,7 +49,8 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "label": self.layout.label(), "recompute": self.settings.recompute,
-                "engine": self.settings.engine, "kernels": self.settings.layer_kernels, "engine_note": self.engine_note,
+                "engine": self.settings.engine, "transformer_impl": self.settings.transformer_impl,
+                "kernels": self.settings.layer_kernels, "engine_note": self.engine_note,
                 "distributed_optimizer": self.settings.distributed_optimizer, "valid": self.valid,
                 "micro_batch_size": self.settings.micro_batch_size, "violations": self.violations,
                 "fits": self.fits, "reason": self.reason, "free_bytes": self.free, "headroom_bytes": self.headroom,
@@ -175,8 +176,9 @@ def megatron_core_gap(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> 
     """Why continue-pretrain's megatron-core engine would not run this layout (None: it would): the model
     (train.engines.coverage.model_not_covered), context parallelism with MTP layers (train.engines.megatron_core
     check_context_parallel), FP8 flags it refuses on a GPU with Transformer Engine (the engine's own rule:
-    train.engines.coverage.fp8_not_covered on TE's layer spec, its default there and FP8's only one) or a model that
-    spec does not build (te_spec_not_covered: multi-latent attention with rms_norm_eps other than 1e-6), an interleaved
+    train.engines.coverage.fp8_not_covered, on TE's layer spec, its default there and FP8's only one, or on the local
+    spec asked for by --transformer-impl local), TE's layer spec (FP8's, or asked for by name) for a model that spec
+    does not build (te_spec_not_covered: multi-latent attention with rms_norm_eps other than 1e-6), an interleaved
     schedule whose micro-batches per DP rank are not a multiple of PP (megatron-core runs them in groups of PP)."""
     from train.engines.coverage import fp8_not_covered, model_not_covered, te_spec_not_covered
 
@@ -185,12 +187,13 @@ def megatron_core_gap(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> 
         return why.removesuffix("; use --engine native")
     if layout.cp > 1 and cfg.mtp_num_layers:
         return "context parallelism with MTP layers (megatron-core divides each CP rank's MTP loss by its own tokens)"
-    why = fp8_not_covered(s, te_spec=True, have_te=True)
+    why = fp8_not_covered(s, te_spec=s.transformer_impl != "local", have_te=True)
     if why:
         return why.removesuffix(", or --engine native")
-    why = te_spec_not_covered(cfg.multi_latent_attention, cfg.norm_epsilon) if s.fp8 else None
-    if why:  # FP8 needs TE's layer spec: the local one is no way out here
-        return why.removesuffix("; use --transformer-impl local")
+    te_spec = s.fp8 or s.transformer_impl == "transformer_engine"  # else the default falls back to local: layer_spec
+    why = te_spec_not_covered(cfg.multi_latent_attention, cfg.norm_epsilon) if te_spec else None
+    if why:  # FP8 needs TE's layer spec: the local one is no way out there
+        return why.removesuffix("; use --transformer-impl local") if s.fp8 else why
     m = s.microbatches(layout.dp)
     if layout.vpp > 1 and m % layout.pp:
         return (f"its interleaved schedule runs micro-batches in groups of pp {layout.pp}, and each DP rank has {m} "
@@ -198,22 +201,46 @@ def megatron_core_gap(cfg: ModelConfig, layout: RunLayout, s: TrainSettings) -> 
     return None
 
 
+def layer_spec(cfg: ModelConfig, s: TrainSettings) -> tuple[str, str | None]:
+    """The layer spec (continue-pretrain's --transformer-impl) a launch of `s` runs on its engine, on a GPU with
+    Transformer Engine as plan models the cluster, and why TE's spec is not built for this model and run (None: it
+    is): `s.transformer_impl` where given, else TE's spec where the engine builds it (train/te.py resolve_impl), else
+    local. The engines' rules: megatron-core's TE spec refuses multi-latent attention with rms_norm_eps other than 1e-6
+    (te_spec_not_covered; with FP8, which needs TE's spec, that is megatron_core_gap's refusal, not local), the native
+    engine's TE backend has dense Llama-family layers only and no FP8 with full recompute (te_form_not_covered). Not
+    modeled: the runs plan's flags cannot express, which the native engine also keeps off TE's spec (attention dropout:
+    plan's launch writes 0; packed documents under CP: plan models none), and a cluster without TE."""
+    from train.engines.coverage import te_form_not_covered, te_spec_not_covered
+
+    if s.engine == "megatron-core":
+        why = None if s.fp8 else te_spec_not_covered(cfg.multi_latent_attention, cfg.norm_epsilon)
+    else:
+        why = te_form_not_covered(cfg, s, s.recompute)
+    return s.transformer_impl or ("local" if why else "transformer_engine"), why
+
+
 def evaluate(cfg: ModelConfig, layout: RunLayout, s: TrainSettings, hw: Hardware, gpus: int,
              gpu_memory: int, headroom: int = 0, engine_fallback: bool = False) -> Candidate:
     """One layout's memory and step time, its broken constraints, and whether it fits: its heaviest stage plus the
     `headroom` reserve within `gpu_memory`. With the engine's own kernels (`s.kernels` None), a layout the
     megatron-core engine would not run is the native engine's with `engine_fallback` (continue-pretrain's default:
-    megatron-core where it covers the run), else invalid."""
+    megatron-core where it covers the run), else invalid. The candidate's settings name the layer spec it models
+    (`layer_spec`): TE's asked for where the native engine has no TE form of the run is invalid too."""
     # the engine as shardkit builds it (kernels None); given kernels model Megatron-LM's (fused: with TE), which runs
     # what shardkit's megatron-core engine does not yet
     gap = megatron_core_gap(cfg, layout, s) if s.engine == "megatron-core" and s.kernels is None else None
     if gap and engine_fallback:
         s = replace(s, engine="native")
+    impl, te_why = layer_spec(cfg, s)
+    refused = bool(te_why) and impl == "transformer_engine" and s.engine == "native" and s.kernels is None
+    s = replace(s, transformer_impl=impl)
     mem = estimate_memory(cfg, layout, s)
     perf = step_time(cfg, layout, s, hw)
     bad = violations(cfg, layout, s, gpus, hw.gpus_per_node)
     if gap and not engine_fallback:
         bad.append(f"--engine megatron-core: {gap}")
+    if refused:
+        bad.append(f"--transformer-impl transformer_engine: {te_why}")
     c = Candidate(layout, s, mem, perf, bad, num_layers=cfg.num_layers, free=gpu_memory - mem.total,
                   headroom=headroom, unusual=unusual(cfg, layout, s))
     c.engine_note = f"the native engine (megatron-core's does not run it: {gap})" if gap and engine_fallback else ""

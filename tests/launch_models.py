@@ -57,8 +57,9 @@ def continue_pretrain_args(script: str) -> list[str]:
 
 def trainer_accepts(args: list[str], world: int) -> tuple:
     """Run what `shardkit continue-pretrain ARGS` checks at start-up on `world` ranks, up to building the model, with
-    the CLI's own parser (not launch's): the flag checks, the layout at that world size, --load's model against the
-    layout. Returns (the trainer config, its RunLayout); raises the trainer's error otherwise."""
+    the CLI's own parser (not launch's): the flag checks (on GPU nodes with Transformer Engine, as plan models them),
+    the layout at that world size, --load's model against the layout. Returns (the trainer config, its RunLayout);
+    raises the trainer's error otherwise."""
     from dataclasses import replace
 
     from shardkit.cli import build_parser
@@ -70,7 +71,7 @@ def trainer_accepts(args: list[str], world: int) -> tuple:
     cfg = from_namespace(ns)
     check_train_values(cfg)
     check_train_outputs(cfg)
-    validate(cfg)
+    validate(cfg, te_on_nodes=True)
     dims = run_layout(cfg, world=world)
     ck, src, _, _ = open_load(replace(cfg.checkpoint, skip_verify=False), cfg.data.global_batch_size)
     check_layout_for_model(cfg, dims, ck.config, src)

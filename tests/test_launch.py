@@ -76,11 +76,13 @@ def test_plan_choice_launches_and_the_trainer_accepts_it(name, models, tmp_path,
         assert "--recompute-granularity" not in args
     assert ("--sequence-parallel" in args) == (lay.tp > 1)
     assert args[args.index("--engine") + 1] == chosen["engine"]  # the engine plan modelled (issue 40)
+    assert args[args.index("--transformer-impl") + 1] == chosen["transformer_impl"]  # and its layer spec
     # ... and the trainer's own start-up checks accept it at the job's world size, against a checkpoint of that depth
     cfg, dims = trainer_accepts(args, world=gpus)
     assert dims == lay
     assert cfg.run.recompute_granularity == (None if chosen["recompute"] == "none" else chosen["recompute"])
     assert cfg.data.seq_length == seq and cfg.run.bf16 and cfg.parallel.sequence_parallel == (lay.tp > 1)
+    assert cfg.run.transformer_impl == chosen["transformer_impl"] == "transformer_engine"
 
 
 def test_405b_uneven_split_is_carried(models, tmp_path, capsys):
@@ -148,6 +150,30 @@ def test_launch_engine(models, tmp_path, capsys):
     assert "engine native; optimizer state sharded over DP = 4" in out
     assert main([*cp, "--engine", "native", *train, "--engine", "native"]) == 1
     assert "contradicts launch's --engine native" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["megatron-core", "native"])
+def test_launch_layer_spec(engine, models, tmp_path, capsys):
+    """plan's command pins the layer spec it modeled after `--`: launch takes TE's spec as on the GPU nodes plan
+    models (Transformer Engine installed there, whether or not it is here) and passes it on; a second
+    --transformer-impl with another value (appended to plan's command) is refused in one line, nothing written; the
+    same value twice is taken."""
+    train = ["--", "--load", str(models["llama3-8b"]), "--data-path", str(models["data"]), "--global-batch-size",
+             "256", "--attention-dropout", "0", "--transformer-impl", "transformer_engine"]
+    launch = ["launch", "--layout", "tp=2,pp=4,dp=8", "--nodes", "8", "--engine", engine, "--dry-run"]
+    assert main([*launch, *train]) == 0, capsys.readouterr().err
+    args = continue_pretrain_args(_scripts(capsys.readouterr().out, tmp_path)["torchrun.sh"])
+    assert args[args.index("--transformer-impl") + 1] == "transformer_engine"
+    cfg, _ = trainer_accepts(args, world=64)
+    assert cfg.run.transformer_impl == "transformer_engine"
+    assert main([*launch, *train, "--transformer-impl=transformer_engine"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "refused"
+    assert main([*launch[:-1], "--out", str(out), *train, "--transformer-impl", "local"]) == 1
+    io = capsys.readouterr()
+    assert io.err == ("shardkit: error: --transformer-impl after `--` given twice, as transformer_engine and local: the "
+                      "second contradicts the first (plan's command pins the layer spec it modeled); give it once\n")
+    assert not out.exists()
 
 
 def test_launch_skip_load_check(models, tmp_path, capsys):

@@ -629,8 +629,8 @@ def _one_layer(width: dict) -> ModelConfig:
 
 
 def test_engine_activations_equal_the_benchmark():
-    """plan's per-layer activations for each engine (its own kernels: native eager, megatron-core's local spec)
-    against what bench_activations measured with saved-tensor hooks (the README's table, to its 3 decimals: within
+    """plan's per-layer activations for each engine on its local spec (--transformer-impl local: native eager,
+    megatron-core's local spec) against what bench_activations measured with saved-tensor hooks (the README's table, to its 3 decimals: within
     10%, in fact within 0.5%), and the native list against the benchmark's exact accounting (native_bytes, equal to
     the measured bytes: tests/test_bench_activations.py) at a tiny width; the fused list is ~3.8x less than the local
     spec's at s = 4096 (its s^2 softmax)."""
@@ -645,7 +645,8 @@ def test_engine_activations_equal_the_benchmark():
         cfg = _one_layer(BENCH_WIDTHS[width])
         for engine, measured in (("native", native), ("megatron-core", mcore)):
             for rec, want in zip(("none", "selective"), measured):
-                s = TrainSettings(seq_length=4096, recompute=rec, engine=engine, kernels=None)
+                s = TrainSettings(seq_length=4096, recompute=rec, engine=engine, kernels=None,
+                                  transformer_impl="local")
                 got = layer_activation_bytes(cfg, False, s, RunLayout(tp=tp)) / GiB
                 assert abs(got / want - 1) < 0.1 and abs(got - want) <= 0.0015, (width, tp, engine, rec, got, want)
         fused = layer_activation_bytes(cfg, False, TrainSettings(seq_length=4096), RunLayout(tp=tp)) / GiB
@@ -655,7 +656,8 @@ def test_engine_activations_equal_the_benchmark():
     for tp in (1, 2):
         for seq in (32, 64):
             for rec in ("none", "selective"):
-                s = TrainSettings(seq_length=seq, recompute=rec, engine="native", kernels=None)
+                s = TrainSettings(seq_length=seq, recompute=rec, engine="native", kernels=None,
+                                  transformer_impl="local")
                 assert layer_activation_bytes(cfg, False, s, RunLayout(tp=tp)) == bench.native_bytes(
                     64, 160, 8, 4, seq, 1, tp, rec == "selective")
 
@@ -680,7 +682,7 @@ def test_engine_activations_equal_a_live_measurement():
         sys.path.pop(0)
     for row in rows:
         s = TrainSettings(seq_length=row["s"], recompute=row["recompute"] or "none", engine=row["engine"],
-                          kernels=None)
+                          kernels=None, transformer_impl="local")
         got = layer_activation_bytes(cfg, False, s, RunLayout(tp=row["tp"]))
         assert 0 <= row["bytes"] - got <= 4, (row["engine"], row["tp"], row["recompute"], row["s"], got, row["bytes"])
 
@@ -693,7 +695,7 @@ def test_engine_optimizer_and_dp_traffic():
 
     cfg = presets.model_config("llama3-8b")
     lay = RunLayout(tp=2, pp=2, cp=2, dp=4)
-    mc = TrainSettings(seq_length=8192, global_batch_size=64, kernels=None)
+    mc = TrainSettings(seq_length=8192, global_batch_size=64, kernels=None, transformer_impl="local")
     nat = replace(mc, engine="native")
     m_mc, m_nat = estimate_memory(cfg, lay, mc), estimate_memory(cfg, lay, nat)
     dense = param_bytes_per_rank(cfg, lay, pp_rank=m_mc.pp_rank)["dense_params"]
@@ -713,15 +715,15 @@ def test_engine_optimizer_and_dp_traffic():
 def test_engine_per_layout_and_launch_command(capsys):
     """By default the megatron-core engine where it runs the layout and native where it does not (CP > 1 with MTP
     layers here; every layout of a model it does not build), each candidate saying which; `--engine megatron-core`
-    makes such a layout invalid instead; plan's launch command names the engine (and megatron-core's overlap flags).
-    Under CP megatron-core's engine runs TE's core attention on a GPU: the fused list's log-sum-exp, not the local
-    spec's softmax."""
+    makes such a layout invalid instead; plan's launch command names the engine (and megatron-core's overlap flags)
+    and the layer spec. On the local spec (--transformer-impl local) under CP megatron-core's engine runs TE's core
+    attention on a GPU: the fused list's log-sum-exp, not the local spec's softmax."""
     from plan.memory import layer_activation_terms
     from plan.report import launch_argv
     from plan.search import evaluate
 
     cfg = presets.model_config("llama3-70b")
-    s = TrainSettings(seq_length=8192, global_batch_size=64, kernels=None)
+    s = TrainSettings(seq_length=8192, global_batch_size=64, kernels=None, transformer_impl="local")
     cp = RunLayout(tp=8, pp=4, cp=2, dp=1)
     c = evaluate(cfg, cp, s, Hardware(), 64, 80 * GiB, engine_fallback=True)
     assert c.settings.engine == "megatron-core" and not c.engine_note and c.valid
@@ -740,6 +742,7 @@ def test_engine_per_layout_and_launch_command(capsys):
     argv = launch_argv(c, 64, 8)
     assert argv[argv.index("--engine") + 1] == "megatron-core" and argv.index("--engine") < argv.index("--")
     assert "--overlap-grad-reduce" in argv and "--overlap-param-gather" in argv
+    assert argv[argv.index("--transformer-impl") + 1] == "local" and argv.index("--transformer-impl") > argv.index("--")
     # a model it does not build (Mistral's sliding window) runs on native; DeepSeek-V3 (MLA, MoE, MTP) it builds
     mi = evaluate(presets.model_config("mistral-7b"), RunLayout(tp=2, dp=4), s, Hardware(), 64, 80 * GiB,
                   engine_fallback=True)
@@ -749,14 +752,15 @@ def test_engine_per_layout_and_launch_command(capsys):
     ds = evaluate(presets.model_config("deepseek-v3"), RunLayout(tp=8, pp=16, ep=8, dp=8), s, Hardware(), 1024,
                   80 * GiB, engine_fallback=True)
     assert ds.settings.engine == "megatron-core" and not ds.engine_note
-    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--engine", "native", "--json", "--top", "1"]) == 0
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--engine", "native", "--transformer-impl", "local",
+                 "--json", "--top", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["layouts"][0]["engine"] == "native" and out["layouts"][0]["kernels"] == "eager"
     assert out["launch"][out["launch"].index("--engine") + 1] == "native"
     # the table says which engine runs its rows (megatron-core for Llama-3-70B's, native for Mistral's)
-    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--top", "5"]) == 0
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--top", "5", "--transformer-impl", "local"]) == 0
     text = capsys.readouterr().out
-    assert "engine megatron-core (local kernels)" in text.replace("\n    ", " ")
+    assert "engine megatron-core (local layer spec, local kernels)" in text.replace("\n    ", " ")
     assert main(["plan", "--model", "mistral-7b", "--gpus", "8", "--top", "2"]) == 0
     text = capsys.readouterr().out
     assert "the native engine (megatron-core's does not run it: mistral has sliding-window" in text.replace("\n    ",
@@ -776,8 +780,9 @@ FP8_RULES = [  # plan's FP8 fields, the engine's refusal (None: covered)
 def test_engine_fp8_as_the_engine_rules(fields, says):
     """FP8 on the megatron-core engine as the engine itself decides on a GPU with Transformer Engine (checks.layer_spec,
     asked here with the same flags as train.fp8.FP8Config): a run it covers is planned there (no fallback note, no
-    violation; TE's layer spec, FP8's only one: the fused list), a refused one is its line, as the fallback's note or,
-    with --engine megatron-core, a violation; plan's launch command writes the FP8 flags it modeled."""
+    violation; TE's layer spec, FP8's only one: the fused list, pinned on the launch command), a refused one is its
+    line, as the fallback's note or, with --engine megatron-core, a violation; plan's launch command writes the FP8
+    flags it modeled."""
     from plan.report import launch_argv
     from plan.search import evaluate, megatron_core_gap
     from train.engines.megatron_core.checks import NotCovered, layer_spec
@@ -794,8 +799,9 @@ def test_engine_fp8_as_the_engine_rules(fields, says):
     c = evaluate(cfg, lay, s, Hardware(), 64, 80 * GiB, engine_fallback=True)
     if says is None:
         assert gap is None and c.settings.engine == "megatron-core" and not c.engine_note and c.valid
-        assert c.settings.layer_kernels == "fused" and replace(s, fp8=False, **FP8_DEFAULTS).layer_kernels == "local"
+        assert c.settings.layer_kernels == "fused" and c.settings.transformer_impl == "transformer_engine"
         argv = launch_argv(c, 64, 8)
+        assert argv[argv.index("--transformer-impl") + 1] == "transformer_engine"
         flags = argv[argv.index("--fp8-format"):]
         assert flags[:2] == ["--fp8-format", "hybrid"]
         assert ("--fp8-recipe" in flags) == ("fp8_recipe" in fields) and ("--no-fp8-wgrad" in flags) == (
@@ -815,7 +821,7 @@ def test_engine_fp8_latent_norm_epsilon_as_the_engine_rules(eps):
     """FP8 runs on TE's layer spec only, which the engine refuses for multi-latent attention with an rms_norm_eps other
     than DeepSeek's latent norms' 1e-6 (config.te_spec_fields): such a plan is the native engine's (the engine's line
     as the fallback's note) or, with --engine megatron-core, a violation; 1e-6 is planned on megatron-core. Without FP8
-    (the local spec) either epsilon is."""
+    either epsilon is (1e-5 on the local spec: test_layer_spec_multi_latent_epsilon)."""
     from plan.search import evaluate, megatron_core_gap
     from train.engines.megatron_core.checks import NotCovered
     from train.engines.megatron_core.config import te_spec_fields
@@ -837,6 +843,116 @@ def test_engine_fp8_latent_norm_epsilon_as_the_engine_rules(eps):
     assert c.settings.engine == "native" and c.engine_note == f"the native engine (megatron-core's does not run it: {gap})"
     c = evaluate(cfg, lay, s, Hardware(), 1024, 80 * GiB, engine_fallback=False)
     assert f"--engine megatron-core: {gap}" in c.violations and not c.valid
+
+
+def _pinned(argv: list[str]) -> str:
+    """The --transformer-impl plan's launch command gives continue-pretrain (after `--`)."""
+    assert argv.index("--transformer-impl") > argv.index("--")
+    return argv[argv.index("--transformer-impl") + 1]
+
+
+@pytest.mark.parametrize("engine", ["megatron-core", "native"])
+def test_layer_spec_default_is_te_and_pinned(engine, capsys):
+    """On a GPU with Transformer Engine (the cluster plan models) both engines build TE's layer spec by default, so a
+    plan without FP8 models the fused list on either engine and its launch command pins --transformer-impl
+    transformer_engine; --transformer-impl local models each engine's local list exactly as before (megatron-core's
+    local spec, the native engine's eager autograd), pinned as local. Where the native engine has no TE form of the
+    run (Mixtral's MoE; FP8 with full recompute) the default is local, and TE's spec asked for by name is refused in
+    one line, the engine's."""
+    from plan.report import launch_argv
+    from plan.search import evaluate, layer_spec
+
+    cfg, lay = presets.model_config("llama3-70b"), RunLayout(tp=8, pp=4, dp=2)
+    s = TrainSettings(seq_length=8192, global_batch_size=64, kernels=None, engine=engine)
+    c = evaluate(cfg, lay, s, Hardware(), 64, 80 * GiB)
+    assert c.valid and c.settings.engine == engine
+    assert c.settings.transformer_impl == "transformer_engine" and c.settings.layer_kernels == "fused"
+    assert c.memory.activations == estimate_memory(cfg, lay, replace(s, kernels="fused")).activations
+    assert _pinned(launch_argv(c, 64, 8)) == "transformer_engine"
+    own = {"megatron-core": "local", "native": "eager"}[engine]
+    c = evaluate(cfg, lay, replace(s, transformer_impl="local"), Hardware(), 64, 80 * GiB)
+    assert c.valid and c.settings.layer_kernels == own and _pinned(launch_argv(c, 64, 8)) == "local"
+    assert c.memory.activations == estimate_memory(cfg, lay, replace(s, kernels=own)).activations
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--engine", engine, "--json", "--top", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layouts"][0]["transformer_impl"] == "transformer_engine" and out["layouts"][0]["kernels"] == "fused"
+    assert _pinned(out["launch"]) == "transformer_engine"
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--engine", engine, "--top", "1"]) == 0
+    assert f"engine {engine} (transformer_engine layer spec, fused kernels)" in capsys.readouterr().out.replace(
+        "\n    ", " ")
+    if engine == "megatron-core":  # it builds TE's spec for MoE (and MLA at rms_norm_eps 1e-6: DeepSeek-V3's)
+        for name in ("mixtral-8x7b", "deepseek-v3"):
+            assert layer_spec(presets.model_config(name), s) == ("transformer_engine", None)
+        return
+    moe = presets.model_config("mixtral-8x7b")
+    impl, why = layer_spec(moe, s)
+    assert impl == "local" and why.startswith("mixtral (MoE / multi-latent attention") and "\n" not in why
+    c = evaluate(moe, RunLayout(tp=2, ep=8, dp=8), s, Hardware(), 16, 80 * GiB)
+    assert c.valid and c.settings.layer_kernels == "eager" and _pinned(launch_argv(c, 16, 8)) == "local"
+    c = evaluate(moe, RunLayout(tp=2, ep=8, dp=8), replace(s, transformer_impl="transformer_engine"), Hardware(), 16,
+                 80 * GiB)
+    assert c.violations == [f"--transformer-impl transformer_engine: {why}"]
+    fp8 = replace(s, fp8=True, recompute="full")
+    assert layer_spec(cfg, fp8)[0] == "local" and layer_spec(cfg, replace(fp8, recompute="selective"))[0] == \
+        "transformer_engine"
+    c = evaluate(cfg, lay, replace(fp8, transformer_impl="transformer_engine"), Hardware(), 64, 80 * GiB)
+    assert c.violations == ["--transformer-impl transformer_engine: --recompute-granularity full with FP8: the "
+                            "recomputed forward would run outside te.autocast; use --recompute-granularity selective"]
+    with pytest.raises(PlanError, match="^--transformer-impl must be one of transformer_engine, local, got 'te'$"):
+        TrainSettings(transformer_impl="te")
+
+
+def test_layer_spec_multi_latent_epsilon():
+    """Multi-latent attention with rms_norm_eps other than 1e-6 has no TE layer spec on megatron-core
+    (te_spec_not_covered): without FP8 the default is its local spec (modeled and pinned as local, on megatron-core,
+    no fallback), and TE's spec asked for by name is refused in one line naming rms_norm_eps, the engine's own (as
+    the fallback's note without --engine, whose native engine has no TE form of MLA either: invalid both ways)."""
+    from plan.report import launch_argv
+    from plan.search import evaluate, megatron_core_gap, uneven_split
+    from train.engines.coverage import te_spec_not_covered
+
+    cfg = replace(presets.model_config("deepseek-v3"), norm_epsilon=1e-5)
+    lay = RunLayout(tp=8, pp=16, ep=8, dp=8, split=uneven_split(cfg.num_layers, 16, 1, cfg.mtp_num_layers))
+    s = TrainSettings(seq_length=4096, global_batch_size=1024, kernels=None)
+    c = evaluate(cfg, lay, s, Hardware(), 1024, 80 * GiB, engine_fallback=True)
+    assert c.valid and c.settings.engine == "megatron-core" and not c.engine_note
+    assert c.settings.transformer_impl == "local" and c.settings.layer_kernels == "local"
+    assert _pinned(launch_argv(c, 1024, 8)) == "local"
+    assert c.memory.activations == estimate_memory(cfg, lay, replace(s, kernels="local")).activations
+    te = replace(s, transformer_impl="transformer_engine")
+    line = te_spec_not_covered(True, 1e-5)
+    assert megatron_core_gap(cfg, lay, te) == line and "rms_norm_eps 1e-05" in line and "\n" not in line
+    c = evaluate(cfg, lay, te, Hardware(), 1024, 80 * GiB, engine_fallback=False)
+    assert c.violations == [f"--engine megatron-core: {line}"] and c.reason == c.violations[0]
+    c = evaluate(cfg, lay, te, Hardware(), 1024, 80 * GiB, engine_fallback=True)
+    assert c.settings.engine == "native" and "rms_norm_eps 1e-05" in c.engine_note and not c.valid
+    c = evaluate(replace(cfg, norm_epsilon=1e-6), lay, te, Hardware(), 1024, 80 * GiB, engine_fallback=False)
+    assert c.valid and c.settings.layer_kernels == "fused"
+
+
+def test_layer_spec_fp8_local_is_the_engines_refusal():
+    """FP8 on megatron-core runs in TE's modules only: --transformer-impl local with --fp8 is the engine's own line
+    (fp8_not_covered on the local spec, as checks.layer_spec raises it), a violation with --engine megatron-core,
+    the native engine (its local FP8, the eager list, pinned local) without."""
+    from plan.report import launch_argv
+    from plan.search import evaluate, megatron_core_gap
+    from train.engines.coverage import fp8_not_covered
+    from train.engines.megatron_core.checks import NotCovered, layer_spec
+    from train.fp8 import FP8Config
+
+    cfg, lay = presets.model_config("llama3-70b"), RunLayout(tp=8, pp=4, dp=2)
+    s = TrainSettings(seq_length=8192, global_batch_size=64, kernels=None, fp8=True, transformer_impl="local")
+    line = fp8_not_covered(s, te_spec=False, have_te=True)
+    with pytest.raises(NotCovered) as e:
+        layer_spec("local", FP8Config(fp8_format="hybrid"), False, True)
+    assert str(e.value) == line and "--transformer-impl local" in line
+    assert megatron_core_gap(cfg, lay, s) == line
+    c = evaluate(cfg, lay, s, Hardware(), 64, 80 * GiB, engine_fallback=False)
+    assert c.violations == [f"--engine megatron-core: {line}"]
+    c = evaluate(cfg, lay, s, Hardware(), 64, 80 * GiB, engine_fallback=True)
+    assert c.valid and c.settings.engine == "native" and c.settings.layer_kernels == "eager"
+    assert c.engine_note == f"the native engine (megatron-core's does not run it: {line})"
+    assert _pinned(launch_argv(c, 64, 8)) == "local"
 
 
 def test_plan_fp8_flags(capsys):

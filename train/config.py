@@ -575,8 +575,9 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
         raise ConfigError(f"continue-pretrain: {e}") from None
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Errors that need no checkpoint and no process group."""
+def validate(cfg: TrainConfig, te_on_nodes: bool = False) -> None:
+    """Errors that need no checkpoint and no process group. `te_on_nodes`: Transformer Engine is taken to be installed
+    where the job runs (`shardkit launch`: the GPU cluster `shardkit plan` models), not looked for on this machine."""
     d, c = cfg.data, cfg.checkpoint
     if cfg.schedule.exit_signal_handler:
         from .signals import ExitSignals
@@ -617,7 +618,8 @@ def validate(cfg: TrainConfig) -> None:
                 raise ConfigError("--transformer-impl transformer_engine: --recompute-granularity full with FP8: the "
                                   "recomputed forward would run outside te.autocast; use --recompute-granularity "
                                   "selective")
-        check_installed()  # before any process group or checkpoint: one line naming the flag and the install
+        if not te_on_nodes:
+            check_installed()  # before any process group or checkpoint: one line naming the flag and the install
     validate_moe(cfg)
     run_length(cfg)  # --train-iters/--train-samples and the LR/WD schedule flags
 

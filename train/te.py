@@ -79,14 +79,11 @@ def packed_cp_refusal(cp: int, default: bool = False) -> str:
 
 
 def unsupported(cfg: ModelConfig, fp8: FP8Config, recompute: str | None) -> str | None:
-    """Why this run has no TE form here (None: it has one)."""
-    if cfg.multi_latent_attention or cfg.is_moe or cfg.sliding_window is not None or cfg.qk_layernorm:
-        return (f"{cfg.model_type} (MoE / multi-latent attention / sliding window / QK norm) has no TE form here; use "
-                "--transformer-impl local")
-    if fp8.enabled and recompute == "full":
-        return ("--recompute-granularity full with FP8: the recomputed forward would run outside te.autocast; use "
-                "--recompute-granularity selective")
-    return None
+    """Why this run has no TE form here (None: it has one): train.engines.coverage.te_form_not_covered, torch-free,
+    which `shardkit plan` asks too."""
+    from train.engines.coverage import te_form_not_covered
+
+    return te_form_not_covered(cfg, fp8, recompute)
 
 
 def resolve_impl(requested: str | None, device: torch.device, have_te: bool | None = None,

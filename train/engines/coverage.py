@@ -1,6 +1,6 @@
-"""What the megatron-core engine builds (issue 40), without torch: asked by the engine itself
-(train/engines/megatron_core/checks.py check_model and layer_spec) and by `shardkit plan`, which models the engine a
-layout runs on."""
+"""What the megatron-core engine builds (issue 40), and what has a Transformer Engine form on the native engine, without
+torch: asked by the engines themselves (train/engines/megatron_core/checks.py check_model and layer_spec, train/te.py
+unsupported) and by `shardkit plan`, which models the engine and layer spec a layout runs on."""
 from __future__ import annotations
 
 from checkpoint.config import LATENT_NORM_EPS
@@ -80,4 +80,19 @@ def te_spec_not_covered(multi_latent_attention: bool, norm_epsilon: float) -> st
         return (f"rms_norm_eps {norm_epsilon} with multi-latent attention on Transformer Engine's layer spec: its "
                 f"latent norms (fused into linear_q_up_proj / linear_kv_up_proj) take the config's epsilon, DeepSeek's "
                 f"take {LATENT_NORM_EPS}; use --transformer-impl local")
+    return None
+
+
+def te_form_not_covered(m, fp8, recompute: str | None) -> str | None:
+    """Why the native engine's Transformer Engine backend has no form of this run (None: it has one): model config
+    `m`, FP8 flags `fp8` (any object with train.fp8.FP8Config's fp8_format, None: off) and --recompute-granularity.
+    Only dense Llama-family layers are rebuilt from TE modules (train/te.py), and a full recompute would run the FP8
+    forward outside te.autocast. train.te.unsupported (the engine's rule: by default the local backend then) and
+    `shardkit plan`'s."""
+    if m.multi_latent_attention or m.is_moe or m.sliding_window is not None or m.qk_layernorm:
+        return (f"{m.model_type} (MoE / multi-latent attention / sliding window / QK norm) has no TE form here; use "
+                "--transformer-impl local")
+    if fp8.fp8_format is not None and recompute == "full":
+        return ("--recompute-granularity full with FP8: the recomputed forward would run outside te.autocast; use "
+                "--recompute-granularity selective")
     return None

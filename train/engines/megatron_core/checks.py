@@ -19,14 +19,16 @@ class NotCovered(Exception):
         return ConfigError(f"--engine megatron-core: {self}")
 
 
-def check_flags(cfg, on_cpu: bool) -> None:
-    """The flags this engine cannot honour (yet): NotCovered naming the flag, before anything is read or created."""
+def check_flags(cfg, on_cpu: bool, have_te: bool | None = None) -> None:
+    """The flags this engine cannot honour (yet): NotCovered naming the flag, before anything is read or created.
+    `have_te`: Transformer Engine installed where it runs (None: on this machine, as looked up)."""
     r = cfg.run
     where = "megatron-core cannot run it on the CPU" if on_cpu else "not in the megatron-core engine yet (issue 40)"
     if on_cpu and os.environ.get(CPU_SWITCH) != "1":
         raise NotCovered("megatron-core's engine runs on CUDA; on the CPU it runs only as a test of itself on gloo "
                          f"({CPU_SWITCH}=1); use --engine native here")
-    layer_spec(r.transformer_impl, cfg.fp8, on_cpu, te_available())  # TE's layer spec and FP8: where they run
+    have_te = te_available() if have_te is None else have_te
+    layer_spec(r.transformer_impl, cfg.fp8, on_cpu, have_te)  # TE's layer spec and FP8: where they run
     if on_cpu and r.recompute_granularity:  # its checkpoint function saves and restores the CUDA RNG state
         raise NotCovered(f"--recompute-granularity {r.recompute_granularity}: {where} (its recompute restores the "
                          "CUDA RNG state); drop it or use --engine native")
