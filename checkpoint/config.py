@@ -333,7 +333,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, hf_dir: str | Path) -> "ModelConfig":
-        from .safety import read_input, regular_file, safe_path
+        from .safety import regular_file, safe_path
 
         path = Path(hf_dir) / "config.json"
         if not regular_file(path, missing_ok=True):  # a FIFO or a device: one line naming it, never a hang
@@ -341,6 +341,14 @@ class ModelConfig:
         # a link may resolve inside the model folder (a hub snapshot: inside its models--org--name), never into
         # another repository's blobs or elsewhere (issue 34): the config must be this model's
         safe_path(hf_dir, "config.json", f"{hf_dir}: config.json")
+        return cls.from_hf_file(path)
+
+    @classmethod
+    def from_hf_file(cls, path: str | Path) -> "ModelConfig":
+        """An HF config.json file by itself (`shardkit plan --model config.json`: a model's config without its
+        weights). A FIFO, device or a file over 64 MiB is one line naming it."""
+        from .safety import read_input
+
         try:
             data = json.loads(read_input(path, limit=64 << 20))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -12,8 +12,9 @@ from .units import PlanError, parse_bytes
 
 def add_parsers(sub) -> None:
     pl = sub.add_parser("plan", help="per-GPU memory and step time of every TP/PP/VPP/CP/EP/DP layout; ranked")
-    pl.add_argument("--model", required=True, metavar="PRESET|HF_DIR|CKPT",
-                    help="a preset name (llama3-70b, deepseek-v3, ...), an HF model directory or a shardkit checkpoint")
+    pl.add_argument("--model", required=True, metavar="PRESET|HF_DIR|CONFIG_JSON|CKPT",
+                    help="a preset name (llama3-70b, deepseek-v3, ...), an HF model directory, its config.json alone or a "
+                         "shardkit checkpoint")
     pl.add_argument("--gpus", type=int, required=True, help="total GPUs")
     pl.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, e.g. 80GiB, 141GB (default 80GiB)")
     pl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; TP stays inside one (default 8)")
@@ -127,7 +128,8 @@ def add_parsers(sub) -> None:
 
 
 def resolve_model(model: str) -> tuple[str, ModelConfig]:
-    """A preset name, an HF directory (config.json) or a shardkit checkpoint (its manifest's config)."""
+    """A preset name, an HF directory (config.json), an HF config.json file or a shardkit checkpoint (its
+    manifest's config)."""
     from checkpoint import presets
 
     from checkpoint.safety import regular_file
@@ -141,6 +143,8 @@ def resolve_model(model: str) -> tuple[str, ModelConfig]:
             return model, Checkpoint(local).config
     path = Path(model)
     if path.exists():
+        if not path.is_dir() and regular_file(path, "--model"):  # an HF config.json by itself (a FIFO: one line)
+            return str(path), ModelConfig.from_hf_file(path)
         if regular_file(path / "config.json", "--model", missing_ok=True):  # a FIFO there: one line naming it
             return str(path), ModelConfig.from_hf_dir(path)
         from checkpoint.reader import Checkpoint

@@ -447,9 +447,23 @@ def test_cli_plan_top_is_honoured_when_nothing_fits(capsys):
 
 
 def test_cli_plan_from_hf_dir(tmp_path, capsys):
+    """An HF directory, or its config.json alone (a hub config without the weights), plans the same; a config file
+    that is a FIFO or not a JSON object is one line naming it."""
+    import os
+
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    assert main(["plan", "--model", str(tmp_path), "--gpus", "4", "--gpus-per-node", "4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["fitting"] > 0
+    plans = []
+    for model in (tmp_path, tmp_path / "config.json"):
+        assert main(["plan", "--model", str(model), "--gpus", "4", "--gpus-per-node", "4", "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+        assert plans[-1]["fitting"] > 0
+    assert plans[0]["candidates"] == plans[1]["candidates"] and plans[0]["layouts"] == plans[1]["layouts"]
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "list.json").write_text("[1]")
+    for name, needle in (("fifo.json", "is a FIFO"), ("list.json", "expected a JSON object")):
+        assert main(["plan", "--model", str(tmp_path / name), "--gpus", "4"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("shardkit: error: ") and needle in err and name in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("argv,needle", [
