@@ -401,6 +401,7 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str |
     started = time.time()
     from checkpoint import chunkio
     from checkpoint.opened import NativeCheckpoint, format_of
+    from verify.report import compared
 
     chunkio.POOL.clear()  # the writes' idle buffers (up to 384 MiB): the comparison has its own
     args = dict(memory_budget=memory_budget, quiet=quiet, asked=asked, allow_nonfinite=allow_nonfinite)
@@ -428,7 +429,7 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str |
     # the verdict is the result, like the "wrote" line (--quiet drops the bars only)
     print(f"verify: logits vs {hf_dir} ({p['mode']}, fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| "
           f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if p['ok'] else 'FAIL'} in "
-          f"{time.time() - started:.1f} s{where}")
+          f"{time.time() - started:.1f} s; compared: {compared(p)}{where}")
     if not p["ok"]:
         if withdraw:
             print(f"shardkit: error: {path} does not reproduce {hf_dir}{where or ' (logits differ)'}; "

@@ -13,6 +13,7 @@ import pytest
 
 from verify.against import against_hf
 from verify.budget import memory_needs, piece_groups
+from verify.report import compared
 from verify.streamed import stream_parity
 from tests import moe_models
 from tests.test_model_parity import CASES, make_hf
@@ -95,6 +96,10 @@ def test_mtp_layer_compared_and_a_planted_error_named(tmp_path):
     assert row["max_abs_diff"] <= 1e-5 and row["eh_proj_max_abs_diff"] <= 1e-5 and row["logits_max_abs_diff"] <= 1e-4
     assert row["experts_exercised"] > 0 and s["mtp_max_abs_diff"][0] <= 1e-4
     L = ck.config.num_layers
+    # every row compared is named, in `convert`'s line and `verify`'s report alike (issue 42)
+    assert compared(s) == f"embedding, decoder layers 0-{L - 1}, head, MTP layer 0"
+    assert compared({**s, "layers": [{"layer": n} for n in ("embedding", 0, 2, 3, "head", "mtp.0", "mtp.1")]}) == \
+        "embedding, decoder layer 0, decoder layers 2-3, head, MTP layer 0, MTP layer 1"
     _plant(hf_dir, f"model.layers.{L}.eh_proj.weight", _bump_row)
     bad = stream_parity(ck, hf_dir, seq_len=seq)
     assert bad["first_layer_beyond_tolerance"] == "mtp.0" and bad["max_abs_diff"] <= 1e-4  # main logits still fine
@@ -201,6 +206,7 @@ def test_convert_verifies_by_default(tmp_path, capsys):
 
     rc, verdict, err = run(tmp_path / "ck", "--tp", "2")
     assert rc == 0 and err == "" and len(verdict) == 1 and "OK" in verdict[0] and "whole" in verdict[0], verdict
+    assert "; compared: the final logits (whole model)" in verdict[0], verdict  # the line says what it compared
     assert run(tmp_path / "ck2", "--no-verify")[:2] == (0, [])
     rc, verdict, _ = run(tmp_path / "td", "--format", "torch_dist", "--tp", "2")
     assert rc == 0 and len(verdict) == 1 and "OK" in verdict[0], verdict

@@ -1,6 +1,7 @@
 """`verify`'s one printer, for both formats: what the integrity check read (the one part each format says its own
 way), the non-finite values, and with --against the logits, what was compared directly, the streamed per-layer rows
-and the first layer beyond the tolerance; then the one `shardkit: error:` line of a checkpoint that fails."""
+(each named: `compared`) and the first layer beyond the tolerance; then the one `shardkit: error:` line of a
+checkpoint that fails."""
 from __future__ import annotations
 
 
@@ -51,7 +52,7 @@ def _parity_lines(p: dict, against: str, ok: bool) -> None:
         print(f"  not exercised or compared: {what}")
     if p["mode"] == "streaming":
         moe = [r for r in p["layers"] if "experts" in r]
-        print(f"  streamed layer by layer (each on HF's hidden state): worst layer |diff| "
+        print(f"  streamed layer by layer (each on HF's hidden state): {compared(p)}; worst |diff| "
               f"{max(r['max_abs_diff'] for r in p['layers']):.3e}"
               + (f"; experts exercised {sum(r['experts_exercised'] for r in moe)}/"
                  f"{sum(r['experts'] for r in moe)}" if moe else ""))
@@ -60,6 +61,32 @@ def _parity_lines(p: dict, against: str, ok: bool) -> None:
                 where = f"layer {r['layer']}" + (f", expert {r['expert']} ({r['expert_max_abs_diff']:.3e})"
                                                   if "expert" in r else "")
                 print(f"  {where}: |diff| {r['max_abs_diff']:.3e} beyond the tolerance")
+
+
+def compared(p: dict) -> str:
+    """What the proof compared, every row named: 'embedding, decoder layers 0-60, head, MTP layer 0' (streamed) or
+    'the final logits (whole model)' (`convert`'s line and `verify`'s report both say it)."""
+    if p.get("mode") != "streaming":
+        return "the final logits (whole model)"
+    names, run = [], []  # consecutive decoder layers as one range
+
+    def flush() -> None:
+        if run:
+            names.append(f"decoder layer {run[0]}" if len(run) == 1 else f"decoder layers {run[0]}-{run[-1]}")
+            run.clear()
+
+    for r in p["layers"]:
+        layer = r["layer"]
+        if isinstance(layer, int) and (not run or layer == run[-1] + 1):
+            run.append(layer)
+            continue
+        flush()
+        if isinstance(layer, int):
+            run.append(layer)
+        else:
+            names.append(f"MTP layer {layer.split('.', 1)[1]}" if layer.startswith("mtp.") else layer)
+    flush()
+    return ", ".join(names)
 
 
 def error_line(result: dict, against: str | None, tolerance: float) -> str | None:
