@@ -11,7 +11,11 @@
         bf16 tokens/s, MFU and the losses step by step -- skipped when megatron-core is not importable
         (scripts/gpu_wheels.sh downloads its cp312 wheel into .gpu-wheels/, which scripts/gpu_check.sh installs);
         where Transformer Engine is importable too, megatron-core's TE layer spec in bf16 and with FP8 (delayed
-        scaling) -- recorded as "skipped: no Transformer Engine" otherwise.
+        scaling) -- recorded as "skipped: no Transformer Engine" otherwise;
+    (e) peak GPU memory (torch.cuda.max_memory_allocated, the trainer's mem_gib) of (b)'s and (d)'s runs against
+        `shardkit plan`'s estimate of the same run (plan.memory.estimate_memory: 1 GPU, that sequence, micro and
+        global batch 1, no recompute, that engine and layer spec; its reserved CUDA context / NCCL / workspace
+        allowance left out, which max_memory_allocated does not see); goal: within 10%.
 
 Every number comes from the real trainer: a random HF Llama is built locally from transformers' LlamaConfig (no hub),
 saved, converted with `shardkit convert hf-to-mcore`, and trained for a few steps by `shardkit continue-pretrain` on a
@@ -44,7 +48,7 @@ SMALL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hid
              num_key_value_heads=4, max_position_embeddings=8192, tie_word_embeddings=False)
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
-GOAL_MFU, GOAL_FP8_SPEEDUP = 0.45, 1.3
+GOAL_MFU, GOAL_FP8_SPEEDUP, GOAL_MEMORY_VS_PLAN = 0.45, 1.3, 0.10
 
 
 def build_checkpoint(work: Path, name: str, shape: dict, device: str) -> Path:
@@ -63,6 +67,22 @@ def build_checkpoint(work: Path, name: str, shape: dict, device: str) -> Path:
     if cli(["convert", "hf-to-mcore", str(hf), str(ck), "--quiet"]) != 0:
         raise RuntimeError(f"convert hf-to-mcore {hf} failed")
     return ck
+
+
+def plan_estimate(hf_dir: Path, seq: int, engine: str, impl: str) -> dict:
+    """`shardkit plan`'s memory estimate (GiB) of the run `train` launches: one GPU, `seq` tokens, micro and global
+    batch 1, no recompute, bf16 weights, the given engine and --transformer-impl."""
+    from checkpoint.config import ModelConfig
+    from checkpoint.run_layout import RunLayout
+    from plan.memory import TrainSettings, estimate_memory
+
+    s = TrainSettings(seq_length=seq, micro_batch_size=1, global_batch_size=1, recompute="none", kernels=None,
+                      engine=engine, transformer_impl=impl)
+    e = estimate_memory(ModelConfig.from_hf_dir(hf_dir), RunLayout(), s)
+    gib = {k: getattr(e, k) / 2**30 for k in ("weights", "grads", "optimizer", "activations", "comm_buffers",
+                                               "reserved", "total")}
+    gib["without_reserved"] = gib["total"] - gib["reserved"]
+    return {"engine": engine, "transformer_impl": impl, "kernels": s.layer_kernels, "gib": gib}
 
 
 def build_corpus(work: Path, vocab: int, tokens: int) -> Path:
@@ -131,7 +151,7 @@ class Check:
         self.summary: dict = {"mode": "cpu-smoke" if self.smoke else "gpu", "device": self._device_name(),
                               "torch": torch.__version__, "transformer_engine": self._te_version(),
                               "goals": {"bf16_mfu_megatron_seq4096": GOAL_MFU, "fp8_over_bf16_seq8192":
-                                        GOAL_FP8_SPEEDUP}}
+                                        GOAL_FP8_SPEEDUP, "memory_vs_plan_within": GOAL_MEMORY_VS_PLAN}}
         self.extra = ["--peak-tflops", "1"] if self.smoke else []  # CPU: a nominal peak so MFU is computed
 
     def _device_name(self) -> str:
@@ -175,7 +195,7 @@ class Check:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(self.summary, indent=1) + "\n")
 
-    # -- the three parts --------------------------------------------------------------------------------------------
+    # -- the parts --------------------------------------------------------------------------------------------
     def backends(self) -> dict:
         """(a) TE vs local: per-step losses from the same checkpoint and data."""
         if not self.te and not self.smoke:
@@ -286,6 +306,26 @@ class Check:
             res[label]["max_rel_loss_diff_vs_native"] = max((abs(a - b) / abs(a) for a, b in pairs), default=None)
         return res
 
+    def memory_vs_plan(self) -> dict:
+        """(e) the measured peak of (b)'s native run and (d)'s megatron-core run (local layer spec, bf16, seq 4096)
+        against plan's estimate of each; on the CPU (--cpu-smoke) mem_gib is the process's RSS: computed, no goal."""
+        seq = 128 if self.smoke else 4096
+        self.big()
+        res: dict = {"seq_length": seq, "goal_within": GOAL_MEMORY_VS_PLAN}
+        measured = {"native": (self.summary.get("b_bf16_seq4096") or {}).get("mem_gib"),
+                    "megatron-core": ((self.summary.get("d_megatron_core_vs_native_seq4096") or {})
+                                      .get("megatron_core") or {}).get("mem_gib")}
+        for engine, mem in measured.items():
+            est = plan_estimate(self.work / "big-hf", seq, engine, "local")
+            row = {"measured_gib": mem, "plan": est}
+            if mem:
+                row["measured_over_plan"] = mem / est["gib"]["without_reserved"]
+                row["goal_met"] = None if self.smoke else abs(row["measured_over_plan"] - 1) <= GOAL_MEMORY_VS_PLAN
+            else:
+                row["skipped"] = "its run did not report a peak (see its part)"
+            res[engine] = row
+        return res
+
     def big(self) -> tuple[Path, Path]:
         if not hasattr(self, "_big"):
             shape = TINY if self.smoke else BIG
@@ -304,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="training steps per throughput run (default 10)")
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians (default 3)")
     p.add_argument("--deadline-s", type=float, default=480, help="skip parts that would start after this")
-    p.add_argument("--parts", default="a,b,c,d", help="which of a,b,c,d to run")
+    p.add_argument("--parts", default="a,b,c,d,e", help="which of a,b,c,d,e to run")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -316,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         check.part("b_bf16_seq4096", check.bf16_4096)
     if "d" in parts:  # after (b), whose native run it reuses
         check.part("d_megatron_core_vs_native_seq4096", check.engines)
+    if "e" in parts:  # no GPU time: (b)'s and (d)'s peaks against plan's estimates
+        check.part("e_memory_vs_plan_seq4096", check.memory_vs_plan)
     if "c" in parts:
         check.part("c_fp8_vs_bf16_seq8192", check.fp8_8192)
     if "a" in parts:

@@ -8,6 +8,7 @@
 #   (d) the megatron-core engine vs the native engine on (b)'s model: tokens/s, MFU, losses (skipped without
 #       megatron-core; run scripts/gpu_wheels.sh here first and carry .gpu-wheels); with TE importable also
 #       megatron-core's TE layer spec, bf16 and FP8 delayed ("skipped: no Transformer Engine" otherwise)
+#   (e) (b)'s and (d)'s peak GPU memory vs `shardkit plan`'s estimate of the same run (goal: within 10%)
 # and writes $OUT/gpu_check.json (./gpu_check_out/ when OUT is unset).
 #
 #   bash scripts/gpu_check.sh                 # on the GPU machine

@@ -367,7 +367,8 @@ def test_transformer_engine_missing_is_one_line(setup, capsys):
 
 def test_gpu_check_cpu_smoke(tmp_path):
     """scripts/gpu_check.sh --cpu-smoke: the GPU check's code on the CPU with tiny sizes (every part, both runs of the
-    backend comparison, bf16 and FP8 throughput with MFU, the megatron-core engine against the native one), writing
+    backend comparison, bf16 and FP8 throughput with MFU, the megatron-core engine against the native one, both runs'
+    peak memory against plan's estimate), writing
     the JSON summary under $OUT."""
     import os
     import subprocess
@@ -395,6 +396,12 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert d["megatron_core_over_native"] > 0 and len(d["megatron_core"]["losses"]) == 3
     assert d["max_rel_loss_diff"] < 1e-3  # bf16, the same model and data: the two engines track each other
     assert d["megatron_core_te"] == {"skipped": "no Transformer Engine"}  # its TE spec and FP8: only with TE
+    e = s["e_memory_vs_plan_seq4096"]  # issue 33 (4): each run's peak against plan's estimate of that run
+    for engine, kernels in (("native", "eager"), ("megatron-core", "local")):
+        row = e[engine]
+        assert row["measured_gib"] > 0 and row["plan"]["kernels"] == kernels, row
+        assert 0 < row["plan"]["gib"]["without_reserved"] < row["plan"]["gib"]["total"], row
+        assert row["measured_over_plan"] > 0 and row["goal_met"] is None, row  # the CPU's RSS: no goal
     for label in ("fp8_tensorwise", "fp8_delayed"):
         assert c[label]["speedup_over_bf16"] > 0
         fp8, bf16 = np.array(c[label]["losses"]), np.array(c["bf16"]["losses"])
