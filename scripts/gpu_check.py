@@ -51,8 +51,13 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 GOAL_MFU, GOAL_FP8_SPEEDUP, GOAL_MEMORY_VS_PLAN = 0.45, 1.3, 0.10
 
 
-def build_checkpoint(work: Path, name: str, shape: dict, device: str) -> Path:
-    """Random HF Llama (bf16, seeded) -> save_pretrained -> shardkit convert hf-to-mcore; returns the checkpoint."""
+def build_checkpoint(work: Path, name: str, shape: dict, device: str, said: dict | None = None) -> Path:
+    """Random HF Llama (bf16, seeded) -> save_pretrained -> shardkit convert hf-to-mcore (with its default proof on
+    the machine's CPU: issue 33 (5), the image's smoke test); returns the checkpoint. `said` gets the conversion's
+    wall time and its "wrote" and "verify:" lines."""
+    import contextlib
+    import io
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -64,7 +69,14 @@ def build_checkpoint(work: Path, name: str, shape: dict, device: str) -> Path:
         model = LlamaForCausalLM(LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16"))
     model.to(torch.bfloat16).save_pretrained(str(hf))
     del model
-    if cli(["convert", "hf-to-mcore", str(hf), str(ck), "--quiet"]) != 0:
+    out, t = io.StringIO(), time.monotonic()
+    with contextlib.redirect_stdout(out):
+        rc = cli(["convert", "hf-to-mcore", str(hf), str(ck), "--quiet"])
+    print(out.getvalue(), end="")
+    if said is not None:
+        said.update(seconds=round(time.monotonic() - t, 1), exit=rc,
+                    lines=[ln for ln in out.getvalue().splitlines() if ln.startswith(("wrote", "verify:"))])
+    if rc != 0:
         raise RuntimeError(f"convert hf-to-mcore {hf} failed")
     return ck
 
@@ -329,7 +341,8 @@ class Check:
     def big(self) -> tuple[Path, Path]:
         if not hasattr(self, "_big"):
             shape = TINY if self.smoke else BIG
-            ck = build_checkpoint(self.work, "big", shape, self.device)
+            said = self.summary.setdefault("conversion", {})  # the image's convert + its proof (issue 33 (5))
+            ck = build_checkpoint(self.work, "big", shape, self.device, said)
             seq = 256 if self.smoke else 8192
             data = build_corpus(self.work / "big", shape["vocab_size"], (seq + 1) * (self.args.steps + 2) * 2)
             self._big = (ck, data)

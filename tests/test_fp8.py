@@ -396,6 +396,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert d["megatron_core_over_native"] > 0 and len(d["megatron_core"]["losses"]) == 3
     assert d["max_rel_loss_diff"] < 1e-3  # bf16, the same model and data: the two engines track each other
     assert d["megatron_core_te"] == {"skipped": "no Transformer Engine"}  # its TE spec and FP8: only with TE
+    conv = s["conversion"]  # issue 33 (5): the conversion and its default proof on the machine's CPU side
+    assert conv["exit"] == 0 and conv["lines"][0].startswith("wrote "), conv
+    assert conv["lines"][1].startswith("verify: logits vs") and ": OK in " in conv["lines"][1], conv
     e = s["e_memory_vs_plan_seq4096"]  # issue 33 (4): each run's peak against plan's estimate of that run
     for engine, kernels in (("native", "eager"), ("megatron-core", "local")):
         row = e[engine]
