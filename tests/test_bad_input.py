@@ -348,6 +348,18 @@ def test_verify_flipped_byte(ckpt, capsys):
     assert_one_line_error(rc, err, f"tensor {CHUNK_TENSOR}", _chunk_index(ckpt, CHUNK_TENSOR, victim))
 
 
+@pytest.mark.parametrize("mode", ["whole", "streaming"])
+def test_verify_against_a_truncated_source(ckpt, hf, capsys, mode):
+    """verify --against an HF directory whose safetensors file was cut short: one line naming the file, in both
+    modes (was the safetensors library's traceback: 'incomplete metadata, file not fully covered')."""
+    p = hf / "model.safetensors"
+    os.truncate(p, p.stat().st_size // 2)
+    rc, err = run_inproc(["verify", ckpt, "--against", hf, "--quiet", *(["--streaming"] if mode == "streaming" else [])],
+                         capsys)
+    line = assert_one_line_error(rc, err, str(p))
+    assert "truncated" in line
+
+
 def test_megatron_is_not_imported_by_the_test_process():
     """megatron-core registers pickle safe globals when imported; the allowlist tests must run without them."""
     import sys

@@ -57,6 +57,11 @@ def against_hf(ck, hf_dir: str | Path, *, seq_len: int = 32, tolerance: float = 
             "save_pretrained(safe_serialization=True))" if pickles else
             "no model.safetensors or model.safetensors.index.json"))
     ModelConfig.from_hf_dir(hf_dir)  # config.json through its one checked reader first (unreadable, nested: one line)
+    from checkpoint.hf_source import HFSource
+
+    # every safetensors header checked as the conversion checks it, before either mode opens a file with the
+    # safetensors library (a truncated or corrupt file was its traceback: one line naming the file and the tensor)
+    HFSource(hf_dir).close()
     mode, memory = choose_mode(ck, streaming or all_experts or quantized_source(hf_dir), memory_budget)
     # streamed, the config is checked once the disk has started reading ahead (stream_parity), before any layer
     if mode == "whole" and (hf_dir / "config.json").is_file() and (
