@@ -106,6 +106,29 @@ def test_mtp_layer_compared_and_a_planted_error_named(tmp_path):
     assert not against_hf(ck, hf_dir, seq_len=seq, streaming=True)["ok"]
 
 
+def test_report_names_an_mtp_row_beyond_the_tolerance(tmp_path, capsys):
+    """verify's report on an MTP layer that fails on its eh_proj input (its transformer layer on HF's input equal):
+    the row is named with the number that fails it, and the worst |diff| is that number (was a FAIL with a worst
+    |diff| of 0 and no row named, while the error line named layer mtp.0)."""
+    from verify.report import print_report
+
+    hf_dir, seq = _hf_dir(tmp_path, "deepseek_v3")
+    ck = _convert(tmp_path, hf_dir)
+    L = ck.config.num_layers
+    _plant(hf_dir, f"model.layers.{L}.eh_proj.weight", _bump_row)
+    p = against_hf(ck, hf_dir, seq_len=seq, streaming=True)
+    (row,) = [r for r in p["layers"] if r["layer"] == "mtp.0"]
+    assert not p["ok"] and row["max_abs_diff"] <= 1e-4 < row["eh_proj_max_abs_diff"], row
+    capsys.readouterr()
+    print_report({"path": "ck", "tensors": 1, "chunks": 1, "bytes": 1, "nonfinite": {}, "parity": p, "ok": False},
+                 str(hf_dir))
+    out = capsys.readouterr().out
+    assert f"  layer mtp.0: |diff| {row['max_abs_diff']:.3e}, eh_proj {row['eh_proj_max_abs_diff']:.3e} beyond the " \
+           "tolerance" in out, out
+    worst = max(row["eh_proj_max_abs_diff"], row.get("logits_max_abs_diff", 0))
+    assert f"worst |diff| {worst:.3e}" in out, out
+
+
 def test_deepseek_expert_error_named_at_layer_and_expert(tmp_path):
     hf_dir, seq = _hf_dir(tmp_path, "deepseek_v2_lite")
     ck = _convert(tmp_path, hf_dir, ep=2)

@@ -52,15 +52,23 @@ def _parity_lines(p: dict, against: str, ok: bool) -> None:
         print(f"  not exercised or compared: {what}")
     if p["mode"] == "streaming":
         moe = [r for r in p["layers"] if "experts" in r]
+        tol = p["tolerance"]
         print(f"  streamed layer by layer (each on HF's hidden state): {compared(p)}; worst |diff| "
-              f"{max(r['max_abs_diff'] for r in p['layers']):.3e}"
+              f"{max(max(r.get(k, 0) for k, _ in _ROW_DIFFS) for r in p['layers']):.3e}"
               + (f"; experts exercised {sum(r['experts_exercised'] for r in moe)}/"
                  f"{sum(r['experts'] for r in moe)}" if moe else ""))
         for r in p["layers"]:
-            if not (r["max_abs_diff"] <= p["tolerance"] and r.get("expert_max_abs_diff", 0) <= p["tolerance"]):
+            # every number the verdict holds against a row (streamed.py's _beyond): an MTP layer's eh_proj input and
+            # its logits too, else its failure was a FAIL with no row named and a worst |diff| of 0
+            if not (all(r.get(k, 0) <= tol for k, _ in _ROW_DIFFS) and r.get("expert_max_abs_diff", 0) <= tol):
                 where = f"layer {r['layer']}" + (f", expert {r['expert']} ({r['expert_max_abs_diff']:.3e})"
                                                   if "expert" in r else "")
-                print(f"  {where}: |diff| {r['max_abs_diff']:.3e} beyond the tolerance")
+                also = "".join(f", {what} {r[k]:.3e}" for k, what in _ROW_DIFFS[1:] if k in r and not r[k] <= tol)
+                print(f"  {where}: |diff| {r['max_abs_diff']:.3e}{also} beyond the tolerance")
+
+
+# a streamed row's differences: its output on HF's input, and an MTP layer's eh_proj output and logits
+_ROW_DIFFS = (("max_abs_diff", None), ("eh_proj_max_abs_diff", "eh_proj"), ("logits_max_abs_diff", "logits"))
 
 
 def compared(p: dict) -> str:
