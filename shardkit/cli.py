@@ -650,6 +650,10 @@ def _dispatch_local(args: argparse.Namespace) -> int:
         from convert.hf_to_mcore import convert_hf_to_mcore
 
         dtype = _check_dtype(args.dtype)
+        if args.memory_budget is not None:  # the proof's flag: a typo is one line now, not after the whole write
+            from plan.units import parse_bytes
+
+            parse_bytes(args.memory_budget, "--memory-budget")
         layout = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
                         split=PipelineSplit.from_args(args))
         if args.format != "torch_dist" and args.make_vocab_size_divisible_by is not None:

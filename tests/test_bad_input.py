@@ -209,6 +209,16 @@ def test_non_empty_output_needs_overwrite(hf, out, capsys):
     assert not (out / "iter_0000000.partial").exists()
 
 
+@pytest.mark.parametrize("budget", ["lots", "0"])
+def test_a_bad_memory_budget_is_refused_before_writing(hf, out, capsys, budget):
+    """convert's --memory-budget (the proof's) that does not parse: one line before anything is written (was found
+    by the proof only, after the whole conversion, which it then withdrew)."""
+    rc, err = run_inproc(convert_argv(hf, out, "--memory-budget", budget), capsys)
+    line = assert_one_line_error(rc, err, "--memory-budget", repr(budget))
+    assert "nothing was committed" not in line, line
+    assert not out.exists() or not any(out.iterdir()), sorted(os.listdir(out))
+
+
 def test_unknown_dtype(hf, out, capsys):
     rc, err = run_inproc(convert_argv(hf, out, "--dtype", "fp7"), capsys)
     assert_one_line_error(rc, err, "--dtype", "fp7")
