@@ -88,6 +88,31 @@ def test_a_proof_process_that_dies_or_fails_is_one_line_and_commits_nothing(tmp_
     assert not (out / "latest").exists() and not list(out.glob("iter_*")), _committed(out)
 
 
+def test_ctrl_c_during_the_proof_commits_nothing(tmp_path, monkeypatch, capsys):
+    """Ctrl-C once the conversion is written, while its proof runs: the one interrupted line, exit 130, and the
+    iteration withdrawn as for a failed proof or a proof process that died (it was left committed: `verify OUT`
+    passed on a conversion never proven, and the rerun the line asks for was refused, the output not empty)."""
+    import convert.hf_to_mcore as h2m
+    from shardkit.cli import main
+
+    hf_dir, _ = _hf_dir(tmp_path, "llama_gqa")
+    out = tmp_path / "ck"
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(h2m, "prove", interrupted)  # (this process imported transformers: the proof runs in it)
+    argv = ["convert", "hf-to-mcore", str(hf_dir), str(out), "--quiet"]
+    capsys.readouterr()
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert captured.out.startswith("wrote ") and "verify:" not in captured.out, captured.out
+    assert captured.err.strip().splitlines() == ["shardkit: interrupted; rerun the same command to resume"]
+    assert not (out / "latest").exists() and not list(out.glob("iter_*")), _committed(out)
+    monkeypatch.undo()
+    assert main(argv) == 0  # the rerun it asks for
+
+
 def _stop(p: subprocess.Popen) -> None:
     if p.poll() is None:
         p.kill()
