@@ -249,6 +249,40 @@ def test_convert_verifies_by_default(tmp_path, capsys):
     assert len(err) == 2 and all("is written but does not reproduce" in e for e in err), err
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_cast_conversion_is_proven_against_the_cast_source(tmp_path, capsys, dtype):
+    """`convert --dtype bf16` (or fp16) of an fp32 model: the proof compares with HF's weights as the conversion
+    stored them (rounded to that dtype), in both modes and formats, so it passes, exactly; a weight that differs beyond
+    the rounding still fails it. (It compared with HF's fp32 weights: every cast conversion failed its default proof
+    and was withdrawn.)"""
+    import torch
+    from safetensors.torch import load_file
+
+    from checkpoint import opened
+    from shardkit.cli import main
+
+    cls, overrides, seq = CASES["llama_gqa"]
+    hf_dir = tmp_path / "hf"
+    make_hf(cls, overrides).save_pretrained(hf_dir)
+    assert next(iter(load_file(str(hf_dir / "model.safetensors")).values())).dtype == torch.float32
+    for fmt in ("native", "torch_dist"):
+        out = tmp_path / fmt
+        capsys.readouterr()
+        assert main(["convert", "hf-to-mcore", str(hf_dir), str(out), "--dtype", dtype, "--format", fmt,
+                     "--quiet"]) == 0, capsys.readouterr()
+        line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("verify:")]
+        assert len(line) == 1 and ": OK in " in line[0], line
+        ck = opened.open_checkpoint(out).reader
+        for streaming in (False, True):
+            r = against_hf(ck, hf_dir, seq_len=seq, streaming=streaming)
+            assert r["ok"] and r["max_abs_diff"] == 0.0, (fmt, streaming, r["max_abs_diff"])
+    _plant(hf_dir, "model.layers.1.mlp.down_proj.weight", _bump_row)
+    for streaming in (False, True):
+        r = against_hf(opened.open_checkpoint(tmp_path / "native").reader, hf_dir, seq_len=seq, streaming=streaming)
+        assert not r["ok"], streaming
+        assert not streaming or r["first_layer_beyond_tolerance"] == 1, r.get("first_layer_beyond_tolerance")
+
+
 def test_streamed_verify_of_a_torch_dist_checkpoint(tmp_path):
     """verify --against --streaming reads a torch_dist checkpoint in place (its items), with the numbers of the
     native checkpoint of the same model."""

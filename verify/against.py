@@ -10,7 +10,7 @@ from typing import Callable
 from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
 
-from .common import exact_fp32, unchanged_files, weights_verdict
+from .common import exact_fp32, stored_dtype, unchanged_files, weights_verdict
 from .budget import choose_mode
 from .hf_weights import HFWeights, quantized_source
 from .streamed import check_same_math, hf_config, stream_parity
@@ -72,8 +72,8 @@ def against_hf(ck, hf_dir: str | Path, *, seq_len: int = 32, tolerance: float = 
             out = stream_parity(ck, hf_dir, seq_len=seq_len, tolerance=tolerance, all_experts=all_experts,
                                 memory_budget=memory["budget"], progress=progress)
         else:
-            out = {**logit_parity(ck.config, ck.state_dict(dequantize=True), hf_dir, seq_len=seq_len),
-                   "mode": "whole"}
+            out = {**logit_parity(ck.config, ck.state_dict(dequantize=True), hf_dir, seq_len=seq_len,
+                                  stored=stored_dtype(ck)), "mode": "whole"}
     out["memory"] = memory
     out["tolerance"] = tolerance
     out["weights_differ"] = weights_verdict(out)

@@ -104,6 +104,30 @@ def _libc_memcmp():
     return f
 
 
+def stored_dtype(ck) -> torch.dtype | None:
+    """The one floating dtype checkpoint `ck` stores its weights in (None where they are in several, or none): the
+    conversion's --dtype, or the source's own. HF's side of the proof is rounded to it before its fp32 forward, as
+    the conversion rounded the source (an fp32 model stored in bf16 is compared with HF's weights in bf16, not its
+    fp32 ones: the comparison proves the conversion, not the precision asked for). Optimizer state and kept block-FP8
+    weights with their scales are left out."""
+    from checkpoint import store
+    from checkpoint.sharding import SCALE_SUFFIX, split_optimizer_key
+
+    kept = set((getattr(ck.manifest, "fp8", None) or {}).get("tensors", ()))
+    dtypes = {e.dtype for n, e in ck.tensors.items()
+              if n not in kept and not n.endswith(SCALE_SUFFIX) and split_optimizer_key(n) is None}
+    if len(dtypes) != 1:
+        return None
+    dt = store.torch_dtype(dtypes.pop())
+    return dt if dt.is_floating_point else None
+
+
+def as_stored(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """HF's tensor `t` as the conversion stored it: cast to the checkpoint's `dtype` (stored_dtype; None: as it is).
+    Any later cast to fp32 is exact, so the fp32 forward sees the stored values."""
+    return t if dtype is None or not t.is_floating_point() or t.dtype == dtype else t.to(dtype)
+
+
 _memcmp = _libc_memcmp()  # bytes compared in place (a mapped chunk's view too), the GIL released (ctypes)
 
 

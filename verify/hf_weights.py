@@ -20,6 +20,8 @@ from checkpoint.hf_source import weight_files
 from checkpoint.safety import read_input
 from checkpoint.sharding import SCALE_SUFFIX
 
+from .common import as_stored
+
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 FP32 = 4
@@ -32,8 +34,10 @@ class HFWeights:
     dtype. `reads` counts every read per (key, rows, cols), so a test can prove no tensor is read twice."""
 
     def __init__(self, hf_dir: Path, fp8_block: tuple[int, int] = (128, 128),
-                 dtype: torch.dtype = torch.bfloat16) -> None:
-        self.fp8_block, self.dtype = fp8_block, dtype
+                 dtype: torch.dtype = torch.bfloat16, stored: torch.dtype | None = None) -> None:
+        # `stored`: the checkpoint's dtype (verify.common.stored_dtype): every tensor comes back as the conversion
+        # stored it (cast to it; FP8 dequantized straight into it, as the conversion dequantizes)
+        self.fp8_block, self.dtype, self.stored = fp8_block, stored or dtype, stored
         files, wm = weight_files(hf_dir)  # the conversion's own choice and checks (links, FIFOs, both kinds)
         if wm is not None:
             self.file_of = {k: hf_dir / f for k, f in wm.items()}
@@ -62,6 +66,10 @@ class HFWeights:
         return tuple(self._file(key).get_slice(key).get_shape())
 
     def get(self, key: str, rows: slice | None = None, cols: slice | None = None) -> Tensor:
+        """Tensor `key` (or its rows / columns) as the conversion stored it (`stored`)."""
+        return as_stored(self._read(key, rows, cols), self.stored)
+
+    def _read(self, key: str, rows: slice | None = None, cols: slice | None = None) -> Tensor:
         f = self._file(key)
         if rows is None and cols is None:
             t = f.get_tensor(key)
@@ -83,7 +91,7 @@ class HFWeights:
             if r0 % br or c0 % bc:
                 raise ShardkitError(f"--against {self.hf_dir}: {key}: a read at ({r0}, {c0}) is not aligned to its "
                                     f"{br}x{bc} FP8 blocks")
-            s = self.get(scale, None if rows is None else slice(r0 // br, -(-(r0 + t.shape[0]) // br)),
+            s = self._read(scale, None if rows is None else slice(r0 // br, -(-(r0 + t.shape[0]) // br)),
                          None if cols is None else slice(c0 // bc, -(-(c0 + t.shape[1]) // bc)))
             want = (-(-full[0] // br), -(-full[1] // bc)) if rows is None and cols is None else \
                 (-(-t.shape[0] // br), -(-t.shape[1] // bc))

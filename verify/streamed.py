@@ -47,7 +47,7 @@ from checkpoint.reader import Checkpoint
 from checkpoint.sharding import SCALE_SUFFIX, Rule, TensorSpec, regions, split_optimizer_key
 from train.model import MLP, GPTModel, RotaryEmbedding, canonical_name
 
-from .common import HF_ATTN_IMPLEMENTATION, _memcmp, compare_rows, load_quietly
+from .common import HF_ATTN_IMPLEMENTATION, _memcmp, compare_rows, load_quietly, stored_dtype
 from .budget import available_memory, piece_plan
 from .hf_weights import (LAYER_KEY, READAHEAD_WINDOW, CastPool, HFWeights, Range, Readahead, Walk,
                          fp8_settings, free_piece, is_fp8_source)
@@ -719,7 +719,7 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
     if ck.manifest.fp8:
         raise ShardkitError(f"{ck.path}: kept block-FP8 weights; streaming parity of them is not supported yet "
                             "(verify without --streaming)")
-    weights = HFWeights(hf_dir, *fp8_settings(hf_dir))
+    weights = HFWeights(hf_dir, *fp8_settings(hf_dir), stored=stored_dtype(ck))  # HF's values as ck stores them
     plan = piece_plan(ck, memory_budget, fp8_block=fp8_settings(hf_dir)[0] if is_fp8_source(hf_dir) else None)
     # fp32 buffers reused: idle + lent within half the budget (the 2x-fp32 rule's share of one piece's values)
     pool = CastPool(None if memory_budget is None else memory_budget // 2)

@@ -15,12 +15,14 @@ from checkpoint.config import ModelConfig
 from checkpoint.errors import ShardkitError
 from train.model import GPTModel
 
-from .common import HF_ATTN_IMPLEMENTATION, compare_rows, load_quietly
+from .common import HF_ATTN_IMPLEMENTATION, as_stored, compare_rows, load_quietly
 
 
 def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | Path, *, batch: int = 2,
-                 seq_len: int = 32, seed: int = 0) -> dict:
-    """Max and mean |logits_ours - logits_hf| on seeded random token ids (< cfg.vocab_size), fp32, no grad."""
+                 seq_len: int = 32, seed: int = 0, stored: torch.dtype | None = None) -> dict:
+    """Max and mean |logits_ours - logits_hf| on seeded random token ids (< cfg.vocab_size), fp32, no grad. `stored`:
+    the checkpoint's dtype (verify.common.stored_dtype): HF's weights are rounded to it first, as the conversion
+    rounded them."""
     import transformers
 
     if seq_len < 1 or batch < 1:
@@ -39,6 +41,9 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
     hf = load_quietly(lambda: transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation=HF_ATTN_IMPLEMENTATION, trust_remote_code=False), hf_dir)
     hf.eval()
+    with torch.no_grad():
+        for t in hf.state_dict().values():  # the weights and persistent buffers the HF files hold, in place
+            t.copy_(as_stored(t, stored))
 
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator)
