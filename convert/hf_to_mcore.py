@@ -353,7 +353,8 @@ def proof_seq_len(cfg: ModelConfig) -> int:
 def prove(path: str | Path, hf_dir: str | Path, memory_budget: str | None = None, quiet: bool = False,
           asked: bool = True, allow_nonfinite: bool = False, checksums: bool = True) -> dict:
     """The default proof's computation (verify_conversion says the verdict): verify.against.against_hf's result, or
-    {"skipped": why} where the proof was not asked for and no logit comparison can be made. Raises ShardkitError.
+    {"skipped": why, "instead": what the user can run} where the proof was not asked for and no logit comparison can
+    be made. Raises ShardkitError.
     Run in this process or in the proof process started at launch (convert/proof_process.py): the same result.
     `checksums` False: a native checkpoint's chunks are read without their CRC32C, which the caller checks."""
     from plan.units import parse_bytes
@@ -369,13 +370,14 @@ def prove(path: str | Path, hf_dir: str | Path, memory_budget: str | None = None
     if not checksums:  # (a native checkpoint's: verify_conversion asks only there)
         ck.checksums = False
     if not asked:
-        why = None
         if allow_nonfinite:
-            why = "--allow-nonfinite: weights may hold NaN/Inf, which give no logits to compare"
-        elif ck.manifest.fp8 and choose_mode(ck, quantized_source(Path(hf_dir)), budget)[0] == "streaming":
-            why = "kept block-FP8 weights: only the streamed comparison could run here, and it reads no kept FP8 yet"
-        if why:
-            return {"skipped": why}
+            return {"skipped": "--allow-nonfinite: weights may hold NaN/Inf, which give no logits to compare",
+                    "instead": f"`shardkit verify {path} --against {hf_dir}` compares what it can"}
+        if ck.manifest.fp8 and choose_mode(ck, quantized_source(Path(hf_dir)), budget)[0] == "streaming":
+            return {"skipped": "kept block-FP8 weights: only the streamed comparison could run here, and it reads no "
+                               "kept FP8 yet",
+                    "instead": f"`shardkit verify {path}` checks every chunk and value; no logit comparison of kept "
+                               "FP8 runs here yet"}
     from checkpoint.progress import progress_bar
 
     # streamed: bytes read from both sides (each about once) and layers done
@@ -417,7 +419,8 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str |
             raise ShardkitError(f"{e}; {_withdraw(Path(path))}") from None
         raise
     if "skipped" in p:
-        print(f"verify: skipped ({p['skipped']}); `shardkit verify {path} --against {hf_dir}` compares what it can")
+        instead = p.get("instead", f"`shardkit verify {path}` checks every chunk and value")
+        print(f"verify: skipped ({p['skipped']}); {instead}")
         return 0
     where = ""
     if p.get("first_layer_beyond_tolerance") is not None:

@@ -244,9 +244,18 @@ def fp8_aligned(tmp_path_factory):
     return d
 
 
-def test_keep_fp8_round_trip_bitwise(fp8_aligned, tmp_path):
+def test_keep_fp8_round_trip_bitwise(fp8_aligned, tmp_path, capsys):
     d = fp8_aligned
+    capsys.readouterr()
     assert main(["convert", "hf-to-mcore", str(d), str(tmp_path / "ck"), "--ep", "2", "--keep-fp8", "--quiet"]) == 0
+    # the proof cannot read kept FP8 yet: its line says what does run (not a `verify --against` that cannot either)
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("verify:")]
+    assert line.startswith("verify: skipped (kept block-FP8") and "--against" not in line, line
+    assert f"`shardkit verify {tmp_path / 'ck' / 'iter_0000000'}` checks every chunk and value" in line, line
+    assert main(["verify", str(tmp_path / "ck")]) == 0
+    assert main(["verify", str(tmp_path / "ck"), "--against", str(d)]) == 1  # why, in one line: the HF side's too
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not read them yet" in err[0] and "transformers cannot load" in err[0], err
     ck = Checkpoint(tmp_path / "ck")
     ck.verify()
     kept = ck.manifest.fp8

@@ -717,8 +717,9 @@ def stream_parity(ck: Checkpoint, hf_dir: str | Path, *, batch: int = 2, seq_len
     if seq_len < 1 or batch < 1:
         raise ShardkitError(f"--seq-length {seq_len}: the logit comparison needs at least one token per sequence")
     if ck.manifest.fp8:
-        raise ShardkitError(f"{ck.path}: kept block-FP8 weights; streaming parity of them is not supported yet "
-                            "(verify without --streaming)")
+        why = ("and transformers cannot load this block-FP8 HF source on the CPU for the whole-model one"
+               if is_fp8_source(hf_dir) else "the whole-model one does, without --streaming and within the budget")
+        raise ShardkitError(f"{ck.path}: kept block-FP8 weights: the streamed comparison does not read them yet; {why}")
     weights = HFWeights(hf_dir, *fp8_settings(hf_dir), stored=stored_dtype(ck))  # HF's values as ck stores them
     plan = piece_plan(ck, memory_budget, fp8_block=fp8_settings(hf_dir)[0] if is_fp8_source(hf_dir) else None)
     # fp32 buffers reused: idle + lent within half the budget (the 2x-fp32 rule's share of one piece's values)
