@@ -403,7 +403,7 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str |
     started = time.time()
     from checkpoint import chunkio
     from checkpoint.opened import NativeCheckpoint, format_of
-    from verify.report import compared
+    from verify.report import compared, first_beyond
 
     chunkio.POOL.clear()  # the writes' idle buffers (up to 384 MiB): the comparison has its own
     args = dict(memory_budget=memory_budget, quiet=quiet, asked=asked, allow_nonfinite=allow_nonfinite)
@@ -423,16 +423,15 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str |
         print(f"verify: skipped ({p['skipped']}); {instead}")
         return 0
     where = ""
-    if p.get("first_layer_beyond_tolerance") is not None:
-        e = p.get("first_expert_beyond_tolerance")
-        where = f"; layer {p['first_layer_beyond_tolerance']}" + (f" (expert {e})" if e is not None else "") + \
-            " is the first to differ (on HF's own input of that layer)"
+    if first_beyond(p) is not None:
+        where = f"; {first_beyond(p)} is the first to differ (on HF's own input of that layer)"
     elif p.get("weights_differ") and p["max_abs_diff"] <= p["tolerance"]:
         where = f"; {p['weights_differ']}"  # the logits agree, a weight compared directly does not (issue 34)
     # the verdict is the result, like the "wrote" line (--quiet drops the bars only)
     print(f"verify: logits vs {hf_dir} ({p['mode']}, fp32, {p['batch']}x{p['seq_len']} random tokens): max |diff| "
           f"{p['max_abs_diff']:.3e} (tolerance {p['tolerance']:.0e}): {'OK' if p['ok'] else 'FAIL'} in "
-          f"{time.time() - started:.1f} s; compared: {compared(p)}{where}")
+          f"{time.time() - started:.1f} s; compared: {compared(p)}"
+          + "".join(f"; not compared: {what}" for what in p.get("not_compared") or []) + where)
     if not p["ok"]:
         if withdraw:
             print(f"shardkit: error: {path} does not reproduce {hf_dir}{where or ' (logits differ)'}; "

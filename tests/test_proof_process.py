@@ -50,7 +50,8 @@ def test_result_and_report_equal_to_the_in_process_proof(tmp_path, capsys):
         assert verify_conversion(path, hf_dir, quiet=True, process=child) == 0
         lines.append(re.sub(r" in [0-9.]+ s;", "", capsys.readouterr().out.strip()))  # (its time differs)
     assert lines[0] == lines[1] and lines[0].startswith("verify: logits vs") and "OK" in lines[0], lines
-    assert lines[0].endswith("compared: embedding, decoder layers 0-2, head, MTP layer 0"), lines
+    assert " compared: embedding, decoder layers 0-2, head, MTP layer 0; not compared: " in lines[0], lines
+    assert lines[0].endswith(" routed experts (no test token selected them; --all-experts runs every one)"), lines
 
 
 def _committed(out: Path) -> list:

@@ -199,8 +199,8 @@ def test_one_report_for_both_formats(tmp_path, capsys):
         seen[fmt] = (out[out.index("logits vs"):], err)
     assert seen["native"] == seen["torch_dist"]
     out, err = seen["torch_dist"]
-    assert "streamed layer by layer" in out and f"  layer {last}: |diff| " in out and "beyond the tolerance" in out
-    assert err.startswith(f"shardkit: error: layer {last} is the first to differ from {hf_dir}") and \
+    assert "streamed layer by layer" in out and f"  decoder layer {last}: |diff| " in out and "beyond the tolerance" in out
+    assert err.startswith(f"shardkit: error: decoder layer {last} is the first to differ from {hf_dir}") and \
         len(err.strip().splitlines()) == 1, err
 
 

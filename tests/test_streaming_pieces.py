@@ -103,6 +103,9 @@ def test_mtp_layer_compared_and_a_planted_error_named(tmp_path):
     _plant(hf_dir, f"model.layers.{L}.eh_proj.weight", _bump_row)
     bad = stream_parity(ck, hf_dir, seq_len=seq)
     assert bad["first_layer_beyond_tolerance"] == "mtp.0" and bad["max_abs_diff"] <= 1e-4  # main logits still fine
+    from verify.report import first_beyond
+
+    assert first_beyond(bad) == "MTP layer 0"  # as the compared list names it (the error line said 'layer mtp.0')
     assert not against_hf(ck, hf_dir, seq_len=seq, streaming=True)["ok"]
 
 
@@ -123,7 +126,7 @@ def test_report_names_an_mtp_row_beyond_the_tolerance(tmp_path, capsys):
     print_report({"path": "ck", "tensors": 1, "chunks": 1, "bytes": 1, "nonfinite": {}, "parity": p, "ok": False},
                  str(hf_dir))
     out = capsys.readouterr().out
-    assert f"  layer mtp.0: |diff| {row['max_abs_diff']:.3e}, eh_proj {row['eh_proj_max_abs_diff']:.3e} beyond the " \
+    assert f"  MTP layer 0: |diff| {row['max_abs_diff']:.3e}, eh_proj {row['eh_proj_max_abs_diff']:.3e} beyond the " \
            "tolerance" in out, out
     worst = max(row["eh_proj_max_abs_diff"], row.get("logits_max_abs_diff", 0))
     assert f"worst |diff| {worst:.3e}" in out, out

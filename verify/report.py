@@ -61,14 +61,30 @@ def _parity_lines(p: dict, against: str, ok: bool) -> None:
             # every number the verdict holds against a row (streamed.py's _beyond): an MTP layer's eh_proj input and
             # its logits too, else its failure was a FAIL with no row named and a worst |diff| of 0
             if not (all(r.get(k, 0) <= tol for k, _ in _ROW_DIFFS) and r.get("expert_max_abs_diff", 0) <= tol):
-                where = f"layer {r['layer']}" + (f", expert {r['expert']} ({r['expert_max_abs_diff']:.3e})"
-                                                  if "expert" in r else "")
+                where = row_label(r["layer"]) + (f", expert {r['expert']} ({r['expert_max_abs_diff']:.3e})"
+                                                 if "expert" in r else "")
                 also = "".join(f", {what} {r[k]:.3e}" for k, what in _ROW_DIFFS[1:] if k in r and not r[k] <= tol)
                 print(f"  {where}: |diff| {r['max_abs_diff']:.3e}{also} beyond the tolerance")
 
 
 # a streamed row's differences: its output on HF's input, and an MTP layer's eh_proj output and logits
 _ROW_DIFFS = (("max_abs_diff", None), ("eh_proj_max_abs_diff", "eh_proj"), ("logits_max_abs_diff", "logits"))
+
+
+def row_label(layer) -> str:
+    """A streamed row's name as every line says it: 'decoder layer 3', 'MTP layer 0', 'embedding', 'head'."""
+    if isinstance(layer, int):
+        return f"decoder layer {layer}"
+    return f"MTP layer {layer.split('.', 1)[1]}" if str(layer).startswith("mtp.") else str(layer)
+
+
+def first_beyond(p: dict) -> str | None:
+    """'decoder layer 2 (expert 5)': the first row beyond the tolerance, as the error lines name it (None: none)."""
+    layer = p.get("first_layer_beyond_tolerance")
+    if layer is None:
+        return None
+    expert = p.get("first_expert_beyond_tolerance")
+    return row_label(layer) + (f" (expert {expert})" if expert is not None else "")
 
 
 def compared(p: dict) -> str:
@@ -92,7 +108,7 @@ def compared(p: dict) -> str:
         if isinstance(layer, int):
             run.append(layer)
         else:
-            names.append(f"MTP layer {layer.split('.', 1)[1]}" if layer.startswith("mtp.") else layer)
+            names.append(row_label(layer))
     flush()
     return ", ".join(names)
 
@@ -122,11 +138,9 @@ def error_line(result: dict, against: str | None, tolerance: float) -> str | Non
         # the logits agree, a weight compared directly does not (issue 34: an embedding row no test token reads)
         return f"{p['weights_differ']} ({against}); the checkpoint does not reproduce that model"
     also = f" (and {p['weights_differ']})" if p.get("weights_differ") else ""
-    layer = p.get("first_layer_beyond_tolerance")
-    if layer is not None:
-        expert = p.get("first_expert_beyond_tolerance")
-        layer = f"{layer}" + (f" (expert {expert})" if expert is not None else "")
-        return (f"layer {layer} is the first to differ from {against} beyond {tolerance:.0e} (on HF's own input of "
+    first = first_beyond(p)
+    if first is not None:
+        return (f"{first} is the first to differ from {against} beyond {tolerance:.0e} (on HF's own input of "
                 f"that layer){also}; the checkpoint does not reproduce that model")
     return (f"logits differ from {against} by {p['max_abs_diff']:.3e} > {tolerance:.0e}{also}; the checkpoint does "
             "not reproduce that model")
