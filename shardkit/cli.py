@@ -398,17 +398,30 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"shardkit: error: {e}\n")
         return 1
     except KeyboardInterrupt:
-        print("shardkit: interrupted; rerun the same command to resume", file=sys.stderr)
+        print(_interrupted_line(args), file=sys.stderr)
         return 130
     except Exception as e:  # Ctrl-C inside an import can surface wrapped, the interrupt chained: a compiled module's
         if not _interrupted(e):  # ImportError (tensorstore's pybind11 init), a class body's __set_name__ RuntimeError
             raise
-        print("shardkit: interrupted; rerun the same command to resume", file=sys.stderr)
+        print(_interrupted_line(args), file=sys.stderr)
         return 130
     finally:  # convert hf-to-mcore's proof process never outlives the command, whichever way it ends
         from convert.proof_process import close_all
 
         close_all()
+
+
+# the commands whose rerun resumes (or redoes) what an interrupt stopped: the writers' partial output (job.json and
+# its resume log), a training run's saves; the others (inspect, verify, plan, launch, plot, preprocess-data, demo)
+# promise no resume
+_RESUMING = ("convert", "reshard", "continue-pretrain")
+
+
+def _interrupted_line(args) -> str:
+    """What Ctrl-C says (status 130): a rerun resumes only where the command resumes."""
+    if args.cmd in _RESUMING:
+        return "shardkit: interrupted; rerun the same command to resume"
+    return "shardkit: interrupted"
 
 
 def _interrupted(e: BaseException) -> bool:

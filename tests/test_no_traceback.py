@@ -723,12 +723,26 @@ def test_a_write_error_not_about_space_does_not_blame_space(w, tmp_path, capsys,
     assert "bytes free" not in line and "quota" not in line, line
 
 
+_RESUME = "shardkit: interrupted; rerun the same command to resume"
+# (argv, the interrupted line): a rerun is promised only where the command resumes (a writer's partial output, a
+# training run's saves); a read-only command (inspect, verify, plan) says it was interrupted, nothing more
+INTERRUPTED_LINES = {
+    "inspect": (["inspect", "/nonexistent"], "shardkit: interrupted"),
+    "verify": (["verify", "/nonexistent"], "shardkit: interrupted"),
+    "verify-against": (["verify", "/nonexistent", "--against", "/nonexistent-hf"], "shardkit: interrupted"),
+    "plan": (["plan", "--model", "llama3-8b", "--gpus", "8"], "shardkit: interrupted"),
+    "convert": (["convert", "hf-to-mcore", "/nonexistent", "/nonexistent-out", "--no-verify"], _RESUME),
+    "reshard": (["reshard", "/nonexistent", "/nonexistent-out"], _RESUME),
+}
+
+
+@pytest.mark.parametrize("cmd", list(INTERRUPTED_LINES))
 @pytest.mark.parametrize("wrapped", ["plain", "import", "set_name"])
-def test_ctrl_c_inside_an_import_is_one_line(monkeypatch, capsys, wrapped):
+def test_ctrl_c_inside_an_import_is_one_line(monkeypatch, capsys, wrapped, cmd):
     """Ctrl-C while a command imports: a compiled module's init (tensorstore's pybind11) turns the interrupt into its
     ImportError, a class body's __set_name__ into a RuntimeError, each chaining it; every form is the one
     `interrupted` line and status 130, not a traceback (issue 42's proof process, started at parse time, made the
-    window easy to hit)."""
+    window easy to hit). The line asks for a rerun only of a command that resumes: `shardkit verify` is read-only."""
     import shardkit.cli as cli
 
     def interrupted(*_a, **_k):
@@ -742,8 +756,9 @@ def test_ctrl_c_inside_an_import_is_one_line(monkeypatch, capsys, wrapped):
             raise RuntimeError("Error calling __set_name__ on 'Field' instance")  # (implicitly chained)
 
     monkeypatch.setattr(cli, "_refuse_urls", interrupted)
-    assert main(["inspect", "/nonexistent"]) == 130
-    assert capsys.readouterr().err.splitlines() == ["shardkit: interrupted; rerun the same command to resume"]
+    argv, line = INTERRUPTED_LINES[cmd]
+    assert main(argv) == 130
+    assert capsys.readouterr().err.splitlines() == [line]
 
 
 def test_an_error_that_is_no_interrupt_still_raises(monkeypatch):
