@@ -63,7 +63,7 @@ from .megatron_bridge import RUN_CONFIG, load_run_config, load_train_state
 from .safety import read_input, read_pointer, regular_file, safe_path
 from .torch_dist_pickle import (COMMON_MAX, DCP_METADATA, _CRC32, _STORAGE_TYPES, _Dtype, _Light, _dcp_fs, _dcp_md,
                                 _dtype_str, _load_metadata_light, load_common, load_dcp_metadata, torch_dtype)
-from .torch_dist_sidecar import SIDECAR, item_key, load_sidecar
+from .torch_dist_sidecar import SIDECAR, check_files, item_key, load_sidecar
 
 if TYPE_CHECKING:
     import torch
@@ -199,6 +199,9 @@ class TorchDistCheckpoint:
             self.common, note = load_common(self.path / COMMON_PT)
         if note:
             self.notes.append(note)
+        # common.pt as shardkit saved it, where shardkit.json records it (after the checked unpickler has read it:
+        # code in it is refused by that first, in its words)
+        check_files(self.path, self.sidecar)
         # Megatron-Bridge: the model from run_config.yaml, iteration and consumed samples from train_state.pt
         self.args_source = self.common_source
         self.bridge_args, note = (None, None) if self._common_args() is not None else load_run_config(self.path)

@@ -45,8 +45,37 @@ def write_sidecar(directory: Path, *, iteration: int, model: ModelConfig, layout
     items = _item_data_crcs(Path(directory))
     if items:
         body["items"] = items
+    files = {n: _file_digest(Path(directory) / n) for n in SIDECAR_FILES if (Path(directory) / n).is_file()}
+    if files:  # common.pt's pickled args have no checksum of their own that any reader checks
+        body["files"] = files
     body["digest"] = _digest(body)
     write_file_atomic(Path(directory) / SIDECAR, json.dumps(body, indent=1) + "\n")
+
+
+SIDECAR_FILES = ("common.pt",)  # small files beside the items whose SHA-256 shardkit.json records (`files`)
+
+
+def _file_digest(path: Path) -> str:
+    import hashlib
+
+    # a regular file of bounded size only (a FIFO there would block: one line naming it)
+    return "sha256:" + hashlib.sha256(read_input(path, limit=1 << 30, text=False)).hexdigest()
+
+
+def check_files(iter_dir: Path, sidecar: dict | None) -> None:
+    """Each file shardkit.json's `files` records (common.pt) still has the SHA-256 recorded there: a flipped byte in
+    common.pt's pickled args (its layernorm_epsilon, say) read as a valid checkpoint of another model. FormatError
+    naming the file."""
+    for name, want in ((sidecar or {}).get("files") or {}).items():
+        path = Path(iter_dir) / name
+        try:
+            got = _file_digest(path)
+        except OSError as e:
+            raise FormatError(f"{path}: recorded in {SIDECAR} but cannot be read ({e.strerror or e}); the checkpoint is "
+                              "damaged") from None
+        if got != want:
+            raise FormatError(f"{path}: its SHA-256 is not the one {SIDECAR} recorded ({got[7:19]}..., recorded "
+                              f"{want[7:19]}...): the file was changed after the save; the checkpoint is damaged")
 
 
 def item_key(name: str, offsets) -> str:
@@ -153,6 +182,10 @@ def load_sidecar(iter_dir: Path) -> dict | None:
         if not isinstance(items, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(
                 v, bool) and 0 <= v < 1 << 32 for k, v in items.items()):
             raise FormatError("items is not an object of CRC-32s")
+        files = d.get("files", {})
+        if not isinstance(files, dict) or not all(k in SIDECAR_FILES and isinstance(v, str) and v.startswith(
+                "sha256:") and len(v) == 71 for k, v in files.items()):
+            raise FormatError("files is not an object of SHA-256 digests of " + ", ".join(SIDECAR_FILES))
     except (FormatError, ConfigError, LayoutError) as e:
         raise FormatError(f"{p}: {str(e).removeprefix('manifest: ')}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:

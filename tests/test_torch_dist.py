@@ -362,9 +362,27 @@ def test_common_pt_with_megatron_objects_is_ignored_with_a_note(td_copy):
     finally:
         del sys.modules[mod.__name__]
     (td_copy / "run_config.yaml").unlink()  # (else the args would come from our export's Megatron-Bridge file)
+    (td_copy / "shardkit.json").unlink()  # (Megatron-LM writes none; ours records our common.pt's SHA-256)
     td = read_torch_dist(td_copy)
     assert td.common is None and td.args is None and td.iteration == 0  # from the directory name
     assert len(td.notes) == 1 and "common.pt ignored" in td.notes[0]
+
+
+def test_common_pt_changed_after_the_save_is_damage(td_copy):
+    """shardkit.json records common.pt's SHA-256: a flipped byte in its pickled args (a layernorm_epsilon of another
+    model, still a valid pickle) is one line naming the file, in the reader and in `shardkit verify`."""
+    from shardkit.cli import main
+
+    raw = bytearray((td_copy / "common.pt").read_bytes())
+    at = raw.find(b"layernorm_epsilon")
+    assert at > 0
+    raw[at + 2] ^= 1  # the field's name: the args now name another field, the pickle still loads
+    (td_copy / "common.pt").write_bytes(bytes(raw))
+    with pytest.raises(FormatError) as e:
+        read_torch_dist(td_copy.parent)
+    msg = _one_line(e)
+    assert msg.startswith(f"{td_copy / 'common.pt'}: its SHA-256 is not the one shardkit.json recorded"), msg
+    assert main(["verify", str(td_copy.parent)]) == 1
 
 
 def _plain(x):
