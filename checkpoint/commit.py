@@ -19,6 +19,7 @@ import ctypes
 import fcntl
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -213,6 +214,115 @@ def check_output_root(root: Path, overwrite: bool, ignore: tuple[str, ...] | set
                                 f"{', ...' if len(others) > 3 else ''}); pass --overwrite to replace it")
 
 
+# -- what shardkit wrote: the only things a write (with or without --overwrite) may replace ---------------------------
+
+# an iteration directory's entries, native (checkpoint.manifest) and torch_dist (checkpoint.torch_dist); a partial one
+# also holds its resume record
+_NATIVE_NAMES = {MANIFEST, "model", "optim", "hf", "train_state.json"}
+_TORCH_DIST_NAMES = {".metadata", "metadata.json", "common.pt", "shardkit.json", "run_config.yaml", "integrity.json",
+                     "hf"}
+_PARTIAL_NAMES = {"job.json", DONE_LOG}
+_OURS_RE = re.compile(r"^(__\d+_\d+\.distcp|done\.rank\d+\.log)$")
+# what a write killed half-way leaves in its partial directory: write_file_atomic's temporary names, a spooled item
+_LEFTOVER_RE = re.compile(r"^(\..+\.tmp|\.shardkit-item-.*\.pt)$")
+_POINTER_RE = {LATEST: re.compile(r"^\s*(iter_\d{7}|release)\s*$"), _TRACKER: re.compile(r"^\s*(\d+|release)\s*$")}
+
+
+def _foreign_below(d: Path, names: set[str], partial: bool = False) -> Path | None:
+    """The first entry of the iteration directory `d` that no shardkit writer puts there; None when there is none.
+    Below it: `model/` and `optim/` hold one array per tensor (`zarr.json`, chunks under `c/` named by their
+    indices), `hf/` the carried config and tokenizer / generation files. Of a `partial` one (the write's own work
+    directory, perhaps killed mid-write) only the names directly in it are checked."""
+    from .safety import is_side_file_name
+
+    for p in sorted(d.iterdir()):
+        if p.is_symlink() or (p.name not in names and not _OURS_RE.match(p.name)
+                              and not (partial and _LEFTOVER_RE.match(p.name))):
+            return p
+        if partial:
+            continue
+        if p.name in ("model", "optim") and p.is_dir():
+            for arr in sorted(p.iterdir()):
+                if arr.is_symlink() or not arr.is_dir():
+                    return arr
+                for top, dirs, files in os.walk(arr):
+                    rel = Path(top).relative_to(arr).parts
+                    for n in sorted(dirs + files):
+                        ok = (n in ("zarr.json", "c") if not rel else n.isdigit()) and not (Path(top) / n).is_symlink()
+                        if not ok or (not rel and (n == "c") != (Path(top) / n).is_dir()):
+                            return Path(top) / n
+        elif p.name == "hf" and p.is_dir():
+            for f in sorted(p.iterdir()):
+                if f.is_symlink() or not f.is_file() or not (is_side_file_name(f.name) or f.name == "config.json"):
+                    return f
+    return None
+
+
+def _is_checkpoint_dir(d: Path) -> bool:
+    """An iteration directory a pointer may name: a native one (its manifest) or a torch_dist one (DCP's files)."""
+    return d.is_dir() and not d.is_symlink() and ((d / MANIFEST).is_file() or (
+        (d / ".metadata").is_file() and (d / "metadata.json").is_file()))
+
+
+def foreign_entry(path: Path, partial: bool = False) -> Path | None:
+    """What, at or below the iteration directory `path` that a write is about to replace, shardkit did not write
+    (None: nothing is there, or all of it is shardkit's). A committed iteration is ours by its own marker -- a native
+    one's manifest.json, a torch_dist export's shardkit.json -- and holds only the names its writers put there; a
+    `partial` one (an interrupted write: job.json, resume logs, arrays or rank files, perhaps no marker yet) only
+    those names."""
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink() or not path.is_dir():
+        return path
+    if partial:
+        return _foreign_below(path, _NATIVE_NAMES | _TORCH_DIST_NAMES | _PARTIAL_NAMES, partial=True)
+    if (path / MANIFEST).is_file() and not (path / MANIFEST).is_symlink():
+        return _foreign_below(path, _NATIVE_NAMES)
+    if (path / "shardkit.json").is_file() and not (path / "shardkit.json").is_symlink():
+        return _foreign_below(path, _TORCH_DIST_NAMES)
+    return path  # no marker of ours: another tool's iteration, or the user's directory
+
+
+def pointer_is_ours(root: Path, name: str, writing: str | None = None) -> bool:
+    """Is the pointer `<root>/<name>` (`latest`, Megatron's tracker) one a write may replace: absent, or a small
+    regular file naming, in the pointer's own form, a checkpoint iteration in `root` (or `writing`, the iteration
+    being written)? A file of the user's there (notes, another tool's `latest`) is not."""
+    from .errors import FormatError
+    from .megatron import RELEASE
+    from .safety import read_pointer
+
+    try:
+        text = read_pointer(root, name)
+    except FormatError:
+        return False
+    if text is None:
+        return True
+    m = _POINTER_RE[name].match(text) if name in _POINTER_RE else None
+    if m is None:
+        return False
+    target = m.group(1) if m.group(1) == RELEASE or name == LATEST else iter_dirname(int(m.group(1)))
+    return target == writing or _is_checkpoint_dir(root / target)
+
+
+def refuse_foreign(root: Path, pointer: str, dirs: tuple[tuple[Path, bool], ...] = (), writing: str | None = None
+                   ) -> None:
+    """One line naming the first thing in the way of a write to `root` that shardkit did not write -- the pointer
+    it replaces last, each iteration directory (`dirs`: (path, partial)) it replaces or removes -- before anything is
+    touched, with or without --overwrite (which allows a non-empty root and replaces what shardkit wrote, never
+    anything else)."""
+    if not pointer_is_ours(root, pointer, writing):
+        raise ShardkitError(f"{root / pointer}: exists and shardkit did not write it (it names no checkpoint "
+                            "iteration here); not replacing it, even with --overwrite: move it away or choose "
+                            "another output")
+    for d, partial in dirs:
+        bad = foreign_entry(d, partial)
+        if bad is not None:
+            what = "is not a checkpoint iteration shardkit wrote" if bad == d else \
+                f"is in the iteration {d.name} and shardkit did not write it"
+            raise ShardkitError(f"{bad}: {what}; not replacing it, even with --overwrite: move it away or choose "
+                                "another output")
+
+
 class IterationWriter:
     """Owns `<root>/<iter>.partial` for one job. Use as a context manager; call `commit(manifest)` at the end.
 
@@ -336,6 +446,9 @@ class IterationWriter:
             raise ShardkitError(f"{self.root}: holds a Megatron torch_dist checkpoint ({_TRACKER}), which every "
                                 "reader would still load instead of the native checkpoint written here; choose "
                                 "another output directory (--overwrite replaces a checkpoint of the same format)")
+        # --overwrite replaces what shardkit wrote, never a file of the user's in the way (issue 14)
+        refuse_foreign(self.root, pointer, ((self.final, False), (self.partial, True),
+                                            (self.root / f".{self.name}.old", False)), writing=self.name)
 
     # -- progress -----------------------------------------------------------------------------------------------
     def path(self, rel: str) -> Path:
@@ -378,7 +491,8 @@ class IterationWriter:
         # interrupted writes of other iterations (a killed training save) are never resumed once a newer write
         # committed here: free their space
         for p in self.root.glob(f"iter_*{PARTIAL_SUFFIX}"):
-            shutil.rmtree(p, ignore_errors=True)
+            if valid_iter_dirname(p.name[:-len(PARTIAL_SUFFIX)]) and foreign_entry(p, partial=True) is None:
+                shutil.rmtree(p, ignore_errors=True)  # (a directory of the user's of such a name stays)
         from .storage import committed
 
         committed(self.root)  # a root staged for object storage (a training --save s3://...) publishes it

@@ -45,7 +45,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from checkpoint import store
-from checkpoint.commit import LATEST, LOCK, PARTIAL_SUFFIX, IterationWriter, check_output_root
+from checkpoint.commit import LATEST, LOCK, PARTIAL_SUFFIX, IterationWriter, check_output_root, refuse_foreign
 from checkpoint.config import ModelConfig
 from checkpoint.errors import FormatError, ShardkitError, WriteError
 from checkpoint.faults import fault_point
@@ -632,6 +632,7 @@ def via_native(produce: Callable[[Path], Path], out: str | Path, *, key_naming: 
         raise ShardkitError(f"--key-naming {key_naming!r}: use 'te' or 'local'")
     check_megatron_version(megatron_version)
     check_output_root(out, overwrite)  # fail before the expensive part
+    refuse_foreign(out, TRACKER)  # (a tracker of the user's; the iteration itself is checked when it is written)
     if group is not None:
         return staged_across_ranks(out, group, produce, lambda native: write_torch_dist(
             native, out, key_naming=key_naming, overwrite=overwrite, quiet=quiet, workers=workers, group=group,

@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --format torch_dist: pad the vocabulary to a multiple of N x TP, as Megatron-LM's flag "
                           "(default 128); an N the true size is a multiple of (e.g. 8 for 1000 at TP 1) stores it "
                           "unpadded, which Megatron-Bridge 0.6's export_ckpt needs (it exports the rows as stored)")
-    h2m.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory: the iteration written here replaces any earlier one of the same number; other files are left alone")
+    h2m.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory: the iteration written here replaces any earlier one of the same number that shardkit wrote; other files are left alone, and one in the way that shardkit did not write is refused")
     h2m.add_argument("--quiet", action="store_true", help="no progress bar")
     h2m.add_argument("--download", action="store_true",
                      help="HF_DIR is a hub repo id not yet in the local hub cache: download it (default: the cache only)")

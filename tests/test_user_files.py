@@ -189,6 +189,108 @@ def test_training_save_keeps_user_files(good, tmp_path, capsys):
     assert (save / "latest").exists()
 
 
+# -- what is in the way and not ours is refused, even with --overwrite (never replaced) -----------------------------
+
+# (writer id, argv(good, out), its pointer): every checkpoint writer goes through checkpoint.commit.IterationWriter
+POINTER_WRITERS = {
+    "hf-to-mcore": (lambda g, o: ["convert", "hf-to-mcore", g["hf"], o, "--quiet", "--no-verify", "--overwrite"],
+                    "latest"),
+    "hf-to-mcore-torch_dist": (lambda g, o: ["convert", "hf-to-mcore", g["hf"], o, "--format", "torch_dist",
+                                             "--quiet", "--no-verify", "--overwrite"],
+                               "latest_checkpointed_iteration.txt"),
+    "reshard": (lambda g, o: ["reshard", g["ck"], o, "--tp", "2", "--quiet", "--overwrite"], "latest"),
+    "reshard-torch_dist": (lambda g, o: ["reshard", g["ck"], o, "--format", "torch_dist", "--quiet", "--overwrite"],
+                           "latest_checkpointed_iteration.txt"),
+}
+
+
+def _in_our_iteration(g, out, build, pointer):
+    """A file of the user's inside the iteration an earlier run of the same command wrote."""
+    rc, err = run(build(g, out), g["capsys"])
+    assert rc == 0, err
+    (out / "iter_0000000" / "important.txt").write_text("x\n")
+    return "important.txt"
+
+
+def _deep_in_our_iteration(g, out, build, pointer):
+    rc, err = run(build(g, out), g["capsys"])
+    assert rc == 0, err
+    arr = next((out / "iter_0000000" / "model").iterdir()) if (out / "iter_0000000" / "model").is_dir() else None
+    (arr or out / "iter_0000000" / "hf").joinpath("mine.txt").write_text("x\n")
+    return "mine.txt"
+
+
+def _users_iteration_dir(g, out, build, pointer):
+    (out / "iter_0000000").mkdir()
+    (out / "iter_0000000" / "important.txt").write_text("x\n")
+    return "iter_0000000"
+
+
+def _users_pointer(g, out, build, pointer):
+    (out / pointer).write_text("my notes\n")
+    return pointer
+
+
+def _pointer_to_nothing(g, out, build, pointer):  # the pointer's form, but no iteration of that name is here
+    (out / pointer).write_text("iter_0000007\n" if pointer == "latest" else "7\n")
+    return pointer
+
+
+def _pointer_of_another_tool(g, out, build, pointer):  # over our own output: a pointer we would not write
+    rc, err = run(build(g, out), g["capsys"])
+    assert rc == 0, err
+    (out / pointer).write_text("global_step100")
+    return pointer
+
+
+FOREIGN_IN_THE_WAY = {"file-in-our-iteration": _in_our_iteration, "file-deep-in-our-iteration": _deep_in_our_iteration,
+                      "users-iteration-dir": _users_iteration_dir, "users-pointer": _users_pointer,
+                      "pointer-naming-nothing": _pointer_to_nothing, "another-tools-pointer": _pointer_of_another_tool}
+
+
+@pytest.mark.parametrize("case", list(FOREIGN_IN_THE_WAY))
+@pytest.mark.parametrize("writer", list(POINTER_WRITERS))
+def test_overwrite_never_replaces_what_shardkit_did_not_write(good, tmp_path, capsys, writer, case):
+    """--overwrite replaces only what shardkit wrote: a file of the user's in the iteration directory the write
+    replaces (at its top or deep in an array), a directory of that name that is not a shardkit iteration, a pointer
+    (`latest` / Megatron's tracker) of the user's or naming no iteration here -- one line naming it, non-zero exit,
+    the whole output tree unchanged; once it is moved away, the same --overwrite replaces shardkit's own output."""
+    build, pointer = POINTER_WRITERS[writer]
+    out = tmp_path / "out"
+    out.mkdir()
+    name = FOREIGN_IN_THE_WAY[case]({**good, "capsys": capsys}, out, build, pointer)
+    before = tree(out)
+    rc, err = run(build(good, out), capsys)
+    assert rc == 1 and len(err) == 1 and err[0].startswith("shardkit: error:") and name in err[0], err
+    assert "Traceback" not in "".join(err)
+    assert tree(out) == before
+    bad = next(p for p in [*out.rglob(name), out / name] if p.exists())
+    if bad.is_dir():
+        import shutil
+
+        shutil.rmtree(bad)
+    else:
+        bad.unlink()
+    rc, err = run(build(good, out), capsys)
+    assert rc == 0, err
+
+
+def test_export_leaves_a_checkpoints_files_in_out_alone(good, tmp_path, capsys):
+    """mcore-to-hf --overwrite into a directory that also holds a checkpoint root's names (an iteration with a file
+    of the user's, `latest`, Megatron's tracker, of the user's): the export writes only its own names, twice."""
+    out = tmp_path / "out"
+    (out / "iter_0000000").mkdir(parents=True)
+    (out / "iter_0000000" / "important.txt").write_text("x\n")
+    (out / "latest").write_text("my notes\n")
+    (out / "latest_checkpointed_iteration.txt").write_text("7\n")
+    before = tree(out)
+    for _ in range(2):
+        rc, err = run(["convert", "mcore-to-hf", good["ck"], out, "--quiet", "--overwrite"], capsys)
+        assert rc == 0, err
+        after = tree(out)
+        assert {k: after.get(k) for k in before} == before
+
+
 # -- an output that is, contains or lies inside an input is refused ----------------------------------------------
 
 def _h2m(src, out, *x):
