@@ -498,12 +498,18 @@ def _td_args(root: Path, strip_description: bool = False, **changes) -> None:
     if strip_description:
         (it / "shardkit.json").unlink()
         shutil.rmtree(it / "hf")
-    else:  # args as another tool wrote them: shardkit.json's record of our common.pt dropped (else it is damage)
-        from checkpoint.torch_dist_sidecar import _digest
+    else:
+        drop_common_record(it)
 
-        side = json.loads((it / "shardkit.json").read_text())
-        del side["files"], side["digest"]
-        (it / "shardkit.json").write_text(json.dumps({**side, "digest": _digest(side)}))
+
+def drop_common_record(it: Path) -> None:
+    """common.pt as another tool wrote it: shardkit.json's record of our common.pt's SHA-256 dropped (else an edit
+    of it is damage, said before whatever the test is about)."""
+    from checkpoint.torch_dist_sidecar import _digest
+
+    side = json.loads((it / "shardkit.json").read_text())
+    del side["files"], side["digest"]
+    (it / "shardkit.json").write_text(json.dumps({**side, "digest": _digest(side)}))
 
 
 TD_READERS = [lambda td, out: ["reshard", td, out, "--quiet"],
