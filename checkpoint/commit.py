@@ -225,7 +225,7 @@ _PARTIAL_NAMES = {"job.json", DONE_LOG}
 _OURS_RE = re.compile(r"^(__\d+_\d+\.distcp|done\.rank\d+\.log)$")
 # what a write killed half-way leaves in its partial directory: write_file_atomic's temporary names, a spooled item
 _LEFTOVER_RE = re.compile(r"^(\..+\.tmp|\.shardkit-item-.*\.pt)$")
-_POINTER_RE = {LATEST: re.compile(r"^\s*(iter_\d{7}|release)\s*$"), _TRACKER: re.compile(r"^\s*(\d+|release)\s*$")}
+_POINTER_RE = {LATEST: re.compile(r"^\s*(iter_\d{7,}|release)\s*$"), _TRACKER: re.compile(r"^\s*(\d+|release)\s*$")}
 
 
 def _foreign_below(d: Path, names: set[str], partial: bool = False) -> Path | None:
