@@ -368,9 +368,10 @@ def test_common_pt_with_megatron_objects_is_ignored_with_a_note(td_copy):
     assert len(td.notes) == 1 and "common.pt ignored" in td.notes[0]
 
 
-def test_common_pt_changed_after_the_save_is_damage(td_copy):
+def test_common_pt_changed_after_the_save_is_damage(td_copy, capsys):
     """shardkit.json records common.pt's SHA-256: a flipped byte in its pickled args (a layernorm_epsilon of another
-    model, still a valid pickle) is one line naming the file, in the reader and in `shardkit verify`."""
+    model, still a valid pickle) is one line naming the file, in the reader and in `shardkit verify` (whose --json
+    still prints a verdict for a script: it printed nothing)."""
     from shardkit.cli import main
 
     raw = bytearray((td_copy / "common.pt").read_bytes())
@@ -383,6 +384,11 @@ def test_common_pt_changed_after_the_save_is_damage(td_copy):
     msg = _one_line(e)
     assert msg.startswith(f"{td_copy / 'common.pt'}: its SHA-256 is not the one shardkit.json recorded"), msg
     assert main(["verify", str(td_copy.parent)]) == 1
+    capsys.readouterr()
+    assert main(["verify", str(td_copy.parent), "--json"]) == 1
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert got["ok"] is False and got["error"] == msg and err.strip() == f"shardkit: error: {msg}", (got, err)
 
 
 def _plain(x):

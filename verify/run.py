@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from checkpoint.errors import ShardkitError
 from checkpoint.opened import NativeCheckpoint, OpenedCheckpoint, TorchDistOpened, open_checkpoint
 from checkpoint.progress import json_text, progress_bar
 
@@ -52,7 +53,20 @@ def verify_checkpoint(path: str | Path, *, against: str | None = None, hf_config
                       streaming: bool = False, memory_budget: int | None = None, all_experts: bool = False,
                       quiet: bool = False, as_json: bool = False) -> int:
     """`verify`: the report on stdout (or the result as JSON), one `shardkit: error:` line on stderr and exit
-    status 1 where the checkpoint fails, else 0."""
+    status 1 where the checkpoint fails, else 0. With `as_json` a checkpoint too damaged to report on (a
+    ShardkitError: its line on stderr as ever) still prints a JSON object, {"path", "ok": false, "error"}: a script
+    reading stdout gets a verdict either way."""
+    try:
+        return _verify_checkpoint(path, against, hf_config, vocab_size, seq_length, tolerance, streaming,
+                                  memory_budget, all_experts, quiet, as_json)
+    except ShardkitError as e:
+        if as_json:
+            print(json_text({"path": str(path), "ok": False, "error": str(e)}))
+        raise
+
+
+def _verify_checkpoint(path, against, hf_config, vocab_size, seq_length, tolerance, streaming, memory_budget,
+                       all_experts, quiet, as_json) -> int:
     ck = open_checkpoint(path, hf_config, vocab_size)
     show = not (quiet or as_json)
     result = integrity(ck, show)
