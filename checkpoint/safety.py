@@ -224,6 +224,25 @@ def open_input(path: str | Path, what: str | None = None) -> int:
     return fd
 
 
+def sha256_file(path: str | Path, what: str | None = None) -> str:
+    """The SHA-256 (hex) of the regular file `path`, read 1 MiB at a time (a FIFO or device: one FormatError naming
+    it): integrity.json's digests and shardkit.json's record of common.pt."""
+    import hashlib
+
+    label = f"{what}: " if what and what != str(path) else ""
+    fd = open_input(path, what)
+    h = hashlib.sha256()
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        raise FormatError(f"{label}{path}: unreadable ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
 def read_input(path: str | Path, what: str | None = None, limit: int = JSON_MAX, text: bool = True) -> str | bytes:
     """The bytes (or UTF-8 text) of the regular input file `path`, at most `limit` bytes: a FIFO, device or
     directory, or a larger file, is one FormatError naming it."""

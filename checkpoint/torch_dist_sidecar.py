@@ -14,7 +14,7 @@ from .config import ModelConfig
 from .errors import ConfigError, FormatError, LayoutError
 from .layout import Layout
 from .megatron import KEY_NAMINGS
-from .safety import read_input, safe_path
+from .safety import read_input, safe_path, sha256_file
 from .torch_dist_pickle import DCP_METADATA, _load_metadata_light
 
 # shardkit's own files beside Megatron's in an iteration it exported (Megatron-LM and megatron-core read only the
@@ -56,10 +56,7 @@ SIDECAR_FILES = ("common.pt",)  # small files beside the items whose SHA-256 sha
 
 
 def _file_digest(path: Path) -> str:
-    import hashlib
-
-    # a regular file of bounded size only (a FIFO there would block: one line naming it)
-    return "sha256:" + hashlib.sha256(read_input(path, limit=1 << 30, text=False)).hexdigest()
+    return "sha256:" + sha256_file(path)  # (a regular file only: a FIFO there is one line naming it)
 
 
 def check_files(iter_dir: Path, sidecar: dict | None) -> None:
@@ -68,11 +65,7 @@ def check_files(iter_dir: Path, sidecar: dict | None) -> None:
     naming the file."""
     for name, want in ((sidecar or {}).get("files") or {}).items():
         path = Path(iter_dir) / name
-        try:
-            got = _file_digest(path)
-        except OSError as e:
-            raise FormatError(f"{path}: recorded in {SIDECAR} but cannot be read ({e.strerror or e}); the checkpoint is "
-                              "damaged") from None
+        got = _file_digest(path)  # (missing or unreadable: one FormatError naming it)
         if got != want:
             raise FormatError(f"{path}: its SHA-256 is not the one {SIDECAR} recorded ({got[7:19]}..., recorded "
                               f"{want[7:19]}...): the file was changed after the save; the checkpoint is damaged")

@@ -27,6 +27,7 @@ from . import chunkio, store
 from .commit import done_logs, write_file_atomic
 from .errors import FormatError, WriteError
 from .megatron import DEFAULT_MEGATRON_VERSION, MegatronEnum, TorchDtype, check_megatron_version
+from .safety import sha256_file
 from .torch_dist import BACKEND, COMMON_ITEM, COMMON_PT, DCP_VERSION, METADATA_JSON
 from .torch_dist_pickle import DCP_METADATA, _CRC32, _STORAGE_TYPES, _dcp_fs, _dcp_md, _dtype_str
 
@@ -500,7 +501,6 @@ _ARGS_PICKLE.Pickler = _ArgsPickler
 # megatron-core >= 0.17's metadata.json names no common backend (there is no common.pt)
 BACKEND_NEWEST = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 INTEGRITY = "integrity.json"  # megatron-core 0.19's manifest for dist_checkpointing.load(verify_integrity=True)
-_HASH_CHUNK = 1 << 20
 
 
 def write_common(directory: Path, common: dict, meta: "DCPWriter | None" = None,
@@ -526,16 +526,6 @@ def write_common(directory: Path, common: dict, meta: "DCPWriter | None" = None,
     write_file_atomic(directory / METADATA_JSON, json.dumps(backend))
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_integrity(directory: Path) -> None:
     """integrity.json, as megatron-core 0.19's save_integrity_manifest writes it and its
     `dist_checkpointing.load(..., verify_integrity=True)` (Megatron-LM's --verify-integrity) checks it: the SHA-256 of
@@ -547,7 +537,7 @@ def write_integrity(directory: Path) -> None:
     names = sorted(e.name for e in os.scandir(directory) if e.is_file(follow_symlinks=False)
                    and e.name not in transient)
     with ThreadPoolExecutor(min(8, max(1, len(names))), thread_name_prefix="shardkit-sha256") as pool:
-        digests = list(pool.map(lambda n: _sha256(directory / n), names))
+        digests = list(pool.map(lambda n: sha256_file(directory / n), names))
     write_file_atomic(directory / INTEGRITY, json.dumps({"algorithm": "sha256", "files": dict(zip(names, digests))},
                                                         indent=2))
 

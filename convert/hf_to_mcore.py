@@ -418,13 +418,16 @@ def verify_conversion(path: str | Path, hf_dir: str | Path, memory_budget: str |
         if withdraw:  # a proof that cannot be made commits nothing either
             raise ShardkitError(f"{e}; {_withdraw(Path(path))}") from None
         raise
+    except BaseException:  # Ctrl-C while it proves (the rerun the interrupted line asks for converts again), or a
+        if withdraw:  # fault of ours: nothing unproven is left committed
+            _withdraw(Path(path))
+        raise
     if "skipped" in p:
-        instead = p.get("instead", f"`shardkit verify {path}` checks every chunk and value")
-        print(f"verify: skipped ({p['skipped']}); {instead}")
+        print(f"verify: skipped ({p['skipped']}); {p['instead']}")
         return 0
-    where = ""
-    if first_beyond(p) is not None:
-        where = f"; {first_beyond(p)} is the first to differ (on HF's own input of that layer)"
+    where, first = "", first_beyond(p)
+    if first is not None:
+        where = f"; {first} is the first to differ (on HF's own input of that layer)"
     elif p.get("weights_differ") and p["max_abs_diff"] <= p["tolerance"]:
         where = f"; {p['weights_differ']}"  # the logits agree, a weight compared directly does not (issue 34)
     # the verdict is the result, like the "wrote" line (--quiet drops the bars only)

@@ -698,16 +698,9 @@ def _dispatch_local(args: argparse.Namespace) -> int:
             return 0
         from convert.hf_to_mcore import verify_conversion
 
-        try:
-            return verify_conversion(path, args.hf_dir, memory_budget=args.memory_budget,
-                                     quiet=args.quiet, asked=bool(args.verify), allow_nonfinite=args.allow_nonfinite,
-                                     withdraw=True, process=proof)  # a failed proof commits nothing (issue 34)
-        except BaseException as e:  # Ctrl-C during the proof: nothing committed either, as for a failed proof or a
-            if not isinstance(e, ShardkitError) and _interrupted(e):  # proof process that died (the rerun the
-                from convert.hf_to_mcore import _withdraw  # interrupted line asks for then converts again)
-
-                _withdraw(Path(path))
-            raise
+        return verify_conversion(path, args.hf_dir, memory_budget=args.memory_budget,
+                                 quiet=args.quiet, asked=bool(args.verify), allow_nonfinite=args.allow_nonfinite,
+                                 withdraw=True, process=proof)  # a failed or interrupted proof commits nothing
     if args.cmd == "convert" and args.direction == "mcore-to-hf":
         from convert.mcore_to_hf import convert_mcore_to_hf
 

@@ -204,7 +204,7 @@ def test_a_skipped_proof_stops_the_chunk_check(tmp_path, monkeypatch, capsys):
     real = chunkio.map_chunk
     monkeypatch.setattr(chunkio, "map_chunk", lambda *a, **k: mapped.append(a[0]) or real(*a, **k))
     child = SimpleNamespace(send=lambda *_, **__: None, ready=lambda: True, close=lambda: None,
-                            result=lambda: {"skipped": "--allow-nonfinite"})
+                            result=lambda: {"skipped": "--allow-nonfinite", "instead": "..."})
     assert verify_conversion(path, hf_dir, quiet=True, process=child, allow_nonfinite=True, asked=False) == 0
     assert "verify: skipped" in capsys.readouterr().out
     assert len(mapped) == 1, mapped

@@ -56,26 +56,20 @@ def verify_checkpoint(path: str | Path, *, against: str | None = None, hf_config
     status 1 where the checkpoint fails, else 0. With `as_json` a checkpoint too damaged to report on (a
     ShardkitError: its line on stderr as ever) still prints a JSON object, {"path", "ok": false, "error"}: a script
     reading stdout gets a verdict either way."""
+    show = not (quiet or as_json)
     try:
-        return _verify_checkpoint(path, against, hf_config, vocab_size, seq_length, tolerance, streaming,
-                                  memory_budget, all_experts, quiet, as_json)
+        ck = open_checkpoint(path, hf_config, vocab_size)
+        result = integrity(ck, show)
+        keys_ok = result.get("keys_ok", True)  # (torch_dist) the logits need every tensor where the model has it
+        ok = keys_ok and not result["nonfinite"]
+        if against and keys_ok:
+            result["parity"] = compare(ck, against, seq_length=seq_length, tolerance=tolerance, streaming=streaming,
+                                       memory_budget=memory_budget, all_experts=all_experts, show_progress=show)
+            ok = ok and result["parity"]["ok"]
     except ShardkitError as e:
         if as_json:
             print(json_text({"path": str(path), "ok": False, "error": str(e)}))
         raise
-
-
-def _verify_checkpoint(path, against, hf_config, vocab_size, seq_length, tolerance, streaming, memory_budget,
-                       all_experts, quiet, as_json) -> int:
-    ck = open_checkpoint(path, hf_config, vocab_size)
-    show = not (quiet or as_json)
-    result = integrity(ck, show)
-    keys_ok = result.get("keys_ok", True)  # (torch_dist) the logits need every tensor where the model has it
-    ok = keys_ok and not result["nonfinite"]
-    if against and keys_ok:
-        result["parity"] = compare(ck, against, seq_length=seq_length, tolerance=tolerance, streaming=streaming,
-                                   memory_budget=memory_budget, all_experts=all_experts, show_progress=show)
-        ok = ok and result["parity"]["ok"]
     result["ok"] = ok
     if as_json:
         print(json_text(result))

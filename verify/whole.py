@@ -41,9 +41,10 @@ def logit_parity(cfg: ModelConfig, tensors: Mapping[str, Tensor], hf_dir: str | 
     hf = load_quietly(lambda: transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation=HF_ATTN_IMPLEMENTATION, trust_remote_code=False), hf_dir)
     hf.eval()
-    with torch.no_grad():
-        for t in hf.state_dict().values():  # the weights and persistent buffers the HF files hold, in place
-            t.copy_(as_stored(t, stored))
+    if stored is not None:
+        with torch.no_grad():
+            for t in hf.state_dict().values():  # the weights and persistent buffers the HF files hold, in place
+                t.copy_(as_stored(t, stored))
 
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=generator)

@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from checkpoint.safety import sha256_file
+
 from .errors import DataError
 
 if TYPE_CHECKING:
@@ -63,11 +65,7 @@ def tokenizer_record(tokenizer_dir: str | os.PathLike, tok) -> dict:
     for name in sorted(names):
         f = path / name
         if f.is_file():
-            h = hashlib.sha256()
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-            files[name] = h.hexdigest()
+            files[name] = sha256_file(f)
     return {"path": str(path.resolve()), "name": getattr(tok, "name_or_path", None) or path.name,
             "class": type(tok).__name__, "vocab_size": len(tok), "files_sha256": files}
 
